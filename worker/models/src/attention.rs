@@ -1,0 +1,196 @@
+//! Spatial transformer of the UNet: `Transformer2DModel` (GroupNorm, proj_in, `BasicTransformerBlock`s,
+//! proj_out, residual) with self- and cross-attention and a GEGLU feed-forward. After diffusers
+//! `models/transformers/transformer_2d.py`, `models/attention.py`, `models/attention_processor.py`
+//! (Apache-2.0); keys `norm`, `proj_in`, `transformer_blocks.N.{norm1,attn1,norm2,attn2,norm3,ff}`,
+//! `proj_out`.
+
+use tch::Tensor;
+
+use crate::error::LoadError;
+use crate::nn::{AttentionImpl, Conv2d, GroupNorm, LayerNorm, Linear, attention};
+use crate::weights::Weights;
+
+/// diffusers `Attention` as used by `BasicTransformerBlock`: bias-free q/k/v, `to_out.0` with bias.
+#[derive(Debug)]
+pub struct CrossAttention {
+    to_q: Linear,
+    to_k: Linear,
+    to_v: Linear,
+    to_out: Linear,
+    heads: i64,
+    head_dim: i64,
+}
+
+impl CrossAttention {
+    pub fn new(
+        w: &Weights,
+        query_dim: i64,
+        context_dim: i64,
+        heads: i64,
+        head_dim: i64,
+    ) -> Result<Self, LoadError> {
+        let inner = heads * head_dim;
+        Ok(Self {
+            to_q: Linear::new(&w.pp("to_q"), query_dim, inner, false)?,
+            to_k: Linear::new(&w.pp("to_k"), context_dim, inner, false)?,
+            to_v: Linear::new(&w.pp("to_v"), context_dim, inner, false)?,
+            to_out: Linear::new(&w.pp("to_out.0"), inner, query_dim, true)?,
+            heads,
+            head_dim,
+        })
+    }
+
+    /// `x` `[B, Lq, Dq]`, `context` `[B, Lk, Dk]` (or `x` itself for self-attention).
+    pub fn forward(&self, x: &Tensor, context: Option<&Tensor>, imp: AttentionImpl) -> Tensor {
+        let ctx = context.unwrap_or(x);
+        let (b, lq, _) = x.size3().expect("attention input is [B, L, D]");
+        let lk = ctx.size()[1];
+        let split = |t: Tensor, l: i64| t.view([b, l, self.heads, self.head_dim]).transpose(1, 2);
+        let q = split(self.to_q.forward(x), lq);
+        let k = split(self.to_k.forward(ctx), lk);
+        let v = split(self.to_v.forward(ctx), lk);
+        let scale = 1.0 / (self.head_dim as f64).sqrt();
+        let o = attention(&q, &k, &v, None, scale, imp);
+        self.to_out.forward(
+            &o.transpose(1, 2)
+                .contiguous()
+                .view([b, lq, self.heads * self.head_dim]),
+        )
+    }
+}
+
+/// `FeedForward(activation_fn="geglu")`: `net.0.proj` to 2x inner, `h * gelu(gate)`, `net.2`.
+#[derive(Debug)]
+struct FeedForward {
+    proj: Linear,
+    out: Linear,
+}
+
+impl FeedForward {
+    fn new(w: &Weights, dim: i64) -> Result<Self, LoadError> {
+        let inner = 4 * dim;
+        Ok(Self {
+            proj: Linear::new(&w.pp("net.0.proj"), dim, 2 * inner, true)?,
+            out: Linear::new(&w.pp("net.2"), inner, dim, true)?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let h = self.proj.forward(x).chunk(2, -1);
+        self.out.forward(&(&h[0] * h[1].gelu("none")))
+    }
+}
+
+/// `BasicTransformerBlock` (layer_norm, self-attn, cross-attn, GEGLU feed-forward).
+#[derive(Debug)]
+struct BasicTransformerBlock {
+    norm1: LayerNorm,
+    attn1: CrossAttention,
+    norm2: LayerNorm,
+    attn2: CrossAttention,
+    norm3: LayerNorm,
+    ff: FeedForward,
+}
+
+impl BasicTransformerBlock {
+    fn new(w: &Weights, dim: i64, heads: i64, context_dim: i64) -> Result<Self, LoadError> {
+        let head_dim = dim / heads;
+        Ok(Self {
+            norm1: LayerNorm::new(&w.pp("norm1"), dim, 1e-5)?,
+            attn1: CrossAttention::new(&w.pp("attn1"), dim, dim, heads, head_dim)?,
+            norm2: LayerNorm::new(&w.pp("norm2"), dim, 1e-5)?,
+            attn2: CrossAttention::new(&w.pp("attn2"), dim, context_dim, heads, head_dim)?,
+            norm3: LayerNorm::new(&w.pp("norm3"), dim, 1e-5)?,
+            ff: FeedForward::new(&w.pp("ff"), dim)?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor, context: &Tensor, imp: AttentionImpl) -> Tensor {
+        let x = x + self.attn1.forward(&self.norm1.forward(x), None, imp);
+        let x = &x + self.attn2.forward(&self.norm2.forward(&x), Some(context), imp);
+        &x + self.ff.forward(&self.norm3.forward(&x))
+    }
+}
+
+/// proj_in / proj_out: Linear for SDXL (`use_linear_projection`), 1x1 conv for SD1.x-style configs.
+#[derive(Debug)]
+enum Proj {
+    Linear(Linear),
+    Conv(Conv2d),
+}
+
+/// `Transformer2DModel` in its continuous-input form.
+#[derive(Debug)]
+pub struct Transformer2DModel {
+    norm: GroupNorm,
+    proj_in: Proj,
+    transformer_blocks: Vec<BasicTransformerBlock>,
+    proj_out: Proj,
+    attention: AttentionImpl,
+}
+
+/// Sizes of one spatial transformer.
+#[derive(Debug, Clone, Copy)]
+pub struct Transformer2DConfig {
+    pub channels: i64,
+    pub heads: i64,
+    pub layers: i64,
+    pub context_dim: i64,
+    pub groups: i64,
+    pub use_linear_projection: bool,
+}
+
+impl Transformer2DModel {
+    pub fn new(
+        w: &Weights,
+        c: Transformer2DConfig,
+        attention: AttentionImpl,
+    ) -> Result<Self, LoadError> {
+        let ch = c.channels;
+        let proj = |name: &str| -> Result<Proj, LoadError> {
+            Ok(if c.use_linear_projection {
+                Proj::Linear(Linear::new(&w.pp(name), ch, ch, true)?)
+            } else {
+                Proj::Conv(Conv2d::new(&w.pp(name), ch, ch, 1, 1, 0)?)
+            })
+        };
+        Ok(Self {
+            norm: GroupNorm::new(&w.pp("norm"), c.groups, ch, 1e-6)?,
+            proj_in: proj("proj_in")?,
+            transformer_blocks: (0..c.layers)
+                .map(|i| {
+                    BasicTransformerBlock::new(
+                        &w.pp("transformer_blocks").pp(i),
+                        ch,
+                        c.heads,
+                        c.context_dim,
+                    )
+                })
+                .collect::<Result<_, _>>()?,
+            proj_out: proj("proj_out")?,
+            attention,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor, context: &Tensor) -> Tensor {
+        let (b, c, h, w) = x.size4().expect("Transformer2DModel input is [B, C, H, W]");
+        let normed = self.norm.forward(x);
+        let to_seq = |t: &Tensor| t.permute([0, 2, 3, 1]).reshape([b, h * w, c]);
+        let mut s = match &self.proj_in {
+            Proj::Linear(l) => l.forward(&to_seq(&normed)),
+            Proj::Conv(conv) => to_seq(&conv.forward(&normed)),
+        };
+        for block in &self.transformer_blocks {
+            s = block.forward(&s, context, self.attention);
+        }
+        let out = match &self.proj_out {
+            Proj::Linear(l) => l
+                .forward(&s)
+                .reshape([b, h, w, c])
+                .permute([0, 3, 1, 2])
+                .contiguous(),
+            Proj::Conv(conv) => conv.forward(&s.reshape([b, h, w, c]).permute([0, 3, 1, 2])),
+        };
+        out + x
+    }
+}

@@ -1,0 +1,72 @@
+//! Typed errors of the model crate: what a caller (the worker) branches on.
+//!
+//! Loading errors always name the tensor and the file they concern, so that an operator can tell a
+//! truncated download from a checkpoint of the wrong architecture.
+
+use std::path::PathBuf;
+
+/// Why weights could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("cannot open {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path} is not a safetensors file: {reason}")]
+    BadHeader { path: PathBuf, reason: String },
+    #[error(
+        "{path} is truncated: tensor `{tensor}` needs bytes {start}..{end} of the data section but the file only holds {available}"
+    )]
+    Truncated {
+        path: PathBuf,
+        tensor: String,
+        start: usize,
+        end: usize,
+        available: usize,
+    },
+    #[error("tensor `{tensor}` is missing from {path}")]
+    Missing { path: PathBuf, tensor: String },
+    #[error("tensor `{tensor}` in {path} has shape {found:?}, expected {expected:?}")]
+    Shape {
+        path: PathBuf,
+        tensor: String,
+        expected: Vec<i64>,
+        found: Vec<i64>,
+    },
+    #[error("tensor `{tensor}` in {path} has unsupported dtype {dtype}")]
+    Dtype {
+        path: PathBuf,
+        tensor: String,
+        dtype: String,
+    },
+    #[error("{path}: {reason}")]
+    Config { path: PathBuf, reason: String },
+    #[error("{path}: {reason}")]
+    Format { path: PathBuf, reason: String },
+    #[error("torch error while loading `{tensor}` from {path}: {source}")]
+    Torch {
+        path: PathBuf,
+        tensor: String,
+        #[source]
+        source: tch::TchError,
+    },
+}
+
+/// Why a generation request failed.
+#[derive(Debug, thiserror::Error)]
+pub enum GenerateError {
+    /// The cancel callback returned true between two denoising steps.
+    #[error("generation cancelled")]
+    Cancelled,
+    /// The request is outside what the model can do (sizes, steps, prompt).
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+    /// The tokenizer rejected the prompt.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    /// libtorch failed (out of memory, device error).
+    #[error("torch: {0}")]
+    Torch(#[from] tch::TchError),
+}

@@ -1,0 +1,110 @@
+//! `ResnetBlock2D`, `Downsample2D` and `Upsample2D` shared by the UNet and the VAE, after diffusers
+//! `models/resnet.py`, `models/downsampling.py`, `models/upsampling.py` (Apache-2.0).
+
+use tch::Tensor;
+
+use crate::error::LoadError;
+use crate::nn::{Conv2d, GroupNorm, Linear};
+use crate::weights::Weights;
+
+/// `ResnetBlock2D` with `time_embedding_norm="default"` and `output_scale_factor=1`.
+#[derive(Debug)]
+pub struct ResnetBlock2D {
+    norm1: GroupNorm,
+    conv1: Conv2d,
+    time_emb_proj: Option<Linear>,
+    norm2: GroupNorm,
+    conv2: Conv2d,
+    conv_shortcut: Option<Conv2d>,
+}
+
+impl ResnetBlock2D {
+    /// `temb_channels = None` for the VAE.
+    pub fn new(
+        w: &Weights,
+        in_ch: i64,
+        out_ch: i64,
+        temb_channels: Option<i64>,
+        groups: i64,
+        eps: f64,
+    ) -> Result<Self, LoadError> {
+        Ok(Self {
+            norm1: GroupNorm::new(&w.pp("norm1"), groups, in_ch, eps)?,
+            conv1: Conv2d::new(&w.pp("conv1"), in_ch, out_ch, 3, 1, 1)?,
+            time_emb_proj: match temb_channels {
+                Some(t) => Some(Linear::new(&w.pp("time_emb_proj"), t, out_ch, true)?),
+                None => None,
+            },
+            norm2: GroupNorm::new(&w.pp("norm2"), groups, out_ch, eps)?,
+            conv2: Conv2d::new(&w.pp("conv2"), out_ch, out_ch, 3, 1, 1)?,
+            conv_shortcut: if in_ch != out_ch {
+                Some(Conv2d::new(&w.pp("conv_shortcut"), in_ch, out_ch, 1, 1, 0)?)
+            } else {
+                None
+            },
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor, temb: Option<&Tensor>) -> Tensor {
+        let mut h = self.conv1.forward(&self.norm1.forward(x).silu());
+        if let (Some(proj), Some(temb)) = (&self.time_emb_proj, temb) {
+            h += proj.forward(&temb.silu()).unsqueeze(-1).unsqueeze(-1);
+        }
+        let h = self.conv2.forward(&self.norm2.forward(&h).silu());
+        match &self.conv_shortcut {
+            Some(s) => s.forward(x) + h,
+            None => x + h,
+        }
+    }
+}
+
+/// `Downsample2D(use_conv=True)`: a stride-2 3x3 conv. The VAE variant (`padding=0`) pads
+/// right/bottom by one first.
+#[derive(Debug)]
+pub struct Downsample2D {
+    conv: Conv2d,
+    asymmetric_pad: bool,
+}
+
+impl Downsample2D {
+    pub fn new(w: &Weights, channels: i64, padding: i64) -> Result<Self, LoadError> {
+        Ok(Self {
+            conv: Conv2d::new(&w.pp("conv"), channels, channels, 3, 2, padding)?,
+            asymmetric_pad: padding == 0,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Tensor {
+        if self.asymmetric_pad {
+            self.conv.forward(&x.constant_pad_nd([0, 1, 0, 1]))
+        } else {
+            self.conv.forward(x)
+        }
+    }
+}
+
+/// `Upsample2D(use_conv=True)`: nearest x2 (or to an explicit size), then a 3x3 conv.
+#[derive(Debug)]
+pub struct Upsample2D {
+    conv: Conv2d,
+}
+
+impl Upsample2D {
+    pub fn new(w: &Weights, channels: i64) -> Result<Self, LoadError> {
+        Ok(Self {
+            conv: Conv2d::new(&w.pp("conv"), channels, channels, 3, 1, 1)?,
+        })
+    }
+
+    /// `size = None` doubles both sides; `Some([h, w])` matches a skip connection of odd size.
+    pub fn forward(&self, x: &Tensor, size: Option<[i64; 2]>) -> Tensor {
+        let (_, _, h, w) = x.size4().expect("Upsample2D input is [B, C, H, W]");
+        let out = size.unwrap_or([2 * h, 2 * w]);
+        let up = if out == [2 * h, 2 * w] {
+            x.upsample_nearest2d(out, Some(2.0), Some(2.0))
+        } else {
+            x.upsample_nearest2d(out, None, None)
+        };
+        self.conv.forward(&up)
+    }
+}

@@ -1,0 +1,319 @@
+//! The SDXL UNet: diffusers `UNet2DConditionModel` with `addition_embed_type = "text_time"`
+//! (pooled text embedding + Fourier features of the six size/crop ids added to the time embedding),
+//! linear or conv proj_in/proj_out and any `transformer_layers_per_block` per block.
+//!
+//! After diffusers `models/unets/unet_2d_condition.py` (Apache-2.0); key names are diffusers'
+//! (`conv_in`, `time_embedding`, `add_embedding`, `down_blocks`, `mid_block`, `up_blocks`,
+//! `conv_norm_out`, `conv_out`). The ldm single-file names are mapped onto these by `ldm.rs`.
+
+use tch::{Kind, Tensor};
+
+use crate::embeddings::{TimestepEmbedding, timestep_features};
+use crate::error::LoadError;
+use crate::nn::{AttentionImpl, Conv2d, GroupNorm};
+use crate::unet_blocks::{BlockAttention, BlockCommon, DownBlock, MidBlock, UpBlock};
+use crate::weights::Weights;
+
+/// `UNet2DConditionModel` config fields SDXL uses. `attention_heads` is diffusers'
+/// `num_attention_heads or attention_head_dim` (the latter is a legacy misnomer for the head count).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct UNetConfig {
+    pub in_channels: i64,
+    pub out_channels: i64,
+    pub block_out_channels: Vec<i64>,
+    pub layers_per_block: i64,
+    /// Per down block: whether it is a `CrossAttnDownBlock2D`. Up blocks mirror it.
+    pub cross_attention: Vec<bool>,
+    pub attention_heads: Vec<i64>,
+    pub transformer_layers_per_block: Vec<i64>,
+    pub cross_attention_dim: i64,
+    pub addition_time_embed_dim: i64,
+    pub projection_class_embeddings_input_dim: i64,
+    pub norm_num_groups: i64,
+    pub norm_eps: f64,
+    pub use_linear_projection: bool,
+    pub flip_sin_to_cos: bool,
+    pub freq_shift: f64,
+    pub sample_size: i64,
+}
+
+impl UNetConfig {
+    /// SDXL base 1.0 `unet/config.json` (stabilityai/stable-diffusion-xl-base-1.0; values also in
+    /// diffusers `create_unet_diffusers_config_from_ldm`).
+    pub fn sdxl_base() -> Self {
+        Self {
+            in_channels: 4,
+            out_channels: 4,
+            block_out_channels: vec![320, 640, 1280],
+            layers_per_block: 2,
+            cross_attention: vec![false, true, true],
+            attention_heads: vec![5, 10, 20],
+            transformer_layers_per_block: vec![1, 2, 10],
+            cross_attention_dim: 2048,
+            addition_time_embed_dim: 256,
+            projection_class_embeddings_input_dim: 2816,
+            norm_num_groups: 32,
+            norm_eps: 1e-5,
+            use_linear_projection: true,
+            flip_sin_to_cos: true,
+            freq_shift: 0.0,
+            sample_size: 128,
+        }
+    }
+
+    /// diffusers `tests/pipelines/stable_diffusion_xl/test_stable_diffusion_xl.py::get_dummy_components`.
+    pub fn tiny() -> Self {
+        Self {
+            in_channels: 4,
+            out_channels: 4,
+            block_out_channels: vec![2, 4],
+            layers_per_block: 2,
+            cross_attention: vec![false, true],
+            attention_heads: vec![2, 4],
+            transformer_layers_per_block: vec![1, 2],
+            cross_attention_dim: 64,
+            addition_time_embed_dim: 8,
+            projection_class_embeddings_input_dim: 80,
+            norm_num_groups: 1,
+            norm_eps: 1e-5,
+            use_linear_projection: true,
+            flip_sin_to_cos: true,
+            freq_shift: 0.0,
+            sample_size: 32,
+        }
+    }
+
+    /// Parses a diffusers `unet/config.json`.
+    pub fn from_json(text: &str) -> Result<Self, String> {
+        let v: serde_json::Value = serde_json::from_str(text).map_err(|e| e.to_string())?;
+        let n_blocks = v
+            .get("block_out_channels")
+            .and_then(|b| b.as_array())
+            .map(Vec::len)
+            .ok_or("missing `block_out_channels`")?;
+        let int = |k: &str| {
+            v.get(k)
+                .and_then(serde_json::Value::as_i64)
+                .ok_or_else(|| format!("missing integer `{k}`"))
+        };
+        // An int or a per-block list.
+        let per_block = |k: &str| -> Result<Option<Vec<i64>>, String> {
+            match v.get(k) {
+                None | Some(serde_json::Value::Null) => Ok(None),
+                Some(serde_json::Value::Number(n)) => {
+                    let n = n.as_i64().ok_or_else(|| format!("`{k}` is not an integer"))?;
+                    Ok(Some(vec![n; n_blocks]))
+                }
+                Some(serde_json::Value::Array(a)) => a
+                    .iter()
+                    .map(|x| x.as_i64().ok_or_else(|| format!("`{k}` has a non-integer")))
+                    .collect::<Result<Vec<_>, _>>()
+                    .map(Some),
+                Some(_) => Err(format!("`{k}` is neither an integer nor a list")),
+            }
+        };
+        if v.get("addition_embed_type").and_then(|a| a.as_str()) != Some("text_time") {
+            return Err("only addition_embed_type = \"text_time\" (SDXL) is supported".into());
+        }
+        let down: Vec<String> = serde_json::from_value(
+            v.get("down_block_types")
+                .cloned()
+                .ok_or("missing `down_block_types`")?,
+        )
+        .map_err(|e| e.to_string())?;
+        let layers = per_block("layers_per_block")?.ok_or("missing `layers_per_block`")?;
+        if layers.iter().any(|&l| l != layers[0]) {
+            return Err("per-block layers_per_block is not supported".into());
+        }
+        let heads = match per_block("num_attention_heads")? {
+            Some(h) => h,
+            None => per_block("attention_head_dim")?.ok_or("missing `attention_head_dim`")?,
+        };
+        Ok(Self {
+            in_channels: int("in_channels")?,
+            out_channels: int("out_channels")?,
+            block_out_channels: per_block("block_out_channels")?.unwrap_or_default(),
+            layers_per_block: layers[0],
+            cross_attention: down.iter().map(|t| t.starts_with("CrossAttn")).collect(),
+            attention_heads: heads,
+            transformer_layers_per_block: per_block("transformer_layers_per_block")?
+                .unwrap_or(vec![1; n_blocks]),
+            cross_attention_dim: int("cross_attention_dim")?,
+            addition_time_embed_dim: int("addition_time_embed_dim")?,
+            projection_class_embeddings_input_dim: int("projection_class_embeddings_input_dim")?,
+            norm_num_groups: int("norm_num_groups").unwrap_or(32),
+            norm_eps: v.get("norm_eps").and_then(|x| x.as_f64()).unwrap_or(1e-5),
+            use_linear_projection: v
+                .get("use_linear_projection")
+                .and_then(|x| x.as_bool())
+                .unwrap_or(false),
+            flip_sin_to_cos: v
+                .get("flip_sin_to_cos")
+                .and_then(|x| x.as_bool())
+                .unwrap_or(true),
+            freq_shift: v.get("freq_shift").and_then(|x| x.as_f64()).unwrap_or(0.0),
+            sample_size: int("sample_size").unwrap_or(128),
+        })
+    }
+
+    /// `time_embed_dim = block_out_channels[0] * 4`.
+    pub fn time_embed_dim(&self) -> i64 {
+        self.block_out_channels[0] * 4
+    }
+}
+
+/// Extra SDXL conditioning: pooled text embedding and the six size/crop ids per sample.
+#[derive(Debug)]
+pub struct AddedCond<'a> {
+    /// `[B, pooled_dim]`.
+    pub text_embeds: &'a Tensor,
+    /// `[B, 6]`: original (h, w), crop top-left (y, x), target (h, w).
+    pub time_ids: &'a Tensor,
+}
+
+/// `UNet2DConditionModel` for SDXL.
+#[derive(Debug)]
+pub struct UNet2DConditionModel {
+    conv_in: Conv2d,
+    time_embedding: TimestepEmbedding,
+    add_embedding: TimestepEmbedding,
+    down_blocks: Vec<DownBlock>,
+    mid_block: MidBlock,
+    up_blocks: Vec<UpBlock>,
+    conv_norm_out: GroupNorm,
+    conv_out: Conv2d,
+    config: UNetConfig,
+}
+
+impl UNet2DConditionModel {
+    pub fn new(w: &Weights, c: &UNetConfig, imp: AttentionImpl) -> Result<Self, LoadError> {
+        let boc = &c.block_out_channels;
+        let n = boc.len();
+        let ted = c.time_embed_dim();
+        let common = BlockCommon {
+            temb_channels: ted,
+            groups: c.norm_num_groups,
+            eps: c.norm_eps,
+            context_dim: c.cross_attention_dim,
+            use_linear_projection: c.use_linear_projection,
+        };
+        let attn_of = |i: usize, cross: bool| {
+            cross.then(|| BlockAttention {
+                heads: c.attention_heads[i],
+                layers: c.transformer_layers_per_block[i],
+            })
+        };
+        let mut down_blocks = Vec::with_capacity(n);
+        let mut out_ch = boc[0];
+        for i in 0..n {
+            let in_ch = out_ch;
+            out_ch = boc[i];
+            down_blocks.push(DownBlock::new(
+                &w.pp("down_blocks").pp(i),
+                &common,
+                in_ch,
+                out_ch,
+                c.layers_per_block,
+                attn_of(i, c.cross_attention[i]),
+                i + 1 < n,
+                imp,
+            )?);
+        }
+        let mid_block = MidBlock::new(
+            &w.pp("mid_block"),
+            &common,
+            boc[n - 1],
+            BlockAttention {
+                heads: c.attention_heads[n - 1],
+                layers: c.transformer_layers_per_block[n - 1],
+            },
+            imp,
+        )?;
+        let mut up_blocks = Vec::with_capacity(n);
+        let rev: Vec<i64> = boc.iter().rev().copied().collect();
+        let mut out_ch = rev[0];
+        for i in 0..n {
+            let prev = out_ch;
+            out_ch = rev[i];
+            let in_ch = rev[(i + 1).min(n - 1)];
+            let src = n - 1 - i;
+            up_blocks.push(UpBlock::new(
+                &w.pp("up_blocks").pp(i),
+                &common,
+                in_ch,
+                prev,
+                out_ch,
+                c.layers_per_block + 1,
+                attn_of(src, c.cross_attention[src]),
+                i + 1 < n,
+                imp,
+            )?);
+        }
+        Ok(Self {
+            conv_in: Conv2d::new(&w.pp("conv_in"), c.in_channels, boc[0], 3, 1, 1)?,
+            time_embedding: TimestepEmbedding::new(&w.pp("time_embedding"), boc[0], ted)?,
+            add_embedding: TimestepEmbedding::new(
+                &w.pp("add_embedding"),
+                c.projection_class_embeddings_input_dim,
+                ted,
+            )?,
+            down_blocks,
+            mid_block,
+            up_blocks,
+            conv_norm_out: GroupNorm::new(&w.pp("conv_norm_out"), c.norm_num_groups, boc[0], c.norm_eps)?,
+            conv_out: Conv2d::new(&w.pp("conv_out"), boc[0], c.out_channels, 3, 1, 1)?,
+            config: c.clone(),
+        })
+    }
+
+    pub fn config(&self) -> &UNetConfig {
+        &self.config
+    }
+
+    /// `sample` `[B, 4, h, w]`, `timestep` a scalar or `[B]` tensor, `context` `[B, L, 2048]`.
+    pub fn forward(
+        &self,
+        sample: &Tensor,
+        timestep: &Tensor,
+        context: &Tensor,
+        added: &AddedCond<'_>,
+    ) -> Tensor {
+        let c = &self.config;
+        let b = sample.size()[0];
+        let kind = sample.kind();
+        let t = timestep.to_device(sample.device()).reshape([-1]).expand([b], false);
+        let t_emb = timestep_features(&t, c.block_out_channels[0], c.flip_sin_to_cos, c.freq_shift)
+            .to_kind(kind);
+        let emb = self.time_embedding.forward(&t_emb);
+        let time_ids = added.time_ids.reshape([-1]);
+        let time_embeds = timestep_features(
+            &time_ids,
+            c.addition_time_embed_dim,
+            c.flip_sin_to_cos,
+            c.freq_shift,
+        )
+        .reshape([b, -1]);
+        let add = Tensor::cat(&[added.text_embeds.to_kind(Kind::Float), time_embeds], -1).to_kind(kind);
+        let emb = emb + self.add_embedding.forward(&add);
+
+        let mut h = self.conv_in.forward(sample);
+        let mut skips = vec![h.shallow_clone()];
+        for block in &self.down_blocks {
+            h = block.forward(&h, &emb, context, &mut skips);
+        }
+        h = self.mid_block.forward(&h, &emb, context);
+        let n = self.up_blocks.len();
+        for (i, block) in self.up_blocks.iter().enumerate() {
+            // The skip that follows this block's own skips sets the upsampled size.
+            let upsample_size = if i + 1 < n {
+                let next = skips.len() - block.num_layers() - 1;
+                let s = skips[next].size();
+                Some([s[2], s[3]])
+            } else {
+                None
+            };
+            h = block.forward(&h, &emb, context, &mut skips, upsample_size);
+        }
+        self.conv_out.forward(&self.conv_norm_out.forward(&h).silu())
+    }
+}

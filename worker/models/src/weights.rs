@@ -1,0 +1,222 @@
+//! Named weight access for model constructors: a [`WeightStore`] maps every tensor name in
+//! diffusers naming to where it lives (file, key, and an optional transform for ldm single-file
+//! checkpoints); a [`Weights`] is a cursor into it with a name prefix, the target device and dtype.
+//!
+//! Invariant: model code asks for tensors by their diffusers key and the shape it expects; every
+//! failure names the tensor and the file (missing, wrong shape, truncated, unsupported dtype).
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use tch::{Device, Kind, Tensor};
+
+use crate::error::LoadError;
+use crate::safetensors::SafetensorsFile;
+
+/// How a stored tensor becomes the requested one.
+#[derive(Debug, Clone)]
+pub enum Transform {
+    /// Used as stored (a reshape that only adds or drops trailing size-1 dims is allowed, e.g. a
+    /// 1x1 conv weight `[o, i, 1, 1]` read as a linear weight `[o, i]`).
+    Identity,
+    /// Rows `[index*n/parts, (index+1)*n/parts)` of dim 0: OpenCLIP's fused `in_proj` into q/k/v.
+    Chunk { index: i64, parts: i64 },
+    /// Transposed 2-D matrix: OpenCLIP's `text_projection` (`x @ P`) into a Linear weight.
+    Transpose,
+}
+
+/// Where one diffusers-named tensor is stored.
+#[derive(Debug, Clone)]
+pub struct Source {
+    pub file: usize,
+    pub key: String,
+    pub transform: Transform,
+}
+
+/// A name table over one or more memory-mapped files.
+#[derive(Debug, Default)]
+pub struct WeightStore {
+    files: Vec<Arc<SafetensorsFile>>,
+    names: HashMap<String, Source>,
+}
+
+impl WeightStore {
+    /// Every tensor of `file` under its own name (diffusers folders).
+    pub fn identity(file: Arc<SafetensorsFile>) -> Self {
+        let mut store = Self::default();
+        let idx = store.add_file(file);
+        let keys: Vec<String> = store.files[idx].names().map(str::to_string).collect();
+        for k in keys {
+            store.insert(k.clone(), idx, k, Transform::Identity);
+        }
+        store
+    }
+
+    pub fn add_file(&mut self, file: Arc<SafetensorsFile>) -> usize {
+        self.files.push(file);
+        self.files.len() - 1
+    }
+
+    pub fn insert(&mut self, name: String, file: usize, key: String, transform: Transform) {
+        self.names.insert(
+            name,
+            Source {
+                file,
+                key,
+                transform,
+            },
+        );
+    }
+
+    pub fn len(&self) -> usize {
+        self.names.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.names.is_empty()
+    }
+
+    fn describe_files(&self) -> PathBuf {
+        match self.files.as_slice() {
+            [one] => one.path().to_path_buf(),
+            many => PathBuf::from(
+                many.iter()
+                    .map(|f| f.path().display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            ),
+        }
+    }
+
+    /// Loads `name` with the given expected shape.
+    pub fn get(
+        &self,
+        name: &str,
+        shape: &[i64],
+        device: Device,
+        kind: Kind,
+    ) -> Result<Tensor, LoadError> {
+        let src = self.names.get(name).ok_or_else(|| LoadError::Missing {
+            path: self.describe_files(),
+            tensor: name.to_string(),
+        })?;
+        let file = &self.files[src.file];
+        let info = file.info(&src.key).ok_or_else(|| LoadError::Missing {
+            path: file.path().to_path_buf(),
+            tensor: src.key.clone(),
+        })?;
+        let stored = info.shape.clone();
+        let shape_err = |found: Vec<i64>| LoadError::Shape {
+            path: file.path().to_path_buf(),
+            tensor: src.key.clone(),
+            expected: shape.to_vec(),
+            found,
+        };
+        let torch = |source| LoadError::Torch {
+            path: file.path().to_path_buf(),
+            tensor: src.key.clone(),
+            source,
+        };
+        let t = match src.transform {
+            Transform::Identity => {
+                if !same_up_to_trailing_ones(&stored, shape) {
+                    return Err(shape_err(stored));
+                }
+                let t = file.load(&src.key, device, kind)?;
+                if stored.as_slice() == shape {
+                    t
+                } else {
+                    t.f_reshape(shape).map_err(torch)?
+                }
+            }
+            Transform::Chunk { index, parts } => {
+                let mut want = shape.to_vec();
+                if let Some(first) = want.first_mut() {
+                    *first *= parts;
+                }
+                if stored != want {
+                    return Err(shape_err(stored));
+                }
+                let t = file.load(&src.key, device, kind)?;
+                t.f_chunk(parts, 0).map_err(torch)?[index as usize].f_contiguous().map_err(torch)?
+            }
+            Transform::Transpose => {
+                if stored.len() != 2 || shape.len() != 2 || stored[0] != shape[1] || stored[1] != shape[0] {
+                    return Err(shape_err(stored));
+                }
+                let t = file.load(&src.key, device, kind)?;
+                t.f_t_().map_err(torch)?.f_contiguous().map_err(torch)?
+            }
+        };
+        Ok(t)
+    }
+
+    /// Whether `name` is known.
+    pub fn contains(&self, name: &str) -> bool {
+        self.names.contains_key(name)
+    }
+}
+
+fn same_up_to_trailing_ones(a: &[i64], b: &[i64]) -> bool {
+    let strip = |s: &[i64]| {
+        let mut n = s.len();
+        while n > 0 && s[n - 1] == 1 {
+            n -= 1;
+        }
+        s[..n].to_vec()
+    };
+    a == b || (a.iter().product::<i64>() == b.iter().product::<i64>() && strip(a) == strip(b))
+}
+
+/// A cursor into a [`WeightStore`]: a name prefix plus the target device and dtype.
+#[derive(Debug, Clone)]
+pub struct Weights {
+    store: Arc<WeightStore>,
+    prefix: String,
+    pub device: Device,
+    pub kind: Kind,
+}
+
+impl Weights {
+    pub fn new(store: Arc<WeightStore>, device: Device, kind: Kind) -> Self {
+        Self {
+            store,
+            prefix: String::new(),
+            device,
+            kind,
+        }
+    }
+
+    /// The cursor one level down: `pp("down_blocks").pp(0)` names `down_blocks.0.*`.
+    pub fn pp(&self, part: impl std::fmt::Display) -> Self {
+        let prefix = if self.prefix.is_empty() {
+            part.to_string()
+        } else {
+            format!("{}.{}", self.prefix, part)
+        };
+        Self {
+            store: self.store.clone(),
+            prefix,
+            device: self.device,
+            kind: self.kind,
+        }
+    }
+
+    fn full(&self, name: &str) -> String {
+        if self.prefix.is_empty() {
+            name.to_string()
+        } else {
+            format!("{}.{}", self.prefix, name)
+        }
+    }
+
+    /// The tensor `prefix.name` with the expected shape, on this cursor's device and dtype.
+    pub fn get(&self, name: &str, shape: &[i64]) -> Result<Tensor, LoadError> {
+        self.store.get(&self.full(name), shape, self.device, self.kind)
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.store.contains(&self.full(name))
+    }
+}
