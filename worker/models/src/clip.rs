@@ -272,6 +272,11 @@ impl ClipTextModel {
         &self.config
     }
 
+    /// Where the weights live.
+    pub fn device(&self) -> tch::Device {
+        self.token_embedding.device()
+    }
+
     /// Runs the encoder on `ids` `[B, L]` (int64). `attention_mask` `[B, L]` (1 keep, 0 drop) masks
     /// keys in addition to the causal mask, as transformers does.
     pub fn forward(&self, ids: &Tensor, attention_mask: Option<&Tensor>) -> ClipOutput {

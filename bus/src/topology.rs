@@ -1,0 +1,98 @@
+//! Declares vnfarm's exchanges and queues (DESIGN §4). Declarations are idempotent, so both binaries
+//! declare everything they use at every (re)connection; a mismatch of arguments is a broker error
+//! (PRECONDITION_FAILED) that names the queue, which is why both read the same [`AmqpConfig`].
+//!
+//! | name | type | notes |
+//! | --- | --- | --- |
+//! | `<p>.events` | topic exchange | `job.<id>.<event>`, `worker.<id>.heartbeat`, `control.cancel`, `marker.<nonce>` |
+//! | `<p>.events.log` | stream | bound to `job.#` and `marker.#`; the durable job history |
+//! | `<p>.intake` | quorum queue | submissions; delivery limit; dead-letters to `<p>.dead` |
+//! | `<p>.worker.<id>` | quorum queue | one worker's jobs; expired or over-limit messages go to `<p>.redispatch` |
+//! | `<p>.redispatch` | quorum queue | consumed by the scheduler |
+//! | `<p>.dead` | fanout exchange + quorum queue | permanent failures, reason in headers |
+
+use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::{Channel, ExchangeKind};
+use vnfarm_proto::WorkerId;
+use vnfarm_proto::topology::{JOB_EVENTS_PATTERN, MARKER_ROUTING_PREFIX, Topology};
+
+use crate::AmqpConfig;
+
+fn text(s: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(s.to_owned()))
+}
+
+/// Arguments of a quorum queue that dead-letters (at least once) to `dlx` with `dl_routing_key`.
+fn quorum_args(config: &AmqpConfig, dlx: &str, dl_routing_key: Option<&str>) -> FieldTable {
+    let mut args = FieldTable::default();
+    args.insert("x-queue-type".into(), text("quorum"));
+    args.insert("x-delivery-limit".into(), AMQPValue::LongInt(config.delivery_limit as i32));
+    args.insert("x-dead-letter-exchange".into(), text(dlx));
+    if let Some(key) = dl_routing_key {
+        args.insert("x-dead-letter-routing-key".into(), text(key));
+    }
+    // At-least-once dead-lettering needs reject-publish overflow; without it the broker may drop.
+    args.insert("x-dead-letter-strategy".into(), text("at-least-once"));
+    args.insert("x-overflow".into(), text("reject-publish"));
+    args
+}
+
+fn durable() -> QueueDeclareOptions {
+    QueueDeclareOptions { durable: true, ..Default::default() }
+}
+
+/// Declares everything shared by the whole installation.
+pub async fn declare_core(channel: &Channel, config: &AmqpConfig) -> Result<(), lapin::Error> {
+    let t = config.topology();
+    let durable_exchange = ExchangeDeclareOptions { durable: true, ..Default::default() };
+    channel.exchange_declare(t.events_exchange().into(), ExchangeKind::Topic, durable_exchange, FieldTable::default()).await?;
+    channel.exchange_declare(t.dead_exchange().into(), ExchangeKind::Fanout, durable_exchange, FieldTable::default()).await?;
+
+    let mut dead_args = FieldTable::default();
+    dead_args.insert("x-queue-type".into(), text("quorum"));
+    channel.queue_declare(t.dead_queue().into(), durable(), dead_args).await?;
+    channel.queue_bind(t.dead_queue().into(), t.dead_exchange().into(), "".into(), QueueBindOptions::default(), FieldTable::default()).await?;
+
+    channel.queue_declare(t.intake_queue().into(), durable(), quorum_args(config, &t.dead_exchange(), None)).await?;
+    channel.queue_declare(t.redispatch_queue().into(), durable(), quorum_args(config, &t.dead_exchange(), None)).await?;
+
+    let mut stream_args = FieldTable::default();
+    stream_args.insert("x-queue-type".into(), text("stream"));
+    stream_args.insert("x-max-length-bytes".into(), AMQPValue::LongLongInt(config.events_max_bytes as i64));
+    stream_args.insert("x-max-age".into(), text(&config.events_max_age));
+    // Small segments keep retention fine-grained and a test installation's disk use small.
+    stream_args.insert("x-stream-max-segment-size-bytes".into(), AMQPValue::LongInt(16 << 20));
+    channel.queue_declare(t.events_stream().into(), durable(), stream_args).await?;
+    for pattern in [JOB_EVENTS_PATTERN.to_owned(), format!("{MARKER_ROUTING_PREFIX}.#")] {
+        channel
+            .queue_bind(t.events_stream().into(), t.events_exchange().into(), pattern.into(), QueueBindOptions::default(), FieldTable::default())
+            .await?;
+    }
+    Ok(())
+}
+
+/// Declares one worker's own queue. Messages that expire there (the worker died or stalled) or exceed
+/// the delivery limit go to the redispatch queue, where the scheduler decides what happens next.
+pub async fn declare_worker_queue(channel: &Channel, config: &AmqpConfig, worker: &WorkerId) -> Result<String, lapin::Error> {
+    let t: Topology = config.topology();
+    let name = t.worker_queue(worker);
+    let redispatch = t.redispatch_queue();
+    channel.queue_declare(name.as_str().into(), durable(), quorum_args(config, "", Some(&redispatch))).await?;
+    Ok(name)
+}
+
+/// Deletes every queue and exchange of an installation whose workers are `workers` (for tests).
+pub async fn delete_all(channel: &Channel, config: &AmqpConfig, workers: &[WorkerId]) -> Result<(), lapin::Error> {
+    use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
+    let t = config.topology();
+    let mut queues = vec![t.intake_queue(), t.redispatch_queue(), t.dead_queue(), t.events_stream()];
+    queues.extend(workers.iter().map(|w| t.worker_queue(w)));
+    for q in queues {
+        channel.queue_delete(q.into(), QueueDeleteOptions::default()).await?;
+    }
+    for x in [t.events_exchange(), t.dead_exchange()] {
+        channel.exchange_delete(x.into(), ExchangeDeleteOptions::default()).await?;
+    }
+    Ok(())
+}

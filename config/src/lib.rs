@@ -1,0 +1,131 @@
+//! Configuration loading shared by the vnfarm binaries: an optional TOML file, overlaid by environment
+//! variables `VNFARM_<SECTION>__<KEY>=value` (`VNFARM_AMQP__URL`, `VNFARM_STORAGE__BUCKET`), decoded
+//! into the binary's typed `Config`. The environment is passed in, so tests never touch the process's.
+//!
+//! Errors name the field (`storage.bucket: missing field`), and binaries exit with status 64
+//! (`EX_USAGE`) on them before doing any I/O.
+
+use std::path::Path;
+
+use serde::de::DeserializeOwned;
+
+/// Exit status for a configuration error (`EX_USAGE` from sysexits.h).
+pub const EXIT_CONFIG: i32 = 64;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read { path: String, source: std::io::Error },
+    #[error("config file {path} is not valid TOML: {message}")]
+    Syntax { path: String, message: String },
+    #[error("{field}: {message}")]
+    Invalid { field: String, message: String },
+}
+
+impl ConfigError {
+    pub fn invalid(message: impl Into<String>) -> Self {
+        // Validation messages are written as "field.path: what is wrong".
+        let message = message.into();
+        match message.split_once(": ") {
+            Some((field, rest)) => ConfigError::Invalid { field: field.to_owned(), message: rest.to_owned() },
+            None => ConfigError::Invalid { field: ".".to_owned(), message },
+        }
+    }
+}
+
+/// Loads `T` from `file` (if any) overlaid by the `VNFARM_`-prefixed entries of `env`.
+pub fn load<T: DeserializeOwned>(
+    file: Option<&Path>,
+    env: impl IntoIterator<Item = (String, String)>,
+) -> Result<T, ConfigError> {
+    let mut table = match file {
+        Some(path) => {
+            let shown = path.display().to_string();
+            let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: shown.clone(), source })?;
+            text.parse::<toml::Table>().map_err(|e| ConfigError::Syntax { path: shown, message: e.to_string() })?
+        }
+        None => toml::Table::new(),
+    };
+    let mut overrides: Vec<(String, String)> =
+        env.into_iter().filter(|(k, _)| k.starts_with("VNFARM_") && k.len() > "VNFARM_".len()).collect();
+    overrides.sort();
+    for (key, value) in overrides {
+        let path: Vec<String> = key["VNFARM_".len()..].split("__").map(str::to_lowercase).collect();
+        set_path(&mut table, &path, parse_env_value(&value)).map_err(|message| ConfigError::Invalid { field: path.join("."), message })?;
+    }
+    serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|e| ConfigError::Invalid {
+        field: e.path().to_string(),
+        message: e.into_inner().to_string(),
+    })
+}
+
+/// An environment value is read as a TOML value when it is one (`3`, `true`, `["a", "b"]`), else as a string.
+fn parse_env_value(value: &str) -> toml::Value {
+    let wrapped = format!("v = {value}");
+    match wrapped.parse::<toml::Table>() {
+        Ok(mut t) => t.remove("v").unwrap_or_else(|| toml::Value::String(value.to_owned())),
+        Err(_) => toml::Value::String(value.to_owned()),
+    }
+}
+
+fn set_path(table: &mut toml::Table, path: &[String], value: toml::Value) -> Result<(), String> {
+    let (last, parents) = path.split_last().ok_or("empty variable name")?;
+    let mut node = table;
+    for part in parents {
+        let entry = node.entry(part.clone()).or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        node = entry.as_table_mut().ok_or_else(|| format!("{part} is not a section"))?;
+    }
+    node.insert(last.clone(), value);
+    Ok(())
+}
+
+/// The process's environment as `load` wants it.
+pub fn process_env() -> Vec<(String, String)> {
+    std::env::vars().collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, serde::Deserialize, PartialEq)]
+    #[serde(deny_unknown_fields)]
+    struct Demo {
+        name: String,
+        #[serde(default)]
+        inner: Inner,
+    }
+
+    #[derive(Debug, Default, serde::Deserialize, PartialEq)]
+    #[serde(deny_unknown_fields)]
+    struct Inner {
+        #[serde(default)]
+        port: u16,
+        #[serde(default)]
+        tags: Vec<String>,
+    }
+
+    fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn file_then_environment() {
+        let dir = std::env::temp_dir().join(format!("vnfarm-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("c.toml");
+        std::fs::write(&path, "name = \"a\"\n[inner]\nport = 1\n").unwrap();
+        let got: Demo = load(Some(&path), env(&[("VNFARM_INNER__PORT", "8080"), ("VNFARM_INNER__TAGS", "[\"x\"]"), ("OTHER", "1")])).unwrap();
+        assert_eq!(got, Demo { name: "a".into(), inner: Inner { port: 8080, tags: vec!["x".into()] } });
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let e = load::<Demo>(None, env(&[("VNFARM_NAME", "a"), ("VNFARM_INNER__PORT", "99999")])).unwrap_err();
+        assert!(e.to_string().starts_with("inner.port: "), "{e}");
+        let e = load::<Demo>(None, env(&[("VNFARM_NAME", "a"), ("VNFARM_INNER__COLOUR", "1")])).unwrap_err();
+        assert!(e.to_string().starts_with("inner: unknown field `colour`"), "{e}");
+        let e = load::<Demo>(None, env(&[])).unwrap_err();
+        assert!(e.to_string().contains("missing field `name`"), "{e}");
+    }
+}

@@ -1,0 +1,61 @@
+//! The wire contract of vnfarm: everything that crosses a process boundary is typed here.
+//!
+//! # Layout
+//!
+//! - [`ids`]: job and worker identifiers, validated once at the edge.
+//! - [`spec`]: what a client submits (generate, edit, upscale, pipeline) and its validation (DESIGN §3).
+//! - [`work`]: what the scheduler hands a worker over RabbitMQ, and what a worker says in its heartbeat.
+//! - [`event`]: job state changes, as published to the event exchange and kept in the event stream.
+//! - [`manifest`]: the `manifest.json` written beside every job's outputs.
+//! - [`topology`]: exchange, queue and routing-key names, and the object keys of results.
+//! - [`decode`]: strict decoding of untrusted JSON, with the path of the offending field in the error.
+//!
+//! Every type that a client or a foreign producer writes rejects unknown fields and unknown schema
+//! versions rather than guessing.
+
+pub mod decode;
+pub mod event;
+pub mod ids;
+pub mod manifest;
+pub mod spec;
+pub mod topology;
+pub mod work;
+
+pub use decode::{DecodeError, decode_json};
+pub use event::{Event, EventKind, FailureKind, SequencedEvent, StageTimings};
+pub use ids::{JobId, WorkerId};
+pub use manifest::Manifest;
+pub use spec::{
+    EditSpec, GenerateSpec, ImageRef, JobSpec, LoraRef, ModelFamily, PipelineImage, PipelineSpec,
+    Priority, Sampler, Submission, UpscaleSpec, ValidationError,
+};
+pub use work::{CancelRequest, Heartbeat, Task, WorkMessage, WorkerState};
+
+/// The schema version this build reads and writes. Messages with any other version are rejected.
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// Largest message body the scheduler and workers accept (an 8 MiB inline image is ~10.7 MiB in base64).
+pub const MAX_MESSAGE_BYTES: usize = 12 * 1024 * 1024;
+
+/// JSON Schema of [`Submission`], for front ends. `proto/schema/submission.schema.json` is this,
+/// committed; a test keeps the two equal.
+pub fn submission_schema() -> serde_json::Value {
+    serde_json::to_value(schemars::schema_for!(Submission)).expect("a JSON Schema serializes to JSON")
+}
+
+#[cfg(test)]
+mod schema_tests {
+    /// Regenerate with `VNFARM_BLESS=1 cargo test -p vnfarm-proto`.
+    #[test]
+    fn committed_schema_is_current() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/schema/submission.schema.json");
+        let fresh = serde_json::to_string_pretty(&super::submission_schema()).unwrap() + "\n";
+        if std::env::var_os("VNFARM_BLESS").is_some() {
+            std::fs::write(path, &fresh).unwrap();
+        }
+        let committed = std::fs::read_to_string(path).unwrap_or_default();
+        assert!(committed == fresh, "{path} is stale: run VNFARM_BLESS=1 cargo test -p vnfarm-proto");
+        let schema = super::submission_schema();
+        assert_eq!(schema["additionalProperties"], false, "unknown fields must be rejected");
+    }
+}

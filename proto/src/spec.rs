@@ -1,0 +1,563 @@
+//! Job specifications as clients submit them (DESIGN §3), and their validation.
+//!
+//! Decoding ([`crate::decode_json`]) rejects unknown fields and wrong types; [`Submission::validate`]
+//! then checks every bound and cross-field rule and names the offending field. A submission that passed
+//! both is complete: its seeds are resolved and nothing downstream needs to guess.
+
+use base64::Engine as _;
+use chrono::{DateTime, Utc};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::ids::JobId;
+
+/// Largest inline input image, decoded.
+pub const MAX_INLINE_IMAGE_BYTES: usize = 8 * 1024 * 1024;
+/// Largest side of an input image.
+pub const MAX_INPUT_SIDE: u32 = 4096;
+/// Largest side of an upscaled output.
+pub const MAX_UPSCALE_OUTPUT_SIDE: u32 = 8192;
+/// Most jobs one pipeline may expand into (its base generate included).
+pub const MAX_PIPELINE_JOBS: usize = 64;
+const MAX_PROMPT_CHARS: usize = 8192;
+const MAX_LORAS: usize = 8;
+
+/// What a client submits: one job (possibly a pipeline) with its envelope.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Submission {
+    /// Must equal [`crate::SCHEMA_VERSION`].
+    pub schema_version: u32,
+    /// Optional id chosen by the producer; a second submission with the same id is the same job.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job_id: Option<JobId>,
+    /// Same key, same job: a resubmission returns the job created by the first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idempotency_key: Option<String>,
+    #[serde(default)]
+    pub priority: Priority,
+    /// A job not started by this time fails with `deadline_exceeded` instead of running.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deadline: Option<DateTime<Utc>>,
+    pub job: JobSpec,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Priority {
+    /// Someone is waiting for it (the web page); overtakes batch work.
+    Interactive,
+    #[default]
+    Batch,
+}
+
+/// The four kinds of job.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum JobSpec {
+    Generate(GenerateSpec),
+    Edit(EditSpec),
+    Upscale(UpscaleSpec),
+    Pipeline(PipelineSpec),
+}
+
+impl JobSpec {
+    pub fn kind_name(&self) -> &'static str {
+        match self {
+            JobSpec::Generate(_) => "generate",
+            JobSpec::Edit(_) => "edit",
+            JobSpec::Upscale(_) => "upscale",
+            JobSpec::Pipeline(_) => "pipeline",
+        }
+    }
+
+    /// The model family that runs this job; `None` for a pipeline, which the scheduler expands.
+    pub fn model(&self) -> Option<ModelFamily> {
+        match self {
+            JobSpec::Generate(_) => Some(ModelFamily::Sdxl),
+            JobSpec::Edit(_) => Some(ModelFamily::QwenEdit),
+            JobSpec::Upscale(_) => Some(ModelFamily::Esrgan),
+            JobSpec::Pipeline(_) => None,
+        }
+    }
+}
+
+/// The model families a worker may hold warm; each has a shared work queue.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "kebab-case")]
+pub enum ModelFamily {
+    Sdxl,
+    QwenEdit,
+    Esrgan,
+}
+
+impl ModelFamily {
+    pub const ALL: [ModelFamily; 3] = [ModelFamily::Sdxl, ModelFamily::QwenEdit, ModelFamily::Esrgan];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ModelFamily::Sdxl => "sdxl",
+            ModelFamily::QwenEdit => "qwen-edit",
+            ModelFamily::Esrgan => "esrgan",
+        }
+    }
+}
+
+impl std::fmt::Display for ModelFamily {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Sampler {
+    #[default]
+    Euler,
+    EulerAncestral,
+    DpmppTwoMKarras,
+}
+
+/// SDXL text-to-image.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct GenerateSpec {
+    /// A1111-style weights `(word:1.2)`, `(word)`, `[word]`; `BREAK` starts a new 75-token chunk.
+    pub prompt: String,
+    #[serde(default)]
+    pub negative_prompt: String,
+    #[serde(default = "default_side")]
+    pub width: u32,
+    #[serde(default = "default_side")]
+    pub height: u32,
+    #[serde(default = "default_generate_steps")]
+    pub steps: u32,
+    #[serde(default = "default_generate_cfg")]
+    pub cfg: f32,
+    #[serde(default)]
+    pub sampler: Sampler,
+    /// Omitted: the scheduler picks one at submission and records it, so the job stays reproducible.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seed: Option<u64>,
+    /// Images from this job; image `n` uses seed `seed + n`.
+    #[serde(default = "one")]
+    pub count: u32,
+}
+
+/// A Qwen-Image-Edit instruction edit of one input image.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct EditSpec {
+    pub input: ImageRef,
+    pub instruction: String,
+    #[serde(default = "default_edit_steps")]
+    pub steps: u32,
+    #[serde(default = "default_edit_cfg")]
+    pub cfg: f32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seed: Option<u64>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub loras: Vec<LoraRef>,
+}
+
+/// A Real-ESRGAN upscale of one input image.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct UpscaleSpec {
+    pub input: ImageRef,
+    #[serde(default = "default_scale")]
+    pub scale: u32,
+    #[serde(default = "default_tile")]
+    pub tile: u32,
+    #[serde(default = "default_tile_overlap")]
+    pub tile_overlap: u32,
+}
+
+/// A base generate, then edits of its first image, then upscales of any of those.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PipelineSpec {
+    /// Must produce one image (`count` 1): the edits apply to it.
+    pub base: GenerateSpec,
+    #[serde(default)]
+    pub edits: Vec<PipelineEdit>,
+    #[serde(default)]
+    pub upscales: Vec<PipelineUpscale>,
+}
+
+/// One edit of a pipeline's base image.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PipelineEdit {
+    pub instruction: String,
+    #[serde(default = "default_edit_steps")]
+    pub steps: u32,
+    #[serde(default = "default_edit_cfg")]
+    pub cfg: f32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seed: Option<u64>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub loras: Vec<LoraRef>,
+}
+
+/// One upscale inside a pipeline.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PipelineUpscale {
+    /// Which image of the pipeline to upscale.
+    pub of: PipelineImage,
+    #[serde(default = "default_scale")]
+    pub scale: u32,
+    #[serde(default = "default_tile")]
+    pub tile: u32,
+    #[serde(default = "default_tile_overlap")]
+    pub tile_overlap: u32,
+}
+
+/// An image inside a pipeline: `"base"` or `{"edit": n}`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum PipelineImage {
+    Base,
+    Edit(usize),
+}
+
+/// Where an input image comes from. Never an arbitrary URL (DESIGN §9).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ImageRef {
+    /// An object in the farm's bucket under `inputs/` or `results/`.
+    Stored(String),
+    /// Image `index` of another job's outputs.
+    JobOutput { job: JobId, index: u32 },
+    /// The image itself, base64 (standard alphabet), at most 8 MiB decoded. The scheduler stores it
+    /// under `inputs/` and replaces it by a `stored` reference before dispatch.
+    Inline(String),
+}
+
+/// A LoRA file from the worker's LoRA directory, fused at the given strength.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct LoraRef {
+    pub name: String,
+    #[serde(default = "one_f32")]
+    pub weight: f32,
+}
+
+fn default_side() -> u32 {
+    1024
+}
+fn default_generate_steps() -> u32 {
+    20
+}
+fn default_generate_cfg() -> f32 {
+    4.5
+}
+fn default_edit_steps() -> u32 {
+    4
+}
+fn default_edit_cfg() -> f32 {
+    1.0
+}
+fn default_scale() -> u32 {
+    2
+}
+fn default_tile() -> u32 {
+    512
+}
+fn default_tile_overlap() -> u32 {
+    32
+}
+fn one() -> u32 {
+    1
+}
+fn one_f32() -> f32 {
+    1.0
+}
+
+/// A submission that breaks a rule; `field` is the dotted path of the offending field.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {message}")]
+pub struct ValidationError {
+    pub field: String,
+    pub message: String,
+}
+
+fn err(field: impl Into<String>, message: impl Into<String>) -> ValidationError {
+    ValidationError { field: field.into(), message: message.into() }
+}
+
+fn check_range<T: PartialOrd + std::fmt::Display + Copy>(
+    field: &str,
+    value: T,
+    lo: T,
+    hi: T,
+) -> Result<(), ValidationError> {
+    if value < lo || value > hi {
+        return Err(err(field, format!("{value} is outside {lo}..={hi}")));
+    }
+    Ok(())
+}
+
+fn check_cfg(field: &str, cfg: f32) -> Result<(), ValidationError> {
+    if !cfg.is_finite() {
+        return Err(err(field, "must be a finite number"));
+    }
+    check_range(field, cfg, 0.0, 30.0)
+}
+
+fn check_text(field: &str, text: &str, required: bool) -> Result<(), ValidationError> {
+    if required && text.trim().is_empty() {
+        return Err(err(field, "must not be empty"));
+    }
+    if text.chars().count() > MAX_PROMPT_CHARS {
+        return Err(err(field, format!("is longer than {MAX_PROMPT_CHARS} characters")));
+    }
+    Ok(())
+}
+
+fn check_loras(field: &str, loras: &[LoraRef]) -> Result<(), ValidationError> {
+    if loras.len() > MAX_LORAS {
+        return Err(err(field, format!("at most {MAX_LORAS} LoRAs")));
+    }
+    for (i, lora) in loras.iter().enumerate() {
+        let ok = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
+        if lora.name.is_empty() || lora.name.len() > 128 || lora.name.starts_with('.') || !lora.name.chars().all(ok) {
+            return Err(err(format!("{field}[{i}].name"), "must be a file name of [A-Za-z0-9._-], not starting with '.'"));
+        }
+        if !lora.weight.is_finite() {
+            return Err(err(format!("{field}[{i}].weight"), "must be a finite number"));
+        }
+        check_range(&format!("{field}[{i}].weight"), lora.weight, -4.0, 4.0)?;
+    }
+    Ok(())
+}
+
+impl GenerateSpec {
+    fn validate(&self, at: &str) -> Result<(), ValidationError> {
+        check_text(&format!("{at}.prompt"), &self.prompt, true)?;
+        check_text(&format!("{at}.negative_prompt"), &self.negative_prompt, false)?;
+        for (name, side) in [("width", self.width), ("height", self.height)] {
+            let field = format!("{at}.{name}");
+            check_range(&field, side, 256, 2048)?;
+            if side % 8 != 0 {
+                return Err(err(field, format!("{side} is not a multiple of 8")));
+            }
+        }
+        check_range(&format!("{at}.steps"), self.steps, 1, 150)?;
+        check_cfg(&format!("{at}.cfg"), self.cfg)?;
+        check_range(&format!("{at}.count"), self.count, 1, 16)?;
+        if let Some(seed) = self.seed {
+            if seed.checked_add(u64::from(self.count)).is_none() {
+                return Err(err(format!("{at}.seed"), "seed + count overflows"));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn validate_edit_params(at: &str, instruction: &str, steps: u32, cfg: f32, loras: &[LoraRef]) -> Result<(), ValidationError> {
+    check_text(&format!("{at}.instruction"), instruction, true)?;
+    check_range(&format!("{at}.steps"), steps, 1, 100)?;
+    check_cfg(&format!("{at}.cfg"), cfg)?;
+    check_loras(&format!("{at}.loras"), loras)
+}
+
+fn validate_upscale_params(at: &str, scale: u32, tile: u32, overlap: u32) -> Result<(), ValidationError> {
+    if scale != 2 && scale != 4 {
+        return Err(err(format!("{at}.scale"), format!("{scale} is not 2 or 4")));
+    }
+    check_range(&format!("{at}.tile"), tile, 64, 2048)?;
+    check_range(&format!("{at}.tile_overlap"), overlap, 0, tile / 4)
+}
+
+impl ImageRef {
+    fn validate(&self, at: &str) -> Result<(), ValidationError> {
+        match self {
+            ImageRef::Stored(key) => {
+                let allowed = key.starts_with("inputs/") || key.starts_with("results/");
+                if !allowed || key.contains("..") || key.len() > 512 {
+                    return Err(err(format!("{at}.stored"), "must be a key under inputs/ or results/ without '..'"));
+                }
+                Ok(())
+            }
+            ImageRef::JobOutput { index, .. } => check_range(&format!("{at}.job_output.index"), *index, 0, 15),
+            ImageRef::Inline(data) => {
+                // base64 is 4 characters per 3 bytes; check the length before decoding anything.
+                if data.len() / 4 * 3 > MAX_INLINE_IMAGE_BYTES + 3 {
+                    return Err(err(format!("{at}.inline"), "image is larger than 8 MiB"));
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Decodes an inline image's base64; `None` for other references.
+    pub fn inline_bytes(&self) -> Option<Result<Vec<u8>, base64::DecodeError>> {
+        match self {
+            ImageRef::Inline(data) => Some(base64::engine::general_purpose::STANDARD.decode(data)),
+            _ => None,
+        }
+    }
+}
+
+impl Submission {
+    /// Checks every bound; on success every `seed` is set (missing ones drawn from `seed_source`).
+    pub fn validate(mut self, seed_source: &mut dyn FnMut() -> u64) -> Result<Submission, ValidationError> {
+        if self.schema_version != crate::SCHEMA_VERSION {
+            return Err(err(
+                "schema_version",
+                format!("version {} is not supported (this build speaks {})", self.schema_version, crate::SCHEMA_VERSION),
+            ));
+        }
+        if let Some(key) = &self.idempotency_key {
+            if key.is_empty() || key.len() > 128 {
+                return Err(err("idempotency_key", "must be 1-128 characters"));
+            }
+        }
+        match &mut self.job {
+            JobSpec::Generate(g) => {
+                g.validate("job")?;
+                g.seed.get_or_insert_with(&mut *seed_source);
+            }
+            JobSpec::Edit(e) => {
+                e.input.validate("job.input")?;
+                validate_edit_params("job", &e.instruction, e.steps, e.cfg, &e.loras)?;
+                e.seed.get_or_insert_with(&mut *seed_source);
+            }
+            JobSpec::Upscale(u) => {
+                u.input.validate("job.input")?;
+                validate_upscale_params("job", u.scale, u.tile, u.tile_overlap)?;
+            }
+            JobSpec::Pipeline(p) => {
+                p.base.validate("job.base")?;
+                if p.base.count != 1 {
+                    return Err(err("job.base.count", "a pipeline's base makes exactly one image"));
+                }
+                let jobs = 1 + p.edits.len() + p.upscales.len();
+                if jobs > MAX_PIPELINE_JOBS {
+                    return Err(err("job", format!("pipeline expands to {jobs} jobs, more than {MAX_PIPELINE_JOBS}")));
+                }
+                p.base.seed.get_or_insert_with(&mut *seed_source);
+                for (i, e) in p.edits.iter_mut().enumerate() {
+                    validate_edit_params(&format!("job.edits[{i}]"), &e.instruction, e.steps, e.cfg, &e.loras)?;
+                    e.seed.get_or_insert_with(&mut *seed_source);
+                }
+                for (i, u) in p.upscales.iter().enumerate() {
+                    let at = format!("job.upscales[{i}]");
+                    validate_upscale_params(&at, u.scale, u.tile, u.tile_overlap)?;
+                    if let PipelineImage::Edit(n) = u.of {
+                        if n >= p.edits.len() {
+                            return Err(err(format!("{at}.of"), format!("edit {n} does not exist ({} edits)", p.edits.len())));
+                        }
+                    }
+                    // Edits keep their input's size, so every pipeline image has the base's size.
+                    let longest = p.base.width.max(p.base.height) * u.scale;
+                    if longest > MAX_UPSCALE_OUTPUT_SIDE {
+                        return Err(err(format!("{at}.scale"), format!("output side {longest} exceeds {MAX_UPSCALE_OUTPUT_SIDE}")));
+                    }
+                }
+            }
+        }
+        Ok(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::decode_json;
+
+    fn seeds() -> impl FnMut() -> u64 {
+        let mut n = 0;
+        move || {
+            n += 1;
+            n
+        }
+    }
+
+    fn decode_and_validate(json: serde_json::Value) -> Result<Submission, String> {
+        let sub: Submission = decode_json(json.to_string().as_bytes()).map_err(|e| e.to_string())?;
+        sub.validate(&mut seeds()).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn minimal_generate_gets_defaults_and_a_seed() {
+        let sub = decode_and_validate(serde_json::json!({
+            "schema_version": 1, "job": {"kind": "generate", "prompt": "a cat"}
+        }))
+        .unwrap();
+        let JobSpec::Generate(g) = &sub.job else { panic!("not a generate: {sub:?}") };
+        assert_eq!((g.width, g.height, g.steps, g.count), (1024, 1024, 20, 1));
+        assert_eq!(g.seed, Some(1));
+        assert_eq!(sub.priority, Priority::Batch);
+    }
+
+    #[test]
+    fn every_kind_round_trips() {
+        let job_id = JobId::new();
+        let subs = [
+            serde_json::json!({"schema_version": 1, "job": {"kind": "generate", "prompt": "(a cat:1.2) BREAK hat",
+                "negative_prompt": "blurry", "width": 1280, "height": 720, "steps": 30, "cfg": 5.0,
+                "sampler": "dpmpp_two_m_karras", "seed": 42, "count": 4}}),
+            serde_json::json!({"schema_version": 1, "priority": "interactive", "idempotency_key": "k1",
+                "job": {"kind": "edit", "input": {"job_output": {"job": job_id, "index": 0}},
+                "instruction": "make her smile", "loras": [{"name": "lightning.safetensors", "weight": 1.0}]}}),
+            serde_json::json!({"schema_version": 1, "deadline": "2030-01-01T00:00:00Z",
+                "job": {"kind": "upscale", "input": {"stored": "inputs/abc.png"}, "scale": 4}}),
+            serde_json::json!({"schema_version": 1, "job": {"kind": "pipeline",
+                "base": {"prompt": "a girl", "width": 832, "height": 1216},
+                "edits": [{"instruction": "smile"}, {"instruction": "angry", "seed": 7}],
+                "upscales": [{"of": "base"}, {"of": {"edit": 1}, "scale": 4}]}}),
+        ];
+        for json in subs {
+            let sub = decode_and_validate(json.clone()).unwrap();
+            let again: Submission = decode_json(serde_json::to_vec(&sub).unwrap().as_slice()).unwrap();
+            assert_eq!(sub, again, "round trip of {json}");
+        }
+    }
+
+    #[test]
+    fn rejections_name_the_field() {
+        let cases = [
+            (serde_json::json!({"schema_version": 2, "job": {"kind": "generate", "prompt": "x"}}), "schema_version"),
+            (serde_json::json!({"schema_version": 1, "job": {"kind": "generate", "prompt": "x", "width": 1000}}), "job.width"),
+            (serde_json::json!({"schema_version": 1, "job": {"kind": "generate", "prompt": "x", "height": 4096}}), "job.height"),
+            (serde_json::json!({"schema_version": 1, "job": {"kind": "generate", "prompt": "x", "steps": 0}}), "job.steps"),
+            (serde_json::json!({"schema_version": 1, "job": {"kind": "generate", "prompt": "x", "count": 17}}), "job.count"),
+            (serde_json::json!({"schema_version": 1, "job": {"kind": "generate", "prompt": " "}}), "job.prompt"),
+            (serde_json::json!({"schema_version": 1, "job": {"kind": "generate", "prompt": "x", "colour": 1}}), "job"),
+            (serde_json::json!({"schema_version": 1, "extra": true, "job": {"kind": "generate", "prompt": "x"}}), "."),
+            (serde_json::json!({"schema_version": 1, "job": {"kind": "dance"}}), "job"),
+            (serde_json::json!({"schema_version": 1, "job": {"kind": "edit", "input": {"stored": "../etc/passwd"}, "instruction": "x"}}), "job.input.stored"),
+            (serde_json::json!({"schema_version": 1, "job": {"kind": "edit", "input": {"url": "http://x"}, "instruction": "x"}}), "job.input"),
+            (serde_json::json!({"schema_version": 1, "job": {"kind": "upscale", "input": {"stored": "inputs/a.png"}, "scale": 3}}), "job.scale"),
+            (serde_json::json!({"schema_version": 1, "job": {"kind": "pipeline", "base": {"prompt": "x", "count": 2}}}), "job.base.count"),
+            (serde_json::json!({"schema_version": 1, "job": {"kind": "pipeline", "base": {"prompt": "x"},
+                "upscales": [{"of": {"edit": 0}}]}}), "job.upscales[0].of"),
+            (serde_json::json!({"schema_version": 1, "job": {"kind": "pipeline", "base": {"prompt": "x", "width": 2048},
+                "upscales": [{"of": "base", "scale": 8}]}}), "job.upscales[0].scale"),
+            (serde_json::json!({"schema_version": 1, "job": {"kind": "edit", "input": {"stored": "inputs/a.png"},
+                "instruction": "x", "loras": [{"name": "../x", "weight": 1}]}}), "job.loras[0].name"),
+        ];
+        for (json, field) in cases {
+            let message = decode_and_validate(json.clone()).expect_err(&json.to_string());
+            assert!(message.starts_with(&format!("{field}: ")), "{json} gave {message:?}, expected field {field}");
+        }
+    }
+
+    #[test]
+    fn pipeline_size_is_bounded() {
+        let edits: Vec<_> = (0..64).map(|i| serde_json::json!({"instruction": format!("e{i}")})).collect();
+        let json = serde_json::json!({"schema_version": 1, "job": {"kind": "pipeline", "base": {"prompt": "x"}, "edits": edits}});
+        let message = decode_and_validate(json).unwrap_err();
+        assert!(message.contains("65 jobs"), "{message}");
+    }
+
+    #[test]
+    fn oversized_inline_images_are_rejected_before_decoding() {
+        let big = "A".repeat(12 * 1024 * 1024);
+        let json = serde_json::json!({"schema_version": 1, "job": {"kind": "upscale", "input": {"inline": big}}});
+        assert!(decode_and_validate(json).unwrap_err().starts_with("job.input.inline"));
+    }
+}

@@ -1,0 +1,187 @@
+//! Result storage (DESIGN §7): an S3-compatible bucket through `aws-sdk-s3`, or a local directory
+//! (the embedded default for one box). Both take the same keys (`results/<job>/<n>.png`, `inputs/..`);
+//! writes replace whole objects, so a re-run overwrites rather than forks.
+
+mod local;
+mod s3;
+
+use std::path::PathBuf;
+
+use bytes::Bytes;
+use serde::Deserialize;
+
+pub use local::LocalStore;
+pub use s3::S3Store;
+
+/// Where results go. Closed set, so an enum rather than a trait object.
+#[derive(Clone, Debug)]
+pub enum Storage {
+    S3(S3Store),
+    Local(LocalStore),
+}
+
+/// Storage configuration as it appears in the scheduler's and the worker's config files.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(tag = "backend", rename_all = "snake_case", deny_unknown_fields)]
+pub enum StorageConfig {
+    S3 {
+        bucket: String,
+        /// Custom endpoint (MinIO, s3s-fs); omit for AWS.
+        #[serde(default)]
+        endpoint: Option<String>,
+        #[serde(default = "default_region")]
+        region: String,
+        /// Path-style addressing (`endpoint/bucket/key`), which MinIO and most S3 servers want.
+        #[serde(default = "yes")]
+        path_style: bool,
+        /// Credentials; when absent, the AWS default chain (environment, profile) is used.
+        #[serde(default)]
+        access_key_id: Option<String>,
+        #[serde(default)]
+        secret_access_key: Option<String>,
+        /// Create the bucket at start when it does not exist.
+        #[serde(default)]
+        create_bucket: bool,
+    },
+    Local {
+        root: PathBuf,
+    },
+}
+
+fn default_region() -> String {
+    "us-east-1".into()
+}
+fn yes() -> bool {
+    true
+}
+
+impl StorageConfig {
+    /// Checks what can be checked without I/O; the error names the field.
+    pub fn validate(&self, at: &str) -> Result<(), String> {
+        match self {
+            StorageConfig::S3 { bucket, endpoint, access_key_id, secret_access_key, .. } => {
+                if bucket.len() < 3 || bucket.len() > 63 {
+                    return Err(format!("{at}.bucket: must be 3-63 characters"));
+                }
+                if let Some(e) = endpoint {
+                    if !(e.starts_with("http://") || e.starts_with("https://")) {
+                        return Err(format!("{at}.endpoint: must start with http:// or https://"));
+                    }
+                }
+                if access_key_id.is_some() != secret_access_key.is_some() {
+                    return Err(format!("{at}.secret_access_key: access_key_id and secret_access_key go together"));
+                }
+                Ok(())
+            }
+            StorageConfig::Local { root } => {
+                if root.as_os_str().is_empty() {
+                    return Err(format!("{at}.root: must not be empty"));
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StorageError {
+    #[error("object {key} not found")]
+    NotFound { key: String },
+    #[error("invalid key {key:?}: {reason}")]
+    InvalidKey { key: String, reason: &'static str },
+    /// The store could not be reached or failed; worth retrying.
+    #[error("storage unavailable during {op} {key}: {message}")]
+    Unavailable { op: &'static str, key: String, message: String },
+}
+
+impl Storage {
+    pub async fn open(config: &StorageConfig) -> Result<Self, StorageError> {
+        match config {
+            StorageConfig::S3 { .. } => Ok(Storage::S3(S3Store::open(config).await?)),
+            StorageConfig::Local { root } => Ok(Storage::Local(LocalStore::open(root.clone()).await?)),
+        }
+    }
+
+    pub async fn put(&self, key: &str, body: Bytes, content_type: &str) -> Result<(), StorageError> {
+        check_key(key)?;
+        match self {
+            Storage::S3(s) => s.put(key, body, content_type).await,
+            Storage::Local(l) => l.put(key, body).await,
+        }
+    }
+
+    pub async fn get(&self, key: &str) -> Result<Bytes, StorageError> {
+        check_key(key)?;
+        match self {
+            Storage::S3(s) => s.get(key).await,
+            Storage::Local(l) => l.get(key).await,
+        }
+    }
+
+    /// Keys under `prefix`, sorted.
+    pub async fn list(&self, prefix: &str) -> Result<Vec<String>, StorageError> {
+        let mut keys = match self {
+            Storage::S3(s) => s.list(prefix).await?,
+            Storage::Local(l) => l.list(prefix).await?,
+        };
+        keys.sort();
+        Ok(keys)
+    }
+
+    /// Cheap reachability check (for readiness and start-up).
+    pub async fn check(&self) -> Result<(), StorageError> {
+        match self {
+            Storage::S3(s) => s.check().await,
+            Storage::Local(l) => l.check().await,
+        }
+    }
+
+    /// A human-readable location, e.g. `s3://bucket` or `/var/lib/vnfarm`.
+    pub fn describe(&self) -> String {
+        match self {
+            Storage::S3(s) => format!("s3://{}", s.bucket()),
+            Storage::Local(l) => l.root().display().to_string(),
+        }
+    }
+}
+
+/// Keys are relative, `/`-separated, with no empty, `.` or `..` segment: safe as paths and as S3 keys.
+fn check_key(key: &str) -> Result<(), StorageError> {
+    let bad = |reason| Err(StorageError::InvalidKey { key: key.to_owned(), reason });
+    if key.is_empty() || key.len() > 1024 {
+        return bad("must be 1-1024 bytes");
+    }
+    if key.split('/').any(|s| s.is_empty() || s == "." || s == "..") {
+        return bad("has an empty, '.' or '..' segment");
+    }
+    if key.chars().any(|c| c.is_control() || c == '\\') {
+        return bad("has a control character or backslash");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_checked() {
+        assert!(check_key("results/a/0.png").is_ok());
+        for bad in ["", "/abs", "a//b", "a/../b", "a/./b", "a\\b", "a/b/"] {
+            assert!(check_key(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn local_store_round_trips() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Storage::open(&StorageConfig::Local { root: dir.path().join("store") }).await.unwrap();
+        store.put("results/j/0.png", Bytes::from_static(b"one"), "image/png").await.unwrap();
+        store.put("results/j/0.png", Bytes::from_static(b"two"), "image/png").await.unwrap();
+        store.put("results/j/manifest.json", Bytes::from_static(b"{}"), "application/json").await.unwrap();
+        assert_eq!(store.get("results/j/0.png").await.unwrap(), Bytes::from_static(b"two"));
+        assert_eq!(store.list("results/j/").await.unwrap(), ["results/j/0.png", "results/j/manifest.json"]);
+        assert!(matches!(store.get("results/j/1.png").await, Err(StorageError::NotFound { .. })));
+        assert!(matches!(store.get("../x").await, Err(StorageError::InvalidKey { .. })));
+    }
+}

@@ -1,0 +1,537 @@
+//! Golden tests against diffusers / transformers / compel on the tiny SDXL fixtures of
+//! `fixtures/make_sdxl_fixtures.py`, loading both the diffusers folder and the ldm single file.
+//!
+//! Relative error is `max|a − b| / max|b|` over the whole tensor (b = reference); components must
+//! be within 1e-4 in fp32. Images: mean absolute error over all RGB8 values, in units of 1/255,
+//! must be ≤ 1.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use tch::{Device, Kind, Tensor};
+use vnfarm_models::clip::{ClipTextConfig, ClipTextModel};
+use vnfarm_models::error::{GenerateError, LoadError};
+use vnfarm_models::ldm::{self, PredictionType};
+use vnfarm_models::nn::AttentionImpl;
+use vnfarm_models::noise;
+use vnfarm_models::pipeline::{
+    ComponentConfigs, GenerateRequest, ModelSource, PipelineConfig, SdxlPipeline,
+};
+use vnfarm_models::safetensors::SafetensorsFile;
+use vnfarm_models::schedulers::{Sampler, Scheduler, SchedulerConfig};
+use vnfarm_models::tokenizer::ClipTokenizer;
+use vnfarm_models::unet::{AddedCond, UNet2DConditionModel, UNetConfig};
+use vnfarm_models::vae::{AutoencoderKL, Tiling, VaeConfig};
+use vnfarm_models::weights::{WeightStore, Weights};
+
+const TOL: f64 = 1e-4;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures")
+}
+
+fn folder() -> PathBuf {
+    fixtures().join("sdxl_tiny")
+}
+
+fn single_file() -> PathBuf {
+    fixtures().join("sdxl_tiny_ldm.safetensors")
+}
+
+/// All tensors of a reference file (floats as fp32).
+fn reference(name: &str) -> (HashMap<String, Tensor>, SafetensorsFile) {
+    let f = SafetensorsFile::open(fixtures().join("reference").join(name)).expect("reference file");
+    let mut m = HashMap::new();
+    let names: Vec<String> = f.names().map(str::to_string).collect();
+    for n in names {
+        let info = f.info(&n).expect("listed");
+        let kind = match info.dtype.as_str() {
+            "I64" => Kind::Int64,
+            "F64" => Kind::Double,
+            _ => Kind::Float,
+        };
+        m.insert(n.clone(), f.load(&n, Device::Cpu, kind).expect("tensor"));
+    }
+    (m, f)
+}
+
+fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
+    assert_eq!(a.size(), b.size(), "shape mismatch");
+    let a = a.to_kind(Kind::Double);
+    let b = b.to_kind(Kind::Double);
+    let num = (&a - &b).abs().max().double_value(&[]);
+    let den = b.abs().max().double_value(&[]).max(1e-12);
+    num / den
+}
+
+fn check(what: &str, a: &Tensor, b: &Tensor, tol: f64) -> f64 {
+    let e = rel_err(a, b);
+    println!("{what}: relative error {e:.3e}");
+    assert!(e <= tol, "{what}: relative error {e:.3e} > {tol:.1e}");
+    e
+}
+
+/// The four component stores of a format: `[unet, vae, clip_l, clip_g]`.
+fn stores(format: &str) -> [WeightStore; 4] {
+    if format == "ldm" {
+        let f = Arc::new(SafetensorsFile::open(single_file()).expect("ldm file"));
+        let s = ldm::stores(f, 2, 2);
+        [s.unet, s.vae, s.clip_l, s.clip_g]
+    } else {
+        let open = |rel: &str| {
+            WeightStore::identity(Arc::new(
+                SafetensorsFile::open(folder().join(rel)).expect("diffusers file"),
+            ))
+        };
+        [
+            open("unet/diffusion_pytorch_model.safetensors"),
+            open("vae/diffusion_pytorch_model.safetensors"),
+            open("text_encoder/model.safetensors"),
+            open("text_encoder_2/model.safetensors"),
+        ]
+    }
+}
+
+fn weights(s: WeightStore) -> Weights {
+    Weights::new(Arc::new(s), Device::Cpu, Kind::Float)
+}
+
+const FORMATS: [&str; 2] = ["diffusers", "ldm"];
+
+#[test]
+fn text_encoders_match_transformers() {
+    let _g = tch::no_grad_guard();
+    let (r, _) = reference("text_encoders.safetensors");
+    for format in FORMATS {
+        let [_, _, l, g] = stores(format);
+        for (name, store, cfg) in [
+            ("te1", l, ClipTextConfig::tiny(false)),
+            ("te2", g, ClipTextConfig::tiny(true)),
+        ] {
+            let m = ClipTextModel::new(&weights(store), &cfg, AttentionImpl::Sdpa).expect("load");
+            let ids = &r[&format!("{name}.ids")];
+            let o = m.forward(ids, None);
+            check(&format!("{format} {name} penultimate"), &o.penultimate, &r[&format!("{name}.penultimate")], TOL);
+            check(&format!("{format} {name} last hidden"), &o.last_hidden, &r[&format!("{name}.last_hidden")], TOL);
+            if name == "te1" {
+                check(&format!("{format} {name} pooled"), &o.pooled, &r["te1.pooled"], TOL);
+            } else {
+                let te = o.text_embeds.expect("te2 has a projection");
+                check(&format!("{format} {name} text_embeds"), &te, &r["te2.text_embeds"], TOL);
+            }
+            let masked = m.forward(ids, Some(&r[&format!("{name}.mask")]));
+            check(
+                &format!("{format} {name} masked penultimate"),
+                &masked.penultimate,
+                &r[&format!("{name}.masked_penultimate")],
+                TOL,
+            );
+        }
+    }
+}
+
+#[test]
+fn unet_matches_diffusers() {
+    let _g = tch::no_grad_guard();
+    let (r, _) = reference("unet.safetensors");
+    for format in FORMATS {
+        for imp in [AttentionImpl::Sdpa, AttentionImpl::Matmul] {
+            let [u, ..] = stores(format);
+            let unet = UNet2DConditionModel::new(&weights(u), &UNetConfig::tiny(), imp).expect("load");
+            for case in 0..2 {
+                let k = |n: &str| &r[&format!("{case}.{n}")];
+                let out = unet.forward(
+                    k("sample"),
+                    k("timestep"),
+                    k("context"),
+                    &AddedCond {
+                        text_embeds: k("text_embeds"),
+                        time_ids: k("time_ids"),
+                    },
+                );
+                check(&format!("{format} {imp:?} unet case {case}"), &out, k("out"), TOL);
+            }
+        }
+    }
+}
+
+fn tiny_vae(format: &str, tile: i64) -> AutoencoderKL {
+    let [_, v, ..] = stores(format);
+    let mut cfg = VaeConfig::tiny();
+    cfg.tile_sample_size = tile;
+    cfg.tiling_threshold = tile;
+    AutoencoderKL::new(&weights(v), &cfg, AttentionImpl::Sdpa).expect("load vae")
+}
+
+#[test]
+fn vae_matches_diffusers() {
+    let _g = tch::no_grad_guard();
+    let (r, _) = reference("vae.safetensors");
+    for format in FORMATS {
+        let vae = tiny_vae(format, 128);
+        let d = vae.encode(&r["image"], Tiling::Never);
+        check(&format!("{format} vae encode mean"), &d.mean, &r["mean"], TOL);
+        check(&format!("{format} vae encode logvar"), &d.logvar, &r["logvar"], TOL);
+        check(&format!("{format} vae decode"), &vae.decode(&r["z"], Tiling::Never), &r["decoded"], TOL);
+        check(
+            &format!("{format} vae decode 40x40 latent"),
+            &vae.decode(&r["z_big"], Tiling::Auto),
+            &r["decoded_big"],
+            TOL,
+        );
+        // Tiled with 32 px tiles, as diffusers' tiled_decode / tiled_encode.
+        let tiled = tiny_vae(format, 32);
+        let dec = tiled.decode(&r["z_big"], Tiling::Auto);
+        check(&format!("{format} vae tiled decode vs diffusers tiled"), &dec, &r["decoded_big_tiled"], TOL);
+        let enc = tiled.encode(&r["image_big"], Tiling::Auto);
+        check(&format!("{format} vae tiled encode vs diffusers tiled"), &enc.mean, &r["mean_big_tiled"], TOL);
+    }
+}
+
+#[test]
+fn vae_tiled_decode_is_close_to_untiled() {
+    // Tiles normalise with their own GroupNorm statistics, so tiling is an approximation; on the
+    // tiny random VAE (80x80 output, 32 px tiles, 8 px blend) the measured gap is stated here.
+    let _g = tch::no_grad_guard();
+    let (r, _) = reference("vae.safetensors");
+    let z = &r["z_big"];
+    let untiled = tiny_vae("diffusers", 128).decode(z, Tiling::Never);
+    let tiled = tiny_vae("diffusers", 32).decode(z, Tiling::Always);
+    let mae = (&tiled - &untiled).abs().mean(Kind::Float).double_value(&[]);
+    let range = untiled.abs().max().double_value(&[]);
+    println!("tiled vs untiled decode: mean abs diff {mae:.4e}, max|untiled| {range:.3}");
+    assert!(mae / range <= 0.1, "tiled decode drifts from untiled: {mae} / {range}");
+}
+
+fn sched_config(pred: &str) -> SchedulerConfig {
+    let mut c = SchedulerConfig::sdxl();
+    c.prediction_type = if pred == "v_prediction" {
+        PredictionType::VPrediction
+    } else {
+        PredictionType::Epsilon
+    };
+    c
+}
+
+#[test]
+fn schedulers_match_diffusers() {
+    let _g = tch::no_grad_guard();
+    let (r, _) = reference("schedulers.safetensors");
+    for (name, sampler) in [
+        ("euler", Sampler::Euler),
+        ("euler_a", Sampler::EulerAncestral),
+        ("dpmpp_2m_karras", Sampler::DpmPp2mKarras),
+    ] {
+        for pred in ["epsilon", "v_prediction"] {
+            let key = format!("{name}.{pred}");
+            let cfg = sched_config(pred);
+            for n in [1usize, 4, 7, 20, 30] {
+                let s = Scheduler::new(sampler, &cfg, n);
+                let ts = Tensor::from_slice(s.timesteps());
+                let sig = Tensor::from_slice(s.sigmas());
+                check(&format!("{key} n{n} timesteps"), &ts, &r[&format!("{key}.n{n}.timesteps")], 1e-6);
+                check(&format!("{key} n{n} sigmas"), &sig, &r[&format!("{key}.n{n}.sigmas")], 1e-6);
+            }
+            let mut s = Scheduler::new(sampler, &cfg, 10);
+            let init = r[&format!("{key}.init_noise_sigma")].double_value(&[0]);
+            assert!((s.init_noise_sigma() - init).abs() <= 1e-6 * init, "{key} init_noise_sigma");
+            let mut sample = &r["x0"] * s.init_noise_sigma();
+            noise::seed(1234);
+            let mut draw = |shape: &[i64]| noise::randn_cpu(shape);
+            let (mut scaled_all, mut samples) = (Vec::new(), Vec::new());
+            for i in 0..10 {
+                let scaled = s.scale_model_input(&sample, i);
+                let model_out = r["eps"].get(i as i64) + &scaled * 0.1;
+                sample = s.step(&model_out, i, &sample, &mut draw);
+                scaled_all.push(scaled);
+                samples.push(sample.shallow_clone());
+            }
+            check(&format!("{key} scaled inputs"), &Tensor::stack(&scaled_all, 0), &r[&format!("{key}.scaled")], TOL);
+            check(&format!("{key} samples"), &Tensor::stack(&samples, 0), &r[&format!("{key}.samples")], TOL);
+        }
+    }
+}
+
+fn tiny_components() -> ComponentConfigs {
+    ComponentConfigs {
+        unet: Some(UNetConfig::tiny()),
+        vae: Some(VaeConfig::tiny()),
+        clip_l: Some(ClipTextConfig::tiny(false)),
+        clip_g: Some(ClipTextConfig::tiny(true)),
+        scheduler: Some(SchedulerConfig::sdxl()),
+    }
+}
+
+fn load(format: &str) -> SdxlPipeline {
+    let cfg = if format == "ldm" {
+        let mut c = PipelineConfig::new(ModelSource::SingleFile(single_file()), Device::Cpu);
+        c.components = tiny_components();
+        // The tiny text encoders have a 1000-token vocabulary: use the fixture's tokenizers.
+        c.tokenizer_dir = Some(folder());
+        c
+    } else {
+        PipelineConfig::new(ModelSource::DiffusersFolder(folder()), Device::Cpu)
+    };
+    SdxlPipeline::load(&cfg).expect("load pipeline")
+}
+
+#[test]
+fn prompt_weighting_matches_compel() {
+    let _g = tch::no_grad_guard();
+    let (r, f) = reference("prompts.safetensors");
+    let cases: Vec<serde_json::Value> =
+        serde_json::from_str(&f.metadata()["cases"]).expect("cases metadata");
+    for format in FORMATS {
+        let p = load(format);
+        let enc = p.prompt_encoder();
+        for (i, case) in cases.iter().enumerate() {
+            let prompt = case["a1111"].as_str().expect("prompt");
+            let c = enc.encode(prompt).expect("encode");
+            check(&format!("{format} prompt {i} {prompt:?} embeds"), &c.embeds, &r[&format!("{i}.cond")], TOL);
+            check(&format!("{format} prompt {i} pooled"), &c.pooled, &r[&format!("{i}.pooled")], TOL);
+        }
+        let long = cases.last().and_then(|c| c["a1111"].as_str()).expect("long prompt");
+        let pos = enc.encode(long).expect("encode");
+        let neg = enc.encode(&f.metadata()["negative"]).expect("encode");
+        let (pos, neg) = enc.pad_to_same_length(pos.embeds, neg.embeds);
+        check(&format!("{format} padded positive"), &pos, &r["pad.pos"], TOL);
+        check(&format!("{format} padded negative"), &neg, &r["pad.neg"], TOL);
+    }
+}
+
+fn sampler_of(name: &str) -> Sampler {
+    match name {
+        "euler" => Sampler::Euler,
+        "euler_a" => Sampler::EulerAncestral,
+        _ => Sampler::DpmPp2mKarras,
+    }
+}
+
+#[test]
+fn pipeline_images_match_diffusers() {
+    let (r, f) = reference("pipeline.safetensors");
+    let cases: Vec<serde_json::Value> =
+        serde_json::from_str(&f.metadata()["cases"]).expect("cases metadata");
+    for format in FORMATS {
+        for case in &cases {
+            let name = case[0].as_str().expect("name");
+            let pred = case[2].as_str().expect("pred");
+            let mut cfg = if format == "ldm" {
+                let mut c = PipelineConfig::new(ModelSource::SingleFile(single_file()), Device::Cpu);
+                c.components = tiny_components();
+                c.tokenizer_dir = Some(folder());
+                c
+            } else {
+                PipelineConfig::new(ModelSource::DiffusersFolder(folder()), Device::Cpu)
+            };
+            if pred == "v_prediction" {
+                cfg.prediction_type = Some(PredictionType::VPrediction);
+            }
+            let p = SdxlPipeline::load(&cfg).expect("load");
+            let req = GenerateRequest {
+                prompt: f.metadata()["prompt"].clone(),
+                negative_prompt: f.metadata()["negative"].clone(),
+                width: case[7].as_u64().expect("w") as u32,
+                height: case[6].as_u64().expect("h") as u32,
+                steps: case[4].as_u64().expect("steps") as usize,
+                cfg: case[8].as_f64().expect("cfg"),
+                sampler: sampler_of(case[1].as_str().expect("sampler")),
+                seed: case[3].as_u64().expect("seed"),
+                count: case[5].as_u64().expect("count") as usize,
+            };
+            let mut calls = Vec::new();
+            let images = p
+                .generate(&req, &mut |s, t| calls.push((s, t)), &|| false)
+                .expect("generate");
+            assert_eq!(calls.last(), Some(&(req.steps, req.steps)));
+            assert_eq!(images.len(), req.count);
+            let want = &r[&format!("{name}.image")];
+            let mut total = 0.0;
+            let mut n = 0usize;
+            for (b, img) in images.iter().enumerate() {
+                assert_eq!((img.width(), img.height()), (req.width, req.height));
+                let got = Tensor::from_slice(img.as_raw())
+                    .to_kind(Kind::Float)
+                    .view([req.height as i64, req.width as i64, 3])
+                    / 255.0;
+                total += (&got - want.get(b as i64)).abs().sum(Kind::Double).double_value(&[]);
+                n += img.as_raw().len();
+            }
+            let mae = total / n as f64 * 255.0;
+            println!("{format} pipeline {name}: image MAE {mae:.4} / 255");
+            assert!(mae <= 1.0, "{format} {name}: MAE {mae} / 255");
+        }
+    }
+}
+
+#[test]
+fn bundled_tokenizer_matches_transformers() {
+    let tok = ClipTokenizer::bundled("<|endoftext|>").expect("bundled tokenizer");
+    let text = std::fs::read_to_string(fixtures().join("tokenizer_cases.json")).expect("cases");
+    let cases: Vec<serde_json::Value> = serde_json::from_str(&text).expect("json");
+    for c in &cases {
+        let prompt = c["prompt"].as_str().expect("prompt");
+        let want: Vec<i64> = c["ids"]
+            .as_array()
+            .expect("ids")
+            .iter()
+            .map(|v| v.as_i64().expect("id"))
+            .collect();
+        assert_eq!(tok.encode_with_specials(prompt).expect("encode"), want, "{prompt:?}");
+    }
+    println!("{} tokenizer cases match", cases.len());
+}
+
+#[test]
+fn cancellation_is_a_distinct_error() {
+    let p = load("diffusers");
+    let req = GenerateRequest {
+        prompt: "a cat".into(),
+        negative_prompt: String::new(),
+        width: 32,
+        height: 32,
+        steps: 3,
+        cfg: 5.0,
+        sampler: Sampler::Euler,
+        seed: 1,
+        count: 1,
+    };
+    let calls = std::cell::Cell::new(0);
+    let res = p.generate(&req, &mut |_, _| {}, &|| {
+        calls.set(calls.get() + 1);
+        calls.get() > 2
+    });
+    assert!(matches!(res, Err(GenerateError::Cancelled)), "{res:?}");
+    let bad = GenerateRequest { width: 33, ..req };
+    assert!(matches!(
+        p.generate(&bad, &mut |_, _| {}, &|| false),
+        Err(GenerateError::InvalidRequest(_))
+    ));
+    p.warm_up(&[(32, 32), (48, 32)]).expect("warm up");
+}
+
+// ---------------------------------------------------------------- loader errors
+
+/// Writes a safetensors file from `(name, dtype, shape, bytes)` entries plus metadata.
+fn write_safetensors(path: &Path, entries: &[(String, &str, Vec<i64>, Vec<u8>)], meta: &[(&str, &str)]) {
+    let mut header = serde_json::Map::new();
+    let mut data = Vec::new();
+    for (name, dtype, shape, bytes) in entries {
+        let start = data.len();
+        data.extend_from_slice(bytes);
+        header.insert(
+            name.clone(),
+            serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [start, data.len()]}),
+        );
+    }
+    if !meta.is_empty() {
+        let m: serde_json::Map<String, serde_json::Value> =
+            meta.iter().map(|(k, v)| (k.to_string(), serde_json::json!(v))).collect();
+        header.insert("__metadata__".into(), serde_json::Value::Object(m));
+    }
+    let mut h = serde_json::to_vec(&header).expect("json");
+    while h.len() % 8 != 0 {
+        h.push(b' ');
+    }
+    let mut out = (h.len() as u64).to_le_bytes().to_vec();
+    out.extend(h);
+    out.extend(data);
+    std::fs::write(path, out).expect("write");
+}
+
+/// Every tensor of the diffusers text encoder 1 file, optionally edited.
+fn te1_entries(edit: impl Fn(&str, Vec<i64>) -> Option<(String, Vec<i64>)>) -> Vec<(String, &'static str, Vec<i64>, Vec<u8>)> {
+    let f = SafetensorsFile::open(folder().join("text_encoder/model.safetensors")).expect("te1");
+    let mut names: Vec<String> = f.names().map(str::to_string).collect();
+    names.sort();
+    names
+        .into_iter()
+        .filter_map(|n| {
+            let info = f.info(&n).expect("listed").clone();
+            let (name, shape) = edit(&n, info.shape.clone())?;
+            let t = f.load(&n, Device::Cpu, Kind::Float).expect("tensor");
+            let numel: i64 = shape.iter().product();
+            let t = t.reshape([-1]).narrow(0, 0, numel.min(t.numel() as i64));
+            let mut bytes = Vec::<f32>::try_from(&t).expect("f32").iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+            bytes.resize(numel as usize * 4, 0);
+            Some((name, "F32", shape, bytes))
+        })
+        .collect()
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("vnfarm-models-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    dir.join(name)
+}
+
+fn load_te1(path: &Path) -> Result<ClipTextModel, LoadError> {
+    let f = Arc::new(SafetensorsFile::open(path)?);
+    ClipTextModel::new(&weights(WeightStore::identity(f)), &ClipTextConfig::tiny(false), AttentionImpl::Sdpa)
+}
+
+#[test]
+fn missing_or_misnamed_tensor_is_named() {
+    let path = scratch("misnamed.safetensors");
+    let target = "text_model.encoder.layers.3.mlp.fc1.weight";
+    write_safetensors(
+        &path,
+        &te1_entries(|n, s| Some((if n == target { n.replace("fc1", "fc_1") } else { n.to_string() }, s))),
+        &[],
+    );
+    let err = load_te1(&path).expect_err("must fail");
+    let msg = err.to_string();
+    println!("{msg}");
+    assert!(matches!(err, LoadError::Missing { .. }), "{err:?}");
+    assert!(msg.contains(target) && msg.contains("misnamed.safetensors"), "{msg}");
+}
+
+#[test]
+fn wrong_shape_is_named() {
+    let path = scratch("shape.safetensors");
+    let target = "text_model.final_layer_norm.weight";
+    write_safetensors(&path, &te1_entries(|n, s| Some((n.to_string(), if n == target { vec![31] } else { s }))), &[]);
+    let err = load_te1(&path).expect_err("must fail");
+    let msg = err.to_string();
+    println!("{msg}");
+    assert!(matches!(err, LoadError::Shape { .. }), "{err:?}");
+    assert!(msg.contains(target) && msg.contains("shape.safetensors") && msg.contains("[31]"), "{msg}");
+}
+
+#[test]
+fn truncated_file_is_named() {
+    let path = scratch("truncated.safetensors");
+    let bytes = std::fs::read(folder().join("text_encoder/model.safetensors")).expect("read");
+    std::fs::write(&path, &bytes[..bytes.len() - 1000]).expect("write");
+    let err = SafetensorsFile::open(&path).expect_err("must fail");
+    let msg = err.to_string();
+    println!("{msg}");
+    assert!(matches!(err, LoadError::Truncated { .. }), "{err:?}");
+    assert!(msg.contains("truncated.safetensors") && msg.contains("tensor `"), "{msg}");
+    // A file cut inside its header is reported too.
+    std::fs::write(&path, &bytes[..100]).expect("write");
+    let err = SafetensorsFile::open(&path).expect_err("must fail");
+    assert!(matches!(err, LoadError::BadHeader { .. }), "{err:?}");
+}
+
+#[test]
+fn v_prediction_flags_are_detected() {
+    let one = vec![("x".to_string(), "F32", vec![1], 0f32.to_le_bytes().to_vec())];
+    let mut with_key = one.clone();
+    with_key.push(("v_pred".to_string(), "F32", vec![0], Vec::new()));
+    with_key.push(("ztsnr".to_string(), "F32", vec![0], Vec::new()));
+    let cases: [(&str, Vec<_>, Vec<(&str, &str)>, Option<PredictionType>, bool); 4] = [
+        ("plain", one.clone(), vec![], None, false),
+        ("vpred_key", with_key, vec![], Some(PredictionType::VPrediction), true),
+        ("modelspec", one.clone(), vec![("modelspec.prediction_type", "v")], Some(PredictionType::VPrediction), false),
+        ("kohya", one, vec![("ss_v_parameterization", "True")], Some(PredictionType::VPrediction), false),
+    ];
+    for (name, entries, meta, want, ztsnr) in cases {
+        let path = scratch(&format!("{name}.safetensors"));
+        write_safetensors(&path, &entries, &meta);
+        let flags = ldm::detect_flags(&SafetensorsFile::open(&path).expect("open"));
+        assert_eq!(flags.prediction_type, want, "{name}");
+        assert_eq!(flags.zero_terminal_snr, ztsnr, "{name}");
+    }
+}

@@ -1,0 +1,98 @@
+//! The worker's typed configuration, validated before any I/O.
+
+use std::net::SocketAddr;
+use std::path::Path;
+
+use serde::Deserialize;
+use vnfarm_bus::AmqpConfig;
+use vnfarm_config::ConfigError;
+use vnfarm_proto::{ModelFamily, WorkerId};
+use vnfarm_storage::StorageConfig;
+
+use crate::engine::EngineConfig;
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// This worker's name; its queue is `<prefix>.worker.<id>`. Defaults to the host name.
+    #[serde(default = "default_worker_id")]
+    pub worker_id: String,
+    #[serde(default)]
+    pub amqp: AmqpConfig,
+    #[serde(default = "default_storage")]
+    pub storage: StorageConfig,
+    #[serde(default)]
+    pub engine: EngineConfig,
+    /// Address of `/metrics` and `/healthz`. Port 0 picks a free port.
+    #[serde(default = "default_listen")]
+    pub listen: SocketAddr,
+    #[serde(default = "default_heartbeat_ms")]
+    pub heartbeat_interval_ms: u64,
+    /// Jobs the broker may hand this worker before it acknowledges one (its queue's prefetch).
+    #[serde(default = "one")]
+    pub prefetch: u16,
+    /// After SIGTERM, how long the job in hand may run before it is interrupted and requeued.
+    #[serde(default = "default_grace_s")]
+    pub drain_grace_s: u64,
+    /// Storage operations are retried this many times, with exponential backoff, before the job is
+    /// requeued.
+    #[serde(default = "default_storage_attempts")]
+    pub storage_attempts: u32,
+}
+
+fn default_worker_id() -> String {
+    let host = std::fs::read_to_string("/etc/hostname").unwrap_or_default();
+    let id: String = host.trim().to_lowercase().chars().filter(|c| c.is_ascii_alphanumeric() || *c == '-').collect();
+    if id.is_empty() { "worker".into() } else { id }
+}
+fn default_storage() -> StorageConfig {
+    StorageConfig::Local { root: "vnfarm-data".into() }
+}
+fn default_listen() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 9101))
+}
+fn default_heartbeat_ms() -> u64 {
+    2_000
+}
+fn one() -> u16 {
+    1
+}
+fn default_grace_s() -> u64 {
+    600
+}
+fn default_storage_attempts() -> u32 {
+    5
+}
+
+impl Config {
+    pub fn load(file: Option<&Path>, env: impl IntoIterator<Item = (String, String)>) -> Result<Self, ConfigError> {
+        let config: Config = vnfarm_config::load(file, env)?;
+        config.validate().map_err(ConfigError::invalid)?;
+        Ok(config)
+    }
+
+    pub fn validate(&self) -> Result<(), String> {
+        WorkerId::try_from(self.worker_id.clone()).map_err(|e| format!("worker_id: {e}"))?;
+        self.amqp.validate()?;
+        self.storage.validate("storage")?;
+        self.engine.validate()?;
+        if self.heartbeat_interval_ms < 100 {
+            return Err("heartbeat_interval_ms: must be at least 100".into());
+        }
+        if !(1..=64).contains(&self.prefetch) {
+            return Err("prefetch: must be 1..=64".into());
+        }
+        if self.storage_attempts == 0 {
+            return Err("storage_attempts: must be at least 1".into());
+        }
+        Ok(())
+    }
+
+    pub fn worker_id(&self) -> WorkerId {
+        WorkerId::try_from(self.worker_id.clone()).expect("validated in Config::validate")
+    }
+
+    pub fn models(&self) -> Vec<ModelFamily> {
+        self.engine.models.clone()
+    }
+}

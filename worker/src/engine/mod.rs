@@ -1,0 +1,232 @@
+//! Engines run the models. All of them live on one dedicated thread ([`EngineHost`]): tch tensors are
+//! not `Sync`, no-grad mode is thread-local, and compute must never block the async runtime. The async
+//! side sends an [`EngineJob`] and awaits the reply; progress comes back on a channel and cancellation
+//! is a flag the engine checks between denoising steps.
+//!
+//! The set of engines is closed, so [`Engine`] is an enum. The test-pattern engine is a fixture for the
+//! job system and is never used in place of a model that failed to load: a worker whose configured
+//! engine cannot load exits with an error.
+
+pub mod test_pattern;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::thread;
+
+use image::RgbImage;
+use serde::Deserialize;
+use vnfarm_proto::{JobId, ModelFamily, StageTimings, Task};
+
+pub use test_pattern::{TestPatternConfig, TestPatternEngine};
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct EngineConfig {
+    /// Which implementation serves the models.
+    #[serde(default)]
+    pub kind: EngineKind,
+    /// Model families this worker serves (and advertises in its heartbeat).
+    #[serde(default = "all_models")]
+    pub models: Vec<ModelFamily>,
+    #[serde(default)]
+    pub test_pattern: TestPatternConfig,
+}
+
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum EngineKind {
+    /// Deterministic CPU images; for exercising the job system without weights.
+    #[default]
+    TestPattern,
+}
+
+fn all_models() -> Vec<ModelFamily> {
+    ModelFamily::ALL.to_vec()
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self { kind: EngineKind::default(), models: all_models(), test_pattern: TestPatternConfig::default() }
+    }
+}
+
+impl EngineConfig {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.models.is_empty() {
+            return Err("engine.models: a worker must serve at least one model family".into());
+        }
+        self.test_pattern.validate()
+    }
+}
+
+/// One unit of work for an engine: a task with its decoded input image, if it has one.
+#[derive(Debug)]
+pub struct EngineJob {
+    pub job_id: JobId,
+    pub task: Task,
+    pub input: Option<RgbImage>,
+}
+
+#[derive(Debug)]
+pub struct EngineOutput {
+    pub images: Vec<RgbImage>,
+    /// Seed of each image, where the model uses one.
+    pub seeds: Vec<Option<u64>>,
+    pub timings: StageTimings,
+}
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum EngineError {
+    #[error("cancelled")]
+    Cancelled(CancelReason),
+    #[error("out of device memory: {0}")]
+    OutOfMemory(String),
+    #[error("input rejected by the engine: {0}")]
+    InvalidInput(String),
+    #[error("engine failure: {0}")]
+    Failed(String),
+    #[error("this worker has no engine for {0}")]
+    Unsupported(ModelFamily),
+}
+
+/// Why a running job is being stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CancelReason {
+    /// A client cancelled the job: report it cancelled.
+    User,
+    /// The worker is shutting down past its grace period: give the job back to the queue.
+    Shutdown,
+}
+
+/// A cancellation flag shared between the async side and the engine thread.
+#[derive(Clone, Debug, Default)]
+pub struct Cancel(Arc<AtomicU8>);
+
+impl Cancel {
+    pub fn request(&self, reason: CancelReason) {
+        let code = match reason {
+            CancelReason::User => 1,
+            CancelReason::Shutdown => 2,
+        };
+        // Keep the first reason: a user cancel is not turned into a requeue.
+        let _ = self.0.compare_exchange(0, code, Ordering::SeqCst, Ordering::SeqCst);
+    }
+
+    pub fn requested(&self) -> Option<CancelReason> {
+        match self.0.load(Ordering::SeqCst) {
+            0 => None,
+            1 => Some(CancelReason::User),
+            _ => Some(CancelReason::Shutdown),
+        }
+    }
+
+    /// `Err(Cancelled)` when cancellation was requested; engines call it between steps.
+    pub fn check(&self) -> Result<(), EngineError> {
+        match self.requested() {
+            Some(reason) => Err(EngineError::Cancelled(reason)),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Step progress reported by an engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Progress {
+    pub step: u32,
+    pub total: u32,
+}
+
+/// The closed set of engines.
+pub enum Engine {
+    TestPattern(TestPatternEngine),
+}
+
+impl Engine {
+    pub fn load(config: &EngineConfig) -> anyhow::Result<Self> {
+        match config.kind {
+            EngineKind::TestPattern => Ok(Engine::TestPattern(TestPatternEngine::new(config.test_pattern.clone()))),
+        }
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            Engine::TestPattern(_) => "test-pattern",
+        }
+    }
+
+    fn run(&mut self, job: EngineJob, progress: &mut dyn FnMut(Progress), cancel: &Cancel) -> Result<EngineOutput, EngineError> {
+        match self {
+            Engine::TestPattern(e) => e.run(job, progress, cancel),
+        }
+    }
+}
+
+struct Request {
+    job: EngineJob,
+    progress: tokio::sync::mpsc::UnboundedSender<Progress>,
+    cancel: Cancel,
+    reply: tokio::sync::oneshot::Sender<Result<EngineOutput, EngineError>>,
+}
+
+/// The engine thread and the channel to it.
+pub struct EngineHost {
+    tx: std::sync::mpsc::Sender<Request>,
+    name: &'static str,
+    models: Vec<ModelFamily>,
+}
+
+impl EngineHost {
+    /// Starts the engine thread and loads the engine on it; fails if the engine cannot load.
+    pub async fn start(config: EngineConfig) -> anyhow::Result<Self> {
+        let (tx, rx) = std::sync::mpsc::channel::<Request>();
+        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+        let models = config.models.clone();
+        thread::Builder::new().name("engine".into()).spawn(move || {
+            let mut engine = match Engine::load(&config) {
+                Ok(engine) => {
+                    let _ = ready_tx.send(Ok(engine.name()));
+                    engine
+                }
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                    return;
+                }
+            };
+            // Ends when the host (the only sender) is dropped.
+            while let Ok(req) = rx.recv() {
+                let Request { job, progress, cancel, reply } = req;
+                let model = job.task.model();
+                let result = if config.models.contains(&model) {
+                    engine.run(job, &mut |p| { let _ = progress.send(p); }, &cancel)
+                } else {
+                    Err(EngineError::Unsupported(model))
+                };
+                let _ = reply.send(result);
+            }
+        })?;
+        let name = ready_rx.await.map_err(|_| anyhow::anyhow!("engine thread died while loading"))??;
+        Ok(Self { tx, name, models })
+    }
+
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+
+    pub fn models(&self) -> &[ModelFamily] {
+        &self.models
+    }
+
+    /// Runs one job on the engine thread.
+    pub async fn run(
+        &self,
+        job: EngineJob,
+        progress: tokio::sync::mpsc::UnboundedSender<Progress>,
+        cancel: Cancel,
+    ) -> Result<EngineOutput, EngineError> {
+        let (reply, rx) = tokio::sync::oneshot::channel();
+        self.tx
+            .send(Request { job, progress, cancel, reply })
+            .map_err(|_| EngineError::Failed("engine thread has stopped".into()))?;
+        rx.await.map_err(|_| EngineError::Failed("engine thread dropped the job".into()))?
+    }
+}

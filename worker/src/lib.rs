@@ -1,0 +1,94 @@
+//! vnfarm worker: keeps its models warm on one GPU, takes jobs from its RabbitMQ queue, writes results
+//! to storage and reports every step as an event.
+//!
+//! # Layout
+//!
+//! - [`config`]: the typed configuration, validated before any I/O.
+//! - [`engine`]: the engines and the dedicated engine thread they run on.
+//! - [`worker`]: shared state (identity, storage, engine host, what is running, cancellations).
+//! - [`session`]: one broker connection's life: declare, consume, heartbeat, handle.
+//! - [`job`]: one delivery from message to ack, and the classification of every failure.
+//! - [`image_io`]: decoding inputs within limits, encoding PNG outputs with their parameters.
+//! - [`metrics`], [`http`]: Prometheus metrics and the `/metrics` and `/healthz` endpoints.
+//!
+//! [`run`] is the whole worker; `main` only parses configuration and handles signals.
+
+pub mod config;
+pub mod engine;
+pub mod http;
+pub mod image_io;
+pub mod job;
+pub mod metrics;
+pub mod session;
+pub mod worker;
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use vnfarm_storage::Storage;
+
+pub use config::Config;
+use engine::EngineHost;
+use metrics::Metrics;
+use session::SessionEnd;
+use worker::Worker;
+
+/// Runs the worker until `shutdown` is cancelled: the job in hand finishes (or, past the drain grace
+/// period, is interrupted and given back to the queue), then the function returns.
+pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let listener = TcpListener::bind(config.listen).await.with_context(|| format!("binding {}", config.listen))?;
+    serve(config, listener, shutdown).await
+}
+
+/// [`run`] on an already bound listener (tests bind port 0).
+pub async fn serve(config: Config, listener: TcpListener, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let metrics = Metrics::new();
+    let started = Instant::now();
+    let engine = EngineHost::start(config.engine.clone()).await.context("loading the engine")?;
+    metrics.model_load_seconds.observe(started.elapsed().as_secs_f64());
+    tracing::info!(engine = engine.name(), seconds = started.elapsed().as_secs_f64(), "engine loaded");
+    let storage = Storage::open(&config.storage).await.context("opening storage")?;
+    let worker = Worker::new(config, storage, engine, metrics);
+
+    let http_stop = CancellationToken::new();
+    let server = {
+        let stop = http_stop.clone();
+        let app = http::router(worker.clone());
+        tokio::spawn(async move { axum::serve(listener, app).with_graceful_shutdown(stop.cancelled_owned()).await })
+    };
+    {
+        let worker = worker.clone();
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move {
+            shutdown.cancelled().await;
+            tokio::time::sleep(Duration::from_secs(worker.config.drain_grace_s)).await;
+            tracing::warn!("drain grace period over; interrupting the job in hand");
+            worker.interrupt_for_shutdown();
+        });
+    }
+
+    let name = format!("vnfarm-worker {}", worker.id);
+    loop {
+        let metrics = worker.metrics.clone();
+        let Some(connection) = vnfarm_bus::connect_with_backoff(&worker.config.amqp, &name, &shutdown, |_| metrics.amqp_reconnects_total.inc()).await
+        else {
+            break;
+        };
+        let end = worker.session(&connection, &shutdown).await;
+        worker.metrics.amqp_connected.set(0);
+        let _ = connection.close(200, "worker session over".into()).await;
+        match end {
+            SessionEnd::Shutdown => break,
+            SessionEnd::Lost(reason) => {
+                worker.metrics.amqp_reconnects_total.inc();
+                tracing::warn!(%reason, "broker session lost; reconnecting");
+            }
+        }
+    }
+    http_stop.cancel();
+    let _ = server.await;
+    tracing::info!(worker = %worker.id, "worker stopped");
+    Ok(())
+}
