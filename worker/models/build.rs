@@ -1,6 +1,8 @@
-//! Keeps libtorch's GPU backend registered in binaries and tests: the linker's `--as-needed` would
-//! otherwise drop `libtorch_cuda` / `libtorch_hip`, which nothing references by symbol, and
-//! `Device::Cuda` would then report no devices.
+//! Keeps libtorch's GPU backend registered in this crate's linked targets (its tests): the linker's
+//! `--as-needed` would otherwise drop `libtorch_cuda` / `libtorch_hip`, which nothing references
+//! by symbol, and `Device::Cuda` would then report no devices. Link arguments do not propagate to
+//! dependents: a binary using this crate (the worker) emits the same lines with
+//! `cargo:rustc-link-arg-bins=` from its own build script.
 
 use std::path::PathBuf;
 
@@ -12,11 +14,10 @@ fn main() {
     };
     for backend in ["torch_cuda", "torch_hip"] {
         if lib.join(format!("lib{backend}.so")).exists() {
-            for target in ["bins", "tests"] {
-                println!("cargo:rustc-link-arg-{target}=-Wl,--no-as-needed");
-                println!("cargo:rustc-link-arg-{target}=-l{backend}");
-                println!("cargo:rustc-link-arg-{target}=-Wl,--as-needed");
-            }
+            // This package has no binaries, so the per-target `-bins` form would be rejected.
+            println!("cargo:rustc-link-arg=-Wl,--no-as-needed");
+            println!("cargo:rustc-link-arg=-l{backend}");
+            println!("cargo:rustc-link-arg=-Wl,--as-needed");
         }
     }
 }

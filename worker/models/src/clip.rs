@@ -12,6 +12,20 @@ use crate::error::LoadError;
 use crate::nn::{AttentionImpl, LayerNorm, Linear, attention};
 use crate::weights::Weights;
 
+/// The canonical name of a transformers CLIP text-model key: transformers ≥ 5 saves
+/// `CLIPTextModel` without the `text_model.` prefix (`embeddings.*`, `encoder.*`,
+/// `final_layer_norm.*`) while older files and single-file checkpoints carry it; both load.
+/// `position_ids` buffers are dropped (positions are always `0..L`).
+pub fn canonical_key(key: &str) -> Option<String> {
+    if key.ends_with("position_ids") {
+        None
+    } else if key.starts_with("text_model.") || key.starts_with("text_projection") {
+        Some(key.to_string())
+    } else {
+        Some(format!("text_model.{key}"))
+    }
+}
+
 /// MLP activation of the text transformer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -284,8 +298,8 @@ impl ClipTextModel {
         let device = ids.device();
         let kind = self.token_embedding.kind();
         let pos = Tensor::arange(l, (Kind::Int64, device));
-        let mut x = self.token_embedding.embedding(ids, -1, false, false)
-            + self.position_embedding.embedding(&pos, -1, false, false);
+        let mut x = Tensor::embedding(&self.token_embedding, ids, -1, false, false)
+            + Tensor::embedding(&self.position_embedding, &pos, -1, false, false);
         // Additive mask: the dtype's most negative finite value where attention is forbidden.
         let neg = match kind {
             Kind::Half => -65504.0,
@@ -295,7 +309,7 @@ impl ClipTextModel {
         let causal = Tensor::ones([l, l], (kind, device)).triu(1) * neg;
         let mut mask = causal.view([1, 1, l, l]);
         if let Some(m) = attention_mask {
-            let keys = (1.0 - m.to_kind(kind)).view([b, 1, 1, l]) * neg;
+            let keys = (1.0f64 - m.to_kind(kind)).view([b, 1, 1, l]) * neg;
             mask = mask + keys;
         }
         let n = self.layers.len();

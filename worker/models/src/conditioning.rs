@@ -184,7 +184,7 @@ impl EncoderPair<'_> {
         let bw = Tensor::from_slice(&blend).to_kind(kind).to_device(embeddings[0].device());
         let bw = &bw / bw.sum(kind);
         let stacked = Tensor::stack(&embeddings, 1); // [1, K, L, D]
-        let mut z = (stacked * bw.view([1, -1, 1, 1])).sum_dim_intlist(1, false, kind);
+        let z = (stacked * bw.view([1, -1, 1, 1])).sum_dim_intlist(1, false, kind);
         let chunks = w.ids.len() / MAX_LENGTH;
         if chunks > 1 {
             let cls = |c: usize| {

@@ -284,7 +284,9 @@ pub fn stores(file: Arc<SafetensorsFile>, unet_layers_per_block: usize, vae_bloc
                 s.vae.insert(name, v, key.to_string(), Transform::Identity);
             }
         } else if let Some(k) = key.strip_prefix(CLIP_L_PREFIX) {
-            s.clip_l.insert(k.to_string(), l, key.to_string(), Transform::Identity);
+            if let Some(name) = crate::clip::canonical_key(k) {
+                s.clip_l.insert(name, l, key.to_string(), Transform::Identity);
+            }
         } else if let Some(k) = key.strip_prefix(CLIP_G_PREFIX) {
             for (name, t) in open_clip_keys(k) {
                 s.clip_g.insert(name, g, key.to_string(), t);

@@ -212,6 +212,9 @@ impl SdxlPipeline {
                     }
                 };
                 let store = |rel: &str| open(&dir.join(rel)).map(WeightStore::identity);
+                let clip_store = |rel: &str| {
+                    open(&dir.join(rel)).map(|f| WeightStore::renamed(f, crate::clip::canonical_key))
+                };
                 (
                     unet_cfg,
                     vae_cfg,
@@ -221,8 +224,8 @@ impl SdxlPipeline {
                     [
                         store("unet/diffusion_pytorch_model.safetensors")?,
                         store("vae/diffusion_pytorch_model.safetensors")?,
-                        store("text_encoder/model.safetensors")?,
-                        store("text_encoder_2/model.safetensors")?,
+                        clip_store("text_encoder/model.safetensors")?,
+                        clip_store("text_encoder_2/model.safetensors")?,
                     ],
                     ldm::CheckpointFlags::default(),
                     Some(config.tokenizer_dir.clone().unwrap_or_else(|| dir.clone())),
@@ -362,7 +365,7 @@ impl SdxlPipeline {
             i64::from(r.height) / f,
             i64::from(r.width) / f,
         ];
-        noise::seed(r.seed);
+        let _generator = noise::seed(r.seed);
         // diffusers' randn_tensor draws on the CPU generator in the latents' dtype.
         let draw = |shape: &[i64]| {
             Tensor::randn(shape, (self.dtype, Device::Cpu)).to_device(self.device)

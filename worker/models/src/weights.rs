@@ -44,11 +44,18 @@ pub struct WeightStore {
 impl WeightStore {
     /// Every tensor of `file` under its own name (diffusers folders).
     pub fn identity(file: Arc<SafetensorsFile>) -> Self {
+        Self::renamed(file, |k| Some(k.to_string()))
+    }
+
+    /// Every tensor of `file` under `rename(key)`; keys mapped to `None` are skipped.
+    pub fn renamed(file: Arc<SafetensorsFile>, rename: impl Fn(&str) -> Option<String>) -> Self {
         let mut store = Self::default();
         let idx = store.add_file(file);
         let keys: Vec<String> = store.files[idx].names().map(str::to_string).collect();
         for k in keys {
-            store.insert(k.clone(), idx, k, Transform::Identity);
+            if let Some(name) = rename(&k) {
+                store.insert(name, idx, k, Transform::Identity);
+            }
         }
         store
     }
@@ -146,7 +153,7 @@ impl WeightStore {
                     return Err(shape_err(stored));
                 }
                 let t = file.load(&src.key, device, kind)?;
-                t.f_t_().map_err(torch)?.f_contiguous().map_err(torch)?
+                t.f_transpose(0, 1).map_err(torch)?.f_contiguous().map_err(torch)?
             }
         };
         Ok(t)

@@ -79,16 +79,13 @@ fn stores(format: &str) -> [WeightStore; 4] {
         let s = ldm::stores(f, 2, 2);
         [s.unet, s.vae, s.clip_l, s.clip_g]
     } else {
-        let open = |rel: &str| {
-            WeightStore::identity(Arc::new(
-                SafetensorsFile::open(folder().join(rel)).expect("diffusers file"),
-            ))
-        };
+        let file = |rel: &str| Arc::new(SafetensorsFile::open(folder().join(rel)).expect("diffusers file"));
+        let clip = |rel: &str| WeightStore::renamed(file(rel), vnfarm_models::clip::canonical_key);
         [
-            open("unet/diffusion_pytorch_model.safetensors"),
-            open("vae/diffusion_pytorch_model.safetensors"),
-            open("text_encoder/model.safetensors"),
-            open("text_encoder_2/model.safetensors"),
+            WeightStore::identity(file("unet/diffusion_pytorch_model.safetensors")),
+            WeightStore::identity(file("vae/diffusion_pytorch_model.safetensors")),
+            clip("text_encoder/model.safetensors"),
+            clip("text_encoder_2/model.safetensors"),
         ]
     }
 }
@@ -237,7 +234,7 @@ fn schedulers_match_diffusers() {
             let init = r[&format!("{key}.init_noise_sigma")].double_value(&[0]);
             assert!((s.init_noise_sigma() - init).abs() <= 1e-6 * init, "{key} init_noise_sigma");
             let mut sample = &r["x0"] * s.init_noise_sigma();
-            noise::seed(1234);
+            let _generator = noise::seed(1234);
             let mut draw = |shape: &[i64]| noise::randn_cpu(shape);
             let (mut scaled_all, mut samples) = (Vec::new(), Vec::new());
             for i in 0..10 {
@@ -468,13 +465,14 @@ fn scratch(name: &str) -> PathBuf {
 
 fn load_te1(path: &Path) -> Result<ClipTextModel, LoadError> {
     let f = Arc::new(SafetensorsFile::open(path)?);
-    ClipTextModel::new(&weights(WeightStore::identity(f)), &ClipTextConfig::tiny(false), AttentionImpl::Sdpa)
+    let store = WeightStore::renamed(f, vnfarm_models::clip::canonical_key);
+    ClipTextModel::new(&weights(store), &ClipTextConfig::tiny(false), AttentionImpl::Sdpa)
 }
 
 #[test]
 fn missing_or_misnamed_tensor_is_named() {
     let path = scratch("misnamed.safetensors");
-    let target = "text_model.encoder.layers.3.mlp.fc1.weight";
+    let target = "encoder.layers.3.mlp.fc1.weight";
     write_safetensors(
         &path,
         &te1_entries(|n, s| Some((if n == target { n.replace("fc1", "fc_1") } else { n.to_string() }, s))),
@@ -490,7 +488,7 @@ fn missing_or_misnamed_tensor_is_named() {
 #[test]
 fn wrong_shape_is_named() {
     let path = scratch("shape.safetensors");
-    let target = "text_model.final_layer_norm.weight";
+    let target = "final_layer_norm.weight";
     write_safetensors(&path, &te1_entries(|n, s| Some((n.to_string(), if n == target { vec![31] } else { s }))), &[]);
     let err = load_te1(&path).expect_err("must fail");
     let msg = err.to_string();

@@ -106,7 +106,7 @@ impl SchedulerConfig {
                 Tensor::linspace(self.beta_start.sqrt(), self.beta_end.sqrt(), n, opts).pow_tensor_scalar(2)
             }
         };
-        let ac = (1.0 - betas).cumprod(0, Kind::Float);
+        let ac = (1.0f64 - betas).cumprod(0, Kind::Float);
         Vec::<f32>::try_from(&ac).expect("a 1-D fp32 CPU tensor converts to Vec<f32>")
     }
 
