@@ -61,6 +61,9 @@ pub enum EventKind {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         worker: Option<WorkerId>,
     },
+    /// Back in the scheduler's backlog, to be dispatched again (its message came back from a worker
+    /// queue: the worker died or stalled).
+    Requeued { reason: String },
     /// A worker began it. `attempt` counts deliveries (1 for the first).
     Started { worker: WorkerId, attempt: u32 },
     Progress { step: u32, total: u32 },
@@ -87,6 +90,7 @@ impl EventKind {
         match self {
             EventKind::Queued { .. } => "queued",
             EventKind::Dispatched { .. } => "dispatched",
+            EventKind::Requeued { .. } => "requeued",
             EventKind::Started { .. } => "started",
             EventKind::Progress { .. } => "progress",
             EventKind::Completed { .. } => "completed",
@@ -100,7 +104,11 @@ impl EventKind {
         match self {
             EventKind::Completed { .. } | EventKind::Cancelled { .. } => true,
             EventKind::Failed { retryable, .. } => !retryable,
-            EventKind::Queued { .. } | EventKind::Dispatched { .. } | EventKind::Started { .. } | EventKind::Progress { .. } => false,
+            EventKind::Queued { .. }
+            | EventKind::Dispatched { .. }
+            | EventKind::Requeued { .. }
+            | EventKind::Started { .. }
+            | EventKind::Progress { .. } => false,
         }
     }
 }

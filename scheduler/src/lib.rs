@@ -1,1 +1,70 @@
-//! placeholder
+//! vnfarm scheduler: the HTTP API, the intake consumer, dispatch to workers, the live job registry
+//! and the event fan-out (DESIGN §2).
+//!
+//! # Layout
+//!
+//! - [`config`]: the typed configuration, validated before any I/O.
+//! - [`registry`]: jobs and workers as a projection of the event stream; the dispatch policy.
+//! - [`scheduler`]: shared state and operations: accept, dispatch, cancel, returned jobs.
+//! - [`session`]: one broker connection's life: replay the stream, then serve.
+//! - [`api`]: the HTTP API and Server-Sent Events.
+//! - [`metrics`]: Prometheus metrics.
+//!
+//! Durable state lives in RabbitMQ only: the event stream is the job history and the backlog. A
+//! restarted scheduler replays it and carries on where the last one stopped.
+
+pub mod api;
+pub mod config;
+pub mod metrics;
+pub mod registry;
+pub mod scheduler;
+pub mod session;
+
+use anyhow::Context;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use vnfarm_storage::Storage;
+
+pub use config::Config;
+use metrics::Metrics;
+pub use scheduler::Scheduler;
+use session::SessionEnd;
+
+pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let listener = TcpListener::bind(config.listen).await.with_context(|| format!("binding {}", config.listen))?;
+    serve(config, listener, shutdown).await
+}
+
+/// [`run`] on an already bound listener (tests bind port 0).
+pub async fn serve(config: Config, listener: TcpListener, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let storage = Storage::open(&config.storage).await.context("opening storage")?;
+    let scheduler = Scheduler::new(config, storage, Metrics::new());
+    let addr = listener.local_addr()?;
+    let server = {
+        let app = api::router(scheduler.clone());
+        let stop = shutdown.clone();
+        tokio::spawn(async move { axum::serve(listener, app).with_graceful_shutdown(stop.cancelled_owned()).await })
+    };
+    tracing::info!(%addr, storage = %scheduler.storage.describe(), "scheduler listening");
+    loop {
+        let metrics = scheduler.metrics.clone();
+        let name = "vnfarm-scheduler";
+        let Some(connection) =
+            vnfarm_bus::connect_with_backoff(&scheduler.config.amqp, name, &shutdown, |_| metrics.amqp_reconnects_total.inc()).await
+        else {
+            break;
+        };
+        let end = scheduler.session(&connection, &shutdown).await;
+        let _ = connection.close(200, "scheduler session over".into()).await;
+        match end {
+            SessionEnd::Shutdown => break,
+            SessionEnd::Lost(reason) => {
+                scheduler.metrics.amqp_reconnects_total.inc();
+                tracing::warn!(%reason, "broker session lost; reconnecting");
+            }
+        }
+    }
+    let _ = server.await;
+    tracing::info!("scheduler stopped");
+    Ok(())
+}

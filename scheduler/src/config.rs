@@ -1,0 +1,109 @@
+//! The scheduler's typed configuration, validated before any I/O.
+
+use std::net::SocketAddr;
+use std::path::Path;
+
+use serde::Deserialize;
+use vnfarm_bus::AmqpConfig;
+use vnfarm_config::ConfigError;
+use vnfarm_storage::StorageConfig;
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    #[serde(default)]
+    pub amqp: AmqpConfig,
+    #[serde(default = "default_storage")]
+    pub storage: StorageConfig,
+    /// HTTP API address. Port 0 picks a free port.
+    #[serde(default = "default_listen")]
+    pub listen: SocketAddr,
+    /// Bearer token required on `/v1/*`. Required when `listen` is not a loopback address.
+    #[serde(default)]
+    pub api_token: Option<String>,
+    /// A worker silent for this long is considered gone and gets no new jobs.
+    #[serde(default = "default_heartbeat_timeout_ms")]
+    pub heartbeat_timeout_ms: u64,
+    /// How long a dispatched job may wait in a worker's queue before it comes back to be dispatched
+    /// elsewhere (the worker died or stalled). Jobs are only sent to a free slot, so a live worker
+    /// takes them at once.
+    #[serde(default = "default_dispatch_ttl_ms")]
+    pub dispatch_ttl_ms: u64,
+    /// A job dispatched this many times without finishing fails with `delivery_limit`.
+    #[serde(default = "default_max_dispatches")]
+    pub max_dispatches: u32,
+}
+
+fn default_storage() -> StorageConfig {
+    StorageConfig::Local { root: "vnfarm-data".into() }
+}
+fn default_listen() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 8080))
+}
+fn default_heartbeat_timeout_ms() -> u64 {
+    6_000
+}
+fn default_dispatch_ttl_ms() -> u64 {
+    15_000
+}
+fn default_max_dispatches() -> u32 {
+    4
+}
+
+impl Config {
+    pub fn load(file: Option<&Path>, env: impl IntoIterator<Item = (String, String)>) -> Result<Self, ConfigError> {
+        let config: Config = vnfarm_config::load(file, env)?;
+        config.validate().map_err(ConfigError::invalid)?;
+        Ok(config)
+    }
+
+    pub fn validate(&self) -> Result<(), String> {
+        self.amqp.validate()?;
+        self.storage.validate("storage")?;
+        if !self.listen.ip().is_loopback() && self.api_token.as_deref().unwrap_or("").is_empty() {
+            return Err(format!("api_token: required when listen ({}) is not a loopback address", self.listen));
+        }
+        if self.api_token.as_ref().is_some_and(|t| t.len() < 16) {
+            return Err("api_token: must be at least 16 characters".into());
+        }
+        if self.heartbeat_timeout_ms < 500 {
+            return Err("heartbeat_timeout_ms: must be at least 500".into());
+        }
+        if self.dispatch_ttl_ms < 1000 {
+            return Err("dispatch_ttl_ms: must be at least 1000".into());
+        }
+        if !(1..=100).contains(&self.max_dispatches) {
+            return Err("max_dispatches: must be 1..=100".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        Config::load(None, env(&[])).unwrap();
+    }
+
+    #[test]
+    fn public_listen_needs_a_token() {
+        let e = Config::load(None, env(&[("VNFARM_LISTEN", "0.0.0.0:8080")])).unwrap_err();
+        assert!(e.to_string().starts_with("api_token: required"), "{e}");
+        Config::load(None, env(&[("VNFARM_LISTEN", "0.0.0.0:8080"), ("VNFARM_API_TOKEN", "0123456789abcdef")])).unwrap();
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let e = Config::load(None, env(&[("VNFARM_STORAGE__BACKEND", "s3")])).unwrap_err();
+        assert!(e.to_string().contains("bucket"), "{e}");
+        let e = Config::load(None, env(&[("VNFARM_AMQP__URL", "http://x")])).unwrap_err();
+        assert!(e.to_string().starts_with("amqp.url"), "{e}");
+    }
+}
