@@ -11,8 +11,8 @@
 //! - each fragment with `w < 1` adds an encoding with that fragment's tokens masked out of
 //!   attention (window BOS/EOS kept), blended with weight `tan((1 − w)·π/2)`, all blend weights
 //!   normalised to sum 1 (`DownweightMode.MASK`);
-//! - with several windows, the first window's EOS ("CLS") embedding is copied to the other
-//!   windows' first EOS (`SplitLongTextMode.COPY_FIRST_CLS_TOKEN`, compel's default);
+//! - windows are independent: `Compel.__init__` defaults to `SplitLongTextMode.SENTENCES` without
+//!   the CLS-copy flag (models.md §6; checked against compel 2.5.1 in the fixtures);
 //! - `BREAK` sections are encoded separately and concatenated on the token axis (compel's
 //!   `.and()` conjunction);
 //! - a shorter conditioning (e.g. the negative prompt) is padded with empty-prompt windows.
@@ -185,24 +185,6 @@ impl EncoderPair<'_> {
         let bw = &bw / bw.sum(kind);
         let stacked = Tensor::stack(&embeddings, 1); // [1, K, L, D]
         let z = (stacked * bw.view([1, -1, 1, 1])).sum_dim_intlist(1, false, kind);
-        let chunks = w.ids.len() / MAX_LENGTH;
-        if chunks > 1 {
-            let cls = |c: usize| {
-                let window = &w.ids[c * MAX_LENGTH..(c + 1) * MAX_LENGTH];
-                window
-                    .iter()
-                    .position(|&t| t == self.tokenizer.eos)
-                    .map(|p| c * MAX_LENGTH + p)
-            };
-            if let Some(first) = cls(0) {
-                let src = z.narrow(1, first as i64, 1).copy();
-                for c in 1..chunks {
-                    if let Some(idx) = cls(c) {
-                        z.narrow(1, idx as i64, 1).copy_(&src);
-                    }
-                }
-            }
-        }
         Ok(z)
     }
 

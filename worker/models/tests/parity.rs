@@ -288,7 +288,7 @@ fn prompt_weighting_matches_compel() {
             check(&format!("{format} prompt {i} {prompt:?} embeds"), &c.embeds, &r[&format!("{i}.cond")], TOL);
             check(&format!("{format} prompt {i} pooled"), &c.pooled, &r[&format!("{i}.pooled")], TOL);
         }
-        let long = cases.last().and_then(|c| c["a1111"].as_str()).expect("long prompt");
+        let long = cases[cases.len() - 2]["a1111"].as_str().expect("long prompt");
         let pos = enc.encode(long).expect("encode");
         let neg = enc.encode(&f.metadata()["negative"]).expect("encode");
         let (pos, neg) = enc.pad_to_same_length(pos.embeds, neg.embeds);
