@@ -28,7 +28,10 @@ fn libtorch_lib_dir() -> Option<PathBuf> {
         return Some(PathBuf::from(dir).join("lib"));
     }
     let out = std::process::Command::new("python3")
-        .args(["-c", "import torch, os; print(os.path.dirname(torch.__file__))"])
+        .args([
+            "-c",
+            "import torch, os; print(os.path.dirname(torch.__file__))",
+        ])
         .output()
         .ok()?;
     let dir = String::from_utf8(out.stdout).ok()?;

@@ -51,11 +51,11 @@ impl CrossAttention {
         let v = split(self.to_v.forward(ctx), lk);
         let scale = 1.0 / (self.head_dim as f64).sqrt();
         let o = attention(&q, &k, &v, None, scale, imp);
-        self.to_out.forward(
-            &o.transpose(1, 2)
-                .contiguous()
-                .view([b, lq, self.heads * self.head_dim]),
-        )
+        self.to_out.forward(&o.transpose(1, 2).contiguous().view([
+            b,
+            lq,
+            self.heads * self.head_dim,
+        ]))
     }
 }
 
@@ -107,7 +107,10 @@ impl BasicTransformerBlock {
 
     fn forward(&self, x: &Tensor, context: &Tensor, imp: AttentionImpl) -> Tensor {
         let x = x + self.attn1.forward(&self.norm1.forward(x), None, imp);
-        let x = &x + self.attn2.forward(&self.norm2.forward(&x), Some(context), imp);
+        let x = &x
+            + self
+                .attn2
+                .forward(&self.norm2.forward(&x), Some(context), imp);
         &x + self.ff.forward(&self.norm3.forward(&x))
     }
 }

@@ -310,7 +310,7 @@ impl ClipTextModel {
         let mut mask = causal.view([1, 1, l, l]);
         if let Some(m) = attention_mask {
             let keys = (1.0f64 - m.to_kind(kind)).view([b, 1, 1, l]) * neg;
-            mask = mask + keys;
+            mask += keys;
         }
         let n = self.layers.len();
         // A one-layer model's penultimate hidden state is its embedding output.

@@ -181,7 +181,9 @@ impl EncoderPair<'_> {
             blend.push(((1.0 - weight.max(1e-5)) * std::f64::consts::PI / 2.0).tan());
         }
         let kind = embeddings[0].kind();
-        let bw = Tensor::from_slice(&blend).to_kind(kind).to_device(embeddings[0].device());
+        let bw = Tensor::from_slice(&blend)
+            .to_kind(kind)
+            .to_device(embeddings[0].device());
         let bw = &bw / bw.sum(kind);
         let stacked = Tensor::stack(&embeddings, 1); // [1, K, L, D]
         let z = (stacked * bw.view([1, -1, 1, 1])).sum_dim_intlist(1, false, kind);

@@ -54,10 +54,11 @@ pub fn detect_flags(file: &SafetensorsFile) -> CheckpointFlags {
         } else {
             PredictionType::Epsilon
         });
-    } else if let Some(v) = meta.get("ss_v_parameterization") {
-        if v.eq_ignore_ascii_case("true") {
-            flags.prediction_type = Some(PredictionType::VPrediction);
-        }
+    } else if meta
+        .get("ss_v_parameterization")
+        .is_some_and(|v| v.eq_ignore_ascii_case("true"))
+    {
+        flags.prediction_type = Some(PredictionType::VPrediction);
     }
     flags
 }
@@ -219,7 +220,10 @@ pub fn open_clip_keys(k: &str) -> Vec<(String, Transform)> {
         return Vec::new();
     };
     let base = format!("text_model.encoder.layers.{n}");
-    for (suffix, kind) in [("attn.in_proj_weight", "weight"), ("attn.in_proj_bias", "bias")] {
+    for (suffix, kind) in [
+        ("attn.in_proj_weight", "weight"),
+        ("attn.in_proj_bias", "bias"),
+    ] {
         if rest == suffix {
             return ["q_proj", "k_proj", "v_proj"]
                 .iter()
@@ -261,7 +265,11 @@ pub struct LdmStores {
 
 /// Builds the four name tables of `file`. Unknown keys are ignored (EMA copies, `logit_scale`,
 /// `position_ids`, flags); a key the model needs and the file lacks fails later, by name.
-pub fn stores(file: Arc<SafetensorsFile>, unet_layers_per_block: usize, vae_blocks: usize) -> LdmStores {
+pub fn stores(
+    file: Arc<SafetensorsFile>,
+    unet_layers_per_block: usize,
+    vae_blocks: usize,
+) -> LdmStores {
     let mut s = LdmStores {
         unet: WeightStore::default(),
         vae: WeightStore::default(),
@@ -285,7 +293,8 @@ pub fn stores(file: Arc<SafetensorsFile>, unet_layers_per_block: usize, vae_bloc
             }
         } else if let Some(k) = key.strip_prefix(CLIP_L_PREFIX) {
             if let Some(name) = crate::clip::canonical_key(k) {
-                s.clip_l.insert(name, l, key.to_string(), Transform::Identity);
+                s.clip_l
+                    .insert(name, l, key.to_string(), Transform::Identity);
             }
         } else if let Some(k) = key.strip_prefix(CLIP_G_PREFIX) {
             for (name, t) in open_clip_keys(k) {
@@ -303,16 +312,46 @@ mod tests {
     #[test]
     fn unet_keys_follow_diffusers() {
         let cases = [
-            ("input_blocks.1.0.in_layers.0.weight", "down_blocks.0.resnets.0.norm1.weight"),
-            ("input_blocks.3.0.op.weight", "down_blocks.0.downsamplers.0.conv.weight"),
-            ("input_blocks.4.1.proj_in.weight", "down_blocks.1.attentions.0.proj_in.weight"),
-            ("input_blocks.8.0.skip_connection.bias", "down_blocks.2.resnets.1.conv_shortcut.bias"),
-            ("middle_block.1.transformer_blocks.3.attn2.to_k.weight", "mid_block.attentions.0.transformer_blocks.3.attn2.to_k.weight"),
-            ("middle_block.2.emb_layers.1.weight", "mid_block.resnets.1.time_emb_proj.weight"),
-            ("output_blocks.2.1.conv.weight", "up_blocks.0.upsamplers.0.conv.weight"),
-            ("output_blocks.5.2.conv.bias", "up_blocks.1.upsamplers.0.conv.bias"),
-            ("output_blocks.4.1.norm.weight", "up_blocks.1.attentions.1.norm.weight"),
-            ("output_blocks.8.0.out_layers.3.weight", "up_blocks.2.resnets.2.conv2.weight"),
+            (
+                "input_blocks.1.0.in_layers.0.weight",
+                "down_blocks.0.resnets.0.norm1.weight",
+            ),
+            (
+                "input_blocks.3.0.op.weight",
+                "down_blocks.0.downsamplers.0.conv.weight",
+            ),
+            (
+                "input_blocks.4.1.proj_in.weight",
+                "down_blocks.1.attentions.0.proj_in.weight",
+            ),
+            (
+                "input_blocks.8.0.skip_connection.bias",
+                "down_blocks.2.resnets.1.conv_shortcut.bias",
+            ),
+            (
+                "middle_block.1.transformer_blocks.3.attn2.to_k.weight",
+                "mid_block.attentions.0.transformer_blocks.3.attn2.to_k.weight",
+            ),
+            (
+                "middle_block.2.emb_layers.1.weight",
+                "mid_block.resnets.1.time_emb_proj.weight",
+            ),
+            (
+                "output_blocks.2.1.conv.weight",
+                "up_blocks.0.upsamplers.0.conv.weight",
+            ),
+            (
+                "output_blocks.5.2.conv.bias",
+                "up_blocks.1.upsamplers.0.conv.bias",
+            ),
+            (
+                "output_blocks.4.1.norm.weight",
+                "up_blocks.1.attentions.1.norm.weight",
+            ),
+            (
+                "output_blocks.8.0.out_layers.3.weight",
+                "up_blocks.2.resnets.2.conv2.weight",
+            ),
             ("label_emb.0.2.bias", "add_embedding.linear_2.bias"),
         ];
         for (ldm, diffusers) in cases {
@@ -323,10 +362,22 @@ mod tests {
     #[test]
     fn vae_keys_follow_diffusers() {
         let cases = [
-            ("decoder.up.0.block.2.nin_shortcut.weight", "decoder.up_blocks.3.resnets.2.conv_shortcut.weight"),
-            ("decoder.up.3.upsample.conv.bias", "decoder.up_blocks.0.upsamplers.0.conv.bias"),
-            ("encoder.mid.attn_1.proj_out.weight", "encoder.mid_block.attentions.0.to_out.0.weight"),
-            ("encoder.down.1.downsample.conv.weight", "encoder.down_blocks.1.downsamplers.0.conv.weight"),
+            (
+                "decoder.up.0.block.2.nin_shortcut.weight",
+                "decoder.up_blocks.3.resnets.2.conv_shortcut.weight",
+            ),
+            (
+                "decoder.up.3.upsample.conv.bias",
+                "decoder.up_blocks.0.upsamplers.0.conv.bias",
+            ),
+            (
+                "encoder.mid.attn_1.proj_out.weight",
+                "encoder.mid_block.attentions.0.to_out.0.weight",
+            ),
+            (
+                "encoder.down.1.downsample.conv.weight",
+                "encoder.down_blocks.1.downsamplers.0.conv.weight",
+            ),
             ("encoder.norm_out.bias", "encoder.conv_norm_out.bias"),
         ];
         for (ldm, diffusers) in cases {

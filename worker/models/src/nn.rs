@@ -126,7 +126,13 @@ impl GroupNorm {
     }
 
     pub fn forward(&self, x: &Tensor) -> Tensor {
-        x.group_norm(self.groups, Some(&self.weight), Some(&self.bias), self.eps, true)
+        x.group_norm(
+            self.groups,
+            Some(&self.weight),
+            Some(&self.bias),
+            self.eps,
+            true,
+        )
     }
 }
 
@@ -150,6 +156,12 @@ impl LayerNorm {
     }
 
     pub fn forward(&self, x: &Tensor) -> Tensor {
-        x.layer_norm([self.dim], Some(&self.weight), Some(&self.bias), self.eps, true)
+        x.layer_norm(
+            [self.dim],
+            Some(&self.weight),
+            Some(&self.bias),
+            self.eps,
+            true,
+        )
     }
 }

@@ -161,77 +161,80 @@ impl SdxlPipeline {
         let _guard = tch::no_grad_guard();
         let c = &config.components;
         let (dev, dt, imp) = (config.device, config.dtype, config.attention);
-        let (unet_cfg, vae_cfg, l_cfg, g_cfg, mut sched, stores, flags, tok_dir) = match &config
-            .source
-        {
-            ModelSource::SingleFile(path) => {
-                let file = open(path)?;
-                let flags = ldm::detect_flags(&file);
-                let unet_cfg = c.unet.clone().unwrap_or_else(UNetConfig::sdxl_base);
-                let vae_cfg = c.vae.clone().unwrap_or_else(VaeConfig::sdxl);
-                let s = ldm::stores(
-                    file,
-                    unet_cfg.layers_per_block as usize,
-                    vae_cfg.block_out_channels.len(),
-                );
-                (
-                    unet_cfg,
-                    vae_cfg,
-                    c.clip_l.clone().unwrap_or_else(ClipTextConfig::sdxl_clip_l),
-                    c.clip_g.clone().unwrap_or_else(ClipTextConfig::sdxl_clip_g),
-                    c.scheduler.clone().unwrap_or_else(SchedulerConfig::sdxl),
-                    [s.unet, s.vae, s.clip_l, s.clip_g],
-                    flags,
-                    config.tokenizer_dir.clone(),
-                )
-            }
-            ModelSource::DiffusersFolder(dir) => {
-                let unet_cfg = match &c.unet {
-                    Some(u) => u.clone(),
-                    None => read_config(&dir.join("unet/config.json"), UNetConfig::from_json)?,
-                };
-                let vae_cfg = match &c.vae {
-                    Some(v) => v.clone(),
-                    None => read_config(&dir.join("vae/config.json"), VaeConfig::from_json)?,
-                };
-                let clip = |o: &Option<ClipTextConfig>, sub: &str| match o {
-                    Some(x) => Ok(x.clone()),
-                    None => read_config(&dir.join(sub).join("config.json"), ClipTextConfig::from_json),
-                };
-                let l_cfg = clip(&c.clip_l, "text_encoder")?;
-                let g_cfg = clip(&c.clip_g, "text_encoder_2")?;
-                let sched = match &c.scheduler {
-                    Some(s) => s.clone(),
-                    None => {
-                        let p = dir.join("scheduler/scheduler_config.json");
-                        if p.exists() {
-                            read_config(&p, SchedulerConfig::from_json)?
-                        } else {
-                            SchedulerConfig::sdxl()
+        let (unet_cfg, vae_cfg, l_cfg, g_cfg, mut sched, stores, flags, tok_dir) =
+            match &config.source {
+                ModelSource::SingleFile(path) => {
+                    let file = open(path)?;
+                    let flags = ldm::detect_flags(&file);
+                    let unet_cfg = c.unet.clone().unwrap_or_else(UNetConfig::sdxl_base);
+                    let vae_cfg = c.vae.clone().unwrap_or_else(VaeConfig::sdxl);
+                    let s = ldm::stores(
+                        file,
+                        unet_cfg.layers_per_block as usize,
+                        vae_cfg.block_out_channels.len(),
+                    );
+                    (
+                        unet_cfg,
+                        vae_cfg,
+                        c.clip_l.clone().unwrap_or_else(ClipTextConfig::sdxl_clip_l),
+                        c.clip_g.clone().unwrap_or_else(ClipTextConfig::sdxl_clip_g),
+                        c.scheduler.clone().unwrap_or_else(SchedulerConfig::sdxl),
+                        [s.unet, s.vae, s.clip_l, s.clip_g],
+                        flags,
+                        config.tokenizer_dir.clone(),
+                    )
+                }
+                ModelSource::DiffusersFolder(dir) => {
+                    let unet_cfg = match &c.unet {
+                        Some(u) => u.clone(),
+                        None => read_config(&dir.join("unet/config.json"), UNetConfig::from_json)?,
+                    };
+                    let vae_cfg = match &c.vae {
+                        Some(v) => v.clone(),
+                        None => read_config(&dir.join("vae/config.json"), VaeConfig::from_json)?,
+                    };
+                    let clip = |o: &Option<ClipTextConfig>, sub: &str| match o {
+                        Some(x) => Ok(x.clone()),
+                        None => read_config(
+                            &dir.join(sub).join("config.json"),
+                            ClipTextConfig::from_json,
+                        ),
+                    };
+                    let l_cfg = clip(&c.clip_l, "text_encoder")?;
+                    let g_cfg = clip(&c.clip_g, "text_encoder_2")?;
+                    let sched = match &c.scheduler {
+                        Some(s) => s.clone(),
+                        None => {
+                            let p = dir.join("scheduler/scheduler_config.json");
+                            if p.exists() {
+                                read_config(&p, SchedulerConfig::from_json)?
+                            } else {
+                                SchedulerConfig::sdxl()
+                            }
                         }
-                    }
-                };
-                let store = |rel: &str| open(&dir.join(rel)).map(WeightStore::identity);
-                let clip_store = |rel: &str| {
-                    open(&dir.join(rel)).map(|f| WeightStore::renamed(f, crate::clip::canonical_key))
-                };
-                (
-                    unet_cfg,
-                    vae_cfg,
-                    l_cfg,
-                    g_cfg,
-                    sched,
-                    [
-                        store("unet/diffusion_pytorch_model.safetensors")?,
-                        store("vae/diffusion_pytorch_model.safetensors")?,
-                        clip_store("text_encoder/model.safetensors")?,
-                        clip_store("text_encoder_2/model.safetensors")?,
-                    ],
-                    ldm::CheckpointFlags::default(),
-                    Some(config.tokenizer_dir.clone().unwrap_or_else(|| dir.clone())),
-                )
-            }
-        };
+                    };
+                    let store = |rel: &str| open(&dir.join(rel)).map(WeightStore::identity);
+                    let clip_store = |rel: &str| {
+                        open(&dir.join(rel))
+                            .map(|f| WeightStore::renamed(f, crate::clip::canonical_key))
+                    };
+                    (
+                        unet_cfg,
+                        vae_cfg,
+                        l_cfg,
+                        g_cfg,
+                        sched,
+                        [
+                            store("unet/diffusion_pytorch_model.safetensors")?,
+                            store("vae/diffusion_pytorch_model.safetensors")?,
+                            clip_store("text_encoder/model.safetensors")?,
+                            clip_store("text_encoder_2/model.safetensors")?,
+                        ],
+                        ldm::CheckpointFlags::default(),
+                        Some(config.tokenizer_dir.clone().unwrap_or_else(|| dir.clone())),
+                    )
+                }
+            };
         let prediction_type = config
             .prediction_type
             .or(flags.prediction_type)
@@ -292,7 +295,11 @@ impl SdxlPipeline {
     fn validate(&self, r: &GenerateRequest) -> Result<(), GenerateError> {
         let f = self.vae.config().scale_factor() as u32;
         let bad = |m: String| Err(GenerateError::InvalidRequest(m));
-        if r.width == 0 || r.height == 0 || r.width % f != 0 || r.height % f != 0 {
+        if r.width == 0
+            || r.height == 0
+            || !r.width.is_multiple_of(f)
+            || !r.height.is_multiple_of(f)
+        {
             return bad(format!(
                 "width and height must be positive multiples of {f}, got {}x{}",
                 r.width, r.height
@@ -367,9 +374,8 @@ impl SdxlPipeline {
         ];
         let _generator = noise::seed(r.seed);
         // diffusers' randn_tensor draws on the CPU generator in the latents' dtype.
-        let draw = |shape: &[i64]| {
-            Tensor::randn(shape, (self.dtype, Device::Cpu)).to_device(self.device)
-        };
+        let draw =
+            |shape: &[i64]| Tensor::randn(shape, (self.dtype, Device::Cpu)).to_device(self.device);
         let mut latents = draw(&shape) * scheduler.init_noise_sigma();
         let total = scheduler.timesteps().len();
         let timesteps = scheduler.timesteps().to_vec();

@@ -113,7 +113,9 @@ fn parse_attention(text: &str) -> Vec<Fragment> {
                 i += 1;
             }
             ':' => {
-                if let (Some((w, used)), Some(&start)) = (explicit_weight(&chars[i..]), round.last()) {
+                if let (Some((w, used)), Some(&start)) =
+                    (explicit_weight(&chars[i..]), round.last())
+                {
                     round.pop();
                     multiply(&mut res, start, w);
                     i += used;
@@ -183,19 +185,37 @@ mod tests {
         assert_eq!(frags("a cat"), vec![("a cat".into(), 1.0)]);
         assert_eq!(
             frags("a (red:1.5) apple"),
-            vec![("a ".into(), 1.0), ("red".into(), 1.5), (" apple".into(), 1.0)]
+            vec![
+                ("a ".into(), 1.0),
+                ("red".into(), 1.5),
+                (" apple".into(), 1.0)
+            ]
         );
         assert_eq!(
             frags("((masterpiece)), [x]"),
-            vec![("masterpiece".into(), 1.1 * 1.1), (", ".into(), 1.0), ("x".into(), 1.0 / 1.1)]
+            vec![
+                ("masterpiece".into(), 1.1 * 1.1),
+                (", ".into(), 1.0),
+                ("x".into(), 1.0 / 1.1)
+            ]
         );
         assert_eq!(
             frags("(a (b:2) c)"),
-            vec![("a ".into(), 1.1), ("b".into(), 2.0 * 1.1), (" c".into(), 1.1)]
+            vec![
+                ("a ".into(), 1.1),
+                ("b".into(), 2.0 * 1.1),
+                (" c".into(), 1.1)
+            ]
         );
-        assert_eq!(frags("a \\(literal\\) b"), vec![("a (literal) b".into(), 1.0)]);
+        assert_eq!(
+            frags("a \\(literal\\) b"),
+            vec![("a (literal) b".into(), 1.0)]
+        );
         assert_eq!(frags("time: 5"), vec![("time: 5".into(), 1.0)]);
-        assert_eq!(frags("unclosed (word"), vec![("unclosed ".into(), 1.0), ("word".into(), 1.1)]);
+        assert_eq!(
+            frags("unclosed (word"),
+            vec![("unclosed ".into(), 1.0), ("word".into(), 1.1)]
+        );
     }
 
     #[test]

@@ -116,8 +116,8 @@ impl SafetensorsFile {
                 }
                 continue;
             }
-            let entry: RawEntry = serde_json::from_value(value)
-                .map_err(|e| bad(format!("entry `{name}`: {e}")))?;
+            let entry: RawEntry =
+                serde_json::from_value(value).map_err(|e| bad(format!("entry `{name}`: {e}")))?;
             let [start, end] = entry.data_offsets;
             if start > end || end > available {
                 return Err(LoadError::Truncated {

@@ -110,6 +110,8 @@ impl ClipTokenizer {
 
     /// The vocabulary string of `id` (e.g. `".</w>"`).
     pub fn token(&self, id: i64) -> Option<String> {
-        u32::try_from(id).ok().and_then(|i| self.inner.id_to_token(i))
+        u32::try_from(id)
+            .ok()
+            .and_then(|i| self.inner.id_to_token(i))
     }
 }

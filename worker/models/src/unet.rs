@@ -101,7 +101,9 @@ impl UNetConfig {
             match v.get(k) {
                 None | Some(serde_json::Value::Null) => Ok(None),
                 Some(serde_json::Value::Number(n)) => {
-                    let n = n.as_i64().ok_or_else(|| format!("`{k}` is not an integer"))?;
+                    let n = n
+                        .as_i64()
+                        .ok_or_else(|| format!("`{k}` is not an integer"))?;
                     Ok(Some(vec![n; n_blocks]))
                 }
                 Some(serde_json::Value::Array(a)) => a
@@ -205,9 +207,9 @@ impl UNet2DConditionModel {
         };
         let mut down_blocks = Vec::with_capacity(n);
         let mut out_ch = boc[0];
-        for i in 0..n {
+        for (i, &ch) in boc.iter().enumerate() {
             let in_ch = out_ch;
-            out_ch = boc[i];
+            out_ch = ch;
             down_blocks.push(DownBlock::new(
                 &w.pp("down_blocks").pp(i),
                 &common,
@@ -260,7 +262,12 @@ impl UNet2DConditionModel {
             down_blocks,
             mid_block,
             up_blocks,
-            conv_norm_out: GroupNorm::new(&w.pp("conv_norm_out"), c.norm_num_groups, boc[0], c.norm_eps)?,
+            conv_norm_out: GroupNorm::new(
+                &w.pp("conv_norm_out"),
+                c.norm_num_groups,
+                boc[0],
+                c.norm_eps,
+            )?,
             conv_out: Conv2d::new(&w.pp("conv_out"), boc[0], c.out_channels, 3, 1, 1)?,
             config: c.clone(),
         })
@@ -281,7 +288,10 @@ impl UNet2DConditionModel {
         let c = &self.config;
         let b = sample.size()[0];
         let kind = sample.kind();
-        let t = timestep.to_device(sample.device()).reshape([-1]).expand([b], false);
+        let t = timestep
+            .to_device(sample.device())
+            .reshape([-1])
+            .expand([b], false);
         let t_emb = timestep_features(&t, c.block_out_channels[0], c.flip_sin_to_cos, c.freq_shift)
             .to_kind(kind);
         let emb = self.time_embedding.forward(&t_emb);
@@ -293,7 +303,8 @@ impl UNet2DConditionModel {
             c.freq_shift,
         )
         .reshape([b, -1]);
-        let add = Tensor::cat(&[added.text_embeds.to_kind(Kind::Float), time_embeds], -1).to_kind(kind);
+        let add =
+            Tensor::cat(&[added.text_embeds.to_kind(Kind::Float), time_embeds], -1).to_kind(kind);
         let emb = emb + self.add_embedding.forward(&add);
 
         let mut h = self.conv_in.forward(sample);
@@ -314,6 +325,7 @@ impl UNet2DConditionModel {
             };
             h = block.forward(&h, &emb, context, &mut skips, upsample_size);
         }
-        self.conv_out.forward(&self.conv_norm_out.forward(&h).silu())
+        self.conv_out
+            .forward(&self.conv_norm_out.forward(&h).silu())
     }
 }

@@ -82,7 +82,13 @@ impl DownBlock {
                 common.eps,
             )?);
             if let Some(a) = attn {
-                attentions.push(transformer(&w.pp("attentions").pp(i), common, out_ch, a, imp)?);
+                attentions.push(transformer(
+                    &w.pp("attentions").pp(i),
+                    common,
+                    out_ch,
+                    a,
+                    imp,
+                )?);
             }
         }
         let downsampler = if add_downsample {
@@ -203,7 +209,13 @@ impl UpBlock {
                 common.eps,
             )?);
             if let Some(a) = attn {
-                attentions.push(transformer(&w.pp("attentions").pp(i), common, out_ch, a, imp)?);
+                attentions.push(transformer(
+                    &w.pp("attentions").pp(i),
+                    common,
+                    out_ch,
+                    a,
+                    imp,
+                )?);
             }
         }
         let upsampler = if add_upsample {
@@ -234,9 +246,9 @@ impl UpBlock {
     ) -> Tensor {
         let mut h = x.shallow_clone();
         for (i, resnet) in self.resnets.iter().enumerate() {
-            let skip = skips
-                .pop()
-                .expect("the UNet pushes one skip per down resnet/downsampler, as many as up resnets");
+            let skip = skips.pop().expect(
+                "the UNet pushes one skip per down resnet/downsampler, as many as up resnets",
+            );
             h = resnet.forward(&Tensor::cat(&[&h, &skip], 1), Some(temb));
             if let Some(attn) = self.attentions.get(i) {
                 h = attn.forward(&h, context);

@@ -135,7 +135,11 @@ impl VaeAttention {
         let k = self.to_k.forward(&s).unsqueeze(1);
         let v = self.to_v.forward(&s).unsqueeze(1);
         let o = attention(&q, &k, &v, None, 1.0 / (c as f64).sqrt(), self.imp).squeeze_dim(1);
-        let o = self.to_out.forward(&o).transpose(1, 2).reshape([b, c, h, w]);
+        let o = self
+            .to_out
+            .forward(&o)
+            .transpose(1, 2)
+            .reshape([b, c, h, w]);
         o + x
     }
 }
@@ -229,7 +233,8 @@ impl Encoder {
             }
         }
         h = self.mid_block.forward(&h);
-        self.conv_out.forward(&self.conv_norm_out.forward(&h).silu())
+        self.conv_out
+            .forward(&self.conv_norm_out.forward(&h).silu())
     }
 }
 
@@ -291,7 +296,8 @@ impl Decoder {
                 h = u.forward(&h, None);
             }
         }
-        self.conv_out.forward(&self.conv_norm_out.forward(&h).silu())
+        self.conv_out
+            .forward(&self.conv_norm_out.forward(&h).silu())
     }
 }
 
@@ -460,7 +466,9 @@ fn tiled(
 /// diffusers `blend_v` (axis 2) / `blend_h` (axis 3): the first `extent` rows of `b` become
 /// `a[-extent + y] * (1 - y/extent) + b[y] * (y/extent)`.
 fn blend_axis(a: &Tensor, b: &Tensor, extent: i64, axis: i64) -> Tensor {
-    let extent = extent.min(a.size()[axis as usize]).min(b.size()[axis as usize]);
+    let extent = extent
+        .min(a.size()[axis as usize])
+        .min(b.size()[axis as usize]);
     if extent <= 0 {
         return b.shallow_clone();
     }

@@ -146,14 +146,23 @@ impl WeightStore {
                     return Err(shape_err(stored));
                 }
                 let t = file.load(&src.key, device, kind)?;
-                t.f_chunk(parts, 0).map_err(torch)?[index as usize].f_contiguous().map_err(torch)?
+                t.f_chunk(parts, 0).map_err(torch)?[index as usize]
+                    .f_contiguous()
+                    .map_err(torch)?
             }
             Transform::Transpose => {
-                if stored.len() != 2 || shape.len() != 2 || stored[0] != shape[1] || stored[1] != shape[0] {
+                if stored.len() != 2
+                    || shape.len() != 2
+                    || stored[0] != shape[1]
+                    || stored[1] != shape[0]
+                {
                     return Err(shape_err(stored));
                 }
                 let t = file.load(&src.key, device, kind)?;
-                t.f_transpose(0, 1).map_err(torch)?.f_contiguous().map_err(torch)?
+                t.f_transpose(0, 1)
+                    .map_err(torch)?
+                    .f_contiguous()
+                    .map_err(torch)?
             }
         };
         Ok(t)
@@ -220,7 +229,8 @@ impl Weights {
 
     /// The tensor `prefix.name` with the expected shape, on this cursor's device and dtype.
     pub fn get(&self, name: &str, shape: &[i64]) -> Result<Tensor, LoadError> {
-        self.store.get(&self.full(name), shape, self.device, self.kind)
+        self.store
+            .get(&self.full(name), shape, self.device, self.kind)
     }
 
     pub fn contains(&self, name: &str) -> bool {

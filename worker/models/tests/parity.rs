@@ -79,7 +79,9 @@ fn stores(format: &str) -> [WeightStore; 4] {
         let s = ldm::stores(f, 2, 2);
         [s.unet, s.vae, s.clip_l, s.clip_g]
     } else {
-        let file = |rel: &str| Arc::new(SafetensorsFile::open(folder().join(rel)).expect("diffusers file"));
+        let file = |rel: &str| {
+            Arc::new(SafetensorsFile::open(folder().join(rel)).expect("diffusers file"))
+        };
         let clip = |rel: &str| WeightStore::renamed(file(rel), vnfarm_models::clip::canonical_key);
         [
             WeightStore::identity(file("unet/diffusion_pytorch_model.safetensors")),
@@ -109,13 +111,33 @@ fn text_encoders_match_transformers() {
             let m = ClipTextModel::new(&weights(store), &cfg, AttentionImpl::Sdpa).expect("load");
             let ids = &r[&format!("{name}.ids")];
             let o = m.forward(ids, None);
-            check(&format!("{format} {name} penultimate"), &o.penultimate, &r[&format!("{name}.penultimate")], TOL);
-            check(&format!("{format} {name} last hidden"), &o.last_hidden, &r[&format!("{name}.last_hidden")], TOL);
+            check(
+                &format!("{format} {name} penultimate"),
+                &o.penultimate,
+                &r[&format!("{name}.penultimate")],
+                TOL,
+            );
+            check(
+                &format!("{format} {name} last hidden"),
+                &o.last_hidden,
+                &r[&format!("{name}.last_hidden")],
+                TOL,
+            );
             if name == "te1" {
-                check(&format!("{format} {name} pooled"), &o.pooled, &r["te1.pooled"], TOL);
+                check(
+                    &format!("{format} {name} pooled"),
+                    &o.pooled,
+                    &r["te1.pooled"],
+                    TOL,
+                );
             } else {
                 let te = o.text_embeds.expect("te2 has a projection");
-                check(&format!("{format} {name} text_embeds"), &te, &r["te2.text_embeds"], TOL);
+                check(
+                    &format!("{format} {name} text_embeds"),
+                    &te,
+                    &r["te2.text_embeds"],
+                    TOL,
+                );
             }
             let masked = m.forward(ids, Some(&r[&format!("{name}.mask")]));
             check(
@@ -135,7 +157,8 @@ fn unet_matches_diffusers() {
     for format in FORMATS {
         for imp in [AttentionImpl::Sdpa, AttentionImpl::Matmul] {
             let [u, ..] = stores(format);
-            let unet = UNet2DConditionModel::new(&weights(u), &UNetConfig::tiny(), imp).expect("load");
+            let unet =
+                UNet2DConditionModel::new(&weights(u), &UNetConfig::tiny(), imp).expect("load");
             for case in 0..2 {
                 let k = |n: &str| &r[&format!("{case}.{n}")];
                 let out = unet.forward(
@@ -147,7 +170,12 @@ fn unet_matches_diffusers() {
                         time_ids: k("time_ids"),
                     },
                 );
-                check(&format!("{format} {imp:?} unet case {case}"), &out, k("out"), TOL);
+                check(
+                    &format!("{format} {imp:?} unet case {case}"),
+                    &out,
+                    k("out"),
+                    TOL,
+                );
             }
         }
     }
@@ -168,9 +196,24 @@ fn vae_matches_diffusers() {
     for format in FORMATS {
         let vae = tiny_vae(format, 128);
         let d = vae.encode(&r["image"], Tiling::Never);
-        check(&format!("{format} vae encode mean"), &d.mean, &r["mean"], TOL);
-        check(&format!("{format} vae encode logvar"), &d.logvar, &r["logvar"], TOL);
-        check(&format!("{format} vae decode"), &vae.decode(&r["z"], Tiling::Never), &r["decoded"], TOL);
+        check(
+            &format!("{format} vae encode mean"),
+            &d.mean,
+            &r["mean"],
+            TOL,
+        );
+        check(
+            &format!("{format} vae encode logvar"),
+            &d.logvar,
+            &r["logvar"],
+            TOL,
+        );
+        check(
+            &format!("{format} vae decode"),
+            &vae.decode(&r["z"], Tiling::Never),
+            &r["decoded"],
+            TOL,
+        );
         check(
             &format!("{format} vae decode 40x40 latent"),
             &vae.decode(&r["z_big"], Tiling::Auto),
@@ -180,9 +223,19 @@ fn vae_matches_diffusers() {
         // Tiled with 32 px tiles, as diffusers' tiled_decode / tiled_encode.
         let tiled = tiny_vae(format, 32);
         let dec = tiled.decode(&r["z_big"], Tiling::Auto);
-        check(&format!("{format} vae tiled decode vs diffusers tiled"), &dec, &r["decoded_big_tiled"], TOL);
+        check(
+            &format!("{format} vae tiled decode vs diffusers tiled"),
+            &dec,
+            &r["decoded_big_tiled"],
+            TOL,
+        );
         let enc = tiled.encode(&r["image_big"], Tiling::Auto);
-        check(&format!("{format} vae tiled encode vs diffusers tiled"), &enc.mean, &r["mean_big_tiled"], TOL);
+        check(
+            &format!("{format} vae tiled encode vs diffusers tiled"),
+            &enc.mean,
+            &r["mean_big_tiled"],
+            TOL,
+        );
     }
 }
 
@@ -195,10 +248,16 @@ fn vae_tiled_decode_is_close_to_untiled() {
     let z = &r["z_big"];
     let untiled = tiny_vae("diffusers", 128).decode(z, Tiling::Never);
     let tiled = tiny_vae("diffusers", 32).decode(z, Tiling::Always);
-    let mae = (&tiled - &untiled).abs().mean(Kind::Float).double_value(&[]);
+    let mae = (&tiled - &untiled)
+        .abs()
+        .mean(Kind::Float)
+        .double_value(&[]);
     let range = untiled.abs().max().double_value(&[]);
     println!("tiled vs untiled decode: mean abs diff {mae:.4e}, max|untiled| {range:.3}");
-    assert!(mae / range <= 0.1, "tiled decode drifts from untiled: {mae} / {range}");
+    assert!(
+        mae / range <= 0.1,
+        "tiled decode drifts from untiled: {mae} / {range}"
+    );
 }
 
 fn sched_config(pred: &str) -> SchedulerConfig {
@@ -227,12 +286,25 @@ fn schedulers_match_diffusers() {
                 let s = Scheduler::new(sampler, &cfg, n);
                 let ts = Tensor::from_slice(s.timesteps());
                 let sig = Tensor::from_slice(s.sigmas());
-                check(&format!("{key} n{n} timesteps"), &ts, &r[&format!("{key}.n{n}.timesteps")], 1e-6);
-                check(&format!("{key} n{n} sigmas"), &sig, &r[&format!("{key}.n{n}.sigmas")], 1e-6);
+                check(
+                    &format!("{key} n{n} timesteps"),
+                    &ts,
+                    &r[&format!("{key}.n{n}.timesteps")],
+                    1e-6,
+                );
+                check(
+                    &format!("{key} n{n} sigmas"),
+                    &sig,
+                    &r[&format!("{key}.n{n}.sigmas")],
+                    1e-6,
+                );
             }
             let mut s = Scheduler::new(sampler, &cfg, 10);
             let init = r[&format!("{key}.init_noise_sigma")].double_value(&[0]);
-            assert!((s.init_noise_sigma() - init).abs() <= 1e-6 * init, "{key} init_noise_sigma");
+            assert!(
+                (s.init_noise_sigma() - init).abs() <= 1e-6 * init,
+                "{key} init_noise_sigma"
+            );
             let mut sample = &r["x0"] * s.init_noise_sigma();
             let _generator = noise::seed(1234);
             let mut draw = |shape: &[i64]| noise::randn_cpu(shape);
@@ -244,8 +316,18 @@ fn schedulers_match_diffusers() {
                 scaled_all.push(scaled);
                 samples.push(sample.shallow_clone());
             }
-            check(&format!("{key} scaled inputs"), &Tensor::stack(&scaled_all, 0), &r[&format!("{key}.scaled")], TOL);
-            check(&format!("{key} samples"), &Tensor::stack(&samples, 0), &r[&format!("{key}.samples")], TOL);
+            check(
+                &format!("{key} scaled inputs"),
+                &Tensor::stack(&scaled_all, 0),
+                &r[&format!("{key}.scaled")],
+                TOL,
+            );
+            check(
+                &format!("{key} samples"),
+                &Tensor::stack(&samples, 0),
+                &r[&format!("{key}.samples")],
+                TOL,
+            );
         }
     }
 }
@@ -285,15 +367,37 @@ fn prompt_weighting_matches_compel() {
         for (i, case) in cases.iter().enumerate() {
             let prompt = case["a1111"].as_str().expect("prompt");
             let c = enc.encode(prompt).expect("encode");
-            check(&format!("{format} prompt {i} {prompt:?} embeds"), &c.embeds, &r[&format!("{i}.cond")], TOL);
-            check(&format!("{format} prompt {i} pooled"), &c.pooled, &r[&format!("{i}.pooled")], TOL);
+            check(
+                &format!("{format} prompt {i} {prompt:?} embeds"),
+                &c.embeds,
+                &r[&format!("{i}.cond")],
+                TOL,
+            );
+            check(
+                &format!("{format} prompt {i} pooled"),
+                &c.pooled,
+                &r[&format!("{i}.pooled")],
+                TOL,
+            );
         }
-        let long = cases[cases.len() - 2]["a1111"].as_str().expect("long prompt");
+        let long = cases[cases.len() - 2]["a1111"]
+            .as_str()
+            .expect("long prompt");
         let pos = enc.encode(long).expect("encode");
         let neg = enc.encode(&f.metadata()["negative"]).expect("encode");
         let (pos, neg) = enc.pad_to_same_length(pos.embeds, neg.embeds);
-        check(&format!("{format} padded positive"), &pos, &r["pad.pos"], TOL);
-        check(&format!("{format} padded negative"), &neg, &r["pad.neg"], TOL);
+        check(
+            &format!("{format} padded positive"),
+            &pos,
+            &r["pad.pos"],
+            TOL,
+        );
+        check(
+            &format!("{format} padded negative"),
+            &neg,
+            &r["pad.neg"],
+            TOL,
+        );
     }
 }
 
@@ -315,7 +419,8 @@ fn pipeline_images_match_diffusers() {
             let name = case[0].as_str().expect("name");
             let pred = case[2].as_str().expect("pred");
             let mut cfg = if format == "ldm" {
-                let mut c = PipelineConfig::new(ModelSource::SingleFile(single_file()), Device::Cpu);
+                let mut c =
+                    PipelineConfig::new(ModelSource::SingleFile(single_file()), Device::Cpu);
                 c.components = tiny_components();
                 c.tokenizer_dir = Some(folder());
                 c
@@ -348,11 +453,15 @@ fn pipeline_images_match_diffusers() {
             let mut n = 0usize;
             for (b, img) in images.iter().enumerate() {
                 assert_eq!((img.width(), img.height()), (req.width, req.height));
-                let got = Tensor::from_slice(img.as_raw())
-                    .to_kind(Kind::Float)
-                    .view([req.height as i64, req.width as i64, 3])
-                    / 255.0;
-                total += (&got - want.get(b as i64)).abs().sum(Kind::Double).double_value(&[]);
+                let got = Tensor::from_slice(img.as_raw()).to_kind(Kind::Float).view([
+                    req.height as i64,
+                    req.width as i64,
+                    3,
+                ]) / 255.0;
+                total += (&got - want.get(b as i64))
+                    .abs()
+                    .sum(Kind::Double)
+                    .double_value(&[]);
                 n += img.as_raw().len();
             }
             let mae = total / n as f64 * 255.0;
@@ -375,7 +484,11 @@ fn bundled_tokenizer_matches_transformers() {
             .iter()
             .map(|v| v.as_i64().expect("id"))
             .collect();
-        assert_eq!(tok.encode_with_specials(prompt).expect("encode"), want, "{prompt:?}");
+        assert_eq!(
+            tok.encode_with_specials(prompt).expect("encode"),
+            want,
+            "{prompt:?}"
+        );
     }
     println!("{} tokenizer cases match", cases.len());
 }
@@ -410,8 +523,11 @@ fn cancellation_is_a_distinct_error() {
 
 // ---------------------------------------------------------------- loader errors
 
-/// Writes a safetensors file from `(name, dtype, shape, bytes)` entries plus metadata.
-fn write_safetensors(path: &Path, entries: &[(String, &str, Vec<i64>, Vec<u8>)], meta: &[(&str, &str)]) {
+/// `(name, dtype, shape, little-endian bytes)` of one tensor to write.
+type Entry = (String, &'static str, Vec<i64>, Vec<u8>);
+
+/// Writes a safetensors file from entries plus metadata.
+fn write_safetensors(path: &Path, entries: &[Entry], meta: &[(&str, &str)]) {
     let mut header = serde_json::Map::new();
     let mut data = Vec::new();
     for (name, dtype, shape, bytes) in entries {
@@ -423,12 +539,14 @@ fn write_safetensors(path: &Path, entries: &[(String, &str, Vec<i64>, Vec<u8>)],
         );
     }
     if !meta.is_empty() {
-        let m: serde_json::Map<String, serde_json::Value> =
-            meta.iter().map(|(k, v)| (k.to_string(), serde_json::json!(v))).collect();
+        let m: serde_json::Map<String, serde_json::Value> = meta
+            .iter()
+            .map(|(k, v)| (k.to_string(), serde_json::json!(v)))
+            .collect();
         header.insert("__metadata__".into(), serde_json::Value::Object(m));
     }
     let mut h = serde_json::to_vec(&header).expect("json");
-    while h.len() % 8 != 0 {
+    while !h.len().is_multiple_of(8) {
         h.push(b' ');
     }
     let mut out = (h.len() as u64).to_le_bytes().to_vec();
@@ -438,7 +556,7 @@ fn write_safetensors(path: &Path, entries: &[(String, &str, Vec<i64>, Vec<u8>)],
 }
 
 /// Every tensor of the diffusers text encoder 1 file, optionally edited.
-fn te1_entries(edit: impl Fn(&str, Vec<i64>) -> Option<(String, Vec<i64>)>) -> Vec<(String, &'static str, Vec<i64>, Vec<u8>)> {
+fn te1_entries(edit: impl Fn(&str, Vec<i64>) -> Option<(String, Vec<i64>)>) -> Vec<Entry> {
     let f = SafetensorsFile::open(folder().join("text_encoder/model.safetensors")).expect("te1");
     let mut names: Vec<String> = f.names().map(str::to_string).collect();
     names.sort();
@@ -450,7 +568,11 @@ fn te1_entries(edit: impl Fn(&str, Vec<i64>) -> Option<(String, Vec<i64>)>) -> V
             let t = f.load(&n, Device::Cpu, Kind::Float).expect("tensor");
             let numel: i64 = shape.iter().product();
             let t = t.reshape([-1]).narrow(0, 0, numel.min(t.numel() as i64));
-            let mut bytes = Vec::<f32>::try_from(&t).expect("f32").iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+            let mut bytes = Vec::<f32>::try_from(&t)
+                .expect("f32")
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect::<Vec<u8>>();
             bytes.resize(numel as usize * 4, 0);
             Some((name, "F32", shape, bytes))
         })
@@ -466,7 +588,11 @@ fn scratch(name: &str) -> PathBuf {
 fn load_te1(path: &Path) -> Result<ClipTextModel, LoadError> {
     let f = Arc::new(SafetensorsFile::open(path)?);
     let store = WeightStore::renamed(f, vnfarm_models::clip::canonical_key);
-    ClipTextModel::new(&weights(store), &ClipTextConfig::tiny(false), AttentionImpl::Sdpa)
+    ClipTextModel::new(
+        &weights(store),
+        &ClipTextConfig::tiny(false),
+        AttentionImpl::Sdpa,
+    )
 }
 
 #[test]
@@ -475,26 +601,45 @@ fn missing_or_misnamed_tensor_is_named() {
     let target = "encoder.layers.3.mlp.fc1.weight";
     write_safetensors(
         &path,
-        &te1_entries(|n, s| Some((if n == target { n.replace("fc1", "fc_1") } else { n.to_string() }, s))),
+        &te1_entries(|n, s| {
+            Some((
+                if n == target {
+                    n.replace("fc1", "fc_1")
+                } else {
+                    n.to_string()
+                },
+                s,
+            ))
+        }),
         &[],
     );
     let err = load_te1(&path).expect_err("must fail");
     let msg = err.to_string();
     println!("{msg}");
     assert!(matches!(err, LoadError::Missing { .. }), "{err:?}");
-    assert!(msg.contains(target) && msg.contains("misnamed.safetensors"), "{msg}");
+    assert!(
+        msg.contains(target) && msg.contains("misnamed.safetensors"),
+        "{msg}"
+    );
 }
 
 #[test]
 fn wrong_shape_is_named() {
     let path = scratch("shape.safetensors");
     let target = "final_layer_norm.weight";
-    write_safetensors(&path, &te1_entries(|n, s| Some((n.to_string(), if n == target { vec![31] } else { s }))), &[]);
+    write_safetensors(
+        &path,
+        &te1_entries(|n, s| Some((n.to_string(), if n == target { vec![31] } else { s }))),
+        &[],
+    );
     let err = load_te1(&path).expect_err("must fail");
     let msg = err.to_string();
     println!("{msg}");
     assert!(matches!(err, LoadError::Shape { .. }), "{err:?}");
-    assert!(msg.contains(target) && msg.contains("shape.safetensors") && msg.contains("[31]"), "{msg}");
+    assert!(
+        msg.contains(target) && msg.contains("shape.safetensors") && msg.contains("[31]"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -506,7 +651,10 @@ fn truncated_file_is_named() {
     let msg = err.to_string();
     println!("{msg}");
     assert!(matches!(err, LoadError::Truncated { .. }), "{err:?}");
-    assert!(msg.contains("truncated.safetensors") && msg.contains("tensor `"), "{msg}");
+    assert!(
+        msg.contains("truncated.safetensors") && msg.contains("tensor `"),
+        "{msg}"
+    );
     // A file cut inside its header is reported too.
     std::fs::write(&path, &bytes[..100]).expect("write");
     let err = SafetensorsFile::open(&path).expect_err("must fail");
@@ -519,11 +667,36 @@ fn v_prediction_flags_are_detected() {
     let mut with_key = one.clone();
     with_key.push(("v_pred".to_string(), "F32", vec![0], Vec::new()));
     with_key.push(("ztsnr".to_string(), "F32", vec![0], Vec::new()));
-    let cases: [(&str, Vec<_>, Vec<(&str, &str)>, Option<PredictionType>, bool); 4] = [
+    type Case<'a> = (
+        &'a str,
+        Vec<Entry>,
+        Vec<(&'a str, &'a str)>,
+        Option<PredictionType>,
+        bool,
+    );
+    let cases: [Case<'_>; 4] = [
         ("plain", one.clone(), vec![], None, false),
-        ("vpred_key", with_key, vec![], Some(PredictionType::VPrediction), true),
-        ("modelspec", one.clone(), vec![("modelspec.prediction_type", "v")], Some(PredictionType::VPrediction), false),
-        ("kohya", one, vec![("ss_v_parameterization", "True")], Some(PredictionType::VPrediction), false),
+        (
+            "vpred_key",
+            with_key,
+            vec![],
+            Some(PredictionType::VPrediction),
+            true,
+        ),
+        (
+            "modelspec",
+            one.clone(),
+            vec![("modelspec.prediction_type", "v")],
+            Some(PredictionType::VPrediction),
+            false,
+        ),
+        (
+            "kohya",
+            one,
+            vec![("ss_v_parameterization", "True")],
+            Some(PredictionType::VPrediction),
+            false,
+        ),
     ];
     for (name, entries, meta, want, ztsnr) in cases {
         let path = scratch(&format!("{name}.safetensors"));

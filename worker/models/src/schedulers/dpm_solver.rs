@@ -41,7 +41,11 @@ impl DpmSolverMultistep {
         let (min_inv, max_inv) = (sigma_min.powf(1.0 / rho), sigma_max.powf(1.0 / rho));
         let karras: Vec<f64> = (0..steps)
             .map(|i| {
-                let ramp = if steps == 1 { 0.0 } else { i as f64 / (steps - 1) as f64 };
+                let ramp = if steps == 1 {
+                    0.0
+                } else {
+                    i as f64 / (steps - 1) as f64
+                };
                 (max_inv + ramp * (min_inv - max_inv)).powf(rho)
             })
             .collect();

@@ -55,7 +55,8 @@ impl EulerAncestralDiscrete {
         let x0 = euler_x0(self.prediction, model_output, &sample, sigma);
         let (from, to) = (sigma, self.sigmas[i + 1]);
         // fp32 like the 0-dim tensors diffusers computes these with.
-        let sigma_up = f64::from(((to * to * (from * from - to * to) / (from * from)) as f32).sqrt());
+        let sigma_up =
+            f64::from(((to * to * (from * from - to * to) / (from * from)) as f32).sqrt());
         let sigma_down = f64::from(((to * to - sigma_up * sigma_up) as f32).sqrt());
         let derivative = (&sample - x0) / sigma;
         let prev = sample + derivative * (sigma_down - sigma);

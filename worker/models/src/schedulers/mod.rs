@@ -71,8 +71,14 @@ impl SchedulerConfig {
                 .get("num_train_timesteps")
                 .and_then(|x| x.as_i64())
                 .unwrap_or(d.num_train_timesteps),
-            beta_start: v.get("beta_start").and_then(|x| x.as_f64()).unwrap_or(d.beta_start),
-            beta_end: v.get("beta_end").and_then(|x| x.as_f64()).unwrap_or(d.beta_end),
+            beta_start: v
+                .get("beta_start")
+                .and_then(|x| x.as_f64())
+                .unwrap_or(d.beta_start),
+            beta_end: v
+                .get("beta_end")
+                .and_then(|x| x.as_f64())
+                .unwrap_or(d.beta_end),
             beta_schedule: match s("beta_schedule").as_deref() {
                 None | Some("scaled_linear") => BetaSchedule::ScaledLinear,
                 Some("linear") => BetaSchedule::Linear,
@@ -103,7 +109,8 @@ impl SchedulerConfig {
         let betas = match self.beta_schedule {
             BetaSchedule::Linear => Tensor::linspace(self.beta_start, self.beta_end, n, opts),
             BetaSchedule::ScaledLinear => {
-                Tensor::linspace(self.beta_start.sqrt(), self.beta_end.sqrt(), n, opts).pow_tensor_scalar(2)
+                Tensor::linspace(self.beta_start.sqrt(), self.beta_end.sqrt(), n, opts)
+                    .pow_tensor_scalar(2)
             }
         };
         let ac = (1.0f64 - betas).cumprod(0, Kind::Float);
@@ -126,7 +133,11 @@ impl SchedulerConfig {
             TimestepSpacing::Linspace => (0..n)
                 .rev()
                 .map(|i| {
-                    let v = if n == 1 { 0.0 } else { (train - 1.0) * i as f64 / (n_f - 1.0) };
+                    let v = if n == 1 {
+                        0.0
+                    } else {
+                        (train - 1.0) * i as f64 / (n_f - 1.0)
+                    };
                     f64::from(v as f32)
                 })
                 .collect(),
