@@ -307,11 +307,12 @@ impl ClipTextModel {
             _ => f64::from(f32::MIN),
         };
         let causal = Tensor::ones([l, l], (kind, device)).triu(1) * neg;
-        let mut mask = causal.view([1, 1, l, l]);
-        if let Some(m) = attention_mask {
-            let keys = (1.0f64 - m.to_kind(kind)).view([b, 1, 1, l]) * neg;
-            mask += keys;
-        }
+        let causal = causal.view([1, 1, l, l]);
+        // Not in place: the key mask broadcasts the causal mask up to [B, 1, L, L].
+        let mask = match attention_mask {
+            Some(m) => causal + (1.0f64 - m.to_kind(kind)).view([b, 1, 1, l]) * neg,
+            None => causal,
+        };
         let n = self.layers.len();
         // A one-layer model's penultimate hidden state is its embedding output.
         let mut penultimate = (n == 1).then(|| x.shallow_clone());

@@ -5,9 +5,9 @@
 //! Invariant: model code asks for tensors by their diffusers key and the shape it expects; every
 //! failure names the tensor and the file (missing, wrong shape, truncated, unsupported dtype).
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use tch::{Device, Kind, Tensor};
 
@@ -34,11 +34,14 @@ pub struct Source {
     pub transform: Transform,
 }
 
-/// A name table over one or more memory-mapped files.
+/// A name table over one or more memory-mapped files, or over shapes only (see
+/// [`WeightStore::placeholders`]). It records which names were asked for.
 #[derive(Debug, Default)]
 pub struct WeightStore {
     files: Vec<Arc<SafetensorsFile>>,
     names: HashMap<String, Source>,
+    placeholders: HashMap<String, Vec<i64>>,
+    requested: Mutex<BTreeSet<String>>,
 }
 
 impl WeightStore {
@@ -60,6 +63,29 @@ impl WeightStore {
         store
     }
 
+    /// A store of shapes only: every tensor is a zero scalar expanded to its shape (no memory), for
+    /// checking that a config asks for exactly the tensors of a checkpoint layout (dry runs).
+    pub fn placeholders(shapes: HashMap<String, Vec<i64>>) -> Self {
+        Self {
+            placeholders: shapes,
+            ..Self::default()
+        }
+    }
+
+    /// Known names that no model constructor asked for (so far).
+    pub fn unused(&self) -> Vec<String> {
+        let requested = self
+            .requested
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        self.names
+            .keys()
+            .chain(self.placeholders.keys())
+            .filter(|k| !requested.contains(*k))
+            .cloned()
+            .collect()
+    }
+
     pub fn add_file(&mut self, file: Arc<SafetensorsFile>) -> usize {
         self.files.push(file);
         self.files.len() - 1
@@ -77,15 +103,16 @@ impl WeightStore {
     }
 
     pub fn len(&self) -> usize {
-        self.names.len()
+        self.names.len() + self.placeholders.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.names.is_empty()
+        self.len() == 0
     }
 
     fn describe_files(&self) -> PathBuf {
         match self.files.as_slice() {
+            [] => PathBuf::from("<placeholders>"),
             [one] => one.path().to_path_buf(),
             many => PathBuf::from(
                 many.iter()
@@ -104,6 +131,21 @@ impl WeightStore {
         device: Device,
         kind: Kind,
     ) -> Result<Tensor, LoadError> {
+        self.requested
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(name.to_string());
+        if let Some(stored) = self.placeholders.get(name) {
+            if stored.as_slice() != shape {
+                return Err(LoadError::Shape {
+                    path: PathBuf::from("<placeholders>"),
+                    tensor: name.to_string(),
+                    expected: shape.to_vec(),
+                    found: stored.clone(),
+                });
+            }
+            return Ok(Tensor::zeros([], (kind, device)).expand(shape, false));
+        }
         let src = self.names.get(name).ok_or_else(|| LoadError::Missing {
             path: self.describe_files(),
             tensor: name.to_string(),
@@ -170,7 +212,7 @@ impl WeightStore {
 
     /// Whether `name` is known.
     pub fn contains(&self, name: &str) -> bool {
-        self.names.contains_key(name)
+        self.names.contains_key(name) || self.placeholders.contains_key(name)
     }
 }
 

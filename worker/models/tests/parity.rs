@@ -706,3 +706,165 @@ fn v_prediction_flags_are_detected() {
         assert_eq!(flags.zero_terminal_snr, ztsnr, "{name}");
     }
 }
+
+// ---------------------------------------------------------------- real-size SDXL layout
+
+fn shape_table(v: &serde_json::Value) -> HashMap<String, Vec<i64>> {
+    v.as_object()
+        .expect("shape table")
+        .iter()
+        .map(|(k, s)| {
+            let shape = s
+                .as_array()
+                .expect("shape")
+                .iter()
+                .map(|d| d.as_i64().expect("dim"))
+                .collect();
+            (k.clone(), shape)
+        })
+        .collect()
+}
+
+/// The SDXL base presets ask for exactly the tensors (names and shapes) of diffusers' real-size
+/// SDXL components, and the ldm mapping covers every one of them from real single-file key names.
+#[test]
+fn sdxl_base_presets_match_diffusers_layout() {
+    let _g = tch::no_grad_guard();
+    let text = std::fs::read_to_string(fixtures().join("reference/sdxl_base_tables.json"))
+        .expect("tables");
+    let t: serde_json::Value = serde_json::from_str(&text).expect("json");
+    let cfg = |k: &str| t["configs"][k].to_string();
+    assert_eq!(
+        UNetConfig::from_json(&cfg("unet")).expect("unet config"),
+        UNetConfig::sdxl_base()
+    );
+    assert_eq!(
+        VaeConfig::from_json(&cfg("vae")).expect("vae config"),
+        VaeConfig::sdxl()
+    );
+    assert_eq!(
+        ClipTextConfig::from_json(&cfg("clip_l")).expect("clip_l"),
+        ClipTextConfig::sdxl_clip_l()
+    );
+    assert_eq!(
+        ClipTextConfig::from_json(&cfg("clip_g")).expect("clip_g"),
+        ClipTextConfig::sdxl_clip_g()
+    );
+
+    let store = |k: &str| {
+        let table: HashMap<String, Vec<i64>> = shape_table(&t["shapes"][k])
+            .into_iter()
+            .filter_map(|(name, s)| {
+                let name = if k.starts_with("clip") {
+                    vnfarm_models::clip::canonical_key(&name)?
+                } else {
+                    name
+                };
+                Some((name, s))
+            })
+            .collect();
+        Arc::new(WeightStore::placeholders(table))
+    };
+    let w = |s: &Arc<WeightStore>| Weights::new(s.clone(), Device::Cpu, Kind::Float);
+    let (u, v, l, g) = (
+        store("unet"),
+        store("vae"),
+        store("clip_l"),
+        store("clip_g"),
+    );
+    UNet2DConditionModel::new(&w(&u), &UNetConfig::sdxl_base(), AttentionImpl::Sdpa)
+        .expect("sdxl unet");
+    AutoencoderKL::new(&w(&v), &VaeConfig::sdxl(), AttentionImpl::Sdpa).expect("sdxl vae");
+    ClipTextModel::new(&w(&l), &ClipTextConfig::sdxl_clip_l(), AttentionImpl::Sdpa)
+        .expect("clip-l");
+    ClipTextModel::new(&w(&g), &ClipTextConfig::sdxl_clip_g(), AttentionImpl::Sdpa).expect("bigG");
+    for (name, s) in [("unet", &u), ("vae", &v), ("clip_l", &l), ("clip_g", &g)] {
+        assert!(s.unused().is_empty(), "{name}: unused {:?}", s.unused());
+        println!("sdxl {name}: {} tensors, all used", s.len());
+    }
+
+    // ldm single-file names of the same components map onto exactly those tensors.
+    let ldm = shape_table(&t["shapes"]["ldm"]);
+    let mut mapped: HashMap<&str, HashMap<String, Vec<i64>>> = HashMap::new();
+    for (key, shape) in &ldm {
+        let (comp, names): (&str, Vec<(String, Vec<i64>)>) = if let Some(k) =
+            key.strip_prefix(ldm::UNET_PREFIX)
+        {
+            (
+                "unet",
+                ldm::unet_key(k, 2)
+                    .map(|n| (n, shape.clone()))
+                    .into_iter()
+                    .collect(),
+            )
+        } else if let Some(k) = key.strip_prefix(ldm::VAE_PREFIX) {
+            // ldm stores the VAE attention projections as 1x1 convs.
+            let s = if k.contains("attn_1") && shape.len() == 4 {
+                shape[..2].to_vec()
+            } else {
+                shape.clone()
+            };
+            (
+                "vae",
+                ldm::vae_key(k, 4).map(|n| (n, s)).into_iter().collect(),
+            )
+        } else if let Some(k) = key.strip_prefix(ldm::CLIP_L_PREFIX) {
+            (
+                "clip_l",
+                vnfarm_models::clip::canonical_key(k)
+                    .map(|n| (n, shape.clone()))
+                    .into_iter()
+                    .collect(),
+            )
+        } else if let Some(k) = key.strip_prefix(ldm::CLIP_G_PREFIX) {
+            let names = ldm::open_clip_keys(k)
+                .into_iter()
+                .map(|(n, tr)| {
+                    let s = match tr {
+                        vnfarm_models::weights::Transform::Chunk { parts, .. } => {
+                            let mut s = shape.clone();
+                            s[0] /= parts;
+                            s
+                        }
+                        vnfarm_models::weights::Transform::Transpose => vec![shape[1], shape[0]],
+                        vnfarm_models::weights::Transform::Identity => shape.clone(),
+                    };
+                    (n, s)
+                })
+                .collect();
+            ("clip_g", names)
+        } else {
+            panic!("unexpected ldm key {key}");
+        };
+        if names.is_empty() {
+            assert!(
+                key.ends_with("logit_scale"),
+                "ldm key {key} maps to nothing"
+            );
+        }
+        mapped.entry(comp).or_default().extend(names);
+    }
+    for comp in ["unet", "vae", "clip_l", "clip_g"] {
+        let want: HashMap<String, Vec<i64>> = shape_table(&t["shapes"][comp])
+            .into_iter()
+            .filter_map(|(n, s)| {
+                Some((
+                    if comp.starts_with("clip") {
+                        vnfarm_models::clip::canonical_key(&n)?
+                    } else {
+                        n
+                    },
+                    s,
+                ))
+            })
+            .collect();
+        assert_eq!(
+            mapped[comp], want,
+            "{comp}: ldm mapping differs from the diffusers layout"
+        );
+    }
+    println!(
+        "sdxl ldm layout: {} keys map onto the diffusers layout",
+        ldm.len()
+    );
+}
