@@ -1,1 +1,36 @@
-fn main() {}
+//! `vnfarm`, the render farm's command line: parses the arguments, runs the command, maps the
+//! result to an exit status (0 done, 1 failed, 2 usage error as clap reports it).
+//!
+//! # Layout
+//!
+//! - [`args`]: the grammar (commands, flags, defaults).
+//! - [`submission`]: flags → a `vnfarm_proto::Submission`.
+//! - [`client`]: the scheduler's HTTP API and its error shapes.
+//! - [`sse`]: an incremental Server-Sent Events parser.
+//! - [`watch`]: following a job (its events) or a pipeline (polling) to the end.
+//! - [`fetch`]: downloading output images.
+//! - [`commands`]: dispatch, and the small commands.
+
+mod args;
+mod client;
+mod commands;
+mod fetch;
+mod sse;
+mod submission;
+mod watch;
+
+use std::process::ExitCode;
+
+use clap::Parser as _;
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> ExitCode {
+    let cli = args::Cli::parse();
+    match commands::run(cli).await {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,312 @@
+//! The scheduler's HTTP API as the command line uses it, and the job and worker shapes it reads back.
+//!
+//! Every request carries the bearer token when one is set. A non-2xx answer becomes an
+//! [`ApiError::Api`] holding the scheduler's `{"error": {"field", "message"}}`, and a connection that
+//! cannot be made becomes [`ApiError::Unreachable`] naming the URL, so `main` can print either as is.
+
+use std::fmt;
+use std::time::Duration;
+
+use reqwest::{Method, RequestBuilder, Response, StatusCode};
+use serde::Deserialize;
+use serde::de::DeserializeOwned;
+use vnfarm_proto::{Heartbeat, JobId, Submission, WorkerId};
+
+/// How long a plain request (not an event stream) may take, downloads included.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(300);
+
+#[derive(Debug)]
+pub enum ApiError {
+    /// The scheduler answered with an error.
+    Api {
+        status: StatusCode,
+        field: String,
+        message: String,
+    },
+    /// The request never reached the scheduler.
+    Unreachable { url: String, cause: String },
+    /// A job's event stream ended (or broke) before the job's final event.
+    StreamEnded(JobId),
+    /// Anything else on the way (a reset connection, a body that is not what the API promises).
+    Transport(reqwest::Error),
+}
+
+impl fmt::Display for ApiError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ApiError::Api { field, message, .. } => write!(f, "{field}: {message}"),
+            ApiError::Unreachable { url, cause } => write!(
+                f,
+                "cannot connect to the scheduler at {url} ({cause}); is it running? (set --url or VNFARM_URL)"
+            ),
+            ApiError::StreamEnded(id) => {
+                write!(f, "the event stream of job {id} ended before the job did")
+            }
+            ApiError::Transport(e) => write!(f, "{e}: {}", root_cause(e)),
+        }
+    }
+}
+
+impl std::error::Error for ApiError {}
+
+impl ApiError {
+    /// Whether trying the same request again later may succeed.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            ApiError::Api { status, .. } => *status == StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Unreachable { .. } | ApiError::StreamEnded(_) | ApiError::Transport(_) => {
+                true
+            }
+        }
+    }
+}
+
+fn root_cause(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut cause = e;
+    while let Some(next) = cause.source() {
+        cause = next;
+    }
+    cause.to_string()
+}
+
+#[derive(Deserialize)]
+struct ErrorBody {
+    error: ErrorDetail,
+}
+
+#[derive(Deserialize)]
+struct ErrorDetail {
+    field: String,
+    message: String,
+}
+
+#[derive(Clone, Debug)]
+pub struct Api {
+    http: reqwest::Client,
+    base: String,
+    token: Option<String>,
+}
+
+impl Api {
+    pub fn new(url: &str, token: Option<String>) -> anyhow::Result<Self> {
+        let base = url.trim_end_matches('/').to_owned();
+        reqwest::Url::parse(&base)
+            .map_err(|e| anyhow::anyhow!("--url {url:?} is not a URL: {e}"))?;
+        let http = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(10))
+            .user_agent(concat!("vnfarm-cli/", env!("CARGO_PKG_VERSION")))
+            .build()?;
+        Ok(Self { http, base, token })
+    }
+
+    fn request(&self, method: Method, path: &str) -> RequestBuilder {
+        let request = self.http.request(method, format!("{}{path}", self.base));
+        match &self.token {
+            Some(token) => request.bearer_auth(token),
+            None => request,
+        }
+    }
+
+    /// Sends a request; a non-success status becomes an [`ApiError::Api`].
+    async fn send(&self, request: RequestBuilder) -> Result<Response, ApiError> {
+        let response = request.send().await.map_err(|e| self.transport(e))?;
+        let status = response.status();
+        if status.is_success() {
+            return Ok(response);
+        }
+        let body = response.bytes().await.map_err(|e| self.transport(e))?;
+        Err(match serde_json::from_slice::<ErrorBody>(&body) {
+            Ok(ErrorBody { error }) => ApiError::Api {
+                status,
+                field: error.field,
+                message: error.message,
+            },
+            Err(_) => ApiError::Api {
+                status,
+                field: format!("HTTP {status}"),
+                message: String::from_utf8_lossy(&body).chars().take(200).collect(),
+            },
+        })
+    }
+
+    fn transport(&self, e: reqwest::Error) -> ApiError {
+        if e.is_connect() {
+            ApiError::Unreachable {
+                url: self.base.clone(),
+                cause: root_cause(&e),
+            }
+        } else {
+            ApiError::Transport(e)
+        }
+    }
+
+    async fn json<T: DeserializeOwned>(&self, request: RequestBuilder) -> Result<T, ApiError> {
+        let response = self.send(request.timeout(REQUEST_TIMEOUT)).await?;
+        response.json().await.map_err(ApiError::Transport)
+    }
+
+    pub async fn submit(&self, submission: &Submission) -> Result<JobId, ApiError> {
+        #[derive(Deserialize)]
+        struct Accepted {
+            job_id: JobId,
+        }
+        let accepted: Accepted = self
+            .json(self.request(Method::POST, "/v1/jobs").json(submission))
+            .await?;
+        Ok(accepted.job_id)
+    }
+
+    pub async fn job(&self, id: JobId) -> Result<Job, ApiError> {
+        self.json(self.request(Method::GET, &format!("/v1/jobs/{id}")))
+            .await
+    }
+
+    /// A job exactly as the scheduler shows it.
+    pub async fn job_json(&self, id: JobId) -> Result<serde_json::Value, ApiError> {
+        self.json(self.request(Method::GET, &format!("/v1/jobs/{id}")))
+            .await
+    }
+
+    pub async fn jobs(&self, query: &[(&str, String)]) -> Result<Vec<Job>, ApiError> {
+        #[derive(Deserialize)]
+        struct Jobs {
+            jobs: Vec<Job>,
+        }
+        let jobs: Jobs = self
+            .json(self.request(Method::GET, "/v1/jobs").query(query))
+            .await?;
+        Ok(jobs.jobs)
+    }
+
+    pub async fn cancel(&self, id: JobId) -> Result<(), ApiError> {
+        let _: serde_json::Value = self
+            .json(self.request(Method::POST, &format!("/v1/jobs/{id}/cancel")))
+            .await?;
+        Ok(())
+    }
+
+    pub async fn output(&self, id: JobId, n: usize) -> Result<Vec<u8>, ApiError> {
+        let request = self
+            .request(Method::GET, &format!("/v1/jobs/{id}/outputs/{n}"))
+            .timeout(REQUEST_TIMEOUT);
+        let response = self.send(request).await?;
+        Ok(response
+            .bytes()
+            .await
+            .map_err(ApiError::Transport)?
+            .to_vec())
+    }
+
+    pub async fn workers(&self) -> Result<Vec<Worker>, ApiError> {
+        #[derive(Deserialize)]
+        struct Workers {
+            workers: Vec<Worker>,
+        }
+        let workers: Workers = self.json(self.request(Method::GET, "/v1/workers")).await?;
+        Ok(workers.workers)
+    }
+
+    /// Opens a job's event stream, resuming after `last_event_id` when given. No timeout: the
+    /// stream lasts as long as the job (the scheduler sends keep-alive comments meanwhile).
+    pub async fn events(
+        &self,
+        id: JobId,
+        last_event_id: Option<&str>,
+    ) -> Result<Response, ApiError> {
+        let mut request = self
+            .request(Method::GET, &format!("/v1/jobs/{id}/events"))
+            .header("accept", "text/event-stream");
+        if let Some(last) = last_event_id {
+            request = request.header("last-event-id", last);
+        }
+        self.send(request).await
+    }
+}
+
+/// A job as `GET /v1/jobs/{id}` shows it (the scheduler's `JobView`), reduced to what the command
+/// line reads. Unknown fields are ignored so that a newer scheduler still works.
+#[derive(Clone, Debug, Deserialize)]
+pub struct Job {
+    pub id: JobId,
+    pub kind: String,
+    pub state: JobState,
+    #[serde(default)]
+    pub children: Vec<JobId>,
+    pub created_at: String,
+    #[serde(default)]
+    pub progress: Option<Progress>,
+    #[serde(default)]
+    pub outputs: Vec<String>,
+    #[serde(default)]
+    pub failure: Option<Failure>,
+}
+
+impl Job {
+    pub fn is_pipeline(&self) -> bool {
+        self.kind == "pipeline"
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JobState {
+    Queued,
+    Dispatched,
+    Running,
+    Retrying,
+    Completed,
+    Failed,
+    Cancelled,
+    /// A state this build does not know; treated as unfinished.
+    #[serde(other)]
+    Unknown,
+}
+
+impl JobState {
+    pub fn is_terminal(self) -> bool {
+        match self {
+            JobState::Completed | JobState::Failed | JobState::Cancelled => true,
+            JobState::Queued
+            | JobState::Dispatched
+            | JobState::Running
+            | JobState::Retrying
+            | JobState::Unknown => false,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobState::Queued => "queued",
+            JobState::Dispatched => "dispatched",
+            JobState::Running => "running",
+            JobState::Retrying => "retrying",
+            JobState::Completed => "completed",
+            JobState::Failed => "failed",
+            JobState::Cancelled => "cancelled",
+            JobState::Unknown => "unknown",
+        }
+    }
+}
+
+#[derive(Clone, Debug, Deserialize)]
+pub struct Progress {
+    pub step: u32,
+    pub total: u32,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+pub struct Failure {
+    pub kind: String,
+    pub message: String,
+}
+
+/// One entry of `GET /v1/workers`.
+#[derive(Clone, Debug, Deserialize)]
+pub struct Worker {
+    pub id: WorkerId,
+    pub alive: bool,
+    #[serde(default)]
+    pub assigned: Vec<JobId>,
+    pub heartbeat: Option<Heartbeat>,
+    pub seconds_since_heartbeat: Option<f64>,
+}

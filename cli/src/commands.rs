@@ -1,0 +1,153 @@
+//! Runs a parsed command line against the scheduler; the small commands (list, show, cancel,
+//! workers) live here, the larger ones in their own modules.
+
+use std::process::ExitCode;
+
+use vnfarm_proto::{JobId, WorkerState};
+
+use crate::args::{Cli, Command, ListArgs, SubmitCommand};
+use crate::client::Api;
+use crate::watch::{Outcome, watch};
+use crate::{fetch, submission};
+
+/// Runs one command; `Ok` carries the exit status (1 for a watched job that failed or was cancelled).
+pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    let api = Api::new(&cli.url, cli.token)?;
+    match cli.command {
+        Command::Submit(cmd) => submit(&api, &cmd).await,
+        Command::Watch { job_id } => Ok(exit_code(watch(&api, job_id).await?)),
+        Command::List(args) => list(&api, &args).await.map(|()| ExitCode::SUCCESS),
+        Command::Show { job_id } => {
+            let job = api.job_json(job_id).await?;
+            println!("{}", serde_json::to_string_pretty(&job)?);
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Cancel { job_id } => {
+            api.cancel(job_id).await?;
+            eprintln!("cancel requested for {job_id}");
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Fetch { job_id, out } => fetch::fetch(&api, job_id, &out)
+            .await
+            .map(|()| ExitCode::SUCCESS),
+        Command::Workers => workers(&api).await.map(|()| ExitCode::SUCCESS),
+    }
+}
+
+fn exit_code(outcome: Outcome) -> ExitCode {
+    match outcome {
+        Outcome::Completed => ExitCode::SUCCESS,
+        Outcome::Failed | Outcome::Cancelled => ExitCode::FAILURE,
+    }
+}
+
+async fn submit(api: &Api, cmd: &SubmitCommand) -> anyhow::Result<ExitCode> {
+    let submission = submission::build(cmd)?;
+    let id: JobId = api.submit(&submission).await?;
+    println!("{id}");
+    if cmd.options().no_watch {
+        return Ok(ExitCode::SUCCESS);
+    }
+    Ok(exit_code(watch(api, id).await?))
+}
+
+async fn list(api: &Api, args: &ListArgs) -> anyhow::Result<()> {
+    let mut query = vec![("limit", args.limit.to_string())];
+    if let Some(state) = &args.state {
+        query.push(("state", state.clone()));
+    }
+    if let Some(kind) = &args.kind {
+        query.push(("kind", kind.clone()));
+    }
+    if args.all {
+        query.push(("all", "true".to_owned()));
+    }
+    let jobs = api.jobs(&query).await?;
+    let rows = jobs.iter().map(|j| {
+        vec![
+            j.id.to_string(),
+            j.kind.clone(),
+            j.state.as_str().to_owned(),
+            short_time(&j.created_at).to_owned(),
+            j.outputs.len().to_string(),
+        ]
+    });
+    print_table(&["ID", "KIND", "STATE", "CREATED", "OUTPUTS"], rows);
+    Ok(())
+}
+
+async fn workers(api: &Api) -> anyhow::Result<()> {
+    let workers = api.workers().await?;
+    let rows = workers.iter().map(|w| {
+        let hb = w.heartbeat.as_ref();
+        let models: Vec<_> = hb
+            .map(|h| h.models.iter().map(|m| m.as_str()).collect())
+            .unwrap_or_default();
+        vec![
+            w.id.to_string(),
+            if w.alive { "yes" } else { "no" }.to_owned(),
+            hb.map_or("-", |h| worker_state(h.state)).to_owned(),
+            if models.is_empty() {
+                "-".to_owned()
+            } else {
+                models.join(",")
+            },
+            hb.map_or("-".to_owned(), |h| format!("{}/{}", h.in_flight, h.slots)),
+            w.assigned.len().to_string(),
+            hb.and_then(|h| h.running)
+                .map_or("-".to_owned(), |id| id.to_string()),
+            w.seconds_since_heartbeat
+                .map_or("never".to_owned(), |s| format!("{s:.0}s ago")),
+        ]
+    });
+    print_table(
+        &[
+            "ID",
+            "ALIVE",
+            "STATE",
+            "MODELS",
+            "IN FLIGHT",
+            "ASSIGNED",
+            "RUNNING",
+            "HEARD",
+        ],
+        rows,
+    );
+    Ok(())
+}
+
+fn worker_state(state: WorkerState) -> &'static str {
+    match state {
+        WorkerState::Warming => "warming",
+        WorkerState::Ready => "ready",
+        WorkerState::Draining => "draining",
+    }
+}
+
+/// `2026-01-02T03:04:05.123Z` → `2026-01-02T03:04:05`.
+fn short_time(rfc3339: &str) -> &str {
+    rfc3339.get(..19).unwrap_or(rfc3339)
+}
+
+/// Left-aligned columns, two spaces apart.
+fn print_table(header: &[&str], rows: impl Iterator<Item = Vec<String>>) {
+    let rows: Vec<Vec<String>> = rows.collect();
+    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    for row in &rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let render = |cells: Vec<&str>| {
+        let padded: Vec<String> = cells
+            .iter()
+            .zip(&widths)
+            .map(|(c, w)| format!("{c:<w$}"))
+            .collect();
+        println!("{}", padded.join("  ").trim_end());
+    };
+    render(header.to_vec());
+    for row in &rows {
+        render(row.iter().map(String::as_str).collect());
+    }
+}

@@ -1,0 +1,303 @@
+//! Following a job to its end: a job's Server-Sent Events drive a progress bar and state lines; a
+//! pipeline (whose own stream only says `queued` and then how it ended) is polled instead.
+//!
+//! State lines go to stderr, above the bar; on completion the output keys go to stdout, one a line,
+//! so `vnfarm submit ... | xargs` sees only them. A stream that ends before a final event is reopened
+//! with `Last-Event-ID`, so no event is shown twice or missed.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use futures::StreamExt as _;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use vnfarm_proto::{EventKind, JobId, SequencedEvent};
+
+use crate::client::{Api, ApiError, Job, JobState};
+use crate::sse::SseParser;
+
+/// How often a pipeline is polled.
+const POLL_INTERVAL: Duration = Duration::from_millis(500);
+/// Consecutive failed attempts to reach the scheduler before giving up.
+const MAX_RETRIES: u32 = 10;
+
+/// How a watched job ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    Completed,
+    Failed,
+    Cancelled,
+}
+
+/// Watches a job until it ends: a pipeline by polling, anything else by its event stream.
+pub async fn watch(api: &Api, id: JobId) -> anyhow::Result<Outcome> {
+    let job = api.job(id).await?;
+    if job.is_pipeline() {
+        watch_pipeline(api, job).await
+    } else {
+        watch_events(api, id).await
+    }
+}
+
+/// Sleeps between attempts after a transient error; gives the error back once retrying is pointless.
+#[derive(Debug, Default)]
+struct Retry {
+    failures: u32,
+}
+
+impl Retry {
+    async fn after(&mut self, error: ApiError) -> Result<(), ApiError> {
+        if !error.is_transient() || self.failures >= MAX_RETRIES {
+            return Err(error);
+        }
+        self.failures += 1;
+        let delay = Duration::from_millis(250 << self.failures.min(5)).min(Duration::from_secs(5));
+        eprintln!("{error}; retrying in {:.1}s", delay.as_secs_f64());
+        tokio::time::sleep(delay).await;
+        Ok(())
+    }
+
+    fn reset(&mut self) {
+        self.failures = 0;
+    }
+}
+
+async fn watch_events(api: &Api, id: JobId) -> anyhow::Result<Outcome> {
+    let view = EventView::new();
+    let mut last_event_id: Option<String> = None;
+    let mut retry = Retry::default();
+    loop {
+        let response = match api.events(id, last_event_id.as_deref()).await {
+            Ok(response) => response,
+            Err(e) => {
+                retry.after(e).await?;
+                continue;
+            }
+        };
+        let mut parser = SseParser::new();
+        let mut body = response.bytes_stream();
+        while let Some(chunk) = body.next().await {
+            // A broken stream is reopened below, like one that ended early.
+            let Ok(chunk) = chunk else { break };
+            for sse in parser.feed(&chunk) {
+                retry.reset();
+                if let Some(seq) = &sse.id {
+                    last_event_id = Some(seq.clone());
+                }
+                match serde_json::from_str::<SequencedEvent>(&sse.data) {
+                    Ok(event) => {
+                        if let Some(outcome) = view.show(event) {
+                            return Ok(outcome);
+                        }
+                    }
+                    Err(e) => view.line(&format!(
+                        "(skipping a `{}` event this build cannot read: {e})",
+                        sse.event
+                    )),
+                }
+            }
+        }
+        retry.after(ApiError::StreamEnded(id)).await?;
+    }
+}
+
+/// Renders one job's events: a bar for `progress`, a line for everything else.
+struct EventView {
+    bar: ProgressBar,
+}
+
+impl EventView {
+    fn new() -> Self {
+        Self {
+            bar: ProgressBar::hidden(),
+        }
+    }
+
+    fn line(&self, text: &str) {
+        self.bar.suspend(|| eprintln!("{text}"));
+    }
+
+    /// Shows an event; returns the outcome when it is final.
+    fn show(&self, event: SequencedEvent) -> Option<Outcome> {
+        let at = event.event.at.format("%H:%M:%S");
+        let line = |text: String| self.line(&format!("{at} {text}"));
+        match event.event.kind {
+            EventKind::Queued { submission, .. } => {
+                line(format!("queued ({})", submission.job.kind_name()))
+            }
+            EventKind::Dispatched { queue, worker } => match worker {
+                Some(worker) => line(format!("dispatched to {worker} ({queue})")),
+                None => line(format!("dispatched to {queue}")),
+            },
+            EventKind::Requeued { reason } => {
+                self.bar.set_position(0);
+                line(format!("requeued: {reason}"));
+            }
+            EventKind::Started { worker, attempt } => match attempt {
+                0 | 1 => line(format!("started on {worker}")),
+                n => line(format!("started on {worker} (attempt {n})")),
+            },
+            EventKind::Progress { step, total } => {
+                if self.bar.is_hidden() {
+                    self.bar.set_style(bar_style(
+                        "{elapsed_precise} [{bar:40}] {pos}/{len} steps {msg}",
+                    ));
+                    self.bar.set_draw_target(ProgressDrawTarget::stderr());
+                }
+                self.bar.set_length(u64::from(total));
+                self.bar.set_position(u64::from(step));
+            }
+            EventKind::Completed {
+                outputs, timings, ..
+            } => {
+                self.bar.finish_and_clear();
+                let seconds: f64 = timings.0.values().sum();
+                if seconds > 0.0 {
+                    line(format!("completed ({seconds:.1}s of work)"));
+                } else {
+                    line("completed".to_owned());
+                }
+                print_outputs(&outputs);
+                return Some(Outcome::Completed);
+            }
+            EventKind::Failed {
+                failure,
+                message,
+                retryable: true,
+            } => {
+                self.bar.set_position(0);
+                line(format!(
+                    "failed, will retry: {}: {message}",
+                    failure.as_str()
+                ));
+            }
+            EventKind::Failed {
+                failure,
+                message,
+                retryable: false,
+            } => {
+                self.bar.finish_and_clear();
+                line(format!("failed: {}: {message}", failure.as_str()));
+                return Some(Outcome::Failed);
+            }
+            EventKind::Cancelled { reason } => {
+                self.bar.finish_and_clear();
+                line(format!("cancelled: {reason}"));
+                return Some(Outcome::Cancelled);
+            }
+        }
+        None
+    }
+}
+
+fn bar_style(template: &str) -> ProgressStyle {
+    ProgressStyle::with_template(template)
+        .expect("the bar templates are constants and valid")
+        .progress_chars("=> ")
+}
+
+fn print_outputs(outputs: &[String]) {
+    for key in outputs {
+        println!("{key}");
+    }
+}
+
+async fn watch_pipeline(api: &Api, pipeline: Job) -> anyhow::Result<Outcome> {
+    let id = pipeline.id;
+    let total = pipeline.children.len();
+    eprintln!("pipeline {id}: {total} jobs");
+    let bar = ProgressBar::new(total as u64);
+    bar.set_style(bar_style(
+        "{elapsed_precise} [{bar:40}] {pos}/{len} jobs done {msg}",
+    ));
+    let mut done: HashSet<JobId> = HashSet::new();
+    let mut retry = Retry::default();
+    let mut tick = tokio::time::interval(POLL_INTERVAL);
+    loop {
+        tick.tick().await;
+        let polled = poll_pipeline(api, id, &mut done, &bar).await;
+        let pipeline = match polled {
+            Ok(pipeline) => pipeline,
+            Err(e) => {
+                retry
+                    .after(e)
+                    .await
+                    .with_context(|| format!("watching pipeline {id}"))?;
+                continue;
+            }
+        };
+        retry.reset();
+        bar.set_position(done.len() as u64);
+        if !pipeline.state.is_terminal() {
+            continue;
+        }
+        bar.finish_and_clear();
+        return Ok(match pipeline.state {
+            JobState::Completed => {
+                eprintln!("pipeline completed");
+                print_outputs(&pipeline.outputs);
+                Outcome::Completed
+            }
+            JobState::Cancelled => {
+                eprintln!("pipeline cancelled");
+                Outcome::Cancelled
+            }
+            JobState::Failed
+            | JobState::Queued
+            | JobState::Dispatched
+            | JobState::Running
+            | JobState::Retrying
+            | JobState::Unknown => {
+                eprintln!("pipeline failed: {}", failure_text(&pipeline));
+                Outcome::Failed
+            }
+        });
+    }
+}
+
+/// One poll: the pipeline, then each of its jobs not yet seen to finish (printing those that did).
+async fn poll_pipeline(
+    api: &Api,
+    id: JobId,
+    done: &mut HashSet<JobId>,
+    bar: &ProgressBar,
+) -> Result<Job, ApiError> {
+    let pipeline = api.job(id).await?;
+    let mut running = Vec::new();
+    for (i, child_id) in pipeline.children.iter().enumerate() {
+        if done.contains(child_id) {
+            continue;
+        }
+        let child = api.job(*child_id).await?;
+        let label = format!(
+            "[{}/{}] {} {child_id}",
+            i + 1,
+            pipeline.children.len(),
+            child.kind
+        );
+        // Not `bar.println`, which prints nothing when stderr is not a terminal.
+        let line = |text: String| bar.suspend(|| eprintln!("{label} {text}"));
+        match child.state {
+            JobState::Completed => line(format!("completed: {}", child.outputs.join(", "))),
+            JobState::Failed => line(format!("failed: {}", failure_text(&child))),
+            JobState::Cancelled => line("cancelled".to_owned()),
+            JobState::Running => running.push(match &child.progress {
+                Some(p) => format!("{} {}/{}", child.kind, p.step, p.total),
+                None => child.kind.clone(),
+            }),
+            JobState::Queued | JobState::Dispatched | JobState::Retrying | JobState::Unknown => {}
+        }
+        if child.state.is_terminal() {
+            done.insert(*child_id);
+        }
+    }
+    bar.set_message(running.join(", "));
+    Ok(pipeline)
+}
+
+fn failure_text(job: &Job) -> String {
+    match &job.failure {
+        Some(f) => format!("{}: {}", f.kind, f.message),
+        None => job.state.as_str().to_owned(),
+    }
+}
