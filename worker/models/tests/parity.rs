@@ -39,6 +39,11 @@ fn single_file() -> PathBuf {
     fixtures().join("sdxl_tiny_ldm.safetensors")
 }
 
+/// The `fixture` metadata (a JSON object) of a reference file.
+fn fixture_meta(f: &SafetensorsFile) -> serde_json::Value {
+    serde_json::from_str(&f.metadata()["fixture"]).expect("fixture metadata")
+}
+
 /// All tensors of a reference file (floats as fp32).
 fn reference(name: &str) -> (HashMap<String, Tensor>, SafetensorsFile) {
     let f = SafetensorsFile::open(fixtures().join("reference").join(name)).expect("reference file");
@@ -343,24 +348,15 @@ fn tiny_components() -> ComponentConfigs {
 }
 
 fn load(format: &str) -> SdxlPipeline {
-    let cfg = if format == "ldm" {
-        let mut c = PipelineConfig::new(ModelSource::SingleFile(single_file()), Device::Cpu);
-        c.components = tiny_components();
-        // The tiny text encoders have a 1000-token vocabulary: use the fixture's tokenizers.
-        c.tokenizer_dir = Some(folder());
-        c
-    } else {
-        PipelineConfig::new(ModelSource::DiffusersFolder(folder()), Device::Cpu)
-    };
-    SdxlPipeline::load(&cfg).expect("load pipeline")
+    SdxlPipeline::load(&pipeline_config(format)).expect("load pipeline")
 }
 
 #[test]
 fn prompt_weighting_matches_compel() {
     let _g = tch::no_grad_guard();
     let (r, f) = reference("prompts.safetensors");
-    let cases: Vec<serde_json::Value> =
-        serde_json::from_str(&f.metadata()["cases"]).expect("cases metadata");
+    let meta = fixture_meta(&f);
+    let cases = meta["cases"].as_array().expect("cases");
     for format in FORMATS {
         let p = load(format);
         let enc = p.prompt_encoder();
@@ -384,7 +380,9 @@ fn prompt_weighting_matches_compel() {
             .as_str()
             .expect("long prompt");
         let pos = enc.encode(long).expect("encode");
-        let neg = enc.encode(&f.metadata()["negative"]).expect("encode");
+        let neg = enc
+            .encode(meta["negative"].as_str().expect("negative"))
+            .expect("encode");
         let (pos, neg) = enc.pad_to_same_length(pos.embeds, neg.embeds);
         check(
             &format!("{format} padded positive"),
@@ -409,65 +407,186 @@ fn sampler_of(name: &str) -> Sampler {
     }
 }
 
+fn pipeline_config(format: &str) -> PipelineConfig {
+    if format == "ldm" {
+        let mut c = PipelineConfig::new(ModelSource::SingleFile(single_file()), Device::Cpu);
+        c.components = tiny_components();
+        // The tiny text encoders have a 1000-token vocabulary: use the fixture's tokenizers.
+        c.tokenizer_dir = Some(folder());
+        c
+    } else {
+        PipelineConfig::new(ModelSource::DiffusersFolder(folder()), Device::Cpu)
+    }
+}
+
+/// Mean absolute difference of RGB8 images and a float reference `[N, H, W, 3]`, in 1/255 units.
+fn image_mae(images: &[image::RgbImage], want: &Tensor) -> f64 {
+    assert_eq!(images.len() as i64, want.size()[0]);
+    let mut total = 0.0;
+    let mut n = 0usize;
+    for (b, img) in images.iter().enumerate() {
+        let (h, w) = (img.height() as i64, img.width() as i64);
+        assert_eq!(want.size()[1..], [h, w, 3]);
+        let got = Tensor::from_slice(img.as_raw())
+            .to_kind(Kind::Float)
+            .view([h, w, 3])
+            / 255.0;
+        total += (&got - want.get(b as i64))
+            .abs()
+            .sum(Kind::Double)
+            .double_value(&[]);
+        n += img.as_raw().len();
+    }
+    total / n as f64 * 255.0
+}
+
 #[test]
 fn pipeline_images_match_diffusers() {
     let (r, f) = reference("pipeline.safetensors");
-    let cases: Vec<serde_json::Value> =
-        serde_json::from_str(&f.metadata()["cases"]).expect("cases metadata");
-    for format in FORMATS {
-        for case in &cases {
-            let name = case[0].as_str().expect("name");
-            let pred = case[2].as_str().expect("pred");
-            let mut cfg = if format == "ldm" {
-                let mut c =
-                    PipelineConfig::new(ModelSource::SingleFile(single_file()), Device::Cpu);
-                c.components = tiny_components();
-                c.tokenizer_dir = Some(folder());
-                c
-            } else {
-                PipelineConfig::new(ModelSource::DiffusersFolder(folder()), Device::Cpu)
+    let meta = fixture_meta(&f);
+    let text = |v: &serde_json::Value| v.as_str().expect("string").to_string();
+    // (name, prediction type, request)
+    let mut cases: Vec<(String, &str, GenerateRequest)> = meta["cases"]
+        .as_array()
+        .expect("cases")
+        .iter()
+        .map(|c| {
+            let req = GenerateRequest {
+                prompt: text(&meta["prompt"]),
+                negative_prompt: text(&meta["negative"]),
+                width: c[7].as_u64().expect("w") as u32,
+                height: c[6].as_u64().expect("h") as u32,
+                steps: c[4].as_u64().expect("steps") as usize,
+                cfg: c[8].as_f64().expect("cfg"),
+                sampler: sampler_of(c[1].as_str().expect("sampler")),
+                seed: c[3].as_u64().expect("seed"),
+                count: c[5].as_u64().expect("count") as usize,
             };
-            if pred == "v_prediction" {
+            (text(&c[0]), c[2].as_str().expect("pred"), req)
+        })
+        .collect();
+    // A1111 weights and BREAK through the whole pipeline (diffusers fed compel's embeddings).
+    let w = &meta["weighted"];
+    cases.push((
+        "weighted".into(),
+        "epsilon",
+        GenerateRequest {
+            prompt: text(&w[0]),
+            negative_prompt: text(&w[2]),
+            width: 64,
+            height: 64,
+            steps: w[4].as_u64().expect("steps") as usize,
+            cfg: w[5].as_f64().expect("cfg"),
+            sampler: Sampler::Euler,
+            seed: w[3].as_u64().expect("seed"),
+            count: 1,
+        },
+    ));
+    for format in FORMATS {
+        for (name, pred, req) in &cases {
+            let mut cfg = pipeline_config(format);
+            if *pred == "v_prediction" {
                 cfg.prediction_type = Some(PredictionType::VPrediction);
             }
             let p = SdxlPipeline::load(&cfg).expect("load");
-            let req = GenerateRequest {
-                prompt: f.metadata()["prompt"].clone(),
-                negative_prompt: f.metadata()["negative"].clone(),
-                width: case[7].as_u64().expect("w") as u32,
-                height: case[6].as_u64().expect("h") as u32,
-                steps: case[4].as_u64().expect("steps") as usize,
-                cfg: case[8].as_f64().expect("cfg"),
-                sampler: sampler_of(case[1].as_str().expect("sampler")),
-                seed: case[3].as_u64().expect("seed"),
-                count: case[5].as_u64().expect("count") as usize,
-            };
             let mut calls = Vec::new();
             let images = p
-                .generate(&req, &mut |s, t| calls.push((s, t)), &|| false)
+                .generate(req, &mut |s, t| calls.push((s, t)), &|| false)
                 .expect("generate");
             assert_eq!(calls.last(), Some(&(req.steps, req.steps)));
             assert_eq!(images.len(), req.count);
-            let want = &r[&format!("{name}.image")];
-            let mut total = 0.0;
-            let mut n = 0usize;
-            for (b, img) in images.iter().enumerate() {
-                assert_eq!((img.width(), img.height()), (req.width, req.height));
-                let got = Tensor::from_slice(img.as_raw()).to_kind(Kind::Float).view([
-                    req.height as i64,
-                    req.width as i64,
-                    3,
-                ]) / 255.0;
-                total += (&got - want.get(b as i64))
-                    .abs()
-                    .sum(Kind::Double)
-                    .double_value(&[]);
-                n += img.as_raw().len();
-            }
-            let mae = total / n as f64 * 255.0;
+            let mae = image_mae(&images, &r[&format!("{name}.image")]);
             println!("{format} pipeline {name}: image MAE {mae:.4} / 255");
             assert!(mae <= 1.0, "{format} {name}: MAE {mae} / 255");
         }
+    }
+}
+
+/// Seeded noise is bit-identical to `torch.randn(shape, generator=Generator("cpu").manual_seed(42),
+/// dtype=…)`, including the second draw from the same generator and half-precision draws.
+#[test]
+fn seeded_noise_is_bit_identical_to_torch() {
+    let (r, _) = reference("noise.safetensors");
+    for (name, kind) in [
+        ("f32", Kind::Float),
+        ("bf16", Kind::BFloat16),
+        ("f16", Kind::Half),
+    ] {
+        let _generator = noise::seed(42);
+        let first = noise::randn_cpu_as(&[2, 4, 32, 32], kind).to_kind(Kind::Float);
+        let second = noise::randn_cpu_as(&[1, 4, 32, 32], kind).to_kind(Kind::Float);
+        assert!(
+            first.equal(&r[&format!("{name}.first")]),
+            "{name} first draw"
+        );
+        assert!(
+            second.equal(&r[&format!("{name}.second")]),
+            "{name} second draw"
+        );
+    }
+}
+
+/// bf16 (the worker's dtype) end to end: components stay near the fp32 references, the pipeline
+/// runs. Images are not compared: bf16 noise is a different stream (see `noise.rs`).
+#[test]
+fn bf16_components_are_close_to_fp32() {
+    let _g = tch::no_grad_guard();
+    let bf = |s: WeightStore| Weights::new(Arc::new(s), Device::Cpu, Kind::BFloat16);
+    let [u, v, l, _] = stores("ldm");
+    let (r, _) = reference("unet.safetensors");
+    let unet =
+        UNet2DConditionModel::new(&bf(u), &UNetConfig::tiny(), AttentionImpl::Sdpa).expect("unet");
+    let k = |n: &str| r[&format!("0.{n}")].to_kind(Kind::BFloat16);
+    let out = unet.forward(
+        &k("sample"),
+        &r["0.timestep"],
+        &k("context"),
+        &AddedCond {
+            text_embeds: &k("text_embeds"),
+            time_ids: &k("time_ids"),
+        },
+    );
+    check("bf16 unet", &out, &r["0.out"], 5e-2);
+    let (r, _) = reference("text_encoders.safetensors");
+    let te =
+        ClipTextModel::new(&bf(l), &ClipTextConfig::tiny(false), AttentionImpl::Sdpa).expect("te1");
+    let o = te.forward(&r["te1.ids"], Some(&r["te1.mask"]));
+    check(
+        "bf16 te1 masked penultimate",
+        &o.penultimate,
+        &r["te1.masked_penultimate"],
+        5e-2,
+    );
+    let (r, _) = reference("vae.safetensors");
+    let vae = AutoencoderKL::new(&bf(v), &VaeConfig::tiny(), AttentionImpl::Sdpa).expect("vae");
+    let dec = vae.decode(&r["z"].to_kind(Kind::BFloat16), Tiling::Never);
+    check("bf16 vae decode", &dec, &r["decoded"], 5e-2);
+
+    let mut cfg = pipeline_config("ldm");
+    cfg.dtype = Kind::BFloat16;
+    cfg.vae_dtype = Kind::BFloat16;
+    let p = SdxlPipeline::load(&cfg).expect("load bf16");
+    for sampler in [
+        Sampler::Euler,
+        Sampler::EulerAncestral,
+        Sampler::DpmPp2mKarras,
+    ] {
+        let req = GenerateRequest {
+            prompt: "a (red:1.2) apple".into(),
+            negative_prompt: "blurry".into(),
+            width: 64,
+            height: 48,
+            steps: 3,
+            cfg: 5.0,
+            sampler,
+            seed: 9,
+            count: 2,
+        };
+        let images = p
+            .generate(&req, &mut |_, _| {}, &|| false)
+            .expect("generate bf16");
+        assert_eq!(images.len(), 2);
+        assert_eq!((images[0].width(), images[0].height()), (64, 48));
     }
 }
 
