@@ -69,4 +69,8 @@ pub enum GenerateError {
     /// libtorch failed (out of memory, device error).
     #[error("torch: {0}")]
     Torch(#[from] tch::TchError),
+    /// libtorch failed inside an operation that tch reports by panicking (e.g. device out of
+    /// memory in the middle of a forward pass); the panic was contained and its message is here.
+    #[error("libtorch failed during generation: {0}")]
+    Backend(String),
 }

@@ -134,8 +134,67 @@ fn read_config<T>(path: &Path, parse: impl Fn(&str) -> Result<T, String>) -> Res
     })
 }
 
+/// The libtorch message of a tch panic (`called Result::unwrap() on an Err value: Torch("msg\n
+/// Exception raised from …")`) without the unwrap preamble and the C++ backtrace.
+fn first_line_of_torch_error(panic: &str) -> String {
+    let msg = panic.split_once("Torch(\"").map_or(panic, |(_, rest)| rest);
+    msg.split("\\n")
+        .next()
+        .unwrap_or(msg)
+        .trim_end_matches("\")")
+        .to_string()
+}
+
 fn open(path: &Path) -> Result<Arc<SafetensorsFile>, LoadError> {
     SafetensorsFile::open(path).map(Arc::new)
+}
+
+/// A diffusers component's weights `dir/{base}.safetensors`; else the sharded
+/// `{base}.safetensors.index.json` (`weight_map` of tensor → shard file); else the
+/// `{base}.fp16.safetensors` variant.
+fn component_store(
+    dir: &Path,
+    base: &str,
+    rename: fn(&str) -> Option<String>,
+) -> Result<WeightStore, LoadError> {
+    let single = dir.join(format!("{base}.safetensors"));
+    let index = dir.join(format!("{base}.safetensors.index.json"));
+    let fp16 = dir.join(format!("{base}.fp16.safetensors"));
+    if single.exists() || !(index.exists() || fp16.exists()) {
+        return Ok(WeightStore::renamed(open(&single)?, rename));
+    }
+    if !index.exists() {
+        return Ok(WeightStore::renamed(open(&fp16)?, rename));
+    }
+    let map: serde_json::Value = read_config(&index, |t| {
+        serde_json::from_str(t).map_err(|e| e.to_string())
+    })?;
+    let weight_map = map
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| LoadError::Config {
+            path: index.clone(),
+            reason: "no `weight_map` object".into(),
+        })?;
+    let mut shards: Vec<&str> = weight_map.values().filter_map(|v| v.as_str()).collect();
+    shards.sort_unstable();
+    shards.dedup();
+    let mut store = WeightStore::default();
+    for shard in shards {
+        let file = open(&dir.join(shard))?;
+        let idx = store.add_file(file.clone());
+        for key in file.names() {
+            if let Some(name) = rename(key) {
+                store.insert(
+                    name,
+                    idx,
+                    key.to_string(),
+                    crate::weights::Transform::Identity,
+                );
+            }
+        }
+    }
+    Ok(store)
 }
 
 fn tokenizers(dir: Option<&Path>) -> Result<(ClipTokenizer, ClipTokenizer), LoadError> {
@@ -213,11 +272,8 @@ impl SdxlPipeline {
                             }
                         }
                     };
-                    let store = |rel: &str| open(&dir.join(rel)).map(WeightStore::identity);
-                    let clip_store = |rel: &str| {
-                        open(&dir.join(rel))
-                            .map(|f| WeightStore::renamed(f, crate::clip::canonical_key))
-                    };
+                    let keep = |k: &str| Some(k.to_string());
+                    let clip = crate::clip::canonical_key;
                     (
                         unet_cfg,
                         vae_cfg,
@@ -225,10 +281,10 @@ impl SdxlPipeline {
                         g_cfg,
                         sched,
                         [
-                            store("unet/diffusion_pytorch_model.safetensors")?,
-                            store("vae/diffusion_pytorch_model.safetensors")?,
-                            clip_store("text_encoder/model.safetensors")?,
-                            clip_store("text_encoder_2/model.safetensors")?,
+                            component_store(&dir.join("unet"), "diffusion_pytorch_model", keep)?,
+                            component_store(&dir.join("vae"), "diffusion_pytorch_model", keep)?,
+                            component_store(&dir.join("text_encoder"), "model", clip)?,
+                            component_store(&dir.join("text_encoder_2"), "model", clip)?,
                         ],
                         ldm::CheckpointFlags::default(),
                         Some(config.tokenizer_dir.clone().unwrap_or_else(|| dir.clone())),
@@ -319,14 +375,29 @@ impl SdxlPipeline {
 
     /// Generates `request.count` images. `progress(step, total)` is called after every step;
     /// `cancel()` is polled before every step.
+    ///
+    /// tch reports libtorch failures inside tensor operations (out of device memory, a device
+    /// error) by panicking; such a panic is contained here and returned as
+    /// [`GenerateError::Backend`], so a request cannot bring the worker down. The pipeline holds
+    /// no state that a half-finished generation could leave inconsistent.
     pub fn generate(
         &self,
         request: &GenerateRequest,
         progress: &mut dyn FnMut(usize, usize),
         cancel: &dyn Fn() -> bool,
     ) -> Result<Vec<RgbImage>, GenerateError> {
-        let latents = self.generate_latents(request, progress, cancel)?;
-        self.decode_to_images(&latents)
+        let run = std::panic::AssertUnwindSafe(|| {
+            let latents = self.generate_latents(request, progress, cancel)?;
+            self.decode_to_images(&latents)
+        });
+        std::panic::catch_unwind(run).unwrap_or_else(|payload| {
+            let message = payload
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "unknown panic".into());
+            Err(GenerateError::Backend(first_line_of_torch_error(&message)))
+        })
     }
 
     /// The denoising loop; returns the final latents `[count, 4, h, w]`.

@@ -987,3 +987,123 @@ fn sdxl_base_presets_match_diffusers_layout() {
         ldm.len()
     );
 }
+
+/// libtorch errors inside a generation (here: token ids beyond the tiny encoders' vocabulary, from
+/// the bundled full CLIP tokenizer) come back as `GenerateError::Backend`, not as a panic.
+#[test]
+fn libtorch_failure_is_an_error_not_a_panic() {
+    let mut cfg = pipeline_config("ldm");
+    cfg.tokenizer_dir = None;
+    let p = SdxlPipeline::load(&cfg).expect("load");
+    let req = GenerateRequest {
+        prompt: "a photo of a cat".into(),
+        negative_prompt: String::new(),
+        width: 32,
+        height: 32,
+        steps: 1,
+        cfg: 5.0,
+        sampler: Sampler::Euler,
+        seed: 1,
+        count: 1,
+    };
+    let res = p.generate(&req, &mut |_, _| {}, &|| false);
+    println!("{res:?}");
+    match res {
+        Err(GenerateError::Backend(msg)) => assert_eq!(msg, "index out of range in self"),
+        other => panic!("expected a backend error, got {other:?}"),
+    }
+}
+
+/// Diffusers folders with a sharded component (`model.safetensors.index.json`) and an fp16-variant
+/// file name load like the plain layout.
+#[test]
+fn sharded_and_variant_diffusers_files_load() {
+    let _g = tch::no_grad_guard();
+    let root = scratch("sharded_folder");
+    for sub in [
+        "unet",
+        "vae",
+        "text_encoder",
+        "text_encoder_2",
+        "tokenizer",
+        "tokenizer_2",
+        "scheduler",
+    ] {
+        std::fs::create_dir_all(root.join(sub)).expect("mkdir");
+        for entry in std::fs::read_dir(folder().join(sub)).expect("read dir") {
+            let path = entry.expect("entry").path();
+            let name = path
+                .file_name()
+                .expect("file name")
+                .to_string_lossy()
+                .to_string();
+            let target = match (sub, name.as_str()) {
+                ("unet", "diffusion_pytorch_model.safetensors") => {
+                    "diffusion_pytorch_model.fp16.safetensors".to_string()
+                }
+                ("text_encoder_2", "model.safetensors") => continue,
+                _ => name,
+            };
+            std::fs::copy(&path, root.join(sub).join(target)).expect("copy");
+        }
+    }
+    // Split text_encoder_2 into two shards plus an index.
+    let f = SafetensorsFile::open(folder().join("text_encoder_2/model.safetensors")).expect("te2");
+    let mut names: Vec<String> = f.names().map(str::to_string).collect();
+    names.sort();
+    let mut weight_map = serde_json::Map::new();
+    for (i, part) in names.chunks(names.len() / 2 + 1).enumerate() {
+        let shard = format!("model-0000{}-of-00002.safetensors", i + 1);
+        let entries: Vec<Entry> = part
+            .iter()
+            .map(|n| {
+                let t = f.load(n, Device::Cpu, Kind::Float).expect("tensor");
+                let bytes = Vec::<f32>::try_from(&t.reshape([-1]))
+                    .expect("f32")
+                    .iter()
+                    .flat_map(|x| x.to_le_bytes())
+                    .collect();
+                weight_map.insert(n.clone(), serde_json::json!(shard));
+                (
+                    n.clone(),
+                    "F32",
+                    f.info(n).expect("info").shape.clone(),
+                    bytes,
+                )
+            })
+            .collect();
+        write_safetensors(&root.join("text_encoder_2").join(&shard), &entries, &[]);
+    }
+    let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
+    std::fs::write(
+        root.join("text_encoder_2/model.safetensors.index.json"),
+        index.to_string(),
+    )
+    .expect("index");
+
+    let p = SdxlPipeline::load(&PipelineConfig::new(
+        ModelSource::DiffusersFolder(root),
+        Device::Cpu,
+    ))
+    .expect("load sharded folder");
+    let (r, _) = reference("text_encoders.safetensors");
+    let o = p.text_encoders().1.forward(&r["te2.ids"], None);
+    check(
+        "sharded te2 text_embeds",
+        &o.text_embeds.expect("projection"),
+        &r["te2.text_embeds"],
+        TOL,
+    );
+    let (r, _) = reference("unet.safetensors");
+    let k = |n: &str| &r[&format!("0.{n}")];
+    let out = p.unet().forward(
+        k("sample"),
+        k("timestep"),
+        k("context"),
+        &AddedCond {
+            text_embeds: k("text_embeds"),
+            time_ids: k("time_ids"),
+        },
+    );
+    check("fp16-variant-named unet", &out, k("out"), TOL);
+}
