@@ -197,21 +197,14 @@ fn component_store(
     Ok(store)
 }
 
+/// Tokenizers 1 and 2 from `dir/tokenizer{,_2}` (see [`ClipTokenizer::from_dir`]), else the bundled
+/// one with SDXL's pad tokens (`<|endoftext|>` and `!`).
 fn tokenizers(dir: Option<&Path>) -> Result<(ClipTokenizer, ClipTokenizer), LoadError> {
-    match dir {
-        Some(d) if d.join("tokenizer/tokenizer.json").exists() => Ok((
-            ClipTokenizer::from_dir(&d.join("tokenizer"))?,
-            if d.join("tokenizer_2/tokenizer.json").exists() {
-                ClipTokenizer::from_dir(&d.join("tokenizer_2"))?
-            } else {
-                ClipTokenizer::bundled("!")?
-            },
-        )),
-        _ => Ok((
-            ClipTokenizer::bundled("<|endoftext|>")?,
-            ClipTokenizer::bundled("!")?,
-        )),
-    }
+    let one = |sub: &str, pad: &str| match dir {
+        Some(d) if d.join(sub).is_dir() => ClipTokenizer::from_dir(&d.join(sub), pad),
+        _ => ClipTokenizer::bundled(pad),
+    };
+    Ok((one("tokenizer", "<|endoftext|>")?, one("tokenizer_2", "!")?))
 }
 
 impl SdxlPipeline {
@@ -318,6 +311,7 @@ impl SdxlPipeline {
         })
     }
 
+    /// What the loader detected (prediction type and checkpoint flags).
     pub fn info(&self) -> LoadedInfo {
         self.info
     }
@@ -525,5 +519,15 @@ impl SdxlPipeline {
             self.generate(&req, &mut |_, _| {}, &|| false)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// The worker moves the pipeline onto its model thread.
+    #[test]
+    fn pipeline_is_send() {
+        fn assert_send<T: Send>() {}
+        assert_send::<super::SdxlPipeline>();
     }
 }

@@ -66,15 +66,12 @@ impl ClipTokenizer {
         Self::with_pad(inner, pad, origin)
     }
 
-    /// A diffusers `tokenizer/` or `tokenizer_2/` folder: `tokenizer.json`, pad token from
-    /// `tokenizer_config.json` (or `special_tokens_map.json`), `<|endoftext|>` if neither says.
-    pub fn from_dir(dir: &Path) -> Result<Self, LoadError> {
-        let file = dir.join("tokenizer.json");
-        let inner = tokenizers::Tokenizer::from_file(&file).map_err(|e| LoadError::Format {
-            path: file.clone(),
-            reason: e.to_string(),
-        })?;
-        let mut pad = String::from("<|endoftext|>");
+    /// A diffusers `tokenizer/` or `tokenizer_2/` folder: its `tokenizer.json` if present, else the
+    /// bundled CLIP tokenizer (folders such as the original SDXL base repository ship only
+    /// `vocab.json`/`merges.txt` of the same CLIP vocabulary). The pad token comes from
+    /// `tokenizer_config.json` or `special_tokens_map.json`, else `default_pad`.
+    pub fn from_dir(dir: &Path, default_pad: &str) -> Result<Self, LoadError> {
+        let mut pad = default_pad.to_string();
         for name in ["tokenizer_config.json", "special_tokens_map.json"] {
             let Ok(text) = std::fs::read_to_string(dir.join(name)) else {
                 continue;
@@ -93,6 +90,14 @@ impl ClipTokenizer {
                 break;
             }
         }
+        let file = dir.join("tokenizer.json");
+        if !file.exists() {
+            return Self::bundled(&pad);
+        }
+        let inner = tokenizers::Tokenizer::from_file(&file).map_err(|e| LoadError::Format {
+            path: file.clone(),
+            reason: e.to_string(),
+        })?;
         Self::with_pad(inner, &pad, &file)
     }
 

@@ -1107,3 +1107,16 @@ fn sharded_and_variant_diffusers_files_load() {
     );
     check("fp16-variant-named unet", &out, k("out"), TOL);
 }
+
+/// A tokenizer folder without `tokenizer.json` (the original SDXL base layout: vocab.json and
+/// merges.txt only) falls back to the bundled CLIP tokenizer with the folder's pad token.
+#[test]
+fn vocab_only_tokenizer_folder_uses_bundled_files() {
+    let dir = scratch("tokenizer_2_vocab_only");
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    std::fs::write(dir.join("tokenizer_config.json"), r#"{"pad_token": "!"}"#).expect("write");
+    let tok = ClipTokenizer::from_dir(&dir, "<|endoftext|>").expect("tokenizer");
+    assert_eq!((tok.bos, tok.eos, tok.pad), (49406, 49407, 0));
+    let fixture = ClipTokenizer::from_dir(&folder().join("tokenizer"), "!").expect("fixture");
+    assert_eq!((fixture.bos, fixture.eos, fixture.pad), (998, 999, 999));
+}
