@@ -419,25 +419,35 @@ fn pipeline_config(format: &str) -> PipelineConfig {
     }
 }
 
-/// Mean absolute difference of RGB8 images and a float reference `[N, H, W, 3]`, in 1/255 units.
+/// Mean absolute difference of RGB8 images and a float reference `[N, H, W, 3]`, in 1/255 units
+/// (also prints how many 8-bit values differ from `round(255 · reference)`).
 fn image_mae(images: &[image::RgbImage], want: &Tensor) -> f64 {
     assert_eq!(images.len() as i64, want.size()[0]);
     let mut total = 0.0;
     let mut n = 0usize;
+    let mut off_by = 0i64;
+    let mut worst = 0.0f64;
     for (b, img) in images.iter().enumerate() {
         let (h, w) = (img.height() as i64, img.width() as i64);
         assert_eq!(want.size()[1..], [h, w, 3]);
         let got = Tensor::from_slice(img.as_raw())
             .to_kind(Kind::Float)
-            .view([h, w, 3])
-            / 255.0;
-        total += (&got - want.get(b as i64))
+            .view([h, w, 3]);
+        let reference = want.get(b as i64) * 255.0;
+        let diff = (&got - &reference).abs();
+        total += diff.sum(Kind::Double).double_value(&[]);
+        worst = worst.max(diff.max().double_value(&[]));
+        off_by += (&got - reference.round())
             .abs()
-            .sum(Kind::Double)
-            .double_value(&[]);
+            .gt(0.0)
+            .sum(Kind::Int64)
+            .int64_value(&[]);
         n += img.as_raw().len();
     }
-    total / n as f64 * 255.0
+    println!(
+        "  {off_by} of {n} 8-bit values differ from round(255·reference); max |diff| {worst:.3} / 255"
+    );
+    total / n as f64
 }
 
 #[test]
