@@ -1,1 +1,296 @@
-//! placeholder
+//! Harness for vnfarm's end-to-end tests: real RabbitMQ (on `VNFARM_TEST_AMQP_URL`, default
+//! 127.0.0.1:5672), a real S3 server (`s3s-fs`, started here on a free port), and the real scheduler
+//! and worker binaries as child processes, so that tests can SIGKILL and SIGTERM them.
+//!
+//! Every test gets its own broker prefix (queues, exchanges, stream) and its own bucket, so tests run
+//! side by side on one broker. Waits poll a condition with a deadline; there are no fixed sleeps.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use serde_json::Value;
+use vnfarm_storage::{Storage, StorageConfig};
+
+pub const S3_KEY: &str = "vnfarm-test";
+pub const S3_SECRET: &str = "vnfarm-test-secret";
+
+pub fn amqp_url() -> String {
+    std::env::var("VNFARM_TEST_AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+/// Directory of the workspace's binaries (`target/debug`), found from this test executable's path.
+pub fn bin_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("the test binary knows its path");
+    let dir = exe.parent().and_then(|deps| deps.parent()).expect("tests run from target/<profile>/deps").to_path_buf();
+    for bin in ["vnfarm-scheduler", "vnfarm-worker"] {
+        assert!(dir.join(bin).exists(), "{} missing: run the tests with `cargo test --workspace`, which builds it", dir.join(bin).display());
+    }
+    dir
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free loopback port")
+}
+
+/// Waits until `f` returns `Some`, or fails after `timeout` with `what`.
+pub async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, mut f: F) -> anyhow::Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f().await {
+            return Ok(v);
+        }
+        if Instant::now() > deadline {
+            bail!("timed out after {timeout:?} waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The S3 server shared by all tests of one test binary.
+pub struct S3Server {
+    pub endpoint: String,
+    _child: Child,
+    _root: tempfile::TempDir,
+}
+
+pub fn s3() -> &'static S3Server {
+    static S3: OnceLock<S3Server> = OnceLock::new();
+    S3.get_or_init(|| {
+        let root = tempfile::tempdir().expect("a temp dir for the S3 server");
+        let port = free_port();
+        let child = Command::new("s3s-fs")
+            .args(["--host", "127.0.0.1", "--port", &port.to_string(), "--access-key", S3_KEY, "--secret-key", S3_SECRET])
+            .arg(root.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("s3s-fs must be installed (`cargo install s3s-fs@0.14.1 --features binary --locked`; .ci/run does it)");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "s3s-fs did not start listening on {port}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        S3Server { endpoint: format!("http://127.0.0.1:{port}"), _child: child, _root: root }
+    })
+}
+
+/// One test's installation: a broker prefix, a bucket, and the processes it started.
+pub struct Farm {
+    pub prefix: String,
+    pub bucket: String,
+    pub scheduler_port: u16,
+    pub http: reqwest::Client,
+    pub storage: Storage,
+    scheduler: Option<Child>,
+    workers: Vec<(String, Child)>,
+    logs: tempfile::TempDir,
+}
+
+/// Settings a test may change on the workers it starts.
+#[derive(Clone, Debug)]
+pub struct WorkerOptions {
+    pub step_ms: u64,
+    pub extra_env: Vec<(String, String)>,
+}
+
+impl Default for WorkerOptions {
+    fn default() -> Self {
+        Self { step_ms: 5, extra_env: Vec::new() }
+    }
+}
+
+impl Farm {
+    pub async fn new(name: &str) -> anyhow::Result<Self> {
+        let unique = format!("{name}-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+        let prefix = format!("t-{unique}");
+        let bucket = format!("t-{unique}").to_lowercase().replace('_', "-");
+        let storage = Storage::open(&Self::storage_config(&bucket)).await.context("creating the test bucket")?;
+        Ok(Self {
+            prefix,
+            bucket,
+            scheduler_port: free_port(),
+            http: reqwest::Client::new(),
+            storage,
+            scheduler: None,
+            workers: Vec::new(),
+            logs: tempfile::tempdir()?,
+        })
+    }
+
+    fn storage_config(bucket: &str) -> StorageConfig {
+        StorageConfig::S3 {
+            bucket: bucket.to_owned(),
+            endpoint: Some(s3().endpoint.clone()),
+            region: "us-east-1".into(),
+            path_style: true,
+            access_key_id: Some(S3_KEY.into()),
+            secret_access_key: Some(S3_SECRET.into()),
+            create_bucket: true,
+        }
+    }
+
+    fn common_env(&self) -> Vec<(String, String)> {
+        [
+            ("VNFARM_AMQP__URL", amqp_url()),
+            ("VNFARM_AMQP__PREFIX", self.prefix.clone()),
+            ("VNFARM_STORAGE__BACKEND", "s3".into()),
+            ("VNFARM_STORAGE__BUCKET", self.bucket.clone()),
+            ("VNFARM_STORAGE__ENDPOINT", s3().endpoint.clone()),
+            ("VNFARM_STORAGE__ACCESS_KEY_ID", S3_KEY.into()),
+            ("VNFARM_STORAGE__SECRET_ACCESS_KEY", S3_SECRET.into()),
+            ("RUST_LOG", "info,lapin=warn,aws=warn".into()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect()
+    }
+
+    fn spawn(&self, bin: &str, log: &str, env: Vec<(String, String)>) -> anyhow::Result<Child> {
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.logs.path().join(log))?;
+        Ok(Command::new(bin_dir().join(bin))
+            .env_clear()
+            .env("PATH", std::env::var("PATH").unwrap_or_default())
+            .envs(env)
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()?)
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.scheduler_port)
+    }
+
+    /// Starts the scheduler and waits until it has replayed its stream and answers.
+    pub async fn start_scheduler(&mut self) -> anyhow::Result<()> {
+        let mut env = self.common_env();
+        env.push(("VNFARM_LISTEN".into(), format!("127.0.0.1:{}", self.scheduler_port)));
+        env.push(("VNFARM_HEARTBEAT_TIMEOUT_MS".into(), "3000".into()));
+        env.push(("VNFARM_DISPATCH_TTL_MS".into(), "2000".into()));
+        self.scheduler = Some(self.spawn("vnfarm-scheduler", "scheduler.log", env)?);
+        let http = self.http.clone();
+        let url = self.url("/healthz");
+        wait_for("the scheduler to be ready", Duration::from_secs(30), || {
+            let http = http.clone();
+            let url = url.clone();
+            async move { http.get(&url).send().await.ok().filter(|r| r.status().is_success()) }
+        })
+        .await
+        .map_err(|e| e.context(self.log("scheduler.log")))?;
+        Ok(())
+    }
+
+    pub async fn start_worker(&mut self, id: &str, options: WorkerOptions) -> anyhow::Result<()> {
+        let mut env = self.common_env();
+        env.push(("VNFARM_WORKER_ID".into(), id.into()));
+        env.push(("VNFARM_LISTEN".into(), format!("127.0.0.1:{}", free_port())));
+        env.push(("VNFARM_HEARTBEAT_INTERVAL_MS".into(), "300".into()));
+        env.push(("VNFARM_ENGINE__TEST_PATTERN__STEP_MS".into(), options.step_ms.to_string()));
+        env.push(("VNFARM_ENGINE__TEST_PATTERN__ENCODE_MS".into(), "5".into()));
+        env.push(("VNFARM_ENGINE__TEST_PATTERN__DECODE_MS".into(), "5".into()));
+        env.extend(options.extra_env);
+        let child = self.spawn("vnfarm-worker", &format!("{id}.log"), env)?;
+        self.workers.push((id.to_owned(), child));
+        // Ready once the scheduler lists it alive.
+        let id = id.to_owned();
+        wait_for(&format!("worker {id} to register"), Duration::from_secs(30), || async {
+            let workers = self.get_json("/v1/workers").await.ok()?;
+            workers["workers"].as_array()?.iter().any(|w| w["id"] == id.as_str() && w["alive"] == true).then_some(())
+        })
+        .await
+        .map_err(|e| e.context(self.log(&format!("{id}.log"))))
+    }
+
+    pub fn worker_mut(&mut self, id: &str) -> &mut Child {
+        &mut self.workers.iter_mut().find(|(w, _)| w == id).expect("a started worker").1
+    }
+
+    pub fn signal_worker(&mut self, id: &str, signal: i32) {
+        let pid = self.worker_mut(id).id() as i32;
+        // kill(2) on the pid of a child this harness spawned and has not reaped: no memory is involved.
+        #[allow(unsafe_code)]
+        let rc = unsafe { libc::kill(pid, signal) };
+        assert_eq!(rc, 0, "kill({pid}, {signal})");
+    }
+
+    pub fn kill_scheduler(&mut self) {
+        if let Some(mut child) = self.scheduler.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// The tail of one process's log, for failure messages.
+    pub fn log(&self, name: &str) -> String {
+        let text = std::fs::read_to_string(self.logs.path().join(name)).unwrap_or_default();
+        let tail: Vec<&str> = text.lines().rev().take(40).collect();
+        format!("--- {name} (last lines) ---\n{}", tail.into_iter().rev().collect::<Vec<_>>().join("\n"))
+    }
+
+    pub async fn get_json(&self, path: &str) -> anyhow::Result<Value> {
+        let r = self.http.get(self.url(path)).send().await?;
+        let status = r.status();
+        let body: Value = r.json().await?;
+        if !status.is_success() {
+            bail!("GET {path}: {status}: {body}");
+        }
+        Ok(body)
+    }
+
+    /// POSTs a submission; returns (status, body).
+    pub async fn submit(&self, body: &Value) -> anyhow::Result<(reqwest::StatusCode, Value)> {
+        let r = self.http.post(self.url("/v1/jobs")).json(body).send().await?;
+        Ok((r.status(), r.json().await?))
+    }
+
+    pub async fn job(&self, id: &str) -> anyhow::Result<Value> {
+        self.get_json(&format!("/v1/jobs/{id}")).await
+    }
+
+    /// Waits until the job is in a final state and returns it.
+    pub async fn wait_finished(&self, id: &str, timeout: Duration) -> anyhow::Result<Value> {
+        wait_for(&format!("job {id} to finish"), timeout, || async {
+            let job = self.job(id).await.ok()?;
+            matches!(job["state"].as_str(), Some("completed" | "failed" | "cancelled")).then_some(job)
+        })
+        .await
+        .map_err(|e| e.context(format!("{}\n{}", self.log("scheduler.log"), self.worker_logs())))
+    }
+
+    pub fn worker_logs(&self) -> String {
+        self.workers.iter().map(|(id, _)| self.log(&format!("{id}.log"))).collect::<Vec<_>>().join("\n")
+    }
+
+    pub async fn connect_amqp(&self) -> anyhow::Result<lapin::Connection> {
+        Ok(lapin::Connection::connect(&amqp_url(), lapin::ConnectionProperties::default()).await?)
+    }
+}
+
+impl Drop for Farm {
+    fn drop(&mut self) {
+        for (_, child) in &mut self.workers {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        self.kill_scheduler();
+        // Remove this test's queues, stream and exchanges from the shared broker.
+        let prefix = self.prefix.clone();
+        let workers: Vec<vnfarm_proto::WorkerId> = self.workers.iter().filter_map(|(w, _)| w.parse().ok()).collect();
+        let cleanup = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().ok()?;
+            rt.block_on(async {
+                let conn = lapin::Connection::connect(&amqp_url(), lapin::ConnectionProperties::default()).await.ok()?;
+                let ch = conn.create_channel().await.ok()?;
+                let config = vnfarm_bus::AmqpConfig { prefix, ..Default::default() };
+                vnfarm_bus::topology::delete_all(&ch, &config, &workers).await.ok()
+            })
+        });
+        let _ = cleanup.join();
+    }
+}

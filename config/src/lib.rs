@@ -46,8 +46,10 @@ pub fn load<T: DeserializeOwned>(
         }
         None => toml::Table::new(),
     };
-    let mut overrides: Vec<(String, String)> =
-        env.into_iter().filter(|(k, _)| k.starts_with("VNFARM_") && k.len() > "VNFARM_".len()).collect();
+    let mut overrides: Vec<(String, String)> = env
+        .into_iter()
+        .filter(|(k, _)| k.starts_with("VNFARM_") && k.len() > "VNFARM_".len() && !is_reserved(k))
+        .collect();
     overrides.sort();
     for (key, value) in overrides {
         let path: Vec<String> = key["VNFARM_".len()..].split("__").map(str::to_lowercase).collect();
@@ -57,6 +59,12 @@ pub fn load<T: DeserializeOwned>(
         field: e.path().to_string(),
         message: e.into_inner().to_string(),
     })
+}
+
+/// `VNFARM_` variables that are not configuration keys: the config file path, the command line's
+/// settings, and the test harness's. A user may export them in the same shell as a binary's settings.
+fn is_reserved(key: &str) -> bool {
+    matches!(key, "VNFARM_CONFIG" | "VNFARM_URL" | "VNFARM_TOKEN") || key.starts_with("VNFARM_TEST_")
 }
 
 /// An environment value is read as a TOML value when it is one (`3`, `true`, `["a", "b"]`), else as a string.
@@ -115,7 +123,8 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("c.toml");
         std::fs::write(&path, "name = \"a\"\n[inner]\nport = 1\n").unwrap();
-        let got: Demo = load(Some(&path), env(&[("VNFARM_INNER__PORT", "8080"), ("VNFARM_INNER__TAGS", "[\"x\"]"), ("OTHER", "1")])).unwrap();
+        let vars = [("VNFARM_INNER__PORT", "8080"), ("VNFARM_INNER__TAGS", "[\"x\"]"), ("OTHER", "1"), ("VNFARM_URL", "http://x")];
+        let got: Demo = load(Some(&path), env(&vars)).unwrap();
         assert_eq!(got, Demo { name: "a".into(), inner: Inner { port: 8080, tags: vec!["x".into()] } });
     }
 

@@ -14,8 +14,9 @@ use serde::{Deserialize, Serialize};
 use crate::ids::{JobId, WorkerId};
 use crate::spec::Submission;
 
+/// Events are written only by vnfarm's own binaries. They are not `deny_unknown_fields`: serde cannot
+/// combine that with the flattened `kind`, and a newer writer's extra field is harmless to an older reader.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
 pub struct Event {
     pub job_id: JobId,
     pub at: DateTime<Utc>,

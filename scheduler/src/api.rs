@@ -190,6 +190,7 @@ async fn job_events(State(s): State<Scheduler>, Path(id): Path<String>, Query(q)
         (history, job.state.is_terminal())
     };
     let metrics = s.metrics.clone();
+    let shutdown = s.shutdown.clone();
     let stream = async_stream(move |tx| async move {
         metrics.sse_clients.inc();
         let mut last = after;
@@ -202,7 +203,8 @@ async fn job_events(State(s): State<Scheduler>, Path(id): Path<String>, Query(q)
         }
         if !finished {
             loop {
-                match live.recv().await {
+                let next = tokio::select! { _ = shutdown.cancelled() => break, n = live.recv() => n };
+                match next {
                     Ok(ev) if ev.event.job_id == id && last.is_none_or(|l| ev.seq > l) => {
                         last = Some(ev.seq);
                         let done = ev.event.kind.is_terminal();
@@ -230,6 +232,7 @@ async fn all_events(State(s): State<Scheduler>, Query(q): Query<StreamQuery>, he
         None => Vec::new(),
     };
     let metrics = s.metrics.clone();
+    let shutdown = s.shutdown.clone();
     let stream = async_stream(move |tx| async move {
         metrics.sse_clients.inc();
         let mut last = after;
@@ -241,7 +244,8 @@ async fn all_events(State(s): State<Scheduler>, Query(q): Query<StreamQuery>, he
             }
         }
         loop {
-            match live.recv().await {
+            let next = tokio::select! { _ = shutdown.cancelled() => break, n = live.recv() => n };
+            match next {
                 Ok(ev) if last.is_none_or(|l| ev.seq > l) => {
                     last = Some(ev.seq);
                     if tx.send(sse_event(&ev)).await.is_err() {

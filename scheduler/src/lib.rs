@@ -38,7 +38,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<
 /// [`run`] on an already bound listener (tests bind port 0).
 pub async fn serve(config: Config, listener: TcpListener, shutdown: CancellationToken) -> anyhow::Result<()> {
     let storage = Storage::open(&config.storage).await.context("opening storage")?;
-    let scheduler = Scheduler::new(config, storage, Metrics::new());
+    let scheduler = Scheduler::new(config, storage, Metrics::new(), shutdown.clone());
     let addr = listener.local_addr()?;
     let server = {
         let app = api::router(scheduler.clone());

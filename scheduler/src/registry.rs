@@ -301,7 +301,9 @@ impl Registry {
         match kind {
             EventKind::Queued { .. } => unreachable!("handled above"),
             EventKind::Dispatched { worker, .. } => {
-                job.state = JobState::Dispatched;
+                if job.state == JobState::Queued {
+                    job.state = JobState::Dispatched;
+                }
                 job.dispatch_pending = false;
                 job.dispatches += 1;
                 job.worker = worker.clone();
@@ -312,6 +314,7 @@ impl Registry {
             }
             EventKind::Requeued { .. } => {
                 job.state = JobState::Queued;
+                job.dispatch_pending = false;
                 job.worker = None;
                 job.progress = None;
                 unassign = true;
@@ -437,6 +440,21 @@ impl Registry {
             plan.push((id, worker));
         }
         plan
+    }
+
+    /// Jobs in `dispatched` for longer than `threshold` (see `Scheduler::requeue_stale`).
+    pub fn stale_dispatches(&mut self, now: DateTime<Utc>, threshold: Duration) -> Vec<JobId> {
+        let threshold = chrono::Duration::from_std(threshold).unwrap_or(chrono::Duration::MAX);
+        let mut stale = Vec::new();
+        for id in &self.active {
+            let job = self.jobs.get_mut(id).expect("active jobs are known");
+            if job.state == JobState::Dispatched && !job.dispatch_pending && now - job.updated_at > threshold {
+                // Marked pending until the requeue comes back, so it is not reported twice.
+                job.dispatch_pending = true;
+                stale.push(*id);
+            }
+        }
+        stale
     }
 
     /// Undoes a planned dispatch that could not be published.

@@ -44,6 +44,8 @@ pub struct Inner {
     /// Woken when dispatching may be possible (new job, freed slot, new worker).
     pub dispatch_wanted: Notify,
     ready: std::sync::atomic::AtomicBool,
+    /// Cancelled at shutdown; long-lived HTTP streams end on it.
+    pub shutdown: tokio_util::sync::CancellationToken,
 }
 
 impl std::ops::Deref for Scheduler {
@@ -75,7 +77,7 @@ pub enum CancelError {
 }
 
 impl Scheduler {
-    pub fn new(config: Config, storage: Storage, metrics: Metrics) -> Self {
+    pub fn new(config: Config, storage: Storage, metrics: Metrics, shutdown: tokio_util::sync::CancellationToken) -> Self {
         let topology = config.amqp.topology();
         let (events, _) = broadcast::channel(4096);
         Self(Arc::new(Inner {
@@ -89,6 +91,7 @@ impl Scheduler {
             applied: Notify::new(),
             dispatch_wanted: Notify::new(),
             ready: std::sync::atomic::AtomicBool::new(false),
+            shutdown,
         }))
     }
 
@@ -274,10 +277,16 @@ impl Scheduler {
             let props = json_properties()
                 .with_message_id(job_id.to_string().into())
                 .with_expiration(self.config.dispatch_ttl_ms.to_string().into());
+            // The event goes first, so the stream never shows `started` before `dispatched`. If the
+            // message then cannot be sent, the job goes back to the backlog; if the scheduler dies in
+            // between, the stale-dispatch watchdog ([`Registry::stale_dispatches`]) requeues it.
             let sent = async {
-                let publisher = self.publisher()?;
-                publisher.publish_json("", &queue, &message, props).await?;
-                self.publish_event(job_id, EventKind::Dispatched { queue: queue.clone(), worker: Some(worker.clone()) }).await
+                self.publish_event(job_id, EventKind::Dispatched { queue: queue.clone(), worker: Some(worker.clone()) }).await?;
+                if let Err(e) = self.publisher()?.publish_json("", &queue, &message, props).await {
+                    let _ = self.publish_event(job_id, EventKind::Requeued { reason: format!("dispatch failed: {e}") }).await;
+                    return Err(e);
+                }
+                Ok(())
             }
             .await;
             match sent {
@@ -290,6 +299,20 @@ impl Scheduler {
                     return Err(e);
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// Requeues jobs that were dispatched long ago and never started: their message was lost between
+    /// the `dispatched` event and the publish (a scheduler crash). A live worker starts a dispatched
+    /// job at once and a dead worker's queue returns it after `dispatch_ttl_ms`, so twice that plus a
+    /// heartbeat timeout is conservative; at worst a job runs twice, which is harmless.
+    pub(crate) async fn requeue_stale(&self) -> Result<(), PublishError> {
+        let threshold = Duration::from_millis(2 * self.config.dispatch_ttl_ms + self.config.heartbeat_timeout_ms);
+        let stale = self.registry().stale_dispatches(chrono::Utc::now(), threshold);
+        for id in stale {
+            tracing::warn!(job_id = %id, "dispatched job never started; requeueing it");
+            self.publish_event(id, EventKind::Requeued { reason: "dispatched but never started".into() }).await?;
         }
         Ok(())
     }

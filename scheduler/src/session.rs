@@ -137,6 +137,7 @@ impl Scheduler {
                 _ = self.dispatch_wanted.notified() => self.settle().await?,
                 _ = tick.tick() => {
                     self.update_gauges();
+                    self.requeue_stale().await?;
                     self.settle().await?;
                 }
             }

@@ -1,1 +1,11 @@
+//! End-to-end tests: the real binaries against a real RabbitMQ and a real S3 server (see `tests/lib.rs`).
 
+mod failures;
+mod pipeline;
+mod processes;
+
+use std::time::Duration;
+
+/// Generous bound for one job or pipeline on a loaded 2-core CI machine; tests wait for conditions,
+/// this only bounds how long a broken build hangs.
+pub const FINISH: Duration = Duration::from_secs(90);

@@ -76,10 +76,20 @@ impl Worker {
             let this = self.clone();
             let publisher = publisher.clone();
             let done = session_done.clone();
+            let shutdown = shutdown.clone();
             tokio::spawn(async move {
                 let mut tick = tokio::time::interval(Duration::from_millis(this.config.heartbeat_interval_ms));
+                let mut draining = false;
                 loop {
-                    tokio::select! { _ = done.cancelled() => break, _ = tick.tick() => {} }
+                    tokio::select! {
+                        _ = done.cancelled() => break,
+                        _ = tick.tick() => {}
+                        // Say "draining" the moment shutdown starts, so no new job is sent here.
+                        _ = shutdown.cancelled(), if !draining => {
+                            draining = true;
+                            this.set_state(WorkerState::Draining);
+                        }
+                    }
                     if let Err(e) = this.heartbeat(&publisher).await {
                         tracing::debug!(error = %e, "heartbeat not delivered");
                     }

@@ -1,0 +1,136 @@
+//! The main job path: a pipeline over HTTP, and a submission from a foreign AMQP producer.
+
+use futures::StreamExt;
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::BasicProperties;
+use serde_json::{Value, json};
+use vnfarm_tests::{Farm, WorkerOptions};
+
+use crate::FINISH;
+
+/// Reads `/v1/events` (Server-Sent Events) into JSON events until `stop` says so.
+async fn collect_events(farm: &Farm, until: impl Fn(&[Value]) -> bool) -> anyhow::Result<Vec<Value>> {
+    let response = farm.http.get(farm.url("/v1/events?after=0")).send().await?;
+    let mut body = response.bytes_stream();
+    let mut buffer = String::new();
+    let mut events = Vec::new();
+    let deadline = tokio::time::Instant::now() + FINISH;
+    while !until(&events) {
+        let chunk = tokio::time::timeout_at(deadline, body.next()).await?.ok_or_else(|| anyhow::anyhow!("event stream ended"))??;
+        buffer.push_str(&String::from_utf8_lossy(&chunk));
+        while let Some(end) = buffer.find("\n\n") {
+            let block: String = buffer.drain(..end + 2).collect();
+            for line in block.lines() {
+                if let Some(data) = line.strip_prefix("data:") {
+                    events.push(serde_json::from_str(data.trim())?);
+                }
+            }
+        }
+    }
+    Ok(events)
+}
+
+fn states_of(events: &[Value], job: &str) -> Vec<String> {
+    events.iter().filter(|e| e["job_id"] == job).map(|e| e["event"].as_str().unwrap_or("?").to_owned()).collect()
+}
+
+async fn assert_outputs(farm: &Farm, job: &Value) -> anyhow::Result<()> {
+    let id = job["id"].as_str().unwrap();
+    let keys = farm.storage.list(&format!("results/{id}/")).await?;
+    let outputs: Vec<String> = job["outputs"].as_array().unwrap().iter().map(|o| o.as_str().unwrap().to_owned()).collect();
+    let mut expected = outputs.clone();
+    expected.push(format!("results/{id}/manifest.json"));
+    expected.sort();
+    assert_eq!(keys, expected, "objects of job {id}");
+    let manifest: Value = serde_json::from_slice(&farm.storage.get(&format!("results/{id}/manifest.json")).await?)?;
+    assert_eq!(manifest["job_id"], id);
+    for (n, key) in outputs.iter().enumerate() {
+        let png = farm.storage.get(key).await?;
+        let img = image::load_from_memory(&png)?;
+        assert_eq!(manifest["outputs"][n]["width"], img.width());
+        assert_eq!(manifest["outputs"][n]["height"], img.height());
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pipeline_over_http_completes_with_every_output_and_event() -> anyhow::Result<()> {
+    let mut farm = Farm::new("pipeline").await?;
+    farm.start_scheduler().await?;
+    farm.start_worker("w1", WorkerOptions::default()).await?;
+    farm.start_worker("w2", WorkerOptions::default()).await?;
+
+    let (status, body) = farm
+        .submit(&json!({"schema_version": 1, "job": {"kind": "pipeline",
+            "base": {"prompt": "a girl, (red hair:1.2)", "width": 512, "height": 384, "steps": 6},
+            "edits": [{"instruction": "make her smile"}, {"instruction": "make her angry"}, {"instruction": "make her cry"}],
+            "upscales": [{"of": {"edit": 0}, "scale": 2}]}}))
+        .await?;
+    assert_eq!(status, 201, "{body}");
+    let pipeline_id = body["job_id"].as_str().unwrap().to_owned();
+    let pipeline = farm.wait_finished(&pipeline_id, FINISH).await?;
+    assert_eq!(pipeline["state"], "completed", "{pipeline}");
+    let children: Vec<String> = pipeline["children"].as_array().unwrap().iter().map(|c| c.as_str().unwrap().to_owned()).collect();
+    assert_eq!(children.len(), 5);
+
+    let events = collect_events(&farm, |evs| evs.iter().any(|e| e["job_id"] == pipeline_id.as_str() && e["event"] == "completed")).await?;
+    let seqs: Vec<u64> = events.iter().map(|e| e["seq"].as_u64().unwrap()).collect();
+    assert!(seqs.windows(2).all(|w| w[0] < w[1]), "sequence numbers increase: {seqs:?}");
+
+    for (i, child) in children.iter().enumerate() {
+        let job = farm.job(child).await?;
+        assert_eq!(job["state"], "completed", "{job}");
+        assert_eq!(job["parent"], pipeline_id.as_str());
+        assert_outputs(&farm, &job).await?;
+        // Every state, in order: queued, dispatched, started, progress..., completed.
+        let states = states_of(&events, child);
+        let compact: Vec<&str> = states.iter().map(String::as_str).filter(|s| *s != "progress").collect();
+        assert_eq!(compact, ["queued", "dispatched", "started", "completed"], "job {i}: {states:?}");
+        let first_progress = states.iter().position(|s| s == "progress").expect("progress events");
+        assert!(first_progress > 2 && first_progress < states.len() - 1, "progress between started and completed: {states:?}");
+    }
+    // Edits take the base image and keep its size; the upscale doubles its edit.
+    let edit = farm.job(&children[1]).await?;
+    assert_eq!(edit["submission"]["job"]["input"]["job_output"]["job"], children[0].as_str());
+    let upscaled = image::load_from_memory(&farm.storage.get(&format!("results/{}/0.png", children[4])).await?)?;
+    assert_eq!((upscaled.width(), upscaled.height()), (1024, 768));
+    assert_eq!(states_of(&events, &pipeline_id), ["queued", "completed"]);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_foreign_producer_can_publish_to_the_intake_queue() -> anyhow::Result<()> {
+    let mut farm = Farm::new("foreign").await?;
+    farm.start_scheduler().await?;
+    farm.start_worker("w1", WorkerOptions::default()).await?;
+
+    let conn = farm.connect_amqp().await?;
+    let channel = conn.create_channel().await?;
+    channel.confirm_select(ConfirmSelectOptions::default()).await?;
+    let job_id = uuid::Uuid::now_v7().to_string();
+    let body = json!({"schema_version": 1, "job_id": job_id, "priority": "interactive",
+        "job": {"kind": "generate", "prompt": "a castle at dusk", "width": 256, "height": 256, "steps": 3, "count": 2, "seed": 7}});
+    let confirm = channel
+        .basic_publish(
+            "".into(),
+            format!("{}.intake", farm.prefix).as_str().into(),
+            BasicPublishOptions::default(),
+            &serde_json::to_vec(&body)?,
+            BasicProperties::default().with_delivery_mode(2),
+        )
+        .await?
+        .await?;
+    assert!(confirm.is_ack());
+
+    let job = farm.wait_finished(&job_id, FINISH).await?;
+    assert_eq!(job["state"], "completed", "{job}");
+    assert_eq!(job["outputs"].as_array().unwrap().len(), 2);
+    assert_outputs(&farm, &job).await?;
+    let manifest: Value = serde_json::from_slice(&farm.storage.get(&format!("results/{job_id}/manifest.json")).await?)?;
+    assert_eq!(manifest["outputs"][1]["seed"], 8, "image n uses seed + n");
+    // The PNG carries its generation parameters.
+    let png = farm.storage.get(&format!("results/{job_id}/0.png")).await?;
+    let text = String::from_utf8_lossy(&png);
+    assert!(text.contains("a castle at dusk") && text.contains("Seed: 7"), "parameters chunk present");
+    Ok(())
+}
