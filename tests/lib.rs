@@ -18,21 +18,33 @@ pub const S3_KEY: &str = "vnfarm-test";
 pub const S3_SECRET: &str = "vnfarm-test-secret";
 
 pub fn amqp_url() -> String {
-    std::env::var("VNFARM_TEST_AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+    std::env::var("VNFARM_TEST_AMQP_URL")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
 }
 
 /// Directory of the workspace's binaries (`target/debug`), found from this test executable's path.
 pub fn bin_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("the test binary knows its path");
-    let dir = exe.parent().and_then(|deps| deps.parent()).expect("tests run from target/<profile>/deps").to_path_buf();
+    let dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("tests run from target/<profile>/deps")
+        .to_path_buf();
     for bin in ["vnfarm-scheduler", "vnfarm-worker"] {
-        assert!(dir.join(bin).exists(), "{} missing: run the tests with `cargo test --workspace`, which builds it", dir.join(bin).display());
+        assert!(
+            dir.join(bin).exists(),
+            "{} missing: run the tests with `cargo test --workspace`, which builds it",
+            dir.join(bin).display()
+        );
     }
     dir
 }
 
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free loopback port")
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free loopback port")
 }
 
 /// Waits until `f` returns `Some`, or fails after `timeout` with `what`.
@@ -102,7 +114,10 @@ pub struct WorkerOptions {
 
 impl Default for WorkerOptions {
     fn default() -> Self {
-        Self { step_ms: 5, extra_env: Vec::new() }
+        Self {
+            step_ms: 5,
+            extra_env: Vec::new(),
+        }
     }
 }
 
@@ -111,7 +126,9 @@ impl Farm {
         let unique = format!("{name}-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
         let prefix = format!("t-{unique}");
         let bucket = format!("t-{unique}").to_lowercase().replace('_', "-");
-        let storage = Storage::open(&Self::storage_config(&bucket)).await.context("creating the test bucket")?;
+        let storage = Storage::open(&Self::storage_config(&bucket))
+            .await
+            .context("creating the test bucket")?;
         Ok(Self {
             prefix,
             bucket,
@@ -153,7 +170,10 @@ impl Farm {
     }
 
     fn spawn(&self, bin: &str, log: &str, env: Vec<(String, String)>) -> anyhow::Result<Child> {
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.logs.path().join(log))?;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.logs.path().join(log))?;
         Ok(Command::new(bin_dir().join(bin))
             .env_clear()
             .env("PATH", std::env::var("PATH").unwrap_or_default())
@@ -170,7 +190,10 @@ impl Farm {
     /// Starts the scheduler and waits until it has replayed its stream and answers.
     pub async fn start_scheduler(&mut self) -> anyhow::Result<()> {
         let mut env = self.common_env();
-        env.push(("VNFARM_LISTEN".into(), format!("127.0.0.1:{}", self.scheduler_port)));
+        env.push((
+            "VNFARM_LISTEN".into(),
+            format!("127.0.0.1:{}", self.scheduler_port),
+        ));
         env.push(("VNFARM_HEARTBEAT_TIMEOUT_MS".into(), "3000".into()));
         env.push(("VNFARM_DISPATCH_TTL_MS".into(), "2000".into()));
         self.scheduler = Some(self.spawn("vnfarm-scheduler", "scheduler.log", env)?);
@@ -179,7 +202,13 @@ impl Farm {
         wait_for("the scheduler to be ready", Duration::from_secs(30), || {
             let http = http.clone();
             let url = url.clone();
-            async move { http.get(&url).send().await.ok().filter(|r| r.status().is_success()) }
+            async move {
+                http.get(&url)
+                    .send()
+                    .await
+                    .ok()
+                    .filter(|r| r.status().is_success())
+            }
         })
         .await
         .map_err(|e| e.context(self.log("scheduler.log")))?;
@@ -191,7 +220,10 @@ impl Farm {
         env.push(("VNFARM_WORKER_ID".into(), id.into()));
         env.push(("VNFARM_LISTEN".into(), format!("127.0.0.1:{}", free_port())));
         env.push(("VNFARM_HEARTBEAT_INTERVAL_MS".into(), "300".into()));
-        env.push(("VNFARM_ENGINE__TEST_PATTERN__STEP_MS".into(), options.step_ms.to_string()));
+        env.push((
+            "VNFARM_ENGINE__TEST_PATTERN__STEP_MS".into(),
+            options.step_ms.to_string(),
+        ));
         env.push(("VNFARM_ENGINE__TEST_PATTERN__ENCODE_MS".into(), "5".into()));
         env.push(("VNFARM_ENGINE__TEST_PATTERN__DECODE_MS".into(), "5".into()));
         env.extend(options.extra_env);
@@ -199,16 +231,29 @@ impl Farm {
         self.workers.push((id.to_owned(), child));
         // Ready once the scheduler lists it alive.
         let id = id.to_owned();
-        wait_for(&format!("worker {id} to register"), Duration::from_secs(30), || async {
-            let workers = self.get_json("/v1/workers").await.ok()?;
-            workers["workers"].as_array()?.iter().any(|w| w["id"] == id.as_str() && w["alive"] == true).then_some(())
-        })
+        wait_for(
+            &format!("worker {id} to register"),
+            Duration::from_secs(30),
+            || async {
+                let workers = self.get_json("/v1/workers").await.ok()?;
+                workers["workers"]
+                    .as_array()?
+                    .iter()
+                    .any(|w| w["id"] == id.as_str() && w["alive"] == true)
+                    .then_some(())
+            },
+        )
         .await
         .map_err(|e| e.context(self.log(&format!("{id}.log"))))
     }
 
     pub fn worker_mut(&mut self, id: &str) -> &mut Child {
-        &mut self.workers.iter_mut().find(|(w, _)| w == id).expect("a started worker").1
+        &mut self
+            .workers
+            .iter_mut()
+            .find(|(w, _)| w == id)
+            .expect("a started worker")
+            .1
     }
 
     pub fn signal_worker(&mut self, id: &str, signal: i32) {
@@ -230,7 +275,10 @@ impl Farm {
     pub fn log(&self, name: &str) -> String {
         let text = std::fs::read_to_string(self.logs.path().join(name)).unwrap_or_default();
         let tail: Vec<&str> = text.lines().rev().take(40).collect();
-        format!("--- {name} (last lines) ---\n{}", tail.into_iter().rev().collect::<Vec<_>>().join("\n"))
+        format!(
+            "--- {name} (last lines) ---\n{}",
+            tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+        )
     }
 
     pub async fn get_json(&self, path: &str) -> anyhow::Result<Value> {
@@ -245,7 +293,12 @@ impl Farm {
 
     /// POSTs a submission; returns (status, body).
     pub async fn submit(&self, body: &Value) -> anyhow::Result<(reqwest::StatusCode, Value)> {
-        let r = self.http.post(self.url("/v1/jobs")).json(body).send().await?;
+        let r = self
+            .http
+            .post(self.url("/v1/jobs"))
+            .json(body)
+            .send()
+            .await?;
         Ok((r.status(), r.json().await?))
     }
 
@@ -257,14 +310,28 @@ impl Farm {
     pub async fn wait_finished(&self, id: &str, timeout: Duration) -> anyhow::Result<Value> {
         wait_for(&format!("job {id} to finish"), timeout, || async {
             let job = self.job(id).await.ok()?;
-            matches!(job["state"].as_str(), Some("completed" | "failed" | "cancelled")).then_some(job)
+            matches!(
+                job["state"].as_str(),
+                Some("completed" | "failed" | "cancelled")
+            )
+            .then_some(job)
         })
         .await
-        .map_err(|e| e.context(format!("{}\n{}", self.log("scheduler.log"), self.worker_logs())))
+        .map_err(|e| {
+            e.context(format!(
+                "{}\n{}",
+                self.log("scheduler.log"),
+                self.worker_logs()
+            ))
+        })
     }
 
     pub fn worker_logs(&self) -> String {
-        self.workers.iter().map(|(id, _)| self.log(&format!("{id}.log"))).collect::<Vec<_>>().join("\n")
+        self.workers
+            .iter()
+            .map(|(id, _)| self.log(&format!("{id}.log")))
+            .collect::<Vec<_>>()
+            .join("\n")
     }
 
     pub async fn connect_amqp(&self) -> anyhow::Result<lapin::Connection> {
@@ -281,14 +348,29 @@ impl Drop for Farm {
         self.kill_scheduler();
         // Remove this test's queues, stream and exchanges from the shared broker.
         let prefix = self.prefix.clone();
-        let workers: Vec<vnfarm_proto::WorkerId> = self.workers.iter().filter_map(|(w, _)| w.parse().ok()).collect();
+        let workers: Vec<vnfarm_proto::WorkerId> = self
+            .workers
+            .iter()
+            .filter_map(|(w, _)| w.parse().ok())
+            .collect();
         let cleanup = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().ok()?;
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .ok()?;
             rt.block_on(async {
-                let conn = lapin::Connection::connect(&amqp_url(), lapin::ConnectionProperties::default()).await.ok()?;
+                let conn =
+                    lapin::Connection::connect(&amqp_url(), lapin::ConnectionProperties::default())
+                        .await
+                        .ok()?;
                 let ch = conn.create_channel().await.ok()?;
-                let config = vnfarm_bus::AmqpConfig { prefix, ..Default::default() };
-                vnfarm_bus::topology::delete_all(&ch, &config, &workers).await.ok()
+                let config = vnfarm_bus::AmqpConfig {
+                    prefix,
+                    ..Default::default()
+                };
+                vnfarm_bus::topology::delete_all(&ch, &config, &workers)
+                    .await
+                    .ok()
             })
         });
         let _ = cleanup.join();

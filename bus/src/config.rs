@@ -100,16 +100,25 @@ mod tests {
 
     #[test]
     fn passwords_are_redacted() {
-        let c = AmqpConfig { url: "amqp://guest:secret@host:5672/%2f".into(), ..Default::default() };
+        let c = AmqpConfig {
+            url: "amqp://guest:secret@host:5672/%2f".into(),
+            ..Default::default()
+        };
         assert_eq!(c.redacted_url(), "amqp://guest:***@host:5672/%2f");
         assert!(!c.redacted_url().contains("secret"));
     }
 
     #[test]
     fn bad_values_name_the_field() {
-        let c = AmqpConfig { url: "http://x".into(), ..Default::default() };
+        let c = AmqpConfig {
+            url: "http://x".into(),
+            ..Default::default()
+        };
         assert!(c.validate().unwrap_err().starts_with("amqp.url"));
-        let c = AmqpConfig { delivery_limit: 0, ..Default::default() };
+        let c = AmqpConfig {
+            delivery_limit: 0,
+            ..Default::default()
+        };
         assert!(c.validate().unwrap_err().starts_with("amqp.delivery_limit"));
     }
 }

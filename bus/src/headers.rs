@@ -5,7 +5,11 @@ use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 
 fn header<'a>(props: &'a BasicProperties, name: &str) -> Option<&'a AMQPValue> {
-    props.headers().as_ref()?.inner().get(&ShortString::from(name))
+    props
+        .headers()
+        .as_ref()?
+        .inner()
+        .get(&ShortString::from(name))
 }
 
 fn as_u64(value: &AMQPValue) -> Option<u64> {
@@ -32,7 +36,9 @@ fn as_string(value: &AMQPValue) -> Option<String> {
 
 /// How many times a quorum queue delivered this message before (absent on the first delivery).
 pub fn delivery_count(props: &BasicProperties) -> u64 {
-    header(props, "x-delivery-count").and_then(as_u64).unwrap_or(0)
+    header(props, "x-delivery-count")
+        .and_then(as_u64)
+        .unwrap_or(0)
 }
 
 /// The offset of a message read from a stream.
@@ -42,12 +48,14 @@ pub fn stream_offset(props: &BasicProperties) -> Option<u64> {
 
 /// Why the broker last dead-lettered this message (`expired`, `delivery_limit`, `rejected`, ...).
 pub fn death_reason(props: &BasicProperties) -> Option<String> {
-    if let Some(AMQPValue::FieldArray(deaths)) = header(props, "x-death") {
-        if let Some(AMQPValue::FieldTable(latest)) = deaths.as_slice().first() {
-            if let Some(reason) = latest.inner().get(&ShortString::from("reason")).and_then(as_string) {
-                return Some(reason);
-            }
-        }
+    if let Some(AMQPValue::FieldArray(deaths)) = header(props, "x-death")
+        && let Some(AMQPValue::FieldTable(latest)) = deaths.as_slice().first()
+        && let Some(reason) = latest
+            .inner()
+            .get(&ShortString::from("reason"))
+            .and_then(as_string)
+    {
+        return Some(reason);
     }
     header(props, "x-first-death-reason").and_then(as_string)
 }
@@ -60,7 +68,10 @@ pub fn string_header(props: &BasicProperties, name: &str) -> Option<String> {
 pub fn dead_letter_headers(reason: &str, failure: &str, job_id: Option<&str>) -> FieldTable {
     let mut table = FieldTable::default();
     let mut put = |k: &str, v: &str| {
-        table.insert(k.into(), AMQPValue::LongString(LongString::from(v.to_owned())));
+        table.insert(
+            k.into(),
+            AMQPValue::LongString(LongString::from(v.to_owned())),
+        );
     };
     put(vnfarm_proto::topology::HEADER_REASON, reason);
     put(vnfarm_proto::topology::HEADER_FAILURE, failure);

@@ -1,8 +1,8 @@
 //! Confirmed publishing: a publish returns `Ok` only after the broker has taken responsibility for the
 //! message (publisher confirms), and unroutable messages are errors, not silent drops.
 
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::Confirmation;
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{BasicProperties, Channel, Connection};
 use serde::Serialize;
 
@@ -12,9 +12,15 @@ pub enum PublishError {
     #[error("broker unavailable: {0}")]
     Broker(#[from] lapin::Error),
     #[error("broker refused the message (nack) for {exchange:?}/{routing_key}")]
-    Nacked { exchange: String, routing_key: String },
+    Nacked {
+        exchange: String,
+        routing_key: String,
+    },
     #[error("no queue is bound for {exchange:?}/{routing_key}")]
-    Unroutable { exchange: String, routing_key: String },
+    Unroutable {
+        exchange: String,
+        routing_key: String,
+    },
 }
 
 /// A channel in confirm mode. Clone freely: clones share the channel.
@@ -25,13 +31,17 @@ pub struct Publisher {
 
 /// Persistent JSON message properties.
 pub fn json_properties() -> BasicProperties {
-    BasicProperties::default().with_content_type("application/json".into()).with_delivery_mode(2)
+    BasicProperties::default()
+        .with_content_type("application/json".into())
+        .with_delivery_mode(2)
 }
 
 impl Publisher {
     pub async fn open(connection: &Connection) -> Result<Self, lapin::Error> {
         let channel = connection.create_channel().await?;
-        channel.confirm_select(ConfirmSelectOptions::default()).await?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
         Ok(Self { channel })
     }
 
@@ -48,7 +58,10 @@ impl Publisher {
             .basic_publish(
                 exchange.into(),
                 routing_key.into(),
-                BasicPublishOptions { mandatory: true, ..Default::default() },
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..Default::default()
+                },
                 payload,
                 properties,
             )
@@ -56,12 +69,14 @@ impl Publisher {
             .await?;
         match confirm {
             Confirmation::Ack(None) | Confirmation::NotRequested => Ok(()),
-            Confirmation::Ack(Some(_returned)) => {
-                Err(PublishError::Unroutable { exchange: exchange.into(), routing_key: routing_key.into() })
-            }
-            Confirmation::Nack(_) => {
-                Err(PublishError::Nacked { exchange: exchange.into(), routing_key: routing_key.into() })
-            }
+            Confirmation::Ack(Some(_returned)) => Err(PublishError::Unroutable {
+                exchange: exchange.into(),
+                routing_key: routing_key.into(),
+            }),
+            Confirmation::Nack(_) => Err(PublishError::Nacked {
+                exchange: exchange.into(),
+                routing_key: routing_key.into(),
+            }),
         }
     }
 
@@ -74,7 +89,8 @@ impl Publisher {
     ) -> Result<(), PublishError> {
         // Serializing our own wire types cannot fail: they hold no maps with non-string keys.
         let payload = serde_json::to_vec(body).expect("vnfarm wire types serialize to JSON");
-        self.publish(exchange, routing_key, &payload, properties).await
+        self.publish(exchange, routing_key, &payload, properties)
+            .await
     }
 
     pub fn channel(&self) -> &Channel {

@@ -27,7 +27,10 @@ fn text(s: &str) -> AMQPValue {
 fn quorum_args(config: &AmqpConfig, dlx: &str, dl_routing_key: Option<&str>) -> FieldTable {
     let mut args = FieldTable::default();
     args.insert("x-queue-type".into(), text("quorum"));
-    args.insert("x-delivery-limit".into(), AMQPValue::LongInt(config.delivery_limit as i32));
+    args.insert(
+        "x-delivery-limit".into(),
+        AMQPValue::LongInt(config.delivery_limit as i32),
+    );
     args.insert("x-dead-letter-exchange".into(), text(dlx));
     if let Some(key) = dl_routing_key {
         args.insert("x-dead-letter-routing-key".into(), text(key));
@@ -39,34 +42,93 @@ fn quorum_args(config: &AmqpConfig, dlx: &str, dl_routing_key: Option<&str>) -> 
 }
 
 fn durable() -> QueueDeclareOptions {
-    QueueDeclareOptions { durable: true, ..Default::default() }
+    QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    }
 }
 
 /// Declares everything shared by the whole installation.
 pub async fn declare_core(channel: &Channel, config: &AmqpConfig) -> Result<(), lapin::Error> {
     let t = config.topology();
-    let durable_exchange = ExchangeDeclareOptions { durable: true, ..Default::default() };
-    channel.exchange_declare(t.events_exchange().into(), ExchangeKind::Topic, durable_exchange, FieldTable::default()).await?;
-    channel.exchange_declare(t.dead_exchange().into(), ExchangeKind::Fanout, durable_exchange, FieldTable::default()).await?;
+    let durable_exchange = ExchangeDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    channel
+        .exchange_declare(
+            t.events_exchange().into(),
+            ExchangeKind::Topic,
+            durable_exchange,
+            FieldTable::default(),
+        )
+        .await?;
+    channel
+        .exchange_declare(
+            t.dead_exchange().into(),
+            ExchangeKind::Fanout,
+            durable_exchange,
+            FieldTable::default(),
+        )
+        .await?;
 
     let mut dead_args = FieldTable::default();
     dead_args.insert("x-queue-type".into(), text("quorum"));
-    channel.queue_declare(t.dead_queue().into(), durable(), dead_args).await?;
-    channel.queue_bind(t.dead_queue().into(), t.dead_exchange().into(), "".into(), QueueBindOptions::default(), FieldTable::default()).await?;
+    channel
+        .queue_declare(t.dead_queue().into(), durable(), dead_args)
+        .await?;
+    channel
+        .queue_bind(
+            t.dead_queue().into(),
+            t.dead_exchange().into(),
+            "".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
 
-    channel.queue_declare(t.intake_queue().into(), durable(), quorum_args(config, &t.dead_exchange(), None)).await?;
-    channel.queue_declare(t.redispatch_queue().into(), durable(), quorum_args(config, &t.dead_exchange(), None)).await?;
+    channel
+        .queue_declare(
+            t.intake_queue().into(),
+            durable(),
+            quorum_args(config, &t.dead_exchange(), None),
+        )
+        .await?;
+    channel
+        .queue_declare(
+            t.redispatch_queue().into(),
+            durable(),
+            quorum_args(config, &t.dead_exchange(), None),
+        )
+        .await?;
 
     let mut stream_args = FieldTable::default();
     stream_args.insert("x-queue-type".into(), text("stream"));
-    stream_args.insert("x-max-length-bytes".into(), AMQPValue::LongLongInt(config.events_max_bytes as i64));
+    stream_args.insert(
+        "x-max-length-bytes".into(),
+        AMQPValue::LongLongInt(config.events_max_bytes as i64),
+    );
     stream_args.insert("x-max-age".into(), text(&config.events_max_age));
     // Small segments keep retention fine-grained and a test installation's disk use small.
-    stream_args.insert("x-stream-max-segment-size-bytes".into(), AMQPValue::LongInt(16 << 20));
-    channel.queue_declare(t.events_stream().into(), durable(), stream_args).await?;
-    for pattern in [JOB_EVENTS_PATTERN.to_owned(), format!("{MARKER_ROUTING_PREFIX}.#")] {
+    stream_args.insert(
+        "x-stream-max-segment-size-bytes".into(),
+        AMQPValue::LongInt(16 << 20),
+    );
+    channel
+        .queue_declare(t.events_stream().into(), durable(), stream_args)
+        .await?;
+    for pattern in [
+        JOB_EVENTS_PATTERN.to_owned(),
+        format!("{MARKER_ROUTING_PREFIX}.#"),
+    ] {
         channel
-            .queue_bind(t.events_stream().into(), t.events_exchange().into(), pattern.into(), QueueBindOptions::default(), FieldTable::default())
+            .queue_bind(
+                t.events_stream().into(),
+                t.events_exchange().into(),
+                pattern.into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
             .await?;
     }
     Ok(())
@@ -74,25 +136,48 @@ pub async fn declare_core(channel: &Channel, config: &AmqpConfig) -> Result<(), 
 
 /// Declares one worker's own queue. Messages that expire there (the worker died or stalled) or exceed
 /// the delivery limit go to the redispatch queue, where the scheduler decides what happens next.
-pub async fn declare_worker_queue(channel: &Channel, config: &AmqpConfig, worker: &WorkerId) -> Result<String, lapin::Error> {
+pub async fn declare_worker_queue(
+    channel: &Channel,
+    config: &AmqpConfig,
+    worker: &WorkerId,
+) -> Result<String, lapin::Error> {
     let t: Topology = config.topology();
     let name = t.worker_queue(worker);
     let redispatch = t.redispatch_queue();
-    channel.queue_declare(name.as_str().into(), durable(), quorum_args(config, "", Some(&redispatch))).await?;
+    channel
+        .queue_declare(
+            name.as_str().into(),
+            durable(),
+            quorum_args(config, "", Some(&redispatch)),
+        )
+        .await?;
     Ok(name)
 }
 
 /// Deletes every queue and exchange of an installation whose workers are `workers` (for tests).
-pub async fn delete_all(channel: &Channel, config: &AmqpConfig, workers: &[WorkerId]) -> Result<(), lapin::Error> {
+pub async fn delete_all(
+    channel: &Channel,
+    config: &AmqpConfig,
+    workers: &[WorkerId],
+) -> Result<(), lapin::Error> {
     use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
     let t = config.topology();
-    let mut queues = vec![t.intake_queue(), t.redispatch_queue(), t.dead_queue(), t.events_stream()];
+    let mut queues = vec![
+        t.intake_queue(),
+        t.redispatch_queue(),
+        t.dead_queue(),
+        t.events_stream(),
+    ];
     queues.extend(workers.iter().map(|w| t.worker_queue(w)));
     for q in queues {
-        channel.queue_delete(q.into(), QueueDeleteOptions::default()).await?;
+        channel
+            .queue_delete(q.into(), QueueDeleteOptions::default())
+            .await?;
     }
     for x in [t.events_exchange(), t.dead_exchange()] {
-        channel.exchange_delete(x.into(), ExchangeDeleteOptions::default()).await?;
+        channel
+            .exchange_delete(x.into(), ExchangeDeleteOptions::default())
+            .await?;
     }
     Ok(())
 }

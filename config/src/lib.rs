@@ -15,7 +15,10 @@ pub const EXIT_CONFIG: i32 = 64;
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("cannot read config file {path}: {source}")]
-    Read { path: String, source: std::io::Error },
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("config file {path} is not valid TOML: {message}")]
     Syntax { path: String, message: String },
     #[error("{field}: {message}")]
@@ -27,8 +30,14 @@ impl ConfigError {
         // Validation messages are written as "field.path: what is wrong".
         let message = message.into();
         match message.split_once(": ") {
-            Some((field, rest)) => ConfigError::Invalid { field: field.to_owned(), message: rest.to_owned() },
-            None => ConfigError::Invalid { field: ".".to_owned(), message },
+            Some((field, rest)) => ConfigError::Invalid {
+                field: field.to_owned(),
+                message: rest.to_owned(),
+            },
+            None => ConfigError::Invalid {
+                field: ".".to_owned(),
+                message,
+            },
         }
     }
 }
@@ -41,8 +50,15 @@ pub fn load<T: DeserializeOwned>(
     let mut table = match file {
         Some(path) => {
             let shown = path.display().to_string();
-            let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: shown.clone(), source })?;
-            text.parse::<toml::Table>().map_err(|e| ConfigError::Syntax { path: shown, message: e.to_string() })?
+            let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+                path: shown.clone(),
+                source,
+            })?;
+            text.parse::<toml::Table>()
+                .map_err(|e| ConfigError::Syntax {
+                    path: shown,
+                    message: e.to_string(),
+                })?
         }
         None => toml::Table::new(),
     };
@@ -52,8 +68,16 @@ pub fn load<T: DeserializeOwned>(
         .collect();
     overrides.sort();
     for (key, value) in overrides {
-        let path: Vec<String> = key["VNFARM_".len()..].split("__").map(str::to_lowercase).collect();
-        set_path(&mut table, &path, parse_env_value(&value)).map_err(|message| ConfigError::Invalid { field: path.join("."), message })?;
+        let path: Vec<String> = key["VNFARM_".len()..]
+            .split("__")
+            .map(str::to_lowercase)
+            .collect();
+        set_path(&mut table, &path, parse_env_value(&value)).map_err(|message| {
+            ConfigError::Invalid {
+                field: path.join("."),
+                message,
+            }
+        })?;
     }
     serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|e| ConfigError::Invalid {
         field: e.path().to_string(),
@@ -64,14 +88,17 @@ pub fn load<T: DeserializeOwned>(
 /// `VNFARM_` variables that are not configuration keys: the config file path, the command line's
 /// settings, and the test harness's. A user may export them in the same shell as a binary's settings.
 fn is_reserved(key: &str) -> bool {
-    matches!(key, "VNFARM_CONFIG" | "VNFARM_URL" | "VNFARM_TOKEN") || key.starts_with("VNFARM_TEST_")
+    matches!(key, "VNFARM_CONFIG" | "VNFARM_URL" | "VNFARM_TOKEN")
+        || key.starts_with("VNFARM_TEST_")
 }
 
 /// An environment value is read as a TOML value when it is one (`3`, `true`, `["a", "b"]`), else as a string.
 fn parse_env_value(value: &str) -> toml::Value {
     let wrapped = format!("v = {value}");
     match wrapped.parse::<toml::Table>() {
-        Ok(mut t) => t.remove("v").unwrap_or_else(|| toml::Value::String(value.to_owned())),
+        Ok(mut t) => t
+            .remove("v")
+            .unwrap_or_else(|| toml::Value::String(value.to_owned())),
         Err(_) => toml::Value::String(value.to_owned()),
     }
 }
@@ -80,8 +107,12 @@ fn set_path(table: &mut toml::Table, path: &[String], value: toml::Value) -> Res
     let (last, parents) = path.split_last().ok_or("empty variable name")?;
     let mut node = table;
     for part in parents {
-        let entry = node.entry(part.clone()).or_insert_with(|| toml::Value::Table(toml::Table::new()));
-        node = entry.as_table_mut().ok_or_else(|| format!("{part} is not a section"))?;
+        let entry = node
+            .entry(part.clone())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        node = entry
+            .as_table_mut()
+            .ok_or_else(|| format!("{part} is not a section"))?;
     }
     node.insert(last.clone(), value);
     Ok(())
@@ -114,7 +145,10 @@ mod tests {
     }
 
     fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
-        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
     }
 
     #[test]
@@ -123,17 +157,42 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("c.toml");
         std::fs::write(&path, "name = \"a\"\n[inner]\nport = 1\n").unwrap();
-        let vars = [("VNFARM_INNER__PORT", "8080"), ("VNFARM_INNER__TAGS", "[\"x\"]"), ("OTHER", "1"), ("VNFARM_URL", "http://x")];
+        let vars = [
+            ("VNFARM_INNER__PORT", "8080"),
+            ("VNFARM_INNER__TAGS", "[\"x\"]"),
+            ("OTHER", "1"),
+            ("VNFARM_URL", "http://x"),
+        ];
         let got: Demo = load(Some(&path), env(&vars)).unwrap();
-        assert_eq!(got, Demo { name: "a".into(), inner: Inner { port: 8080, tags: vec!["x".into()] } });
+        assert_eq!(
+            got,
+            Demo {
+                name: "a".into(),
+                inner: Inner {
+                    port: 8080,
+                    tags: vec!["x".into()]
+                }
+            }
+        );
     }
 
     #[test]
     fn errors_name_the_field() {
-        let e = load::<Demo>(None, env(&[("VNFARM_NAME", "a"), ("VNFARM_INNER__PORT", "99999")])).unwrap_err();
+        let e = load::<Demo>(
+            None,
+            env(&[("VNFARM_NAME", "a"), ("VNFARM_INNER__PORT", "99999")]),
+        )
+        .unwrap_err();
         assert!(e.to_string().starts_with("inner.port: "), "{e}");
-        let e = load::<Demo>(None, env(&[("VNFARM_NAME", "a"), ("VNFARM_INNER__COLOUR", "1")])).unwrap_err();
-        assert!(e.to_string().starts_with("inner: unknown field `colour`"), "{e}");
+        let e = load::<Demo>(
+            None,
+            env(&[("VNFARM_NAME", "a"), ("VNFARM_INNER__COLOUR", "1")]),
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string().starts_with("inner: unknown field `colour`"),
+            "{e}"
+        );
         let e = load::<Demo>(None, env(&[])).unwrap_err();
         assert!(e.to_string().contains("missing field `name`"), "{e}");
     }

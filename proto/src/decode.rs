@@ -14,6 +14,9 @@ pub fn decode_json<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, De
     let de = &mut serde_json::Deserializer::from_slice(bytes);
     serde_path_to_error::deserialize(de).map_err(|e| {
         let path = e.path().to_string();
-        DecodeError { field: path, message: e.into_inner().to_string() }
+        DecodeError {
+            field: path,
+            message: e.into_inner().to_string(),
+        }
     })
 }

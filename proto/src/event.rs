@@ -26,7 +26,11 @@ pub struct Event {
 
 impl Event {
     pub fn now(job_id: JobId, kind: EventKind) -> Self {
-        Self { job_id, at: Utc::now(), kind }
+        Self {
+            job_id,
+            at: Utc::now(),
+            kind,
+        }
     }
 
     /// Routing key on the event exchange: `job.<id>.<event>`.
@@ -64,10 +68,18 @@ pub enum EventKind {
     },
     /// Back in the scheduler's backlog, to be dispatched again (its message came back from a worker
     /// queue: the worker died or stalled).
-    Requeued { reason: String },
+    Requeued {
+        reason: String,
+    },
     /// A worker began it. `attempt` counts deliveries (1 for the first).
-    Started { worker: WorkerId, attempt: u32 },
-    Progress { step: u32, total: u32 },
+    Started {
+        worker: WorkerId,
+        attempt: u32,
+    },
+    Progress {
+        step: u32,
+        total: u32,
+    },
     Completed {
         /// Object keys of the outputs, in order.
         outputs: Vec<String>,
@@ -83,7 +95,9 @@ pub enum EventKind {
         /// True when the job will be tried again; false makes this event final.
         retryable: bool,
     },
-    Cancelled { reason: String },
+    Cancelled {
+        reason: String,
+    },
 }
 
 impl EventKind {
@@ -175,7 +189,14 @@ mod tests {
     #[test]
     fn events_round_trip_and_route() {
         let id = JobId::new();
-        let ev = Event::now(id, EventKind::Failed { failure: FailureKind::BadInput, message: "not a PNG".into(), retryable: false });
+        let ev = Event::now(
+            id,
+            EventKind::Failed {
+                failure: FailureKind::BadInput,
+                message: "not a PNG".into(),
+                retryable: false,
+            },
+        );
         assert_eq!(ev.routing_key(), format!("job.{id}.failed"));
         let json = serde_json::to_string(&ev).unwrap();
         assert!(json.contains("\"event\":\"failed\""), "{json}");
@@ -190,7 +211,11 @@ mod tests {
 
     #[test]
     fn retryable_failures_are_not_terminal() {
-        let kind = EventKind::Failed { failure: FailureKind::Storage, message: "S3 down".into(), retryable: true };
+        let kind = EventKind::Failed {
+            failure: FailureKind::Storage,
+            message: "S3 down".into(),
+            retryable: true,
+        };
         assert!(!kind.is_terminal());
     }
 }

@@ -7,7 +7,9 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// A job's identity. New ids are UUIDv7, so they sort by creation time.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,
+)]
 #[serde(transparent)]
 pub struct JobId(pub uuid::Uuid);
 
@@ -37,7 +39,9 @@ impl FromStr for JobId {
 }
 
 /// A worker's name: 1–64 characters of `[a-z0-9_-]`, so it can sit in a queue name and a metric label.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema)]
+#[derive(
+    Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,
+)]
 #[serde(try_from = "String", into = "String")]
 pub struct WorkerId(String);
 
@@ -50,9 +54,12 @@ impl WorkerId {
 impl TryFrom<String> for WorkerId {
     type Error = String;
     fn try_from(s: String) -> Result<Self, Self::Error> {
-        let ok_char = |c: char| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '_';
+        let ok_char =
+            |c: char| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '_';
         if s.is_empty() || s.len() > 64 || !s.chars().all(ok_char) {
-            return Err(format!("worker id {s:?} must be 1-64 characters of [a-z0-9_-]"));
+            return Err(format!(
+                "worker id {s:?} must be 1-64 characters of [a-z0-9_-]"
+            ));
         }
         Ok(Self(s))
     }

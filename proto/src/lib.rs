@@ -40,7 +40,8 @@ pub const MAX_MESSAGE_BYTES: usize = 12 * 1024 * 1024;
 /// JSON Schema of [`Submission`], for front ends. `proto/schema/submission.schema.json` is this,
 /// committed; a test keeps the two equal.
 pub fn submission_schema() -> serde_json::Value {
-    serde_json::to_value(schemars::schema_for!(Submission)).expect("a JSON Schema serializes to JSON")
+    serde_json::to_value(schemars::schema_for!(Submission))
+        .expect("a JSON Schema serializes to JSON")
 }
 
 #[cfg(test)]
@@ -54,8 +55,14 @@ mod schema_tests {
             std::fs::write(path, &fresh).unwrap();
         }
         let committed = std::fs::read_to_string(path).unwrap_or_default();
-        assert!(committed == fresh, "{path} is stale: run VNFARM_BLESS=1 cargo test -p vnfarm-proto");
+        assert!(
+            committed == fresh,
+            "{path} is stale: run VNFARM_BLESS=1 cargo test -p vnfarm-proto"
+        );
         let schema = super::submission_schema();
-        assert_eq!(schema["additionalProperties"], false, "unknown fields must be rejected");
+        assert_eq!(
+            schema["additionalProperties"], false,
+            "unknown fields must be rejected"
+        );
     }
 }

@@ -83,7 +83,9 @@ impl JobSpec {
 }
 
 /// The model families a worker may hold warm; each has a shared work queue.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,
+)]
 #[serde(rename_all = "kebab-case")]
 pub enum ModelFamily {
     Sdxl,
@@ -92,7 +94,11 @@ pub enum ModelFamily {
 }
 
 impl ModelFamily {
-    pub const ALL: [ModelFamily; 3] = [ModelFamily::Sdxl, ModelFamily::QwenEdit, ModelFamily::Esrgan];
+    pub const ALL: [ModelFamily; 3] = [
+        ModelFamily::Sdxl,
+        ModelFamily::QwenEdit,
+        ModelFamily::Esrgan,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -284,7 +290,10 @@ pub struct ValidationError {
 }
 
 fn err(field: impl Into<String>, message: impl Into<String>) -> ValidationError {
-    ValidationError { field: field.into(), message: message.into() }
+    ValidationError {
+        field: field.into(),
+        message: message.into(),
+    }
 }
 
 fn check_range<T: PartialOrd + std::fmt::Display + Copy>(
@@ -311,7 +320,10 @@ fn check_text(field: &str, text: &str, required: bool) -> Result<(), ValidationE
         return Err(err(field, "must not be empty"));
     }
     if text.chars().count() > MAX_PROMPT_CHARS {
-        return Err(err(field, format!("is longer than {MAX_PROMPT_CHARS} characters")));
+        return Err(err(
+            field,
+            format!("is longer than {MAX_PROMPT_CHARS} characters"),
+        ));
     }
     Ok(())
 }
@@ -322,11 +334,21 @@ fn check_loras(field: &str, loras: &[LoraRef]) -> Result<(), ValidationError> {
     }
     for (i, lora) in loras.iter().enumerate() {
         let ok = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
-        if lora.name.is_empty() || lora.name.len() > 128 || lora.name.starts_with('.') || !lora.name.chars().all(ok) {
-            return Err(err(format!("{field}[{i}].name"), "must be a file name of [A-Za-z0-9._-], not starting with '.'"));
+        if lora.name.is_empty()
+            || lora.name.len() > 128
+            || lora.name.starts_with('.')
+            || !lora.name.chars().all(ok)
+        {
+            return Err(err(
+                format!("{field}[{i}].name"),
+                "must be a file name of [A-Za-z0-9._-], not starting with '.'",
+            ));
         }
         if !lora.weight.is_finite() {
-            return Err(err(format!("{field}[{i}].weight"), "must be a finite number"));
+            return Err(err(
+                format!("{field}[{i}].weight"),
+                "must be a finite number",
+            ));
         }
         check_range(&format!("{field}[{i}].weight"), lora.weight, -4.0, 4.0)?;
     }
@@ -336,7 +358,11 @@ fn check_loras(field: &str, loras: &[LoraRef]) -> Result<(), ValidationError> {
 impl GenerateSpec {
     fn validate(&self, at: &str) -> Result<(), ValidationError> {
         check_text(&format!("{at}.prompt"), &self.prompt, true)?;
-        check_text(&format!("{at}.negative_prompt"), &self.negative_prompt, false)?;
+        check_text(
+            &format!("{at}.negative_prompt"),
+            &self.negative_prompt,
+            false,
+        )?;
         for (name, side) in [("width", self.width), ("height", self.height)] {
             let field = format!("{at}.{name}");
             check_range(&field, side, 256, 2048)?;
@@ -347,23 +373,34 @@ impl GenerateSpec {
         check_range(&format!("{at}.steps"), self.steps, 1, 150)?;
         check_cfg(&format!("{at}.cfg"), self.cfg)?;
         check_range(&format!("{at}.count"), self.count, 1, 16)?;
-        if let Some(seed) = self.seed {
-            if seed.checked_add(u64::from(self.count)).is_none() {
-                return Err(err(format!("{at}.seed"), "seed + count overflows"));
-            }
+        if let Some(seed) = self.seed
+            && seed.checked_add(u64::from(self.count)).is_none()
+        {
+            return Err(err(format!("{at}.seed"), "seed + count overflows"));
         }
         Ok(())
     }
 }
 
-fn validate_edit_params(at: &str, instruction: &str, steps: u32, cfg: f32, loras: &[LoraRef]) -> Result<(), ValidationError> {
+fn validate_edit_params(
+    at: &str,
+    instruction: &str,
+    steps: u32,
+    cfg: f32,
+    loras: &[LoraRef],
+) -> Result<(), ValidationError> {
     check_text(&format!("{at}.instruction"), instruction, true)?;
     check_range(&format!("{at}.steps"), steps, 1, 100)?;
     check_cfg(&format!("{at}.cfg"), cfg)?;
     check_loras(&format!("{at}.loras"), loras)
 }
 
-fn validate_upscale_params(at: &str, scale: u32, tile: u32, overlap: u32) -> Result<(), ValidationError> {
+fn validate_upscale_params(
+    at: &str,
+    scale: u32,
+    tile: u32,
+    overlap: u32,
+) -> Result<(), ValidationError> {
     if scale != 2 && scale != 4 {
         return Err(err(format!("{at}.scale"), format!("{scale} is not 2 or 4")));
     }
@@ -377,11 +414,16 @@ impl ImageRef {
             ImageRef::Stored(key) => {
                 let allowed = key.starts_with("inputs/") || key.starts_with("results/");
                 if !allowed || key.contains("..") || key.len() > 512 {
-                    return Err(err(format!("{at}.stored"), "must be a key under inputs/ or results/ without '..'"));
+                    return Err(err(
+                        format!("{at}.stored"),
+                        "must be a key under inputs/ or results/ without '..'",
+                    ));
                 }
                 Ok(())
             }
-            ImageRef::JobOutput { index, .. } => check_range(&format!("{at}.job_output.index"), *index, 0, 15),
+            ImageRef::JobOutput { index, .. } => {
+                check_range(&format!("{at}.job_output.index"), *index, 0, 15)
+            }
             ImageRef::Inline(data) => {
                 // base64 is 4 characters per 3 bytes; check the length before decoding anything.
                 if data.len() / 4 * 3 > MAX_INLINE_IMAGE_BYTES + 3 {
@@ -403,17 +445,24 @@ impl ImageRef {
 
 impl Submission {
     /// Checks every bound; on success every `seed` is set (missing ones drawn from `seed_source`).
-    pub fn validate(mut self, seed_source: &mut dyn FnMut() -> u64) -> Result<Submission, ValidationError> {
+    pub fn validate(
+        mut self,
+        seed_source: &mut dyn FnMut() -> u64,
+    ) -> Result<Submission, ValidationError> {
         if self.schema_version != crate::SCHEMA_VERSION {
             return Err(err(
                 "schema_version",
-                format!("version {} is not supported (this build speaks {})", self.schema_version, crate::SCHEMA_VERSION),
+                format!(
+                    "version {} is not supported (this build speaks {})",
+                    self.schema_version,
+                    crate::SCHEMA_VERSION
+                ),
             ));
         }
-        if let Some(key) = &self.idempotency_key {
-            if key.is_empty() || key.len() > 128 {
-                return Err(err("idempotency_key", "must be 1-128 characters"));
-            }
+        if let Some(key) = &self.idempotency_key
+            && (key.is_empty() || key.len() > 128)
+        {
+            return Err(err("idempotency_key", "must be 1-128 characters"));
         }
         match &mut self.job {
             JobSpec::Generate(g) => {
@@ -432,29 +481,47 @@ impl Submission {
             JobSpec::Pipeline(p) => {
                 p.base.validate("job.base")?;
                 if p.base.count != 1 {
-                    return Err(err("job.base.count", "a pipeline's base makes exactly one image"));
+                    return Err(err(
+                        "job.base.count",
+                        "a pipeline's base makes exactly one image",
+                    ));
                 }
                 let jobs = 1 + p.edits.len() + p.upscales.len();
                 if jobs > MAX_PIPELINE_JOBS {
-                    return Err(err("job", format!("pipeline expands to {jobs} jobs, more than {MAX_PIPELINE_JOBS}")));
+                    return Err(err(
+                        "job",
+                        format!("pipeline expands to {jobs} jobs, more than {MAX_PIPELINE_JOBS}"),
+                    ));
                 }
                 p.base.seed.get_or_insert_with(&mut *seed_source);
                 for (i, e) in p.edits.iter_mut().enumerate() {
-                    validate_edit_params(&format!("job.edits[{i}]"), &e.instruction, e.steps, e.cfg, &e.loras)?;
+                    validate_edit_params(
+                        &format!("job.edits[{i}]"),
+                        &e.instruction,
+                        e.steps,
+                        e.cfg,
+                        &e.loras,
+                    )?;
                     e.seed.get_or_insert_with(&mut *seed_source);
                 }
                 for (i, u) in p.upscales.iter().enumerate() {
                     let at = format!("job.upscales[{i}]");
                     validate_upscale_params(&at, u.scale, u.tile, u.tile_overlap)?;
-                    if let PipelineImage::Edit(n) = u.of {
-                        if n >= p.edits.len() {
-                            return Err(err(format!("{at}.of"), format!("edit {n} does not exist ({} edits)", p.edits.len())));
-                        }
+                    if let PipelineImage::Edit(n) = u.of
+                        && n >= p.edits.len()
+                    {
+                        return Err(err(
+                            format!("{at}.of"),
+                            format!("edit {n} does not exist ({} edits)", p.edits.len()),
+                        ));
                     }
                     // Edits keep their input's size, so every pipeline image has the base's size.
                     let longest = p.base.width.max(p.base.height) * u.scale;
                     if longest > MAX_UPSCALE_OUTPUT_SIDE {
-                        return Err(err(format!("{at}.scale"), format!("output side {longest} exceeds {MAX_UPSCALE_OUTPUT_SIDE}")));
+                        return Err(err(
+                            format!("{at}.scale"),
+                            format!("output side {longest} exceeds {MAX_UPSCALE_OUTPUT_SIDE}"),
+                        ));
                     }
                 }
             }
@@ -477,7 +544,8 @@ mod tests {
     }
 
     fn decode_and_validate(json: serde_json::Value) -> Result<Submission, String> {
-        let sub: Submission = decode_json(json.to_string().as_bytes()).map_err(|e| e.to_string())?;
+        let sub: Submission =
+            decode_json(json.to_string().as_bytes()).map_err(|e| e.to_string())?;
         sub.validate(&mut seeds()).map_err(|e| e.to_string())
     }
 
@@ -487,7 +555,9 @@ mod tests {
             "schema_version": 1, "job": {"kind": "generate", "prompt": "a cat"}
         }))
         .unwrap();
-        let JobSpec::Generate(g) = &sub.job else { panic!("not a generate: {sub:?}") };
+        let JobSpec::Generate(g) = &sub.job else {
+            panic!("not a generate: {sub:?}")
+        };
         assert_eq!((g.width, g.height, g.steps, g.count), (1024, 1024, 20, 1));
         assert_eq!(g.seed, Some(1));
         assert_eq!(sub.priority, Priority::Batch);
@@ -512,7 +582,8 @@ mod tests {
         ];
         for json in subs {
             let sub = decode_and_validate(json.clone()).unwrap();
-            let again: Submission = decode_json(serde_json::to_vec(&sub).unwrap().as_slice()).unwrap();
+            let again: Submission =
+                decode_json(serde_json::to_vec(&sub).unwrap().as_slice()).unwrap();
             assert_eq!(sub, again, "round trip of {json}");
         }
     }
@@ -520,35 +591,88 @@ mod tests {
     #[test]
     fn rejections_name_the_field() {
         let cases = [
-            (serde_json::json!({"schema_version": 2, "job": {"kind": "generate", "prompt": "x"}}), "schema_version"),
-            (serde_json::json!({"schema_version": 1, "job": {"kind": "generate", "prompt": "x", "width": 1000}}), "job.width"),
-            (serde_json::json!({"schema_version": 1, "job": {"kind": "generate", "prompt": "x", "height": 4096}}), "job.height"),
-            (serde_json::json!({"schema_version": 1, "job": {"kind": "generate", "prompt": "x", "steps": 0}}), "job.steps"),
-            (serde_json::json!({"schema_version": 1, "job": {"kind": "generate", "prompt": "x", "count": 17}}), "job.count"),
-            (serde_json::json!({"schema_version": 1, "job": {"kind": "generate", "prompt": " "}}), "job.prompt"),
-            (serde_json::json!({"schema_version": 1, "job": {"kind": "generate", "prompt": "x", "colour": 1}}), "job"),
-            (serde_json::json!({"schema_version": 1, "extra": true, "job": {"kind": "generate", "prompt": "x"}}), "."),
-            (serde_json::json!({"schema_version": 1, "job": {"kind": "dance"}}), "job"),
-            (serde_json::json!({"schema_version": 1, "job": {"kind": "edit", "input": {"stored": "../etc/passwd"}, "instruction": "x"}}), "job.input.stored"),
-            (serde_json::json!({"schema_version": 1, "job": {"kind": "edit", "input": {"url": "http://x"}, "instruction": "x"}}), "job.input"),
-            (serde_json::json!({"schema_version": 1, "job": {"kind": "upscale", "input": {"stored": "inputs/a.png"}, "scale": 3}}), "job.scale"),
-            (serde_json::json!({"schema_version": 1, "job": {"kind": "pipeline", "base": {"prompt": "x", "count": 2}}}), "job.base.count"),
-            (serde_json::json!({"schema_version": 1, "job": {"kind": "pipeline", "base": {"prompt": "x"},
-                "upscales": [{"of": {"edit": 0}}]}}), "job.upscales[0].of"),
-            (serde_json::json!({"schema_version": 1, "job": {"kind": "pipeline", "base": {"prompt": "x", "width": 2048},
-                "upscales": [{"of": "base", "scale": 8}]}}), "job.upscales[0].scale"),
-            (serde_json::json!({"schema_version": 1, "job": {"kind": "edit", "input": {"stored": "inputs/a.png"},
-                "instruction": "x", "loras": [{"name": "../x", "weight": 1}]}}), "job.loras[0].name"),
+            (
+                serde_json::json!({"schema_version": 2, "job": {"kind": "generate", "prompt": "x"}}),
+                "schema_version",
+            ),
+            (
+                serde_json::json!({"schema_version": 1, "job": {"kind": "generate", "prompt": "x", "width": 1000}}),
+                "job.width",
+            ),
+            (
+                serde_json::json!({"schema_version": 1, "job": {"kind": "generate", "prompt": "x", "height": 4096}}),
+                "job.height",
+            ),
+            (
+                serde_json::json!({"schema_version": 1, "job": {"kind": "generate", "prompt": "x", "steps": 0}}),
+                "job.steps",
+            ),
+            (
+                serde_json::json!({"schema_version": 1, "job": {"kind": "generate", "prompt": "x", "count": 17}}),
+                "job.count",
+            ),
+            (
+                serde_json::json!({"schema_version": 1, "job": {"kind": "generate", "prompt": " "}}),
+                "job.prompt",
+            ),
+            (
+                serde_json::json!({"schema_version": 1, "job": {"kind": "generate", "prompt": "x", "colour": 1}}),
+                "job",
+            ),
+            (
+                serde_json::json!({"schema_version": 1, "extra": true, "job": {"kind": "generate", "prompt": "x"}}),
+                ".",
+            ),
+            (
+                serde_json::json!({"schema_version": 1, "job": {"kind": "dance"}}),
+                "job",
+            ),
+            (
+                serde_json::json!({"schema_version": 1, "job": {"kind": "edit", "input": {"stored": "../etc/passwd"}, "instruction": "x"}}),
+                "job.input.stored",
+            ),
+            (
+                serde_json::json!({"schema_version": 1, "job": {"kind": "edit", "input": {"url": "http://x"}, "instruction": "x"}}),
+                "job.input",
+            ),
+            (
+                serde_json::json!({"schema_version": 1, "job": {"kind": "upscale", "input": {"stored": "inputs/a.png"}, "scale": 3}}),
+                "job.scale",
+            ),
+            (
+                serde_json::json!({"schema_version": 1, "job": {"kind": "pipeline", "base": {"prompt": "x", "count": 2}}}),
+                "job.base.count",
+            ),
+            (
+                serde_json::json!({"schema_version": 1, "job": {"kind": "pipeline", "base": {"prompt": "x"},
+                "upscales": [{"of": {"edit": 0}}]}}),
+                "job.upscales[0].of",
+            ),
+            (
+                serde_json::json!({"schema_version": 1, "job": {"kind": "pipeline", "base": {"prompt": "x", "width": 2048},
+                "upscales": [{"of": "base", "scale": 8}]}}),
+                "job.upscales[0].scale",
+            ),
+            (
+                serde_json::json!({"schema_version": 1, "job": {"kind": "edit", "input": {"stored": "inputs/a.png"},
+                "instruction": "x", "loras": [{"name": "../x", "weight": 1}]}}),
+                "job.loras[0].name",
+            ),
         ];
         for (json, field) in cases {
             let message = decode_and_validate(json.clone()).expect_err(&json.to_string());
-            assert!(message.starts_with(&format!("{field}: ")), "{json} gave {message:?}, expected field {field}");
+            assert!(
+                message.starts_with(&format!("{field}: ")),
+                "{json} gave {message:?}, expected field {field}"
+            );
         }
     }
 
     #[test]
     fn pipeline_size_is_bounded() {
-        let edits: Vec<_> = (0..64).map(|i| serde_json::json!({"instruction": format!("e{i}")})).collect();
+        let edits: Vec<_> = (0..64)
+            .map(|i| serde_json::json!({"instruction": format!("e{i}")}))
+            .collect();
         let json = serde_json::json!({"schema_version": 1, "job": {"kind": "pipeline", "base": {"prompt": "x"}, "edits": edits}});
         let message = decode_and_validate(json).unwrap_err();
         assert!(message.contains("65 jobs"), "{message}");
@@ -558,6 +682,10 @@ mod tests {
     fn oversized_inline_images_are_rejected_before_decoding() {
         let big = "A".repeat(12 * 1024 * 1024);
         let json = serde_json::json!({"schema_version": 1, "job": {"kind": "upscale", "input": {"inline": big}}});
-        assert!(decode_and_validate(json).unwrap_err().starts_with("job.input.inline"));
+        assert!(
+            decode_and_validate(json)
+                .unwrap_err()
+                .starts_with("job.input.inline")
+        );
     }
 }

@@ -18,7 +18,9 @@ impl Default for Topology {
 
 impl Topology {
     pub fn new(prefix: impl Into<String>) -> Self {
-        Self { prefix: prefix.into() }
+        Self {
+            prefix: prefix.into(),
+        }
     }
 
     pub fn prefix(&self) -> &str {
@@ -62,7 +64,6 @@ impl Topology {
     pub fn dead_queue(&self) -> String {
         format!("{}.dead", self.prefix)
     }
-
 }
 
 pub const HEARTBEAT_ROUTING_PATTERN: &str = "worker.*.heartbeat";

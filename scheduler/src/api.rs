@@ -59,20 +59,35 @@ pub fn router(scheduler: Scheduler) -> Router {
 }
 
 fn error(status: StatusCode, field: &str, message: impl Into<String>) -> Response {
-    (status, Json(json!({"error": {"field": field, "message": message.into()}}))).into_response()
+    (
+        status,
+        Json(json!({"error": {"field": field, "message": message.into()}})),
+    )
+        .into_response()
 }
 
 /// Token check, and 503 until the event stream has been replayed.
 async fn gate(State(s): State<Scheduler>, request: Request, next: Next) -> Response {
     if let Some(token) = &s.config.api_token {
         let expected = format!("Bearer {token}");
-        let given = request.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+        let given = request
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok());
         if given != Some(expected.as_str()) {
-            return error(StatusCode::UNAUTHORIZED, "authorization", "a valid bearer token is required");
+            return error(
+                StatusCode::UNAUTHORIZED,
+                "authorization",
+                "a valid bearer token is required",
+            );
         }
     }
     if !s.is_ready() {
-        return error(StatusCode::SERVICE_UNAVAILABLE, ".", "the scheduler is replaying its event stream; retry shortly");
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            ".",
+            "the scheduler is replaying its event stream; retry shortly",
+        );
     }
     next.run(request).await
 }
@@ -85,18 +100,41 @@ async fn submit(State(s): State<Scheduler>, body: Bytes) -> Response {
     match s.accept(submission).await {
         Ok((id, created)) => {
             if !s.wait_for_job(id, Duration::from_secs(10)).await {
-                return error(StatusCode::SERVICE_UNAVAILABLE, ".", format!("job {id} was queued but is not visible yet"));
+                return error(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    ".",
+                    format!("job {id} was queued but is not visible yet"),
+                );
             }
-            let status = if created { StatusCode::CREATED } else { StatusCode::OK };
-            (status, [(header::LOCATION, format!("/v1/jobs/{id}"))], Json(json!({"job_id": id}))).into_response()
+            let status = if created {
+                StatusCode::CREATED
+            } else {
+                StatusCode::OK
+            };
+            (
+                status,
+                [(header::LOCATION, format!("/v1/jobs/{id}"))],
+                Json(json!({"job_id": id})),
+            )
+                .into_response()
         }
-        Err(AcceptError::Invalid(e)) => error(StatusCode::UNPROCESSABLE_ENTITY, &e.field, e.message),
+        Err(AcceptError::Invalid(e)) => {
+            error(StatusCode::UNPROCESSABLE_ENTITY, &e.field, e.message)
+        }
         Err(AcceptError::Unavailable(m)) => error(StatusCode::SERVICE_UNAVAILABLE, ".", m),
     }
 }
 
+// The error is returned straight to axum as the response; boxing it would gain nothing.
+#[allow(clippy::result_large_err)]
 fn parse_id(id: &str) -> Result<JobId, Response> {
-    id.parse().map_err(|_| error(StatusCode::BAD_REQUEST, "id", format!("{id:?} is not a job id")))
+    id.parse().map_err(|_| {
+        error(
+            StatusCode::BAD_REQUEST,
+            "id",
+            format!("{id:?} is not a job id"),
+        )
+    })
 }
 
 async fn get_job(State(s): State<Scheduler>, Path(id): Path<String>) -> Response {
@@ -124,7 +162,13 @@ struct ListQuery {
 
 async fn list_jobs(State(s): State<Scheduler>, Query(q): Query<ListQuery>) -> Response {
     let state = match q.state.as_deref().map(|st| JobState::parse(st).ok_or(st)) {
-        Some(Err(st)) => return error(StatusCode::BAD_REQUEST, "state", format!("unknown state {st:?}")),
+        Some(Err(st)) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "state",
+                format!("unknown state {st:?}"),
+            );
+        }
         Some(Ok(st)) => Some(st),
         None => None,
     };
@@ -149,10 +193,16 @@ async fn cancel(State(s): State<Scheduler>, Path(id): Path<String>) -> Response 
         Err(r) => return r,
     };
     match s.cancel(id).await {
-        Ok(()) => (StatusCode::ACCEPTED, Json(json!({"job_id": id, "cancel": "requested"}))).into_response(),
+        Ok(()) => (
+            StatusCode::ACCEPTED,
+            Json(json!({"job_id": id, "cancel": "requested"})),
+        )
+            .into_response(),
         Err(e @ CancelError::NotFound(_)) => error(StatusCode::NOT_FOUND, "id", e.to_string()),
         Err(e @ CancelError::Finished(..)) => error(StatusCode::CONFLICT, "id", e.to_string()),
-        Err(e @ CancelError::Unavailable(_)) => error(StatusCode::SERVICE_UNAVAILABLE, ".", e.to_string()),
+        Err(e @ CancelError::Unavailable(_)) => {
+            error(StatusCode::SERVICE_UNAVAILABLE, ".", e.to_string())
+        }
     }
 }
 
@@ -164,7 +214,12 @@ fn sse_event(ev: &SequencedEvent) -> SseEvent {
 }
 
 fn resume_from(headers: &HeaderMap, after: Option<u64>) -> Option<u64> {
-    after.or_else(|| headers.get("last-event-id").and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok()))
+    after.or_else(|| {
+        headers
+            .get("last-event-id")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok())
+    })
 }
 
 #[derive(Deserialize)]
@@ -175,7 +230,12 @@ struct StreamQuery {
 }
 
 /// One job's events: its history after the resume point, then live events until a final one.
-async fn job_events(State(s): State<Scheduler>, Path(id): Path<String>, Query(q): Query<StreamQuery>, headers: HeaderMap) -> Response {
+async fn job_events(
+    State(s): State<Scheduler>,
+    Path(id): Path<String>,
+    Query(q): Query<StreamQuery>,
+    headers: HeaderMap,
+) -> Response {
     let id = match parse_id(&id) {
         Ok(id) => id,
         Err(r) => return r,
@@ -185,8 +245,15 @@ async fn job_events(State(s): State<Scheduler>, Path(id): Path<String>, Query(q)
     let mut live = s.events.subscribe();
     let (history, finished) = {
         let reg = s.registry();
-        let Some(job) = reg.jobs.get(&id) else { return error(StatusCode::NOT_FOUND, "id", format!("job {id} not found")) };
-        let history: Vec<SequencedEvent> = job.events.iter().filter(|e| after.is_none_or(|a| e.seq > a)).cloned().collect();
+        let Some(job) = reg.jobs.get(&id) else {
+            return error(StatusCode::NOT_FOUND, "id", format!("job {id} not found"));
+        };
+        let history: Vec<SequencedEvent> = job
+            .events
+            .iter()
+            .filter(|e| after.is_none_or(|a| e.seq > a))
+            .cloned()
+            .collect();
         (history, job.state.is_terminal())
     };
     let metrics = s.metrics.clone();
@@ -203,7 +270,8 @@ async fn job_events(State(s): State<Scheduler>, Path(id): Path<String>, Query(q)
         }
         if !finished {
             loop {
-                let next = tokio::select! { _ = shutdown.cancelled() => break, n = live.recv() => n };
+                let next =
+                    tokio::select! { _ = shutdown.cancelled() => break, n = live.recv() => n };
                 match next {
                     Ok(ev) if ev.event.job_id == id && last.is_none_or(|l| ev.seq > l) => {
                         last = Some(ev.seq);
@@ -220,15 +288,27 @@ async fn job_events(State(s): State<Scheduler>, Path(id): Path<String>, Query(q)
         }
         metrics.sse_clients.dec();
     });
-    Sse::new(stream).keep_alive(KeepAlive::default()).into_response()
+    Sse::new(stream)
+        .keep_alive(KeepAlive::default())
+        .into_response()
 }
 
 /// Every job's events, live; with a resume point, the recent history after it first.
-async fn all_events(State(s): State<Scheduler>, Query(q): Query<StreamQuery>, headers: HeaderMap) -> Response {
+async fn all_events(
+    State(s): State<Scheduler>,
+    Query(q): Query<StreamQuery>,
+    headers: HeaderMap,
+) -> Response {
     let after = resume_from(&headers, q.after);
     let mut live = s.events.subscribe();
     let history: Vec<SequencedEvent> = match after {
-        Some(a) => s.registry().recent.iter().filter(|e| e.seq > a).cloned().collect(),
+        Some(a) => s
+            .registry()
+            .recent
+            .iter()
+            .filter(|e| e.seq > a)
+            .cloned()
+            .collect(),
         None => Vec::new(),
     };
     let metrics = s.metrics.clone();
@@ -258,7 +338,9 @@ async fn all_events(State(s): State<Scheduler>, Query(q): Query<StreamQuery>, he
         }
         metrics.sse_clients.dec();
     });
-    Sse::new(stream).keep_alive(KeepAlive::default()).into_response()
+    Sse::new(stream)
+        .keep_alive(KeepAlive::default())
+        .into_response()
 }
 
 /// A stream fed by a task through a small channel.
@@ -269,7 +351,9 @@ where
 {
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     tokio::spawn(f(tx));
-    futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|ev| (Ok(ev), rx)) })
+    futures::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|ev| (Ok(ev), rx))
+    })
 }
 
 async fn output(State(s): State<Scheduler>, Path((id, n)): Path<(String, u32)>) -> Response {
@@ -279,7 +363,9 @@ async fn output(State(s): State<Scheduler>, Path((id, n)): Path<(String, u32)>) 
     };
     match s.storage.get(&output_key(id, n)).await {
         Ok(bytes) => ([(header::CONTENT_TYPE, "image/png")], bytes).into_response(),
-        Err(StorageError::NotFound { key }) => error(StatusCode::NOT_FOUND, "n", format!("{key} not found")),
+        Err(StorageError::NotFound { key }) => {
+            error(StatusCode::NOT_FOUND, "n", format!("{key} not found"))
+        }
         Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, ".", e.to_string()),
     }
 }
@@ -309,12 +395,24 @@ async fn schema() -> Response {
 
 async fn metrics(State(s): State<Scheduler>) -> Response {
     s.update_gauges();
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], s.metrics.render()).into_response()
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        s.metrics.render(),
+    )
+        .into_response()
 }
 
 async fn healthz(State(s): State<Scheduler>) -> Response {
     let ready = s.is_ready();
     let connected = s.metrics.amqp_connected.get() == 1;
-    let status = if ready && connected { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
-    (status, Json(json!({"ready": ready, "amqp_connected": connected}))).into_response()
+    let status = if ready && connected {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (
+        status,
+        Json(json!({"ready": ready, "amqp_connected": connected})),
+    )
+        .into_response()
 }

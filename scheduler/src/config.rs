@@ -35,7 +35,9 @@ pub struct Config {
 }
 
 fn default_storage() -> StorageConfig {
-    StorageConfig::Local { root: "vnfarm-data".into() }
+    StorageConfig::Local {
+        root: "vnfarm-data".into(),
+    }
 }
 fn default_listen() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], 8080))
@@ -51,7 +53,10 @@ fn default_max_dispatches() -> u32 {
 }
 
 impl Config {
-    pub fn load(file: Option<&Path>, env: impl IntoIterator<Item = (String, String)>) -> Result<Self, ConfigError> {
+    pub fn load(
+        file: Option<&Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Self, ConfigError> {
         let config: Config = vnfarm_config::load(file, env)?;
         config.validate().map_err(ConfigError::invalid)?;
         Ok(config)
@@ -61,7 +66,10 @@ impl Config {
         self.amqp.validate()?;
         self.storage.validate("storage")?;
         if !self.listen.ip().is_loopback() && self.api_token.as_deref().unwrap_or("").is_empty() {
-            return Err(format!("api_token: required when listen ({}) is not a loopback address", self.listen));
+            return Err(format!(
+                "api_token: required when listen ({}) is not a loopback address",
+                self.listen
+            ));
         }
         if self.api_token.as_ref().is_some_and(|t| t.len() < 16) {
             return Err("api_token: must be at least 16 characters".into());
@@ -84,7 +92,10 @@ mod tests {
     use super::*;
 
     fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
-        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
     }
 
     #[test]
@@ -96,7 +107,14 @@ mod tests {
     fn public_listen_needs_a_token() {
         let e = Config::load(None, env(&[("VNFARM_LISTEN", "0.0.0.0:8080")])).unwrap_err();
         assert!(e.to_string().starts_with("api_token: required"), "{e}");
-        Config::load(None, env(&[("VNFARM_LISTEN", "0.0.0.0:8080"), ("VNFARM_API_TOKEN", "0123456789abcdef")])).unwrap();
+        Config::load(
+            None,
+            env(&[
+                ("VNFARM_LISTEN", "0.0.0.0:8080"),
+                ("VNFARM_API_TOKEN", "0123456789abcdef"),
+            ]),
+        )
+        .unwrap();
     }
 
     #[test]

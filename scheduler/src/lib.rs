@@ -31,26 +31,41 @@ pub use scheduler::Scheduler;
 use session::SessionEnd;
 
 pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<()> {
-    let listener = TcpListener::bind(config.listen).await.with_context(|| format!("binding {}", config.listen))?;
+    let listener = TcpListener::bind(config.listen)
+        .await
+        .with_context(|| format!("binding {}", config.listen))?;
     serve(config, listener, shutdown).await
 }
 
 /// [`run`] on an already bound listener (tests bind port 0).
-pub async fn serve(config: Config, listener: TcpListener, shutdown: CancellationToken) -> anyhow::Result<()> {
-    let storage = Storage::open(&config.storage).await.context("opening storage")?;
+pub async fn serve(
+    config: Config,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    let storage = Storage::open(&config.storage)
+        .await
+        .context("opening storage")?;
     let scheduler = Scheduler::new(config, storage, Metrics::new(), shutdown.clone());
     let addr = listener.local_addr()?;
     let server = {
         let app = api::router(scheduler.clone());
         let stop = shutdown.clone();
-        tokio::spawn(async move { axum::serve(listener, app).with_graceful_shutdown(stop.cancelled_owned()).await })
+        tokio::spawn(async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(stop.cancelled_owned())
+                .await
+        })
     };
     tracing::info!(%addr, storage = %scheduler.storage.describe(), "scheduler listening");
     loop {
         let metrics = scheduler.metrics.clone();
         let name = "vnfarm-scheduler";
         let Some(connection) =
-            vnfarm_bus::connect_with_backoff(&scheduler.config.amqp, name, &shutdown, |_| metrics.amqp_reconnects_total.inc()).await
+            vnfarm_bus::connect_with_backoff(&scheduler.config.amqp, name, &shutdown, |_| {
+                metrics.amqp_reconnects_total.inc()
+            })
+            .await
         else {
             break;
         };

@@ -14,7 +14,10 @@ use std::time::{Duration, Instant};
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 use vnfarm_proto::event::SequencedEvent;
-use vnfarm_proto::{EventKind, FailureKind, Heartbeat, ImageRef, JobId, JobSpec, ModelFamily, Priority, Submission, WorkerId, WorkerState};
+use vnfarm_proto::{
+    EventKind, FailureKind, Heartbeat, ImageRef, JobId, JobSpec, ModelFamily, Priority, Submission,
+    WorkerId, WorkerState,
+};
 
 /// How many recent events are kept for clients resuming the all-events stream.
 const RECENT_EVENTS: usize = 50_000;
@@ -34,7 +37,10 @@ pub enum JobState {
 
 impl JobState {
     pub fn is_terminal(self) -> bool {
-        matches!(self, JobState::Completed | JobState::Failed | JobState::Cancelled)
+        matches!(
+            self,
+            JobState::Completed | JobState::Failed | JobState::Cancelled
+        )
     }
 
     pub fn parse(s: &str) -> Option<Self> {
@@ -89,7 +95,9 @@ pub struct JobRecord {
 
 impl JobRecord {
     pub fn kind(&self) -> &'static str {
-        self.submission.as_ref().map_or("unknown", |s| s.job.kind_name())
+        self.submission
+            .as_ref()
+            .map_or("unknown", |s| s.job.kind_name())
     }
 
     pub fn model(&self) -> Option<ModelFamily> {
@@ -97,7 +105,9 @@ impl JobRecord {
     }
 
     pub fn priority(&self) -> Priority {
-        self.submission.as_ref().map_or(Priority::Batch, |s| s.priority)
+        self.submission
+            .as_ref()
+            .map_or(Priority::Batch, |s| s.priority)
     }
 
     /// The job whose output this one takes as input, if any.
@@ -168,7 +178,9 @@ pub struct WorkerRecord {
 
 impl WorkerRecord {
     pub fn alive(&self, timeout: Duration) -> bool {
-        self.last_heartbeat.as_ref().is_some_and(|(at, _)| at.elapsed() < timeout)
+        self.last_heartbeat
+            .as_ref()
+            .is_some_and(|(at, _)| at.elapsed() < timeout)
     }
 
     /// Ready, recently heard from, and serving `model`, with a free slot.
@@ -205,7 +217,13 @@ pub struct Registry {
 
 impl Registry {
     pub fn worker_mut(&mut self, id: &WorkerId) -> &mut WorkerRecord {
-        self.workers.entry(id.clone()).or_insert_with(|| WorkerRecord { id: id.clone(), last_heartbeat: None, assigned: BTreeSet::new() })
+        self.workers
+            .entry(id.clone())
+            .or_insert_with(|| WorkerRecord {
+                id: id.clone(),
+                last_heartbeat: None,
+                assigned: BTreeSet::new(),
+            })
     }
 
     pub fn heartbeat(&mut self, hb: Heartbeat) {
@@ -228,7 +246,12 @@ impl Registry {
         }
         let id = ev.event.job_id;
         let at = ev.event.at;
-        if let EventKind::Queued { submission, parent, children } = &ev.event.kind {
+        if let EventKind::Queued {
+            submission,
+            parent,
+            children,
+        } = &ev.event.kind
+        {
             if self.jobs.contains_key(&id) {
                 return; // a duplicate submission of a known id changes nothing
             }
@@ -261,33 +284,38 @@ impl Registry {
             self.active.insert(id);
             return;
         }
-        if !self.jobs.contains_key(&id) {
+        if let std::collections::btree_map::Entry::Vacant(e) = self.jobs.entry(id) {
             // Only a failure can name a job the registry never saw (a submission too broken to queue).
-            let EventKind::Failed { failure, message, .. } = &ev.event.kind else { return };
-            let failure = Failure { kind: *failure, message: message.clone() };
-            self.jobs.insert(
+            let EventKind::Failed {
+                failure, message, ..
+            } = &ev.event.kind
+            else {
+                return;
+            };
+            let failure = Failure {
+                kind: *failure,
+                message: message.clone(),
+            };
+            e.insert(JobRecord {
                 id,
-                JobRecord {
-                    id,
-                    submission: None,
-                    parent: None,
-                    children: Vec::new(),
-                    state: JobState::Failed,
-                    created_at: at,
-                    updated_at: at,
-                    worker: None,
-                    dispatches: 0,
-                    attempts: 0,
-                    progress: None,
-                    outputs: Vec::new(),
-                    manifest: None,
-                    failure: Some(failure),
-                    events: vec![ev],
-                    dispatch_pending: false,
-                    cancel_requested: false,
-                    finishing: false,
-                },
-            );
+                submission: None,
+                parent: None,
+                children: Vec::new(),
+                state: JobState::Failed,
+                created_at: at,
+                updated_at: at,
+                worker: None,
+                dispatches: 0,
+                attempts: 0,
+                progress: None,
+                outputs: Vec::new(),
+                manifest: None,
+                failure: Some(failure),
+                events: vec![ev],
+                dispatch_pending: false,
+                cancel_requested: false,
+                finishing: false,
+            });
             return;
         }
         let kind = ev.event.kind.clone();
@@ -328,7 +356,12 @@ impl Registry {
             EventKind::Progress { step, total } => {
                 job.progress = Some(Progress { step, total });
             }
-            EventKind::Completed { outputs, manifest, worker, .. } => {
+            EventKind::Completed {
+                outputs,
+                manifest,
+                worker,
+                ..
+            } => {
                 job.state = JobState::Completed;
                 job.outputs = outputs;
                 job.manifest = Some(manifest);
@@ -337,9 +370,20 @@ impl Registry {
                 }
                 unassign = true;
             }
-            EventKind::Failed { failure, message, retryable } => {
-                job.failure = Some(Failure { kind: failure, message });
-                job.state = if retryable { JobState::Retrying } else { JobState::Failed };
+            EventKind::Failed {
+                failure,
+                message,
+                retryable,
+            } => {
+                job.failure = Some(Failure {
+                    kind: failure,
+                    message,
+                });
+                job.state = if retryable {
+                    JobState::Retrying
+                } else {
+                    JobState::Failed
+                };
                 unassign = !retryable;
             }
             EventKind::Cancelled { .. } => {
@@ -365,18 +409,48 @@ impl Registry {
                 continue;
             }
             let event = if !job.children.is_empty() {
-                let children: Vec<&JobRecord> = job.children.iter().filter_map(|c| self.jobs.get(c)).collect();
-                if children.len() == job.children.len() && children.iter().all(|c| c.state == JobState::Completed) {
-                    let outputs = children.iter().flat_map(|c| c.outputs.iter().cloned()).collect();
-                    let manifest = children.first().and_then(|c| c.manifest.clone()).unwrap_or_default();
-                    Some(EventKind::Completed { outputs, manifest, worker: None, timings: Default::default() })
-                } else if let Some(bad) = children.iter().find(|c| matches!(c.state, JobState::Failed | JobState::Cancelled)) {
+                let children: Vec<&JobRecord> = job
+                    .children
+                    .iter()
+                    .filter_map(|c| self.jobs.get(c))
+                    .collect();
+                if children.len() == job.children.len()
+                    && children.iter().all(|c| c.state == JobState::Completed)
+                {
+                    let outputs = children
+                        .iter()
+                        .flat_map(|c| c.outputs.iter().cloned())
+                        .collect();
+                    let manifest = children
+                        .first()
+                        .and_then(|c| c.manifest.clone())
+                        .unwrap_or_default();
+                    Some(EventKind::Completed {
+                        outputs,
+                        manifest,
+                        worker: None,
+                        timings: Default::default(),
+                    })
+                } else if let Some(bad) = children
+                    .iter()
+                    .find(|c| matches!(c.state, JobState::Failed | JobState::Cancelled))
+                {
                     if job.cancel_requested {
-                        Some(EventKind::Cancelled { reason: "pipeline cancelled".into() })
+                        Some(EventKind::Cancelled {
+                            reason: "pipeline cancelled".into(),
+                        })
                     } else {
                         Some(EventKind::Failed {
                             failure: FailureKind::DependencyFailed,
-                            message: format!("pipeline job {} {}", bad.id, if bad.state == JobState::Failed { "failed" } else { "was cancelled" }),
+                            message: format!(
+                                "pipeline job {} {}",
+                                bad.id,
+                                if bad.state == JobState::Failed {
+                                    "failed"
+                                } else {
+                                    "was cancelled"
+                                }
+                            ),
                             retryable: false,
                         })
                     }
@@ -385,18 +459,23 @@ impl Registry {
                 }
             } else if job.state == JobState::Queued && !job.dispatch_pending {
                 match job.dependency().and_then(|d| self.jobs.get(&d)) {
-                    Some(dep) if matches!(dep.state, JobState::Failed | JobState::Cancelled) => Some(EventKind::Failed {
-                        failure: FailureKind::DependencyFailed,
-                        message: format!("input job {} did not complete", dep.id),
-                        retryable: false,
-                    }),
+                    Some(dep) if matches!(dep.state, JobState::Failed | JobState::Cancelled) => {
+                        Some(EventKind::Failed {
+                            failure: FailureKind::DependencyFailed,
+                            message: format!("input job {} did not complete", dep.id),
+                            retryable: false,
+                        })
+                    }
                     _ => None,
                 }
             } else {
                 None
             };
             if let Some(event) = event {
-                self.jobs.get_mut(&id).expect("iterating known ids").finishing = true;
+                self.jobs
+                    .get_mut(&id)
+                    .expect("iterating known ids")
+                    .finishing = true;
                 out.push(FollowUp::Event(id, event));
             }
         }
@@ -409,7 +488,12 @@ impl Registry {
         let mut ready: Vec<(Priority, JobId)> = Vec::new();
         for id in &self.active {
             let job = &self.jobs[id];
-            if job.state != JobState::Queued || job.dispatch_pending || job.cancel_requested || job.finishing || job.model().is_none() {
+            if job.state != JobState::Queued
+                || job.dispatch_pending
+                || job.cancel_requested
+                || job.finishing
+                || job.model().is_none()
+            {
                 continue;
             }
             // A pipeline's job waits until the pipeline itself is recorded (its commit point).
@@ -448,7 +532,10 @@ impl Registry {
         let mut stale = Vec::new();
         for id in &self.active {
             let job = self.jobs.get_mut(id).expect("active jobs are known");
-            if job.state == JobState::Dispatched && !job.dispatch_pending && now - job.updated_at > threshold {
+            if job.state == JobState::Dispatched
+                && !job.dispatch_pending
+                && now - job.updated_at > threshold
+            {
                 // Marked pending until the requeue comes back, so it is not reported twice.
                 job.dispatch_pending = true;
                 stale.push(*id);
@@ -474,7 +561,11 @@ impl Registry {
     }
 
     pub fn live_workers(&self, timeout: Duration) -> HashSet<WorkerId> {
-        self.workers.values().filter(|w| w.alive(timeout)).map(|w| w.id.clone()).collect()
+        self.workers
+            .values()
+            .filter(|w| w.alive(timeout))
+            .map(|w| w.id.clone())
+            .collect()
     }
 }
 
@@ -523,7 +614,10 @@ mod tests {
     impl Seq {
         fn ev(&mut self, id: JobId, kind: EventKind) -> SequencedEvent {
             self.0 += 1;
-            SequencedEvent { seq: self.0, event: Event::now(id, kind) }
+            SequencedEvent {
+                seq: self.0,
+                event: Event::now(id, kind),
+            }
         }
     }
 
@@ -535,17 +629,41 @@ mod tests {
         r.heartbeat(worker("b", 2));
         let ids: Vec<JobId> = (0..4).map(|_| JobId::new()).collect();
         for id in &ids {
-            r.apply(s.ev(*id, EventKind::Queued { submission: Box::new(generate()), parent: None, children: vec![] }));
+            r.apply(s.ev(
+                *id,
+                EventKind::Queued {
+                    submission: Box::new(generate()),
+                    parent: None,
+                    children: vec![],
+                },
+            ));
         }
         let plan = r.plan_dispatch(Duration::from_secs(5));
         // Three slots in all: a gets one, b two; the fourth job waits.
         assert_eq!(plan.len(), 3);
         assert_eq!(plan.iter().filter(|(_, w)| w.as_str() == "a").count(), 1);
-        assert!(r.plan_dispatch(Duration::from_secs(5)).is_empty(), "pending dispatches are not repeated");
+        assert!(
+            r.plan_dispatch(Duration::from_secs(5)).is_empty(),
+            "pending dispatches are not repeated"
+        );
         // A completion frees a slot.
         let (done, w) = plan[0].clone();
-        r.apply(s.ev(done, EventKind::Dispatched { queue: "q".into(), worker: Some(w) }));
-        r.apply(s.ev(done, EventKind::Completed { outputs: vec![], manifest: "m".into(), worker: None, timings: Default::default() }));
+        r.apply(s.ev(
+            done,
+            EventKind::Dispatched {
+                queue: "q".into(),
+                worker: Some(w),
+            },
+        ));
+        r.apply(s.ev(
+            done,
+            EventKind::Completed {
+                outputs: vec![],
+                manifest: "m".into(),
+                worker: None,
+                timings: Default::default(),
+            },
+        ));
         let next = r.plan_dispatch(Duration::from_secs(5));
         assert_eq!(next.len(), 1);
         assert_eq!(next[0].0, ids[3]);
@@ -556,10 +674,40 @@ mod tests {
         let mut r = Registry::default();
         let mut s = Seq(0);
         let id = JobId::new();
-        r.apply(s.ev(id, EventKind::Queued { submission: Box::new(generate()), parent: None, children: vec![] }));
-        r.apply(s.ev(id, EventKind::Completed { outputs: vec!["o".into()], manifest: "m".into(), worker: None, timings: Default::default() }));
-        r.apply(s.ev(id, EventKind::Failed { failure: FailureKind::Engine, message: "late".into(), retryable: false }));
-        r.apply(s.ev(id, EventKind::Completed { outputs: vec!["o".into()], manifest: "m".into(), worker: None, timings: Default::default() }));
+        r.apply(s.ev(
+            id,
+            EventKind::Queued {
+                submission: Box::new(generate()),
+                parent: None,
+                children: vec![],
+            },
+        ));
+        r.apply(s.ev(
+            id,
+            EventKind::Completed {
+                outputs: vec!["o".into()],
+                manifest: "m".into(),
+                worker: None,
+                timings: Default::default(),
+            },
+        ));
+        r.apply(s.ev(
+            id,
+            EventKind::Failed {
+                failure: FailureKind::Engine,
+                message: "late".into(),
+                retryable: false,
+            },
+        ));
+        r.apply(s.ev(
+            id,
+            EventKind::Completed {
+                outputs: vec!["o".into()],
+                manifest: "m".into(),
+                worker: None,
+                timings: Default::default(),
+            },
+        ));
         let job = &r.jobs[&id];
         assert_eq!(job.state, JobState::Completed);
         assert_eq!(job.events.len(), 4, "history keeps every event");
@@ -571,15 +719,47 @@ mod tests {
         let mut r = Registry::default();
         let mut s = Seq(0);
         let (p, c1, c2) = (JobId::new(), JobId::new(), JobId::new());
-        r.apply(s.ev(p, EventKind::Queued { submission: Box::new(generate()), parent: None, children: vec![c1, c2] }));
+        r.apply(s.ev(
+            p,
+            EventKind::Queued {
+                submission: Box::new(generate()),
+                parent: None,
+                children: vec![c1, c2],
+            },
+        ));
         for c in [c1, c2] {
-            r.apply(s.ev(c, EventKind::Queued { submission: Box::new(generate()), parent: Some(p), children: vec![] }));
+            r.apply(s.ev(
+                c,
+                EventKind::Queued {
+                    submission: Box::new(generate()),
+                    parent: Some(p),
+                    children: vec![],
+                },
+            ));
         }
-        r.apply(s.ev(c1, EventKind::Completed { outputs: vec!["a".into()], manifest: "m".into(), worker: None, timings: Default::default() }));
+        r.apply(s.ev(
+            c1,
+            EventKind::Completed {
+                outputs: vec!["a".into()],
+                manifest: "m".into(),
+                worker: None,
+                timings: Default::default(),
+            },
+        ));
         assert!(r.follow_ups().is_empty());
-        r.apply(s.ev(c2, EventKind::Failed { failure: FailureKind::BadInput, message: "x".into(), retryable: false }));
+        r.apply(s.ev(
+            c2,
+            EventKind::Failed {
+                failure: FailureKind::BadInput,
+                message: "x".into(),
+                retryable: false,
+            },
+        ));
         let f = r.follow_ups();
-        assert!(matches!(&f[..], [FollowUp::Event(id, EventKind::Failed { failure: FailureKind::DependencyFailed, .. })] if *id == p), "{f:?}");
+        assert!(
+            matches!(&f[..], [FollowUp::Event(id, EventKind::Failed { failure: FailureKind::DependencyFailed, .. })] if *id == p),
+            "{f:?}"
+        );
         assert!(r.follow_ups().is_empty(), "a follow-up is owed once");
     }
 }

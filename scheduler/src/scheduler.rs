@@ -18,8 +18,8 @@ use vnfarm_proto::event::SequencedEvent;
 use vnfarm_proto::spec::{MAX_INLINE_IMAGE_BYTES, MAX_INPUT_SIDE, PipelineImage};
 use vnfarm_proto::topology::{CANCEL_ROUTING_KEY, Topology, input_key};
 use vnfarm_proto::{
-    CancelRequest, EditSpec, Event, EventKind, FailureKind, ImageRef, JobId, JobSpec, SCHEMA_VERSION, Submission, Task, UpscaleSpec,
-    ValidationError, WorkMessage,
+    CancelRequest, EditSpec, Event, EventKind, FailureKind, ImageRef, JobId, JobSpec,
+    SCHEMA_VERSION, Submission, Task, UpscaleSpec, ValidationError, WorkMessage,
 };
 use vnfarm_storage::Storage;
 
@@ -77,7 +77,12 @@ pub enum CancelError {
 }
 
 impl Scheduler {
-    pub fn new(config: Config, storage: Storage, metrics: Metrics, shutdown: tokio_util::sync::CancellationToken) -> Self {
+    pub fn new(
+        config: Config,
+        storage: Storage,
+        metrics: Metrics,
+        shutdown: tokio_util::sync::CancellationToken,
+    ) -> Self {
         let topology = config.amqp.topology();
         let (events, _) = broadcast::channel(4096);
         Self(Arc::new(Inner {
@@ -117,12 +122,25 @@ impl Scheduler {
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
-            .ok_or(PublishError::Broker(lapin::Error::from(lapin::ErrorKind::InvalidConnectionState(lapin::ConnectionState::Closed))))
+            .ok_or(PublishError::Broker(lapin::Error::from(
+                lapin::ErrorKind::InvalidConnectionState(lapin::ConnectionState::Closed),
+            )))
     }
 
-    pub(crate) async fn publish_event(&self, job_id: JobId, kind: EventKind) -> Result<(), PublishError> {
+    pub(crate) async fn publish_event(
+        &self,
+        job_id: JobId,
+        kind: EventKind,
+    ) -> Result<(), PublishError> {
         let event = Event::now(job_id, kind);
-        self.publisher()?.publish_json(&self.topology.events_exchange(), &event.routing_key(), &event, json_properties()).await
+        self.publisher()?
+            .publish_json(
+                &self.topology.events_exchange(),
+                &event.routing_key(),
+                &event,
+                json_properties(),
+            )
+            .await
     }
 
     fn heartbeat_timeout(&self) -> Duration {
@@ -135,7 +153,11 @@ impl Scheduler {
         let mut submission = submission.validate(&mut || rand::random::<u64>() >> 11)?;
         {
             let reg = self.registry();
-            if let Some(id) = submission.idempotency_key.as_ref().and_then(|k| reg.idempotency.get(k)) {
+            if let Some(id) = submission
+                .idempotency_key
+                .as_ref()
+                .and_then(|k| reg.idempotency.get(k))
+            {
                 return Ok((*id, false));
             }
             if let Some(id) = submission.job_id.filter(|id| reg.jobs.contains_key(id)) {
@@ -143,7 +165,9 @@ impl Scheduler {
             }
         }
         match &mut submission.job {
-            JobSpec::Edit(EditSpec { input, .. }) | JobSpec::Upscale(UpscaleSpec { input, .. }) => self.store_inline(input).await?,
+            JobSpec::Edit(EditSpec { input, .. }) | JobSpec::Upscale(UpscaleSpec { input, .. }) => {
+                self.store_inline(input).await?
+            }
             JobSpec::Generate(_) | JobSpec::Pipeline(_) => {}
         }
         let id = submission.job_id.unwrap_or_default();
@@ -154,15 +178,32 @@ impl Scheduler {
         // child is only dispatched once its pipeline is known.
         for child in &children {
             let child_id = child.job_id.expect("expand_pipeline sets ids");
-            self.publish_event(child_id, EventKind::Queued { submission: Box::new(child.clone()), parent: Some(id), children: vec![] })
-                .await
-                .map_err(|e| AcceptError::Unavailable(e.to_string()))?;
-        }
-        let child_ids = children.iter().filter_map(|c| c.job_id).collect();
-        self.publish_event(id, EventKind::Queued { submission: Box::new(submission), parent: None, children: child_ids })
+            self.publish_event(
+                child_id,
+                EventKind::Queued {
+                    submission: Box::new(child.clone()),
+                    parent: Some(id),
+                    children: vec![],
+                },
+            )
             .await
             .map_err(|e| AcceptError::Unavailable(e.to_string()))?;
-        self.metrics.jobs_submitted_total.with_label_values(&[kind]).inc();
+        }
+        let child_ids = children.iter().filter_map(|c| c.job_id).collect();
+        self.publish_event(
+            id,
+            EventKind::Queued {
+                submission: Box::new(submission),
+                parent: None,
+                children: child_ids,
+            },
+        )
+        .await
+        .map_err(|e| AcceptError::Unavailable(e.to_string()))?;
+        self.metrics
+            .jobs_submitted_total
+            .with_label_values(&[kind])
+            .inc();
         tracing::info!(job_id = %id, kind, jobs = 1 + children.len(), "job accepted");
         Ok((id, true))
     }
@@ -170,26 +211,42 @@ impl Scheduler {
     /// Replaces an inline image by a stored one under `inputs/` (content-addressed), after checking
     /// that it is an image of an accepted format and size.
     async fn store_inline(&self, input: &mut ImageRef) -> Result<(), AcceptError> {
-        let Some(decoded) = input.inline_bytes() else { return Ok(()) };
-        let invalid = |message: String| AcceptError::Invalid(ValidationError { field: "job.input.inline".into(), message });
+        let Some(decoded) = input.inline_bytes() else {
+            return Ok(());
+        };
+        let invalid = |message: String| {
+            AcceptError::Invalid(ValidationError {
+                field: "job.input.inline".into(),
+                message,
+            })
+        };
         let bytes = decoded.map_err(|e| invalid(format!("not valid base64: {e}")))?;
         if bytes.len() > MAX_INLINE_IMAGE_BYTES {
             return Err(invalid("image is larger than 8 MiB".into()));
         }
-        let reader = image::ImageReader::new(std::io::Cursor::new(&bytes)).with_guessed_format().map_err(|e| invalid(e.to_string()))?;
+        let reader = image::ImageReader::new(std::io::Cursor::new(&bytes))
+            .with_guessed_format()
+            .map_err(|e| invalid(e.to_string()))?;
         let ext = match reader.format() {
             Some(image::ImageFormat::Png) => "png",
             Some(image::ImageFormat::Jpeg) => "jpg",
             Some(image::ImageFormat::WebP) => "webp",
             _ => return Err(invalid("not a PNG, JPEG or WebP image".into())),
         };
-        let (w, h) = reader.into_dimensions().map_err(|e| invalid(format!("cannot read the image header: {e}")))?;
+        let (w, h) = reader
+            .into_dimensions()
+            .map_err(|e| invalid(format!("cannot read the image header: {e}")))?;
         if w > MAX_INPUT_SIDE || h > MAX_INPUT_SIDE {
-            return Err(invalid(format!("image is {w}x{h}; at most {MAX_INPUT_SIDE} pixels a side")));
+            return Err(invalid(format!(
+                "image is {w}x{h}; at most {MAX_INPUT_SIDE} pixels a side"
+            )));
         }
         let key = input_key(&hex::encode(Sha256::digest(&bytes)), ext);
         let content_type = format!("image/{}", if ext == "jpg" { "jpeg" } else { ext });
-        self.storage.put(&key, Bytes::from(bytes), &content_type).await.map_err(|e| AcceptError::Unavailable(e.to_string()))?;
+        self.storage
+            .put(&key, Bytes::from(bytes), &content_type)
+            .await
+            .map_err(|e| AcceptError::Unavailable(e.to_string()))?;
         *input = ImageRef::Stored(key);
         Ok(())
     }
@@ -225,7 +282,9 @@ impl Scheduler {
 
     /// Metrics for an event about to be applied live.
     fn observe(&self, reg: &Registry, ev: &SequencedEvent) {
-        let Some(job) = reg.jobs.get(&ev.event.job_id) else { return };
+        let Some(job) = reg.jobs.get(&ev.event.job_id) else {
+            return;
+        };
         if job.state.is_terminal() {
             return;
         }
@@ -233,17 +292,42 @@ impl Scheduler {
         match &ev.event.kind {
             EventKind::Started { .. } => {
                 let wait = (ev.event.at - job.created_at).num_milliseconds().max(0) as f64 / 1000.0;
-                self.metrics.queue_wait_seconds.with_label_values(&[kind]).observe(wait);
+                self.metrics
+                    .queue_wait_seconds
+                    .with_label_values(&[kind])
+                    .observe(wait);
             }
             EventKind::Completed { .. } => {
-                if let Some(started) = job.events.iter().rev().find(|e| matches!(e.event.kind, EventKind::Started { .. })) {
-                    let run = (ev.event.at - started.event.at).num_milliseconds().max(0) as f64 / 1000.0;
-                    self.metrics.job_run_seconds.with_label_values(&[kind]).observe(run);
+                if let Some(started) = job
+                    .events
+                    .iter()
+                    .rev()
+                    .find(|e| matches!(e.event.kind, EventKind::Started { .. }))
+                {
+                    let run =
+                        (ev.event.at - started.event.at).num_milliseconds().max(0) as f64 / 1000.0;
+                    self.metrics
+                        .job_run_seconds
+                        .with_label_values(&[kind])
+                        .observe(run);
                 }
-                self.metrics.jobs_finished_total.with_label_values(&[kind, "completed"]).inc();
+                self.metrics
+                    .jobs_finished_total
+                    .with_label_values(&[kind, "completed"])
+                    .inc();
             }
-            EventKind::Failed { retryable: false, .. } => self.metrics.jobs_finished_total.with_label_values(&[kind, "failed"]).inc(),
-            EventKind::Cancelled { .. } => self.metrics.jobs_finished_total.with_label_values(&[kind, "cancelled"]).inc(),
+            EventKind::Failed {
+                retryable: false, ..
+            } => self
+                .metrics
+                .jobs_finished_total
+                .with_label_values(&[kind, "failed"])
+                .inc(),
+            EventKind::Cancelled { .. } => self
+                .metrics
+                .jobs_finished_total
+                .with_label_values(&[kind, "cancelled"])
+                .inc(),
             _ => {}
         }
     }
@@ -264,14 +348,25 @@ impl Scheduler {
             let message = {
                 let reg = self.registry();
                 let job = &reg.jobs[&job_id];
-                let sub = job.submission.as_ref().expect("planned jobs have a submission");
+                let sub = job
+                    .submission
+                    .as_ref()
+                    .expect("planned jobs have a submission");
                 let task = match &sub.job {
                     JobSpec::Generate(g) => Task::Generate(g.clone()),
                     JobSpec::Edit(e) => Task::Edit(e.clone()),
                     JobSpec::Upscale(u) => Task::Upscale(u.clone()),
-                    JobSpec::Pipeline(_) => unreachable!("pipelines have no model and are never planned"),
+                    JobSpec::Pipeline(_) => {
+                        unreachable!("pipelines have no model and are never planned")
+                    }
                 };
-                WorkMessage { schema_version: SCHEMA_VERSION, job_id, priority: sub.priority, deadline: sub.deadline, task }
+                WorkMessage {
+                    schema_version: SCHEMA_VERSION,
+                    job_id,
+                    priority: sub.priority,
+                    deadline: sub.deadline,
+                    task,
+                }
             };
             let queue = self.topology.worker_queue(&worker);
             let props = json_properties()
@@ -281,9 +376,27 @@ impl Scheduler {
             // message then cannot be sent, the job goes back to the backlog; if the scheduler dies in
             // between, the stale-dispatch watchdog ([`Registry::stale_dispatches`]) requeues it.
             let sent = async {
-                self.publish_event(job_id, EventKind::Dispatched { queue: queue.clone(), worker: Some(worker.clone()) }).await?;
-                if let Err(e) = self.publisher()?.publish_json("", &queue, &message, props).await {
-                    let _ = self.publish_event(job_id, EventKind::Requeued { reason: format!("dispatch failed: {e}") }).await;
+                self.publish_event(
+                    job_id,
+                    EventKind::Dispatched {
+                        queue: queue.clone(),
+                        worker: Some(worker.clone()),
+                    },
+                )
+                .await?;
+                if let Err(e) = self
+                    .publisher()?
+                    .publish_json("", &queue, &message, props)
+                    .await
+                {
+                    let _ = self
+                        .publish_event(
+                            job_id,
+                            EventKind::Requeued {
+                                reason: format!("dispatch failed: {e}"),
+                            },
+                        )
+                        .await;
                     return Err(e);
                 }
                 Ok(())
@@ -291,7 +404,10 @@ impl Scheduler {
             .await;
             match sent {
                 Ok(()) => {
-                    self.metrics.dispatches_total.with_label_values(&["least_loaded"]).inc();
+                    self.metrics
+                        .dispatches_total
+                        .with_label_values(&["least_loaded"])
+                        .inc();
                     tracing::info!(job_id = %job_id, worker = %worker, "job dispatched");
                 }
                 Err(e) => {
@@ -308,11 +424,21 @@ impl Scheduler {
     /// job at once and a dead worker's queue returns it after `dispatch_ttl_ms`, so twice that plus a
     /// heartbeat timeout is conservative; at worst a job runs twice, which is harmless.
     pub(crate) async fn requeue_stale(&self) -> Result<(), PublishError> {
-        let threshold = Duration::from_millis(2 * self.config.dispatch_ttl_ms + self.config.heartbeat_timeout_ms);
-        let stale = self.registry().stale_dispatches(chrono::Utc::now(), threshold);
+        let threshold = Duration::from_millis(
+            2 * self.config.dispatch_ttl_ms + self.config.heartbeat_timeout_ms,
+        );
+        let stale = self
+            .registry()
+            .stale_dispatches(chrono::Utc::now(), threshold);
         for id in stale {
             tracing::warn!(job_id = %id, "dispatched job never started; requeueing it");
-            self.publish_event(id, EventKind::Requeued { reason: "dispatched but never started".into() }).await?;
+            self.publish_event(
+                id,
+                EventKind::Requeued {
+                    reason: "dispatched but never started".into(),
+                },
+            )
+            .await?;
         }
         Ok(())
     }
@@ -330,13 +456,14 @@ impl Scheduler {
             ids.push(id);
             let mut targets = Vec::new();
             for t in ids {
-                if let Some(j) = reg.jobs.get_mut(&t) {
-                    if !j.state.is_terminal() {
-                        j.cancel_requested = true;
-                        // Not on a worker yet: nothing else will report it, so the scheduler does.
-                        let here = j.state == JobState::Queued && !j.dispatch_pending || !j.children.is_empty();
-                        targets.push((t, here));
-                    }
+                if let Some(j) = reg.jobs.get_mut(&t)
+                    && !j.state.is_terminal()
+                {
+                    j.cancel_requested = true;
+                    // Not on a worker yet: nothing else will report it, so the scheduler does.
+                    let here = j.state == JobState::Queued && !j.dispatch_pending
+                        || !j.children.is_empty();
+                    targets.push((t, here));
                 }
             }
             targets
@@ -346,26 +473,57 @@ impl Scheduler {
             let publisher = self.publisher().map_err(unavailable)?;
             let request = CancelRequest { job_id: t };
             let props = json_properties().with_delivery_mode(1);
-            match publisher.publish_json(&self.topology.events_exchange(), CANCEL_ROUTING_KEY, &request, props).await {
+            match publisher
+                .publish_json(
+                    &self.topology.events_exchange(),
+                    CANCEL_ROUTING_KEY,
+                    &request,
+                    props,
+                )
+                .await
+            {
                 Ok(()) | Err(PublishError::Unroutable { .. }) => {}
                 Err(e) => return Err(unavailable(e)),
             }
             if here {
-                self.publish_event(t, EventKind::Cancelled { reason: "cancelled by request".into() }).await.map_err(unavailable)?;
+                self.publish_event(
+                    t,
+                    EventKind::Cancelled {
+                        reason: "cancelled by request".into(),
+                    },
+                )
+                .await
+                .map_err(unavailable)?;
             }
         }
         Ok(())
     }
 
     /// A job came back from a worker queue (the message expired there or hit the delivery limit).
-    pub(crate) async fn returned(&self, body: &[u8], props: &BasicProperties, reason: &str) -> Result<(), PublishError> {
+    pub(crate) async fn returned(
+        &self,
+        body: &[u8],
+        props: &BasicProperties,
+        reason: &str,
+    ) -> Result<(), PublishError> {
         let Ok(msg) = vnfarm_proto::decode_json::<WorkMessage>(body) else {
             self.metrics.malformed_messages_total.inc();
-            let headers = vnfarm_bus::headers::dead_letter_headers("undecodable message returned from a worker queue", "malformed", None);
+            let headers = vnfarm_bus::headers::dead_letter_headers(
+                "undecodable message returned from a worker queue",
+                "malformed",
+                None,
+            );
             return self.dead_letter(body, headers).await;
         };
         let id = msg.job_id;
-        self.metrics.requeues_total.with_label_values(&[if reason == "expired" { "expired" } else { "delivery_limit" }]).inc();
+        self.metrics
+            .requeues_total
+            .with_label_values(&[if reason == "expired" {
+                "expired"
+            } else {
+                "delivery_limit"
+            }])
+            .inc();
         let (known, terminal, dispatches) = {
             let reg = self.registry();
             match reg.jobs.get(&id) {
@@ -379,20 +537,49 @@ impl Scheduler {
         }
         let count = vnfarm_bus::headers::delivery_count(props);
         if reason != "expired" || dispatches >= self.config.max_dispatches {
-            let message = format!("gave up after {dispatches} dispatches and {count} deliveries (last: {reason})");
+            let message = format!(
+                "gave up after {dispatches} dispatches and {count} deliveries (last: {reason})"
+            );
             tracing::warn!(job_id = %id, %message, "job failed");
             let id_text = id.to_string();
-            let headers = vnfarm_bus::headers::dead_letter_headers(&message, FailureKind::DeliveryLimit.as_str(), Some(&id_text));
+            let headers = vnfarm_bus::headers::dead_letter_headers(
+                &message,
+                FailureKind::DeliveryLimit.as_str(),
+                Some(&id_text),
+            );
             self.dead_letter(body, headers).await?;
-            return self.publish_event(id, EventKind::Failed { failure: FailureKind::DeliveryLimit, message, retryable: false }).await;
+            return self
+                .publish_event(
+                    id,
+                    EventKind::Failed {
+                        failure: FailureKind::DeliveryLimit,
+                        message,
+                        retryable: false,
+                    },
+                )
+                .await;
         }
         tracing::warn!(job_id = %id, "job not taken by its worker in time; dispatching it again");
-        self.publish_event(id, EventKind::Requeued { reason: format!("returned from a worker queue ({reason})") }).await
+        self.publish_event(
+            id,
+            EventKind::Requeued {
+                reason: format!("returned from a worker queue ({reason})"),
+            },
+        )
+        .await
     }
 
-    pub(crate) async fn dead_letter(&self, body: &[u8], headers: lapin::types::FieldTable) -> Result<(), PublishError> {
-        let props = BasicProperties::default().with_delivery_mode(2).with_headers(headers);
-        self.publisher()?.publish(&self.topology.dead_exchange(), "", body, props).await
+    pub(crate) async fn dead_letter(
+        &self,
+        body: &[u8],
+        headers: lapin::types::FieldTable,
+    ) -> Result<(), PublishError> {
+        let props = BasicProperties::default()
+            .with_delivery_mode(2)
+            .with_headers(headers);
+        self.publisher()?
+            .publish(&self.topology.dead_exchange(), "", body, props)
+            .await
     }
 
     /// Refreshes the gauges derived from the registry.
@@ -403,14 +590,31 @@ impl Scheduler {
             self.metrics.jobs.with_label_values(&[state]).set(0);
         }
         for (state, n) in reg.counts_by_state() {
-            let label = serde_json::to_value(state).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
+            let label = serde_json::to_value(state)
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_owned))
+                .unwrap_or_default();
             self.metrics.jobs.with_label_values(&[&label]).set(n as i64);
         }
         for model in vnfarm_proto::ModelFamily::ALL {
-            let n = reg.active.iter().filter(|id| reg.jobs[id].state == JobState::Queued && reg.jobs[id].model() == Some(model)).count();
-            self.metrics.backlog.with_label_values(&[model.as_str()]).set(n as i64);
+            let n = reg
+                .active
+                .iter()
+                .filter(|id| {
+                    reg.jobs[id].state == JobState::Queued && reg.jobs[id].model() == Some(model)
+                })
+                .count();
+            self.metrics
+                .backlog
+                .with_label_values(&[model.as_str()])
+                .set(n as i64);
         }
-        let mut counts = std::collections::HashMap::from([("ready", 0), ("warming", 0), ("draining", 0), ("gone", 0)]);
+        let mut counts = std::collections::HashMap::from([
+            ("ready", 0),
+            ("warming", 0),
+            ("draining", 0),
+            ("gone", 0),
+        ]);
         for w in reg.workers.values() {
             let state = match &w.last_heartbeat {
                 Some((at, hb)) if at.elapsed() < timeout => match hb.state {
@@ -431,7 +635,9 @@ impl Scheduler {
 /// The jobs a pipeline expands into: its base generate, the edits of the base image, the upscales.
 /// Each gets its own id; edits and upscales take their input from the job they depend on.
 fn expand_pipeline(submission: &Submission) -> Vec<Submission> {
-    let JobSpec::Pipeline(p) = &submission.job else { return Vec::new() };
+    let JobSpec::Pipeline(p) = &submission.job else {
+        return Vec::new();
+    };
     let child = |job: JobSpec| Submission {
         schema_version: SCHEMA_VERSION,
         job_id: Some(JobId::new()),
@@ -446,7 +652,10 @@ fn expand_pipeline(submission: &Submission) -> Vec<Submission> {
     let mut edit_ids = Vec::new();
     for e in &p.edits {
         let edit = child(JobSpec::Edit(EditSpec {
-            input: ImageRef::JobOutput { job: base_id, index: 0 },
+            input: ImageRef::JobOutput {
+                job: base_id,
+                index: 0,
+            },
             instruction: e.instruction.clone(),
             steps: e.steps,
             cfg: e.cfg,
@@ -462,7 +671,10 @@ fn expand_pipeline(submission: &Submission) -> Vec<Submission> {
             PipelineImage::Edit(n) => edit_ids[n],
         };
         out.push(child(JobSpec::Upscale(UpscaleSpec {
-            input: ImageRef::JobOutput { job: source, index: 0 },
+            input: ImageRef::JobOutput {
+                job: source,
+                index: 0,
+            },
             scale: u.scale,
             tile: u.tile,
             tile_overlap: u.tile_overlap,

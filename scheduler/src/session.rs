@@ -6,7 +6,10 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions, QueueBindOptions, QueueDeclareOptions};
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions, QueueBindOptions,
+    QueueDeclareOptions,
+};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{Channel, Connection};
 use tokio_util::sync::CancellationToken;
@@ -15,7 +18,9 @@ use vnfarm_bus::publisher::json_properties;
 use vnfarm_bus::{Publisher, topology};
 use vnfarm_proto::event::SequencedEvent;
 use vnfarm_proto::topology::{HEARTBEAT_ROUTING_PATTERN, MARKER_ROUTING_PREFIX};
-use vnfarm_proto::{Event, EventKind, FailureKind, Heartbeat, JobId, MAX_MESSAGE_BYTES, Submission, decode_json};
+use vnfarm_proto::{
+    Event, EventKind, FailureKind, Heartbeat, JobId, MAX_MESSAGE_BYTES, Submission, decode_json,
+};
 
 use crate::scheduler::{AcceptError, Scheduler};
 
@@ -30,7 +35,11 @@ async fn ack(d: &Delivery) -> anyhow::Result<()> {
 }
 
 impl Scheduler {
-    pub(crate) async fn session(&self, connection: &Connection, shutdown: &CancellationToken) -> SessionEnd {
+    pub(crate) async fn session(
+        &self,
+        connection: &Connection,
+        shutdown: &CancellationToken,
+    ) -> SessionEnd {
         let end = self.session_inner(connection, shutdown).await;
         self.set_publisher(None);
         self.metrics.amqp_connected.set(0);
@@ -40,11 +49,28 @@ impl Scheduler {
         }
     }
 
-    async fn consume(&self, channel: &Channel, queue: &str, tag: &str, args: FieldTable) -> anyhow::Result<lapin::Consumer> {
-        Ok(channel.basic_consume(queue.into(), tag.into(), BasicConsumeOptions::default(), args).await?)
+    async fn consume(
+        &self,
+        channel: &Channel,
+        queue: &str,
+        tag: &str,
+        args: FieldTable,
+    ) -> anyhow::Result<lapin::Consumer> {
+        Ok(channel
+            .basic_consume(
+                queue.into(),
+                tag.into(),
+                BasicConsumeOptions::default(),
+                args,
+            )
+            .await?)
     }
 
-    async fn session_inner(&self, connection: &Connection, shutdown: &CancellationToken) -> anyhow::Result<SessionEnd> {
+    async fn session_inner(
+        &self,
+        connection: &Connection,
+        shutdown: &CancellationToken,
+    ) -> anyhow::Result<SessionEnd> {
         let publisher = Publisher::open(connection).await?;
         let channel = connection.create_channel().await?;
         topology::declare_core(&channel, &self.config.amqp).await?;
@@ -53,27 +79,69 @@ impl Scheduler {
 
         // Heartbeats: a private queue bound to every worker's heartbeat.
         let hb_channel = connection.create_channel().await?;
-        let private = QueueDeclareOptions { exclusive: true, auto_delete: true, ..Default::default() };
-        let hb_queue = hb_channel.queue_declare("".into(), private, FieldTable::default()).await?;
-        hb_channel
-            .queue_bind(hb_queue.name().clone(), self.topology.events_exchange().into(), HEARTBEAT_ROUTING_PATTERN.into(), QueueBindOptions::default(), FieldTable::default())
+        let private = QueueDeclareOptions {
+            exclusive: true,
+            auto_delete: true,
+            ..Default::default()
+        };
+        let hb_queue = hb_channel
+            .queue_declare("".into(), private, FieldTable::default())
             .await?;
-        let no_ack = BasicConsumeOptions { no_ack: true, ..Default::default() };
-        let mut heartbeats = hb_channel.basic_consume(hb_queue.name().clone(), "heartbeats".into(), no_ack, FieldTable::default()).await?;
+        hb_channel
+            .queue_bind(
+                hb_queue.name().clone(),
+                self.topology.events_exchange().into(),
+                HEARTBEAT_ROUTING_PATTERN.into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        let no_ack = BasicConsumeOptions {
+            no_ack: true,
+            ..Default::default()
+        };
+        let mut heartbeats = hb_channel
+            .basic_consume(
+                hb_queue.name().clone(),
+                "heartbeats".into(),
+                no_ack,
+                FieldTable::default(),
+            )
+            .await?;
 
         // The event stream, from where this process left off (the first offset on a fresh start).
         let stream_channel = connection.create_channel().await?;
-        stream_channel.basic_qos(1000, BasicQosOptions::default()).await?;
+        stream_channel
+            .basic_qos(1000, BasicQosOptions::default())
+            .await?;
         let mut args = FieldTable::default();
         let from = self.registry().next_offset;
-        let offset = if from == 0 { AMQPValue::LongString(LongString::from("first")) } else { AMQPValue::LongLongInt(from as i64) };
+        let offset = if from == 0 {
+            AMQPValue::LongString(LongString::from("first"))
+        } else {
+            AMQPValue::LongLongInt(from as i64)
+        };
         args.insert("x-stream-offset".into(), offset);
-        let mut stream = self.consume(&stream_channel, &self.topology.events_stream(), "events", args).await?;
+        let mut stream = self
+            .consume(
+                &stream_channel,
+                &self.topology.events_stream(),
+                "events",
+                args,
+            )
+            .await?;
 
         // Catch up: everything before our marker is history.
         let nonce = JobId::new().to_string();
         let marker_key = format!("{MARKER_ROUTING_PREFIX}.{nonce}");
-        publisher.publish(&self.topology.events_exchange(), &marker_key, b"{}", json_properties()).await?;
+        publisher
+            .publish(
+                &self.topology.events_exchange(),
+                &marker_key,
+                b"{}",
+                json_properties(),
+            )
+            .await?;
         let replay_started = std::time::Instant::now();
         let mut replayed = 0u64;
         loop {
@@ -94,14 +162,34 @@ impl Scheduler {
                 break;
             }
         }
-        tracing::info!(events = replayed, seconds = replay_started.elapsed().as_secs_f64(), "event stream replayed");
+        tracing::info!(
+            events = replayed,
+            seconds = replay_started.elapsed().as_secs_f64(),
+            "event stream replayed"
+        );
         self.set_ready();
         self.settle().await?;
 
         let intake_channel = connection.create_channel().await?;
-        intake_channel.basic_qos(32, BasicQosOptions::default()).await?;
-        let mut intake = self.consume(&intake_channel, &self.topology.intake_queue(), "intake", FieldTable::default()).await?;
-        let mut returned = self.consume(&intake_channel, &self.topology.redispatch_queue(), "redispatch", FieldTable::default()).await?;
+        intake_channel
+            .basic_qos(32, BasicQosOptions::default())
+            .await?;
+        let mut intake = self
+            .consume(
+                &intake_channel,
+                &self.topology.intake_queue(),
+                "intake",
+                FieldTable::default(),
+            )
+            .await?;
+        let mut returned = self
+            .consume(
+                &intake_channel,
+                &self.topology.redispatch_queue(),
+                "redispatch",
+                FieldTable::default(),
+            )
+            .await?;
 
         let mut tick = tokio::time::interval(Duration::from_millis(500));
         tracing::info!("scheduler ready");
@@ -145,7 +233,11 @@ impl Scheduler {
     }
 
     fn on_stream_message(&self, delivery: &Delivery, live: bool) {
-        if delivery.routing_key.as_str().starts_with(MARKER_ROUTING_PREFIX) {
+        if delivery
+            .routing_key
+            .as_str()
+            .starts_with(MARKER_ROUTING_PREFIX)
+        {
             if let Some(offset) = stream_offset(&delivery.properties) {
                 let mut reg = self.registry();
                 reg.next_offset = reg.next_offset.max(offset + 1);
@@ -168,11 +260,22 @@ impl Scheduler {
     /// A submission from a producer on the intake queue. Invalid ones are dead-lettered with a `failed`
     /// event; transient failures put the message back.
     async fn on_intake(&self, delivery: Delivery) -> anyhow::Result<()> {
-        let id_hint = delivery.properties.message_id().as_ref().and_then(|m| m.as_str().parse::<JobId>().ok());
+        let id_hint = delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .and_then(|m| m.as_str().parse::<JobId>().ok());
         let parsed = if delivery.data.len() > MAX_MESSAGE_BYTES {
-            Err((FailureKind::Malformed, format!("message of {} bytes exceeds {MAX_MESSAGE_BYTES}", delivery.data.len())))
+            Err((
+                FailureKind::Malformed,
+                format!(
+                    "message of {} bytes exceeds {MAX_MESSAGE_BYTES}",
+                    delivery.data.len()
+                ),
+            ))
         } else {
-            decode_json::<Submission>(&delivery.data).map_err(|e| (FailureKind::Malformed, e.to_string()))
+            decode_json::<Submission>(&delivery.data)
+                .map_err(|e| (FailureKind::Malformed, e.to_string()))
         };
         let outcome = match parsed {
             Ok(mut sub) => {
@@ -182,11 +285,19 @@ impl Scheduler {
                 let fallback_id = sub.job_id;
                 match self.accept(sub).await {
                     Ok(_) => Ok(()),
-                    Err(AcceptError::Invalid(e)) => Err((fallback_id, FailureKind::InvalidSpec, e.to_string())),
+                    Err(AcceptError::Invalid(e)) => {
+                        Err((fallback_id, FailureKind::InvalidSpec, e.to_string()))
+                    }
                     Err(AcceptError::Unavailable(reason)) => {
                         tracing::warn!(%reason, "cannot accept a submission now; it goes back to the intake queue");
                         tokio::time::sleep(Duration::from_millis(500)).await;
-                        delivery.acker.nack(BasicNackOptions { requeue: true, multiple: false }).await?;
+                        delivery
+                            .acker
+                            .nack(BasicNackOptions {
+                                requeue: true,
+                                multiple: false,
+                            })
+                            .await?;
                         return Ok(());
                     }
                 }
@@ -199,8 +310,20 @@ impl Scheduler {
             let job_id = job_id.unwrap_or_default();
             tracing::warn!(job_id = %job_id, failure = failure.as_str(), %message, "submission rejected");
             let id_text = job_id.to_string();
-            self.dead_letter(&delivery.data, dead_letter_headers(&message, failure.as_str(), Some(&id_text))).await?;
-            self.publish_event(job_id, EventKind::Failed { failure, message, retryable: false }).await?;
+            self.dead_letter(
+                &delivery.data,
+                dead_letter_headers(&message, failure.as_str(), Some(&id_text)),
+            )
+            .await?;
+            self.publish_event(
+                job_id,
+                EventKind::Failed {
+                    failure,
+                    message,
+                    retryable: false,
+                },
+            )
+            .await?;
         }
         ack(&delivery).await
     }

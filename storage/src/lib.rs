@@ -59,17 +59,27 @@ impl StorageConfig {
     /// Checks what can be checked without I/O; the error names the field.
     pub fn validate(&self, at: &str) -> Result<(), String> {
         match self {
-            StorageConfig::S3 { bucket, endpoint, access_key_id, secret_access_key, .. } => {
+            StorageConfig::S3 {
+                bucket,
+                endpoint,
+                access_key_id,
+                secret_access_key,
+                ..
+            } => {
                 if bucket.len() < 3 || bucket.len() > 63 {
                     return Err(format!("{at}.bucket: must be 3-63 characters"));
                 }
-                if let Some(e) = endpoint {
-                    if !(e.starts_with("http://") || e.starts_with("https://")) {
-                        return Err(format!("{at}.endpoint: must start with http:// or https://"));
-                    }
+                if let Some(e) = endpoint
+                    && !(e.starts_with("http://") || e.starts_with("https://"))
+                {
+                    return Err(format!(
+                        "{at}.endpoint: must start with http:// or https://"
+                    ));
                 }
                 if access_key_id.is_some() != secret_access_key.is_some() {
-                    return Err(format!("{at}.secret_access_key: access_key_id and secret_access_key go together"));
+                    return Err(format!(
+                        "{at}.secret_access_key: access_key_id and secret_access_key go together"
+                    ));
                 }
                 Ok(())
             }
@@ -91,18 +101,29 @@ pub enum StorageError {
     InvalidKey { key: String, reason: &'static str },
     /// The store could not be reached or failed; worth retrying.
     #[error("storage unavailable during {op} {key}: {message}")]
-    Unavailable { op: &'static str, key: String, message: String },
+    Unavailable {
+        op: &'static str,
+        key: String,
+        message: String,
+    },
 }
 
 impl Storage {
     pub async fn open(config: &StorageConfig) -> Result<Self, StorageError> {
         match config {
             StorageConfig::S3 { .. } => Ok(Storage::S3(S3Store::open(config).await?)),
-            StorageConfig::Local { root } => Ok(Storage::Local(LocalStore::open(root.clone()).await?)),
+            StorageConfig::Local { root } => {
+                Ok(Storage::Local(LocalStore::open(root.clone()).await?))
+            }
         }
     }
 
-    pub async fn put(&self, key: &str, body: Bytes, content_type: &str) -> Result<(), StorageError> {
+    pub async fn put(
+        &self,
+        key: &str,
+        body: Bytes,
+        content_type: &str,
+    ) -> Result<(), StorageError> {
         check_key(key)?;
         match self {
             Storage::S3(s) => s.put(key, body, content_type).await,
@@ -147,11 +168,19 @@ impl Storage {
 
 /// Keys are relative, `/`-separated, with no empty, `.` or `..` segment: safe as paths and as S3 keys.
 fn check_key(key: &str) -> Result<(), StorageError> {
-    let bad = |reason| Err(StorageError::InvalidKey { key: key.to_owned(), reason });
+    let bad = |reason| {
+        Err(StorageError::InvalidKey {
+            key: key.to_owned(),
+            reason,
+        })
+    };
     if key.is_empty() || key.len() > 1024 {
         return bad("must be 1-1024 bytes");
     }
-    if key.split('/').any(|s| s.is_empty() || s == "." || s == "..") {
+    if key
+        .split('/')
+        .any(|s| s.is_empty() || s == "." || s == "..")
+    {
         return bad("has an empty, '.' or '..' segment");
     }
     if key.chars().any(|c| c.is_control() || c == '\\') {
@@ -175,13 +204,42 @@ mod tests {
     #[tokio::test]
     async fn local_store_round_trips() {
         let dir = tempfile::tempdir().unwrap();
-        let store = Storage::open(&StorageConfig::Local { root: dir.path().join("store") }).await.unwrap();
-        store.put("results/j/0.png", Bytes::from_static(b"one"), "image/png").await.unwrap();
-        store.put("results/j/0.png", Bytes::from_static(b"two"), "image/png").await.unwrap();
-        store.put("results/j/manifest.json", Bytes::from_static(b"{}"), "application/json").await.unwrap();
-        assert_eq!(store.get("results/j/0.png").await.unwrap(), Bytes::from_static(b"two"));
-        assert_eq!(store.list("results/j/").await.unwrap(), ["results/j/0.png", "results/j/manifest.json"]);
-        assert!(matches!(store.get("results/j/1.png").await, Err(StorageError::NotFound { .. })));
-        assert!(matches!(store.get("../x").await, Err(StorageError::InvalidKey { .. })));
+        let store = Storage::open(&StorageConfig::Local {
+            root: dir.path().join("store"),
+        })
+        .await
+        .unwrap();
+        store
+            .put("results/j/0.png", Bytes::from_static(b"one"), "image/png")
+            .await
+            .unwrap();
+        store
+            .put("results/j/0.png", Bytes::from_static(b"two"), "image/png")
+            .await
+            .unwrap();
+        store
+            .put(
+                "results/j/manifest.json",
+                Bytes::from_static(b"{}"),
+                "application/json",
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            store.get("results/j/0.png").await.unwrap(),
+            Bytes::from_static(b"two")
+        );
+        assert_eq!(
+            store.list("results/j/").await.unwrap(),
+            ["results/j/0.png", "results/j/manifest.json"]
+        );
+        assert!(matches!(
+            store.get("results/j/1.png").await,
+            Err(StorageError::NotFound { .. })
+        ));
+        assert!(matches!(
+            store.get("../x").await,
+            Err(StorageError::InvalidKey { .. })
+        ));
     }
 }

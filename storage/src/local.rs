@@ -13,12 +13,18 @@ pub struct LocalStore {
 }
 
 fn unavailable(op: &'static str, key: &str, e: std::io::Error) -> StorageError {
-    StorageError::Unavailable { op, key: key.to_owned(), message: e.to_string() }
+    StorageError::Unavailable {
+        op,
+        key: key.to_owned(),
+        message: e.to_string(),
+    }
 }
 
 impl LocalStore {
     pub async fn open(root: PathBuf) -> Result<Self, StorageError> {
-        tokio::fs::create_dir_all(&root).await.map_err(|e| unavailable("open", &root.display().to_string(), e))?;
+        tokio::fs::create_dir_all(&root)
+            .await
+            .map_err(|e| unavailable("open", &root.display().to_string(), e))?;
         Ok(Self { root })
     }
 
@@ -29,17 +35,25 @@ impl LocalStore {
     pub async fn put(&self, key: &str, body: Bytes) -> Result<(), StorageError> {
         let path = self.root.join(key);
         if let Some(dir) = path.parent() {
-            tokio::fs::create_dir_all(dir).await.map_err(|e| unavailable("put", key, e))?;
+            tokio::fs::create_dir_all(dir)
+                .await
+                .map_err(|e| unavailable("put", key, e))?;
         }
         let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
-        tokio::fs::write(&tmp, &body).await.map_err(|e| unavailable("put", key, e))?;
-        tokio::fs::rename(&tmp, &path).await.map_err(|e| unavailable("put", key, e))
+        tokio::fs::write(&tmp, &body)
+            .await
+            .map_err(|e| unavailable("put", key, e))?;
+        tokio::fs::rename(&tmp, &path)
+            .await
+            .map_err(|e| unavailable("put", key, e))
     }
 
     pub async fn get(&self, key: &str) -> Result<Bytes, StorageError> {
         match tokio::fs::read(self.root.join(key)).await {
             Ok(data) => Ok(Bytes::from(data)),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(StorageError::NotFound { key: key.to_owned() }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(StorageError::NotFound {
+                key: key.to_owned(),
+            }),
             Err(e) => Err(unavailable("get", key, e)),
         }
     }
@@ -53,14 +67,27 @@ impl LocalStore {
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
                 Err(e) => return Err(unavailable("list", prefix, e)),
             };
-            while let Some(entry) = entries.next_entry().await.map_err(|e| unavailable("list", prefix, e))? {
+            while let Some(entry) = entries
+                .next_entry()
+                .await
+                .map_err(|e| unavailable("list", prefix, e))?
+            {
                 let path = entry.path();
-                if entry.file_type().await.map_err(|e| unavailable("list", prefix, e))?.is_dir() {
+                if entry
+                    .file_type()
+                    .await
+                    .map_err(|e| unavailable("list", prefix, e))?
+                    .is_dir()
+                {
                     dirs.push(path);
                     continue;
                 }
-                let Ok(rel) = path.strip_prefix(&self.root) else { continue };
-                let key = rel.to_string_lossy().replace(std::path::MAIN_SEPARATOR, "/");
+                let Ok(rel) = path.strip_prefix(&self.root) else {
+                    continue;
+                };
+                let key = rel
+                    .to_string_lossy()
+                    .replace(std::path::MAIN_SEPARATOR, "/");
                 if key.starts_with(prefix) && !key.contains(".tmp-") {
                     keys.push(key);
                 }
@@ -70,6 +97,9 @@ impl LocalStore {
     }
 
     pub async fn check(&self) -> Result<(), StorageError> {
-        tokio::fs::metadata(&self.root).await.map(|_| ()).map_err(|e| unavailable("check", "", e))
+        tokio::fs::metadata(&self.root)
+            .await
+            .map(|_| ())
+            .map_err(|e| unavailable("check", "", e))
     }
 }

@@ -23,31 +23,57 @@ fn unavailable<E: ProvideErrorMetadata + std::error::Error + 'static, R: std::fm
     let message = match &e {
         SdkError::ServiceError(se) => {
             let err = se.err();
-            format!("{}: {}", err.code().unwrap_or("unknown"), err.message().unwrap_or(""))
+            format!(
+                "{}: {}",
+                err.code().unwrap_or("unknown"),
+                err.message().unwrap_or("")
+            )
         }
         other => DisplayErrorContext(other).to_string(),
     };
-    StorageError::Unavailable { op, key: key.to_owned(), message }
+    StorageError::Unavailable {
+        op,
+        key: key.to_owned(),
+        message,
+    }
 }
 
 impl S3Store {
     pub async fn open(config: &StorageConfig) -> Result<Self, StorageError> {
-        let StorageConfig::S3 { bucket, endpoint, region, path_style, access_key_id, secret_access_key, create_bucket } =
-            config
+        let StorageConfig::S3 {
+            bucket,
+            endpoint,
+            region,
+            path_style,
+            access_key_id,
+            secret_access_key,
+            create_bucket,
+        } = config
         else {
             unreachable!("S3Store::open is only called with an S3 config");
         };
-        let mut loader =
-            aws_config::defaults(aws_config::BehaviorVersion::latest()).region(aws_config::Region::new(region.clone()));
+        let mut loader = aws_config::defaults(aws_config::BehaviorVersion::latest())
+            .region(aws_config::Region::new(region.clone()));
         if let (Some(id), Some(secret)) = (access_key_id, secret_access_key) {
-            loader = loader.credentials_provider(aws_credential_types::Credentials::new(id, secret, None, None, "vnfarm-config"));
+            loader = loader.credentials_provider(aws_credential_types::Credentials::new(
+                id,
+                secret,
+                None,
+                None,
+                "vnfarm-config",
+            ));
         }
         if let Some(endpoint) = endpoint {
             loader = loader.endpoint_url(endpoint);
         }
         let shared = loader.load().await;
-        let s3_config = aws_sdk_s3::config::Builder::from(&shared).force_path_style(*path_style).build();
-        let store = Self { client: Client::from_conf(s3_config), bucket: bucket.clone() };
+        let s3_config = aws_sdk_s3::config::Builder::from(&shared)
+            .force_path_style(*path_style)
+            .build();
+        let store = Self {
+            client: Client::from_conf(s3_config),
+            bucket: bucket.clone(),
+        };
         if *create_bucket {
             store.create_bucket_if_missing().await?;
         }
@@ -59,13 +85,29 @@ impl S3Store {
     }
 
     async fn create_bucket_if_missing(&self) -> Result<(), StorageError> {
-        if self.client.head_bucket().bucket(&self.bucket).send().await.is_ok() {
+        if self
+            .client
+            .head_bucket()
+            .bucket(&self.bucket)
+            .send()
+            .await
+            .is_ok()
+        {
             return Ok(());
         }
-        match self.client.create_bucket().bucket(&self.bucket).send().await {
+        match self
+            .client
+            .create_bucket()
+            .bucket(&self.bucket)
+            .send()
+            .await
+        {
             Ok(_) => Ok(()),
             Err(SdkError::ServiceError(se))
-                if matches!(se.err().code(), Some("BucketAlreadyOwnedByYou" | "BucketAlreadyExists")) =>
+                if matches!(
+                    se.err().code(),
+                    Some("BucketAlreadyOwnedByYou" | "BucketAlreadyExists")
+                ) =>
             {
                 Ok(())
             }
@@ -73,7 +115,12 @@ impl S3Store {
         }
     }
 
-    pub async fn put(&self, key: &str, body: Bytes, content_type: &str) -> Result<(), StorageError> {
+    pub async fn put(
+        &self,
+        key: &str,
+        body: Bytes,
+        content_type: &str,
+    ) -> Result<(), StorageError> {
         self.client
             .put_object()
             .bucket(&self.bucket)
@@ -87,32 +134,61 @@ impl S3Store {
     }
 
     pub async fn get(&self, key: &str) -> Result<Bytes, StorageError> {
-        let out = match self.client.get_object().bucket(&self.bucket).key(key).send().await {
+        let out = match self
+            .client
+            .get_object()
+            .bucket(&self.bucket)
+            .key(key)
+            .send()
+            .await
+        {
             Ok(out) => out,
             Err(SdkError::ServiceError(se)) if se.err().is_no_such_key() => {
-                return Err(StorageError::NotFound { key: key.to_owned() });
+                return Err(StorageError::NotFound {
+                    key: key.to_owned(),
+                });
             }
             Err(e) => return Err(unavailable("get", key, e)),
         };
-        let data = out.body.collect().await.map_err(|e| StorageError::Unavailable {
-            op: "get",
-            key: key.to_owned(),
-            message: e.to_string(),
-        })?;
+        let data = out
+            .body
+            .collect()
+            .await
+            .map_err(|e| StorageError::Unavailable {
+                op: "get",
+                key: key.to_owned(),
+                message: e.to_string(),
+            })?;
         Ok(data.into_bytes())
     }
 
     pub async fn list(&self, prefix: &str) -> Result<Vec<String>, StorageError> {
         let mut keys = Vec::new();
-        let mut pages = self.client.list_objects_v2().bucket(&self.bucket).prefix(prefix).into_paginator().send();
+        let mut pages = self
+            .client
+            .list_objects_v2()
+            .bucket(&self.bucket)
+            .prefix(prefix)
+            .into_paginator()
+            .send();
         while let Some(page) = pages.next().await {
             let page = page.map_err(|e| unavailable("list", prefix, e))?;
-            keys.extend(page.contents().iter().filter_map(|o| o.key().map(str::to_owned)));
+            keys.extend(
+                page.contents()
+                    .iter()
+                    .filter_map(|o| o.key().map(str::to_owned)),
+            );
         }
         Ok(keys)
     }
 
     pub async fn check(&self) -> Result<(), StorageError> {
-        self.client.head_bucket().bucket(&self.bucket).send().await.map(|_| ()).map_err(|e| unavailable("check", &self.bucket, e))
+        self.client
+            .head_bucket()
+            .bucket(&self.bucket)
+            .send()
+            .await
+            .map(|_| ())
+            .map_err(|e| unavailable("check", &self.bucket, e))
     }
 }

@@ -1,22 +1,27 @@
 //! The main job path: a pipeline over HTTP, and a submission from a foreign AMQP producer.
 
 use futures::StreamExt;
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::BasicProperties;
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use serde_json::{Value, json};
 use vnfarm_tests::{Farm, WorkerOptions};
 
 use crate::FINISH;
 
 /// Reads `/v1/events` (Server-Sent Events) into JSON events until `stop` says so.
-async fn collect_events(farm: &Farm, until: impl Fn(&[Value]) -> bool) -> anyhow::Result<Vec<Value>> {
+async fn collect_events(
+    farm: &Farm,
+    until: impl Fn(&[Value]) -> bool,
+) -> anyhow::Result<Vec<Value>> {
     let response = farm.http.get(farm.url("/v1/events?after=0")).send().await?;
     let mut body = response.bytes_stream();
     let mut buffer = String::new();
     let mut events = Vec::new();
     let deadline = tokio::time::Instant::now() + FINISH;
     while !until(&events) {
-        let chunk = tokio::time::timeout_at(deadline, body.next()).await?.ok_or_else(|| anyhow::anyhow!("event stream ended"))??;
+        let chunk = tokio::time::timeout_at(deadline, body.next())
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("event stream ended"))??;
         buffer.push_str(&String::from_utf8_lossy(&chunk));
         while let Some(end) = buffer.find("\n\n") {
             let block: String = buffer.drain(..end + 2).collect();
@@ -31,18 +36,32 @@ async fn collect_events(farm: &Farm, until: impl Fn(&[Value]) -> bool) -> anyhow
 }
 
 fn states_of(events: &[Value], job: &str) -> Vec<String> {
-    events.iter().filter(|e| e["job_id"] == job).map(|e| e["event"].as_str().unwrap_or("?").to_owned()).collect()
+    events
+        .iter()
+        .filter(|e| e["job_id"] == job)
+        .map(|e| e["event"].as_str().unwrap_or("?").to_owned())
+        .collect()
 }
 
 async fn assert_outputs(farm: &Farm, job: &Value) -> anyhow::Result<()> {
     let id = job["id"].as_str().unwrap();
     let keys = farm.storage.list(&format!("results/{id}/")).await?;
-    let outputs: Vec<String> = job["outputs"].as_array().unwrap().iter().map(|o| o.as_str().unwrap().to_owned()).collect();
+    let outputs: Vec<String> = job["outputs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| o.as_str().unwrap().to_owned())
+        .collect();
     let mut expected = outputs.clone();
     expected.push(format!("results/{id}/manifest.json"));
     expected.sort();
     assert_eq!(keys, expected, "objects of job {id}");
-    let manifest: Value = serde_json::from_slice(&farm.storage.get(&format!("results/{id}/manifest.json")).await?)?;
+    let manifest: Value = serde_json::from_slice(
+        &farm
+            .storage
+            .get(&format!("results/{id}/manifest.json"))
+            .await?,
+    )?;
     assert_eq!(manifest["job_id"], id);
     for (n, key) in outputs.iter().enumerate() {
         let png = farm.storage.get(key).await?;
@@ -70,12 +89,24 @@ async fn pipeline_over_http_completes_with_every_output_and_event() -> anyhow::R
     let pipeline_id = body["job_id"].as_str().unwrap().to_owned();
     let pipeline = farm.wait_finished(&pipeline_id, FINISH).await?;
     assert_eq!(pipeline["state"], "completed", "{pipeline}");
-    let children: Vec<String> = pipeline["children"].as_array().unwrap().iter().map(|c| c.as_str().unwrap().to_owned()).collect();
+    let children: Vec<String> = pipeline["children"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c.as_str().unwrap().to_owned())
+        .collect();
     assert_eq!(children.len(), 5);
 
-    let events = collect_events(&farm, |evs| evs.iter().any(|e| e["job_id"] == pipeline_id.as_str() && e["event"] == "completed")).await?;
+    let events = collect_events(&farm, |evs| {
+        evs.iter()
+            .any(|e| e["job_id"] == pipeline_id.as_str() && e["event"] == "completed")
+    })
+    .await?;
     let seqs: Vec<u64> = events.iter().map(|e| e["seq"].as_u64().unwrap()).collect();
-    assert!(seqs.windows(2).all(|w| w[0] < w[1]), "sequence numbers increase: {seqs:?}");
+    assert!(
+        seqs.windows(2).all(|w| w[0] < w[1]),
+        "sequence numbers increase: {seqs:?}"
+    );
 
     for (i, child) in children.iter().enumerate() {
         let job = farm.job(child).await?;
@@ -84,15 +115,37 @@ async fn pipeline_over_http_completes_with_every_output_and_event() -> anyhow::R
         assert_outputs(&farm, &job).await?;
         // Every state, in order: queued, dispatched, started, progress..., completed.
         let states = states_of(&events, child);
-        let compact: Vec<&str> = states.iter().map(String::as_str).filter(|s| *s != "progress").collect();
-        assert_eq!(compact, ["queued", "dispatched", "started", "completed"], "job {i}: {states:?}");
-        let first_progress = states.iter().position(|s| s == "progress").expect("progress events");
-        assert!(first_progress > 2 && first_progress < states.len() - 1, "progress between started and completed: {states:?}");
+        let compact: Vec<&str> = states
+            .iter()
+            .map(String::as_str)
+            .filter(|s| *s != "progress")
+            .collect();
+        assert_eq!(
+            compact,
+            ["queued", "dispatched", "started", "completed"],
+            "job {i}: {states:?}"
+        );
+        let first_progress = states
+            .iter()
+            .position(|s| s == "progress")
+            .expect("progress events");
+        assert!(
+            first_progress > 2 && first_progress < states.len() - 1,
+            "progress between started and completed: {states:?}"
+        );
     }
     // Edits take the base image and keep its size; the upscale doubles its edit.
     let edit = farm.job(&children[1]).await?;
-    assert_eq!(edit["submission"]["job"]["input"]["job_output"]["job"], children[0].as_str());
-    let upscaled = image::load_from_memory(&farm.storage.get(&format!("results/{}/0.png", children[4])).await?)?;
+    assert_eq!(
+        edit["submission"]["job"]["input"]["job_output"]["job"],
+        children[0].as_str()
+    );
+    let upscaled = image::load_from_memory(
+        &farm
+            .storage
+            .get(&format!("results/{}/0.png", children[4]))
+            .await?,
+    )?;
     assert_eq!((upscaled.width(), upscaled.height()), (1024, 768));
     assert_eq!(states_of(&events, &pipeline_id), ["queued", "completed"]);
     Ok(())
@@ -106,7 +159,9 @@ async fn a_foreign_producer_can_publish_to_the_intake_queue() -> anyhow::Result<
 
     let conn = farm.connect_amqp().await?;
     let channel = conn.create_channel().await?;
-    channel.confirm_select(ConfirmSelectOptions::default()).await?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
     let job_id = uuid::Uuid::now_v7().to_string();
     let body = json!({"schema_version": 1, "job_id": job_id, "priority": "interactive",
         "job": {"kind": "generate", "prompt": "a castle at dusk", "width": 256, "height": 256, "steps": 3, "count": 2, "seed": 7}});
@@ -126,11 +181,19 @@ async fn a_foreign_producer_can_publish_to_the_intake_queue() -> anyhow::Result<
     assert_eq!(job["state"], "completed", "{job}");
     assert_eq!(job["outputs"].as_array().unwrap().len(), 2);
     assert_outputs(&farm, &job).await?;
-    let manifest: Value = serde_json::from_slice(&farm.storage.get(&format!("results/{job_id}/manifest.json")).await?)?;
+    let manifest: Value = serde_json::from_slice(
+        &farm
+            .storage
+            .get(&format!("results/{job_id}/manifest.json"))
+            .await?,
+    )?;
     assert_eq!(manifest["outputs"][1]["seed"], 8, "image n uses seed + n");
     // The PNG carries its generation parameters.
     let png = farm.storage.get(&format!("results/{job_id}/0.png")).await?;
     let text = String::from_utf8_lossy(&png);
-    assert!(text.contains("a castle at dusk") && text.contains("Seed: 7"), "parameters chunk present");
+    assert!(
+        text.contains("a castle at dusk") && text.contains("Seed: 7"),
+        "parameters chunk present"
+    );
     Ok(())
 }

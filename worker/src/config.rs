@@ -42,11 +42,18 @@ pub struct Config {
 
 fn default_worker_id() -> String {
     let host = std::fs::read_to_string("/etc/hostname").unwrap_or_default();
-    let id: String = host.trim().to_lowercase().chars().filter(|c| c.is_ascii_alphanumeric() || *c == '-').collect();
+    let id: String = host
+        .trim()
+        .to_lowercase()
+        .chars()
+        .filter(|c| c.is_ascii_alphanumeric() || *c == '-')
+        .collect();
     if id.is_empty() { "worker".into() } else { id }
 }
 fn default_storage() -> StorageConfig {
-    StorageConfig::Local { root: "vnfarm-data".into() }
+    StorageConfig::Local {
+        root: "vnfarm-data".into(),
+    }
 }
 fn default_listen() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], 9101))
@@ -65,7 +72,10 @@ fn default_storage_attempts() -> u32 {
 }
 
 impl Config {
-    pub fn load(file: Option<&Path>, env: impl IntoIterator<Item = (String, String)>) -> Result<Self, ConfigError> {
+    pub fn load(
+        file: Option<&Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Self, ConfigError> {
         let config: Config = vnfarm_config::load(file, env)?;
         config.validate().map_err(ConfigError::invalid)?;
         Ok(config)

@@ -16,21 +16,33 @@ pub enum ImageError {
 
 /// Decodes PNG, JPEG or WebP; checks the size from the header before decoding any pixels.
 pub fn decode_input(bytes: &[u8]) -> Result<RgbImage, ImageError> {
-    let reader = ImageReader::new(std::io::Cursor::new(bytes)).with_guessed_format().map_err(|e| ImageError::Corrupt(e.to_string()))?;
+    let reader = ImageReader::new(std::io::Cursor::new(bytes))
+        .with_guessed_format()
+        .map_err(|e| ImageError::Corrupt(e.to_string()))?;
     match reader.format() {
         Some(ImageFormat::Png | ImageFormat::Jpeg | ImageFormat::WebP) => {}
         _ => return Err(ImageError::UnknownFormat),
     }
-    let (width, height) = reader.into_dimensions().map_err(|e| ImageError::Corrupt(e.to_string()))?;
+    let (width, height) = reader
+        .into_dimensions()
+        .map_err(|e| ImageError::Corrupt(e.to_string()))?;
     if width > MAX_INPUT_SIDE || height > MAX_INPUT_SIDE || width == 0 || height == 0 {
-        return Err(ImageError::TooLarge { width, height, max: MAX_INPUT_SIDE });
+        return Err(ImageError::TooLarge {
+            width,
+            height,
+            max: MAX_INPUT_SIDE,
+        });
     }
-    let mut reader = ImageReader::new(std::io::Cursor::new(bytes)).with_guessed_format().map_err(|e| ImageError::Corrupt(e.to_string()))?;
+    let mut reader = ImageReader::new(std::io::Cursor::new(bytes))
+        .with_guessed_format()
+        .map_err(|e| ImageError::Corrupt(e.to_string()))?;
     let mut limits = image::Limits::default();
     limits.max_image_width = Some(MAX_INPUT_SIDE);
     limits.max_image_height = Some(MAX_INPUT_SIDE);
     reader.limits(limits);
-    let img = reader.decode().map_err(|e| ImageError::Corrupt(e.to_string()))?;
+    let img = reader
+        .decode()
+        .map_err(|e| ImageError::Corrupt(e.to_string()))?;
     Ok(img.to_rgb8())
 }
 
@@ -42,9 +54,15 @@ pub fn encode_png(image: &RgbImage, parameters: &str) -> Vec<u8> {
         encoder.set_color(png::ColorType::Rgb);
         encoder.set_depth(png::BitDepth::Eight);
         // Latin-1 only in tEXt; iTXt carries UTF-8 prompts.
-        encoder.add_itxt_chunk("parameters".into(), parameters.into()).expect("iTXt keyword 'parameters' is valid");
-        let mut writer = encoder.write_header().expect("writing a PNG header to a Vec cannot fail");
-        writer.write_image_data(image.as_raw()).expect("buffer length matches the declared size");
+        encoder
+            .add_itxt_chunk("parameters".into(), parameters.into())
+            .expect("iTXt keyword 'parameters' is valid");
+        let mut writer = encoder
+            .write_header()
+            .expect("writing a PNG header to a Vec cannot fail");
+        writer
+            .write_image_data(image.as_raw())
+            .expect("buffer length matches the declared size");
     }
     out
 }
@@ -67,11 +85,17 @@ mod tests {
 
     #[test]
     fn garbage_and_huge_images_are_rejected() {
-        assert!(matches!(decode_input(b"not an image at all"), Err(ImageError::UnknownFormat)));
+        assert!(matches!(
+            decode_input(b"not an image at all"),
+            Err(ImageError::UnknownFormat)
+        ));
         let mut truncated = encode_png(&RgbImage::new(64, 64), "x");
         truncated.truncate(60);
         assert!(decode_input(&truncated).is_err());
         let huge = encode_png(&RgbImage::new(4097, 1), "x");
-        assert!(matches!(decode_input(&huge), Err(ImageError::TooLarge { width: 4097, .. })));
+        assert!(matches!(
+            decode_input(&huge),
+            Err(ImageError::TooLarge { width: 4097, .. })
+        ));
     }
 }

@@ -21,8 +21,8 @@ use vnfarm_proto::manifest::{ManifestOutput, Versions};
 use vnfarm_proto::spec::MAX_UPSCALE_OUTPUT_SIDE;
 use vnfarm_proto::topology::{manifest_key, output_key};
 use vnfarm_proto::{
-    Event, EventKind, FailureKind, ImageRef, JobId, MAX_MESSAGE_BYTES, Manifest, SCHEMA_VERSION, StageTimings, Task, WorkMessage,
-    decode_json,
+    Event, EventKind, FailureKind, ImageRef, JobId, MAX_MESSAGE_BYTES, Manifest, SCHEMA_VERSION,
+    StageTimings, Task, WorkMessage, decode_json,
 };
 use vnfarm_storage::StorageError;
 
@@ -35,12 +35,25 @@ pub struct Pending(Delivery);
 
 impl Pending {
     async fn ack(self) -> Result<(), Lost> {
-        self.0.acker.ack(BasicAckOptions::default()).await.map(drop).map_err(Lost::from)
+        self.0
+            .acker
+            .ack(BasicAckOptions::default())
+            .await
+            .map(drop)
+            .map_err(Lost::from)
     }
 
     /// Back to the queue; the broker counts a delivery and dead-letters past the limit.
     async fn requeue(self) -> Result<(), Lost> {
-        self.0.acker.nack(BasicNackOptions { requeue: true, multiple: false }).await.map(drop).map_err(Lost::from)
+        self.0
+            .acker
+            .nack(BasicNackOptions {
+                requeue: true,
+                multiple: false,
+            })
+            .await
+            .map(drop)
+            .map_err(Lost::from)
     }
 }
 
@@ -83,15 +96,31 @@ impl JobError {
             JobError::InvalidSpec(_) => Disposition::DeadLetter(FailureKind::InvalidSpec),
             JobError::BadInput(_) => Disposition::DeadLetter(FailureKind::BadInput),
             JobError::DeadlineExceeded => Disposition::DeadLetter(FailureKind::DeadlineExceeded),
-            JobError::Storage(StorageError::NotFound { .. }) => Disposition::DeadLetter(FailureKind::BadInput),
-            JobError::Storage(StorageError::InvalidKey { .. }) => Disposition::DeadLetter(FailureKind::InvalidSpec),
-            JobError::Storage(StorageError::Unavailable { .. }) => Disposition::Retry(FailureKind::Storage),
+            JobError::Storage(StorageError::NotFound { .. }) => {
+                Disposition::DeadLetter(FailureKind::BadInput)
+            }
+            JobError::Storage(StorageError::InvalidKey { .. }) => {
+                Disposition::DeadLetter(FailureKind::InvalidSpec)
+            }
+            JobError::Storage(StorageError::Unavailable { .. }) => {
+                Disposition::Retry(FailureKind::Storage)
+            }
             JobError::Engine(EngineError::Cancelled(CancelReason::User)) => Disposition::Cancelled,
-            JobError::Engine(EngineError::Cancelled(CancelReason::Shutdown)) => Disposition::GiveBack,
-            JobError::Engine(EngineError::OutOfMemory(_)) => Disposition::Retry(FailureKind::OutOfMemory),
-            JobError::Engine(EngineError::InvalidInput(_)) => Disposition::DeadLetter(FailureKind::BadInput),
-            JobError::Engine(EngineError::Failed(_)) => Disposition::DeadLetter(FailureKind::Engine),
-            JobError::Engine(EngineError::Unsupported(_)) => Disposition::DeadLetter(FailureKind::NoWorker),
+            JobError::Engine(EngineError::Cancelled(CancelReason::Shutdown)) => {
+                Disposition::GiveBack
+            }
+            JobError::Engine(EngineError::OutOfMemory(_)) => {
+                Disposition::Retry(FailureKind::OutOfMemory)
+            }
+            JobError::Engine(EngineError::InvalidInput(_)) => {
+                Disposition::DeadLetter(FailureKind::BadInput)
+            }
+            JobError::Engine(EngineError::Failed(_)) => {
+                Disposition::DeadLetter(FailureKind::Engine)
+            }
+            JobError::Engine(EngineError::Unsupported(_)) => {
+                Disposition::DeadLetter(FailureKind::NoWorker)
+            }
             JobError::Broker(_) => Disposition::Abandon,
         }
     }
@@ -105,22 +134,42 @@ struct Done {
 
 /// Decodes a delivery into a work message; on failure returns the job id if one can be recovered.
 fn parse(delivery: &Delivery) -> Result<WorkMessage, (Option<JobId>, String)> {
-    let id_from_props = delivery.properties.message_id().as_ref().and_then(|m| m.as_str().parse::<JobId>().ok());
+    let id_from_props = delivery
+        .properties
+        .message_id()
+        .as_ref()
+        .and_then(|m| m.as_str().parse::<JobId>().ok());
     if delivery.data.len() > MAX_MESSAGE_BYTES {
-        return Err((id_from_props, format!("message of {} bytes exceeds {MAX_MESSAGE_BYTES}", delivery.data.len())));
+        return Err((
+            id_from_props,
+            format!(
+                "message of {} bytes exceeds {MAX_MESSAGE_BYTES}",
+                delivery.data.len()
+            ),
+        ));
     }
-    let msg: WorkMessage = decode_json(&delivery.data).map_err(|e| (id_from_props, e.to_string()))?;
+    let msg: WorkMessage =
+        decode_json(&delivery.data).map_err(|e| (id_from_props, e.to_string()))?;
     if msg.schema_version != SCHEMA_VERSION {
-        return Err((Some(msg.job_id), format!("schema_version: {} is not supported", msg.schema_version)));
+        return Err((
+            Some(msg.job_id),
+            format!("schema_version: {} is not supported", msg.schema_version),
+        ));
     }
     Ok(msg)
 }
 
 impl Worker {
     /// Handles one delivery to the end. `Err` means the broker session is lost.
-    pub(crate) async fn handle(&self, publisher: &Publisher, delivery: Delivery) -> Result<(), Lost> {
+    pub(crate) async fn handle(
+        &self,
+        publisher: &Publisher,
+        delivery: Delivery,
+    ) -> Result<(), Lost> {
         let started = Instant::now();
-        let attempt = u32::try_from(delivery_count(&delivery.properties)).unwrap_or(u32::MAX).saturating_add(1);
+        let attempt = u32::try_from(delivery_count(&delivery.properties))
+            .unwrap_or(u32::MAX)
+            .saturating_add(1);
         let body = delivery.data.clone();
         let pending = Pending(delivery);
         let msg = match parse(&pending.0) {
@@ -128,24 +177,50 @@ impl Worker {
             Err((job_id, reason)) => {
                 self.metrics.malformed_messages_total.inc();
                 tracing::warn!(job_id = ?job_id, %reason, "dead-lettering a malformed work message");
-                return self.dead_letter(publisher, pending, &body, job_id, FailureKind::Malformed, &reason).await;
+                return self
+                    .dead_letter(
+                        publisher,
+                        pending,
+                        &body,
+                        job_id,
+                        FailureKind::Malformed,
+                        &reason,
+                    )
+                    .await;
             }
         };
         let job_id = msg.job_id;
         let kind = msg.task.kind_name();
         if self.is_cancelled(job_id) {
             tracing::info!(job_id = %job_id, "skipping a job cancelled before it started");
-            self.publish_event(publisher, job_id, EventKind::Cancelled { reason: "cancelled before it started".into() }).await.map_err(broker)?;
-            self.metrics.jobs_total.with_label_values(&[kind, "cancelled"]).inc();
+            self.publish_event(
+                publisher,
+                job_id,
+                EventKind::Cancelled {
+                    reason: "cancelled before it started".into(),
+                },
+            )
+            .await
+            .map_err(broker)?;
+            self.metrics
+                .jobs_total
+                .with_label_values(&[kind, "cancelled"])
+                .inc();
             return pending.ack().await;
         }
 
         let cancel = Cancel::default();
         self.set_running(Some((job_id, cancel.clone())));
         let span = tracing::info_span!("job", job_id = %job_id, kind, attempt);
-        let result = self.execute(publisher, &msg, &cancel, attempt).instrument(span).await;
+        let result = self
+            .execute(publisher, &msg, &cancel, attempt)
+            .instrument(span)
+            .await;
         self.set_running(None);
-        self.metrics.job_seconds.with_label_values(&[kind]).observe(started.elapsed().as_secs_f64());
+        self.metrics
+            .job_seconds
+            .with_label_values(&[kind])
+            .observe(started.elapsed().as_secs_f64());
 
         match result {
             Ok(done) => {
@@ -155,13 +230,21 @@ impl Worker {
                     worker: Some(self.id.clone()),
                     timings: done.timings,
                 };
-                self.publish_event(publisher, job_id, event).await.map_err(broker)?;
+                self.publish_event(publisher, job_id, event)
+                    .await
+                    .map_err(broker)?;
                 pending.ack().await?;
-                self.metrics.jobs_total.with_label_values(&[kind, "completed"]).inc();
+                self.metrics
+                    .jobs_total
+                    .with_label_values(&[kind, "completed"])
+                    .inc();
                 tracing::info!(job_id = %job_id, seconds = started.elapsed().as_secs_f64(), "job completed");
                 Ok(())
             }
-            Err(e) => self.settle_failure(publisher, pending, &body, &msg, e).await,
+            Err(e) => {
+                self.settle_failure(publisher, pending, &body, &msg, e)
+                    .await
+            }
         }
     }
 
@@ -178,29 +261,61 @@ impl Worker {
         match error.disposition() {
             Disposition::DeadLetter(failure) => {
                 tracing::warn!(job_id = %job_id, failure = failure.as_str(), error = %error, "job failed permanently");
-                self.metrics.jobs_total.with_label_values(&[kind, "failed"]).inc();
-                self.dead_letter(publisher, pending, body, Some(job_id), failure, &error.to_string()).await
+                self.metrics
+                    .jobs_total
+                    .with_label_values(&[kind, "failed"])
+                    .inc();
+                self.dead_letter(
+                    publisher,
+                    pending,
+                    body,
+                    Some(job_id),
+                    failure,
+                    &error.to_string(),
+                )
+                .await
             }
             Disposition::Retry(failure) => {
                 tracing::warn!(job_id = %job_id, failure = failure.as_str(), error = %error, "job failed, will be retried");
-                self.metrics.jobs_total.with_label_values(&[kind, "requeued"]).inc();
-                let event = EventKind::Failed { failure, message: error.to_string(), retryable: true };
-                self.publish_event(publisher, job_id, event).await.map_err(broker)?;
+                self.metrics
+                    .jobs_total
+                    .with_label_values(&[kind, "requeued"])
+                    .inc();
+                let event = EventKind::Failed {
+                    failure,
+                    message: error.to_string(),
+                    retryable: true,
+                };
+                self.publish_event(publisher, job_id, event)
+                    .await
+                    .map_err(broker)?;
                 // Back off before giving it back, so a broken dependency is not hammered.
                 tokio::time::sleep(std::time::Duration::from_millis(500)).await;
                 pending.requeue().await
             }
             Disposition::Cancelled => {
                 tracing::info!(job_id = %job_id, "job cancelled while running");
-                self.metrics.jobs_total.with_label_values(&[kind, "cancelled"]).inc();
-                self.publish_event(publisher, job_id, EventKind::Cancelled { reason: "cancelled while running".into() })
-                    .await
-                    .map_err(broker)?;
+                self.metrics
+                    .jobs_total
+                    .with_label_values(&[kind, "cancelled"])
+                    .inc();
+                self.publish_event(
+                    publisher,
+                    job_id,
+                    EventKind::Cancelled {
+                        reason: "cancelled while running".into(),
+                    },
+                )
+                .await
+                .map_err(broker)?;
                 pending.ack().await
             }
             Disposition::GiveBack => {
                 tracing::info!(job_id = %job_id, "shutdown interrupted the job; giving it back");
-                self.metrics.jobs_total.with_label_values(&[kind, "requeued"]).inc();
+                self.metrics
+                    .jobs_total
+                    .with_label_values(&[kind, "requeued"])
+                    .inc();
                 pending.requeue().await
             }
             Disposition::Abandon => {
@@ -224,25 +339,60 @@ impl Worker {
         let props = BasicProperties::default()
             .with_delivery_mode(2)
             .with_headers(dead_letter_headers(reason, failure.as_str(), id.as_deref()));
-        publisher.publish(&self.topology.dead_exchange(), "", body, props).await.map_err(broker)?;
+        publisher
+            .publish(&self.topology.dead_exchange(), "", body, props)
+            .await
+            .map_err(broker)?;
         if let Some(job_id) = job_id {
-            let event = EventKind::Failed { failure, message: reason.to_owned(), retryable: false };
-            self.publish_event(publisher, job_id, event).await.map_err(broker)?;
+            let event = EventKind::Failed {
+                failure,
+                message: reason.to_owned(),
+                retryable: false,
+            };
+            self.publish_event(publisher, job_id, event)
+                .await
+                .map_err(broker)?;
         }
         pending.ack().await
     }
 
-    pub(crate) async fn publish_event(&self, publisher: &Publisher, job_id: JobId, kind: EventKind) -> Result<(), PublishError> {
+    pub(crate) async fn publish_event(
+        &self,
+        publisher: &Publisher,
+        job_id: JobId,
+        kind: EventKind,
+    ) -> Result<(), PublishError> {
         let event = Event::now(job_id, kind);
-        publisher.publish_json(&self.topology.events_exchange(), &event.routing_key(), &event, json_properties()).await
+        publisher
+            .publish_json(
+                &self.topology.events_exchange(),
+                &event.routing_key(),
+                &event,
+                json_properties(),
+            )
+            .await
     }
 
-    async fn execute(&self, publisher: &Publisher, msg: &WorkMessage, cancel: &Cancel, attempt: u32) -> Result<Done, JobError> {
+    async fn execute(
+        &self,
+        publisher: &Publisher,
+        msg: &WorkMessage,
+        cancel: &Cancel,
+        attempt: u32,
+    ) -> Result<Done, JobError> {
         let job_id = msg.job_id;
         if msg.deadline.is_some_and(|d| d < Utc::now()) {
             return Err(JobError::DeadlineExceeded);
         }
-        self.publish_event(publisher, job_id, EventKind::Started { worker: self.id.clone(), attempt }).await?;
+        self.publish_event(
+            publisher,
+            job_id,
+            EventKind::Started {
+                worker: self.id.clone(),
+                attempt,
+            },
+        )
+        .await?;
         let kind = msg.task.kind_name();
         let mut timings = StageTimings::default();
 
@@ -275,7 +425,16 @@ impl Worker {
             tokio::spawn(async move {
                 while let Some(p) = progress_rx.recv().await {
                     let p: crate::engine::Progress = p;
-                    let _ = this.publish_event(&publisher, job_id, EventKind::Progress { step: p.step, total: p.total }).await;
+                    let _ = this
+                        .publish_event(
+                            &publisher,
+                            job_id,
+                            EventKind::Progress {
+                                step: p.step,
+                                total: p.total,
+                            },
+                        )
+                        .await;
                 }
             })
         };
@@ -283,10 +442,20 @@ impl Worker {
         self.metrics.busy.set(1);
         let output = self
             .engine
-            .run(EngineJob { job_id, task: msg.task.clone(), input }, progress_tx, cancel.clone())
+            .run(
+                EngineJob {
+                    job_id,
+                    task: msg.task.clone(),
+                    input,
+                },
+                progress_tx,
+                cancel.clone(),
+            )
             .await;
         self.metrics.busy.set(0);
-        self.metrics.busy_seconds_total.inc_by(engine_started.elapsed().as_secs_f64());
+        self.metrics
+            .busy_seconds_total
+            .inc_by(engine_started.elapsed().as_secs_f64());
         let _ = forwarder.await;
         let output = output.map_err(JobError::Engine)?;
         for (stage, seconds) in &output.timings.0 {
@@ -298,7 +467,10 @@ impl Worker {
         let parameters = parameters_text(job_id, &msg.task);
         let images = output.images;
         let encoded = tokio::task::spawn_blocking(move || {
-            images.iter().map(|img| (img.width(), img.height(), encode_png(img, &parameters))).collect::<Vec<_>>()
+            images
+                .iter()
+                .map(|img| (img.width(), img.height(), encode_png(img, &parameters)))
+                .collect::<Vec<_>>()
         })
         .await
         .map_err(|e| JobError::Engine(EngineError::Failed(format!("PNG encoder panicked: {e}"))))?;
@@ -310,13 +482,23 @@ impl Worker {
         for (n, ((width, height, png), seed)) in encoded.into_iter().zip(output.seeds).enumerate() {
             let key = output_key(job_id, n as u32);
             let sha256 = hex::encode(Sha256::digest(&png));
-            self.put_with_retries(&key, Bytes::from(png), "image/png").await?;
-            manifest_outputs.push(ManifestOutput { key: key.clone(), width, height, seed, sha256 });
+            self.put_with_retries(&key, Bytes::from(png), "image/png")
+                .await?;
+            manifest_outputs.push(ManifestOutput {
+                key: key.clone(),
+                width,
+                height,
+                seed,
+                sha256,
+            });
             outputs.push(key);
         }
         timings.add("upload", started.elapsed().as_secs_f64());
         for (stage, seconds) in &timings.0 {
-            self.metrics.stage_seconds.with_label_values(&[kind, stage]).observe(*seconds);
+            self.metrics
+                .stage_seconds
+                .with_label_values(&[kind, stage])
+                .observe(*seconds);
         }
         let manifest = Manifest {
             schema_version: SCHEMA_VERSION,
@@ -328,27 +510,43 @@ impl Worker {
             engine: self.engine.name().to_owned(),
             model_files: Vec::new(),
             timings: timings.clone(),
-            versions: Versions { vnfarm: env!("CARGO_PKG_VERSION").to_owned() },
+            versions: Versions {
+                vnfarm: env!("CARGO_PKG_VERSION").to_owned(),
+            },
             finished_at: Utc::now(),
         };
         let key = manifest_key(job_id);
         let body = serde_json::to_vec_pretty(&manifest).expect("manifests serialize to JSON");
-        self.put_with_retries(&key, Bytes::from(body), "application/json").await?;
-        Ok(Done { outputs, manifest: key, timings })
+        self.put_with_retries(&key, Bytes::from(body), "application/json")
+            .await?;
+        Ok(Done {
+            outputs,
+            manifest: key,
+            timings,
+        })
     }
 
     async fn fetch_input(&self, input: &ImageRef) -> Result<image::RgbImage, JobError> {
-        let bytes = match input {
-            ImageRef::Stored(key) => self.get_with_retries(key).await?,
-            ImageRef::JobOutput { job, index } => self.get_with_retries(&output_key(*job, *index)).await?,
-            ImageRef::Inline(_) => {
-                let Some(decoded) = input.inline_bytes() else { unreachable!("inline_bytes is Some for Inline") };
-                Bytes::from(decoded.map_err(|e| JobError::BadInput(format!("inline image is not base64: {e}")))?)
-            }
-        };
+        let bytes =
+            match input {
+                ImageRef::Stored(key) => self.get_with_retries(key).await?,
+                ImageRef::JobOutput { job, index } => {
+                    self.get_with_retries(&output_key(*job, *index)).await?
+                }
+                ImageRef::Inline(_) => {
+                    let Some(decoded) = input.inline_bytes() else {
+                        unreachable!("inline_bytes is Some for Inline")
+                    };
+                    Bytes::from(decoded.map_err(|e| {
+                        JobError::BadInput(format!("inline image is not base64: {e}"))
+                    })?)
+                }
+            };
         let decoded = tokio::task::spawn_blocking(move || decode_input(&bytes))
             .await
-            .map_err(|e| JobError::Engine(EngineError::Failed(format!("image decoder panicked: {e}"))))?;
+            .map_err(|e| {
+                JobError::Engine(EngineError::Failed(format!("image decoder panicked: {e}")))
+            })?;
         decoded.map_err(|e| JobError::BadInput(e.to_string()))
     }
 
@@ -357,14 +555,22 @@ impl Worker {
         for attempt in 1..=self.config.storage_attempts {
             match self.storage.get(key).await {
                 Ok(bytes) => return Ok(bytes),
-                Err(e @ StorageError::Unavailable { .. }) if attempt < self.config.storage_attempts => {
-                    self.metrics.storage_errors_total.with_label_values(&["get"]).inc();
+                Err(e @ StorageError::Unavailable { .. })
+                    if attempt < self.config.storage_attempts =>
+                {
+                    self.metrics
+                        .storage_errors_total
+                        .with_label_values(&["get"])
+                        .inc();
                     tracing::warn!(key, error = %e, "storage read failed; retrying");
                     tokio::time::sleep(delay).await;
                     delay = (delay * 2).min(std::time::Duration::from_secs(5));
                 }
                 Err(e) => {
-                    self.metrics.storage_errors_total.with_label_values(&["get"]).inc();
+                    self.metrics
+                        .storage_errors_total
+                        .with_label_values(&["get"])
+                        .inc();
                     return Err(JobError::Storage(e));
                 }
             }
@@ -372,19 +578,32 @@ impl Worker {
         unreachable!("the loop returns on its last attempt")
     }
 
-    async fn put_with_retries(&self, key: &str, body: Bytes, content_type: &str) -> Result<(), JobError> {
+    async fn put_with_retries(
+        &self,
+        key: &str,
+        body: Bytes,
+        content_type: &str,
+    ) -> Result<(), JobError> {
         let mut delay = std::time::Duration::from_millis(200);
         for attempt in 1..=self.config.storage_attempts {
             match self.storage.put(key, body.clone(), content_type).await {
                 Ok(()) => return Ok(()),
-                Err(e @ StorageError::Unavailable { .. }) if attempt < self.config.storage_attempts => {
-                    self.metrics.storage_errors_total.with_label_values(&["put"]).inc();
+                Err(e @ StorageError::Unavailable { .. })
+                    if attempt < self.config.storage_attempts =>
+                {
+                    self.metrics
+                        .storage_errors_total
+                        .with_label_values(&["put"])
+                        .inc();
                     tracing::warn!(key, error = %e, "storage write failed; retrying");
                     tokio::time::sleep(delay).await;
                     delay = (delay * 2).min(std::time::Duration::from_secs(5));
                 }
                 Err(e) => {
-                    self.metrics.storage_errors_total.with_label_values(&["put"]).inc();
+                    self.metrics
+                        .storage_errors_total
+                        .with_label_values(&["put"])
+                        .inc();
                     return Err(JobError::Storage(e));
                 }
             }
@@ -422,7 +641,10 @@ fn parameters_text(job_id: JobId, task: &Task) -> String {
             g.width,
             g.height
         ),
-        other => format!("{}\nvnfarm job: {job_id}", serde_json::to_string(other).expect("tasks serialize to JSON")),
+        other => format!(
+            "{}\nvnfarm job: {job_id}",
+            serde_json::to_string(other).expect("tasks serialize to JSON")
+        ),
     }
 }
 
@@ -432,15 +654,34 @@ mod tests {
 
     #[test]
     fn every_error_has_one_disposition() {
-        let unavailable = StorageError::Unavailable { op: "put", key: "k".into(), message: "down".into() };
-        assert_eq!(JobError::Storage(unavailable).disposition(), Disposition::Retry(FailureKind::Storage));
-        assert_eq!(JobError::BadInput("x".into()).disposition(), Disposition::DeadLetter(FailureKind::BadInput));
+        let unavailable = StorageError::Unavailable {
+            op: "put",
+            key: "k".into(),
+            message: "down".into(),
+        };
+        assert_eq!(
+            JobError::Storage(unavailable).disposition(),
+            Disposition::Retry(FailureKind::Storage)
+        );
+        assert_eq!(
+            JobError::BadInput("x".into()).disposition(),
+            Disposition::DeadLetter(FailureKind::BadInput)
+        );
         assert_eq!(
             JobError::Storage(StorageError::NotFound { key: "k".into() }).disposition(),
             Disposition::DeadLetter(FailureKind::BadInput)
         );
-        assert_eq!(JobError::Engine(EngineError::Cancelled(CancelReason::Shutdown)).disposition(), Disposition::GiveBack);
-        assert_eq!(JobError::Engine(EngineError::Cancelled(CancelReason::User)).disposition(), Disposition::Cancelled);
-        assert_eq!(JobError::Engine(EngineError::OutOfMemory("x".into())).disposition(), Disposition::Retry(FailureKind::OutOfMemory));
+        assert_eq!(
+            JobError::Engine(EngineError::Cancelled(CancelReason::Shutdown)).disposition(),
+            Disposition::GiveBack
+        );
+        assert_eq!(
+            JobError::Engine(EngineError::Cancelled(CancelReason::User)).disposition(),
+            Disposition::Cancelled
+        );
+        assert_eq!(
+            JobError::Engine(EngineError::OutOfMemory("x".into())).disposition(),
+            Disposition::Retry(FailureKind::OutOfMemory)
+        );
     }
 }

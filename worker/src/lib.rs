@@ -38,25 +38,45 @@ use worker::Worker;
 /// Runs the worker until `shutdown` is cancelled: the job in hand finishes (or, past the drain grace
 /// period, is interrupted and given back to the queue), then the function returns.
 pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<()> {
-    let listener = TcpListener::bind(config.listen).await.with_context(|| format!("binding {}", config.listen))?;
+    let listener = TcpListener::bind(config.listen)
+        .await
+        .with_context(|| format!("binding {}", config.listen))?;
     serve(config, listener, shutdown).await
 }
 
 /// [`run`] on an already bound listener (tests bind port 0).
-pub async fn serve(config: Config, listener: TcpListener, shutdown: CancellationToken) -> anyhow::Result<()> {
+pub async fn serve(
+    config: Config,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
     let metrics = Metrics::new();
     let started = Instant::now();
-    let engine = EngineHost::start(config.engine.clone()).await.context("loading the engine")?;
-    metrics.model_load_seconds.observe(started.elapsed().as_secs_f64());
-    tracing::info!(engine = engine.name(), seconds = started.elapsed().as_secs_f64(), "engine loaded");
-    let storage = Storage::open(&config.storage).await.context("opening storage")?;
+    let engine = EngineHost::start(config.engine.clone())
+        .await
+        .context("loading the engine")?;
+    metrics
+        .model_load_seconds
+        .observe(started.elapsed().as_secs_f64());
+    tracing::info!(
+        engine = engine.name(),
+        seconds = started.elapsed().as_secs_f64(),
+        "engine loaded"
+    );
+    let storage = Storage::open(&config.storage)
+        .await
+        .context("opening storage")?;
     let worker = Worker::new(config, storage, engine, metrics);
 
     let http_stop = CancellationToken::new();
     let server = {
         let stop = http_stop.clone();
         let app = http::router(worker.clone());
-        tokio::spawn(async move { axum::serve(listener, app).with_graceful_shutdown(stop.cancelled_owned()).await })
+        tokio::spawn(async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(stop.cancelled_owned())
+                .await
+        })
     };
     {
         let worker = worker.clone();
@@ -72,7 +92,11 @@ pub async fn serve(config: Config, listener: TcpListener, shutdown: Cancellation
     let name = format!("vnfarm-worker {}", worker.id);
     loop {
         let metrics = worker.metrics.clone();
-        let Some(connection) = vnfarm_bus::connect_with_backoff(&worker.config.amqp, &name, &shutdown, |_| metrics.amqp_reconnects_total.inc()).await
+        let Some(connection) =
+            vnfarm_bus::connect_with_backoff(&worker.config.amqp, &name, &shutdown, |_| {
+                metrics.amqp_reconnects_total.inc()
+            })
+            .await
         else {
             break;
         };

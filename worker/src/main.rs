@@ -12,7 +12,9 @@ fn config_path() -> Option<PathBuf> {
         (Some("--config"), Some(path)) => Some(PathBuf::from(path)),
         (None, _) => std::env::var_os("VNFARM_CONFIG").map(PathBuf::from),
         _ => {
-            eprintln!("usage: vnfarm-worker [--config FILE]   (or VNFARM_CONFIG=FILE; VNFARM_<SECTION>__<KEY> overrides)");
+            eprintln!(
+                "usage: vnfarm-worker [--config FILE]   (or VNFARM_CONFIG=FILE; VNFARM_<SECTION>__<KEY> overrides)"
+            );
             std::process::exit(vnfarm_config::EXIT_CONFIG);
         }
     }
@@ -28,7 +30,10 @@ async fn main() -> anyhow::Result<()> {
         }
     };
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,lapin=warn".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,lapin=warn".into()),
+        )
         .init();
     let shutdown = CancellationToken::new();
     tokio::spawn(signals(shutdown.clone()));
@@ -37,7 +42,10 @@ async fn main() -> anyhow::Result<()> {
 
 async fn signals(shutdown: CancellationToken) {
     use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
         tracing::error!("cannot install signal handlers");
         return;
     };

@@ -4,9 +4,9 @@
 use std::time::Duration;
 
 use futures::StreamExt;
+use lapin::Connection;
 use lapin::options::{BasicConsumeOptions, BasicQosOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
-use lapin::Connection;
 use tokio_util::sync::CancellationToken;
 use vnfarm_bus::publisher::json_properties;
 use vnfarm_bus::{PublishError, Publisher, topology};
@@ -21,27 +21,48 @@ pub enum SessionEnd {
 }
 
 impl Worker {
-    pub(crate) async fn session(&self, connection: &Connection, shutdown: &CancellationToken) -> SessionEnd {
+    pub(crate) async fn session(
+        &self,
+        connection: &Connection,
+        shutdown: &CancellationToken,
+    ) -> SessionEnd {
         match self.session_inner(connection, shutdown).await {
             Ok(end) => end,
             Err(e) => SessionEnd::Lost(e.to_string()),
         }
     }
 
-    async fn session_inner(&self, connection: &Connection, shutdown: &CancellationToken) -> anyhow::Result<SessionEnd> {
+    async fn session_inner(
+        &self,
+        connection: &Connection,
+        shutdown: &CancellationToken,
+    ) -> anyhow::Result<SessionEnd> {
         let publisher = Publisher::open(connection).await?;
         let channel = connection.create_channel().await?;
         topology::declare_core(&channel, &self.config.amqp).await?;
         let queue = topology::declare_worker_queue(&channel, &self.config.amqp, &self.id).await?;
-        channel.basic_qos(self.config.prefetch, BasicQosOptions::default()).await?;
+        channel
+            .basic_qos(self.config.prefetch, BasicQosOptions::default())
+            .await?;
         let mut jobs = channel
-            .basic_consume(queue.as_str().into(), format!("worker-{}", self.id).into(), BasicConsumeOptions::default(), FieldTable::default())
+            .basic_consume(
+                queue.as_str().into(),
+                format!("worker-{}", self.id).into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
             .await?;
 
         // Cancellations fan out to every worker through a private, auto-deleted queue.
         let control = connection.create_channel().await?;
-        let private = QueueDeclareOptions { exclusive: true, auto_delete: true, ..Default::default() };
-        let control_queue = control.queue_declare("".into(), private, FieldTable::default()).await?;
+        let private = QueueDeclareOptions {
+            exclusive: true,
+            auto_delete: true,
+            ..Default::default()
+        };
+        let control_queue = control
+            .queue_declare("".into(), private, FieldTable::default())
+            .await?;
         control
             .queue_bind(
                 control_queue.name().clone(),
@@ -51,8 +72,18 @@ impl Worker {
                 FieldTable::default(),
             )
             .await?;
-        let no_ack = BasicConsumeOptions { no_ack: true, ..Default::default() };
-        let mut cancels = control.basic_consume(control_queue.name().clone(), "cancels".into(), no_ack, FieldTable::default()).await?;
+        let no_ack = BasicConsumeOptions {
+            no_ack: true,
+            ..Default::default()
+        };
+        let mut cancels = control
+            .basic_consume(
+                control_queue.name().clone(),
+                "cancels".into(),
+                no_ack,
+                FieldTable::default(),
+            )
+            .await?;
         let session_done = CancellationToken::new();
         let _stop_helpers = session_done.clone().drop_guard();
         {
@@ -60,7 +91,8 @@ impl Worker {
             let done = session_done.clone();
             tokio::spawn(async move {
                 loop {
-                    let next = tokio::select! { _ = done.cancelled() => break, n = cancels.next() => n };
+                    let next =
+                        tokio::select! { _ = done.cancelled() => break, n = cancels.next() => n };
                     let Some(Ok(delivery)) = next else { break };
                     match decode_json::<CancelRequest>(&delivery.data) {
                         Ok(req) => {
@@ -78,7 +110,8 @@ impl Worker {
             let done = session_done.clone();
             let shutdown = shutdown.clone();
             tokio::spawn(async move {
-                let mut tick = tokio::time::interval(Duration::from_millis(this.config.heartbeat_interval_ms));
+                let mut tick =
+                    tokio::time::interval(Duration::from_millis(this.config.heartbeat_interval_ms));
                 let mut draining = false;
                 loop {
                     tokio::select! {
@@ -137,7 +170,15 @@ impl Worker {
             at: chrono::Utc::now(),
         };
         let props = json_properties().with_delivery_mode(1);
-        match publisher.publish_json(&self.topology.events_exchange(), &heartbeat_routing_key(&self.id), &beat, props).await {
+        match publisher
+            .publish_json(
+                &self.topology.events_exchange(),
+                &heartbeat_routing_key(&self.id),
+                &beat,
+                props,
+            )
+            .await
+        {
             // No scheduler listening right now is not an error for a heartbeat.
             Err(PublishError::Unroutable { .. }) => Ok(()),
             other => other,

@@ -47,8 +47,21 @@ impl Worker {
     pub fn new(config: Config, storage: Storage, engine: EngineHost, metrics: Metrics) -> Self {
         let id = config.worker_id();
         let topology = config.amqp.topology();
-        let status = Status { state: WorkerState::Ready, running: None, cancelled: HashSet::new(), cancelled_order: VecDeque::new() };
-        Self(Arc::new(Inner { config, id, topology, storage, engine, metrics, status: Mutex::new(status) }))
+        let status = Status {
+            state: WorkerState::Ready,
+            running: None,
+            cancelled: HashSet::new(),
+            cancelled_order: VecDeque::new(),
+        };
+        Self(Arc::new(Inner {
+            config,
+            id,
+            topology,
+            storage,
+            engine,
+            metrics,
+            status: Mutex::new(status),
+        }))
     }
 
     fn status(&self) -> std::sync::MutexGuard<'_, Status> {
@@ -77,16 +90,16 @@ impl Worker {
         let mut status = self.status();
         if status.cancelled.insert(job_id) {
             status.cancelled_order.push_back(job_id);
-            if status.cancelled_order.len() > CANCELLED_MEMORY {
-                if let Some(old) = status.cancelled_order.pop_front() {
-                    status.cancelled.remove(&old);
-                }
+            if status.cancelled_order.len() > CANCELLED_MEMORY
+                && let Some(old) = status.cancelled_order.pop_front()
+            {
+                status.cancelled.remove(&old);
             }
         }
-        if let Some((id, cancel)) = &status.running {
-            if *id == job_id {
-                cancel.request(CancelReason::User);
-            }
+        if let Some((id, cancel)) = &status.running
+            && *id == job_id
+        {
+            cancel.request(CancelReason::User);
         }
     }
 

@@ -46,7 +46,11 @@ fn all_models() -> Vec<ModelFamily> {
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        Self { kind: EngineKind::default(), models: all_models(), test_pattern: TestPatternConfig::default() }
+        Self {
+            kind: EngineKind::default(),
+            models: all_models(),
+            test_pattern: TestPatternConfig::default(),
+        }
     }
 }
 
@@ -109,7 +113,9 @@ impl Cancel {
             CancelReason::Shutdown => 2,
         };
         // Keep the first reason: a user cancel is not turned into a requeue.
-        let _ = self.0.compare_exchange(0, code, Ordering::SeqCst, Ordering::SeqCst);
+        let _ = self
+            .0
+            .compare_exchange(0, code, Ordering::SeqCst, Ordering::SeqCst);
     }
 
     pub fn requested(&self) -> Option<CancelReason> {
@@ -144,7 +150,9 @@ pub enum Engine {
 impl Engine {
     pub fn load(config: &EngineConfig) -> anyhow::Result<Self> {
         match config.kind {
-            EngineKind::TestPattern => Ok(Engine::TestPattern(TestPatternEngine::new(config.test_pattern.clone()))),
+            EngineKind::TestPattern => Ok(Engine::TestPattern(TestPatternEngine::new(
+                config.test_pattern.clone(),
+            ))),
         }
     }
 
@@ -154,7 +162,12 @@ impl Engine {
         }
     }
 
-    fn run(&mut self, job: EngineJob, progress: &mut dyn FnMut(Progress), cancel: &Cancel) -> Result<EngineOutput, EngineError> {
+    fn run(
+        &mut self,
+        job: EngineJob,
+        progress: &mut dyn FnMut(Progress),
+        cancel: &Cancel,
+    ) -> Result<EngineOutput, EngineError> {
         match self {
             Engine::TestPattern(e) => e.run(job, progress, cancel),
         }
@@ -181,30 +194,45 @@ impl EngineHost {
         let (tx, rx) = std::sync::mpsc::channel::<Request>();
         let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
         let models = config.models.clone();
-        thread::Builder::new().name("engine".into()).spawn(move || {
-            let mut engine = match Engine::load(&config) {
-                Ok(engine) => {
-                    let _ = ready_tx.send(Ok(engine.name()));
-                    engine
-                }
-                Err(e) => {
-                    let _ = ready_tx.send(Err(e));
-                    return;
-                }
-            };
-            // Ends when the host (the only sender) is dropped.
-            while let Ok(req) = rx.recv() {
-                let Request { job, progress, cancel, reply } = req;
-                let model = job.task.model();
-                let result = if config.models.contains(&model) {
-                    engine.run(job, &mut |p| { let _ = progress.send(p); }, &cancel)
-                } else {
-                    Err(EngineError::Unsupported(model))
+        thread::Builder::new()
+            .name("engine".into())
+            .spawn(move || {
+                let mut engine = match Engine::load(&config) {
+                    Ok(engine) => {
+                        let _ = ready_tx.send(Ok(engine.name()));
+                        engine
+                    }
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
                 };
-                let _ = reply.send(result);
-            }
-        })?;
-        let name = ready_rx.await.map_err(|_| anyhow::anyhow!("engine thread died while loading"))??;
+                // Ends when the host (the only sender) is dropped.
+                while let Ok(req) = rx.recv() {
+                    let Request {
+                        job,
+                        progress,
+                        cancel,
+                        reply,
+                    } = req;
+                    let model = job.task.model();
+                    let result = if config.models.contains(&model) {
+                        engine.run(
+                            job,
+                            &mut |p| {
+                                let _ = progress.send(p);
+                            },
+                            &cancel,
+                        )
+                    } else {
+                        Err(EngineError::Unsupported(model))
+                    };
+                    let _ = reply.send(result);
+                }
+            })?;
+        let name = ready_rx
+            .await
+            .map_err(|_| anyhow::anyhow!("engine thread died while loading"))??;
         Ok(Self { tx, name, models })
     }
 
@@ -225,8 +253,14 @@ impl EngineHost {
     ) -> Result<EngineOutput, EngineError> {
         let (reply, rx) = tokio::sync::oneshot::channel();
         self.tx
-            .send(Request { job, progress, cancel, reply })
+            .send(Request {
+                job,
+                progress,
+                cancel,
+                reply,
+            })
             .map_err(|_| EngineError::Failed("engine thread has stopped".into()))?;
-        rx.await.map_err(|_| EngineError::Failed("engine thread dropped the job".into()))?
+        rx.await
+            .map_err(|_| EngineError::Failed("engine thread dropped the job".into()))?
     }
 }

@@ -40,13 +40,21 @@ fn default_decode_ms() -> u64 {
 
 impl Default for TestPatternConfig {
     fn default() -> Self {
-        Self { step_ms: default_step_ms(), encode_ms: default_encode_ms(), decode_ms: default_decode_ms() }
+        Self {
+            step_ms: default_step_ms(),
+            encode_ms: default_encode_ms(),
+            decode_ms: default_decode_ms(),
+        }
     }
 }
 
 impl TestPatternConfig {
     pub fn validate(&self) -> Result<(), String> {
-        for (name, ms) in [("step_ms", self.step_ms), ("encode_ms", self.encode_ms), ("decode_ms", self.decode_ms)] {
+        for (name, ms) in [
+            ("step_ms", self.step_ms),
+            ("encode_ms", self.encode_ms),
+            ("decode_ms", self.decode_ms),
+        ] {
             if ms > 60_000 {
                 return Err(format!("engine.test_pattern.{name}: at most 60000"));
             }
@@ -108,7 +116,12 @@ impl TestPatternEngine {
         Self { config }
     }
 
-    fn denoise(&self, steps: u32, progress: &mut dyn FnMut(Progress), cancel: &Cancel) -> Result<(), EngineError> {
+    fn denoise(
+        &self,
+        steps: u32,
+        progress: &mut dyn FnMut(Progress),
+        cancel: &Cancel,
+    ) -> Result<(), EngineError> {
         for step in 1..=steps {
             sleep_checked(self.config.step_ms, cancel)?;
             progress(Progress { step, total: steps });
@@ -116,13 +129,20 @@ impl TestPatternEngine {
         Ok(())
     }
 
-    pub fn run(&mut self, job: EngineJob, progress: &mut dyn FnMut(Progress), cancel: &Cancel) -> Result<EngineOutput, EngineError> {
+    pub fn run(
+        &mut self,
+        job: EngineJob,
+        progress: &mut dyn FnMut(Progress),
+        cancel: &Cancel,
+    ) -> Result<EngineOutput, EngineError> {
         let mut timings = StageTimings::default();
         let mut images = Vec::new();
         let mut seeds = Vec::new();
         match &job.task {
             Task::Generate(g) => {
-                let seed = g.seed.ok_or_else(|| EngineError::InvalidInput("generate without a resolved seed".into()))?;
+                let seed = g.seed.ok_or_else(|| {
+                    EngineError::InvalidInput("generate without a resolved seed".into())
+                })?;
                 for n in 0..g.count {
                     let started = Instant::now();
                     self.denoise(g.steps, progress, cancel)?;
@@ -135,7 +155,9 @@ impl TestPatternEngine {
                 }
             }
             Task::Edit(e) => {
-                let input = job.input.as_ref().ok_or_else(|| EngineError::InvalidInput("edit without an input image".into()))?;
+                let input = job.input.as_ref().ok_or_else(|| {
+                    EngineError::InvalidInput("edit without an input image".into())
+                })?;
                 let started = Instant::now();
                 sleep_checked(self.config.encode_ms, cancel)?;
                 timings.add("encode", started.elapsed().as_secs_f64());
@@ -156,11 +178,14 @@ impl TestPatternEngine {
                 timings.add("decode", started.elapsed().as_secs_f64());
             }
             Task::Upscale(u) => {
-                let input = job.input.as_ref().ok_or_else(|| EngineError::InvalidInput("upscale without an input image".into()))?;
+                let input = job.input.as_ref().ok_or_else(|| {
+                    EngineError::InvalidInput("upscale without an input image".into())
+                })?;
                 let (w, h) = (input.width() * u.scale, input.height() * u.scale);
                 let started = Instant::now();
                 self.denoise(1, progress, cancel)?;
-                let mut out = image::imageops::resize(input, w, h, image::imageops::FilterType::Triangle);
+                let mut out =
+                    image::imageops::resize(input, w, h, image::imageops::FilterType::Triangle);
                 // Mark tile seams, so tile size and overlap show in the image.
                 let step = (u.tile * u.scale).max(1);
                 let fp = fingerprint(&job.task, 0);
@@ -174,7 +199,11 @@ impl TestPatternEngine {
                 timings.add("upscale", started.elapsed().as_secs_f64());
             }
         }
-        Ok(EngineOutput { images, seeds, timings })
+        Ok(EngineOutput {
+            images,
+            seeds,
+            timings,
+        })
     }
 }
 
@@ -198,10 +227,28 @@ mod tests {
     }
 
     fn run(task: Task) -> Vec<RgbImage> {
-        let mut engine = TestPatternEngine::new(TestPatternConfig { step_ms: 0, encode_ms: 0, decode_ms: 0 });
+        let mut engine = TestPatternEngine::new(TestPatternConfig {
+            step_ms: 0,
+            encode_ms: 0,
+            decode_ms: 0,
+        });
         let mut steps = Vec::new();
-        let out = engine.run(EngineJob { job_id: JobId::new(), task, input: None }, &mut |p| steps.push(p), &Cancel::default()).unwrap();
-        assert_eq!(steps.len(), 4, "two images of two steps each report four steps");
+        let out = engine
+            .run(
+                EngineJob {
+                    job_id: JobId::new(),
+                    task,
+                    input: None,
+                },
+                &mut |p| steps.push(p),
+                &Cancel::default(),
+            )
+            .unwrap();
+        assert_eq!(
+            steps.len(),
+            4,
+            "two images of two steps each report four steps"
+        );
         out.images
     }
 
@@ -216,10 +263,25 @@ mod tests {
 
     #[test]
     fn cancellation_stops_between_steps() {
-        let mut engine = TestPatternEngine::new(TestPatternConfig { step_ms: 1, encode_ms: 0, decode_ms: 0 });
+        let mut engine = TestPatternEngine::new(TestPatternConfig {
+            step_ms: 1,
+            encode_ms: 0,
+            decode_ms: 0,
+        });
         let cancel = Cancel::default();
         cancel.request(super::super::CancelReason::User);
-        let r = engine.run(EngineJob { job_id: JobId::new(), task: generate(1, "x"), input: None }, &mut |_| {}, &cancel);
-        assert!(matches!(r, Err(EngineError::Cancelled(super::super::CancelReason::User))));
+        let r = engine.run(
+            EngineJob {
+                job_id: JobId::new(),
+                task: generate(1, "x"),
+                input: None,
+            },
+            &mut |_| {},
+            &cancel,
+        );
+        assert!(matches!(
+            r,
+            Err(EngineError::Cancelled(super::super::CancelReason::User))
+        ));
     }
 }
