@@ -190,7 +190,8 @@ mod tests {
         )
         .unwrap_err();
         assert!(
-            e.to_string().starts_with("inner: unknown field `colour`"),
+            e.to_string()
+                .starts_with("inner.colour: unknown field `colour`"),
             "{e}"
         );
         let e = load::<Demo>(None, env(&[])).unwrap_err();

@@ -596,7 +596,7 @@ mod tests {
                 "schema_version",
             ),
             (
-                serde_json::json!({"schema_version": 1, "job": {"kind": "generate", "prompt": "x", "width": 1000}}),
+                serde_json::json!({"schema_version": 1, "job": {"kind": "generate", "prompt": "x", "width": 1001}}),
                 "job.width",
             ),
             (
@@ -621,11 +621,11 @@ mod tests {
             ),
             (
                 serde_json::json!({"schema_version": 1, "extra": true, "job": {"kind": "generate", "prompt": "x"}}),
-                ".",
+                "extra",
             ),
             (
                 serde_json::json!({"schema_version": 1, "job": {"kind": "dance"}}),
-                "job",
+                "job.kind",
             ),
             (
                 serde_json::json!({"schema_version": 1, "job": {"kind": "edit", "input": {"stored": "../etc/passwd"}, "instruction": "x"}}),
@@ -633,7 +633,7 @@ mod tests {
             ),
             (
                 serde_json::json!({"schema_version": 1, "job": {"kind": "edit", "input": {"url": "http://x"}, "instruction": "x"}}),
-                "job.input",
+                "job",
             ),
             (
                 serde_json::json!({"schema_version": 1, "job": {"kind": "upscale", "input": {"stored": "inputs/a.png"}, "scale": 3}}),

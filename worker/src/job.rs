@@ -551,31 +551,8 @@ impl Worker {
     }
 
     async fn get_with_retries(&self, key: &str) -> Result<Bytes, JobError> {
-        let mut delay = std::time::Duration::from_millis(200);
-        for attempt in 1..=self.config.storage_attempts {
-            match self.storage.get(key).await {
-                Ok(bytes) => return Ok(bytes),
-                Err(e @ StorageError::Unavailable { .. })
-                    if attempt < self.config.storage_attempts =>
-                {
-                    self.metrics
-                        .storage_errors_total
-                        .with_label_values(&["get"])
-                        .inc();
-                    tracing::warn!(key, error = %e, "storage read failed; retrying");
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(std::time::Duration::from_secs(5));
-                }
-                Err(e) => {
-                    self.metrics
-                        .storage_errors_total
-                        .with_label_values(&["get"])
-                        .inc();
-                    return Err(JobError::Storage(e));
-                }
-            }
-        }
-        unreachable!("the loop returns on its last attempt")
+        self.with_storage_retries("get", key, || self.storage.get(key))
+            .await
     }
 
     async fn put_with_retries(
@@ -584,31 +561,45 @@ impl Worker {
         body: Bytes,
         content_type: &str,
     ) -> Result<(), JobError> {
+        self.with_storage_retries("put", key, || {
+            self.storage.put(key, body.clone(), content_type)
+        })
+        .await
+    }
+
+    /// Retries `attempt` while storage is unavailable, with exponential backoff (200 ms doubling to
+    /// 5 s), up to `storage_attempts` times; other errors and the last failure are returned.
+    async fn with_storage_retries<T, F, Fut>(
+        &self,
+        op: &'static str,
+        key: &str,
+        mut attempt: F,
+    ) -> Result<T, JobError>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T, StorageError>>,
+    {
         let mut delay = std::time::Duration::from_millis(200);
-        for attempt in 1..=self.config.storage_attempts {
-            match self.storage.put(key, body.clone(), content_type).await {
-                Ok(()) => return Ok(()),
-                Err(e @ StorageError::Unavailable { .. })
-                    if attempt < self.config.storage_attempts =>
-                {
-                    self.metrics
-                        .storage_errors_total
-                        .with_label_values(&["put"])
-                        .inc();
-                    tracing::warn!(key, error = %e, "storage write failed; retrying");
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(std::time::Duration::from_secs(5));
-                }
+        let mut tries = 1;
+        loop {
+            match attempt().await {
+                Ok(value) => return Ok(value),
                 Err(e) => {
                     self.metrics
                         .storage_errors_total
-                        .with_label_values(&["put"])
+                        .with_label_values(&[op])
                         .inc();
-                    return Err(JobError::Storage(e));
+                    let transient = matches!(e, StorageError::Unavailable { .. });
+                    if !transient || tries >= self.config.storage_attempts {
+                        return Err(JobError::Storage(e));
+                    }
+                    tracing::warn!(key, op, error = %e, "storage operation failed; retrying");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(std::time::Duration::from_secs(5));
+                    tries += 1;
                 }
             }
         }
-        unreachable!("the loop returns on its last attempt")
     }
 }
 
