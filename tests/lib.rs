@@ -33,7 +33,7 @@ pub fn bin_dir() -> PathBuf {
     for bin in ["vnfarm-scheduler", "vnfarm-worker"] {
         assert!(
             dir.join(bin).exists(),
-            "{} missing: run the tests with `cargo test --workspace`, which builds it",
+            "{} missing: `cargo build --workspace --bins` first (`./farm test` does)",
             dir.join(bin).display()
         );
     }
