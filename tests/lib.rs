@@ -11,6 +11,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use futures::StreamExt;
 use serde_json::Value;
 use vnfarm_storage::{Storage, StorageConfig};
 
@@ -215,7 +216,29 @@ impl Farm {
         Ok(())
     }
 
+    /// Starts a worker and waits until the scheduler lists it alive.
     pub async fn start_worker(&mut self, id: &str, options: WorkerOptions) -> anyhow::Result<()> {
+        self.launch_worker(id, options)?;
+        let id = id.to_owned();
+        wait_for(
+            &format!("worker {id} to register"),
+            // Covers loading and warming up a model engine on a loaded CI machine.
+            Duration::from_secs(120),
+            || async {
+                let workers = self.get_json("/v1/workers").await.ok()?;
+                workers["workers"]
+                    .as_array()?
+                    .iter()
+                    .any(|w| w["id"] == id.as_str() && w["alive"] == true)
+                    .then_some(())
+            },
+        )
+        .await
+        .map_err(|e| e.context(self.log(&format!("{id}.log"))))
+    }
+
+    /// Starts a worker process without waiting for it.
+    pub fn launch_worker(&mut self, id: &str, options: WorkerOptions) -> anyhow::Result<()> {
         let mut env = self.common_env();
         env.push(("VNFARM_WORKER_ID".into(), id.into()));
         env.push(("VNFARM_LISTEN".into(), format!("127.0.0.1:{}", free_port())));
@@ -229,22 +252,7 @@ impl Farm {
         env.extend(options.extra_env);
         let child = self.spawn("vnfarm-worker", &format!("{id}.log"), env)?;
         self.workers.push((id.to_owned(), child));
-        // Ready once the scheduler lists it alive.
-        let id = id.to_owned();
-        wait_for(
-            &format!("worker {id} to register"),
-            Duration::from_secs(30),
-            || async {
-                let workers = self.get_json("/v1/workers").await.ok()?;
-                workers["workers"]
-                    .as_array()?
-                    .iter()
-                    .any(|w| w["id"] == id.as_str() && w["alive"] == true)
-                    .then_some(())
-            },
-        )
-        .await
-        .map_err(|e| e.context(self.log(&format!("{id}.log"))))
+        Ok(())
     }
 
     pub fn worker_mut(&mut self, id: &str) -> &mut Child {
@@ -332,6 +340,34 @@ impl Farm {
             .map(|(id, _)| self.log(&format!("{id}.log")))
             .collect::<Vec<_>>()
             .join("\n")
+    }
+
+    /// Reads `/v1/events` (Server-Sent Events) into JSON events until `until` says so.
+    pub async fn collect_events(
+        &self,
+        timeout: Duration,
+        until: impl Fn(&[Value]) -> bool,
+    ) -> anyhow::Result<Vec<Value>> {
+        let response = self.http.get(self.url("/v1/events?after=0")).send().await?;
+        let mut body = response.bytes_stream();
+        let mut buffer = String::new();
+        let mut events = Vec::new();
+        let deadline = tokio::time::Instant::now() + timeout;
+        while !until(&events) {
+            let chunk = tokio::time::timeout_at(deadline, body.next())
+                .await?
+                .ok_or_else(|| anyhow::anyhow!("event stream ended"))??;
+            buffer.push_str(&String::from_utf8_lossy(&chunk));
+            while let Some(end) = buffer.find("\n\n") {
+                let block: String = buffer.drain(..end + 2).collect();
+                for line in block.lines() {
+                    if let Some(data) = line.strip_prefix("data:") {
+                        events.push(serde_json::from_str(data.trim())?);
+                    }
+                }
+            }
+        }
+        Ok(events)
     }
 
     pub async fn connect_amqp(&self) -> anyhow::Result<lapin::Connection> {

@@ -7,6 +7,8 @@
 
 use std::path::Path;
 
+pub mod process;
+
 use serde::de::DeserializeOwned;
 
 /// Exit status for a configuration error (`EX_USAGE` from sysexits.h).

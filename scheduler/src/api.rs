@@ -242,7 +242,7 @@ async fn job_events(
     };
     let after = resume_from(&headers, q.after);
     // Subscribe before reading the history, so nothing falls between the two.
-    let mut live = s.events.subscribe();
+    let live = s.events.subscribe();
     let (history, finished) = {
         let reg = s.registry();
         let Some(job) = reg.jobs.get(&id) else {
@@ -256,41 +256,12 @@ async fn job_events(
             .collect();
         (history, job.state.is_terminal())
     };
-    let metrics = s.metrics.clone();
-    let shutdown = s.shutdown.clone();
-    let stream = async_stream(move |tx| async move {
-        metrics.sse_clients.inc();
-        let mut last = after;
-        for ev in &history {
-            last = Some(ev.seq);
-            if tx.send(sse_event(ev)).await.is_err() {
-                metrics.sse_clients.dec();
-                return;
-            }
-        }
-        if !finished {
-            loop {
-                let next =
-                    tokio::select! { _ = shutdown.cancelled() => break, n = live.recv() => n };
-                match next {
-                    Ok(ev) if ev.event.job_id == id && last.is_none_or(|l| ev.seq > l) => {
-                        last = Some(ev.seq);
-                        let done = ev.event.kind.is_terminal();
-                        if tx.send(sse_event(&ev)).await.is_err() || done {
-                            break;
-                        }
-                    }
-                    Ok(_) => {}
-                    // The client resumes with Last-Event-ID.
-                    Err(RecvError::Lagged(_)) | Err(RecvError::Closed) => break,
-                }
-            }
-        }
-        metrics.sse_clients.dec();
-    });
-    Sse::new(stream)
-        .keep_alive(KeepAlive::default())
-        .into_response()
+    let scope = if finished {
+        Scope::Finished
+    } else {
+        Scope::Job(id)
+    };
+    event_stream(&s, live, history, after, scope)
 }
 
 /// Every job's events, live; with a resume point, the recent history after it first.
@@ -300,7 +271,7 @@ async fn all_events(
     headers: HeaderMap,
 ) -> Response {
     let after = resume_from(&headers, q.after);
-    let mut live = s.events.subscribe();
+    let live = s.events.subscribe();
     let history: Vec<SequencedEvent> = match after {
         Some(a) => s
             .registry()
@@ -311,30 +282,60 @@ async fn all_events(
             .collect(),
         None => Vec::new(),
     };
+    event_stream(&s, live, history, after, Scope::All)
+}
+
+/// Which live events a stream carries after its history.
+#[derive(Clone, Copy)]
+enum Scope {
+    /// Every job's, until the client leaves.
+    All,
+    /// One running job's, until its final event.
+    Job(JobId),
+    /// None: the job was already final, the history is everything.
+    Finished,
+}
+
+/// Server-Sent Events: `history`, then the live events of `scope`, never one at or before the last
+/// sequence number sent. Ends when the client leaves, the scheduler shuts down, a job's stream has
+/// sent the job's final event, or the client lags behind the broadcast (it resumes with
+/// Last-Event-ID).
+fn event_stream(
+    s: &Scheduler,
+    mut live: tokio::sync::broadcast::Receiver<SequencedEvent>,
+    history: Vec<SequencedEvent>,
+    after: Option<u64>,
+    scope: Scope,
+) -> Response {
     let metrics = s.metrics.clone();
     let shutdown = s.shutdown.clone();
     let stream = async_stream(move |tx| async move {
         metrics.sse_clients.inc();
         let mut last = after;
+        let mut open = true;
         for ev in &history {
             last = Some(ev.seq);
-            if tx.send(sse_event(ev)).await.is_err() {
-                metrics.sse_clients.dec();
-                return;
+            open = tx.send(sse_event(ev)).await.is_ok();
+            if !open {
+                break;
             }
         }
-        loop {
+        while open && !matches!(scope, Scope::Finished) {
             let next = tokio::select! { _ = shutdown.cancelled() => break, n = live.recv() => n };
-            match next {
-                Ok(ev) if last.is_none_or(|l| ev.seq > l) => {
-                    last = Some(ev.seq);
-                    if tx.send(sse_event(&ev)).await.is_err() {
-                        break;
-                    }
-                }
-                Ok(_) => {}
+            let ev = match next {
+                Ok(ev) => ev,
                 Err(RecvError::Lagged(_)) | Err(RecvError::Closed) => break,
+            };
+            let ends_job = match scope {
+                Scope::Job(id) if ev.event.job_id != id => continue,
+                Scope::Job(_) => ev.event.kind.is_terminal(),
+                Scope::All | Scope::Finished => false,
+            };
+            if last.is_some_and(|l| ev.seq <= l) {
+                continue;
             }
+            last = Some(ev.seq);
+            open = tx.send(sse_event(&ev)).await.is_ok() && !ends_job;
         }
         metrics.sse_clients.dec();
     });

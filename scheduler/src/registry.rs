@@ -94,6 +94,31 @@ pub struct JobRecord {
 }
 
 impl JobRecord {
+    /// A job as its first event (`ev`) makes it known: in `state`, nothing else recorded yet.
+    fn first_seen(id: JobId, state: JobState, ev: SequencedEvent) -> Self {
+        let at = ev.event.at;
+        Self {
+            id,
+            submission: None,
+            parent: None,
+            children: Vec::new(),
+            state,
+            created_at: at,
+            updated_at: at,
+            worker: None,
+            dispatches: 0,
+            attempts: 0,
+            progress: None,
+            outputs: Vec::new(),
+            manifest: None,
+            failure: None,
+            events: vec![ev],
+            dispatch_pending: false,
+            cancel_requested: false,
+            finishing: false,
+        }
+    }
+
     pub fn kind(&self) -> &'static str {
         self.submission
             .as_ref()
@@ -258,29 +283,13 @@ impl Registry {
             if let Some(key) = &submission.idempotency_key {
                 self.idempotency.entry(key.clone()).or_insert(id);
             }
-            self.jobs.insert(
-                id,
-                JobRecord {
-                    id,
-                    submission: Some((**submission).clone()),
-                    parent: *parent,
-                    children: children.clone(),
-                    state: JobState::Queued,
-                    created_at: at,
-                    updated_at: at,
-                    worker: None,
-                    dispatches: 0,
-                    attempts: 0,
-                    progress: None,
-                    outputs: Vec::new(),
-                    manifest: None,
-                    failure: None,
-                    events: vec![ev],
-                    dispatch_pending: false,
-                    cancel_requested: false,
-                    finishing: false,
-                },
-            );
+            let record = JobRecord {
+                submission: Some((**submission).clone()),
+                parent: *parent,
+                children: children.clone(),
+                ..JobRecord::first_seen(id, JobState::Queued, ev)
+            };
+            self.jobs.insert(id, record);
             self.active.insert(id);
             return;
         }
@@ -297,24 +306,8 @@ impl Registry {
                 message: message.clone(),
             };
             e.insert(JobRecord {
-                id,
-                submission: None,
-                parent: None,
-                children: Vec::new(),
-                state: JobState::Failed,
-                created_at: at,
-                updated_at: at,
-                worker: None,
-                dispatches: 0,
-                attempts: 0,
-                progress: None,
-                outputs: Vec::new(),
-                manifest: None,
                 failure: Some(failure),
-                events: vec![ev],
-                dispatch_pending: false,
-                cancel_requested: false,
-                finishing: false,
+                ..JobRecord::first_seen(id, JobState::Failed, ev)
             });
             return;
         }

@@ -16,6 +16,30 @@ fn shipped_configs_are_valid() {
     let worker = vnfarm_worker::Config::load(Some(&deploy("worker.toml")), Vec::new())
         .expect("deploy/worker.toml");
     assert_eq!(worker.worker_id, "box-1");
+    assert_eq!(worker.engine.kind(), vnfarm_worker::engine::EngineKind::Tch);
+    assert_eq!(worker.models(), [vnfarm_proto::ModelFamily::Sdxl]);
+}
+
+#[test]
+fn engine_settings_are_checked_before_anything_loads() {
+    let load = |pairs: &[(&str, &str)]| {
+        let env = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string()));
+        vnfarm_worker::Config::load(Some(&deploy("worker.toml")), env.collect::<Vec<_>>())
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    };
+    let err = load(&[("VNFARM_ENGINE__SDXL__DEVICE", "gpu0")]).unwrap_err();
+    assert!(err.starts_with("engine.sdxl.device: "), "{err}");
+    let err = load(&[("VNFARM_ENGINE__SDXL__VAE_DTYPE", "fp16")]).unwrap_err();
+    assert!(err.starts_with("engine.sdxl.vae_dtype: "), "{err}");
+    let err = load(&[("VNFARM_ENGINE__SDXL__WARM_UP", "[[1000, 7]]")]).unwrap_err();
+    assert!(err.starts_with("engine.sdxl.warm_up: "), "{err}");
+    // A tch worker cannot claim a family it has no model for.
+    let err = load(&[("VNFARM_ENGINE__MODELS", "[\"sdxl\", \"esrgan\"]")]).unwrap_err();
+    assert!(err.starts_with("engine.models: `esrgan`"), "{err}");
+    let err = load(&[("VNFARM_ENGINE__SDXL__ATTENTION", "flash")]).unwrap_err();
+    assert!(err.contains("attention"), "{err}");
+    load(&[("VNFARM_ENGINE__SDXL__ATTENTION", "matmul")]).expect("matmul attention");
 }
 
 #[test]

@@ -4,6 +4,7 @@ mod deploy;
 mod failures;
 mod pipeline;
 mod processes;
+mod sdxl;
 
 use std::time::Duration;
 

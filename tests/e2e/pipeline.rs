@@ -1,39 +1,11 @@
 //! The main job path: a pipeline over HTTP, and a submission from a foreign AMQP producer.
 
-use futures::StreamExt;
 use lapin::BasicProperties;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use serde_json::{Value, json};
 use vnfarm_tests::{Farm, WorkerOptions};
 
 use crate::FINISH;
-
-/// Reads `/v1/events` (Server-Sent Events) into JSON events until `stop` says so.
-async fn collect_events(
-    farm: &Farm,
-    until: impl Fn(&[Value]) -> bool,
-) -> anyhow::Result<Vec<Value>> {
-    let response = farm.http.get(farm.url("/v1/events?after=0")).send().await?;
-    let mut body = response.bytes_stream();
-    let mut buffer = String::new();
-    let mut events = Vec::new();
-    let deadline = tokio::time::Instant::now() + FINISH;
-    while !until(&events) {
-        let chunk = tokio::time::timeout_at(deadline, body.next())
-            .await?
-            .ok_or_else(|| anyhow::anyhow!("event stream ended"))??;
-        buffer.push_str(&String::from_utf8_lossy(&chunk));
-        while let Some(end) = buffer.find("\n\n") {
-            let block: String = buffer.drain(..end + 2).collect();
-            for line in block.lines() {
-                if let Some(data) = line.strip_prefix("data:") {
-                    events.push(serde_json::from_str(data.trim())?);
-                }
-            }
-        }
-    }
-    Ok(events)
-}
 
 fn states_of(events: &[Value], job: &str) -> Vec<String> {
     events
@@ -97,7 +69,7 @@ async fn pipeline_over_http_completes_with_every_output_and_event() -> anyhow::R
         .collect();
     assert_eq!(children.len(), 5);
 
-    let events = collect_events(&farm, |evs| {
+    let events = farm.collect_events(FINISH, |evs| {
         evs.iter()
             .any(|e| e["job_id"] == pipeline_id.as_str() && e["event"] == "completed")
     })

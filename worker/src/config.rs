@@ -103,6 +103,6 @@ impl Config {
     }
 
     pub fn models(&self) -> Vec<ModelFamily> {
-        self.engine.models.clone()
+        self.engine.models()
     }
 }

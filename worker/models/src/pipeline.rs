@@ -94,9 +94,29 @@ pub struct GenerateRequest {
     /// Classifier-free guidance scale; guidance is off at ≤ 1 (as in diffusers).
     pub cfg: f64,
     pub sampler: Sampler,
+    /// Seed of the first image. Image `n` uses `seed + n` with a generator of its own, as diffusers
+    /// does given `generator=[torch.Generator("cpu").manual_seed(seed + n) for n in range(count)]`:
+    /// every image of a batch can be reproduced alone with `count` 1, and batching never changes
+    /// which noise an image gets.
     pub seed: u64,
-    /// Images per request (one batch).
+    /// Images of this request, denoised as one batch.
     pub count: usize,
+}
+
+/// Where a generation spent its time, in seconds. Device work is synchronised at each boundary,
+/// so the stages add up to the wall time.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StageTimes {
+    pub encode_prompt: f64,
+    pub denoise: f64,
+    pub decode: f64,
+}
+
+/// The images of a [`SdxlPipeline::generate_batch`] call, per request, in request order.
+#[derive(Debug)]
+pub struct BatchOutput {
+    pub images: Vec<Vec<RgbImage>>,
+    pub times: StageTimes,
 }
 
 /// What a loaded pipeline found out about its checkpoint.
@@ -367,22 +387,74 @@ impl SdxlPipeline {
         Ok(())
     }
 
+    /// Each request valid, and all of them able to share one batch: the same size, steps and
+    /// sampler, and guidance on for all or for none.
+    fn validate_batch(&self, requests: &[GenerateRequest]) -> Result<(), GenerateError> {
+        let Some(first) = requests.first() else {
+            return Err(GenerateError::InvalidRequest("empty batch".into()));
+        };
+        let shape = |r: &GenerateRequest| (r.width, r.height, r.steps, r.sampler, r.cfg > 1.0);
+        for r in requests {
+            self.validate(r)?;
+            if shape(r) != shape(first) {
+                return Err(GenerateError::InvalidRequest(
+                    "requests in one batch must share width, height, steps, sampler and whether \
+                     guidance is on (cfg > 1)"
+                        .into(),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits for the device's queued work, so that a host clock measures it.
+    fn synchronize(&self) {
+        if let Device::Cuda(i) = self.device {
+            tch::Cuda::synchronize(i as i64);
+        }
+    }
+
     /// Generates `request.count` images. `progress(step, total)` is called after every step;
     /// `cancel()` is polled before every step.
-    ///
-    /// tch reports libtorch failures inside tensor operations (out of device memory, a device
-    /// error) by panicking; such a panic is contained here and returned as
-    /// [`GenerateError::Backend`], so a request cannot bring the worker down. The pipeline holds
-    /// no state that a half-finished generation could leave inconsistent.
     pub fn generate(
         &self,
         request: &GenerateRequest,
         progress: &mut dyn FnMut(usize, usize),
         cancel: &dyn Fn() -> bool,
     ) -> Result<Vec<RgbImage>, GenerateError> {
+        let mut out = self.generate_batch(std::slice::from_ref(request), progress, cancel)?;
+        Ok(out.images.pop().unwrap_or_default())
+    }
+
+    /// Denoises several requests as one batch (one UNet forward per step for all their images)
+    /// and returns each request's images. The requests must share size, steps, sampler and
+    /// whether guidance is on, and their prompts must encode to the same number of 77-token
+    /// windows (a shorter prompt is not padded to a longer one's length: that would change its
+    /// image); prompts, negative prompts, cfg, seeds and counts may differ. Every image is the one
+    /// its request would get alone, up to the floating-point effects of the batch size on the
+    /// device's kernels.
+    ///
+    /// tch reports libtorch failures inside tensor operations (out of device memory, a device
+    /// error) by panicking; such a panic is contained here and returned as
+    /// [`GenerateError::Backend`], so a request cannot bring the worker down. The pipeline holds
+    /// no state that a half-finished generation could leave inconsistent.
+    pub fn generate_batch(
+        &self,
+        requests: &[GenerateRequest],
+        progress: &mut dyn FnMut(usize, usize),
+        cancel: &dyn Fn() -> bool,
+    ) -> Result<BatchOutput, GenerateError> {
         let run = std::panic::AssertUnwindSafe(|| {
-            let latents = self.generate_latents(request, progress, cancel)?;
-            self.decode_to_images(&latents)
+            let mut times = StageTimes::default();
+            let latents = self.denoise_batch(requests, progress, cancel, &mut times)?;
+            let started = std::time::Instant::now();
+            let mut images = self.decode_to_images(&latents)?.into_iter();
+            times.decode = started.elapsed().as_secs_f64();
+            let images = requests
+                .iter()
+                .map(|r| images.by_ref().take(r.count).collect())
+                .collect();
+            Ok(BatchOutput { images, times })
         });
         std::panic::catch_unwind(run).unwrap_or_else(|payload| {
             let message = payload
@@ -394,62 +466,149 @@ impl SdxlPipeline {
         })
     }
 
-    /// The denoising loop; returns the final latents `[count, 4, h, w]`.
+    /// The denoising loop of one request; returns its final latents `[count, 4, h, w]`.
     pub fn generate_latents(
         &self,
         r: &GenerateRequest,
         progress: &mut dyn FnMut(usize, usize),
         cancel: &dyn Fn() -> bool,
     ) -> Result<Tensor, GenerateError> {
-        self.validate(r)?;
-        let _guard = tch::no_grad_guard();
-        let n = r.count as i64;
-        let do_cfg = r.cfg > 1.0;
+        self.denoise_batch(
+            std::slice::from_ref(r),
+            progress,
+            cancel,
+            &mut StageTimes::default(),
+        )
+    }
+
+    /// Conditioning rows for a batch: `(context, pooled)` with, under guidance, every image's
+    /// negative rows first and then every image's positive rows (diffusers' order).
+    fn condition_batch(
+        &self,
+        requests: &[GenerateRequest],
+        guided: bool,
+    ) -> Result<(Tensor, Tensor), GenerateError> {
         let enc = self.prompt_encoder();
-        let pos = enc.encode(&r.prompt).map_err(GenerateError::Tokenizer)?;
-        let (context, pooled) = if do_cfg {
-            let neg = enc
-                .encode(&r.negative_prompt)
-                .map_err(GenerateError::Tokenizer)?;
-            let (p, q) = enc.pad_to_same_length(pos.embeds, neg.embeds);
-            (
-                Tensor::cat(&[q.repeat([n, 1, 1]), p.repeat([n, 1, 1])], 0),
-                Tensor::cat(&[neg.pooled.repeat([n, 1]), pos.pooled.repeat([n, 1])], 0),
-            )
-        } else {
-            (pos.embeds.repeat([n, 1, 1]), pos.pooled.repeat([n, 1]))
-        };
-        let context = context.to_kind(self.dtype);
-        let pooled = pooled.to_kind(self.dtype);
-        let batch = if do_cfg { 2 * n } else { n };
-        let (h, w) = (f64::from(r.height), f64::from(r.width));
+        let (mut neg_rows, mut pos_rows, mut neg_pooled, mut pos_pooled) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut windows = None;
+        for r in requests {
+            let n = r.count as i64;
+            let pos = enc.encode(&r.prompt).map_err(GenerateError::Tokenizer)?;
+            let embeds = if guided {
+                let neg = enc
+                    .encode(&r.negative_prompt)
+                    .map_err(GenerateError::Tokenizer)?;
+                let (p, q) = enc.pad_to_same_length(pos.embeds, neg.embeds);
+                neg_rows.push(q.repeat([n, 1, 1]));
+                neg_pooled.push(neg.pooled.repeat([n, 1]));
+                p
+            } else {
+                pos.embeds
+            };
+            let tokens = embeds.size()[1];
+            if *windows.get_or_insert(tokens) != tokens {
+                return Err(GenerateError::InvalidRequest(format!(
+                    "prompts in one batch must encode to the same number of 77-token windows \
+                     ({} and {} tokens)",
+                    windows.unwrap_or_default(),
+                    tokens
+                )));
+            }
+            pos_rows.push(embeds.repeat([n, 1, 1]));
+            pos_pooled.push(pos.pooled.repeat([n, 1]));
+        }
+        neg_rows.append(&mut pos_rows);
+        neg_pooled.append(&mut pos_pooled);
+        Ok((
+            Tensor::cat(&neg_rows, 0).to_kind(self.dtype),
+            Tensor::cat(&neg_pooled, 0).to_kind(self.dtype),
+        ))
+    }
+
+    /// The denoising loop of a batch; returns the final latents of every image in request order.
+    fn denoise_batch(
+        &self,
+        requests: &[GenerateRequest],
+        progress: &mut dyn FnMut(usize, usize),
+        cancel: &dyn Fn() -> bool,
+        times: &mut StageTimes,
+    ) -> Result<Tensor, GenerateError> {
+        self.validate_batch(requests)?;
+        let _guard = tch::no_grad_guard();
+        let first = &requests[0];
+        let guided = first.cfg > 1.0;
+        let started = std::time::Instant::now();
+        let (context, pooled) = self.condition_batch(requests, guided)?;
+        self.synchronize();
+        times.encode_prompt = started.elapsed().as_secs_f64();
+        let started = std::time::Instant::now();
+
+        let images: i64 = requests.iter().map(|r| r.count as i64).sum();
+        let batch = if guided { 2 * images } else { images };
+        let (h, w) = (f64::from(first.height), f64::from(first.width));
         let time_ids = Tensor::from_slice(&[h, w, 0.0, 0.0, h, w])
             .to_kind(self.dtype)
             .to_device(self.device)
             .view([1, 6])
             .repeat([batch, 1]);
+        // One guidance scale for the batch is a scalar, as in diffusers; mixed ones a per-row
+        // column.
+        let uniform_cfg = requests.iter().all(|r| r.cfg == first.cfg);
+        let cfg_column = (!uniform_cfg).then(|| {
+            let per_image: Vec<f64> = requests
+                .iter()
+                .flat_map(|r| std::iter::repeat_n(r.cfg, r.count))
+                .collect();
+            Tensor::from_slice(&per_image)
+                .to_kind(Kind::Float)
+                .to_device(self.device)
+                .view([-1, 1, 1, 1])
+        });
 
-        let mut scheduler = Scheduler::new(r.sampler, &self.scheduler, r.steps);
+        let mut scheduler = Scheduler::new(first.sampler, &self.scheduler, first.steps);
         let f = self.vae.config().scale_factor();
-        let shape = [
-            n,
+        let one = [
+            1,
             self.unet.config().in_channels,
-            i64::from(r.height) / f,
-            i64::from(r.width) / f,
+            i64::from(first.height) / f,
+            i64::from(first.width) / f,
         ];
-        let _generator = noise::seed(r.seed);
-        // diffusers' randn_tensor draws on the CPU generator in the latents' dtype.
-        let draw =
-            |shape: &[i64]| Tensor::randn(shape, (self.dtype, Device::Cpu)).to_device(self.device);
-        let mut latents = draw(&shape) * scheduler.init_noise_sigma();
+        // Every image's noise from its own generator, in diffusers' draw order: the initial
+        // latents, then one draw per ancestral step. diffusers' randn_tensor draws on the CPU
+        // generator in the latents' dtype.
+        let draws = scheduler.noise_draws();
+        let mut initial = Vec::with_capacity(images as usize);
+        let mut ancestral: Vec<std::vec::IntoIter<Tensor>> = Vec::with_capacity(images as usize);
+        for r in requests {
+            for n in 0..r.count as u64 {
+                let _generator = noise::seed(r.seed.wrapping_add(n));
+                initial.push(noise::randn_cpu_as(&one, self.dtype));
+                let later: Vec<Tensor> = (0..draws)
+                    .map(|_| noise::randn_cpu_as(&one, self.dtype))
+                    .collect();
+                ancestral.push(later.into_iter());
+            }
+        }
+        let mut latents =
+            Tensor::cat(&initial, 0).to_device(self.device) * scheduler.init_noise_sigma();
+        drop(initial);
+        let mut noise_fn = |shape: &[i64]| {
+            let next: Vec<Tensor> = ancestral
+                .iter_mut()
+                .map(|d| d.next().expect("noise drawn for every ancestral step"))
+                .collect();
+            let t = Tensor::cat(&next, 0);
+            debug_assert_eq!(t.size(), shape);
+            t.to_device(self.device)
+        };
         let total = scheduler.timesteps().len();
         let timesteps = scheduler.timesteps().to_vec();
-        let mut noise_fn = |s: &[i64]| draw(s);
         for (i, &t) in timesteps.iter().enumerate() {
             if cancel() {
                 return Err(GenerateError::Cancelled);
             }
-            let input = if do_cfg {
+            let input = if guided {
                 Tensor::cat(&[&latents, &latents], 0)
             } else {
                 latents.shallow_clone()
@@ -465,34 +624,42 @@ impl SdxlPipeline {
                     time_ids: &time_ids,
                 },
             );
-            let guided = if do_cfg {
+            let guided_out = if guided {
                 let parts = out.chunk(2, 0);
-                &parts[0] + (&parts[1] - &parts[0]) * r.cfg
+                let delta = &parts[1] - &parts[0];
+                match &cfg_column {
+                    None => &parts[0] + delta * first.cfg,
+                    Some(cfg) => (&parts[0] + delta * cfg).to_kind(out.kind()),
+                }
             } else {
                 out
             };
-            latents = scheduler.step(&guided, i, &latents, &mut noise_fn);
+            latents = scheduler.step(&guided_out, i, &latents, &mut noise_fn);
             progress(i + 1, total);
         }
+        self.synchronize();
+        times.denoise = started.elapsed().as_secs_f64();
         Ok(latents)
     }
 
-    /// Decodes latents and converts to RGB8 (`round(255·clamp(x/2 + 0.5, 0, 1))`).
+    /// Decodes latents one image at a time (the VAE gains nothing from batching, and one image's
+    /// activations are the decode's peak memory) and converts to RGB8
+    /// (`round(255·clamp(x/2 + 0.5, 0, 1))`).
     pub fn decode_to_images(&self, latents: &Tensor) -> Result<Vec<RgbImage>, GenerateError> {
         let _guard = tch::no_grad_guard();
-        let z = latents.to_kind(self.vae_dtype) / self.vae.config().scaling_factor;
-        let x = self.vae.decode(&z, self.tiling);
-        let x = (x.to_kind(Kind::Float) / 2.0 + 0.5).clamp(0.0, 1.0);
-        let u8s = (x * 255.0)
-            .round()
-            .to_kind(Kind::Uint8)
-            .permute([0, 2, 3, 1])
-            .contiguous()
-            .to_device(Device::Cpu);
-        let (b, h, w, _) = u8s.size4()?;
-        let mut out = Vec::with_capacity(b as usize);
-        for i in 0..b {
-            let data = Vec::<u8>::try_from(u8s.get(i).reshape([-1]))?;
+        let mut out = Vec::with_capacity(latents.size()[0] as usize);
+        for latent in latents.split(1, 0) {
+            let z = latent.to_kind(self.vae_dtype) / self.vae.config().scaling_factor;
+            let x = self.vae.decode(&z, self.tiling);
+            let x = (x.to_kind(Kind::Float) / 2.0 + 0.5).clamp(0.0, 1.0);
+            let u8s = (x * 255.0)
+                .round()
+                .to_kind(Kind::Uint8)
+                .permute([0, 2, 3, 1])
+                .contiguous()
+                .to_device(Device::Cpu);
+            let (_, h, w, _) = u8s.size4()?;
+            let data = Vec::<u8>::try_from(u8s.reshape([-1]))?;
             let img = RgbImage::from_raw(w as u32, h as u32, data).ok_or_else(|| {
                 GenerateError::InvalidRequest("decoded image has an unexpected size".into())
             })?;

@@ -7,6 +7,7 @@
 //! job system and is never used in place of a model that failed to load: a worker whose configured
 //! engine cannot load exits with an error.
 
+pub mod sdxl;
 pub mod test_pattern;
 
 use std::sync::Arc;
@@ -17,47 +18,87 @@ use image::RgbImage;
 use serde::Deserialize;
 use vnfarm_proto::{JobId, ModelFamily, StageTimings, Task};
 
+pub use sdxl::{SdxlConfig, SdxlEngine};
 pub use test_pattern::{TestPatternConfig, TestPatternEngine};
 
-#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct EngineConfig {
-    /// Which implementation serves the models.
+    /// Which implementation serves the models. Unset: `tch` when a model section (`sdxl`) is
+    /// configured, else `test_pattern`.
     #[serde(default)]
-    pub kind: EngineKind,
-    /// Model families this worker serves (and advertises in its heartbeat).
-    #[serde(default = "all_models")]
-    pub models: Vec<ModelFamily>,
+    pub kind: Option<EngineKind>,
+    /// Model families this worker serves (and advertises in its heartbeat). Unset: every family
+    /// for `test_pattern`, the configured ones for `tch`.
+    #[serde(default)]
+    pub models: Option<Vec<ModelFamily>>,
     #[serde(default)]
     pub test_pattern: TestPatternConfig,
+    /// SDXL on libtorch, for `generate` jobs.
+    #[serde(default)]
+    pub sdxl: Option<SdxlConfig>,
 }
 
-#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum EngineKind {
-    /// Deterministic CPU images; for exercising the job system without weights.
-    #[default]
+    /// Deterministic CPU images; a fixture for exercising the job system without weights.
     TestPattern,
-}
-
-fn all_models() -> Vec<ModelFamily> {
-    ModelFamily::ALL.to_vec()
-}
-
-impl Default for EngineConfig {
-    fn default() -> Self {
-        Self {
-            kind: EngineKind::default(),
-            models: all_models(),
-            test_pattern: TestPatternConfig::default(),
-        }
-    }
+    /// The models, natively on libtorch.
+    Tch,
 }
 
 impl EngineConfig {
+    pub fn kind(&self) -> EngineKind {
+        self.kind.unwrap_or(if self.sdxl.is_some() {
+            EngineKind::Tch
+        } else {
+            EngineKind::TestPattern
+        })
+    }
+
+    /// The families with a configured model (`tch`).
+    fn configured(&self) -> Vec<ModelFamily> {
+        self.sdxl.iter().map(|_| ModelFamily::Sdxl).collect()
+    }
+
+    pub fn models(&self) -> Vec<ModelFamily> {
+        match (&self.models, self.kind()) {
+            (Some(models), _) => models.clone(),
+            (None, EngineKind::TestPattern) => ModelFamily::ALL.to_vec(),
+            (None, EngineKind::Tch) => self.configured(),
+        }
+    }
+
     pub fn validate(&self) -> Result<(), String> {
-        if self.models.is_empty() {
-            return Err("engine.models: a worker must serve at least one model family".into());
+        let models = self.models();
+        if models.is_empty() {
+            return Err(match self.kind() {
+                EngineKind::TestPattern => {
+                    "engine.models: a worker must serve at least one model family".into()
+                }
+                EngineKind::Tch => "engine: the tch engine needs a model section \
+                                    (engine.sdxl.checkpoint = \"/path/to/model.safetensors\")"
+                    .into(),
+            });
+        }
+        if self.kind() == EngineKind::Tch {
+            let configured = self.configured();
+            if let Some(missing) = models.iter().find(|m| !configured.contains(m)) {
+                return Err(format!(
+                    "engine.models: `{}` has no model configured for the tch engine \
+                     (configured: {})",
+                    missing.as_str(),
+                    configured
+                        .iter()
+                        .map(|m| m.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ));
+            }
+        }
+        if let Some(sdxl) = &self.sdxl {
+            sdxl.validate()?;
         }
         self.test_pattern.validate()
     }
@@ -145,20 +186,26 @@ pub struct Progress {
 /// The closed set of engines.
 pub enum Engine {
     TestPattern(TestPatternEngine),
+    /// The models on libtorch; one per family as they are implemented (SDXL so far).
+    Tch { sdxl: Option<SdxlEngine> },
 }
 
 impl Engine {
     pub fn load(config: &EngineConfig) -> anyhow::Result<Self> {
-        match config.kind {
+        match config.kind() {
             EngineKind::TestPattern => Ok(Engine::TestPattern(TestPatternEngine::new(
                 config.test_pattern.clone(),
             ))),
+            EngineKind::Tch => Ok(Engine::Tch {
+                sdxl: config.sdxl.as_ref().map(SdxlEngine::load).transpose()?,
+            }),
         }
     }
 
     pub fn name(&self) -> &'static str {
         match self {
             Engine::TestPattern(_) => "test-pattern",
+            Engine::Tch { .. } => "tch",
         }
     }
 
@@ -170,6 +217,10 @@ impl Engine {
     ) -> Result<EngineOutput, EngineError> {
         match self {
             Engine::TestPattern(e) => e.run(job, progress, cancel),
+            Engine::Tch { sdxl } => match (job.task.model(), sdxl) {
+                (ModelFamily::Sdxl, Some(e)) => e.run(job, progress, cancel),
+                (model, _) => Err(EngineError::Unsupported(model)),
+            },
         }
     }
 }
@@ -193,10 +244,11 @@ impl EngineHost {
     pub async fn start(config: EngineConfig) -> anyhow::Result<Self> {
         let (tx, rx) = std::sync::mpsc::channel::<Request>();
         let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
-        let models = config.models.clone();
+        let models = config.models();
         thread::Builder::new()
             .name("engine".into())
             .spawn(move || {
+                let served = config.models();
                 let mut engine = match Engine::load(&config) {
                     Ok(engine) => {
                         let _ = ready_tx.send(Ok(engine.name()));
@@ -216,7 +268,7 @@ impl EngineHost {
                         reply,
                     } = req;
                     let model = job.task.model();
-                    let result = if config.models.contains(&model) {
+                    let result = if served.contains(&model) {
                         engine.run(
                             job,
                             &mut |p| {

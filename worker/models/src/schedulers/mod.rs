@@ -235,6 +235,15 @@ impl Scheduler {
         }
     }
 
+    /// How many times [`Scheduler::step`] draws noise over a whole generation: once per step for
+    /// ancestral sampling (diffusers draws even on the last step), never for the others.
+    pub fn noise_draws(&self) -> usize {
+        match self {
+            Self::EulerAncestral(s) => s.timesteps.len(),
+            Self::Euler(_) | Self::DpmPp2mKarras(_) => 0,
+        }
+    }
+
     /// The UNet input for step `i`.
     pub fn scale_model_input(&self, sample: &Tensor, i: usize) -> Tensor {
         match self {
