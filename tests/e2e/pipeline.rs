@@ -69,11 +69,12 @@ async fn pipeline_over_http_completes_with_every_output_and_event() -> anyhow::R
         .collect();
     assert_eq!(children.len(), 5);
 
-    let events = farm.collect_events(FINISH, |evs| {
-        evs.iter()
-            .any(|e| e["job_id"] == pipeline_id.as_str() && e["event"] == "completed")
-    })
-    .await?;
+    let events = farm
+        .collect_events(FINISH, |evs| {
+            evs.iter()
+                .any(|e| e["job_id"] == pipeline_id.as_str() && e["event"] == "completed")
+        })
+        .await?;
     let seqs: Vec<u64> = events.iter().map(|e| e["seq"].as_u64().unwrap()).collect();
     assert!(
         seqs.windows(2).all(|w| w[0] < w[1]),

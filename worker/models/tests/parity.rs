@@ -650,6 +650,110 @@ fn cancellation_is_a_distinct_error() {
     p.warm_up(&[(32, 32), (48, 32)]).expect("warm up");
 }
 
+/// Several requests in one batch (different prompts, negative prompts, cfg, seeds and counts) give
+/// each request the images it gets alone; requests that cannot share a batch are refused.
+#[test]
+fn a_batch_of_requests_gives_each_the_images_it_gets_alone() {
+    let p = load("diffusers");
+    let base = GenerateRequest {
+        prompt: "a red car on a road".into(),
+        negative_prompt: "blurry".into(),
+        width: 48,
+        height: 32,
+        steps: 3,
+        cfg: 5.0,
+        sampler: Sampler::EulerAncestral,
+        seed: 3,
+        count: 2,
+    };
+    let other = GenerateRequest {
+        prompt: "a (blue:1.2) house at night".into(),
+        negative_prompt: String::new(),
+        cfg: 3.5,
+        seed: 100,
+        count: 1,
+        ..base.clone()
+    };
+    let mut steps = Vec::new();
+    let batch = p
+        .generate_batch(
+            &[base.clone(), other.clone()],
+            &mut |s, t| steps.push((s, t)),
+            &|| false,
+        )
+        .expect("batch");
+    assert_eq!(steps, [(1, 3), (2, 3), (3, 3)], "one step per forward");
+    assert_eq!(batch.images.len(), 2);
+    for (request, images) in [&base, &other].into_iter().zip(&batch.images) {
+        let alone = p
+            .generate(request, &mut |_, _| {}, &|| false)
+            .expect("alone");
+        assert_eq!(images.len(), request.count);
+        for (a, b) in images.iter().zip(&alone) {
+            let diff = a
+                .as_raw()
+                .iter()
+                .zip(b.as_raw())
+                .map(|(x, y)| x.abs_diff(*y))
+                .max()
+                .unwrap_or(0);
+            assert!(
+                diff <= 1,
+                "{}: batched vs alone differ by {diff}",
+                request.prompt
+            );
+        }
+    }
+    // Image n of a request is the image of seed + n alone.
+    let second = p
+        .generate(
+            &GenerateRequest {
+                seed: base.seed + 1,
+                count: 1,
+                ..base.clone()
+            },
+            &mut |_, _| {},
+            &|| false,
+        )
+        .expect("second seed alone");
+    let diff = batch.images[0][1]
+        .as_raw()
+        .iter()
+        .zip(second[0].as_raw())
+        .map(|(x, y)| x.abs_diff(*y))
+        .max()
+        .unwrap_or(0);
+    assert!(
+        diff <= 1,
+        "image 1 of seed 3 is image 0 of seed 4 (max diff {diff})"
+    );
+
+    for bad in [
+        GenerateRequest {
+            width: 32,
+            ..other.clone()
+        },
+        GenerateRequest {
+            sampler: Sampler::Euler,
+            ..other.clone()
+        },
+        GenerateRequest {
+            cfg: 1.0,
+            ..other.clone()
+        },
+        GenerateRequest {
+            prompt: "word ".repeat(80),
+            ..other.clone()
+        },
+    ] {
+        let r = p.generate_batch(&[base.clone(), bad], &mut |_, _| {}, &|| false);
+        assert!(
+            matches!(r, Err(GenerateError::InvalidRequest(_))),
+            "incompatible batch accepted: {r:?}"
+        );
+    }
+}
+
 // ---------------------------------------------------------------- loader errors
 
 /// `(name, dtype, shape, little-endian bytes)` of one tensor to write.

@@ -187,7 +187,9 @@ pub struct Progress {
 pub enum Engine {
     TestPattern(TestPatternEngine),
     /// The models on libtorch; one per family as they are implemented (SDXL so far).
-    Tch { sdxl: Option<SdxlEngine> },
+    Tch {
+        sdxl: Option<Box<SdxlEngine>>,
+    },
 }
 
 impl Engine {
@@ -197,7 +199,11 @@ impl Engine {
                 config.test_pattern.clone(),
             ))),
             EngineKind::Tch => Ok(Engine::Tch {
-                sdxl: config.sdxl.as_ref().map(SdxlEngine::load).transpose()?,
+                sdxl: config
+                    .sdxl
+                    .as_ref()
+                    .map(|c| SdxlEngine::load(c).map(Box::new))
+                    .transpose()?,
             }),
         }
     }

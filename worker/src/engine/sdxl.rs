@@ -175,7 +175,10 @@ fn component_configs(dir: &Path) -> anyhow::Result<ComponentConfigs> {
             &dir.join("unet/config.json"),
             UNetConfig::from_json,
         )?),
-        vae: Some(read_json(&dir.join("vae/config.json"), VaeConfig::from_json)?),
+        vae: Some(read_json(
+            &dir.join("vae/config.json"),
+            VaeConfig::from_json,
+        )?),
         clip_l: Some(read_json(
             &dir.join("text_encoder/config.json"),
             ClipTextConfig::from_json,
@@ -280,9 +283,9 @@ impl SdxlEngine {
         let Task::Generate(spec) = &job.task else {
             return Err(EngineError::Unsupported(job.task.model()));
         };
-        let seed = spec.seed.ok_or_else(|| {
-            EngineError::InvalidInput("generate without a resolved seed".into())
-        })?;
+        let seed = spec
+            .seed
+            .ok_or_else(|| EngineError::InvalidInput("generate without a resolved seed".into()))?;
         let batches = split(spec, seed, self.max_batch);
         let total = spec.steps * batches.len() as u32;
         let mut timings = StageTimings::default();
