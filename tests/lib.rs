@@ -163,7 +163,10 @@ impl Farm {
             ("VNFARM_STORAGE__ENDPOINT", s3().endpoint.clone()),
             ("VNFARM_STORAGE__ACCESS_KEY_ID", S3_KEY.into()),
             ("VNFARM_STORAGE__SECRET_ACCESS_KEY", S3_SECRET.into()),
-            ("RUST_LOG", "info,lapin=warn,aws=warn".into()),
+            (
+                "RUST_LOG",
+                "info,lapin=warn,lapin::returned_messages=error,aws=warn".into(),
+            ),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_owned(), v))

@@ -25,7 +25,9 @@ pub fn config_path(binary: &str) -> Option<PathBuf> {
 }
 
 /// Loads the binary's config from its file and the process environment with `load`, or exits 64
-/// with the error; then starts logging (`RUST_LOG`, default `info,lapin=warn`).
+/// with the error; then starts logging (`RUST_LOG`, default `info,lapin=warn`, and lapin's notice of
+/// every returned message silenced: the publisher reports an unroutable message itself, through the
+/// confirm, and a heartbeat nobody listens to is normal).
 pub fn load_or_exit<T: DeserializeOwned>(
     binary: &str,
     load: impl FnOnce(Option<&std::path::Path>, Vec<(String, String)>) -> Result<T, ConfigError>,
@@ -40,7 +42,7 @@ pub fn load_or_exit<T: DeserializeOwned>(
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "info,lapin=warn".into()),
+                .unwrap_or_else(|_| "info,lapin=warn,lapin::returned_messages=error".into()),
         )
         .init();
     config
