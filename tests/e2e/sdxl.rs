@@ -170,6 +170,52 @@ async fn generate_jobs_on_the_sdxl_engine_match_diffusers() -> anyhow::Result<()
     Ok(())
 }
 
+/// A cancel reaches the SDXL engine between denoising steps: the job ends `cancelled` long before its
+/// last step, with nothing in storage, and the worker takes the next job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelling_a_generate_stops_it_between_steps() -> anyhow::Result<()> {
+    let reference = Reference::open();
+    let mut farm = Farm::new("sdxl-cancel").await?;
+    farm.start_scheduler().await?;
+    let checkpoint = fixtures().join("sdxl_tiny_ldm.safetensors");
+    farm.start_worker("sdxl-c", sdxl_worker(&checkpoint, 4))
+        .await?;
+    let mut long = reference.submission("w_dpmpp");
+    long["job"]["steps"] = json!(150);
+    let (status, body) = farm.submit(&long).await?;
+    assert_eq!(status, 201, "{body}");
+    let id = body["job_id"].as_str().unwrap().to_owned();
+    wait_for("a denoising step", FINISH, || async {
+        let job = farm.job(&id).await.ok()?;
+        job["progress"]["step"].as_u64().filter(|s| *s >= 1)
+    })
+    .await?;
+    let r = farm
+        .http
+        .post(farm.url(&format!("/v1/jobs/{id}/cancel")))
+        .send()
+        .await?;
+    assert!(r.status().is_success(), "cancel: {}", r.status());
+    let job = farm.wait_finished(&id, FINISH).await?;
+    assert_eq!(job["state"], "cancelled", "{job}");
+    let step = job["progress"]["step"].as_u64().unwrap_or(0);
+    assert!(step < 150, "stopped at step {step} of 150");
+    assert!(
+        farm.storage
+            .list(&format!("results/{id}/"))
+            .await?
+            .is_empty(),
+        "a cancelled job leaves nothing in storage"
+    );
+    // The engine is free again.
+    let (_, body) = farm.submit(&reference.submission("w_dpmpp")).await?;
+    let next = farm
+        .wait_finished(body["job_id"].as_str().unwrap(), FINISH)
+        .await?;
+    assert_eq!(next["state"], "completed", "{next}");
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_with_a_broken_checkpoint_exits_naming_the_file() -> anyhow::Result<()> {
     let mut farm = Farm::new("sdxl-broken").await?;
