@@ -1,52 +1,254 @@
 """SDXL engine (vnfarm-models, tch) vs diffusers, same GPU, same random weights, one run.
 
-Usage on a GPU machine with torch and diffusers (see docs/performance.md for the exact device call):
+Usage on a GPU machine with torch, transformers and diffusers (docs/performance.md has the exact
+device call):
 
     python3 worker/models/bench/run_bench.py --bin .bench/bench [--work /tmp/sdxl_bench] [--out DIR]
+        [--base-bin .bench/bench_base] [--variants base,after,...] [--skip-components] [--iters 5]
 
-1. A subprocess builds diffusers' UNet2DConditionModel and AutoencoderKL from the real SDXL base
-   configs with random weights (seed 0), bf16, and saves them with `save_pretrained` (safetensors);
-   it then times `from_pretrained` of those files and the same calls as the Rust example (SDPA
-   attention, eager, CUDA events, warm-up, median).
-2. A second subprocess runs our example binary (`cargo build --release --example bench`) on the same
-   files.
-3. GPU memory: `nvidia-smi --query-gpu=memory.used` sampled every 100 ms during each subprocess
-   (peak minus the idle reading before it; includes the CUDA context and allocator cache), plus
-   diffusers' `torch.cuda.max_memory_allocated` per measurement (no tch binding exists for ours).
+1. `write`: a subprocess builds diffusers' `StableDiffusionXLPipeline` from the real SDXL base configs
+   (UNet, VAE, CLIP ViT-L, OpenCLIP bigG) with random weights (seed 0), bf16, CLIP tokenizers rebuilt
+   from our bundled `tokenizer/clip/tokenizer.json` (pad `<|endoftext|>` and `!`), an Euler scheduler,
+   and `save_pretrained`s it into `--work` (a diffusers folder both engines load).
+2. `read`: the time to read every weight file of that folder from the page cache, twice, in Python
+   (`readinto` a 64 MiB buffer) and with our binary (`bench read`, `read` into a 64 MiB buffer): the
+   baseline for load times.
+3. `pipeline`: diffusers (`StableDiffusionXLPipeline.from_pretrained(...).to("cuda")`, SDPA, eager) and
+   ours (`bench pipeline`, `SdxlPipeline::load` + `generate`) in separate processes: load time, then
+   Euler 20 steps, cfg 4.5, prompt + negative prompt, seed 0: 1024² first call and median of
+   `--iters`, 1920×1080 and 4 images at 1024² (first call and median of `ceil(iters/2)`). Ours runs
+   once per `--variants` entry (loader, VAE decode batch, allocator settings; see VARIANTS).
+4. `components` (unless `--skip-components`; run before step 3): the UNet/VAE cases of the first
+   benchmark (UNet CFG batch 2 and batch 8, VAE decode/encode), diffusers then ours.
 
-Prints one table: diffusers, ours, ratio ours/diffusers (< 1 means ours is faster).
+GPU memory is sampled every 20 ms during each process (NVML `memory.used` of GPU 0, else nvidia-smi
+every 100 ms): the peak minus the idle reading before the process, for the whole process and for each
+case's time window (`t0`..`t1` printed by both sides). It includes the CUDA context and the caching
+allocator's reserved-but-free memory. diffusers' `torch.cuda.max_memory_allocated` is reported per
+case for information (no tch binding exists for ours).
+
+Writes `results.json`, `table.md` and the logs to `--out`; prints the tables.
+`--tiny --cpu --iters 1` runs the whole flow on the CPU with diffusers' tiny SDXL test configs (a
+smoke test of this script, not a benchmark).
 """
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import threading
 import time
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+BUNDLED_TOKENIZER = os.path.join(HERE, "..", "tokenizer", "clip", "tokenizer.json")
+
+# Same strings as examples/bench.rs.
+PROMPT = ("a photograph of an astronaut riding a horse on the surface of the moon, "
+          "earth in the sky, highly detailed, sharp focus, dramatic lighting")
+NEGATIVE = "blurry, low quality, watermark, text, deformed"
+CFG, STEPS = 4.5, 20
+
+# name -> (width, height, images); iterations: gen_1024 `--iters`, the others ceil(iters/2).
+GEN_CASES = {"gen_1024": (1024, 1024, 1), "gen_1920x1080": (1920, 1080, 1), "gen_1024_x4": (1024, 1024, 4)}
 UNET_CASES = {"unet_cfg_1024": (2, 128, 128), "unet_cfg_1280x720": (2, 90, 160), "unet_b8_1024": (8, 128, 128)}
 VAE_CASES = {
     "vae_decode_1024": (128, 128, False),
     "vae_decode_1920x1080_untiled": (135, 240, False),
     "vae_decode_1920x1080_tiled": (135, 240, True),
 }
+# Our pipeline runs: binary ("bin" = --bin, "base" = --base-bin), extra `bench pipeline` arguments,
+# environment.
+VARIANTS = {
+    # The library before this work (git ca35d46, built with this bench.rs): copy out of the mmap +
+    # synchronous pageable copy per tensor, all images decoded at once.
+    "base": ("base", [], {}),
+    # Pinned staging buffer (pread) + asynchronous copies + device slabs; one image decoded at a
+    # time; resnets free activations early; tokenizers parsed in a thread during the load.
+    "after": ("bin", [], {}),
+    "after_decodeall": ("bin", ["--decode-batch", "0"], {}),
+    "after_expandable": ("bin", [], {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
+    # 4 images at 1024² alone (no earlier case has grown the allocator's pool): VAE slicing.
+    "x4only_after": ("bin", ["--cases", "gen_1024_x4"], {}),
+    "x4only_decodeall": ("bin", ["--cases", "gen_1024_x4", "--decode-batch", "0"], {}),
+    "x4only_base": ("base", ["--cases", "gen_1024_x4"], {}),
+    # Load-only runs (loader comparisons).
+    "load_staged": ("bin", ["--load-only"], {}),
+    "load_staged_again": ("bin", ["--load-only"], {}),
+    "load_noslabs": ("bin", ["--load-only", "--loader", "staged-noslabs"], {}),
+    "load_direct": ("bin", ["--load-only", "--loader", "direct"], {}),
+    "load_base": ("base", ["--load-only"], {}),
+    "load_staged_expandable": ("bin", ["--load-only"], {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
+}
+
+SDXL_UNET = dict(sample_size=128, in_channels=4, out_channels=4, flip_sin_to_cos=True, freq_shift=0,
+                 down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+                 up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+                 block_out_channels=(320, 640, 1280), layers_per_block=2, cross_attention_dim=2048,
+                 transformer_layers_per_block=(1, 2, 10), attention_head_dim=(5, 10, 20), use_linear_projection=True,
+                 addition_embed_type="text_time", addition_time_embed_dim=256,
+                 projection_class_embeddings_input_dim=2816)
+SDXL_VAE = dict(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+                up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(128, 256, 512, 512),
+                layers_per_block=2, latent_channels=4, sample_size=1024, scaling_factor=0.13025)
+SDXL_CLIP_L = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                   vocab_size=49408, max_position_embeddings=77, hidden_act="quick_gelu", projection_dim=768)
+SDXL_CLIP_G = dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=20,
+                   vocab_size=49408, max_position_embeddings=77, hidden_act="gelu", projection_dim=1280)
+# diffusers' test_stable_diffusion_xl.py::get_dummy_components, with the full CLIP vocabulary.
+TINY_UNET = dict(block_out_channels=(32, 64), layers_per_block=2, sample_size=32, in_channels=4, out_channels=4,
+                 down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+                 up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), attention_head_dim=(2, 4),
+                 use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=8,
+                 transformer_layers_per_block=(1, 2), projection_class_embeddings_input_dim=80,
+                 cross_attention_dim=64, norm_num_groups=1)
+TINY_VAE = dict(block_out_channels=[32, 64], in_channels=3, out_channels=3,
+                down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2,
+                latent_channels=4, sample_size=128)
+TINY_CLIP = dict(hidden_size=32, intermediate_size=37, layer_norm_eps=1e-05, num_attention_heads=4,
+                 num_hidden_layers=5, vocab_size=49408, hidden_act="gelu", projection_dim=32)
 
 
-def diffusers_side(work, phase):
+def emit(d):
+    print(json.dumps(d), flush=True)
+
+
+def weight_files(work):
+    out = []
+    for sub in ["unet", "vae", "text_encoder", "text_encoder_2"]:
+        d = os.path.join(work, sub)
+        out += sorted(os.path.join(d, f) for f in os.listdir(d) if f.endswith(".safetensors"))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# diffusers side (subprocesses of this script)
+
+
+def diffusers_side(a):
+    import torch
+
+    dev = "cpu" if a.cpu else "cuda"
+    dt = torch.float32 if a.cpu else torch.bfloat16
+    torch.backends.cuda.matmul.allow_tf32 = True
+
+    def sync():
+        if not a.cpu:
+            torch.cuda.synchronize()
+
+    def peak_gib():
+        return None if a.cpu else torch.cuda.max_memory_allocated() / 2**30
+
+    def reset_peak():
+        if not a.cpu:
+            torch.cuda.reset_peak_memory_stats()
+
+    if a.diffusers_side == "write":
+        write_weights(a, dev, dt, sync)
+    elif a.diffusers_side == "pipeline":
+        pipeline_diffusers(a, dev, dt, sync, peak_gib, reset_peak)
+    elif a.diffusers_side == "components":
+        components_diffusers(a, dev, dt, sync, peak_gib, reset_peak)
+
+
+def make_tokenizer(pad):
+    from transformers import CLIPTokenizer
+
+    tj = json.load(open(BUNDLED_TOKENIZER, encoding="utf-8"))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in tj["model"]["merges"]]
+    return CLIPTokenizer(vocab=tj["model"]["vocab"], merges=merges, pad_token=pad, model_max_length=77)
+
+
+def write_weights(a, dev, dt, sync):
+    import torch
+    import diffusers
+    import transformers
+    from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    emit({"name": "versions", "torch": torch.__version__, "diffusers": diffusers.__version__,
+          "transformers": transformers.__version__})
+    unet_kw, vae_kw = (TINY_UNET, TINY_VAE) if a.tiny else (SDXL_UNET, SDXL_VAE)
+    l_kw, g_kw = (TINY_CLIP, TINY_CLIP) if a.tiny else (SDXL_CLIP_L, SDXL_CLIP_G)
+    torch.manual_seed(0)
+    t = time.time()
+    with torch.device(dev):
+        unet = UNet2DConditionModel(**unet_kw).to(dt)
+        vae = AutoencoderKL(**vae_kw).to(dt)
+        te1 = CLIPTextModel(CLIPTextConfig(**l_kw)).to(dt)
+        te2 = CLIPTextModelWithProjection(CLIPTextConfig(**g_kw)).to(dt)
+    sync()
+    emit({"name": "random_init", "s": time.time() - t,
+          "params_M": {k: sum(p.numel() for p in m.parameters()) / 1e6
+                       for k, m in [("unet", unet), ("vae", vae), ("te1", te1), ("te2", te2)]}})
+    sched = EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", steps_offset=1,
+                                   timestep_spacing="leading", prediction_type="epsilon")
+    pipe = StableDiffusionXLPipeline(vae=vae, text_encoder=te1, text_encoder_2=te2, tokenizer=make_tokenizer("<|endoftext|>"),
+                                     tokenizer_2=make_tokenizer("!"), unet=unet, scheduler=sched)
+    t = time.time()
+    pipe.save_pretrained(a.work, safe_serialization=True)
+    os.sync()
+    emit({"name": "save_weights", "s": time.time() - t,
+          "files": {os.path.relpath(f, a.work): os.path.getsize(f) for f in weight_files(a.work)}})
+
+
+def timed_cases(a, run_case, sync, peak_gib, reset_peak):
+    """Runs every GEN_CASES entry through run_case(w, h, n) -> (seconds, first PIL/array image)."""
+    import numpy as np
+
+    for name, (w, h, n) in GEN_CASES.items():
+        if a.cpu:  # smoke-test sizes (as `bench pipeline --cpu`)
+            w, h = {"gen_1920x1080": (96, 64)}.get(name, (64, 64))
+        iters = a.iters if name == "gen_1024" else max(1, (a.iters + 1) // 2)
+        t0 = time.time()
+        reset_peak()
+        first, img = run_case(w, h, n)
+        row = {"name": name, "first_s": first}
+        if a.save:
+            os.makedirs(a.save, exist_ok=True)
+            arr = np.asarray(img, dtype=np.uint8)
+            p = os.path.join(a.save, f"{name}.rgb")
+            arr.tofile(p)
+            row.update(saved=p, width=arr.shape[1], height=arr.shape[0])
+        ts = sorted(run_case(w, h, n)[0] for _ in range(iters))
+        row.update(s_median=ts[len(ts) // 2], s_min=ts[0], s_max=ts[-1], iters=iters, t0=t0, t1=time.time(),
+                   peak_alloc_gib=peak_gib())
+        emit(row)
+
+
+def pipeline_diffusers(a, dev, dt, sync, peak_gib, reset_peak):
+    import torch
+    from diffusers import StableDiffusionXLPipeline
+
+    t0 = time.time()
+    pipe = StableDiffusionXLPipeline.from_pretrained(a.work, torch_dtype=dt).to(dev)
+    sync()
+    emit({"name": "pipeline_load", "s": time.time() - t0, "t0": t0, "t1": time.time(), "peak_alloc_gib": peak_gib()})
+    pipe.set_progress_bar_config(disable=True)
+    emit({"name": "config", "attn_processor": type(pipe.unet.attn_processors[next(iter(pipe.unet.attn_processors))]).__name__,
+          "vae_tiling": bool(getattr(pipe.vae, "use_tiling", False)), "vae_slicing": bool(getattr(pipe.vae, "use_slicing", False))})
+
+    def run_case(w, h, n):
+        gens = [torch.Generator("cpu").manual_seed(s) for s in range(n)]
+        t = time.time()
+        images = pipe(prompt=PROMPT, negative_prompt=NEGATIVE, width=w, height=h, num_inference_steps=STEPS,
+                      guidance_scale=CFG, num_images_per_prompt=n, generator=gens if n > 1 else gens[0],
+                      output_type="pil").images
+        sync()
+        return time.time() - t, images[0]
+
+    with torch.no_grad():
+        timed_cases(a, run_case, sync, peak_gib, reset_peak)
+
+
+def components_diffusers(a, dev, dt, sync, peak_gib, reset_peak):
     import torch
     from diffusers import AutoencoderKL, UNet2DConditionModel
 
-    dev, dt = "cuda", torch.bfloat16
-    torch.backends.cuda.matmul.allow_tf32 = True
-
-    def emit(d):
-        print(json.dumps(d), flush=True)
-
-    def sync():
-        torch.cuda.synchronize()
-
     def bench(name, fn, warm, iters):
+        t0 = time.time()
+        reset_peak()
         for _ in range(warm):
             fn()
         sync()
@@ -60,29 +262,12 @@ def diffusers_side(work, phase):
             ts.append(s.elapsed_time(e))
         ts.sort()
         emit({"name": name, "ms_median": ts[len(ts) // 2], "ms_min": ts[0], "ms_max": ts[-1], "iters": iters,
-              "peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30})
+              "t0": t0, "t1": time.time(), "peak_alloc_gib": peak_gib()})
 
-    unet_kw = dict(sample_size=128, in_channels=4, out_channels=4, flip_sin_to_cos=True, freq_shift=0,
-                   down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-                   up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
-                   block_out_channels=(320, 640, 1280), layers_per_block=2, cross_attention_dim=2048,
-                   transformer_layers_per_block=(1, 2, 10), attention_head_dim=(5, 10, 20), use_linear_projection=True,
-                   addition_embed_type="text_time", addition_time_embed_dim=256,
-                   projection_class_embeddings_input_dim=2816)
-    vae_kw = dict(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
-                  up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(128, 256, 512, 512),
-                  layers_per_block=2, latent_channels=4, sample_size=1024, scaling_factor=0.13025)
-    if phase in ("all", "write"):
-        write_weights(work, unet_kw, vae_kw, emit, sync)
-    if phase == "write":
-        return
-
-
-    # Load as a user would (files just written, so in the page cache for both engines).
-    t = time.time()
-    unet = UNet2DConditionModel.from_pretrained(f"{work}/unet", torch_dtype=dt).to(dev).eval()
+    t0 = time.time()
+    unet = UNet2DConditionModel.from_pretrained(f"{a.work}/unet", torch_dtype=dt).to(dev).eval()
     sync()
-    emit({"name": "unet_load", "s": time.time() - t})
+    emit({"name": "unet_load", "s": time.time() - t0, "t0": t0, "t1": time.time()})
     with torch.no_grad():
         for name, (b, h, w) in UNET_CASES.items():
             x = torch.randn(b, 4, h, w, device=dev, dtype=dt)
@@ -90,15 +275,14 @@ def diffusers_side(work, phase):
             added = {"text_embeds": torch.randn(b, 1280, device=dev, dtype=dt),
                      "time_ids": torch.randn(b, 6, device=dev, dtype=dt)}
             ts = torch.tensor([500.0] * b, device=dev)
-            torch.cuda.reset_peak_memory_stats()
             bench(name, lambda: unet(x, ts, encoder_hidden_states=ctx, added_cond_kwargs=added).sample, 3, 10)
     del unet
     torch.cuda.empty_cache()
 
-    t = time.time()
-    vae = AutoencoderKL.from_pretrained(f"{work}/vae", torch_dtype=dt).to(dev).eval()
+    t0 = time.time()
+    vae = AutoencoderKL.from_pretrained(f"{a.work}/vae", torch_dtype=dt).to(dev).eval()
     sync()
-    emit({"name": "vae_load", "s": time.time() - t})
+    emit({"name": "vae_load", "s": time.time() - t0, "t0": t0, "t1": time.time()})
     with torch.no_grad():
         for name, (h, w, tiled) in VAE_CASES.items():
             if tiled:
@@ -106,134 +290,311 @@ def diffusers_side(work, phase):
             else:
                 vae.disable_tiling()
             z = torch.randn(1, 4, h, w, device=dev, dtype=dt)
-            torch.cuda.reset_peak_memory_stats()
             bench(name, lambda: vae.decode(z).sample, 2, 5)
         vae.disable_tiling()
         x = torch.randn(1, 3, 1024, 1024, device=dev, dtype=dt)
-        torch.cuda.reset_peak_memory_stats()
         bench("vae_encode_1024", lambda: vae.encode(x).latent_dist.mean, 2, 5)
 
 
-def write_weights(work, unet_kw, vae_kw, emit, sync):
-    import torch
-    from diffusers import AutoencoderKL, UNet2DConditionModel
-
-    torch.manual_seed(0)
-    t = time.time()
-    with torch.device("cuda"):
-        unet = UNet2DConditionModel(**unet_kw).to(torch.bfloat16)
-        vae = AutoencoderKL(**vae_kw).to(torch.bfloat16)
-    sync()
-    emit({"name": "random_init", "s": time.time() - t,
-          "unet_params_M": sum(p.numel() for p in unet.parameters()) / 1e6})
-    t = time.time()
-    unet.save_pretrained(f"{work}/unet", max_shard_size="100GB")
-    vae.save_pretrained(f"{work}/vae", max_shard_size="100GB")
-    emit({"name": "save_weights", "s": time.time() - t})
+# ---------------------------------------------------------------------------------------------
+# driver
 
 
-def smi_used():
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
-                         capture_output=True, text=True)
-    return int(out.stdout.strip().splitlines()[0])
+class MemSampler:
+    """GPU 0 memory.used in MiB, sampled in a thread: NVML every 20 ms, else nvidia-smi every 100 ms."""
 
+    def __init__(self):
+        self.samples, self.kind, self._nvml, self.period = [], None, None, 0.1
+        try:
+            import pynvml
 
-def run_sampled(cmd, log_path, env=None):
-    """Runs cmd, echoing and logging its output; returns (json lines, peak MiB over idle, rc)."""
-    idle = smi_used()
-    peak = [idle]
-    stop = threading.Event()
+            pynvml.nvmlInit()
+            h = pynvml.nvmlDeviceGetHandleByIndex(0)
+            self._nvml = lambda: pynvml.nvmlDeviceGetMemoryInfo(h).used // 2**20
+            self.kind, self.period = "nvml", 0.02
+        except Exception:
+            try:
+                self._smi()
+                self.kind, self.period = "nvidia-smi", 0.1
+            except Exception:
+                self.kind = None
 
-    def sample():
+    @staticmethod
+    def _smi():
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, check=True)
+        return int(out.stdout.strip().splitlines()[0])
+
+    def used(self):
+        if self.kind is None:
+            return 0
+        return self._nvml() if self._nvml else self._smi()
+
+    def run(self, stop):
         while not stop.is_set():
             try:
-                peak[0] = max(peak[0], smi_used())
+                self.samples.append((time.time(), self.used()))
             except Exception:
                 pass
-            time.sleep(0.1)
+            time.sleep(self.period)
 
-    th = threading.Thread(target=sample, daemon=True)
+
+def run_sampled(cmd, log_path, env=None, timeout=420):
+    """Runs cmd (killed after `timeout` s), echoing and logging its output.
+    Returns (rows by name, memory info, rc)."""
+    sampler = MemSampler()
+    time.sleep(0.5)
+    idle = sampler.used()
+    stop = threading.Event()
+    th = threading.Thread(target=sampler.run, args=(stop,), daemon=True)
     th.start()
     rows = []
+    t_start = time.time()
     with open(log_path, "w") as log:
+        log.write("$ " + " ".join(cmd) + "\n")
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        watchdog = threading.Timer(timeout, p.kill)
+        watchdog.start()
         for line in p.stdout:
             sys.stdout.write(line)
             log.write(line)
+            log.flush()
             if line.startswith("{"):
                 try:
                     rows.append(json.loads(line))
                 except ValueError:
                     pass
         rc = p.wait()
+        watchdog.cancel()
+    wall = time.time() - t_start
     stop.set()
     th.join()
-    return {r["name"]: r for r in rows}, peak[0] - idle, rc
+    s = sampler.samples
+    peak = max([u for _, u in s] + [idle]) - idle
+    by_name = {r["name"]: r for r in rows}
+    for r in rows:
+        if "t0" in r and "t1" in r:
+            inside = [u for t, u in s if r["t0"] <= t <= r["t1"]]
+            r["smi_peak_mib"] = (max(inside) - idle) if inside else None
+    return by_name, {"idle_mib": idle, "peak_mib": peak, "sampler": sampler.kind, "samples": len(s),
+                     "wall_s": wall}, rc
+
+
+def py_read(files):
+    buf = bytearray(64 << 20)
+    mv = memoryview(buf)
+    out = []
+    for i in range(2):
+        t = time.time()
+        total = 0
+        for f in files:
+            with open(f, "rb", buffering=0) as fh:
+                while True:
+                    n = fh.readinto(mv)
+                    if not n:
+                        break
+                    total += n
+        s = time.time() - t
+        out.append({"name": f"py_read_pass{i}", "s": s, "bytes": total, "gb_per_s": total / s / 1e9})
+        emit(out[-1])
+    return out
+
+
+def ratio(o, d):
+    return f"**{o / d:.2f}**" if o is not None and d else "n/a"
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin", default=".bench/bench")
+    ap.add_argument("--base-bin", default=".bench/bench_base")
     ap.add_argument("--work", default="/tmp/sdxl_bench")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--ours-first", action="store_true",
-                    help="write the weights, then time ours before diffusers (checks order effects)")
-    ap.add_argument("--diffusers-side", choices=["all", "write", "time"], help=argparse.SUPPRESS)
+    ap.add_argument("--variants", default="base,after")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--skip-components", action="store_true")
+    ap.add_argument("--skip-write", action="store_true", help="reuse the weights already in --work")
+    ap.add_argument("--tiny", action="store_true", help="diffusers' tiny SDXL test configs (smoke test)")
+    ap.add_argument("--cpu", action="store_true", help="run everything on the CPU in fp32 (smoke test)")
+    ap.add_argument("--diffusers-side", choices=["write", "pipeline", "components"], help=argparse.SUPPRESS)
+    ap.add_argument("--save", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.diffusers_side:
-        diffusers_side(a.work, a.diffusers_side)
+        diffusers_side(a)
         return
     os.makedirs(a.work, exist_ok=True)
     os.makedirs(a.out, exist_ok=True)
-    print(subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm,memory.used", "--format=csv"],
-                         capture_output=True, text=True).stdout, flush=True)
+    imgs = os.path.join(a.work, "images")
+    try:
+        print(subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm,memory.used", "--format=csv"],
+                             capture_output=True, text=True).stdout, flush=True)
+    except FileNotFoundError:
+        pass
+    results = {"args": vars(a), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    common = ["--work", a.work, "--iters", str(a.iters)] + (["--tiny"] if a.tiny else []) + (["--cpu"] if a.cpu else [])
 
-    def run_diffusers(phase):
-        r = run_sampled([sys.executable, "-u", __file__, "--diffusers-side", phase, "--work", a.work],
+    def diffusers(phase, extra=()):
+        r = run_sampled([sys.executable, "-u", __file__, "--diffusers-side", phase, *common, *extra],
                         f"{a.out}/diffusers_{phase}.log")
-        print(f"diffusers side ({phase}) rc={r[2]} nvidia-smi peak {r[1]} MiB", flush=True)
+        print(f"== diffusers {phase}: rc={r[2]} {r[1]}", flush=True)
+        results[f"diffusers_{phase}"] = {"rows": r[0], "mem": r[1], "rc": r[2]}
+        json.dump(results, open(f"{a.out}/results.json", "w"), indent=1)
         return r
 
-    def run_ours():
-        import torch
-        env = dict(os.environ)
-        env["LD_LIBRARY_PATH"] = os.path.join(os.path.dirname(torch.__file__), "lib") + ":" + env.get("LD_LIBRARY_PATH", "")
-        r = run_sampled([a.bin, f"{a.work}/unet/diffusion_pytorch_model.safetensors",
-                         f"{a.work}/vae/diffusion_pytorch_model.safetensors"], f"{a.out}/ours.log", env)
-        print(f"ours rc={r[2]} nvidia-smi peak {r[1]} MiB", flush=True)
+    import torch  # only for the location of libtorch
+
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = os.path.join(os.path.dirname(torch.__file__), "lib") + ":" + env.get("LD_LIBRARY_PATH", "")
+    ours_flags = ["--cpu"] if a.cpu else []
+
+    def ours(tag, args, extra_env, binary=None):
+        e = dict(env)
+        e.update(extra_env)
+        r = run_sampled([binary or a.bin, *args, *ours_flags], f"{a.out}/ours_{tag}.log", e)
+        print(f"== ours {tag}: rc={r[2]} {r[1]}", flush=True)
+        results[f"ours_{tag}"] = {"rows": r[0], "mem": r[1], "rc": r[2], "args": args, "env": extra_env}
+        json.dump(results, open(f"{a.out}/results.json", "w"), indent=1)
         return r
 
-    if a.ours_first:
-        run_diffusers("write")
-        ours, ours_peak, rc_o = run_ours()
-        diff, diff_peak, rc_d = run_diffusers("time")
-    else:
-        diff, diff_peak, rc_d = run_diffusers("all")
-        ours, ours_peak, rc_o = run_ours()
+    if not a.skip_write:
+        diffusers("write")
+    files = weight_files(a.work)
+    results["weight_bytes"] = sum(os.path.getsize(f) for f in files)
+    results["py_read"] = py_read(files)
+    ours("read", ["read", *files], {})
 
-    json.dump({"diffusers": diff, "ours": ours, "diffusers_smi_peak_mib": diff_peak, "ours_smi_peak_mib": ours_peak,
-               "rc": {"diffusers": rc_d, "ours": rc_o}}, open(f"{a.out}/results.json", "w"), indent=1)
-    lines = ["| measurement | diffusers | ours | ours/diffusers |", "| --- | ---: | ---: | ---: |"]
+    if not a.skip_components and not a.cpu:
+        diffusers("components")
+        ours("components", ["components", f"{a.work}/unet/diffusion_pytorch_model.safetensors",
+                            f"{a.work}/vae/diffusion_pytorch_model.safetensors"], {})
+    diffusers("pipeline", ["--save", os.path.join(imgs, "diffusers")])
+    variants = [v for v in a.variants.split(",") if v]
+    for v in variants:
+        which, args, extra_env = VARIANTS[v]
+        ours(f"pipeline_{v}", ["pipeline", a.work, "--iters", str(a.iters), "--save", os.path.join(imgs, v), *args],
+             extra_env, a.base_bin if which == "base" else a.bin)
 
-    def fmt(r, key):
-        return f"{r[key]:.1f}" if r and key in r else "n/a"
+    # Image agreement: mean |ours - diffusers| of the first image, in 1/255 units.
+    try:
+        import numpy as np
 
-    for name in ["unet_load", "vae_load"]:
-        d, o = diff.get(name), ours.get(name)
-        ratio = f"{o['s'] / d['s']:.2f}" if d and o else "n/a"
-        lines.append(f"| {name} (s) | {d['s'] if d else float('nan'):.2f} | {o['s'] if o else float('nan'):.2f} | {ratio} |")
-    for name in list(UNET_CASES) + list(VAE_CASES) + ["vae_encode_1024"]:
-        d, o = diff.get(name), ours.get(name)
-        ratio = f"{o['ms_median'] / d['ms_median']:.2f}" if d and o else "n/a"
-        extra = f" (diffusers peak alloc {d['peak_alloc_gib']:.1f} GiB)" if d and "peak_alloc_gib" in d else ""
-        lines.append(f"| {name} median ms [min–max]{extra} | {fmt(d, 'ms_median')} [{fmt(d, 'ms_min')}–{fmt(d, 'ms_max')}]"
-                     f" | {fmt(o, 'ms_median')} [{fmt(o, 'ms_min')}–{fmt(o, 'ms_max')}] | {ratio} |")
-    lines.append(f"| process GPU memory peak, nvidia-smi (MiB over idle) | {diff_peak} | {ours_peak} |"
-                 f" {ours_peak / diff_peak if diff_peak else float('nan'):.2f} |")
-    table = "\n".join(lines)
+        for v in variants:
+            for case in GEN_CASES:
+                d = results["diffusers_pipeline"]["rows"].get(case, {})
+                o = results[f"ours_pipeline_{v}"]["rows"].get(case, {})
+                if d.get("saved") and o.get("saved") and os.path.exists(d["saved"]) and os.path.exists(o["saved"]):
+                    x = np.fromfile(d["saved"], dtype=np.uint8).astype(np.float64)
+                    y = np.fromfile(o["saved"], dtype=np.uint8).astype(np.float64)
+                    if x.shape == y.shape:
+                        results.setdefault("image_mae", {}).setdefault(v, {})[case] = {
+                            "mae": float(np.abs(x - y).mean()), "max": float(np.abs(x - y).max()),
+                            "diffusers_mean": float(x.mean()), "ours_mean": float(y.mean()),
+                            "diffusers_std": float(x.std()), "ours_std": float(y.std())}
+    except Exception as ex:  # secondary measurement
+        results["image_mae_error"] = repr(ex)
+
+    json.dump(results, open(f"{a.out}/results.json", "w"), indent=1)
+    table = make_tables(results, variants, a)
     print("\n" + table, flush=True)
     with open(f"{a.out}/table.md", "w") as f:
         f.write(table + "\n")
+
+
+def make_tables(res, variants, a):
+    """Markdown tables: pipeline (diffusers vs each ours variant) and components."""
+
+    def num(rows, name, key):
+        r = (rows or {}).get(name)
+        return r.get(key) if r else None
+
+    def f(x, digits):
+        return "n/a" if x is None else f"{x:.{digits}f}"
+
+    dp = res.get("diffusers_pipeline", {})
+    dr = dp.get("rows", {})
+    ours = {v: res.get(f"ours_pipeline_{v}", {}) for v in variants}
+    load_only = [v for v in variants if "--load-only" in VARIANTS[v][1]]
+    partial = [v for v in variants if "--cases" in VARIANTS[v][1]]
+    variants = [v for v in variants if v not in load_only and v not in partial]
+    read_rust = num(res.get("ours_read", {}).get("rows"), "read_files_pass1", "s")
+    read_py = res["py_read"][1]["s"] if res.get("py_read") else None
+    loads = "; ".join(f"`{v}` {num(ours[v].get('rows', {}), 'pipeline_load', 's'):.2f} s = "
+                      f"{num(ours[v].get('rows', {}), 'pipeline_load', 's') / read_rust:.2f}×"
+                      for v in variants if read_rust and num(ours[v].get("rows", {}), "pipeline_load", "s"))
+    lines = [f"Weights: {res.get('weight_bytes', 0) / 1e9:.2f} GB. Page-cache read, 2nd pass: `bench read` "
+             f"{f(read_rust, 3)} s, Python `readinto` {f(read_py, 3)} s. Load ÷ `bench read`: {loads}", "",
+             "| measurement | diffusers | " + " | ".join(f"ours `{v}` | ÷" for v in variants) + " |",
+             "| --- | ---: |" + " ---: | ---: |" * len(variants)]
+
+    def row(label, get, digits):
+        """get(rows, mem) -> number for one side."""
+        d = get(dr, dp.get("mem", {}))
+        cells = [label, f(d, digits)]
+        for v in variants:
+            o = get(ours[v].get("rows", {}), ours[v].get("mem", {}))
+            cells += [f(o, digits), ratio(o, d)]
+        lines.append("| " + " | ".join(cells) + " |")
+
+    row("pipeline load, page cache (s)", lambda r, m: num(r, "pipeline_load", "s"), 2)
+    for case in GEN_CASES:
+        row(f"{case}: first call (s)", lambda r, m, c=case: num(r, c, "first_s"), 3)
+        row(f"{case}: median (s)", lambda r, m, c=case: num(r, c, "s_median"), 3)
+    for case in ["pipeline_load"] + list(GEN_CASES):
+        row(f"GPU memory during {case}: peak over idle (MiB)", lambda r, m, c=case: num(r, c, "smi_peak_mib"), 0)
+    row("GPU memory, whole process: peak over idle (MiB)", lambda r, m: m.get("peak_mib"), 0)
+    pk = [f"{c} {dr[c]['peak_alloc_gib']:.2f}" for c in ["pipeline_load"] + list(GEN_CASES)
+          if dr.get(c, {}).get("peak_alloc_gib") is not None]
+    if pk:
+        lines += ["", "diffusers `torch.cuda.max_memory_allocated` (GiB, reset per case): " + ", ".join(pk)]
+    if load_only:
+        dl = num(dr, "pipeline_load", "s")
+        lines += ["", "| load-only run | load (s) | ÷ diffusers | ÷ `bench read` |", "| --- | ---: | ---: | ---: |"]
+        for v in load_only:
+            o = num(ours[v].get("rows", {}), "pipeline_load", "s")
+            lines.append(f"| `{v}` | {f(o, 2)} | {ratio(o, dl)} | {ratio(o, read_rust)} |")
+    if partial:
+        lines += ["", "| single-case run | case | first call (s) | median (s) | GPU memory, whole process: peak over idle (MiB) |",
+                  "| --- | --- | ---: | ---: | ---: |"]
+        for v in partial:
+            rows = ours[v].get("rows", {})
+            for case in GEN_CASES:
+                if case in rows:
+                    lines.append(f"| `{v}` | {case} | {f(num(rows, case, 'first_s'), 3)} | {f(num(rows, case, 's_median'), 3)} | "
+                                 f"{ours[v].get('mem', {}).get('peak_mib')} |")
+    tok = [f"`{v}` {num(ours[v].get('rows', {}), 'tokenizers_parse', 's'):.3f} s" for v in variants + load_only
+           if num(ours[v].get("rows", {}), "tokenizers_parse", "s") is not None]
+    if tok:
+        lines += ["", "Tokenizer parse time alone (both tokenizers, before the load): " + ", ".join(tok)]
+    spread = []
+    for case in GEN_CASES:
+        for name, rows in [("diffusers", dr)] + [(f"`{v}`", ours[v].get("rows", {})) for v in variants]:
+            r = rows.get(case)
+            if r and r.get("s_min") is not None:
+                spread.append(f"{case} {name} {r['s_min']:.3f}–{r['s_max']:.3f} ({r['iters']})")
+    if spread:
+        lines += ["", "min–max (iterations): " + "; ".join(spread)]
+    if res.get("image_mae"):
+        lines += ["", "Image agreement, first image, mean |ours − diffusers| in 1/255 (max): " + "; ".join(
+            f"`{v}` " + ", ".join(f"{c} {m['mae']:.2f} ({m['max']:.0f})" for c, m in cs.items())
+            for v, cs in res["image_mae"].items())]
+
+    if "diffusers_components" in res and "ours_components" in res:
+        dc, oc = res["diffusers_components"]["rows"], res["ours_components"]["rows"]
+        lines += ["", "| component | diffusers | ours | ours ÷ diffusers | GPU memory in case, diffusers / ours (MiB) |",
+                  "| --- | ---: | ---: | ---: | ---: |"]
+        for name in ["unet_load", "vae_load"]:
+            ds, os_ = num(dc, name, "s"), num(oc, name, "s")
+            lines.append(f"| {name} (s) | {f(ds, 3)} | {f(os_, 3)} | {ratio(os_, ds)} | "
+                         f"{num(dc, name, 'smi_peak_mib')} / {num(oc, name, 'smi_peak_mib')} |")
+        for name in list(UNET_CASES) + list(VAE_CASES) + ["vae_encode_1024"]:
+            x, y = dc.get(name), oc.get(name)
+            g = lambda r: f"{r['ms_median']:.1f} [{r['ms_min']:.1f}–{r['ms_max']:.1f}]" if r else "n/a"
+            lines.append(f"| {name} median ms [min–max] | {g(x)} | {g(y)} | "
+                         f"{ratio(y['ms_median'] if y else None, x['ms_median'] if x else None)} | "
+                         f"{num(dc, name, 'smi_peak_mib')} / {num(oc, name, 'smi_peak_mib')} |")
+        dm, om = res["diffusers_components"]["mem"]["peak_mib"], res["ours_components"]["mem"]["peak_mib"]
+        lines.append(f"| process GPU memory peak over idle (MiB) | {dm} | {om} | {ratio(om, dm)} | |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

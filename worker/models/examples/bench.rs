@@ -1,31 +1,80 @@
-//! GPU benchmark of the SDXL UNet and VAE at real size (SDXL base configs), bf16, SDPA attention.
+//! GPU benchmark of the SDXL engine at real size (SDXL base configs), bf16, SDPA attention.
 //!
-//! Weights come from diffusers-format safetensors files (random values written by
-//! `bench/run_bench.py`, which also times diffusers on the same weights):
+//! Weights come from diffusers-format files with random values written by `bench/run_bench.py`,
+//! which also times diffusers on the same weights and GPU:
 //!
 //! ```sh
-//! bench <unet diffusion_pytorch_model.safetensors> <vae diffusion_pytorch_model.safetensors>
+//! bench components <unet .safetensors> <vae .safetensors> [--loader L]
+//! bench pipeline <diffusers folder> [--loader L] [--decode-batch N] [--tiling never|auto]
+//!                [--iters N] [--save DIR] [--load-only]
+//! bench read <file>...
 //! ```
 //!
+//! - `components`: UNet and VAE load, UNet forward (CFG batch 2, batch 8), VAE decode/encode.
+//! - `pipeline`: `SdxlPipeline::load` of the whole folder, then `generate` (Euler, 20 steps, cfg 4.5,
+//!   prompt + negative prompt): 1024² first call and steady state, 1920×1080, 4 images at 1024².
+//!   `--save DIR` writes the first image of some cases as raw RGB8 (`<case>.rgb`, with its size in
+//!   the JSON line) for comparison with diffusers.
+//! - `read`: reads the files from start to end into one 64 MiB buffer, twice (the page-cache read
+//!   baseline for load times).
+//! - `--loader staged|staged-noslabs|direct`: [`vnfarm_models::safetensors::LoadPath`].
+//! - `--cases a,b`: only these `pipeline` cases, in this order (default: all).
+//! - `--decode-batch N`: `VaeConfig::max_decode_batch` (0 = decode all images at once).
+//! - `--cpu`: fp32 on the CPU at 64–96 px (`pipeline` only; smoke tests of the driver with tiny models).
+//!
 //! Prints one JSON object per line: `{"name": ..., "ms_median": ..., "ms_min": ..., "ms_max": ...}`
-//! (load times as `{"name": ..., "s": ...}`). Timing: warm-up calls, then each timed call is
-//! bracketed by `cuda synchronize` and a host clock; the median is reported.
+//! for repeated calls, `{"name": ..., "s": ...}` for single timings; `t0`/`t1` are the case's start
+//! and end (Unix seconds) so that the driver can attribute sampled GPU memory to cases. Timing:
+//! warm-up calls, then each timed call is bracketed by `cuda synchronize` and a host clock.
 
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use tch::{Cuda, Device, Kind, Tensor};
 use vnfarm_models::nn::AttentionImpl;
-use vnfarm_models::safetensors::SafetensorsFile;
+use vnfarm_models::pipeline::{GenerateRequest, ModelSource, PipelineConfig, SdxlPipeline};
+use vnfarm_models::safetensors::{self, LoadPath, SafetensorsFile};
+use vnfarm_models::schedulers::Sampler;
+use vnfarm_models::tokenizer::ClipTokenizer;
 use vnfarm_models::unet::{AddedCond, UNet2DConditionModel, UNetConfig};
 use vnfarm_models::vae::{AutoencoderKL, Tiling, VaeConfig};
 use vnfarm_models::weights::{WeightStore, Weights};
 
+/// Prompts of both sides (`run_bench.py` uses the same strings).
+const PROMPT: &str = "a photograph of an astronaut riding a horse on the surface of the moon, \
+    earth in the sky, highly detailed, sharp focus, dramatic lighting";
+const NEGATIVE: &str = "blurry, low quality, watermark, text, deformed";
+const CFG: f64 = 4.5;
+const STEPS: usize = 20;
+
+/// `--cpu` (local smoke tests on small models): no CUDA, fp32.
+static CPU: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+fn on_cpu() -> bool {
+    CPU.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 fn sync() {
-    Cuda::synchronize(0);
+    if !on_cpu() {
+        Cuda::synchronize(0);
+    }
+}
+
+fn now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+fn median_min_max(mut ts: Vec<f64>) -> (f64, f64, f64) {
+    ts.sort_by(|a, b| a.partial_cmp(b).expect("finite times"));
+    (ts[ts.len() / 2], ts[0], ts[ts.len() - 1])
 }
 
 fn bench(name: &str, warm: usize, iters: usize, mut f: impl FnMut() -> Tensor) {
+    let t0 = now();
     for _ in 0..warm {
         let _ = f();
     }
@@ -38,12 +87,10 @@ fn bench(name: &str, warm: usize, iters: usize, mut f: impl FnMut() -> Tensor) {
         ts.push(t.elapsed().as_secs_f64() * 1e3);
         drop(out);
     }
-    ts.sort_by(|a, b| a.partial_cmp(b).expect("finite times"));
+    let (med, min, max) = median_min_max(ts);
     println!(
-        "{{\"name\": \"{name}\", \"ms_median\": {:.3}, \"ms_min\": {:.3}, \"ms_max\": {:.3}, \"iters\": {iters}}}",
-        ts[ts.len() / 2],
-        ts[0],
-        ts[ts.len() - 1]
+        "{{\"name\": \"{name}\", \"ms_median\": {med:.3}, \"ms_min\": {min:.3}, \"ms_max\": {max:.3}, \"iters\": {iters}, \"t0\": {t0:.3}, \"t1\": {:.3}}}",
+        now()
     );
 }
 
@@ -52,31 +99,277 @@ fn store(path: &str) -> anyhow::Result<Arc<WeightStore>> {
     Ok(Arc::new(WeightStore::identity(file)))
 }
 
+/// Options after the positional arguments.
+struct Opts {
+    loader: String,
+    decode_batch: Option<i64>,
+    tiling: Tiling,
+    iters: usize,
+    save: Option<PathBuf>,
+    load_only: bool,
+    cases: Option<Vec<String>>,
+}
+
+fn parse_opts(args: &[String]) -> anyhow::Result<(Vec<String>, Opts)> {
+    let mut pos = Vec::new();
+    let mut o = Opts {
+        loader: "staged".into(),
+        decode_batch: None,
+        tiling: Tiling::Never,
+        iters: 5,
+        save: None,
+        load_only: false,
+        cases: None,
+    };
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let mut val = || {
+            it.next()
+                .cloned()
+                .ok_or_else(|| anyhow::anyhow!("{a} needs a value"))
+        };
+        match a.as_str() {
+            "--loader" => o.loader = val()?,
+            "--decode-batch" => o.decode_batch = Some(val()?.parse()?),
+            "--tiling" => {
+                o.tiling = match val()?.as_str() {
+                    "never" => Tiling::Never,
+                    "auto" => Tiling::Auto,
+                    "always" => Tiling::Always,
+                    other => anyhow::bail!("unknown tiling {other}"),
+                }
+            }
+            "--iters" => o.iters = val()?.parse()?,
+            "--save" => o.save = Some(PathBuf::from(val()?)),
+            "--load-only" => o.load_only = true,
+            "--cases" => o.cases = Some(val()?.split(',').map(str::to_string).collect()),
+            "--cpu" => CPU.store(true, std::sync::atomic::Ordering::Relaxed),
+            _ if a.starts_with("--") => anyhow::bail!("unknown option {a}"),
+            _ => pos.push(a.clone()),
+        }
+    }
+    Ok((pos, o))
+}
+
 fn main() -> anyhow::Result<()> {
-    let args: Vec<String> = std::env::args().collect();
-    anyhow::ensure!(
-        args.len() == 3,
-        "usage: bench <unet.safetensors> <vae.safetensors>"
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let usage = "usage: bench components <unet.safetensors> <vae.safetensors> | bench pipeline <folder> | bench read <file>...";
+    let Some((mode, rest)) = args.split_first() else {
+        anyhow::bail!(usage);
+    };
+    let (pos, opts) = parse_opts(rest)?;
+    match mode.as_str() {
+        "read" => read_files(&pos),
+        "components" => {
+            anyhow::ensure!(pos.len() == 2, usage);
+            components(&pos[0], &pos[1], &opts)
+        }
+        "pipeline" => {
+            anyhow::ensure!(pos.len() == 1, usage);
+            pipeline(Path::new(&pos[0]), &opts)
+        }
+        _ => anyhow::bail!(usage),
+    }
+}
+
+/// Start of a CUDA run: context created, so that it is not counted in load times.
+/// `--loader`. This and [`set_decode_batch`] are the only uses of library options added with the
+/// staged loader, so that the benchmark builds against the library before them with both bodies
+/// replaced (the `base` binary of docs/performance.md).
+fn set_loader(name: &str) -> anyhow::Result<()> {
+    safetensors::set_load_path(match name {
+        "staged" => LoadPath::Staged,
+        "staged-noslabs" => LoadPath::StagedNoSlabs,
+        "direct" => LoadPath::Direct,
+        other => anyhow::bail!("unknown loader {other}"),
+    });
+    Ok(())
+}
+
+/// `--decode-batch`.
+fn set_decode_batch(vae: &mut VaeConfig, batch: i64) {
+    vae.max_decode_batch = batch;
+}
+
+fn init_cuda(opts: &Opts) -> anyhow::Result<()> {
+    set_loader(&opts.loader)?;
+    if !on_cpu() {
+        anyhow::ensure!(Cuda::is_available(), "CUDA not available to libtorch");
+        let _ = Tensor::zeros([1], (Kind::BFloat16, Device::Cuda(0)));
+        sync();
+    }
+    println!(
+        "{{\"name\": \"config\", \"loader\": \"{}\", \"decode_batch\": {}, \"tiling\": \"{:?}\", \"alloc_conf\": \"{}\"}}",
+        opts.loader,
+        opts.decode_batch.map_or("null".into(), |b| b.to_string()),
+        opts.tiling,
+        std::env::var("PYTORCH_CUDA_ALLOC_CONF").unwrap_or_default()
     );
-    anyhow::ensure!(Cuda::is_available(), "CUDA not available to libtorch");
+    Ok(())
+}
+
+fn read_files(files: &[String]) -> anyhow::Result<()> {
+    use std::io::Read;
+    let mut buf = vec![0u8; 64 << 20];
+    for pass in 0..2 {
+        let t0 = now();
+        let t = Instant::now();
+        let mut total = 0usize;
+        for f in files {
+            let mut file = std::fs::File::open(f)?;
+            loop {
+                let n = file.read(&mut buf)?;
+                if n == 0 {
+                    break;
+                }
+                total += n;
+            }
+        }
+        let s = t.elapsed().as_secs_f64();
+        println!(
+            "{{\"name\": \"read_files_pass{pass}\", \"s\": {s:.3}, \"bytes\": {total}, \"gb_per_s\": {:.2}, \"t0\": {t0:.3}, \"t1\": {:.3}}}",
+            total as f64 / s / 1e9,
+            now()
+        );
+    }
+    Ok(())
+}
+
+fn pipeline(dir: &Path, opts: &Opts) -> anyhow::Result<()> {
+    init_cuda(opts)?;
+    let (dev, dt) = if on_cpu() {
+        (Device::Cpu, Kind::Float)
+    } else {
+        (Device::Cuda(0), Kind::BFloat16)
+    };
+    let mut cfg = PipelineConfig::new(ModelSource::DiffusersFolder(dir.into()), dev);
+    cfg.dtype = dt;
+    cfg.vae_dtype = dt;
+    cfg.attention = AttentionImpl::Sdpa;
+    cfg.vae_tiling = opts.tiling;
+    if let Some(b) = opts.decode_batch {
+        let mut vae = VaeConfig::from_json(&std::fs::read_to_string(dir.join("vae/config.json"))?)
+            .map_err(anyhow::Error::msg)?;
+        set_decode_batch(&mut vae, b);
+        cfg.components.vae = Some(vae);
+    }
+    // What the tokenizers alone cost to parse (part of the load below).
+    let t = Instant::now();
+    for (sub, pad) in [("tokenizer", "<|endoftext|>"), ("tokenizer_2", "!")] {
+        ClipTokenizer::from_dir(&dir.join(sub), pad)?;
+    }
+    println!(
+        "{{\"name\": \"tokenizers_parse\", \"s\": {:.3}}}",
+        t.elapsed().as_secs_f64()
+    );
+    let t0 = now();
+    let t = Instant::now();
+    let pipe = SdxlPipeline::load(&cfg)?;
+    sync();
+    println!(
+        "{{\"name\": \"pipeline_load\", \"s\": {:.3}, \"t0\": {t0:.3}, \"t1\": {:.3}}}",
+        t.elapsed().as_secs_f64(),
+        now()
+    );
+    if opts.load_only {
+        return Ok(());
+    }
+
+    let mut cases: [(&str, u32, u32, usize, usize); 3] = [
+        ("gen_1024", 1024, 1024, 1, opts.iters),
+        (
+            "gen_1920x1080",
+            1920,
+            1080,
+            1,
+            opts.iters.div_ceil(2).max(1),
+        ),
+        ("gen_1024_x4", 1024, 1024, 4, opts.iters.div_ceil(2).max(1)),
+    ];
+    if on_cpu() {
+        // Smoke-test sizes for tiny models (same as run_bench.py --cpu).
+        for (c, (w, h)) in cases.iter_mut().zip([(64, 64), (96, 64), (64, 64)]) {
+            (c.1, c.2) = (w, h);
+        }
+    }
+    let selected: Vec<_> = match &opts.cases {
+        None => cases.to_vec(),
+        Some(names) => names
+            .iter()
+            .map(|n| {
+                cases
+                    .iter()
+                    .find(|c| c.0 == n)
+                    .copied()
+                    .ok_or_else(|| anyhow::anyhow!("unknown case {n}"))
+            })
+            .collect::<anyhow::Result<_>>()?,
+    };
+    for (name, width, height, count, iters) in selected {
+        let req = GenerateRequest {
+            prompt: PROMPT.into(),
+            negative_prompt: NEGATIVE.into(),
+            width,
+            height,
+            steps: STEPS,
+            cfg: CFG,
+            sampler: Sampler::Euler,
+            seed: 0,
+            count,
+        };
+        let t0 = now();
+        let run = || -> anyhow::Result<(f64, Vec<image::RgbImage>)> {
+            let t = Instant::now();
+            let images = pipe.generate(&req, &mut |_, _| {}, &|| false)?;
+            sync();
+            Ok((t.elapsed().as_secs_f64(), images))
+        };
+        let (first, images) = run()?;
+        anyhow::ensure!(images.len() == count, "{name}: {} images", images.len());
+        let mut saved = String::new();
+        if let Some(dir) = &opts.save {
+            std::fs::create_dir_all(dir)?;
+            let p = dir.join(format!("{name}.rgb"));
+            std::fs::write(&p, images[0].as_raw())?;
+            saved = format!(
+                ", \"saved\": \"{}\", \"width\": {}, \"height\": {}",
+                p.display(),
+                images[0].width(),
+                images[0].height()
+            );
+        }
+        let mut ts = Vec::with_capacity(iters);
+        for _ in 0..iters {
+            ts.push(run()?.0);
+        }
+        let (med, min, max) = median_min_max(ts);
+        println!(
+            "{{\"name\": \"{name}\", \"first_s\": {first:.3}, \"s_median\": {med:.3}, \"s_min\": {min:.3}, \"s_max\": {max:.3}, \"iters\": {iters}, \"t0\": {t0:.3}, \"t1\": {:.3}{saved}}}",
+            now()
+        );
+    }
+    Ok(())
+}
+
+fn components(unet_path: &str, vae_path: &str, opts: &Opts) -> anyhow::Result<()> {
+    init_cuda(opts)?;
     let dev = Device::Cuda(0);
     let dt = Kind::BFloat16;
     let imp = AttentionImpl::Sdpa;
     let _guard = tch::no_grad_guard();
-    // Touch the device so CUDA context creation is not counted as load time.
-    let _ = Tensor::zeros([1], (dt, dev));
-    sync();
 
+    let t0 = now();
     let t = Instant::now();
     let unet = UNet2DConditionModel::new(
-        &Weights::new(store(&args[1])?, dev, dt),
+        &Weights::new(store(unet_path)?, dev, dt),
         &UNetConfig::sdxl_base(),
         imp,
     )?;
     sync();
     println!(
-        "{{\"name\": \"unet_load\", \"s\": {:.3}}}",
-        t.elapsed().as_secs_f64()
+        "{{\"name\": \"unet_load\", \"s\": {:.3}, \"t0\": {t0:.3}, \"t1\": {:.3}}}",
+        t.elapsed().as_secs_f64(),
+        now()
     );
 
     tch::manual_seed(0);
@@ -103,16 +396,18 @@ fn main() -> anyhow::Result<()> {
     drop(unet);
     sync();
 
+    let t0 = now();
     let t = Instant::now();
     let vae = AutoencoderKL::new(
-        &Weights::new(store(&args[2])?, dev, dt),
+        &Weights::new(store(vae_path)?, dev, dt),
         &VaeConfig::sdxl(),
         imp,
     )?;
     sync();
     println!(
-        "{{\"name\": \"vae_load\", \"s\": {:.3}}}",
-        t.elapsed().as_secs_f64()
+        "{{\"name\": \"vae_load\", \"s\": {:.3}, \"t0\": {t0:.3}, \"t1\": {:.3}}}",
+        t.elapsed().as_secs_f64(),
+        now()
     );
     for (name, h, w, tiling) in [
         ("vae_decode_1024", 128, 128, Tiling::Never),

@@ -311,14 +311,22 @@ impl SdxlPipeline {
         sched.prediction_type = prediction_type;
         let [unet_s, vae_s, l_s, g_s] = stores;
         let w = |s: WeightStore, kind: Kind| Weights::new(Arc::new(s), dev, kind);
-        let (tok_l, tok_g) = tokenizers(tok_dir.as_deref())?;
+        // The tokenizers (about 0.1 s each to parse) load while the weights do.
+        let toks = std::thread::spawn(move || tokenizers(tok_dir.as_deref()));
+        let clip_l = ClipTextModel::new(&w(l_s, dt), &l_cfg, imp)?;
+        let clip_g = ClipTextModel::new(&w(g_s, dt), &g_cfg, imp)?;
+        let unet = UNet2DConditionModel::new(&w(unet_s, dt), &unet_cfg, imp)?;
+        let vae = AutoencoderKL::new(&w(vae_s, config.vae_dtype), &vae_cfg, imp)?;
+        let (tok_l, tok_g) = toks
+            .join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic))?;
         Ok(Self {
-            clip_l: ClipTextModel::new(&w(l_s, dt), &l_cfg, imp)?,
-            clip_g: ClipTextModel::new(&w(g_s, dt), &g_cfg, imp)?,
+            clip_l,
+            clip_g,
             tok_l,
             tok_g,
-            unet: UNet2DConditionModel::new(&w(unet_s, dt), &unet_cfg, imp)?,
-            vae: AutoencoderKL::new(&w(vae_s, config.vae_dtype), &vae_cfg, imp)?,
+            unet,
+            vae,
             scheduler: sched,
             device: dev,
             dtype: dt,

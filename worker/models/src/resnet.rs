@@ -45,12 +45,17 @@ impl ResnetBlock2D {
         })
     }
 
+    /// Peak memory as diffusers': each activation is freed as soon as the next one exists (SiLU in
+    /// place on the fresh norm output, `h` dropped before `conv2`).
     pub fn forward(&self, x: &Tensor, temb: Option<&Tensor>) -> Tensor {
-        let mut h = self.conv1.forward(&self.norm1.forward(x).silu());
+        let mut h = self.conv1.forward(&self.norm1.forward(x).silu_());
         if let (Some(proj), Some(temb)) = (&self.time_emb_proj, temb) {
             h += proj.forward(&temb.silu()).unsqueeze(-1).unsqueeze(-1);
         }
-        let h = self.conv2.forward(&self.norm2.forward(&h).silu());
+        let a = self.norm2.forward(&h).silu_();
+        drop(h);
+        let h = self.conv2.forward(&a);
+        drop(a);
         match &self.conv_shortcut {
             Some(s) => s.forward(x) + h,
             None => x + h,

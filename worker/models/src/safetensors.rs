@@ -1,9 +1,21 @@
 //! Memory-mapped safetensors files: header parsing, bounds checks, and one tensor at a time copied
-//! out of the mapping straight to the target device and dtype.
+//! out of the file straight to the target device and dtype.
 //!
-//! Invariant: a [`SafetensorsFile`] never reads the whole data section; every tensor's byte range is
-//! checked against the mapping when the header is parsed, so a truncated file fails at open time with
-//! the first tensor that does not fit.
+//! Invariant: a [`SafetensorsFile`] never reads the whole data section at once; every tensor's byte
+//! range is checked against the mapping when the header is parsed, so a truncated file fails at open
+//! time with the first tensor that does not fit.
+//!
+//! To a CUDA device, tensors travel through one pinned (page-locked) staging buffer shared by all
+//! open files ([`LoadPath::Staged`]): each tensor's bytes are read with `pread` into the next free
+//! range of the buffer and an asynchronous copy to the device is queued from there, so reading the
+//! next tensor overlaps the transfer of the previous ones. When the buffer is full the loader waits
+//! for the device (`cuda synchronize`) and starts again at its beginning, so no byte still being
+//! copied is overwritten. Weights that keep their stored dtype ([`SafetensorsFile::load_weight`])
+//! are then placed in 256 MiB device slabs owned by the file (one device allocation per slab instead
+//! of one per tensor; a weight is a view of its slab, which lives as long as any of its weights).
+//! A dtype conversion, if any, runs on the device. Copies may still be in flight when a load
+//! returns; they are ordered before any later work on the device's stream. The staging buffer is
+//! freed when the last open file is dropped.
 //!
 //! Format: 8-byte little-endian header length, a JSON header `{name: {dtype, shape, data_offsets}}`
 //! (plus an optional `__metadata__` map of strings), then the data section
@@ -12,9 +24,12 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 
-use tch::{Device, Kind, Tensor};
+use tch::{Cuda, Device, Kind, Tensor};
 
 use crate::error::LoadError;
 
@@ -28,13 +43,98 @@ pub struct TensorInfo {
     pub end: usize,
 }
 
+/// How tensors go from the file to a CUDA device (CPU targets always use [`LoadPath::Direct`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoadPath {
+    /// Pinned staging buffer, asynchronous copies, device slabs for weights (the default).
+    Staged,
+    /// Like `Staged`, but every tensor is its own device allocation (no slabs).
+    StagedNoSlabs,
+    /// Copy out of the mapping into a pageable host tensor, then a synchronous copy to the device
+    /// (the loader before staging; kept for comparison).
+    Direct,
+}
+
+static LOAD_PATH: AtomicU8 = AtomicU8::new(0);
+
+/// Chooses the load path for the whole process (benchmarks and diagnostics).
+pub fn set_load_path(path: LoadPath) {
+    let v = match path {
+        LoadPath::Staged => 0,
+        LoadPath::StagedNoSlabs => 1,
+        LoadPath::Direct => 2,
+    };
+    LOAD_PATH.store(v, Ordering::Relaxed);
+}
+
+/// The load path in use (see [`set_load_path`]).
+pub fn load_path() -> LoadPath {
+    match LOAD_PATH.load(Ordering::Relaxed) {
+        0 => LoadPath::Staged,
+        1 => LoadPath::StagedNoSlabs,
+        _ => LoadPath::Direct,
+    }
+}
+
+/// Bytes of the pinned staging buffer. Holds the largest SDXL tensor in half precision (CLIP bigG's
+/// token embedding, 126 MB); larger tensors take the direct path.
+const STAGING_BYTES: usize = 128 << 20;
+/// Bytes of one device slab; larger weights are their own allocation.
+const SLAB_BYTES: usize = 256 << 20;
+/// Alignment of each tensor inside the staging buffer and the slabs.
+const ALIGN: usize = 512;
+
+/// The pinned buffer and how much of it holds bytes queued for copying since the last sync.
+struct Staging {
+    buf: Tensor,
+    device: Device,
+    used: usize,
+}
+
+/// The staging buffer shared by all files, and how many files are open.
+static STAGING: Mutex<Option<Staging>> = Mutex::new(None);
+static OPEN_FILES: AtomicUsize = AtomicUsize::new(0);
+
+/// A device allocation that weights are carved out of.
+struct Slab {
+    buf: Tensor,
+    device: Device,
+    used: usize,
+}
+
+fn align(n: usize) -> usize {
+    n.div_ceil(ALIGN) * ALIGN
+}
+
+fn sync_device(device: Device) {
+    if let Device::Cuda(i) = device {
+        Cuda::synchronize(i as i64);
+    }
+}
+
 /// An open, memory-mapped safetensors file.
 pub struct SafetensorsFile {
     path: PathBuf,
+    file: File,
     mmap: memmap2::Mmap,
     data_start: usize,
     tensors: HashMap<String, TensorInfo>,
     metadata: BTreeMap<String, String>,
+    slabs: Mutex<Vec<Slab>>,
+}
+
+impl Drop for SafetensorsFile {
+    fn drop(&mut self) {
+        if OPEN_FILES.fetch_sub(1, Ordering::AcqRel) == 1 {
+            // Copies still queued from the buffer hold their own reference to its pinned block
+            // (libtorch records an event), so it can be released now.
+            let staging = STAGING
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .take();
+            drop(staging);
+        }
+    }
 }
 
 impl std::fmt::Debug for SafetensorsFile {
@@ -150,12 +250,15 @@ impl SafetensorsFile {
                 },
             );
         }
+        OPEN_FILES.fetch_add(1, Ordering::AcqRel);
         Ok(Self {
             path,
+            file,
             mmap,
             data_start,
             tensors,
             metadata,
+            slabs: Mutex::new(Vec::new()),
         })
     }
 
@@ -176,9 +279,26 @@ impl SafetensorsFile {
         self.tensors.keys().map(String::as_str)
     }
 
-    /// Copies tensor `name` out of the mapping (one tensor's worth of host memory) and moves it to
-    /// `device` as `kind`.
+    /// Loads tensor `name` to `device` as `kind`: to a CUDA device through the pinned staging
+    /// buffer (see the module docs and [`set_load_path`]), otherwise copied out of the mapping (one
+    /// tensor's worth of host memory) and moved. The result is its own allocation.
     pub fn load(&self, name: &str, device: Device, kind: Kind) -> Result<Tensor, LoadError> {
+        self.load_impl(name, device, kind, false)
+    }
+
+    /// Like [`SafetensorsFile::load`], for a weight used as loaded (no transform): on a CUDA device
+    /// in its stored dtype it is placed in one of this file's device slabs.
+    pub fn load_weight(&self, name: &str, device: Device, kind: Kind) -> Result<Tensor, LoadError> {
+        self.load_impl(name, device, kind, true)
+    }
+
+    fn load_impl(
+        &self,
+        name: &str,
+        device: Device,
+        kind: Kind,
+        weight: bool,
+    ) -> Result<Tensor, LoadError> {
         let info = self.info(name).ok_or_else(|| LoadError::Missing {
             path: self.path.clone(),
             tensor: name.to_string(),
@@ -188,20 +308,148 @@ impl SafetensorsFile {
             tensor: name.to_string(),
             dtype: info.dtype.clone(),
         })?;
-        let bytes = &self.mmap[self.data_start + info.start..self.data_start + info.end];
         let torch = |source| LoadError::Torch {
             path: self.path.clone(),
             tensor: name.to_string(),
             source,
         };
-        let host = Tensor::f_from_data_size(bytes, &info.shape, src_kind).map_err(torch)?;
-        // Convert on the device when moving there (cheaper link traffic for half-precision files).
-        let t = host.f_to_device(device).map_err(torch)?;
+        let nbytes = info.end - info.start;
+        let path = load_path();
+        let t = if device.is_cuda() && path != LoadPath::Direct && nbytes <= STAGING_BYTES {
+            let t = self
+                .load_staged(info, src_kind, device)
+                .map_err(|e| match e {
+                    Staged::Torch(source) => torch(source),
+                    Staged::Io(source) => LoadError::Io {
+                        path: self.path.clone(),
+                        source,
+                    },
+                })?;
+            if weight && src_kind == kind && path == LoadPath::Staged && nbytes <= SLAB_BYTES {
+                let mut dst = self
+                    .slab_view(device, nbytes, src_kind, &info.shape)
+                    .map_err(torch)?;
+                // Device to device, queued on the stream like the upload (no host wait).
+                dst.f_copy_(&t).map_err(torch)?;
+                return Ok(dst);
+            }
+            t
+        } else {
+            let bytes = &self.mmap[self.data_start + info.start..self.data_start + info.end];
+            let host = Tensor::f_from_data_size(bytes, &info.shape, src_kind).map_err(torch)?;
+            host.f_to_device(device).map_err(torch)?
+        };
+        // Convert on the device after moving there (cheaper link traffic for half-precision files).
         if src_kind == kind {
             Ok(t)
         } else {
             t.f_to_kind(kind).map_err(torch)
         }
+    }
+
+    /// An uninitialised `[shape]` tensor of `kind` inside one of this file's slabs on `device`
+    /// (first fit; a new slab when none has room).
+    fn slab_view(
+        &self,
+        device: Device,
+        nbytes: usize,
+        kind: Kind,
+        shape: &[i64],
+    ) -> Result<Tensor, tch::TchError> {
+        let mut slabs = self
+            .slabs
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let fits = |s: &Slab| s.device == device && align(s.used) + nbytes <= SLAB_BYTES;
+        let i = match slabs.iter().position(fits) {
+            Some(i) => i,
+            None => {
+                let buf = Tensor::f_empty([SLAB_BYTES as i64], (Kind::Uint8, device))?;
+                slabs.push(Slab {
+                    buf,
+                    device,
+                    used: 0,
+                });
+                slabs.len() - 1
+            }
+        };
+        let slab = &mut slabs[i];
+        let offset = align(slab.used);
+        slab.used = offset + nbytes;
+        slab.buf
+            .f_narrow(0, offset as i64, nbytes as i64)?
+            .f_view_dtype(kind)?
+            .f_view(shape)
+    }
+
+    /// One tensor through the staging buffer; returns a new device tensor in the stored dtype.
+    fn load_staged(
+        &self,
+        info: &TensorInfo,
+        src_kind: Kind,
+        device: Device,
+    ) -> Result<Tensor, Staged> {
+        let nbytes = info.end - info.start;
+        let mut guard = STAGING
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(other) = guard.as_ref().map(|s| s.device).filter(|&d| d != device) {
+            // Another device: let queued copies finish before the buffer is replaced.
+            sync_device(other);
+            *guard = None;
+        }
+        if guard.is_none() {
+            let buf = Tensor::f_empty([STAGING_BYTES as i64], (Kind::Uint8, Device::Cpu))?
+                .f_internal_pin_memory(device)?;
+            *guard = Some(Staging {
+                buf,
+                device,
+                used: 0,
+            });
+        }
+        let staging = guard.as_mut().expect("staging buffer was just created");
+        let mut offset = align(staging.used);
+        if offset + nbytes > STAGING_BYTES {
+            // Every queued copy out of the buffer must be done before it is overwritten.
+            sync_device(device);
+            offset = 0;
+        }
+        {
+            // SAFETY: `buf` is a contiguous, pinned CPU tensor of `STAGING_BYTES` bytes owned by
+            // `STAGING` and only ever touched under its lock; `offset + nbytes` is within it
+            // (checked above, and `nbytes <= STAGING_BYTES` by the caller); no copy out of this
+            // range is in flight, since every range handed to the device since the last
+            // synchronize lies below `staging.used <= offset`.
+            #[allow(unsafe_code)]
+            let dst = unsafe {
+                std::slice::from_raw_parts_mut(
+                    (staging.buf.data_ptr() as *mut u8).add(offset),
+                    nbytes,
+                )
+            };
+            self.file
+                .read_exact_at(dst, (self.data_start + info.start) as u64)
+                .map_err(Staged::Io)?;
+        }
+        staging.used = offset + nbytes;
+        let host = staging
+            .buf
+            .f_narrow(0, offset as i64, nbytes as i64)?
+            .f_view_dtype(src_kind)?
+            .f_view(info.shape.as_slice())?;
+        Ok(host.f_to_device_(device, src_kind, true, false)?)
+    }
+}
+
+/// Failures of the staged path, mapped to [`LoadError`] by the caller.
+enum Staged {
+    Torch(tch::TchError),
+    Io(std::io::Error),
+}
+
+impl From<tch::TchError> for Staged {
+    fn from(e: tch::TchError) -> Self {
+        Staged::Torch(e)
     }
 }
 
