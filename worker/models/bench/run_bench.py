@@ -17,7 +17,7 @@ device call):
    ours (`bench pipeline`, `SdxlPipeline::load` + `generate`) in separate processes: load time, then
    Euler 20 steps, cfg 4.5, prompt + negative prompt, seed 0: 1024² first call and median of
    `--iters`, 1920×1080 and 4 images at 1024² (first call and median of `ceil(iters/2)`). Ours runs
-   once per `--variants` entry (loader, VAE decode batch, allocator settings; see VARIANTS).
+   once per `--variants` entry (library version, loader, allocator settings; see VARIANTS).
 4. `components` (unless `--skip-components`; run before step 3): the UNet/VAE cases of the first
    benchmark (UNet CFG batch 2 and batch 8, VAE decode/encode), diffusers then ours.
 
@@ -59,24 +59,23 @@ VAE_CASES = {
     "vae_decode_1920x1080_tiled": (135, 240, True),
 }
 # Our pipeline runs: binary ("bin" = --bin, "base" = --base-bin), extra `bench pipeline` arguments,
-# environment.
+# environment. Runs 1 and 2 of docs/performance.md also measured variants of intermediate versions
+# (VAE decode batch, mmap copies, device slabs); their options are gone with the code they measured.
 VARIANTS = {
-    # The library before this work (git ca35d46, built with this bench.rs): copy out of the mmap +
-    # synchronous pageable copy per tensor, all images decoded at once.
+    # The library before this work (git ca35d46, built with this bench.rs and `set_loader` emptied):
+    # copy out of the mmap + synchronous pageable copy per tensor.
     "base": ("base", [], {}),
-    # Pinned staging buffer (pread) + asynchronous copies + device slabs; one image decoded at a
-    # time; resnets free activations early; tokenizers parsed in a thread during the load.
+    # Pinned staging buffer (pread) + asynchronous copies, tokenizers parsed in a thread during the
+    # load, resnets free activations early.
     "after": ("bin", [], {}),
-    "after_decodeall": ("bin", ["--decode-batch", "0"], {}),
+    "after_again": ("bin", [], {}),
     "after_expandable": ("bin", [], {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
-    # 4 images at 1024² alone (no earlier case has grown the allocator's pool): VAE slicing.
+    # 4 images at 1024² alone (no earlier case has grown the allocator's pool).
     "x4only_after": ("bin", ["--cases", "gen_1024_x4"], {}),
-    "x4only_decodeall": ("bin", ["--cases", "gen_1024_x4", "--decode-batch", "0"], {}),
     "x4only_base": ("base", ["--cases", "gen_1024_x4"], {}),
     # Load-only runs (loader comparisons).
     "load_staged": ("bin", ["--load-only"], {}),
     "load_staged_again": ("bin", ["--load-only"], {}),
-    "load_noslabs": ("bin", ["--load-only", "--loader", "staged-noslabs"], {}),
     "load_direct": ("bin", ["--load-only", "--loader", "direct"], {}),
     "load_base": ("base", ["--load-only"], {}),
     "load_staged_expandable": ("bin", ["--load-only"], {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),

@@ -5,7 +5,7 @@
 //!
 //! ```sh
 //! bench components <unet .safetensors> <vae .safetensors> [--loader L]
-//! bench pipeline <diffusers folder> [--loader L] [--decode-batch N] [--tiling never|auto]
+//! bench pipeline <diffusers folder> [--loader L] [--tiling never|auto] [--cases a,b]
 //!                [--iters N] [--save DIR] [--load-only]
 //! bench read <file>...
 //! ```
@@ -17,9 +17,8 @@
 //!   the JSON line) for comparison with diffusers.
 //! - `read`: reads the files from start to end into one 64 MiB buffer, twice (the page-cache read
 //!   baseline for load times).
-//! - `--loader staged|staged-noslabs|direct`: [`vnfarm_models::safetensors::LoadPath`].
+//! - `--loader staged|direct`: [`vnfarm_models::safetensors::LoadPath`].
 //! - `--cases a,b`: only these `pipeline` cases, in this order (default: all).
-//! - `--decode-batch N`: `VaeConfig::max_decode_batch` (0 = decode all images at once).
 //! - `--cpu`: fp32 on the CPU at 64–96 px (`pipeline` only; smoke tests of the driver with tiny models).
 //!
 //! Prints one JSON object per line: `{"name": ..., "ms_median": ..., "ms_min": ..., "ms_max": ...}`
@@ -102,7 +101,6 @@ fn store(path: &str) -> anyhow::Result<Arc<WeightStore>> {
 /// Options after the positional arguments.
 struct Opts {
     loader: String,
-    decode_batch: Option<i64>,
     tiling: Tiling,
     iters: usize,
     save: Option<PathBuf>,
@@ -114,7 +112,6 @@ fn parse_opts(args: &[String]) -> anyhow::Result<(Vec<String>, Opts)> {
     let mut pos = Vec::new();
     let mut o = Opts {
         loader: "staged".into(),
-        decode_batch: None,
         tiling: Tiling::Never,
         iters: 5,
         save: None,
@@ -130,7 +127,6 @@ fn parse_opts(args: &[String]) -> anyhow::Result<(Vec<String>, Opts)> {
         };
         match a.as_str() {
             "--loader" => o.loader = val()?,
-            "--decode-batch" => o.decode_batch = Some(val()?.parse()?),
             "--tiling" => {
                 o.tiling = match val()?.as_str() {
                     "never" => Tiling::Never,
@@ -173,22 +169,15 @@ fn main() -> anyhow::Result<()> {
 }
 
 /// Start of a CUDA run: context created, so that it is not counted in load times.
-/// `--loader`. This and [`set_decode_batch`] are the only uses of library options added with the
-/// staged loader, so that the benchmark builds against the library before them with both bodies
-/// replaced (the `base` binary of docs/performance.md).
+/// `--loader`: the only use of the library's loader option, so that the benchmark builds against
+/// the library before it with this body replaced (the `base` binary of docs/performance.md).
 fn set_loader(name: &str) -> anyhow::Result<()> {
     safetensors::set_load_path(match name {
         "staged" => LoadPath::Staged,
-        "staged-noslabs" => LoadPath::StagedNoSlabs,
         "direct" => LoadPath::Direct,
         other => anyhow::bail!("unknown loader {other}"),
     });
     Ok(())
-}
-
-/// `--decode-batch`.
-fn set_decode_batch(vae: &mut VaeConfig, batch: i64) {
-    vae.max_decode_batch = batch;
 }
 
 fn init_cuda(opts: &Opts) -> anyhow::Result<()> {
@@ -199,9 +188,8 @@ fn init_cuda(opts: &Opts) -> anyhow::Result<()> {
         sync();
     }
     println!(
-        "{{\"name\": \"config\", \"loader\": \"{}\", \"decode_batch\": {}, \"tiling\": \"{:?}\", \"alloc_conf\": \"{}\"}}",
+        "{{\"name\": \"config\", \"loader\": \"{}\", \"tiling\": \"{:?}\", \"alloc_conf\": \"{}\"}}",
         opts.loader,
-        opts.decode_batch.map_or("null".into(), |b| b.to_string()),
         opts.tiling,
         std::env::var("PYTORCH_CUDA_ALLOC_CONF").unwrap_or_default()
     );
@@ -247,12 +235,6 @@ fn pipeline(dir: &Path, opts: &Opts) -> anyhow::Result<()> {
     cfg.vae_dtype = dt;
     cfg.attention = AttentionImpl::Sdpa;
     cfg.vae_tiling = opts.tiling;
-    if let Some(b) = opts.decode_batch {
-        let mut vae = VaeConfig::from_json(&std::fs::read_to_string(dir.join("vae/config.json"))?)
-            .map_err(anyhow::Error::msg)?;
-        set_decode_batch(&mut vae, b);
-        cfg.components.vae = Some(vae);
-    }
     // What the tokenizers alone cost to parse (part of the load below).
     let t = Instant::now();
     for (sub, pad) in [("tokenizer", "<|endoftext|>"), ("tokenizer_2", "!")] {

@@ -10,10 +10,7 @@
 //! range of the buffer and an asynchronous copy to the device is queued from there, so reading the
 //! next tensor overlaps the transfer of the previous ones. When the buffer is full the loader waits
 //! for the device (`cuda synchronize`) and starts again at its beginning, so no byte still being
-//! copied is overwritten. Weights that keep their stored dtype ([`SafetensorsFile::load_weight`])
-//! are then placed in 256 MiB device slabs owned by the file (one device allocation per slab instead
-//! of one per tensor; a weight is a view of its slab, which lives as long as any of its weights).
-//! A dtype conversion, if any, runs on the device. Copies may still be in flight when a load
+//! copied is overwritten. A dtype conversion, if any, runs on the device. Copies may still be in flight when a load
 //! returns; they are ordered before any later work on the device's stream. The staging buffer is
 //! freed when the last open file is dropped.
 //!
@@ -46,10 +43,8 @@ pub struct TensorInfo {
 /// How tensors go from the file to a CUDA device (CPU targets always use [`LoadPath::Direct`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LoadPath {
-    /// Pinned staging buffer, asynchronous copies, device slabs for weights (the default).
+    /// Pinned staging buffer and asynchronous copies (the default).
     Staged,
-    /// Like `Staged`, but every tensor is its own device allocation (no slabs).
-    StagedNoSlabs,
     /// Copy out of the mapping into a pageable host tensor, then a synchronous copy to the device
     /// (the loader before staging; kept for comparison).
     Direct,
@@ -61,8 +56,7 @@ static LOAD_PATH: AtomicU8 = AtomicU8::new(0);
 pub fn set_load_path(path: LoadPath) {
     let v = match path {
         LoadPath::Staged => 0,
-        LoadPath::StagedNoSlabs => 1,
-        LoadPath::Direct => 2,
+        LoadPath::Direct => 1,
     };
     LOAD_PATH.store(v, Ordering::Relaxed);
 }
@@ -71,7 +65,6 @@ pub fn set_load_path(path: LoadPath) {
 pub fn load_path() -> LoadPath {
     match LOAD_PATH.load(Ordering::Relaxed) {
         0 => LoadPath::Staged,
-        1 => LoadPath::StagedNoSlabs,
         _ => LoadPath::Direct,
     }
 }
@@ -79,9 +72,7 @@ pub fn load_path() -> LoadPath {
 /// Bytes of the pinned staging buffer. Holds the largest SDXL tensor in half precision (CLIP bigG's
 /// token embedding, 126 MB); larger tensors take the direct path.
 const STAGING_BYTES: usize = 128 << 20;
-/// Bytes of one device slab; larger weights are their own allocation.
-const SLAB_BYTES: usize = 256 << 20;
-/// Alignment of each tensor inside the staging buffer and the slabs.
+/// Alignment of each tensor inside the staging buffer.
 const ALIGN: usize = 512;
 
 /// The pinned buffer and how much of it holds bytes queued for copying since the last sync.
@@ -94,13 +85,6 @@ struct Staging {
 /// The staging buffer shared by all files, and how many files are open.
 static STAGING: Mutex<Option<Staging>> = Mutex::new(None);
 static OPEN_FILES: AtomicUsize = AtomicUsize::new(0);
-
-/// A device allocation that weights are carved out of.
-struct Slab {
-    buf: Tensor,
-    device: Device,
-    used: usize,
-}
 
 fn align(n: usize) -> usize {
     n.div_ceil(ALIGN) * ALIGN
@@ -120,7 +104,6 @@ pub struct SafetensorsFile {
     data_start: usize,
     tensors: HashMap<String, TensorInfo>,
     metadata: BTreeMap<String, String>,
-    slabs: Mutex<Vec<Slab>>,
 }
 
 impl Drop for SafetensorsFile {
@@ -258,7 +241,6 @@ impl SafetensorsFile {
             data_start,
             tensors,
             metadata,
-            slabs: Mutex::new(Vec::new()),
         })
     }
 
@@ -281,24 +263,8 @@ impl SafetensorsFile {
 
     /// Loads tensor `name` to `device` as `kind`: to a CUDA device through the pinned staging
     /// buffer (see the module docs and [`set_load_path`]), otherwise copied out of the mapping (one
-    /// tensor's worth of host memory) and moved. The result is its own allocation.
+    /// tensor's worth of host memory) and moved.
     pub fn load(&self, name: &str, device: Device, kind: Kind) -> Result<Tensor, LoadError> {
-        self.load_impl(name, device, kind, false)
-    }
-
-    /// Like [`SafetensorsFile::load`], for a weight used as loaded (no transform): on a CUDA device
-    /// in its stored dtype it is placed in one of this file's device slabs.
-    pub fn load_weight(&self, name: &str, device: Device, kind: Kind) -> Result<Tensor, LoadError> {
-        self.load_impl(name, device, kind, true)
-    }
-
-    fn load_impl(
-        &self,
-        name: &str,
-        device: Device,
-        kind: Kind,
-        weight: bool,
-    ) -> Result<Tensor, LoadError> {
         let info = self.info(name).ok_or_else(|| LoadError::Missing {
             path: self.path.clone(),
             tensor: name.to_string(),
@@ -314,26 +280,15 @@ impl SafetensorsFile {
             source,
         };
         let nbytes = info.end - info.start;
-        let path = load_path();
-        let t = if device.is_cuda() && path != LoadPath::Direct && nbytes <= STAGING_BYTES {
-            let t = self
-                .load_staged(info, src_kind, device)
+        let t = if device.is_cuda() && load_path() == LoadPath::Staged && nbytes <= STAGING_BYTES {
+            self.load_staged(info, src_kind, device)
                 .map_err(|e| match e {
                     Staged::Torch(source) => torch(source),
                     Staged::Io(source) => LoadError::Io {
                         path: self.path.clone(),
                         source,
                     },
-                })?;
-            if weight && src_kind == kind && path == LoadPath::Staged && nbytes <= SLAB_BYTES {
-                let mut dst = self
-                    .slab_view(device, nbytes, src_kind, &info.shape)
-                    .map_err(torch)?;
-                // Device to device, queued on the stream like the upload (no host wait).
-                dst.f_copy_(&t).map_err(torch)?;
-                return Ok(dst);
-            }
-            t
+                })?
         } else {
             let bytes = &self.mmap[self.data_start + info.start..self.data_start + info.end];
             let host = Tensor::f_from_data_size(bytes, &info.shape, src_kind).map_err(torch)?;
@@ -345,41 +300,6 @@ impl SafetensorsFile {
         } else {
             t.f_to_kind(kind).map_err(torch)
         }
-    }
-
-    /// An uninitialised `[shape]` tensor of `kind` inside one of this file's slabs on `device`
-    /// (first fit; a new slab when none has room).
-    fn slab_view(
-        &self,
-        device: Device,
-        nbytes: usize,
-        kind: Kind,
-        shape: &[i64],
-    ) -> Result<Tensor, tch::TchError> {
-        let mut slabs = self
-            .slabs
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let fits = |s: &Slab| s.device == device && align(s.used) + nbytes <= SLAB_BYTES;
-        let i = match slabs.iter().position(fits) {
-            Some(i) => i,
-            None => {
-                let buf = Tensor::f_empty([SLAB_BYTES as i64], (Kind::Uint8, device))?;
-                slabs.push(Slab {
-                    buf,
-                    device,
-                    used: 0,
-                });
-                slabs.len() - 1
-            }
-        };
-        let slab = &mut slabs[i];
-        let offset = align(slab.used);
-        slab.used = offset + nbytes;
-        slab.buf
-            .f_narrow(0, offset as i64, nbytes as i64)?
-            .f_view_dtype(kind)?
-            .f_view(shape)
     }
 
     /// One tensor through the staging buffer; returns a new device tensor in the stored dtype.

@@ -30,15 +30,6 @@ pub struct VaeConfig {
     pub tile_overlap_factor: f64,
     /// Images (or the pixel size of latents) with a side above this many pixels are tiled.
     pub tiling_threshold: i64,
-    /// At most this many images are decoded at once (ours; 0 = the whole batch, as diffusers without
-    /// `enable_slicing`). Decoder activations grow with the batch (about 2.4 GiB per 1024² image in
-    /// bf16) while one image already fills the GPU, so the default is 1.
-    #[serde(default = "one")]
-    pub max_decode_batch: i64,
-}
-
-fn one() -> i64 {
-    1
 }
 
 impl VaeConfig {
@@ -56,7 +47,6 @@ impl VaeConfig {
             tile_sample_size: 1024,
             tile_overlap_factor: 0.25,
             tiling_threshold: 1024,
-            max_decode_batch: 1,
         }
     }
 
@@ -74,7 +64,6 @@ impl VaeConfig {
             tile_sample_size: 128,
             tile_overlap_factor: 0.25,
             tiling_threshold: 128,
-            max_decode_batch: 1,
         }
     }
 
@@ -103,7 +92,6 @@ impl VaeConfig {
             tile_sample_size: sample,
             tile_overlap_factor: 0.25,
             tiling_threshold: sample,
-            max_decode_batch: 1,
         })
     }
 
@@ -404,23 +392,8 @@ impl AutoencoderKL {
         }
     }
 
-    /// Decodes raw latents (already divided by the scaling factor) to images in about [-1, 1],
-    /// at most `max_decode_batch` images at a time.
+    /// Decodes raw latents (already divided by the scaling factor) to images in about [-1, 1].
     pub fn decode(&self, z: &Tensor, tiling: Tiling) -> Tensor {
-        let (b, _, _, _) = z.size4().expect("latents are [B, C, h, w]");
-        let slice = self.config.max_decode_batch;
-        if slice > 0 && b > slice {
-            let parts: Vec<Tensor> = z
-                .split(slice, 0)
-                .iter()
-                .map(|part| self.decode_batch(part, tiling))
-                .collect();
-            return Tensor::cat(&parts, 0);
-        }
-        self.decode_batch(z, tiling)
-    }
-
-    fn decode_batch(&self, z: &Tensor, tiling: Tiling) -> Tensor {
         let (_, _, h, w) = z.size4().expect("latents are [B, C, h, w]");
         let f = self.config.scale_factor();
         let tile = match tiling {

@@ -172,7 +172,7 @@ impl WeightStore {
                 if !same_up_to_trailing_ones(&stored, shape) {
                     return Err(shape_err(stored));
                 }
-                let t = file.load_weight(&src.key, device, kind)?;
+                let t = file.load(&src.key, device, kind)?;
                 if stored.as_slice() == shape {
                     t
                 } else {
