@@ -1,4 +1,5 @@
-//! Links the worker binary against libtorch the way it must be linked to find the GPU:
+//! Links the worker binary (and its test binaries) against libtorch the way it must be linked to find
+//! the GPU:
 //!
 //! - `libtorch_cuda` (NVIDIA) or `libtorch_hip` (ROCm) with `--no-as-needed`: nothing references it by
 //!   symbol, so the linker's default `--as-needed` would drop it, the CUDA/HIP backend would never
@@ -18,11 +19,11 @@ fn main() {
     let lib = std::path::PathBuf::from(lib);
     for backend in ["torch_cuda", "torch_hip"] {
         if lib.join(format!("lib{backend}.so")).exists() {
-            println!("cargo:rustc-link-arg-bins=-Wl,--no-as-needed");
-            println!("cargo:rustc-link-arg-bins=-l{backend}");
-            println!("cargo:rustc-link-arg-bins=-Wl,--as-needed");
+            println!("cargo:rustc-link-arg=-Wl,--no-as-needed");
+            println!("cargo:rustc-link-arg=-l{backend}");
+            println!("cargo:rustc-link-arg=-Wl,--as-needed");
         }
     }
-    println!("cargo:rustc-link-arg-bins=-Wl,--enable-new-dtags");
-    println!("cargo:rustc-link-arg-bins=-Wl,-rpath,{}", lib.display());
+    println!("cargo:rustc-link-arg=-Wl,--enable-new-dtags");
+    println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
 }
