@@ -66,38 +66,85 @@ where
     }
 }
 
-/// The S3 server shared by all tests of one test binary.
+/// An `s3s-fs` S3 server serving a directory on a port.
 pub struct S3Server {
     pub endpoint: String,
-    _child: Child,
-    _root: tempfile::TempDir,
+    port: u16,
+    root: PathBuf,
+    child: Option<Child>,
+    _dir: tempfile::TempDir,
 }
 
-pub fn s3() -> &'static S3Server {
-    static S3: OnceLock<S3Server> = OnceLock::new();
-    S3.get_or_init(|| {
-        let root = tempfile::tempdir().expect("a temp dir for the S3 server");
+impl S3Server {
+    /// Starts a server on a free port over a fresh directory.
+    pub fn start() -> anyhow::Result<Self> {
+        let dir = tempfile::tempdir()?;
         let port = free_port();
+        let mut server = S3Server {
+            endpoint: format!("http://127.0.0.1:{port}"),
+            port,
+            root: dir.path().to_path_buf(),
+            child: None,
+            _dir: dir,
+        };
+        server.restart()?;
+        Ok(server)
+    }
+
+    /// Stops the server (an outage); its data stays.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the server again on the same port and data, and waits until it listens.
+    pub fn restart(&mut self) -> anyhow::Result<()> {
+        self.stop();
         let child = Command::new("s3s-fs")
-            .args(["--host", "127.0.0.1", "--port", &port.to_string(), "--access-key", S3_KEY, "--secret-key", S3_SECRET])
-            .arg(root.path())
+            .args(["--host", "127.0.0.1", "--port", &self.port.to_string()])
+            .args(["--access-key", S3_KEY, "--secret-key", S3_SECRET])
+            .arg(&self.root)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .expect("s3s-fs must be installed (`cargo install s3s-fs@0.14.1 --features binary --locked`; .ci/run does it)");
+            .context(
+                "s3s-fs must be installed (`cargo install s3s-fs@0.14.1 --features binary --locked`; \
+                 .ci/run does it)",
+            )?;
+        self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(20);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "s3s-fs did not start listening on {port}");
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            if Instant::now() > deadline {
+                bail!("s3s-fs did not start listening on {}", self.port);
+            }
             std::thread::sleep(Duration::from_millis(50));
         }
-        S3Server { endpoint: format!("http://127.0.0.1:{port}"), _child: child, _root: root }
-    })
+        Ok(())
+    }
+}
+
+impl Drop for S3Server {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// The S3 server shared by all tests of one test binary.
+pub fn s3() -> &'static S3Server {
+    static S3: OnceLock<S3Server> = OnceLock::new();
+    S3.get_or_init(|| S3Server::start().expect("the shared S3 server"))
 }
 
 /// One test's installation: a broker prefix, a bucket, and the processes it started.
 pub struct Farm {
     pub prefix: String,
     pub bucket: String,
+    /// The S3 endpoint of this farm: the shared server, or [`Farm::own_s3`]'s.
+    pub s3_endpoint: String,
+    /// A server of this farm's own, for tests that take S3 down.
+    pub own_s3: Option<S3Server>,
     pub scheduler_port: u16,
     pub http: reqwest::Client,
     pub storage: Storage,
@@ -123,16 +170,31 @@ impl Default for WorkerOptions {
 }
 
 impl Farm {
+    /// A farm on the shared S3 server.
     pub async fn new(name: &str) -> anyhow::Result<Self> {
+        Self::on(name, None).await
+    }
+
+    /// A farm with an S3 server of its own (`own_s3`), which the test may stop and restart.
+    pub async fn with_own_s3(name: &str) -> anyhow::Result<Self> {
+        Self::on(name, Some(S3Server::start()?)).await
+    }
+
+    async fn on(name: &str, own_s3: Option<S3Server>) -> anyhow::Result<Self> {
         let unique = format!("{name}-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
         let prefix = format!("t-{unique}");
         let bucket = format!("t-{unique}").to_lowercase().replace('_', "-");
-        let storage = Storage::open(&Self::storage_config(&bucket))
+        let s3_endpoint = own_s3
+            .as_ref()
+            .map_or_else(|| s3().endpoint.clone(), |s| s.endpoint.clone());
+        let storage = Storage::open(&Self::storage_config(&bucket, &s3_endpoint))
             .await
             .context("creating the test bucket")?;
         Ok(Self {
             prefix,
             bucket,
+            s3_endpoint,
+            own_s3,
             scheduler_port: free_port(),
             http: reqwest::Client::new(),
             storage,
@@ -142,10 +204,10 @@ impl Farm {
         })
     }
 
-    fn storage_config(bucket: &str) -> StorageConfig {
+    fn storage_config(bucket: &str, endpoint: &str) -> StorageConfig {
         StorageConfig::S3 {
             bucket: bucket.to_owned(),
-            endpoint: Some(s3().endpoint.clone()),
+            endpoint: Some(endpoint.to_owned()),
             region: "us-east-1".into(),
             path_style: true,
             access_key_id: Some(S3_KEY.into()),
@@ -160,7 +222,7 @@ impl Farm {
             ("VNFARM_AMQP__PREFIX", self.prefix.clone()),
             ("VNFARM_STORAGE__BACKEND", "s3".into()),
             ("VNFARM_STORAGE__BUCKET", self.bucket.clone()),
-            ("VNFARM_STORAGE__ENDPOINT", s3().endpoint.clone()),
+            ("VNFARM_STORAGE__ENDPOINT", self.s3_endpoint.clone()),
             ("VNFARM_STORAGE__ACCESS_KEY_ID", S3_KEY.into()),
             ("VNFARM_STORAGE__SECRET_ACCESS_KEY", S3_SECRET.into()),
             (

@@ -2,6 +2,7 @@
 
 mod deploy;
 mod failures;
+mod outages;
 mod pipeline;
 mod processes;
 mod sdxl;
