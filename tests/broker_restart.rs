@@ -1,0 +1,94 @@
+//! A RabbitMQ restart (`rabbitmqctl stop_app` / `start_app`) with a job on the engine: the scheduler
+//! and the worker reconnect on their own, the job in flight is delivered again and completes, and new
+//! jobs flow afterwards. Needs the right to run `rabbitmqctl` (root, as in CI).
+
+use std::process::Command;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use vnfarm_tests::{Farm, WorkerOptions, wait_for};
+
+const FINISH: Duration = Duration::from_secs(120);
+
+fn rabbitmqctl(verb: &str) {
+    let out = Command::new("rabbitmqctl")
+        .arg(verb)
+        .output()
+        .expect("rabbitmqctl must be installed (./farm setup installs RabbitMQ)");
+    assert!(
+        out.status.success(),
+        "rabbitmqctl {verb} failed (this test needs the right to restart the broker):\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+async fn submit(farm: &Farm, prompt: &str, steps: u32) -> anyhow::Result<String> {
+    let (status, body) = farm
+        .submit(&json!({"schema_version": 1, "job": {
+            "kind": "generate", "prompt": prompt, "steps": steps, "width": 512, "height": 512}}))
+        .await?;
+    anyhow::ensure!(status == 201, "submit: {status} {body}");
+    Ok(body["job_id"].as_str().unwrap().to_owned())
+}
+
+async fn outputs(farm: &Farm, id: &str) -> anyhow::Result<Vec<String>> {
+    let mut keys = farm.storage.list(&format!("results/{id}/")).await?;
+    keys.sort();
+    Ok(keys)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_restart_mid_job_loses_nothing() -> anyhow::Result<()> {
+    let mut farm = Farm::new("broker-restart").await?;
+    farm.start_scheduler().await?;
+    farm.start_worker(
+        "w1",
+        WorkerOptions {
+            step_ms: 100,
+            ..WorkerOptions::default()
+        },
+    )
+    .await?;
+    let id = submit(&farm, "before the restart", 40).await?;
+    wait_for("the job to start denoising", FINISH, || async {
+        let job = farm.job(&id).await.ok()?;
+        job["progress"]["step"].as_u64().filter(|s| *s >= 2)
+    })
+    .await?;
+
+    rabbitmqctl("stop_app");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    rabbitmqctl("start_app");
+    rabbitmqctl("await_startup");
+
+    let job: Value = farm.wait_finished(&id, FINISH).await?;
+    assert_eq!(
+        job["state"],
+        "completed",
+        "{job}\n{}\n{}",
+        farm.log("scheduler.log"),
+        farm.worker_logs()
+    );
+    assert_eq!(
+        outputs(&farm, &id).await?,
+        [
+            format!("results/{id}/0.png"),
+            format!("results/{id}/manifest.json")
+        ]
+    );
+    for (name, log) in [
+        ("scheduler", farm.log("scheduler.log")),
+        ("worker", farm.worker_logs()),
+    ] {
+        assert!(
+            log.contains("reconnecting"),
+            "the {name} noticed the lost session and reconnected:\n{log}"
+        );
+    }
+
+    // New work flows after the restart.
+    let after = submit(&farm, "after the restart", 5).await?;
+    let job = farm.wait_finished(&after, FINISH).await?;
+    assert_eq!(job["state"], "completed", "{job}");
+    Ok(())
+}
