@@ -6,7 +6,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use vnfarm_tests::{Farm, WorkerOptions, wait_for};
+use vnfarm_tests::{Farm, WorkerOptions};
 
 const FINISH: Duration = Duration::from_secs(120);
 
@@ -50,11 +50,7 @@ async fn a_broker_restart_mid_job_loses_nothing() -> anyhow::Result<()> {
     )
     .await?;
     let id = submit(&farm, "before the restart", 40).await?;
-    wait_for("the job to start denoising", FINISH, || async {
-        let job = farm.job(&id).await.ok()?;
-        job["progress"]["step"].as_u64().filter(|s| *s >= 2)
-    })
-    .await?;
+    farm.wait_step(&id, 2, FINISH).await?;
 
     rabbitmqctl("stop_app");
     tokio::time::sleep(Duration::from_secs(2)).await;

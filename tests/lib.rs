@@ -379,6 +379,22 @@ impl Farm {
         self.get_json(&format!("/v1/jobs/{id}")).await
     }
 
+    /// Waits until the job has reported denoising step `step` (or a later one).
+    pub async fn wait_step(&self, id: &str, step: u64, timeout: Duration) -> anyhow::Result<()> {
+        wait_for(
+            &format!("job {id} to reach step {step}"),
+            timeout,
+            || async {
+                let job = self.job(id).await.ok()?;
+                job["progress"]["step"]
+                    .as_u64()
+                    .filter(|s| *s >= step)
+                    .map(|_| ())
+            },
+        )
+        .await
+    }
+
     /// Waits until the job is in a final state and returns it.
     pub async fn wait_finished(&self, id: &str, timeout: Duration) -> anyhow::Result<Value> {
         wait_for(&format!("job {id} to finish"), timeout, || async {

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use serde_json::json;
-use vnfarm_tests::{Farm, WorkerOptions, wait_for};
+use vnfarm_tests::{Farm, WorkerOptions};
 
 use crate::FINISH;
 
@@ -27,11 +27,7 @@ async fn an_s3_outage_mid_job_delays_the_job_and_loses_nothing() -> anyhow::Resu
         .await?;
     assert_eq!(status, 201, "{body}");
     let id = body["job_id"].as_str().unwrap().to_owned();
-    wait_for("the job to start denoising", FINISH, || async {
-        let job = farm.job(&id).await.ok()?;
-        job["progress"]["step"].as_u64().filter(|s| *s >= 1)
-    })
-    .await?;
+    farm.wait_step(&id, 1, FINISH).await?;
 
     farm.own_s3.as_mut().expect("own S3").stop();
     let events = farm

@@ -185,11 +185,7 @@ async fn cancelling_a_generate_stops_it_between_steps() -> anyhow::Result<()> {
     let (status, body) = farm.submit(&long).await?;
     assert_eq!(status, 201, "{body}");
     let id = body["job_id"].as_str().unwrap().to_owned();
-    wait_for("a denoising step", FINISH, || async {
-        let job = farm.job(&id).await.ok()?;
-        job["progress"]["step"].as_u64().filter(|s| *s >= 1)
-    })
-    .await?;
+    farm.wait_step(&id, 1, FINISH).await?;
     let r = farm
         .http
         .post(farm.url(&format!("/v1/jobs/{id}/cancel")))
