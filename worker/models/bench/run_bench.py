@@ -79,6 +79,11 @@ VARIANTS = {
     "load_direct": ("bin", ["--load-only", "--loader", "direct"], {}),
     "load_base": ("base", ["--load-only"], {}),
     "load_staged_expandable": ("bin", ["--load-only"], {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
+    # The UNet loaded on its own thread (the default since run 4) against one thread for everything.
+    "load_parallel": ("bin", ["--load-only"], {}),
+    "load_parallel_again": ("bin", ["--load-only"], {}),
+    "load_sequential": ("bin", ["--load-only", "--sequential-load"], {}),
+    "load_sequential_again": ("bin", ["--load-only", "--sequential-load"], {}),
 }
 
 SDXL_UNET = dict(sample_size=128, in_channels=4, out_channels=4, flip_sin_to_cos=True, freq_shift=0,

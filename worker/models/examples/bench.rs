@@ -6,7 +6,7 @@
 //! ```sh
 //! bench components <unet .safetensors> <vae .safetensors> [--loader L]
 //! bench pipeline <diffusers folder> [--loader L] [--tiling never|auto] [--cases a,b]
-//!                [--iters N] [--save DIR] [--load-only]
+//!                [--iters N] [--save DIR] [--load-only] [--sequential-load]
 //! bench read <file>...
 //! ```
 //!
@@ -105,6 +105,7 @@ struct Opts {
     iters: usize,
     save: Option<PathBuf>,
     load_only: bool,
+    sequential_load: bool,
     cases: Option<Vec<String>>,
 }
 
@@ -116,6 +117,7 @@ fn parse_opts(args: &[String]) -> anyhow::Result<(Vec<String>, Opts)> {
         iters: 5,
         save: None,
         load_only: false,
+        sequential_load: false,
         cases: None,
     };
     let mut it = args.iter();
@@ -138,6 +140,7 @@ fn parse_opts(args: &[String]) -> anyhow::Result<(Vec<String>, Opts)> {
             "--iters" => o.iters = val()?.parse()?,
             "--save" => o.save = Some(PathBuf::from(val()?)),
             "--load-only" => o.load_only = true,
+            "--sequential-load" => o.sequential_load = true,
             "--cases" => o.cases = Some(val()?.split(',').map(str::to_string).collect()),
             "--cpu" => CPU.store(true, std::sync::atomic::Ordering::Relaxed),
             _ if a.starts_with("--") => anyhow::bail!("unknown option {a}"),
@@ -235,6 +238,7 @@ fn pipeline(dir: &Path, opts: &Opts) -> anyhow::Result<()> {
     cfg.vae_dtype = dt;
     cfg.attention = AttentionImpl::Sdpa;
     cfg.vae_tiling = opts.tiling;
+    cfg.parallel_load = !opts.sequential_load;
     // What the tokenizers alone cost to parse (part of the load below).
     let t = Instant::now();
     for (sub, pad) in [("tokenizer", "<|endoftext|>"), ("tokenizer_2", "!")] {

@@ -82,8 +82,11 @@ struct Staging {
     used: usize,
 }
 
-/// The staging buffer shared by all files, and how many files are open.
-static STAGING: Mutex<Option<Staging>> = Mutex::new(None);
+/// Staging buffers shared by all files, and how many files are open. A loading thread takes a
+/// buffer out of the pool for one tensor and puts it back, so threads that load at the same time
+/// (the pipeline loads the UNet beside the other components) read in parallel, each into its own
+/// buffer; the pool grows to the number of such threads.
+static STAGING: Mutex<Vec<Staging>> = Mutex::new(Vec::new());
 static OPEN_FILES: AtomicUsize = AtomicUsize::new(0);
 
 fn align(n: usize) -> usize {
@@ -109,12 +112,13 @@ pub struct SafetensorsFile {
 impl Drop for SafetensorsFile {
     fn drop(&mut self) {
         if OPEN_FILES.fetch_sub(1, Ordering::AcqRel) == 1 {
-            // Copies still queued from the buffer hold their own reference to its pinned block
-            // (libtorch records an event), so it can be released now.
-            let staging = STAGING
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .take();
+            // Copies still queued from the buffers hold their own reference to their pinned blocks
+            // (libtorch records an event), so they can be released now.
+            let staging = std::mem::take(
+                &mut *STAGING
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner),
+            );
             drop(staging);
         }
     }
@@ -309,25 +313,46 @@ impl SafetensorsFile {
         src_kind: Kind,
         device: Device,
     ) -> Result<Tensor, Staged> {
-        let nbytes = info.end - info.start;
-        let mut guard = STAGING
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(other) = guard.as_ref().map(|s| s.device).filter(|&d| d != device) {
-            // Another device: let queued copies finish before the buffer is replaced.
-            sync_device(other);
-            *guard = None;
-        }
-        if guard.is_none() {
-            let buf = Tensor::f_empty([STAGING_BYTES as i64], (Kind::Uint8, Device::Cpu))?
-                .f_internal_pin_memory(device)?;
-            *guard = Some(Staging {
-                buf,
+        let taken = {
+            let mut pool = STAGING
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if pool.iter().any(|s| s.device != device) {
+                // Another device: let queued copies finish before those buffers are dropped.
+                for other in pool.iter().map(|s| s.device).collect::<Vec<_>>() {
+                    sync_device(other);
+                }
+                pool.clear();
+            }
+            pool.pop()
+        };
+        let mut staging = match taken {
+            Some(staging) => staging,
+            None => Staging {
+                buf: Tensor::f_empty([STAGING_BYTES as i64], (Kind::Uint8, Device::Cpu))?
+                    .f_internal_pin_memory(device)?,
                 device,
                 used: 0,
-            });
-        }
-        let staging = guard.as_mut().expect("staging buffer was just created");
+            },
+        };
+        let result = self.stage(&mut staging, info, src_kind, device);
+        STAGING
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(staging);
+        result
+    }
+
+    /// Reads one tensor into `staging` (owned by this thread until it goes back to the pool) and
+    /// queues its copy to the device.
+    fn stage(
+        &self,
+        staging: &mut Staging,
+        info: &TensorInfo,
+        src_kind: Kind,
+        device: Device,
+    ) -> Result<Tensor, Staged> {
+        let nbytes = info.end - info.start;
         let mut offset = align(staging.used);
         if offset + nbytes > STAGING_BYTES {
             // Every queued copy out of the buffer must be done before it is overwritten.
@@ -335,8 +360,8 @@ impl SafetensorsFile {
             offset = 0;
         }
         {
-            // SAFETY: `buf` is a contiguous, pinned CPU tensor of `STAGING_BYTES` bytes owned by
-            // `STAGING` and only ever touched under its lock; `offset + nbytes` is within it
+            // SAFETY: `buf` is a contiguous, pinned CPU tensor of `STAGING_BYTES` bytes that only
+            // this thread touches while it holds `staging` out of the pool; `offset + nbytes` is within it
             // (checked above, and `nbytes <= STAGING_BYTES` by the caller); no copy out of this
             // range is in flight, since every range handed to the device since the last
             // synchronize lies below `staging.used <= offset`.
