@@ -1,8 +1,10 @@
 //! The scheduler's Prometheus metrics (DESIGN §8), registered into one explicit registry.
 
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry,
+    Encoder, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Registry,
+    register_histogram_vec_with_registry, register_int_counter_vec_with_registry,
+    register_int_counter_with_registry, register_int_gauge_vec_with_registry,
+    register_int_gauge_with_registry,
 };
 
 #[derive(Clone)]
@@ -39,91 +41,107 @@ impl Metrics {
         let buckets = vec![
             0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 180.0, 600.0,
         ];
-        // Names and labels are static and valid, so construction and registration cannot fail.
-        let m = Self {
-            jobs_submitted_total: IntCounterVec::new(
-                Opts::new("jobs_submitted_total", "Jobs accepted, by kind"),
+        // Each metric is created and registered in one step. Names and labels are static, valid and
+        // distinct, so neither can fail.
+        let r = &registry;
+        Self {
+            jobs_submitted_total: register_int_counter_vec_with_registry!(
+                "jobs_submitted_total",
+                "Jobs accepted, by kind",
                 &["kind"],
+                r
             )
             .unwrap(),
-            jobs_finished_total: IntCounterVec::new(
-                Opts::new("jobs_finished_total", "Jobs finished, by kind and outcome"),
+            jobs_finished_total: register_int_counter_vec_with_registry!(
+                "jobs_finished_total",
+                "Jobs finished, by kind and outcome",
                 &["kind", "outcome"],
+                r
             )
             .unwrap(),
-            queue_wait_seconds: HistogramVec::new(
-                HistogramOpts::new("queue_wait_seconds", "Seconds from queued to started")
-                    .buckets(buckets.clone()),
+            queue_wait_seconds: register_histogram_vec_with_registry!(
+                "queue_wait_seconds",
+                "Seconds from queued to started",
                 &["kind"],
+                buckets.clone(),
+                r
             )
             .unwrap(),
-            job_run_seconds: HistogramVec::new(
-                HistogramOpts::new("job_run_seconds", "Seconds from started to completed")
-                    .buckets(buckets),
+            job_run_seconds: register_histogram_vec_with_registry!(
+                "job_run_seconds",
+                "Seconds from started to completed",
                 &["kind"],
+                buckets,
+                r
             )
             .unwrap(),
-            jobs: IntGaugeVec::new(Opts::new("jobs", "Active jobs by state"), &["state"]).unwrap(),
-            backlog: IntGaugeVec::new(
-                Opts::new("backlog_jobs", "Queued jobs waiting for a worker, by model"),
+            jobs: register_int_gauge_vec_with_registry!(
+                "jobs",
+                "Active jobs by state",
+                &["state"],
+                r
+            )
+            .unwrap(),
+            backlog: register_int_gauge_vec_with_registry!(
+                "backlog_jobs",
+                "Queued jobs waiting for a worker, by model",
                 &["model"],
+                r
             )
             .unwrap(),
-            workers: IntGaugeVec::new(Opts::new("workers", "Known workers by state"), &["state"])
-                .unwrap(),
-            dispatches_total: IntCounterVec::new(
-                Opts::new("dispatches_total", "Dispatch decisions by policy branch"),
+            workers: register_int_gauge_vec_with_registry!(
+                "workers",
+                "Known workers by state",
+                &["state"],
+                r
+            )
+            .unwrap(),
+            dispatches_total: register_int_counter_vec_with_registry!(
+                "dispatches_total",
+                "Dispatch decisions by policy branch",
                 &["decision"],
+                r
             )
             .unwrap(),
-            requeues_total: IntCounterVec::new(
-                Opts::new(
-                    "requeues_total",
-                    "Jobs returned from worker queues, by reason",
-                ),
+            requeues_total: register_int_counter_vec_with_registry!(
+                "requeues_total",
+                "Jobs returned from worker queues, by reason",
                 &["reason"],
+                r
             )
             .unwrap(),
-            amqp_connected: IntGauge::new("amqp_connected", "1 while connected to the broker")
-                .unwrap(),
-            amqp_reconnects_total: IntCounter::new(
+            amqp_connected: register_int_gauge_with_registry!(
+                "amqp_connected",
+                "1 while connected to the broker",
+                r
+            )
+            .unwrap(),
+            amqp_reconnects_total: register_int_counter_with_registry!(
                 "amqp_reconnects_total",
                 "Failed broker connection attempts and lost connections",
+                r
             )
             .unwrap(),
-            malformed_messages_total: IntCounter::new(
+            malformed_messages_total: register_int_counter_with_registry!(
                 "malformed_messages_total",
                 "Messages dead-lettered as undecodable, too large or invalid",
+                r
             )
             .unwrap(),
-            events_applied_total: IntCounter::new(
+            events_applied_total: register_int_counter_with_registry!(
                 "events_applied_total",
                 "Job events read from the event stream",
+                r
             )
             .unwrap(),
-            sse_clients: IntGauge::new("sse_clients", "Connected Server-Sent Events clients")
-                .unwrap(),
+            sse_clients: register_int_gauge_with_registry!(
+                "sse_clients",
+                "Connected Server-Sent Events clients",
+                r
+            )
+            .unwrap(),
             registry,
-        };
-        for c in [
-            Box::new(m.jobs_submitted_total.clone()) as Box<dyn prometheus::core::Collector>,
-            Box::new(m.jobs_finished_total.clone()),
-            Box::new(m.queue_wait_seconds.clone()),
-            Box::new(m.job_run_seconds.clone()),
-            Box::new(m.jobs.clone()),
-            Box::new(m.backlog.clone()),
-            Box::new(m.workers.clone()),
-            Box::new(m.dispatches_total.clone()),
-            Box::new(m.requeues_total.clone()),
-            Box::new(m.amqp_connected.clone()),
-            Box::new(m.amqp_reconnects_total.clone()),
-            Box::new(m.malformed_messages_total.clone()),
-            Box::new(m.events_applied_total.clone()),
-            Box::new(m.sse_clients.clone()),
-        ] {
-            m.registry.register(c).unwrap();
         }
-        m
     }
 
     pub fn render(&self) -> String {

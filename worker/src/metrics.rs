@@ -1,8 +1,10 @@
 //! The worker's Prometheus metrics (DESIGN §8), registered into one explicit registry.
 
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts,
-    Registry,
+    Counter, Encoder, Histogram, HistogramVec, IntCounter, IntCounterVec, IntGauge, Registry,
+    register_counter_with_registry, register_histogram_vec_with_registry,
+    register_histogram_with_registry, register_int_counter_vec_with_registry,
+    register_int_counter_with_registry, register_int_gauge_with_registry,
 };
 
 #[derive(Clone)]
@@ -17,7 +19,7 @@ pub struct Metrics {
     pub model_load_seconds: Histogram,
     /// 1 while a job is on the engine; `rate(vnfarm_worker_busy_seconds_total)` is the busy ratio.
     pub busy: IntGauge,
-    pub busy_seconds_total: prometheus::Counter,
+    pub busy_seconds_total: Counter,
     pub amqp_connected: IntGauge,
     pub amqp_reconnects_total: IntCounter,
     /// Storage errors, by operation.
@@ -33,82 +35,78 @@ impl Metrics {
         let stage_buckets = vec![
             0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 180.0,
         ];
-        let m = Self {
-            jobs_total: IntCounterVec::new(
-                Opts::new("worker_jobs_total", "Jobs finished by this worker"),
+        // Each metric is created and registered in one step. Names and labels are static, valid and
+        // distinct, so neither can fail.
+        let r = &registry;
+        Self {
+            jobs_total: register_int_counter_vec_with_registry!(
+                "worker_jobs_total",
+                "Jobs finished by this worker",
                 &["kind", "outcome"],
+                r
             )
             .unwrap(),
-            stage_seconds: HistogramVec::new(
-                HistogramOpts::new("worker_stage_seconds", "Seconds per job stage")
-                    .buckets(stage_buckets.clone()),
+            stage_seconds: register_histogram_vec_with_registry!(
+                "worker_stage_seconds",
+                "Seconds per job stage",
                 &["kind", "stage"],
+                stage_buckets.clone(),
+                r
             )
             .unwrap(),
-            job_seconds: HistogramVec::new(
-                HistogramOpts::new("worker_job_seconds", "Seconds per job, delivery to ack")
-                    .buckets(stage_buckets),
+            job_seconds: register_histogram_vec_with_registry!(
+                "worker_job_seconds",
+                "Seconds per job, delivery to ack",
                 &["kind"],
+                stage_buckets,
+                r
             )
             .unwrap(),
-            model_load_seconds: Histogram::with_opts(HistogramOpts::new(
+            model_load_seconds: register_histogram_with_registry!(
                 "worker_model_load_seconds",
                 "Seconds to load the engine",
-            ))
+                r
+            )
             .unwrap(),
-            busy: IntGauge::new("worker_busy", "1 while a job is on the engine").unwrap(),
-            busy_seconds_total: prometheus::Counter::new(
+            busy: register_int_gauge_with_registry!(
+                "worker_busy",
+                "1 while a job is on the engine",
+                r
+            )
+            .unwrap(),
+            busy_seconds_total: register_counter_with_registry!(
                 "worker_busy_seconds_total",
                 "Seconds the engine spent on jobs",
+                r
             )
             .unwrap(),
-            amqp_connected: IntGauge::new("amqp_connected", "1 while connected to the broker")
-                .unwrap(),
-            amqp_reconnects_total: IntCounter::new(
+            amqp_connected: register_int_gauge_with_registry!(
+                "amqp_connected",
+                "1 while connected to the broker",
+                r
+            )
+            .unwrap(),
+            amqp_reconnects_total: register_int_counter_with_registry!(
                 "amqp_reconnects_total",
                 "Failed broker connection attempts and lost connections",
+                r
             )
             .unwrap(),
-            storage_errors_total: IntCounterVec::new(
-                Opts::new("storage_errors_total", "Storage operations that failed"),
+            storage_errors_total: register_int_counter_vec_with_registry!(
+                "storage_errors_total",
+                "Storage operations that failed",
                 &["op"],
+                r
             )
             .unwrap(),
-            malformed_messages_total: IntCounter::new(
+            malformed_messages_total: register_int_counter_with_registry!(
                 "malformed_messages_total",
                 "Messages dead-lettered as undecodable or too large",
+                r
             )
             .unwrap(),
             registry,
-        };
-        // Names are static and distinct, so registration cannot fail.
-        m.registry.register(Box::new(m.jobs_total.clone())).unwrap();
-        m.registry
-            .register(Box::new(m.stage_seconds.clone()))
-            .unwrap();
-        m.registry
-            .register(Box::new(m.job_seconds.clone()))
-            .unwrap();
-        m.registry
-            .register(Box::new(m.model_load_seconds.clone()))
-            .unwrap();
-        m.registry.register(Box::new(m.busy.clone())).unwrap();
-        m.registry
-            .register(Box::new(m.busy_seconds_total.clone()))
-            .unwrap();
-        m.registry
-            .register(Box::new(m.amqp_connected.clone()))
-            .unwrap();
-        m.registry
-            .register(Box::new(m.amqp_reconnects_total.clone()))
-            .unwrap();
-        m.registry
-            .register(Box::new(m.storage_errors_total.clone()))
-            .unwrap();
-        m.registry
-            .register(Box::new(m.malformed_messages_total.clone()))
-            .unwrap();
-        m
+        }
     }
 
     pub fn render(&self) -> String {
