@@ -52,6 +52,9 @@ CFG, STEPS = 4.5, 20
 
 # name -> (width, height, images); iterations: gen_1024 `--iters`, the others ceil(iters/2).
 GEN_CASES = {"gen_1024": (1024, 1024, 1), "gen_1920x1080": (1920, 1080, 1), "gen_1024_x4": (1024, 1024, 4)}
+# With --gen-2048 (run 5): diffusers also generates at 2048² (untiled VAE, its default).
+GEN_2048 = {"gen_2048": (2048, 2048, 1)}
+ALL_GEN = {**GEN_CASES, **GEN_2048}
 UNET_CASES = {"unet_cfg_1024": (2, 128, 128), "unet_cfg_1280x720": (2, 90, 160), "unet_b8_1024": (8, 128, 128)}
 VAE_CASES = {
     "vae_decode_1024": (128, 128, False),
@@ -79,6 +82,10 @@ VARIANTS = {
     "load_direct": ("bin", ["--load-only", "--loader", "direct"], {}),
     "load_base": ("base", ["--load-only"], {}),
     "load_staged_expandable": ("bin", ["--load-only"], {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
+    # 2048² alone in its own process (so the process peak is this case's): VAE tiling automatic (the
+    # worker's default: tiles above 1024 px) and off.
+    "gen2048_auto": ("bin", ["--cases", "gen_2048", "--tiling", "auto"], {}),
+    "gen2048_never": ("bin", ["--cases", "gen_2048", "--tiling", "never"], {}),
     # The UNet loaded on its own thread (the default since run 4) against one thread for everything.
     "load_parallel": ("bin", ["--load-only"], {}),
     "load_parallel_again": ("bin", ["--load-only"], {}),
@@ -201,7 +208,8 @@ def timed_cases(a, run_case, sync, peak_gib, reset_peak):
     """Runs every GEN_CASES entry through run_case(w, h, n) -> (seconds, first PIL/array image)."""
     import numpy as np
 
-    for name, (w, h, n) in GEN_CASES.items():
+    cases = dict(GEN_CASES, **(GEN_2048 if a.gen_2048 else {}))
+    for name, (w, h, n) in cases.items():
         if a.cpu:  # smoke-test sizes (as `bench pipeline --cpu`)
             w, h = {"gen_1920x1080": (96, 64)}.get(name, (64, 64))
         iters = a.iters if name == "gen_1024" else max(1, (a.iters + 1) // 2)
@@ -418,6 +426,7 @@ def main():
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--skip-components", action="store_true")
     ap.add_argument("--skip-write", action="store_true", help="reuse the weights already in --work")
+    ap.add_argument("--gen-2048", action="store_true", help="diffusers also runs a 2048x2048 generate")
     ap.add_argument("--tiny", action="store_true", help="diffusers' tiny SDXL test configs (smoke test)")
     ap.add_argument("--cpu", action="store_true", help="run everything on the CPU in fp32 (smoke test)")
     ap.add_argument("--diffusers-side", choices=["write", "pipeline", "components"], help=argparse.SUPPRESS)
@@ -435,7 +444,7 @@ def main():
     except FileNotFoundError:
         pass
     results = {"args": vars(a), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
-    common = ["--work", a.work, "--iters", str(a.iters)] + (["--tiny"] if a.tiny else []) + (["--cpu"] if a.cpu else [])
+    common = ["--work", a.work, "--iters", str(a.iters)] + (["--tiny"] if a.tiny else []) + (["--cpu"] if a.cpu else []) + (["--gen-2048"] if a.gen_2048 else [])
 
     def diffusers(phase, extra=()):
         r = run_sampled([sys.executable, "-u", __file__, "--diffusers-side", phase, *common, *extra],
@@ -483,7 +492,7 @@ def main():
         import numpy as np
 
         for v in variants:
-            for case in GEN_CASES:
+            for case in ALL_GEN:
                 d = results["diffusers_pipeline"]["rows"].get(case, {})
                 o = results[f"ours_pipeline_{v}"]["rows"].get(case, {})
                 if d.get("saved") and o.get("saved") and os.path.exists(d["saved"]) and os.path.exists(o["saved"]):
@@ -540,13 +549,13 @@ def make_tables(res, variants, a):
         lines.append("| " + " | ".join(cells) + " |")
 
     row("pipeline load, page cache (s)", lambda r, m: num(r, "pipeline_load", "s"), 2)
-    for case in GEN_CASES:
+    for case in ALL_GEN:
         row(f"{case}: first call (s)", lambda r, m, c=case: num(r, c, "first_s"), 3)
         row(f"{case}: median (s)", lambda r, m, c=case: num(r, c, "s_median"), 3)
-    for case in ["pipeline_load"] + list(GEN_CASES):
+    for case in ["pipeline_load"] + list(ALL_GEN):
         row(f"GPU memory during {case}: peak over idle (MiB)", lambda r, m, c=case: num(r, c, "smi_peak_mib"), 0)
     row("GPU memory, whole process: peak over idle (MiB)", lambda r, m: m.get("peak_mib"), 0)
-    pk = [f"{c} {dr[c]['peak_alloc_gib']:.2f}" for c in ["pipeline_load"] + list(GEN_CASES)
+    pk = [f"{c} {dr[c]['peak_alloc_gib']:.2f}" for c in ["pipeline_load"] + list(ALL_GEN)
           if dr.get(c, {}).get("peak_alloc_gib") is not None]
     if pk:
         lines += ["", "diffusers `torch.cuda.max_memory_allocated` (GiB, reset per case): " + ", ".join(pk)]
@@ -561,7 +570,7 @@ def make_tables(res, variants, a):
                   "| --- | --- | ---: | ---: | ---: |"]
         for v in partial:
             rows = ours[v].get("rows", {})
-            for case in GEN_CASES:
+            for case in ALL_GEN:
                 if case in rows:
                     lines.append(f"| `{v}` | {case} | {f(num(rows, case, 'first_s'), 3)} | {f(num(rows, case, 's_median'), 3)} | "
                                  f"{ours[v].get('mem', {}).get('peak_mib')} |")
@@ -570,7 +579,7 @@ def make_tables(res, variants, a):
     if tok:
         lines += ["", "Tokenizer parse time alone (both tokenizers, before the load): " + ", ".join(tok)]
     spread = []
-    for case in GEN_CASES:
+    for case in ALL_GEN:
         for name, rows in [("diffusers", dr)] + [(f"`{v}`", ours[v].get("rows", {})) for v in variants]:
             r = rows.get(case)
             if r and r.get("s_min") is not None:

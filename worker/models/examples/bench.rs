@@ -261,25 +261,25 @@ fn pipeline(dir: &Path, opts: &Opts) -> anyhow::Result<()> {
         return Ok(());
     }
 
-    let mut cases: [(&str, u32, u32, usize, usize); 3] = [
+    let half = opts.iters.div_ceil(2).max(1);
+    let mut cases: [(&str, u32, u32, usize, usize); 4] = [
         ("gen_1024", 1024, 1024, 1, opts.iters),
-        (
-            "gen_1920x1080",
-            1920,
-            1080,
-            1,
-            opts.iters.div_ceil(2).max(1),
-        ),
-        ("gen_1024_x4", 1024, 1024, 4, opts.iters.div_ceil(2).max(1)),
+        ("gen_1920x1080", 1920, 1080, 1, half),
+        ("gen_1024_x4", 1024, 1024, 4, half),
+        // Only when asked for (`--cases gen_2048`): the VAE tiling question at 2048².
+        ("gen_2048", 2048, 2048, 1, half),
     ];
     if on_cpu() {
         // Smoke-test sizes for tiny models (same as run_bench.py --cpu).
-        for (c, (w, h)) in cases.iter_mut().zip([(64, 64), (96, 64), (64, 64)]) {
+        for (c, (w, h)) in cases
+            .iter_mut()
+            .zip([(64, 64), (96, 64), (64, 64), (128, 128)])
+        {
             (c.1, c.2) = (w, h);
         }
     }
     let selected: Vec<_> = match &opts.cases {
-        None => cases.to_vec(),
+        None => cases[..3].to_vec(),
         Some(names) => names
             .iter()
             .map(|n| {
