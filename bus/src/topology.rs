@@ -181,3 +181,45 @@ pub async fn delete_all(
     }
     Ok(())
 }
+
+/// A private subscription to `routing_key` on `exchange`: an exclusive, auto-deleted, server-named
+/// queue on its own channel, consumed without acknowledgements. For messages that matter only while
+/// this connection lives (heartbeats for the scheduler, cancel fan-out for a worker); the queue goes
+/// away with the connection.
+pub async fn subscribe_private(
+    connection: &lapin::Connection,
+    exchange: &str,
+    routing_key: &str,
+    consumer_tag: &str,
+) -> Result<lapin::Consumer, lapin::Error> {
+    let channel = connection.create_channel().await?;
+    let private = QueueDeclareOptions {
+        exclusive: true,
+        auto_delete: true,
+        ..Default::default()
+    };
+    let queue = channel
+        .queue_declare("".into(), private, FieldTable::default())
+        .await?;
+    channel
+        .queue_bind(
+            queue.name().clone(),
+            exchange.into(),
+            routing_key.into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    let no_ack = lapin::options::BasicConsumeOptions {
+        no_ack: true,
+        ..Default::default()
+    };
+    channel
+        .basic_consume(
+            queue.name().clone(),
+            consumer_tag.into(),
+            no_ack,
+            FieldTable::default(),
+        )
+        .await
+}

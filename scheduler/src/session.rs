@@ -6,10 +6,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use lapin::message::Delivery;
-use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions, QueueBindOptions,
-    QueueDeclareOptions,
-};
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{Channel, Connection};
 use tokio_util::sync::CancellationToken;
@@ -78,36 +75,13 @@ impl Scheduler {
         self.metrics.amqp_connected.set(1);
 
         // Heartbeats: a private queue bound to every worker's heartbeat.
-        let hb_channel = connection.create_channel().await?;
-        let private = QueueDeclareOptions {
-            exclusive: true,
-            auto_delete: true,
-            ..Default::default()
-        };
-        let hb_queue = hb_channel
-            .queue_declare("".into(), private, FieldTable::default())
-            .await?;
-        hb_channel
-            .queue_bind(
-                hb_queue.name().clone(),
-                self.topology.events_exchange().into(),
-                HEARTBEAT_ROUTING_PATTERN.into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await?;
-        let no_ack = BasicConsumeOptions {
-            no_ack: true,
-            ..Default::default()
-        };
-        let mut heartbeats = hb_channel
-            .basic_consume(
-                hb_queue.name().clone(),
-                "heartbeats".into(),
-                no_ack,
-                FieldTable::default(),
-            )
-            .await?;
+        let mut heartbeats = topology::subscribe_private(
+            connection,
+            &self.topology.events_exchange(),
+            HEARTBEAT_ROUTING_PATTERN,
+            "heartbeats",
+        )
+        .await?;
 
         // The event stream, from where this process left off (the first offset on a fresh start).
         let stream_channel = connection.create_channel().await?;

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use lapin::Connection;
-use lapin::options::{BasicConsumeOptions, BasicQosOptions, QueueBindOptions, QueueDeclareOptions};
+use lapin::options::{BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use tokio_util::sync::CancellationToken;
 use vnfarm_bus::publisher::json_properties;
@@ -54,36 +54,13 @@ impl Worker {
             .await?;
 
         // Cancellations fan out to every worker through a private, auto-deleted queue.
-        let control = connection.create_channel().await?;
-        let private = QueueDeclareOptions {
-            exclusive: true,
-            auto_delete: true,
-            ..Default::default()
-        };
-        let control_queue = control
-            .queue_declare("".into(), private, FieldTable::default())
-            .await?;
-        control
-            .queue_bind(
-                control_queue.name().clone(),
-                self.topology.events_exchange().into(),
-                CANCEL_ROUTING_KEY.into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await?;
-        let no_ack = BasicConsumeOptions {
-            no_ack: true,
-            ..Default::default()
-        };
-        let mut cancels = control
-            .basic_consume(
-                control_queue.name().clone(),
-                "cancels".into(),
-                no_ack,
-                FieldTable::default(),
-            )
-            .await?;
+        let mut cancels = vnfarm_bus::topology::subscribe_private(
+            connection,
+            &self.topology.events_exchange(),
+            CANCEL_ROUTING_KEY,
+            "cancels",
+        )
+        .await?;
         let session_done = CancellationToken::new();
         let _stop_helpers = session_done.clone().drop_guard();
         {
