@@ -9,7 +9,7 @@ pub struct EulerDiscrete {
     pub timesteps: Vec<f64>,
     pub sigmas: Vec<f64>,
     spacing: TimestepSpacing,
-    prediction: PredictionType,
+    pub(super) prediction: PredictionType,
 }
 
 impl EulerDiscrete {

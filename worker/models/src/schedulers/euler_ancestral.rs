@@ -2,44 +2,20 @@
 
 use tch::{Kind, Tensor};
 
-use super::{PredictionType, SchedulerConfig, TimestepSpacing, euler_x0, interp};
+use super::euler::EulerDiscrete;
+use super::{SchedulerConfig, euler_x0};
 
+/// Euler's σ schedule, model-input scaling and initial noise, with an ancestral step.
 #[derive(Debug)]
 pub struct EulerAncestralDiscrete {
-    pub timesteps: Vec<f64>,
-    pub sigmas: Vec<f64>,
-    spacing: TimestepSpacing,
-    prediction: PredictionType,
+    pub euler: EulerDiscrete,
 }
 
 impl EulerAncestralDiscrete {
     pub fn new(config: &SchedulerConfig, steps: usize) -> Self {
-        let train = config.train_sigmas();
-        let timesteps = config.spaced_timesteps(steps);
-        let mut sigmas: Vec<f64> = timesteps
-            .iter()
-            .map(|&t| f64::from(interp(t, &train) as f32))
-            .collect();
-        sigmas.push(0.0);
         Self {
-            timesteps,
-            sigmas,
-            spacing: config.timestep_spacing,
-            prediction: config.prediction_type,
+            euler: EulerDiscrete::new(config, steps),
         }
-    }
-
-    pub fn init_noise_sigma(&self) -> f64 {
-        let max = self.sigmas.iter().copied().fold(0.0, f64::max);
-        match self.spacing {
-            TimestepSpacing::Linspace | TimestepSpacing::Trailing => max,
-            TimestepSpacing::Leading => f64::from(((max * max + 1.0) as f32).sqrt()),
-        }
-    }
-
-    pub fn scale_model_input(&self, sample: &Tensor, i: usize) -> Tensor {
-        let s = self.sigmas[i];
-        sample / (s * s + 1.0).sqrt()
     }
 
     pub fn step(
@@ -51,9 +27,10 @@ impl EulerAncestralDiscrete {
     ) -> Tensor {
         let kind = model_output.kind();
         let sample = sample.to_kind(Kind::Float);
-        let sigma = self.sigmas[i];
-        let x0 = euler_x0(self.prediction, model_output, &sample, sigma);
-        let (from, to) = (sigma, self.sigmas[i + 1]);
+        let sigmas = &self.euler.sigmas;
+        let sigma = sigmas[i];
+        let x0 = euler_x0(self.euler.prediction, model_output, &sample, sigma);
+        let (from, to) = (sigma, sigmas[i + 1]);
         // fp32 like the 0-dim tensors diffusers computes these with.
         let sigma_up =
             f64::from(((to * to * (from * from - to * to) / (from * from)) as f32).sqrt());

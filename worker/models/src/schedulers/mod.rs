@@ -212,7 +212,7 @@ impl Scheduler {
     pub fn timesteps(&self) -> &[f64] {
         match self {
             Self::Euler(s) => &s.timesteps,
-            Self::EulerAncestral(s) => &s.timesteps,
+            Self::EulerAncestral(s) => &s.euler.timesteps,
             Self::DpmPp2mKarras(s) => &s.timesteps,
         }
     }
@@ -221,7 +221,7 @@ impl Scheduler {
     pub fn sigmas(&self) -> &[f64] {
         match self {
             Self::Euler(s) => &s.sigmas,
-            Self::EulerAncestral(s) => &s.sigmas,
+            Self::EulerAncestral(s) => &s.euler.sigmas,
             Self::DpmPp2mKarras(s) => &s.sigmas,
         }
     }
@@ -230,7 +230,7 @@ impl Scheduler {
     pub fn init_noise_sigma(&self) -> f64 {
         match self {
             Self::Euler(s) => s.init_noise_sigma(),
-            Self::EulerAncestral(s) => s.init_noise_sigma(),
+            Self::EulerAncestral(s) => s.euler.init_noise_sigma(),
             Self::DpmPp2mKarras(_) => 1.0,
         }
     }
@@ -239,7 +239,7 @@ impl Scheduler {
     /// ancestral sampling (diffusers draws even on the last step), never for the others.
     pub fn noise_draws(&self) -> usize {
         match self {
-            Self::EulerAncestral(s) => s.timesteps.len(),
+            Self::EulerAncestral(s) => s.euler.timesteps.len(),
             Self::Euler(_) | Self::DpmPp2mKarras(_) => 0,
         }
     }
@@ -248,7 +248,7 @@ impl Scheduler {
     pub fn scale_model_input(&self, sample: &Tensor, i: usize) -> Tensor {
         match self {
             Self::Euler(s) => s.scale_model_input(sample, i),
-            Self::EulerAncestral(s) => s.scale_model_input(sample, i),
+            Self::EulerAncestral(s) => s.euler.scale_model_input(sample, i),
             Self::DpmPp2mKarras(_) => sample.shallow_clone(),
         }
     }
