@@ -12,7 +12,7 @@ pub struct Metrics {
     pub registry: Registry,
     /// Jobs finished, by kind and outcome (`completed`, `failed`, `cancelled`, `requeued`).
     pub jobs_total: IntCounterVec,
-    /// Seconds per stage (`download`, `encode`, `denoise`, `decode`, `upload`), by kind.
+    /// Seconds per stage (`download`, `encode`, `encode_prompt`, `denoise`, `decode`, `upload`), by kind.
     pub stage_seconds: HistogramVec,
     /// Whole-job seconds, by kind.
     pub job_seconds: HistogramVec,
