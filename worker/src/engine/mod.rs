@@ -231,6 +231,24 @@ impl Engine {
     }
 }
 
+/// Runs one job, turning a panic into [`EngineError::Failed`] for that job. A panic (a bug, or a
+/// libtorch failure outside the pipeline's own guard) must not kill the engine thread: a worker with a
+/// dead engine would fail every job sent to it. The engines keep no state a half-run job could
+/// corrupt (the weights are only read), so the thread goes on serving.
+fn guarded(
+    run: impl FnOnce() -> Result<EngineOutput, EngineError>,
+) -> Result<EngineOutput, EngineError> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or_else(|payload| {
+        let message = payload
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| payload.downcast_ref::<&str>().map(|m| m.to_string()))
+            .unwrap_or_else(|| "unknown panic".into());
+        tracing::error!(%message, "the engine panicked on a job");
+        Err(EngineError::Failed(format!("engine panicked: {message}")))
+    })
+}
+
 struct Request {
     job: EngineJob,
     progress: tokio::sync::mpsc::UnboundedSender<Progress>,
@@ -275,13 +293,15 @@ impl EngineHost {
                     } = req;
                     let model = job.task.model();
                     let result = if served.contains(&model) {
-                        engine.run(
-                            job,
-                            &mut |p| {
-                                let _ = progress.send(p);
-                            },
-                            &cancel,
-                        )
+                        guarded(|| {
+                            engine.run(
+                                job,
+                                &mut |p| {
+                                    let _ = progress.send(p);
+                                },
+                                &cancel,
+                            )
+                        })
                     } else {
                         Err(EngineError::Unsupported(model))
                     };
@@ -320,5 +340,27 @@ impl EngineHost {
             .map_err(|_| EngineError::Failed("engine thread has stopped".into()))?;
         rx.await
             .map_err(|_| EngineError::Failed("engine thread dropped the job".into()))?
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_panicking_job_fails_alone() {
+        let r = guarded(|| panic!("index out of bounds"));
+        match r {
+            Err(EngineError::Failed(m)) => assert!(m.contains("index out of bounds"), "{m}"),
+            other => panic!("expected Failed, got {other:?}"),
+        }
+        let ok = guarded(|| {
+            Ok(EngineOutput {
+                images: Vec::new(),
+                seeds: Vec::new(),
+                timings: StageTimings::default(),
+            })
+        });
+        assert!(ok.is_ok(), "a job after a panic runs normally");
     }
 }
