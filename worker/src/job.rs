@@ -118,6 +118,8 @@ impl JobError {
             JobError::Engine(EngineError::Failed(_)) => {
                 Disposition::DeadLetter(FailureKind::Engine)
             }
+            // Not the job's fault: another worker tries it (this one stops, see `device_lost`).
+            JobError::Engine(EngineError::DeviceLost(_)) => Disposition::Retry(FailureKind::Engine),
             JobError::Engine(EngineError::Unsupported(_)) => {
                 Disposition::DeadLetter(FailureKind::NoWorker)
             }
@@ -258,6 +260,10 @@ impl Worker {
     ) -> Result<(), Lost> {
         let job_id = msg.job_id;
         let kind = msg.task.kind_name();
+        if let JobError::Engine(EngineError::DeviceLost(reason)) = &error {
+            // Stop taking jobs before this one is given back, so it goes to another worker.
+            self.device_lost(reason);
+        }
         match error.disposition() {
             Disposition::DeadLetter(failure) => {
                 tracing::warn!(job_id = %job_id, failure = failure.as_str(), error = %error, "job failed permanently");
@@ -673,6 +679,15 @@ mod tests {
         assert_eq!(
             JobError::Engine(EngineError::OutOfMemory("x".into())).disposition(),
             Disposition::Retry(FailureKind::OutOfMemory)
+        );
+        assert_eq!(
+            JobError::Engine(EngineError::DeviceLost("CUDA error".into())).disposition(),
+            Disposition::Retry(FailureKind::Engine),
+            "a device failure is not the job's fault"
+        );
+        assert_eq!(
+            JobError::Engine(EngineError::Failed("bug".into())).disposition(),
+            Disposition::DeadLetter(FailureKind::Engine)
         );
     }
 }

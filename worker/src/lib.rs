@@ -79,6 +79,15 @@ pub async fn serve(
         })
     };
     {
+        // A device failure drains the worker like a SIGTERM; `serve` then returns the error.
+        let fatal = worker.fatal.clone();
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move {
+            fatal.cancelled().await;
+            shutdown.cancel();
+        });
+    }
+    {
         let worker = worker.clone();
         let shutdown = shutdown.clone();
         tokio::spawn(async move {
@@ -114,5 +123,8 @@ pub async fn serve(
     http_stop.cancel();
     let _ = server.await;
     tracing::info!(worker = %worker.id, "worker stopped");
-    Ok(())
+    match worker.fatal_reason() {
+        Some(reason) => anyhow::bail!("stopped after a device failure: {reason}"),
+        None => Ok(()),
+    }
 }

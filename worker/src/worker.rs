@@ -27,6 +27,10 @@ pub struct Inner {
     pub engine: EngineHost,
     pub metrics: Metrics,
     status: Mutex<Status>,
+    /// Cancelled when the device failed (see [`Worker::device_lost`]); the reason is kept for the
+    /// exit status.
+    pub fatal: tokio_util::sync::CancellationToken,
+    fatal_reason: Mutex<Option<String>>,
 }
 
 struct Status {
@@ -61,6 +65,8 @@ impl Worker {
             engine,
             metrics,
             status: Mutex::new(status),
+            fatal: tokio_util::sync::CancellationToken::new(),
+            fatal_reason: Mutex::new(None),
         }))
     }
 
@@ -105,6 +111,25 @@ impl Worker {
 
     pub fn is_cancelled(&self, job_id: JobId) -> bool {
         self.status().cancelled.contains(&job_id)
+    }
+
+    /// The device failed: stop taking jobs and exit with an error once the job in hand is given
+    /// back, so that a supervisor restarts the worker with a fresh device context.
+    pub fn device_lost(&self, reason: &str) {
+        tracing::error!(%reason, "device failure: this worker stops taking jobs and exits");
+        self.fatal_reason
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_or_insert_with(|| reason.to_owned());
+        self.fatal.cancel();
+    }
+
+    /// Why the worker must exit with an error, if it must.
+    pub fn fatal_reason(&self) -> Option<String> {
+        self.fatal_reason
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// Interrupts the running job so that it goes back to the queue (shutdown past the grace period).

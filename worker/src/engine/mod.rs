@@ -130,6 +130,11 @@ pub enum EngineError {
     InvalidInput(String),
     #[error("engine failure: {0}")]
     Failed(String),
+    /// The device failed in a way that may have left it unusable (a CUDA/HIP error, a device-side
+    /// assert): the job goes to another worker and this worker stops, to be restarted with a fresh
+    /// device context.
+    #[error("device failure: {0}")]
+    DeviceLost(String),
     #[error("this worker has no engine for {0}")]
     Unsupported(ModelFamily),
 }

@@ -353,12 +353,22 @@ fn engine_error(e: GenerateError, cancel: &Cancel) -> EngineError {
             EngineError::InvalidInput(m)
         }
         GenerateError::Backend(m) if is_out_of_memory(&m) => EngineError::OutOfMemory(m),
+        GenerateError::Backend(m) if is_device_failure(&m) => EngineError::DeviceLost(m),
         GenerateError::Torch(e) if is_out_of_memory(&e.to_string()) => {
             EngineError::OutOfMemory(e.to_string())
         }
         GenerateError::Backend(m) => EngineError::Failed(m),
         GenerateError::Torch(e) => EngineError::Failed(e.to_string()),
     }
+}
+
+/// Errors after which the device context cannot be trusted: CUDA/HIP runtime errors ("CUDA error: an
+/// illegal memory access was encountered", "HIP error: …") and device-side asserts. Out-of-memory
+/// errors are not among them: the allocator recovers from those.
+fn is_device_failure(message: &str) -> bool {
+    let m = message.to_ascii_lowercase();
+    !is_out_of_memory(message)
+        && (m.contains("cuda error") || m.contains("hip error") || m.contains("device-side assert"))
 }
 
 /// libtorch's allocator messages: "CUDA out of memory", "HIP out of memory", CPU "DefaultCPUAllocator:
@@ -415,7 +425,26 @@ mod tests {
             EngineError::OutOfMemory(_)
         ));
         assert!(matches!(
-            engine_error(GenerateError::Backend("device-side assert".into()), &cancel),
+            engine_error(
+                GenerateError::Backend(
+                    "CUDA error: an illegal memory access was encountered".into()
+                ),
+                &cancel
+            ),
+            EngineError::DeviceLost(_)
+        ));
+        assert!(matches!(
+            engine_error(
+                GenerateError::Backend("device-side assert triggered".into()),
+                &cancel
+            ),
+            EngineError::DeviceLost(_)
+        ));
+        assert!(matches!(
+            engine_error(
+                GenerateError::Backend("expected a 4-D tensor, got 3-D".into()),
+                &cancel
+            ),
             EngineError::Failed(_)
         ));
         assert!(matches!(
