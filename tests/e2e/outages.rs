@@ -74,3 +74,55 @@ async fn an_s3_outage_mid_job_delays_the_job_and_loses_nothing() -> anyhow::Resu
     );
     Ok(())
 }
+
+/// A device failure on a worker (injected through the test-pattern fixture, as a CUDA error would
+/// come from libtorch): the job is reported retryable and runs on another worker; the failed worker
+/// stops taking jobs and exits with an error for its supervisor to restart it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_failure_moves_the_job_and_stops_the_worker() -> anyhow::Result<()> {
+    const TRIGGER: &str = "a prompt that breaks the GPU";
+    let mut farm = Farm::new("device-lost").await?;
+    farm.start_scheduler().await?;
+    let broken = WorkerOptions {
+        extra_env: vec![(
+            "VNFARM_ENGINE__TEST_PATTERN__DEVICE_FAILURE_PROMPT".into(),
+            TRIGGER.into(),
+        )],
+        ..WorkerOptions::default()
+    };
+    farm.start_worker("w-bad", broken).await?;
+    let (status, body) = farm
+        .submit(&json!({"schema_version": 1, "job": {
+            "kind": "generate", "prompt": TRIGGER, "steps": 4, "width": 512, "height": 512}}))
+        .await?;
+    assert_eq!(status, 201, "{body}");
+    let id = body["job_id"].as_str().unwrap().to_owned();
+
+    let exit = vnfarm_tests::wait_for("the broken worker to exit", FINISH, || {
+        std::future::ready(farm.worker_mut("w-bad").try_wait().ok().flatten())
+    })
+    .await?;
+    let log = farm.log("w-bad.log");
+    assert!(!exit.success(), "exit status {exit}\n{log}");
+    assert!(log.contains("device failure"), "{log}");
+
+    farm.start_worker("w-good", WorkerOptions::default())
+        .await?;
+    let job = farm.wait_finished(&id, FINISH).await?;
+    assert_eq!(job["state"], "completed", "{job}\n{}", farm.worker_logs());
+    assert_eq!(job["worker"], "w-good", "{job}");
+    let events = farm
+        .collect_events(FINISH, |evs| {
+            evs.iter()
+                .any(|e| e["job_id"] == id.as_str() && e["event"] == "completed")
+        })
+        .await?;
+    assert!(
+        events.iter().any(|e| e["job_id"] == id.as_str()
+            && e["event"] == "failed"
+            && e["failure"] == "engine"
+            && e["retryable"] == true),
+        "a retryable engine failure was reported first"
+    );
+    Ok(())
+}

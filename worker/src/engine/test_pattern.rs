@@ -26,6 +26,10 @@ pub struct TestPatternConfig {
     /// Sleep for decoding each output image.
     #[serde(default = "default_decode_ms")]
     pub decode_ms: u64,
+    /// Fault injection for tests of the job system: a generate with exactly this prompt fails as a
+    /// device failure would (the job is given back, the worker exits with an error).
+    #[serde(default)]
+    pub device_failure_prompt: Option<String>,
 }
 
 fn default_step_ms() -> u64 {
@@ -44,6 +48,7 @@ impl Default for TestPatternConfig {
             step_ms: default_step_ms(),
             encode_ms: default_encode_ms(),
             decode_ms: default_decode_ms(),
+            device_failure_prompt: None,
         }
     }
 }
@@ -140,6 +145,12 @@ impl TestPatternEngine {
         let mut seeds = Vec::new();
         match &job.task {
             Task::Generate(g) => {
+                if self.config.device_failure_prompt.as_deref() == Some(g.prompt.as_str()) {
+                    self.denoise(1, progress, cancel)?;
+                    return Err(EngineError::DeviceLost(
+                        "injected by engine.test_pattern.device_failure_prompt".into(),
+                    ));
+                }
                 let seed = g.seed.ok_or_else(|| {
                     EngineError::InvalidInput("generate without a resolved seed".into())
                 })?;
@@ -231,6 +242,7 @@ mod tests {
             step_ms: 0,
             encode_ms: 0,
             decode_ms: 0,
+            device_failure_prompt: None,
         });
         let mut steps = Vec::new();
         let out = engine
@@ -267,6 +279,7 @@ mod tests {
             step_ms: 1,
             encode_ms: 0,
             decode_ms: 0,
+            device_failure_prompt: None,
         });
         let cancel = Cancel::default();
         cancel.request(super::super::CancelReason::User);
