@@ -87,6 +87,22 @@ pub fn load<T: DeserializeOwned>(
     })
 }
 
+/// A configuration that checks its own bounds after decoding. Messages are written
+/// `"field.path: what is wrong"`, so the error names the field.
+pub trait Validate {
+    fn validate(&self) -> Result<(), String>;
+}
+
+/// [`load`], then [`Validate::validate`]: what every binary's `Config::load` does.
+pub fn load_validated<T: DeserializeOwned + Validate>(
+    file: Option<&Path>,
+    env: impl IntoIterator<Item = (String, String)>,
+) -> Result<T, ConfigError> {
+    let config: T = load(file, env)?;
+    config.validate().map_err(ConfigError::invalid)?;
+    Ok(config)
+}
+
 /// `VNFARM_` variables that are not configuration keys: the config file path, the command line's
 /// settings, and the test harness's. A user may export them in the same shell as a binary's settings.
 fn is_reserved(key: &str) -> bool {

@@ -57,12 +57,12 @@ impl Config {
         file: Option<&Path>,
         env: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Self, ConfigError> {
-        let config: Config = vnfarm_config::load(file, env)?;
-        config.validate().map_err(ConfigError::invalid)?;
-        Ok(config)
+        vnfarm_config::load_validated(file, env)
     }
+}
 
-    pub fn validate(&self) -> Result<(), String> {
+impl vnfarm_config::Validate for Config {
+    fn validate(&self) -> Result<(), String> {
         self.amqp.validate()?;
         self.storage.validate("storage")?;
         if !self.listen.ip().is_loopback() && self.api_token.as_deref().unwrap_or("").is_empty() {

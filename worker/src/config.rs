@@ -76,12 +76,20 @@ impl Config {
         file: Option<&Path>,
         env: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Self, ConfigError> {
-        let config: Config = vnfarm_config::load(file, env)?;
-        config.validate().map_err(ConfigError::invalid)?;
-        Ok(config)
+        vnfarm_config::load_validated(file, env)
     }
 
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn worker_id(&self) -> WorkerId {
+        WorkerId::try_from(self.worker_id.clone()).expect("validated in Config::validate")
+    }
+
+    pub fn models(&self) -> Vec<ModelFamily> {
+        self.engine.models()
+    }
+}
+
+impl vnfarm_config::Validate for Config {
+    fn validate(&self) -> Result<(), String> {
         WorkerId::try_from(self.worker_id.clone()).map_err(|e| format!("worker_id: {e}"))?;
         self.amqp.validate()?;
         self.storage.validate("storage")?;
@@ -96,13 +104,5 @@ impl Config {
             return Err("storage_attempts: must be at least 1".into());
         }
         Ok(())
-    }
-
-    pub fn worker_id(&self) -> WorkerId {
-        WorkerId::try_from(self.worker_id.clone()).expect("validated in Config::validate")
-    }
-
-    pub fn models(&self) -> Vec<ModelFamily> {
-        self.engine.models()
     }
 }
