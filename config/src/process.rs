@@ -1,6 +1,6 @@
 //! What every vnfarm binary does before and around its `run`: find the config file, load the typed
-//! config or exit 64 naming the field, start logging, and turn SIGTERM / Ctrl-C into a cancellation
-//! (a second signal exits at once).
+//! config or exit 64 naming the field, start logging, turn SIGTERM / Ctrl-C into a cancellation
+//! (a second signal exits at once), and serve its Prometheus metrics.
 
 use std::path::PathBuf;
 
@@ -69,4 +69,20 @@ pub fn shutdown_on_signals(on_first: &'static str) -> CancellationToken {
         std::process::exit(1);
     });
     shutdown
+}
+
+/// The registry a binary's metrics live in: every name gets the `vnfarm_` prefix.
+pub fn metrics_registry() -> prometheus::Registry {
+    prometheus::Registry::new_custom(Some("vnfarm".into()), None)
+        .expect("the prefix 'vnfarm' is a valid metric name")
+}
+
+/// `registry` in the Prometheus text format, for `/metrics`.
+pub fn render_metrics(registry: &prometheus::Registry) -> String {
+    use prometheus::Encoder;
+    let mut buf = Vec::new();
+    prometheus::TextEncoder::new()
+        .encode(&registry.gather(), &mut buf)
+        .expect("text encoding into a Vec cannot fail");
+    String::from_utf8(buf).expect("the Prometheus text format is UTF-8")
 }

@@ -1,7 +1,7 @@
 //! The scheduler's Prometheus metrics (DESIGN §8), registered into one explicit registry.
 
 use prometheus::{
-    Encoder, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Registry,
+    HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Registry,
     register_histogram_vec_with_registry, register_int_counter_vec_with_registry,
     register_int_counter_with_registry, register_int_gauge_vec_with_registry,
     register_int_gauge_with_registry,
@@ -36,8 +36,7 @@ pub struct Metrics {
 
 impl Metrics {
     pub fn new() -> Self {
-        let registry = Registry::new_custom(Some("vnfarm".into()), None)
-            .expect("the prefix 'vnfarm' is a valid metric name");
+        let registry = vnfarm_config::process::metrics_registry();
         let buckets = vec![
             0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 180.0, 600.0,
         ];
@@ -145,11 +144,7 @@ impl Metrics {
     }
 
     pub fn render(&self) -> String {
-        let mut buf = Vec::new();
-        prometheus::TextEncoder::new()
-            .encode(&self.registry.gather(), &mut buf)
-            .expect("text encoding into a Vec cannot fail");
-        String::from_utf8(buf).expect("the Prometheus text format is UTF-8")
+        vnfarm_config::process::render_metrics(&self.registry)
     }
 }
 
