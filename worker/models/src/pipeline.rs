@@ -46,6 +46,52 @@ pub struct ComponentConfigs {
     pub scheduler: Option<SchedulerConfig>,
 }
 
+impl ComponentConfigs {
+    /// Every `None` read from the diffusers-layout folder `dir`: `unet/`, `vae/`, `text_encoder/`
+    /// and `text_encoder_2/` `config.json` (required), `scheduler/scheduler_config.json` (if present).
+    pub fn fill_from_dir(&self, dir: &Path) -> Result<Self, LoadError> {
+        fn or_read<T: Clone>(
+            have: &Option<T>,
+            path: &Path,
+            parse: fn(&str) -> Result<T, String>,
+        ) -> Result<Option<T>, LoadError> {
+            match have {
+                Some(x) => Ok(Some(x.clone())),
+                None => read_config(path, parse).map(Some),
+            }
+        }
+        let scheduler = dir.join("scheduler/scheduler_config.json");
+        Ok(Self {
+            unet: or_read(
+                &self.unet,
+                &dir.join("unet/config.json"),
+                UNetConfig::from_json,
+            )?,
+            vae: or_read(
+                &self.vae,
+                &dir.join("vae/config.json"),
+                VaeConfig::from_json,
+            )?,
+            clip_l: or_read(
+                &self.clip_l,
+                &dir.join("text_encoder/config.json"),
+                ClipTextConfig::from_json,
+            )?,
+            clip_g: or_read(
+                &self.clip_g,
+                &dir.join("text_encoder_2/config.json"),
+                ClipTextConfig::from_json,
+            )?,
+            scheduler: match &self.scheduler {
+                None if scheduler.exists() => {
+                    Some(read_config(&scheduler, SchedulerConfig::from_json)?)
+                }
+                other => other.clone(),
+            },
+        })
+    }
+}
+
 /// How to load and run the pipeline.
 #[derive(Debug, Clone)]
 pub struct PipelineConfig {
@@ -260,34 +306,14 @@ impl SdxlPipeline {
                     )
                 }
                 ModelSource::DiffusersFolder(dir) => {
-                    let unet_cfg = match &c.unet {
-                        Some(u) => u.clone(),
-                        None => read_config(&dir.join("unet/config.json"), UNetConfig::from_json)?,
-                    };
-                    let vae_cfg = match &c.vae {
-                        Some(v) => v.clone(),
-                        None => read_config(&dir.join("vae/config.json"), VaeConfig::from_json)?,
-                    };
-                    let clip = |o: &Option<ClipTextConfig>, sub: &str| match o {
-                        Some(x) => Ok(x.clone()),
-                        None => read_config(
-                            &dir.join(sub).join("config.json"),
-                            ClipTextConfig::from_json,
-                        ),
-                    };
-                    let l_cfg = clip(&c.clip_l, "text_encoder")?;
-                    let g_cfg = clip(&c.clip_g, "text_encoder_2")?;
-                    let sched = match &c.scheduler {
-                        Some(s) => s.clone(),
-                        None => {
-                            let p = dir.join("scheduler/scheduler_config.json");
-                            if p.exists() {
-                                read_config(&p, SchedulerConfig::from_json)?
-                            } else {
-                                SchedulerConfig::sdxl()
-                            }
-                        }
-                    };
+                    let filled = c.fill_from_dir(dir)?;
+                    let (unet_cfg, vae_cfg, l_cfg, g_cfg) = (
+                        filled.unet.expect("filled"),
+                        filled.vae.expect("filled"),
+                        filled.clip_l.expect("filled"),
+                        filled.clip_g.expect("filled"),
+                    );
+                    let sched = filled.scheduler.unwrap_or_else(SchedulerConfig::sdxl);
                     let keep = |k: &str| Some(k.to_string());
                     let clip = crate::clip::canonical_key;
                     (
@@ -497,21 +523,6 @@ impl SdxlPipeline {
                 .unwrap_or_else(|| "unknown panic".into());
             Err(GenerateError::Backend(first_line_of_torch_error(&message)))
         })
-    }
-
-    /// The denoising loop of one request; returns its final latents `[count, 4, h, w]`.
-    pub fn generate_latents(
-        &self,
-        r: &GenerateRequest,
-        progress: &mut dyn FnMut(usize, usize),
-        cancel: &dyn Fn() -> bool,
-    ) -> Result<Tensor, GenerateError> {
-        self.denoise_batch(
-            std::slice::from_ref(r),
-            progress,
-            cancel,
-            &mut StageTimes::default(),
-        )
     }
 
     /// Conditioning rows for a batch: `(context, pooled)` with, under guidance, every image's

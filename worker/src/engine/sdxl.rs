@@ -5,7 +5,7 @@
 //! uses seed `seed + n` whatever the batching, so an image can always be reproduced alone. Progress
 //! is reported after every denoising step, cancellation is checked before every step.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Instant;
 
 use serde::Deserialize;
@@ -16,7 +16,7 @@ use vnfarm_models::nn::AttentionImpl;
 use vnfarm_models::pipeline::{
     ComponentConfigs, GenerateRequest, ModelSource, PipelineConfig, SdxlPipeline,
 };
-use vnfarm_models::schedulers::{Sampler, SchedulerConfig};
+use vnfarm_models::schedulers::Sampler;
 use vnfarm_models::vae::{Tiling, VaeConfig};
 use vnfarm_proto::{GenerateSpec, StageTimings, Task};
 
@@ -159,42 +159,6 @@ fn open_device(name: &str) -> anyhow::Result<Device> {
     Ok(device)
 }
 
-fn read_json<T>(path: &Path, parse: fn(&str) -> Result<T, String>) -> anyhow::Result<T> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| anyhow::anyhow!("reading {}: {e}", path.display()))?;
-    parse(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
-}
-
-/// Component configs of a single-file checkpoint from a diffusers-layout folder.
-fn component_configs(dir: &Path) -> anyhow::Result<ComponentConfigs> {
-    use vnfarm_models::clip::ClipTextConfig;
-    use vnfarm_models::unet::UNetConfig;
-    let scheduler = dir.join("scheduler/scheduler_config.json");
-    Ok(ComponentConfigs {
-        unet: Some(read_json(
-            &dir.join("unet/config.json"),
-            UNetConfig::from_json,
-        )?),
-        vae: Some(read_json(
-            &dir.join("vae/config.json"),
-            VaeConfig::from_json,
-        )?),
-        clip_l: Some(read_json(
-            &dir.join("text_encoder/config.json"),
-            ClipTextConfig::from_json,
-        )?),
-        clip_g: Some(read_json(
-            &dir.join("text_encoder_2/config.json"),
-            ClipTextConfig::from_json,
-        )?),
-        scheduler: if scheduler.exists() {
-            Some(read_json(&scheduler, SchedulerConfig::from_json)?)
-        } else {
-            None
-        },
-    })
-}
-
 pub struct SdxlEngine {
     pipeline: SdxlPipeline,
     max_batch: usize,
@@ -226,17 +190,14 @@ impl SdxlEngine {
             VaeTiling::Always => Tiling::Always,
             VaeTiling::Never => Tiling::Never,
         };
-        if let Some(dir) = &config.config_dir {
-            pc.components = component_configs(dir)?;
+        // Component configs: `config_dir`'s, else a diffusers folder's own, else (single file) the
+        // SDXL base presets inside the pipeline.
+        let config_dir = config.config_dir.as_ref();
+        if let Some(dir) = config_dir.or(checkpoint.is_dir().then_some(checkpoint)) {
+            pc.components = ComponentConfigs::default().fill_from_dir(dir)?;
         }
         if let Some(px) = config.vae_tile_threshold {
-            let mut vae = match pc.components.vae.take() {
-                Some(v) => v,
-                None if checkpoint.is_dir() => {
-                    read_json(&checkpoint.join("vae/config.json"), VaeConfig::from_json)?
-                }
-                None => VaeConfig::sdxl(),
-            };
+            let mut vae = pc.components.vae.take().unwrap_or_else(VaeConfig::sdxl);
             vae.tiling_threshold = i64::from(px);
             pc.components.vae = Some(vae);
         }
