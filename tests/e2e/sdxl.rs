@@ -7,13 +7,13 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 use tch::{Device, Kind};
-use vnfarm_models::safetensors::SafetensorsFile;
+use vnfarm_models::loading::safetensors::SafetensorsFile;
 use vnfarm_tests::{Farm, WorkerOptions, wait_for};
 
 use crate::FINISH;
 
 fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../worker/models/fixtures")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../worker/models/fixtures/sdxl")
 }
 
 /// A worker serving SDXL from `checkpoint` on the CPU in fp32 (the precision of the references).
@@ -43,7 +43,7 @@ fn sdxl_worker(checkpoint: &Path, max_batch: u32) -> WorkerOptions {
 }
 
 /// diffusers' reference images and the parameters that made them (see
-/// `worker/models/fixtures/make_sdxl_fixtures.py`, `WORKER_CASES`).
+/// `worker/models/fixtures/sdxl/make_sdxl_fixtures.py`, `WORKER_CASES`).
 struct Reference {
     file: SafetensorsFile,
     meta: Value,

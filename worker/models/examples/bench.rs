@@ -17,7 +17,7 @@
 //!   the JSON line) for comparison with diffusers.
 //! - `read`: reads the files from start to end into one 64 MiB buffer, twice (the page-cache read
 //!   baseline for load times).
-//! - `--loader staged|direct`: [`vnfarm_models::safetensors::LoadPath`].
+//! - `--loader staged|direct`: [`vnfarm_models::loading::safetensors::LoadPath`].
 //! - `--cases a,b`: only these `pipeline` cases, in this order (default: all).
 //! - `--cpu`: fp32 on the CPU at 64–96 px (`pipeline` only; smoke tests of the driver with tiny models).
 //!
@@ -32,13 +32,13 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use tch::{Cuda, Device, Kind, Tensor};
 use vnfarm_models::nn::AttentionImpl;
-use vnfarm_models::pipeline::{GenerateRequest, ModelSource, PipelineConfig, SdxlPipeline};
-use vnfarm_models::safetensors::{self, LoadPath, SafetensorsFile};
+use vnfarm_models::sdxl::pipeline::{GenerateRequest, ModelSource, PipelineConfig, SdxlPipeline};
+use vnfarm_models::loading::safetensors::{self, LoadPath, SafetensorsFile};
 use vnfarm_models::schedulers::Sampler;
-use vnfarm_models::tokenizer::ClipTokenizer;
-use vnfarm_models::unet::{AddedCond, UNet2DConditionModel, UNetConfig};
-use vnfarm_models::vae::{AutoencoderKL, Tiling, VaeConfig};
-use vnfarm_models::weights::{WeightStore, Weights};
+use vnfarm_models::text::clip_tokenizer::ClipTokenizer;
+use vnfarm_models::sdxl::unet::{AddedCond, UNet2DConditionModel, UNetConfig};
+use vnfarm_models::sdxl::vae::{AutoencoderKL, Tiling, VaeConfig};
+use vnfarm_models::loading::weights::{WeightStore, Weights};
 
 /// Prompts of both sides (`run_bench.py` uses the same strings).
 const PROMPT: &str = "a photograph of an astronaut riding a horse on the surface of the moon, \

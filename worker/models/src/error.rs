@@ -74,3 +74,30 @@ pub enum GenerateError {
     #[error("libtorch failed during generation: {0}")]
     Backend(String),
 }
+
+/// Runs `f`, turning a libtorch failure that tch reported by panicking (out of device memory, a
+/// device error inside an operation) into [`GenerateError::Backend`] with the libtorch message, so
+/// a request cannot bring the worker down.
+pub fn contain_backend_panics<T>(
+    f: impl FnOnce() -> Result<T, GenerateError> + std::panic::UnwindSafe,
+) -> Result<T, GenerateError> {
+    std::panic::catch_unwind(f).unwrap_or_else(|payload| {
+        let message = payload
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "unknown panic".into());
+        Err(GenerateError::Backend(first_line_of_torch_error(&message)))
+    })
+}
+
+/// The libtorch message of a tch panic (`called Result::unwrap() on an Err value: Torch("msg\n
+/// Exception raised from …")`) without the unwrap preamble and the C++ backtrace.
+fn first_line_of_torch_error(panic: &str) -> String {
+    let msg = panic.split_once("Torch(\"").map_or(panic, |(_, rest)| rest);
+    msg.split("\\n")
+        .next()
+        .unwrap_or(msg)
+        .trim_end_matches("\")")
+        .to_string()
+}

@@ -1,4 +1,4 @@
-//! The SDXL engine: `generate` jobs on [`vnfarm_models::pipeline::SdxlPipeline`], kept warm for the
+//! The SDXL engine: `generate` jobs on [`vnfarm_models::sdxl::pipeline::SdxlPipeline`], kept warm for the
 //! worker's life.
 //!
 //! A job's images are denoised together, at most `max_batch` per UNet forward; image `n` of a job
@@ -11,13 +11,13 @@ use std::time::Instant;
 use serde::Deserialize;
 use tch::{Device, Kind};
 use vnfarm_models::error::GenerateError;
-use vnfarm_models::ldm::PredictionType;
+use vnfarm_models::schedulers::PredictionType;
 use vnfarm_models::nn::AttentionImpl;
-use vnfarm_models::pipeline::{
+use vnfarm_models::sdxl::pipeline::{
     ComponentConfigs, GenerateRequest, ModelSource, PipelineConfig, SdxlPipeline,
 };
 use vnfarm_models::schedulers::Sampler;
-use vnfarm_models::vae::{Tiling, VaeConfig};
+use vnfarm_models::sdxl::vae::{Tiling, VaeConfig};
 use vnfarm_proto::{GenerateSpec, StageTimings, Task};
 
 use super::{Cancel, CancelReason, EngineError, EngineJob, EngineOutput, Progress};

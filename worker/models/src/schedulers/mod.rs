@@ -16,7 +16,14 @@ pub use euler_ancestral::EulerAncestralDiscrete;
 
 use tch::{Device, Kind, Tensor};
 
-pub use crate::ldm::PredictionType;
+/// What the noise predictor outputs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PredictionType {
+    #[default]
+    Epsilon,
+    VPrediction,
+}
 
 /// How inference timesteps are spread over the training range.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]

@@ -133,7 +133,8 @@ impl std::fmt::Debug for SafetensorsFile {
     }
 }
 
-fn kind_of(dtype: &str) -> Option<(Kind, usize)> {
+/// The libtorch kind and element size of a safetensors dtype name.
+pub fn kind_of(dtype: &str) -> Option<(Kind, usize)> {
     Some(match dtype {
         "F64" => (Kind::Double, 8),
         "F32" => (Kind::Float, 4),

@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use tch::{Device, Kind, Tensor};
 
 use crate::error::LoadError;
-use crate::safetensors::SafetensorsFile;
+use crate::loading::safetensors::SafetensorsFile;
 
 /// How a stored tensor becomes the requested one.
 #[derive(Debug, Clone)]
@@ -34,6 +34,19 @@ pub struct Source {
     pub transform: Transform,
 }
 
+/// What happens to Linear weights stored in fp8 (`F8_E4M3` / `F8_E5M2`, optionally with a
+/// per-tensor `scale_weight` / `weight_scale` beside them, ComfyUI's "scaled fp8").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Fp8Mode {
+    /// Dequantised once at load into the cursor's dtype (`w.float() * scale`, then cast).
+    #[default]
+    Upcast,
+    /// Kept in fp8 on the device with its scale; [`crate::nn::Linear`] dequantises per call, so
+    /// the weights take one byte per parameter.
+    Resident,
+}
+
 /// A name table over one or more memory-mapped files, or over shapes only (see
 /// [`WeightStore::placeholders`]). It records which names were asked for.
 #[derive(Debug, Default)]
@@ -42,6 +55,7 @@ pub struct WeightStore {
     names: HashMap<String, Source>,
     placeholders: HashMap<String, Vec<i64>>,
     requested: Mutex<BTreeSet<String>>,
+    fp8: Fp8Mode,
 }
 
 impl WeightStore {
@@ -104,6 +118,77 @@ impl WeightStore {
 
     pub fn len(&self) -> usize {
         self.names.len() + self.placeholders.len()
+    }
+
+    /// Sets what happens to fp8 Linear weights (see [`Fp8Mode`]).
+    pub fn with_fp8(mut self, mode: Fp8Mode) -> Self {
+        self.fp8 = mode;
+        self
+    }
+
+    /// Loads the Linear weight `name` (`[out, in]`) and, when it stays in fp8, its scale: a dense
+    /// tensor in `kind` with no scale, unless the file stores it in fp8 and the store keeps fp8
+    /// resident ([`Fp8Mode::Resident`]). The scale is the 0-d fp32 tensor stored under the same
+    /// key with `weight` replaced by `scale_weight` (ComfyUI's legacy scaled fp8) or
+    /// `weight_scale` (its newer layout); absent, the scale is 1.
+    pub fn get_linear_weight(
+        &self,
+        name: &str,
+        shape: &[i64],
+        device: Device,
+        kind: Kind,
+    ) -> Result<(Tensor, Option<Tensor>), LoadError> {
+        let Some(src) = self.names.get(name) else {
+            return Ok((self.get(name, shape, device, kind)?, None));
+        };
+        let file = &self.files[src.file];
+        let stored = file
+            .info(&src.key)
+            .and_then(|info| crate::loading::safetensors::kind_of(&info.dtype))
+            .map(|(k, _)| k);
+        let fp8_kind = match (stored, &src.transform) {
+            (Some(k), Transform::Identity) if crate::nn::is_fp8(k) => k,
+            _ => return Ok((self.get(name, shape, device, kind)?, None)),
+        };
+        let scale = self.fp8_scale(file, &src.key, device)?;
+        match (self.fp8, scale) {
+            (Fp8Mode::Resident, scale) => {
+                Ok((self.get(name, shape, device, fp8_kind)?, scale))
+            }
+            (Fp8Mode::Upcast, None) => Ok((self.get(name, shape, device, kind)?, None)),
+            (Fp8Mode::Upcast, Some(scale)) => {
+                let w = self.get(name, shape, device, Kind::Float)?;
+                Ok(((w * scale).to_kind(kind), None))
+            }
+        }
+    }
+
+    /// The per-tensor scale stored beside fp8 weight `key`, as a 0-d fp32 tensor on `device`.
+    fn fp8_scale(
+        &self,
+        file: &SafetensorsFile,
+        key: &str,
+        device: Device,
+    ) -> Result<Option<Tensor>, LoadError> {
+        let Some(stem) = key.strip_suffix("weight") else {
+            return Ok(None);
+        };
+        for candidate in [format!("{stem}scale_weight"), format!("{stem}weight_scale")] {
+            let Some(info) = file.info(&candidate) else {
+                continue;
+            };
+            if info.shape.iter().product::<i64>() != 1 {
+                return Err(LoadError::Shape {
+                    path: file.path().to_path_buf(),
+                    tensor: candidate,
+                    expected: vec![],
+                    found: info.shape.clone(),
+                });
+            }
+            let t = file.load(&candidate, device, Kind::Float)?;
+            return Ok(Some(t.reshape([] as [i64; 0])));
+        }
+        Ok(None)
     }
 
     pub fn is_empty(&self) -> bool {
@@ -267,6 +352,16 @@ impl Weights {
         } else {
             format!("{}.{}", self.prefix, name)
         }
+    }
+
+    /// The Linear weight `prefix.name` and its fp8 scale (see [`WeightStore::get_linear_weight`]).
+    pub fn get_linear_weight(
+        &self,
+        name: &str,
+        shape: &[i64],
+    ) -> Result<(Tensor, Option<Tensor>), LoadError> {
+        self.store
+            .get_linear_weight(&self.full(name), shape, self.device, self.kind)
     }
 
     /// The tensor `prefix.name` with the expected shape, on this cursor's device and dtype.

@@ -10,22 +10,14 @@
 
 use std::sync::Arc;
 
-use crate::safetensors::SafetensorsFile;
-use crate::weights::{Transform, WeightStore};
+use crate::loading::safetensors::SafetensorsFile;
+use crate::loading::weights::{Transform, WeightStore};
+use crate::schedulers::PredictionType;
 
 pub const UNET_PREFIX: &str = "model.diffusion_model.";
 pub const VAE_PREFIX: &str = "first_stage_model.";
 pub const CLIP_L_PREFIX: &str = "conditioner.embedders.0.transformer.";
 pub const CLIP_G_PREFIX: &str = "conditioner.embedders.1.model.";
-
-/// What the noise predictor outputs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum PredictionType {
-    #[default]
-    Epsilon,
-    VPrediction,
-}
 
 /// Flags read from a single-file checkpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -292,7 +284,7 @@ pub fn stores(
                 s.vae.insert(name, v, key.to_string(), Transform::Identity);
             }
         } else if let Some(k) = key.strip_prefix(CLIP_L_PREFIX) {
-            if let Some(name) = crate::clip::canonical_key(k) {
+            if let Some(name) = crate::sdxl::clip::canonical_key(k) {
                 s.clip_l
                     .insert(name, l, key.to_string(), Transform::Identity);
             }

@@ -1,12 +1,18 @@
-//! The handful of layers every component is built from (Linear, Conv2d, GroupNorm, LayerNorm),
-//! holding plain tensors loaded through [`Weights`]; plus the attention kernel choice.
+//! The handful of layers every component is built from (Linear, Conv2d, GroupNorm, LayerNorm,
+//! RmsNorm), holding plain tensors loaded through [`Weights`]; the attention kernel choice; and
+//! [`embeddings`] (timestep embeddings).
 //!
-//! Layer semantics follow `torch.nn` exactly so that diffusers checkpoints load unchanged.
+//! Layer semantics follow `torch.nn` exactly so that diffusers checkpoints load unchanged. A
+//! [`Linear`] may hold its weight in fp8 (see [`crate::loading::weights::Fp8Mode`]): it is then
+//! upcast to the activations' dtype, times its per-tensor scale, at every call.
 
-use tch::Tensor;
+pub mod embeddings;
+pub mod rope;
+
+use tch::{Kind, Tensor};
 
 use crate::error::LoadError;
-use crate::weights::Weights;
+use crate::loading::weights::Weights;
 
 /// How attention is computed. Both give the same result up to float rounding.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
@@ -44,17 +50,31 @@ pub fn attention(
     }
 }
 
-/// `torch.nn.Linear`.
+/// `torch.nn.Linear`, with the weight either dense in the compute dtype or resident in fp8.
 #[derive(Debug)]
 pub struct Linear {
+    /// `[out, in]`: the cursor's dtype, or an fp8 kind when kept resident in fp8.
     pub weight: Tensor,
+    /// The fp8 weight's per-tensor scale (a 0-d fp32 tensor on the weight's device): the real
+    /// weight is `weight.float() * scale`. `None` for dense weights and unscaled fp8.
+    pub weight_scale: Option<Tensor>,
     pub bias: Option<Tensor>,
+}
+
+/// Whether `kind` is one of the 8-bit float kinds.
+pub fn is_fp8(kind: Kind) -> bool {
+    matches!(
+        kind,
+        Kind::Float8e4m3fn | Kind::Float8e5m2 | Kind::Float8e4m3fnuz | Kind::Float8e5m2fnuz
+    )
 }
 
 impl Linear {
     pub fn new(w: &Weights, in_dim: i64, out_dim: i64, bias: bool) -> Result<Self, LoadError> {
+        let (weight, weight_scale) = w.get_linear_weight("weight", &[out_dim, in_dim])?;
         Ok(Self {
-            weight: w.get("weight", &[out_dim, in_dim])?,
+            weight,
+            weight_scale,
             bias: if bias {
                 Some(w.get("bias", &[out_dim])?)
             } else {
@@ -63,8 +83,24 @@ impl Linear {
         })
     }
 
+    /// The weight in `kind` (dequantised if stored in fp8).
+    pub fn dense_weight(&self, kind: Kind) -> Tensor {
+        if !is_fp8(self.weight.kind()) {
+            return self.weight.to_kind(kind);
+        }
+        match &self.weight_scale {
+            // In fp32 like the reference dequantisation (`w.float() * scale`), then to `kind`.
+            Some(scale) => (self.weight.to_kind(Kind::Float) * scale).to_kind(kind),
+            None => self.weight.to_kind(kind),
+        }
+    }
+
     pub fn forward(&self, x: &Tensor) -> Tensor {
-        x.linear(&self.weight, self.bias.as_ref())
+        if is_fp8(self.weight.kind()) {
+            x.linear(&self.dense_weight(x.kind()), self.bias.as_ref())
+        } else {
+            x.linear(&self.weight, self.bias.as_ref())
+        }
     }
 }
 
@@ -163,5 +199,31 @@ impl LayerNorm {
             self.eps,
             true,
         )
+    }
+}
+
+/// RMSNorm over the last dimension with a learned weight, as transformers' `Qwen2RMSNorm` and
+/// diffusers' `RMSNorm`: the mean square is taken in fp32, the normalised values are cast back to
+/// the input dtype, then scaled by the weight.
+#[derive(Debug)]
+pub struct RmsNorm {
+    pub weight: Tensor,
+    eps: f64,
+}
+
+impl RmsNorm {
+    pub fn new(w: &Weights, dim: i64, eps: f64) -> Result<Self, LoadError> {
+        Ok(Self {
+            weight: w.get("weight", &[dim])?,
+            eps,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Tensor {
+        let kind = x.kind();
+        let xf = x.to_kind(Kind::Float);
+        let variance = xf.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
+        let normed = (xf * (variance + self.eps).rsqrt()).to_kind(kind);
+        normed * &self.weight
     }
 }

@@ -10,7 +10,7 @@ use tch::{Kind, Tensor};
 
 use crate::error::LoadError;
 use crate::nn::{AttentionImpl, LayerNorm, Linear, attention};
-use crate::weights::Weights;
+use crate::loading::weights::Weights;
 
 /// The canonical name of a transformers CLIP text-model key: transformers ≥ 5 saves
 /// `CLIPTextModel` without the `text_model.` prefix (`embeddings.*`, `encoder.*`,

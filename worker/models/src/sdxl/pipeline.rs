@@ -13,18 +13,19 @@ use std::sync::Arc;
 use image::RgbImage;
 use tch::{Device, Kind, Tensor};
 
-use crate::clip::{ClipTextConfig, ClipTextModel};
-use crate::conditioning::{EncoderPair, PromptEncoder};
-use crate::error::{GenerateError, LoadError};
-use crate::ldm::{self, PredictionType};
+use crate::sdxl::clip::{ClipTextConfig, ClipTextModel};
+use crate::sdxl::conditioning::{EncoderPair, PromptEncoder};
+use crate::error::{GenerateError, LoadError, contain_backend_panics};
+use crate::loading::diffusers::{component_store, open, read_config};
+use crate::sdxl::ldm;
 use crate::nn::AttentionImpl;
 use crate::noise;
-use crate::safetensors::SafetensorsFile;
-use crate::schedulers::{Sampler, Scheduler, SchedulerConfig};
-use crate::tokenizer::ClipTokenizer;
-use crate::unet::{AddedCond, UNet2DConditionModel, UNetConfig};
-use crate::vae::{AutoencoderKL, Tiling, VaeConfig};
-use crate::weights::{WeightStore, Weights};
+use crate::loading::safetensors::SafetensorsFile;
+use crate::schedulers::{PredictionType, Sampler, Scheduler, SchedulerConfig};
+use crate::text::clip_tokenizer::ClipTokenizer;
+use crate::sdxl::unet::{AddedCond, UNet2DConditionModel, UNetConfig};
+use crate::sdxl::vae::{AutoencoderKL, Tiling, VaeConfig};
+use crate::loading::weights::{WeightStore, Weights};
 
 /// Where the weights are.
 #[derive(Debug, Clone, PartialEq)]
@@ -192,80 +193,6 @@ pub struct SdxlPipeline {
     info: LoadedInfo,
 }
 
-fn read_config<T>(path: &Path, parse: impl Fn(&str) -> Result<T, String>) -> Result<T, LoadError> {
-    let text = std::fs::read_to_string(path).map_err(|source| LoadError::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    parse(&text).map_err(|reason| LoadError::Config {
-        path: path.to_path_buf(),
-        reason,
-    })
-}
-
-/// The libtorch message of a tch panic (`called Result::unwrap() on an Err value: Torch("msg\n
-/// Exception raised from …")`) without the unwrap preamble and the C++ backtrace.
-fn first_line_of_torch_error(panic: &str) -> String {
-    let msg = panic.split_once("Torch(\"").map_or(panic, |(_, rest)| rest);
-    msg.split("\\n")
-        .next()
-        .unwrap_or(msg)
-        .trim_end_matches("\")")
-        .to_string()
-}
-
-fn open(path: &Path) -> Result<Arc<SafetensorsFile>, LoadError> {
-    SafetensorsFile::open(path).map(Arc::new)
-}
-
-/// A diffusers component's weights `dir/{base}.safetensors`; else the sharded
-/// `{base}.safetensors.index.json` (`weight_map` of tensor → shard file); else the
-/// `{base}.fp16.safetensors` variant.
-fn component_store(
-    dir: &Path,
-    base: &str,
-    rename: fn(&str) -> Option<String>,
-) -> Result<WeightStore, LoadError> {
-    let single = dir.join(format!("{base}.safetensors"));
-    let index = dir.join(format!("{base}.safetensors.index.json"));
-    let fp16 = dir.join(format!("{base}.fp16.safetensors"));
-    if single.exists() || !(index.exists() || fp16.exists()) {
-        return Ok(WeightStore::renamed(open(&single)?, rename));
-    }
-    if !index.exists() {
-        return Ok(WeightStore::renamed(open(&fp16)?, rename));
-    }
-    let map: serde_json::Value = read_config(&index, |t| {
-        serde_json::from_str(t).map_err(|e| e.to_string())
-    })?;
-    let weight_map = map
-        .get("weight_map")
-        .and_then(|m| m.as_object())
-        .ok_or_else(|| LoadError::Config {
-            path: index.clone(),
-            reason: "no `weight_map` object".into(),
-        })?;
-    let mut shards: Vec<&str> = weight_map.values().filter_map(|v| v.as_str()).collect();
-    shards.sort_unstable();
-    shards.dedup();
-    let mut store = WeightStore::default();
-    for shard in shards {
-        let file = open(&dir.join(shard))?;
-        let idx = store.add_file(file.clone());
-        for key in file.names() {
-            if let Some(name) = rename(key) {
-                store.insert(
-                    name,
-                    idx,
-                    key.to_string(),
-                    crate::weights::Transform::Identity,
-                );
-            }
-        }
-    }
-    Ok(store)
-}
-
 /// Tokenizers 1 and 2 from `dir/tokenizer{,_2}` (see [`ClipTokenizer::from_dir`]), else the bundled
 /// one with SDXL's pad tokens (`<|endoftext|>` and `!`).
 fn tokenizers(dir: Option<&Path>) -> Result<(ClipTokenizer, ClipTokenizer), LoadError> {
@@ -315,7 +242,7 @@ impl SdxlPipeline {
                     );
                     let sched = filled.scheduler.unwrap_or_else(SchedulerConfig::sdxl);
                     let keep = |k: &str| Some(k.to_string());
-                    let clip = crate::clip::canonical_key;
+                    let clip = crate::sdxl::clip::canonical_key;
                     (
                         unet_cfg,
                         vae_cfg,
@@ -515,14 +442,7 @@ impl SdxlPipeline {
                 .collect();
             Ok(BatchOutput { images, times })
         });
-        std::panic::catch_unwind(run).unwrap_or_else(|payload| {
-            let message = payload
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "unknown panic".into());
-            Err(GenerateError::Backend(first_line_of_torch_error(&message)))
-        })
+        contain_backend_panics(run)
     }
 
     /// Conditioning rows for a batch: `(context, pooled)` with, under guidance, every image's

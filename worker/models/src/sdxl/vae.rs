@@ -10,8 +10,8 @@ use tch::Tensor;
 
 use crate::error::LoadError;
 use crate::nn::{AttentionImpl, Conv2d, GroupNorm, Linear, attention};
-use crate::resnet::{Downsample2D, ResnetBlock2D, Upsample2D};
-use crate::weights::Weights;
+use crate::sdxl::resnet::{Downsample2D, ResnetBlock2D, Upsample2D};
+use crate::loading::weights::Weights;
 
 /// `AutoencoderKL` config fields, plus tiling settings (ours).
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]

@@ -1,5 +1,5 @@
 //! Golden tests against diffusers / transformers / compel on the tiny SDXL fixtures of
-//! `fixtures/make_sdxl_fixtures.py`, loading both the diffusers folder and the ldm single file.
+//! `fixtures/sdxl/make_sdxl_fixtures.py`, loading both the diffusers folder and the ldm single file.
 //!
 //! Relative error is `max|a − b| / max|b|` over the whole tensor (b = reference); components must
 //! be within 1e-4 in fp32. Images: mean absolute error over all RGB8 values, in units of 1/255,
@@ -10,25 +10,26 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use tch::{Device, Kind, Tensor};
-use vnfarm_models::clip::{ClipTextConfig, ClipTextModel};
+use vnfarm_models::sdxl::clip::{ClipTextConfig, ClipTextModel};
 use vnfarm_models::error::{GenerateError, LoadError};
-use vnfarm_models::ldm::{self, PredictionType};
+use vnfarm_models::schedulers::PredictionType;
+use vnfarm_models::sdxl::ldm;
 use vnfarm_models::nn::AttentionImpl;
 use vnfarm_models::noise;
-use vnfarm_models::pipeline::{
+use vnfarm_models::sdxl::pipeline::{
     ComponentConfigs, GenerateRequest, ModelSource, PipelineConfig, SdxlPipeline,
 };
-use vnfarm_models::safetensors::SafetensorsFile;
+use vnfarm_models::loading::safetensors::SafetensorsFile;
 use vnfarm_models::schedulers::{Sampler, Scheduler, SchedulerConfig};
-use vnfarm_models::tokenizer::ClipTokenizer;
-use vnfarm_models::unet::{AddedCond, UNet2DConditionModel, UNetConfig};
-use vnfarm_models::vae::{AutoencoderKL, Tiling, VaeConfig};
-use vnfarm_models::weights::{WeightStore, Weights};
+use vnfarm_models::text::clip_tokenizer::ClipTokenizer;
+use vnfarm_models::sdxl::unet::{AddedCond, UNet2DConditionModel, UNetConfig};
+use vnfarm_models::sdxl::vae::{AutoencoderKL, Tiling, VaeConfig};
+use vnfarm_models::loading::weights::{WeightStore, Weights};
 
 const TOL: f64 = 1e-4;
 
 fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures").join("sdxl")
 }
 
 fn folder() -> PathBuf {
@@ -87,7 +88,7 @@ fn stores(format: &str) -> [WeightStore; 4] {
         let file = |rel: &str| {
             Arc::new(SafetensorsFile::open(folder().join(rel)).expect("diffusers file"))
         };
-        let clip = |rel: &str| WeightStore::renamed(file(rel), vnfarm_models::clip::canonical_key);
+        let clip = |rel: &str| WeightStore::renamed(file(rel), vnfarm_models::sdxl::clip::canonical_key);
         [
             WeightStore::identity(file("unet/diffusion_pytorch_model.safetensors")),
             WeightStore::identity(file("vae/diffusion_pytorch_model.safetensors")),
@@ -820,7 +821,7 @@ fn scratch(name: &str) -> PathBuf {
 
 fn load_te1(path: &Path) -> Result<ClipTextModel, LoadError> {
     let f = Arc::new(SafetensorsFile::open(path)?);
-    let store = WeightStore::renamed(f, vnfarm_models::clip::canonical_key);
+    let store = WeightStore::renamed(f, vnfarm_models::sdxl::clip::canonical_key);
     ClipTextModel::new(
         &weights(store),
         &ClipTextConfig::tiny(false),
@@ -989,7 +990,7 @@ fn sdxl_base_presets_match_diffusers_layout() {
             .into_iter()
             .filter_map(|(name, s)| {
                 let name = if k.starts_with("clip") {
-                    vnfarm_models::clip::canonical_key(&name)?
+                    vnfarm_models::sdxl::clip::canonical_key(&name)?
                 } else {
                     name
                 };
@@ -1044,7 +1045,7 @@ fn sdxl_base_presets_match_diffusers_layout() {
         } else if let Some(k) = key.strip_prefix(ldm::CLIP_L_PREFIX) {
             (
                 "clip_l",
-                vnfarm_models::clip::canonical_key(k)
+                vnfarm_models::sdxl::clip::canonical_key(k)
                     .map(|n| (n, shape.clone()))
                     .into_iter()
                     .collect(),
@@ -1054,13 +1055,13 @@ fn sdxl_base_presets_match_diffusers_layout() {
                 .into_iter()
                 .map(|(n, tr)| {
                     let s = match tr {
-                        vnfarm_models::weights::Transform::Chunk { parts, .. } => {
+                        vnfarm_models::loading::weights::Transform::Chunk { parts, .. } => {
                             let mut s = shape.clone();
                             s[0] /= parts;
                             s
                         }
-                        vnfarm_models::weights::Transform::Transpose => vec![shape[1], shape[0]],
-                        vnfarm_models::weights::Transform::Identity => shape.clone(),
+                        vnfarm_models::loading::weights::Transform::Transpose => vec![shape[1], shape[0]],
+                        vnfarm_models::loading::weights::Transform::Identity => shape.clone(),
                     };
                     (n, s)
                 })
@@ -1083,7 +1084,7 @@ fn sdxl_base_presets_match_diffusers_layout() {
             .filter_map(|(n, s)| {
                 Some((
                     if comp.starts_with("clip") {
-                        vnfarm_models::clip::canonical_key(&n)?
+                        vnfarm_models::sdxl::clip::canonical_key(&n)?
                     } else {
                         n
                     },

@@ -5,7 +5,7 @@ use tch::Tensor;
 
 use crate::error::LoadError;
 use crate::nn::{Conv2d, GroupNorm, Linear};
-use crate::weights::Weights;
+use crate::loading::weights::Weights;
 
 /// `ResnetBlock2D` with `time_embedding_norm="default"` and `output_scale_factor=1`.
 #[derive(Debug)]

@@ -11,7 +11,7 @@ use std::path::Path;
 use crate::error::LoadError;
 
 /// The bundled CLIP tokenizer (49408 tokens).
-const BUNDLED: &[u8] = include_bytes!("../tokenizer/clip/tokenizer.json");
+const BUNDLED: &[u8] = include_bytes!("../../tokenizer/clip/tokenizer.json");
 
 /// A CLIP tokenizer with its special ids.
 pub struct ClipTokenizer {

@@ -24,9 +24,9 @@
 
 use tch::Tensor;
 
-use crate::clip::ClipTextModel;
-use crate::prompt::{Fragment, parse};
-use crate::tokenizer::{CHUNK, ClipTokenizer, MAX_LENGTH};
+use crate::sdxl::clip::ClipTextModel;
+use crate::text::prompt::{Fragment, parse};
+use crate::text::clip_tokenizer::{CHUNK, ClipTokenizer, MAX_LENGTH};
 
 /// One encoder with its tokenizer.
 #[derive(Debug)]
