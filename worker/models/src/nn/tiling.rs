@@ -44,9 +44,9 @@ pub fn tiled(x: &Tensor, grid: &TileGrid, f: impl Fn(&Tensor) -> Tensor) -> Tens
         let row = (0..w)
             .step_by(step(grid.stride[1]))
             .map(|j| {
-                let t = x
-                    .narrow(2, i, grid.tile[0].min(h - i))
-                    .narrow(3, j, grid.tile[1].min(w - j));
+                let t =
+                    x.narrow(2, i, grid.tile[0].min(h - i))
+                        .narrow(3, j, grid.tile[1].min(w - j));
                 f(&t)
             })
             .collect();

@@ -393,7 +393,14 @@ impl Resample {
         if temporal {
             check_time_conv(&w.pp("time_conv"), dim, dim)?;
         }
-        Ok(Self::Down(Conv2d::new(&w.pp("resample.1"), dim, dim, 3, 2, 0)?))
+        Ok(Self::Down(Conv2d::new(
+            &w.pp("resample.1"),
+            dim,
+            dim,
+            3,
+            2,
+            0,
+        )?))
     }
 
     /// `upsample2d` / `upsample3d` (with `time_conv` `[2 dim, dim, 3, 1, 1]`).
