@@ -8,11 +8,14 @@
 
 use tch::Tensor;
 
-/// Whether a VAE call tiles.
+/// Whether a VAE call tiles; each VAE states its exact rule (`sdxl::vae::AutoencoderKL::encode`,
+/// `qwen_image::vae::QwenVae::with_tiling`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Tiling {
     /// Tile when a side exceeds the model's `tiling_threshold` pixels.
     Auto,
+    /// Tile whatever the size (the Qwen VAE still skips inputs that fit in one tile, as
+    /// diffusers' `enable_tiling()` does).
     Always,
     Never,
 }

@@ -589,13 +589,13 @@ pub struct QwenVae {
 
 impl QwenVae {
     /// Loads every tensor of the layout `config` describes (diffusers names) from `w`; the
-    /// attention kernel is SDPA and tiling [`Tiling::Auto`] (see [`Self::with_attention`],
+    /// attention kernel is SDPA and tiling [`Tiling::Auto`] (see [`Self::new_with_attention`],
     /// [`Self::with_tiling`]).
     pub fn new(w: &Weights, config: &QwenVaeConfig) -> Result<Self, LoadError> {
-        Self::with_attention(w, config, AttentionImpl::default())
+        Self::new_with_attention(w, config, AttentionImpl::default())
     }
 
-    pub fn with_attention(
+    pub fn new_with_attention(
         w: &Weights,
         config: &QwenVaeConfig,
         imp: AttentionImpl,
