@@ -536,7 +536,8 @@ impl VisionAttention {
         let v = qkv.select(1, 2);
         let scale = (self.head_dim as f64).powf(-0.5);
         let o = segments.attend(&q, &k, &v, scale, imp);
-        self.proj.forward(&o.reshape([n, self.heads * self.head_dim]))
+        self.proj
+            .forward(&o.reshape([n, self.heads * self.head_dim]))
     }
 }
 
@@ -750,7 +751,8 @@ impl VisionTransformer {
             x = block.forward(&x, &cos, &sin, segments, self.attention);
         }
         let merged = self.merger.forward(&x);
-        let reverse = Tensor::from_slice(&inverse_permutation(&layout.window_index)).to_device(device);
+        let reverse =
+            Tensor::from_slice(&inverse_permutation(&layout.window_index)).to_device(device);
         Ok(merged.index_select(0, &reverse))
     }
 }
