@@ -31,14 +31,14 @@ use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use tch::{Cuda, Device, Kind, Tensor};
-use vnfarm_models::nn::AttentionImpl;
-use vnfarm_models::sdxl::pipeline::{GenerateRequest, ModelSource, PipelineConfig, SdxlPipeline};
 use vnfarm_models::loading::safetensors::{self, LoadPath, SafetensorsFile};
+use vnfarm_models::loading::weights::{WeightStore, Weights};
+use vnfarm_models::nn::AttentionImpl;
 use vnfarm_models::schedulers::Sampler;
-use vnfarm_models::text::clip_tokenizer::ClipTokenizer;
+use vnfarm_models::sdxl::pipeline::{GenerateRequest, ModelSource, PipelineConfig, SdxlPipeline};
 use vnfarm_models::sdxl::unet::{AddedCond, UNet2DConditionModel, UNetConfig};
 use vnfarm_models::sdxl::vae::{AutoencoderKL, Tiling, VaeConfig};
-use vnfarm_models::loading::weights::{WeightStore, Weights};
+use vnfarm_models::text::clip_tokenizer::ClipTokenizer;
 
 /// Prompts of both sides (`run_bench.py` uses the same strings).
 const PROMPT: &str = "a photograph of an astronaut riding a horse on the surface of the moon, \

@@ -10,26 +10,28 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use tch::{Device, Kind, Tensor};
-use vnfarm_models::sdxl::clip::{ClipTextConfig, ClipTextModel};
 use vnfarm_models::error::{GenerateError, LoadError};
-use vnfarm_models::schedulers::PredictionType;
-use vnfarm_models::sdxl::ldm;
+use vnfarm_models::loading::safetensors::SafetensorsFile;
+use vnfarm_models::loading::weights::{WeightStore, Weights};
 use vnfarm_models::nn::AttentionImpl;
 use vnfarm_models::noise;
+use vnfarm_models::schedulers::PredictionType;
+use vnfarm_models::schedulers::{Sampler, Scheduler, SchedulerConfig};
+use vnfarm_models::sdxl::clip::{ClipTextConfig, ClipTextModel};
+use vnfarm_models::sdxl::ldm;
 use vnfarm_models::sdxl::pipeline::{
     ComponentConfigs, GenerateRequest, ModelSource, PipelineConfig, SdxlPipeline,
 };
-use vnfarm_models::loading::safetensors::SafetensorsFile;
-use vnfarm_models::schedulers::{Sampler, Scheduler, SchedulerConfig};
-use vnfarm_models::text::clip_tokenizer::ClipTokenizer;
 use vnfarm_models::sdxl::unet::{AddedCond, UNet2DConditionModel, UNetConfig};
 use vnfarm_models::sdxl::vae::{AutoencoderKL, Tiling, VaeConfig};
-use vnfarm_models::loading::weights::{WeightStore, Weights};
+use vnfarm_models::text::clip_tokenizer::ClipTokenizer;
 
 const TOL: f64 = 1e-4;
 
 fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures").join("sdxl")
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures")
+        .join("sdxl")
 }
 
 fn folder() -> PathBuf {
@@ -88,7 +90,8 @@ fn stores(format: &str) -> [WeightStore; 4] {
         let file = |rel: &str| {
             Arc::new(SafetensorsFile::open(folder().join(rel)).expect("diffusers file"))
         };
-        let clip = |rel: &str| WeightStore::renamed(file(rel), vnfarm_models::sdxl::clip::canonical_key);
+        let clip =
+            |rel: &str| WeightStore::renamed(file(rel), vnfarm_models::sdxl::clip::canonical_key);
         [
             WeightStore::identity(file("unet/diffusion_pytorch_model.safetensors")),
             WeightStore::identity(file("vae/diffusion_pytorch_model.safetensors")),
@@ -1021,55 +1024,56 @@ fn sdxl_base_presets_match_diffusers_layout() {
     let ldm = shape_table(&t["shapes"]["ldm"]);
     let mut mapped: HashMap<&str, HashMap<String, Vec<i64>>> = HashMap::new();
     for (key, shape) in &ldm {
-        let (comp, names): (&str, Vec<(String, Vec<i64>)>) = if let Some(k) =
-            key.strip_prefix(ldm::UNET_PREFIX)
-        {
-            (
-                "unet",
-                ldm::unet_key(k, 2)
-                    .map(|n| (n, shape.clone()))
+        let (comp, names): (&str, Vec<(String, Vec<i64>)>) =
+            if let Some(k) = key.strip_prefix(ldm::UNET_PREFIX) {
+                (
+                    "unet",
+                    ldm::unet_key(k, 2)
+                        .map(|n| (n, shape.clone()))
+                        .into_iter()
+                        .collect(),
+                )
+            } else if let Some(k) = key.strip_prefix(ldm::VAE_PREFIX) {
+                // ldm stores the VAE attention projections as 1x1 convs.
+                let s = if k.contains("attn_1") && shape.len() == 4 {
+                    shape[..2].to_vec()
+                } else {
+                    shape.clone()
+                };
+                (
+                    "vae",
+                    ldm::vae_key(k, 4).map(|n| (n, s)).into_iter().collect(),
+                )
+            } else if let Some(k) = key.strip_prefix(ldm::CLIP_L_PREFIX) {
+                (
+                    "clip_l",
+                    vnfarm_models::sdxl::clip::canonical_key(k)
+                        .map(|n| (n, shape.clone()))
+                        .into_iter()
+                        .collect(),
+                )
+            } else if let Some(k) = key.strip_prefix(ldm::CLIP_G_PREFIX) {
+                let names = ldm::open_clip_keys(k)
                     .into_iter()
-                    .collect(),
-            )
-        } else if let Some(k) = key.strip_prefix(ldm::VAE_PREFIX) {
-            // ldm stores the VAE attention projections as 1x1 convs.
-            let s = if k.contains("attn_1") && shape.len() == 4 {
-                shape[..2].to_vec()
+                    .map(|(n, tr)| {
+                        let s = match tr {
+                            vnfarm_models::loading::weights::Transform::Chunk { parts, .. } => {
+                                let mut s = shape.clone();
+                                s[0] /= parts;
+                                s
+                            }
+                            vnfarm_models::loading::weights::Transform::Transpose => {
+                                vec![shape[1], shape[0]]
+                            }
+                            vnfarm_models::loading::weights::Transform::Identity => shape.clone(),
+                        };
+                        (n, s)
+                    })
+                    .collect();
+                ("clip_g", names)
             } else {
-                shape.clone()
+                panic!("unexpected ldm key {key}");
             };
-            (
-                "vae",
-                ldm::vae_key(k, 4).map(|n| (n, s)).into_iter().collect(),
-            )
-        } else if let Some(k) = key.strip_prefix(ldm::CLIP_L_PREFIX) {
-            (
-                "clip_l",
-                vnfarm_models::sdxl::clip::canonical_key(k)
-                    .map(|n| (n, shape.clone()))
-                    .into_iter()
-                    .collect(),
-            )
-        } else if let Some(k) = key.strip_prefix(ldm::CLIP_G_PREFIX) {
-            let names = ldm::open_clip_keys(k)
-                .into_iter()
-                .map(|(n, tr)| {
-                    let s = match tr {
-                        vnfarm_models::loading::weights::Transform::Chunk { parts, .. } => {
-                            let mut s = shape.clone();
-                            s[0] /= parts;
-                            s
-                        }
-                        vnfarm_models::loading::weights::Transform::Transpose => vec![shape[1], shape[0]],
-                        vnfarm_models::loading::weights::Transform::Identity => shape.clone(),
-                    };
-                    (n, s)
-                })
-                .collect();
-            ("clip_g", names)
-        } else {
-            panic!("unexpected ldm key {key}");
-        };
         if names.is_empty() {
             assert!(
                 key.ends_with("logit_scale"),

@@ -11,7 +11,10 @@ use crate::loading::safetensors::SafetensorsFile;
 use crate::loading::weights::{Transform, WeightStore};
 
 /// Reads and parses a config file; a parse failure names the file.
-pub fn read_config<T>(path: &Path, parse: impl Fn(&str) -> Result<T, String>) -> Result<T, LoadError> {
+pub fn read_config<T>(
+    path: &Path,
+    parse: impl Fn(&str) -> Result<T, String>,
+) -> Result<T, LoadError> {
     let text = std::fs::read_to_string(path).map_err(|source| LoadError::Io {
         path: path.to_path_buf(),
         source,
@@ -62,12 +65,7 @@ pub fn component_store(
         let idx = store.add_file(file.clone());
         for key in file.names() {
             if let Some(name) = rename(key) {
-                store.insert(
-                    name,
-                    idx,
-                    key.to_string(),
-                    Transform::Identity,
-                );
+                store.insert(name, idx, key.to_string(), Transform::Identity);
             }
         }
     }

@@ -152,9 +152,7 @@ impl WeightStore {
         };
         let scale = self.fp8_scale(file, &src.key, device)?;
         match (self.fp8, scale) {
-            (Fp8Mode::Resident, scale) => {
-                Ok((self.get(name, shape, device, fp8_kind)?, scale))
-            }
+            (Fp8Mode::Resident, scale) => Ok((self.get(name, shape, device, fp8_kind)?, scale)),
             (Fp8Mode::Upcast, None) => Ok((self.get(name, shape, device, kind)?, None)),
             (Fp8Mode::Upcast, Some(scale)) => {
                 let w = self.get(name, shape, device, Kind::Float)?;

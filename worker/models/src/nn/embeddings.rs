@@ -5,8 +5,8 @@
 use tch::{Kind, Tensor};
 
 use crate::error::LoadError;
-use crate::nn::Linear;
 use crate::loading::weights::Weights;
+use crate::nn::Linear;
 
 /// `get_timestep_embedding(t, dim, flip_sin_to_cos, downscale_freq_shift)` in fp32, same op order as
 /// diffusers: `exp(-ln(10000) * arange(half) / (half - shift))`, `[sin, cos]` (flipped to `[cos, sin]`),

@@ -7,8 +7,8 @@
 use tch::Tensor;
 
 use crate::error::LoadError;
-use crate::nn::{AttentionImpl, Conv2d, GroupNorm, LayerNorm, Linear, attention};
 use crate::loading::weights::Weights;
+use crate::nn::{AttentionImpl, Conv2d, GroupNorm, LayerNorm, Linear, attention};
 
 /// diffusers `Attention` as used by `BasicTransformerBlock`: bias-free q/k/v, `to_out.0` with bias.
 #[derive(Debug)]

@@ -9,8 +9,8 @@
 use tch::{Kind, Tensor};
 
 use crate::error::LoadError;
-use crate::nn::{AttentionImpl, LayerNorm, Linear, attention};
 use crate::loading::weights::Weights;
+use crate::nn::{AttentionImpl, LayerNorm, Linear, attention};
 
 /// The canonical name of a transformers CLIP text-model key: transformers ≥ 5 saves
 /// `CLIPTextModel` without the `text_model.` prefix (`embeddings.*`, `encoder.*`,

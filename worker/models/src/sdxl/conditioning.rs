@@ -25,8 +25,8 @@
 use tch::Tensor;
 
 use crate::sdxl::clip::ClipTextModel;
-use crate::text::prompt::{Fragment, parse};
 use crate::text::clip_tokenizer::{CHUNK, ClipTokenizer, MAX_LENGTH};
+use crate::text::prompt::{Fragment, parse};
 
 /// One encoder with its tokenizer.
 #[derive(Debug)]

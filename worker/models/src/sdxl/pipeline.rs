@@ -13,19 +13,18 @@ use std::sync::Arc;
 use image::RgbImage;
 use tch::{Device, Kind, Tensor};
 
-use crate::sdxl::clip::{ClipTextConfig, ClipTextModel};
-use crate::sdxl::conditioning::{EncoderPair, PromptEncoder};
 use crate::error::{GenerateError, LoadError, contain_backend_panics};
 use crate::loading::diffusers::{component_store, open, read_config};
-use crate::sdxl::ldm;
+use crate::loading::weights::{WeightStore, Weights};
 use crate::nn::AttentionImpl;
 use crate::noise;
-use crate::loading::safetensors::SafetensorsFile;
 use crate::schedulers::{PredictionType, Sampler, Scheduler, SchedulerConfig};
-use crate::text::clip_tokenizer::ClipTokenizer;
+use crate::sdxl::clip::{ClipTextConfig, ClipTextModel};
+use crate::sdxl::conditioning::{EncoderPair, PromptEncoder};
+use crate::sdxl::ldm;
 use crate::sdxl::unet::{AddedCond, UNet2DConditionModel, UNetConfig};
 use crate::sdxl::vae::{AutoencoderKL, Tiling, VaeConfig};
-use crate::loading::weights::{WeightStore, Weights};
+use crate::text::clip_tokenizer::ClipTokenizer;
 
 /// Where the weights are.
 #[derive(Debug, Clone, PartialEq)]

@@ -4,8 +4,8 @@
 use tch::Tensor;
 
 use crate::error::LoadError;
-use crate::nn::{Conv2d, GroupNorm, Linear};
 use crate::loading::weights::Weights;
+use crate::nn::{Conv2d, GroupNorm, Linear};
 
 /// `ResnetBlock2D` with `time_embedding_norm="default"` and `output_scale_factor=1`.
 #[derive(Debug)]

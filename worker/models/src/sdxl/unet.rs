@@ -8,11 +8,11 @@
 
 use tch::{Kind, Tensor};
 
-use crate::nn::embeddings::{TimestepEmbedding, timestep_features};
 use crate::error::LoadError;
+use crate::loading::weights::Weights;
+use crate::nn::embeddings::{TimestepEmbedding, timestep_features};
 use crate::nn::{AttentionImpl, Conv2d, GroupNorm};
 use crate::sdxl::unet_blocks::{BlockAttention, BlockCommon, DownBlock, MidBlock, UpBlock};
-use crate::loading::weights::Weights;
 
 /// `UNet2DConditionModel` config fields SDXL uses. `attention_heads` is diffusers'
 /// `num_attention_heads or attention_head_dim` (the latter is a legacy misnomer for the head count).

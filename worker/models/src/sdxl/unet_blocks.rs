@@ -5,11 +5,11 @@
 
 use tch::Tensor;
 
-use crate::sdxl::attention::{Transformer2DConfig, Transformer2DModel};
 use crate::error::LoadError;
-use crate::nn::AttentionImpl;
-use crate::sdxl::resnet::{Downsample2D, ResnetBlock2D, Upsample2D};
 use crate::loading::weights::Weights;
+use crate::nn::AttentionImpl;
+use crate::sdxl::attention::{Transformer2DConfig, Transformer2DModel};
+use crate::sdxl::resnet::{Downsample2D, ResnetBlock2D, Upsample2D};
 
 /// Sizes shared by the blocks of one UNet.
 #[derive(Debug, Clone, Copy)]

@@ -9,9 +9,9 @@
 use tch::Tensor;
 
 use crate::error::LoadError;
+use crate::loading::weights::Weights;
 use crate::nn::{AttentionImpl, Conv2d, GroupNorm, Linear, attention};
 use crate::sdxl::resnet::{Downsample2D, ResnetBlock2D, Upsample2D};
-use crate::loading::weights::Weights;
 
 /// `AutoencoderKL` config fields, plus tiling settings (ours).
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
