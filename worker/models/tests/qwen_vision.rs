@@ -6,8 +6,9 @@
 //!
 //! Relative error is `max|a − b| / max|b|` over the whole output (b = reference); the tower must be
 //! within 1e-5 in fp32. Measured (x86-64 CPU, libtorch 2.11): 1.5e-7 at most (1.5e-7 for one
-//! image, 1.5e-7 for two, 1.4e-7 for the two-frame clip; SDPA and matmul alike), the same for every load (the fixture weights are exactly representable in fp8,
-//! so fp8 upcast and fp8 resident give the fp32 numbers). The rotary table is bit-identical.
+//! image, 1.5e-7 for two, 1.4e-7 for the two-frame clip; SDPA and matmul alike), the same for
+//! every load (the fixture weights are exactly representable in scaled fp8, so fp8 upcast and fp8
+//! resident give the fp32 numbers). The rotary table and window layout are exact.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
