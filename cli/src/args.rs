@@ -138,8 +138,15 @@ pub struct BaseArgs {
 #[derive(Debug, Args)]
 pub struct EditArgs {
     /// Input image: a stored key (inputs/... or results/...), @file.png, or job:<uuid>[:index].
-    #[arg(long, value_parser = parse_input)]
-    pub input: InputArg,
+    /// Repeat for up to three images, in the order the instruction calls them "picture 1", "picture 2", ….
+    #[arg(long = "input", value_parser = parse_input, required = true)]
+    pub inputs: Vec<InputArg>,
+    /// Output width and height (multiples of 16, both or neither). Unset: about one megapixel at the
+    /// last input's aspect ratio.
+    #[arg(long, requires = "height")]
+    pub width: Option<u32>,
+    #[arg(long, requires = "width")]
+    pub height: Option<u32>,
     /// What to change, in words.
     #[arg(long)]
     pub instruction: String,

@@ -135,14 +135,25 @@ pub fn build(cmd: &SubmitCommand) -> anyhow::Result<Submission> {
             count: *count,
             ..generate_spec(base)
         }),
-        SubmitCommand::Edit { edit, .. } => JobSpec::Edit(EditSpec {
-            input: edit.input.resolve()?,
-            instruction: edit.instruction.clone(),
-            steps: edit.steps,
-            cfg: edit.cfg,
-            seed: edit.seed,
-            loras: edit.loras.clone(),
-        }),
+        SubmitCommand::Edit { edit, .. } => {
+            let mut inputs = edit
+                .inputs
+                .iter()
+                .map(InputArg::resolve)
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            let input = (inputs.len() == 1).then(|| inputs.remove(0));
+            JobSpec::Edit(EditSpec {
+                input,
+                inputs,
+                width: edit.width,
+                height: edit.height,
+                instruction: edit.instruction.clone(),
+                steps: edit.steps,
+                cfg: edit.cfg,
+                seed: edit.seed,
+                loras: edit.loras.clone(),
+            })
+        }
         SubmitCommand::Upscale { upscale, .. } => JobSpec::Upscale(UpscaleSpec {
             input: upscale.input.resolve()?,
             scale: upscale.params.scale,
@@ -156,6 +167,7 @@ pub fn build(cmd: &SubmitCommand) -> anyhow::Result<Submission> {
                 .iter()
                 .map(|instruction| PipelineEdit {
                     instruction: instruction.clone(),
+                    references: Vec::new(),
                     steps: p.edit_steps,
                     cfg: p.edit_cfg,
                     seed: None,
@@ -395,8 +407,9 @@ mod tests {
         let JobSpec::Edit(e) = &sub.job else {
             panic!("{:?}", sub.job)
         };
-        assert_eq!(e.input, ImageRef::Inline("iVBORyBmYWtl".into()));
-        assert_eq!(e.input.inline_bytes().unwrap().unwrap(), b"\x89PNG fake");
+        let input = e.input.as_ref().expect("one --input is `input`");
+        assert_eq!(input, &ImageRef::Inline("iVBORyBmYWtl".into()));
+        assert_eq!(input.inline_bytes().unwrap().unwrap(), b"\x89PNG fake");
         assert_eq!((e.steps, e.cfg, e.seed), (4, 1.0, None));
 
         let missing =

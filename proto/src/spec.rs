@@ -19,6 +19,8 @@ pub const MAX_INPUT_SIDE: u32 = 4096;
 pub const MAX_UPSCALE_OUTPUT_SIDE: u32 = 8192;
 /// Most jobs one pipeline may expand into (its base generate included).
 pub const MAX_PIPELINE_JOBS: usize = 64;
+/// Input images of one edit (Qwen-Image-Edit-2509 takes one to three).
+pub const MAX_EDIT_INPUTS: usize = 3;
 const MAX_PROMPT_CHARS: usize = 8192;
 const MAX_LORAS: usize = 8;
 
@@ -150,12 +152,23 @@ pub struct GenerateSpec {
     pub count: u32,
 }
 
-/// A Qwen-Image-Edit instruction edit of one input image.
+/// A Qwen-Image-Edit-2509 instruction edit of one to three input images. Give `input` (one image)
+/// or `inputs` (one to three, in the order the instruction calls them "picture 1", "picture 2", …:
+/// typically the character, then an outfit or pose reference), not both.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct EditSpec {
-    pub input: ImageRef,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input: Option<ImageRef>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub inputs: Vec<ImageRef>,
     pub instruction: String,
+    /// Output size in pixels, both or neither, multiples of 16. Unset: about one megapixel at the
+    /// aspect ratio of the last input (diffusers' `QwenImageEditPlusPipeline` default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub width: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub height: Option<u32>,
     #[serde(default = "default_edit_steps")]
     pub steps: u32,
     #[serde(default = "default_edit_cfg")]
@@ -196,6 +209,10 @@ pub struct PipelineSpec {
 #[serde(deny_unknown_fields)]
 pub struct PipelineEdit {
     pub instruction: String,
+    /// Further inputs after the base image (which is always picture 1): outfit or pose
+    /// references, at most two.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub references: Vec<ImageRef>,
     #[serde(default = "default_edit_steps")]
     pub steps: u32,
     #[serde(default = "default_edit_cfg")]
@@ -395,6 +412,69 @@ fn validate_edit_params(
     check_loras(&format!("{at}.loras"), loras)
 }
 
+impl EditSpec {
+    /// The input images in prompt order (`input`, or `inputs`).
+    pub fn images(&self) -> Vec<&ImageRef> {
+        self.input.iter().chain(&self.inputs).collect()
+    }
+
+    /// The input images in prompt order, mutably (the scheduler stores inline ones).
+    pub fn images_mut(&mut self) -> Vec<&mut ImageRef> {
+        self.input.iter_mut().chain(&mut self.inputs).collect()
+    }
+
+    fn validate_inputs(&self, at: &str) -> Result<(), ValidationError> {
+        match (&self.input, self.inputs.len()) {
+            (Some(_), 0) => {}
+            (Some(_), _) => {
+                return Err(err(
+                    format!("{at}.inputs"),
+                    "give `input` or `inputs`, not both",
+                ));
+            }
+            (None, 0) => {
+                return Err(err(
+                    format!("{at}.input"),
+                    "an edit needs an input image (`input`, or `inputs` for several)",
+                ));
+            }
+            (None, n) if n > MAX_EDIT_INPUTS => {
+                return Err(err(
+                    format!("{at}.inputs"),
+                    format!("{n} images; an edit takes at most {MAX_EDIT_INPUTS}"),
+                ));
+            }
+            (None, _) => {}
+        }
+        if let Some(input) = &self.input {
+            input.validate(&format!("{at}.input"))?;
+        }
+        for (i, input) in self.inputs.iter().enumerate() {
+            input.validate(&format!("{at}.inputs[{i}]"))?;
+        }
+        match (self.width, self.height) {
+            (None, None) => Ok(()),
+            (Some(w), Some(h)) => {
+                for (name, side) in [("width", w), ("height", h)] {
+                    check_range(&format!("{at}.{name}"), side, 256, 2048)?;
+                    if side % 16 != 0 {
+                        return Err(err(
+                            format!("{at}.{name}"),
+                            format!("{side} is not a multiple of 16"),
+                        ));
+                    }
+                }
+                Ok(())
+            }
+            (Some(_), None) => Err(err(
+                format!("{at}.height"),
+                "give width and height together",
+            )),
+            (None, Some(_)) => Err(err(format!("{at}.width"), "give width and height together")),
+        }
+    }
+}
+
 fn validate_upscale_params(
     at: &str,
     scale: u32,
@@ -470,7 +550,7 @@ impl Submission {
                 g.seed.get_or_insert_with(&mut *seed_source);
             }
             JobSpec::Edit(e) => {
-                e.input.validate("job.input")?;
+                e.validate_inputs("job")?;
                 validate_edit_params("job", &e.instruction, e.steps, e.cfg, &e.loras)?;
                 e.seed.get_or_insert_with(&mut *seed_source);
             }
@@ -495,6 +575,18 @@ impl Submission {
                 }
                 p.base.seed.get_or_insert_with(&mut *seed_source);
                 for (i, e) in p.edits.iter_mut().enumerate() {
+                    if e.references.len() > MAX_EDIT_INPUTS - 1 {
+                        return Err(err(
+                            format!("job.edits[{i}].references"),
+                            format!(
+                                "at most {} references (the base is picture 1)",
+                                MAX_EDIT_INPUTS - 1
+                            ),
+                        ));
+                    }
+                    for (j, r) in e.references.iter().enumerate() {
+                        r.validate(&format!("job.edits[{i}].references[{j}]"))?;
+                    }
                     validate_edit_params(
                         &format!("job.edits[{i}]"),
                         &e.instruction,
@@ -634,6 +726,40 @@ mod tests {
             (
                 serde_json::json!({"schema_version": 1, "job": {"kind": "edit", "input": {"url": "http://x"}, "instruction": "x"}}),
                 "job",
+            ),
+            (
+                serde_json::json!({"schema_version": 1, "job": {"kind": "edit", "instruction": "x"}}),
+                "job.input",
+            ),
+            (
+                serde_json::json!({"schema_version": 1, "job": {"kind": "edit", "input": {"stored": "inputs/a.png"},
+                "inputs": [{"stored": "inputs/b.png"}], "instruction": "x"}}),
+                "job.inputs",
+            ),
+            (
+                serde_json::json!({"schema_version": 1, "job": {"kind": "edit", "instruction": "x", "inputs": [
+                    {"stored": "inputs/a.png"}, {"stored": "inputs/b.png"}, {"stored": "inputs/c.png"}, {"stored": "inputs/d.png"}]}}),
+                "job.inputs",
+            ),
+            (
+                serde_json::json!({"schema_version": 1, "job": {"kind": "edit", "instruction": "x", "inputs": [
+                    {"stored": "inputs/a.png"}, {"stored": "/etc/passwd"}]}}),
+                "job.inputs[1].stored",
+            ),
+            (
+                serde_json::json!({"schema_version": 1, "job": {"kind": "edit", "input": {"stored": "inputs/a.png"},
+                "instruction": "x", "width": 1024}}),
+                "job.height",
+            ),
+            (
+                serde_json::json!({"schema_version": 1, "job": {"kind": "edit", "input": {"stored": "inputs/a.png"},
+                "instruction": "x", "width": 1000, "height": 1024}}),
+                "job.width",
+            ),
+            (
+                serde_json::json!({"schema_version": 1, "job": {"kind": "pipeline", "base": {"prompt": "x"},
+                "edits": [{"instruction": "x", "references": [{"stored": "inputs/a.png"}, {"stored": "inputs/b.png"}, {"stored": "inputs/c.png"}]}]}}),
+                "job.edits[0].references",
             ),
             (
                 serde_json::json!({"schema_version": 1, "job": {"kind": "upscale", "input": {"stored": "inputs/a.png"}, "scale": 3}}),

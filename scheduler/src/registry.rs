@@ -135,17 +135,20 @@ impl JobRecord {
             .map_or(Priority::Batch, |s| s.priority)
     }
 
-    /// The job whose output this one takes as input, if any.
-    pub fn dependency(&self) -> Option<JobId> {
-        let input = match &self.submission.as_ref()?.job {
-            JobSpec::Edit(e) => &e.input,
-            JobSpec::Upscale(u) => &u.input,
-            JobSpec::Generate(_) | JobSpec::Pipeline(_) => return None,
+    /// The jobs whose outputs this one takes as inputs.
+    pub fn dependencies(&self) -> Vec<JobId> {
+        let inputs = match self.submission.as_ref().map(|s| &s.job) {
+            Some(JobSpec::Edit(e)) => e.images(),
+            Some(JobSpec::Upscale(u)) => vec![&u.input],
+            Some(JobSpec::Generate(_) | JobSpec::Pipeline(_)) | None => Vec::new(),
         };
-        match input {
-            ImageRef::JobOutput { job, .. } => Some(*job),
-            ImageRef::Stored(_) | ImageRef::Inline(_) => None,
-        }
+        inputs
+            .into_iter()
+            .filter_map(|input| match input {
+                ImageRef::JobOutput { job, .. } => Some(*job),
+                ImageRef::Stored(_) | ImageRef::Inline(_) => None,
+            })
+            .collect()
     }
 
     pub fn view(&self) -> JobView<'_> {
@@ -451,16 +454,15 @@ impl Registry {
                     None
                 }
             } else if job.state == JobState::Queued && !job.dispatch_pending {
-                match job.dependency().and_then(|d| self.jobs.get(&d)) {
-                    Some(dep) if matches!(dep.state, JobState::Failed | JobState::Cancelled) => {
-                        Some(EventKind::Failed {
-                            failure: FailureKind::DependencyFailed,
-                            message: format!("input job {} did not complete", dep.id),
-                            retryable: false,
-                        })
-                    }
-                    _ => None,
-                }
+                job.dependencies()
+                    .iter()
+                    .filter_map(|d| self.jobs.get(d))
+                    .find(|dep| matches!(dep.state, JobState::Failed | JobState::Cancelled))
+                    .map(|dep| EventKind::Failed {
+                        failure: FailureKind::DependencyFailed,
+                        message: format!("input job {} did not complete", dep.id),
+                        retryable: false,
+                    })
             } else {
                 None
             };
@@ -493,10 +495,11 @@ impl Registry {
             if job.parent.is_some_and(|p| !self.jobs.contains_key(&p)) {
                 continue;
             }
-            let dep_done = match job.dependency().and_then(|d| self.jobs.get(&d)) {
-                Some(dep) => dep.state == JobState::Completed,
-                None => true,
-            };
+            let dep_done = job
+                .dependencies()
+                .iter()
+                .filter_map(|d| self.jobs.get(d))
+                .all(|dep| dep.state == JobState::Completed);
             if dep_done {
                 ready.push((job.priority(), *id));
             }

@@ -165,10 +165,20 @@ impl Scheduler {
             }
         }
         match &mut submission.job {
-            JobSpec::Edit(EditSpec { input, .. }) | JobSpec::Upscale(UpscaleSpec { input, .. }) => {
-                self.store_inline(input).await?
+            JobSpec::Edit(edit) => {
+                for input in edit.images_mut() {
+                    self.store_inline(input).await?
+                }
             }
-            JobSpec::Generate(_) | JobSpec::Pipeline(_) => {}
+            JobSpec::Upscale(UpscaleSpec { input, .. }) => self.store_inline(input).await?,
+            JobSpec::Pipeline(p) => {
+                for edit in &mut p.edits {
+                    for input in &mut edit.references {
+                        self.store_inline(input).await?
+                    }
+                }
+            }
+            JobSpec::Generate(_) => {}
         }
         let id = submission.job_id.unwrap_or_default();
         submission.job_id = Some(id);
@@ -651,11 +661,19 @@ fn expand_pipeline(submission: &Submission) -> Vec<Submission> {
     let mut out = vec![base];
     let mut edit_ids = Vec::new();
     for e in &p.edits {
+        // Picture 1 is the base; the variants keep its size (floored to the model's multiple of 16),
+        // so a pipeline's images line up.
+        let inputs: Vec<ImageRef> = std::iter::once(ImageRef::JobOutput {
+            job: base_id,
+            index: 0,
+        })
+        .chain(e.references.iter().cloned())
+        .collect();
         let edit = child(JobSpec::Edit(EditSpec {
-            input: ImageRef::JobOutput {
-                job: base_id,
-                index: 0,
-            },
+            input: None,
+            inputs,
+            width: Some(p.base.width / 16 * 16),
+            height: Some(p.base.height / 16 * 16),
             instruction: e.instruction.clone(),
             steps: e.steps,
             cfg: e.cfg,

@@ -107,12 +107,12 @@ async fn pipeline_over_http_completes_with_every_output_and_event() -> anyhow::R
             "progress between started and completed: {states:?}"
         );
     }
-    // Edits take the base image and keep its size; the upscale doubles its edit.
+    // Edits take the base image as picture 1 and keep its size; the upscale doubles its edit.
     let edit = farm.job(&children[1]).await?;
-    assert_eq!(
-        edit["submission"]["job"]["input"]["job_output"]["job"],
-        children[0].as_str()
-    );
+    let job = &edit["submission"]["job"];
+    assert_eq!(job["inputs"][0]["job_output"]["job"], children[0].as_str());
+    assert_eq!(job["inputs"].as_array().map(Vec::len), Some(1));
+    assert_eq!((&job["width"], &job["height"]), (&json!(512), &json!(384)));
     let upscaled = image::load_from_memory(
         &farm
             .storage

@@ -26,7 +26,7 @@ use vnfarm_proto::{
 };
 use vnfarm_storage::StorageError;
 
-use crate::engine::{Cancel, CancelReason, EngineError, EngineJob};
+use crate::engine::{Cancel, CancelReason, EngineError, EngineJob, InputImage};
 use crate::image_io::{decode_input, encode_png};
 use crate::worker::Worker;
 
@@ -403,11 +403,18 @@ impl Worker {
         let mut timings = StageTimings::default();
 
         let started = Instant::now();
-        let input = match &msg.task {
-            Task::Generate(_) => None,
-            Task::Edit(e) => Some(self.fetch_input(&e.input).await?),
+        let inputs = match &msg.task {
+            Task::Generate(_) => Vec::new(),
+            Task::Edit(e) => {
+                let mut inputs = Vec::new();
+                for input in e.images() {
+                    inputs.push(self.fetch_input(input).await?);
+                }
+                inputs
+            }
             Task::Upscale(u) => {
-                let img = self.fetch_input(&u.input).await?;
+                let input = self.fetch_input(&u.input).await?;
+                let img = &input.image;
                 let longest = img.width().max(img.height()).saturating_mul(u.scale);
                 if longest > MAX_UPSCALE_OUTPUT_SIDE {
                     return Err(JobError::InvalidSpec(format!(
@@ -416,10 +423,10 @@ impl Worker {
                         img.height()
                     )));
                 }
-                Some(img)
+                vec![input]
             }
         };
-        if input.is_some() {
+        if !inputs.is_empty() {
             timings.add("download", started.elapsed().as_secs_f64());
         }
 
@@ -452,7 +459,7 @@ impl Worker {
                 EngineJob {
                     job_id,
                     task: msg.task.clone(),
-                    input,
+                    inputs,
                 },
                 progress_tx,
                 cancel.clone(),
@@ -532,7 +539,8 @@ impl Worker {
         })
     }
 
-    async fn fetch_input(&self, input: &ImageRef) -> Result<image::RgbImage, JobError> {
+    /// Downloads (or decodes inline) one input image, with the sha256 of its bytes.
+    async fn fetch_input(&self, input: &ImageRef) -> Result<InputImage, JobError> {
         let bytes =
             match input {
                 ImageRef::Stored(key) => self.get_with_retries(key).await?,
@@ -548,11 +556,16 @@ impl Worker {
                     })?)
                 }
             };
-        let decoded = tokio::task::spawn_blocking(move || decode_input(&bytes))
-            .await
-            .map_err(|e| {
-                JobError::Engine(EngineError::Failed(format!("image decoder panicked: {e}")))
-            })?;
+        let decoded = tokio::task::spawn_blocking(move || {
+            decode_input(&bytes).map(|image| InputImage {
+                image,
+                sha256: hex::encode(Sha256::digest(&bytes)),
+            })
+        })
+        .await
+        .map_err(|e| {
+            JobError::Engine(EngineError::Failed(format!("image decoder panicked: {e}")))
+        })?;
         decoded.map_err(|e| JobError::BadInput(e.to_string()))
     }
 

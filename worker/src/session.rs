@@ -142,7 +142,7 @@ impl Worker {
             in_flight: u32::from(running.is_some()),
             running,
             gpu_memory_bytes: None,
-            encode_cache: Vec::new(),
+            encode_cache: self.engine.encode_cache_keys(),
             version: env!("CARGO_PKG_VERSION").to_owned(),
             at: chrono::Utc::now(),
         };

@@ -7,11 +7,12 @@
 //! job system and is never used in place of a model that failed to load: a worker whose configured
 //! engine cannot load exits with an error.
 
+pub mod device;
 pub mod sdxl;
 pub mod test_pattern;
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
 use std::thread;
 
 use image::RgbImage;
@@ -24,8 +25,8 @@ pub use test_pattern::{TestPatternConfig, TestPatternEngine};
 #[derive(Clone, Debug, Default, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct EngineConfig {
-    /// Which implementation serves the models. Unset: `tch` when a model section (`sdxl`) is
-    /// configured, else `test_pattern`.
+    /// Which implementation serves the models. Unset: `tch` when a model section (`sdxl`,
+    /// `qwen_edit`) is configured, else `test_pattern`.
     #[serde(default)]
     pub kind: Option<EngineKind>,
     /// Model families this worker serves (and advertises in its heartbeat). Unset: every family
@@ -78,7 +79,7 @@ impl EngineConfig {
                     "engine.models: a worker must serve at least one model family".into()
                 }
                 EngineKind::Tch => "engine: the tch engine needs a model section \
-                                    (engine.sdxl.checkpoint = \"/path/to/model.safetensors\")"
+                                    (engine.sdxl.checkpoint = \"/path/to/model.safetensors\""
                     .into(),
             });
         }
@@ -104,12 +105,20 @@ impl EngineConfig {
     }
 }
 
-/// One unit of work for an engine: a task with its decoded input image, if it has one.
+/// One unit of work for an engine: a task with its decoded input images, in the task's order.
 #[derive(Debug)]
 pub struct EngineJob {
     pub job_id: JobId,
     pub task: Task,
-    pub input: Option<RgbImage>,
+    pub inputs: Vec<InputImage>,
+}
+
+/// A decoded input image and the sha256 (hex) of the bytes it was decoded from: the key of its
+/// encodings in an engine's cache.
+#[derive(Debug, Clone)]
+pub struct InputImage {
+    pub image: RgbImage,
+    pub sha256: String,
 }
 
 #[derive(Debug)]
@@ -191,14 +200,18 @@ pub struct Progress {
 /// The closed set of engines.
 pub enum Engine {
     TestPattern(TestPatternEngine),
-    /// The models on libtorch; one per family as they are implemented (SDXL so far).
+    /// The models on libtorch; one per family as they are implemented.
     Tch {
         sdxl: Option<Box<SdxlEngine>>,
     },
 }
 
 impl Engine {
-    pub fn load(config: &EngineConfig) -> anyhow::Result<Self> {
+    /// Loads the configured engines; `cache_keys` receives the keys of the encode caches.
+    pub fn load(
+        config: &EngineConfig,
+        _cache_keys: Arc<Mutex<Vec<String>>>,
+    ) -> anyhow::Result<Self> {
         match config.kind() {
             EngineKind::TestPattern => Ok(Engine::TestPattern(TestPatternEngine::new(
                 config.test_pattern.clone(),
@@ -228,9 +241,14 @@ impl Engine {
     ) -> Result<EngineOutput, EngineError> {
         match self {
             Engine::TestPattern(e) => e.run(job, progress, cancel),
-            Engine::Tch { sdxl } => match (job.task.model(), sdxl) {
-                (ModelFamily::Sdxl, Some(e)) => e.run(job, progress, cancel),
-                (model, _) => Err(EngineError::Unsupported(model)),
+            Engine::Tch { sdxl } => match job.task.model() {
+                ModelFamily::Sdxl => match sdxl {
+                    Some(e) => e.run(job, progress, cancel),
+                    None => Err(EngineError::Unsupported(ModelFamily::Sdxl)),
+                },
+                model @ (ModelFamily::QwenEdit | ModelFamily::Esrgan) => {
+                    Err(EngineError::Unsupported(model))
+                }
             },
         }
     }
@@ -266,6 +284,7 @@ pub struct EngineHost {
     tx: std::sync::mpsc::Sender<Request>,
     name: &'static str,
     models: Vec<ModelFamily>,
+    cache_keys: Arc<Mutex<Vec<String>>>,
 }
 
 impl EngineHost {
@@ -274,11 +293,13 @@ impl EngineHost {
         let (tx, rx) = std::sync::mpsc::channel::<Request>();
         let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
         let models = config.models();
+        let cache_keys = Arc::new(Mutex::new(Vec::new()));
+        let engine_keys = cache_keys.clone();
         thread::Builder::new()
             .name("engine".into())
             .spawn(move || {
                 let served = config.models();
-                let mut engine = match Engine::load(&config) {
+                let mut engine = match Engine::load(&config, engine_keys) {
                     Ok(engine) => {
                         let _ = ready_tx.send(Ok(engine.name()));
                         engine
@@ -316,7 +337,20 @@ impl EngineHost {
         let name = ready_rx
             .await
             .map_err(|_| anyhow::anyhow!("engine thread died while loading"))??;
-        Ok(Self { tx, name, models })
+        Ok(Self {
+            tx,
+            name,
+            models,
+            cache_keys,
+        })
+    }
+
+    /// Keys of the input sets whose encodings the engines hold (for the heartbeat).
+    pub fn encode_cache_keys(&self) -> Vec<String> {
+        self.cache_keys
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
     }
 
     pub fn name(&self) -> &'static str {

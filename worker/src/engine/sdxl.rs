@@ -9,18 +9,18 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use serde::Deserialize;
-use tch::{Device, Kind};
-use vnfarm_models::error::GenerateError;
-use vnfarm_models::schedulers::PredictionType;
+
 use vnfarm_models::nn::AttentionImpl;
+use vnfarm_models::schedulers::PredictionType;
+use vnfarm_models::schedulers::Sampler;
 use vnfarm_models::sdxl::pipeline::{
     ComponentConfigs, GenerateRequest, ModelSource, PipelineConfig, SdxlPipeline,
 };
-use vnfarm_models::schedulers::Sampler;
 use vnfarm_models::sdxl::vae::{Tiling, VaeConfig};
 use vnfarm_proto::{GenerateSpec, StageTimings, Task};
 
-use super::{Cancel, CancelReason, EngineError, EngineJob, EngineOutput, Progress};
+use super::device::{Dtype, engine_error, open_device, parse_device};
+use super::{Cancel, EngineError, EngineJob, EngineOutput, Progress};
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -69,25 +69,6 @@ pub struct SdxlConfig {
 
 #[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
-pub enum Dtype {
-    Fp32,
-    Fp16,
-    #[default]
-    Bf16,
-}
-
-impl Dtype {
-    fn kind(self) -> Kind {
-        match self {
-            Dtype::Fp32 => Kind::Float,
-            Dtype::Fp16 => Kind::Half,
-            Dtype::Bf16 => Kind::BFloat16,
-        }
-    }
-}
-
-#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "snake_case")]
 pub enum VaeTiling {
     #[default]
     Auto,
@@ -128,37 +109,6 @@ impl SdxlConfig {
     }
 }
 
-/// `cuda`, `cuda:N` or `cpu`, without touching the device.
-fn parse_device(name: &str) -> Result<Device, String> {
-    match name {
-        "cpu" => Ok(Device::Cpu),
-        "cuda" => Ok(Device::Cuda(0)),
-        other => other
-            .strip_prefix("cuda:")
-            .and_then(|n| n.parse::<usize>().ok())
-            .map(Device::Cuda)
-            .ok_or_else(|| format!("`{other}` is not `cuda`, `cuda:N` or `cpu`")),
-    }
-}
-
-/// The device, checked against what libtorch sees.
-fn open_device(name: &str) -> anyhow::Result<Device> {
-    let device = parse_device(name).map_err(anyhow::Error::msg)?;
-    if let Device::Cuda(i) = device {
-        let count = tch::Cuda::device_count();
-        anyhow::ensure!(
-            count > 0,
-            "engine.sdxl.device is `{name}` but libtorch sees no CUDA/ROCm device \
-             (tch::Cuda::is_available() is false); set engine.sdxl.device = \"cpu\" to run on the CPU"
-        );
-        anyhow::ensure!(
-            (i as i64) < count,
-            "engine.sdxl.device is `{name}` but libtorch sees {count} device(s)"
-        );
-    }
-    Ok(device)
-}
-
 pub struct SdxlEngine {
     pipeline: SdxlPipeline,
     max_batch: usize,
@@ -168,7 +118,7 @@ impl SdxlEngine {
     /// Loads the checkpoint onto the device and warms up at every configured size. Any failure
     /// (missing file, missing or misshapen tensor, no device) is an error naming what is wrong.
     pub fn load(config: &SdxlConfig) -> anyhow::Result<Self> {
-        let device = open_device(&config.device)?;
+        let device = open_device(&config.device, "engine.sdxl.device")?;
         let checkpoint = &config.checkpoint;
         let source = if checkpoint.is_dir() {
             ModelSource::DiffusersFolder(checkpoint.clone())
@@ -305,40 +255,6 @@ fn split(spec: &GenerateSpec, seed: u64, max_batch: usize) -> Vec<GenerateReques
         .collect()
 }
 
-fn engine_error(e: GenerateError, cancel: &Cancel) -> EngineError {
-    match e {
-        GenerateError::Cancelled => {
-            EngineError::Cancelled(cancel.requested().unwrap_or(CancelReason::User))
-        }
-        GenerateError::InvalidRequest(m) | GenerateError::Tokenizer(m) => {
-            EngineError::InvalidInput(m)
-        }
-        GenerateError::Backend(m) if is_out_of_memory(&m) => EngineError::OutOfMemory(m),
-        GenerateError::Backend(m) if is_device_failure(&m) => EngineError::DeviceLost(m),
-        GenerateError::Torch(e) if is_out_of_memory(&e.to_string()) => {
-            EngineError::OutOfMemory(e.to_string())
-        }
-        GenerateError::Backend(m) => EngineError::Failed(m),
-        GenerateError::Torch(e) => EngineError::Failed(e.to_string()),
-    }
-}
-
-/// Errors after which the device context cannot be trusted: CUDA/HIP runtime errors ("CUDA error: an
-/// illegal memory access was encountered", "HIP error: …") and device-side asserts. Out-of-memory
-/// errors are not among them: the allocator recovers from those.
-fn is_device_failure(message: &str) -> bool {
-    let m = message.to_ascii_lowercase();
-    !is_out_of_memory(message)
-        && (m.contains("cuda error") || m.contains("hip error") || m.contains("device-side assert"))
-}
-
-/// libtorch's allocator messages: "CUDA out of memory", "HIP out of memory", CPU "DefaultCPUAllocator:
-/// not enough memory".
-fn is_out_of_memory(message: &str) -> bool {
-    let m = message.to_ascii_lowercase();
-    m.contains("out of memory") || m.contains("not enough memory")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -364,58 +280,5 @@ mod tests {
         assert_eq!(shape, [(10, 4), (14, 4), (18, 2)]);
         assert!(parts.iter().all(|r| r.sampler == Sampler::EulerAncestral));
         assert_eq!(split(&spec(1), 10, 4).len(), 1);
-    }
-
-    #[test]
-    fn devices_parse_without_touching_hardware() {
-        assert_eq!(parse_device("cpu"), Ok(Device::Cpu));
-        assert_eq!(parse_device("cuda"), Ok(Device::Cuda(0)));
-        assert_eq!(parse_device("cuda:3"), Ok(Device::Cuda(3)));
-        assert!(parse_device("gpu").is_err());
-        assert!(parse_device("cuda:x").is_err());
-    }
-
-    #[test]
-    fn out_of_memory_is_told_apart() {
-        let cancel = Cancel::default();
-        assert!(matches!(
-            engine_error(
-                GenerateError::Backend("CUDA out of memory. Tried to allocate 2.00 GiB".into()),
-                &cancel
-            ),
-            EngineError::OutOfMemory(_)
-        ));
-        assert!(matches!(
-            engine_error(
-                GenerateError::Backend(
-                    "CUDA error: an illegal memory access was encountered".into()
-                ),
-                &cancel
-            ),
-            EngineError::DeviceLost(_)
-        ));
-        assert!(matches!(
-            engine_error(
-                GenerateError::Backend("device-side assert triggered".into()),
-                &cancel
-            ),
-            EngineError::DeviceLost(_)
-        ));
-        assert!(matches!(
-            engine_error(
-                GenerateError::Backend("expected a 4-D tensor, got 3-D".into()),
-                &cancel
-            ),
-            EngineError::Failed(_)
-        ));
-        assert!(matches!(
-            engine_error(GenerateError::InvalidRequest("size".into()), &cancel),
-            EngineError::InvalidInput(_)
-        ));
-        cancel.request(CancelReason::Shutdown);
-        assert!(matches!(
-            engine_error(GenerateError::Cancelled, &cancel),
-            EngineError::Cancelled(CancelReason::Shutdown)
-        ));
     }
 }

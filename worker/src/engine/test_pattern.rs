@@ -166,7 +166,7 @@ impl TestPatternEngine {
                 }
             }
             Task::Edit(e) => {
-                let input = job.input.as_ref().ok_or_else(|| {
+                let input = job.inputs.first().map(|i| &i.image).ok_or_else(|| {
                     EngineError::InvalidInput("edit without an input image".into())
                 })?;
                 let started = Instant::now();
@@ -177,8 +177,18 @@ impl TestPatternEngine {
                 timings.add("denoise", started.elapsed().as_secs_f64());
                 let started = Instant::now();
                 sleep_checked(self.config.decode_ms, cancel)?;
-                let overlay = pattern(input.width(), input.height(), &fingerprint(&job.task, 0));
-                let mut out = input.clone();
+                // The requested output size, else the first input's (the model's default differs:
+                // this is a fixture for the job system, not a model).
+                let (w, h) = e
+                    .width
+                    .zip(e.height)
+                    .unwrap_or((input.width(), input.height()));
+                let overlay = pattern(w, h, &fingerprint(&job.task, 0));
+                let mut out = if (w, h) == (input.width(), input.height()) {
+                    input.clone()
+                } else {
+                    image::imageops::resize(input, w, h, image::imageops::FilterType::Triangle)
+                };
                 for (o, p) in out.pixels_mut().zip(overlay.pixels()) {
                     for c in 0..3 {
                         o[c] = ((u16::from(o[c]) + u16::from(p[c])) / 2) as u8;
@@ -189,7 +199,7 @@ impl TestPatternEngine {
                 timings.add("decode", started.elapsed().as_secs_f64());
             }
             Task::Upscale(u) => {
-                let input = job.input.as_ref().ok_or_else(|| {
+                let input = job.inputs.first().map(|i| &i.image).ok_or_else(|| {
                     EngineError::InvalidInput("upscale without an input image".into())
                 })?;
                 let (w, h) = (input.width() * u.scale, input.height() * u.scale);
@@ -250,7 +260,7 @@ mod tests {
                 EngineJob {
                     job_id: JobId::new(),
                     task,
-                    input: None,
+                    inputs: Vec::new(),
                 },
                 &mut |p| steps.push(p),
                 &Cancel::default(),
@@ -287,7 +297,7 @@ mod tests {
             EngineJob {
                 job_id: JobId::new(),
                 task: generate(1, "x"),
-                input: None,
+                inputs: Vec::new(),
             },
             &mut |_| {},
             &cancel,
