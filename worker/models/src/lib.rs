@@ -17,6 +17,7 @@ pub mod error;
 pub mod loading;
 pub mod nn;
 pub mod noise;
+pub mod qwen_image;
 pub mod schedulers;
 pub mod sdxl;
 pub mod text;
