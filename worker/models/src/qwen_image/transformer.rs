@@ -503,13 +503,17 @@ pub struct QwenImageTransformer2DModel {
 }
 
 impl QwenImageTransformer2DModel {
-    /// Builds the model from diffusers-named weights (see [`transformer_store`]); the config must
-    /// have passed [`QwenImageTransformerConfig::validate`] (the presets and `from_json` do).
+    /// Builds the model from diffusers-named weights (see [`transformer_store`]). A config that
+    /// fails [`QwenImageTransformerConfig::validate`] is a [`LoadError::Config`].
     pub fn new(
         w: &Weights,
         c: &QwenImageTransformerConfig,
         imp: AttentionImpl,
     ) -> Result<Self, LoadError> {
+        c.validate().map_err(|reason| LoadError::Config {
+            path: "<QwenImageTransformerConfig>".into(),
+            reason,
+        })?;
         let dim = c.inner_dim();
         let transformer_blocks = (0..c.num_layers)
             .map(|i| QwenImageTransformerBlock::new(&w.pp("transformer_blocks").pp(i), c))
