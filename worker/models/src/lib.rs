@@ -12,7 +12,7 @@
 //! - [`text`]: the CLIP tokenizer and the A1111 prompt syntax.
 //! - [`sdxl`]: SDXL text-to-image (CLIP-L + OpenCLIP bigG, UNet, VAE, compel weighting, pipeline).
 //! - [`qwen2_5_vl`]: Qwen2.5-VL (Qwen-Image's text encoder): the vision tower.
-//! - [`qwen_image`]: Qwen-Image-Edit-2509 (VAE, checkpoint key mapping).
+//! - [`qwen_image`]: Qwen-Image-Edit-2509 (transformer, VAE, checkpoint key mapping).
 //! - [`error`]: what callers branch on (`LoadError`, `GenerateError`).
 
 pub mod error;
