@@ -39,7 +39,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::error::LoadError;
 use crate::loading::safetensors::SafetensorsFile;
-use crate::nn::{is_fp8, Conv2d, Linear};
+use crate::nn::{Conv2d, Linear, is_fp8};
 
 /// Why LoRAs could not be applied or restored.
 #[derive(Debug, thiserror::Error)]
@@ -64,7 +64,9 @@ pub enum LoraError {
         key: String,
         reason: String,
     },
-    #[error("{path}: none of its {modules} LoRA modules (e.g. `{example}`) matches a module of the model")]
+    #[error(
+        "{path}: none of its {modules} LoRA modules (e.g. `{example}`) matches a module of the model"
+    )]
     NoMatch {
         path: PathBuf,
         modules: usize,
@@ -249,7 +251,11 @@ fn classify(key: &str) -> Result<(Component, ModuleName, KeyRole), String> {
             .unwrap_or(key);
         (Component::Denoiser, r)
     };
-    for suffix in SUFFIXES.iter().map(|(s, _)| *s).chain(UNSUPPORTED.iter().map(|(s, _)| *s)) {
+    for suffix in SUFFIXES
+        .iter()
+        .map(|(s, _)| *s)
+        .chain(UNSUPPORTED.iter().map(|(s, _)| *s))
+    {
         if let Some(module) = rest.strip_suffix(suffix) {
             let role = role_of(suffix)
                 .map_err(|r| r.to_string())?
@@ -257,7 +263,10 @@ fn classify(key: &str) -> Result<(Component, ModuleName, KeyRole), String> {
             return Ok((component, ModuleName::Dotted(module.to_string()), role));
         }
     }
-    Err("not a LoRA key this loader knows (expected lora_down/lora_up, lora_A/lora_B or alpha)".into())
+    Err(
+        "not a LoRA key this loader knows (expected lora_down/lora_up, lora_A/lora_B or alpha)"
+            .into(),
+    )
 }
 
 const SUFFIXES: [(&str, u8); 7] = [
@@ -271,7 +280,10 @@ const SUFFIXES: [(&str, u8); 7] = [
 ];
 
 const UNSUPPORTED: [(&str, &str); 12] = [
-    (".lora_mid.weight", "LoCon with a Tucker mid weight is not supported"),
+    (
+        ".lora_mid.weight",
+        "LoCon with a Tucker mid weight is not supported",
+    ),
     (".hada_w1_a", "LoHa is not supported"),
     (".hada_w1_b", "LoHa is not supported"),
     (".hada_w2_a", "LoHa is not supported"),
@@ -324,11 +336,12 @@ impl LoraFile {
         let mut keys: Vec<&str> = file.names().collect();
         keys.sort_unstable();
         for key in keys {
-            let (component, name, role) = classify(key).map_err(|reason| LoraError::Unsupported {
-                path: path.to_path_buf(),
-                key: key.to_string(),
-                reason,
-            })?;
+            let (component, name, role) =
+                classify(key).map_err(|reason| LoraError::Unsupported {
+                    path: path.to_path_buf(),
+                    key: key.to_string(),
+                    reason,
+                })?;
             let parts = modules.entry((component, name)).or_default();
             let slot = match role {
                 KeyRole::Down => &mut parts.down,
@@ -350,8 +363,12 @@ impl LoraFile {
                 module: name.as_str().to_string(),
                 missing,
             };
-            let down = parts.down.ok_or_else(|| incomplete("down (lora_down / lora_A) weight"))?;
-            let up = parts.up.ok_or_else(|| incomplete("up (lora_up / lora_B) weight"))?;
+            let down = parts
+                .down
+                .ok_or_else(|| incomplete("down (lora_down / lora_A) weight"))?;
+            let up = parts
+                .up
+                .ok_or_else(|| incomplete("up (lora_up / lora_B) weight"))?;
             pairs.push(LoraPair {
                 component,
                 name,
@@ -473,7 +490,7 @@ pub fn apply(
                                 .iter()
                                 .map(|&(t, m)| modules[t][m].0.clone())
                                 .collect(),
-                        })
+                        });
                     }
                 },
             };
@@ -503,7 +520,9 @@ pub fn apply(
                 }
             };
             fused.push(name.clone());
-            plan.entry(slot).or_default().push((fi, pair, strength * scale));
+            plan.entry(slot)
+                .or_default()
+                .push((fi, pair, strength * scale));
         }
         if fused.is_empty() {
             return Err(LoraError::NoMatch {
@@ -553,9 +572,14 @@ pub fn apply(
                 .and_then(|u| u.f_matmul(&down.f_reshape([rank, -1])?))
                 .and_then(|d| d.f_reshape(w.size()))
                 .map_err(torch_err(fi, &pair.down))?;
-            w = w + delta * factor;
+            // Out of place on purpose: for an fp32 base, `w` still shares the model's (and the
+            // kept original's) storage, which `+=` would overwrite.
+            w = w.g_add(&(delta * factor));
         }
-        let original = (weight.to_device(Device::Cpu), scale.map(|s| s.to_device(Device::Cpu)));
+        let original = (
+            weight.to_device(Device::Cpu),
+            scale.map(|s| s.to_device(Device::Cpu)),
+        );
         match module {
             LoraModule::Linear(l) if is_fp8(kind) => {
                 let (q, s) = quantise_fp8(&w, kind);
