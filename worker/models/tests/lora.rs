@@ -4,9 +4,10 @@
 //!
 //! Target: every 2-D weight of the tiny transformer as a `Linear`, by diffusers module name.
 //! Tolerances (relative error = max|a − b| / max|b| per weight): fp32 fusing ≤ 1e-6 (measured
-//! ≤ 1.2e-7, rounding order only); two LoRAs at once ≤ 1e-6 against the sum of diffusers' deltas;
-//! fp8-resident fusing: every element within half an e4m3fn step of the fp32 result
-//! (|Δ| ≤ 2⁻⁴·|x| + 2⁻¹⁰·scale); restore: bit-exact.
+//! 2.1e-7, rounding order only; PEFT 0); two LoRAs at once ≤ 1e-6 against the sum of diffusers'
+//! deltas (measured 1.8e-7); fp8-resident fusing: every element within half an e4m3fn step of the
+//! fp32 result (|Δ| ≤ 2⁻⁴·|x| + 2⁻¹⁰·scale; measured max|Δ|/max|x| = 3.6e-2, fp8's own
+//! resolution); restore: bit-exact (fp32 and fp8 with and without a scale).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -47,6 +48,18 @@ fn tiny_target() -> BTreeMap<String, Linear> {
             };
             (n.trim_end_matches(".weight").to_string(), l)
         })
+        .collect()
+}
+
+/// The modules the fixture LoRAs patch (`reference/lora.json`).
+fn lora_modules() -> Vec<String> {
+    let text = std::fs::read_to_string(qwen().join("reference/lora.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v["modules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m.as_str().unwrap().to_string())
         .collect()
 }
 
@@ -113,13 +126,15 @@ fn fused_weights_match_diffusers_for_every_style() {
         let file = lora(style);
         let applied = apply(&[(&file, strength)], &mut denoiser(&mut target)).unwrap();
         let report = &applied.report().files[0];
-        assert_eq!(report.fused.len(), 27, "{style}");
+        let mut expected = lora_modules();
+        expected.sort();
+        assert_eq!(report.fused, expected, "{style}");
         assert!(
             report.unmatched.is_empty(),
             "{style}: {:?}",
             report.unmatched
         );
-        assert_eq!(report.untouched, total - 27);
+        assert_eq!(report.untouched, total - expected.len());
         let mut worst = 0.0f64;
         let prefix = format!("{style}.{strength:.1}.");
         let mut n = 0;
@@ -131,7 +146,7 @@ fn fused_weights_match_diffusers_for_every_style() {
             worst = worst.max(e);
             n += 1;
         }
-        assert_eq!(n, 27);
+        assert_eq!(n, expected.len());
         println!("{style} × {strength}: max rel error {worst:e} over {n} weights");
     }
 }
