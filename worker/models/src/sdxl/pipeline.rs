@@ -14,6 +14,7 @@ use image::RgbImage;
 use tch::{Device, Kind, Tensor};
 
 use crate::error::{GenerateError, LoadError, contain_backend_panics};
+use crate::imageops::tensor_to_rgb8;
 use crate::loading::diffusers::{component_store, open, read_config};
 use crate::loading::weights::{WeightStore, Weights};
 use crate::nn::AttentionImpl;
@@ -614,19 +615,7 @@ impl SdxlPipeline {
         for latent in latents.split(1, 0) {
             let z = latent.to_kind(self.vae_dtype) / self.vae.config().scaling_factor;
             let x = self.vae.decode(&z, self.tiling);
-            let x = (x.to_kind(Kind::Float) / 2.0 + 0.5).clamp(0.0, 1.0);
-            let u8s = (x * 255.0)
-                .round()
-                .to_kind(Kind::Uint8)
-                .permute([0, 2, 3, 1])
-                .contiguous()
-                .to_device(Device::Cpu);
-            let (_, h, w, _) = u8s.size4()?;
-            let data = Vec::<u8>::try_from(u8s.reshape([-1]))?;
-            let img = RgbImage::from_raw(w as u32, h as u32, data).ok_or_else(|| {
-                GenerateError::InvalidRequest("decoded image has an unexpected size".into())
-            })?;
-            out.push(img);
+            out.push(tensor_to_rgb8(&x)?);
         }
         Ok(out)
     }
