@@ -269,14 +269,28 @@ impl QwenTextEncoder {
             ));
         }
         let processed = preprocess(images, &self.processor)?;
+        self.encode_pixel_values(&processed.pixel_values, &processed.grid_thw)
+    }
+
+    /// The vision tower on the image processor's output (`pixel_values [N, 1176]`, one `(t, h, w)`
+    /// grid per image).
+    pub fn encode_pixel_values(
+        &self,
+        pixel_values: &Tensor,
+        grid_thw: &[(i64, i64, i64)],
+    ) -> Result<ImageFeatures, GenerateError> {
+        let merge = self.config.vision.spatial_merge_size;
         let features = self
             .vision
-            .forward(&processed.pixel_values, &processed.grid_thw)?
+            .forward(pixel_values, grid_thw)?
             .to_device(self.language_model.device())
             .to_kind(self.language_model.kind());
         Ok(ImageFeatures {
-            tokens_per_image: processed.tokens_per_image(self.processor.merge_size),
-            grid_thw: processed.grid_thw,
+            tokens_per_image: grid_thw
+                .iter()
+                .map(|&(t, h, w)| t * h * w / (merge * merge))
+                .collect(),
+            grid_thw: grid_thw.to_vec(),
             features,
         })
     }
