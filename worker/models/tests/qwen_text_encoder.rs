@@ -43,8 +43,12 @@ struct Reference {
 
 impl Reference {
     fn load() -> Self {
-        let f = SafetensorsFile::open(fixtures().join("reference").join("text_encoder.safetensors"))
-            .expect("reference file (run fixtures/qwen/make_text_reference.py)");
+        let f = SafetensorsFile::open(
+            fixtures()
+                .join("reference")
+                .join("text_encoder.safetensors"),
+        )
+        .expect("reference file (run fixtures/qwen/make_text_reference.py)");
         let names: Vec<String> = f.names().map(str::to_string).collect();
         let tensors = names
             .into_iter()
@@ -74,7 +78,10 @@ impl Reference {
     }
 
     fn prompt(&self, key: &str) -> String {
-        self.meta["prompts"][key].as_str().expect("prompt").to_string()
+        self.meta["prompts"][key]
+            .as_str()
+            .expect("prompt")
+            .to_string()
     }
 }
 
@@ -188,8 +195,12 @@ fn config_reads_the_tiny_folder_and_presets_agree() {
         QwenVlConfig::qwen2_5_vl_7b()
     );
     assert!(TextConfig::from_json(r#"{"hidden_size": 16, "num_attention_heads": 3}"#).is_err());
-    let pre = std::fs::read_to_string(tiny_dir().join("processor").join("preprocessor_config.json"))
-        .expect("preprocessor config");
+    let pre = std::fs::read_to_string(
+        tiny_dir()
+            .join("processor")
+            .join("preprocessor_config.json"),
+    )
+    .expect("preprocessor config");
     assert_eq!(
         ImageProcessorConfig::from_json(&pre).expect("parse"),
         ImageProcessorConfig::default()
@@ -197,7 +208,10 @@ fn config_reads_the_tiny_folder_and_presets_agree() {
     let overridden =
         ImageProcessorConfig::from_json(r#"{"min_pixels": 3136, "max_pixels": 12845056, "size": {"shortest_edge": 1, "longest_edge": 2}}"#)
             .expect("parse");
-    assert_eq!((overridden.min_pixels, overridden.max_pixels), (3136, 12845056));
+    assert_eq!(
+        (overridden.min_pixels, overridden.max_pixels),
+        (3136, 12845056)
+    );
 }
 
 #[test]
@@ -351,12 +365,16 @@ fn language_model_matches() {
         ),
         (
             "comfy fp8 upcast",
-            WeightStore::identity(Arc::new(SafetensorsFile::open(comfy_file()).expect("comfy"))),
+            WeightStore::identity(Arc::new(
+                SafetensorsFile::open(comfy_file()).expect("comfy"),
+            )),
             Fp8Mode::Upcast,
         ),
         (
             "comfy fp8 resident",
-            WeightStore::identity(Arc::new(SafetensorsFile::open(comfy_file()).expect("comfy"))),
+            WeightStore::identity(Arc::new(
+                SafetensorsFile::open(comfy_file()).expect("comfy"),
+            )),
             Fp8Mode::Resident,
         ),
     ];
@@ -372,7 +390,12 @@ fn language_model_matches() {
                     Some(r.get("rope_batch.attention_mask")),
                 )
                 .expect("forward");
-            check(&format!("LM {what} {imp:?} (M-RoPE, padded batch)"), &out, r.get("lm.output"), TOL);
+            check(
+                &format!("LM {what} {imp:?} (M-RoPE, padded batch)"),
+                &out,
+                r.get("lm.output"),
+                TOL,
+            );
             let ids = r.get("lm.input_ids");
             let l = ids.size()[1];
             let pos = Tensor::arange(l, (Kind::Int64, Device::Cpu))
@@ -381,7 +404,12 @@ fn language_model_matches() {
             let out = lm
                 .forward(&lm.embed(ids).expect("embed"), &pos, None)
                 .expect("forward");
-            check(&format!("LM {what} {imp:?} (token ids)"), &out, r.get("lm.output_ids"), TOL);
+            check(
+                &format!("LM {what} {imp:?} (token ids)"),
+                &out,
+                r.get("lm.output_ids"),
+                TOL,
+            );
         }
     }
 }
@@ -404,7 +432,9 @@ fn encode_prompt_matches_the_pipeline() {
             for fp8 in [Fp8Mode::Upcast, Fp8Mode::Resident] {
                 for (what, enc) in encoders(opts(positions, imp, fp8)) {
                     let what = format!("{what} {imp:?} {fp8:?} {suffix}");
-                    let one = enc.encode_pixel_values(&pv_one, &grids[..1]).expect("vision");
+                    let one = enc
+                        .encode_pixel_values(&pv_one, &grids[..1])
+                        .expect("vision");
                     let e = enc.encode_prompt(&r.prompt("one"), &one).expect("encode");
                     check(
                         &format!("encode_prompt one image, {what}"),
@@ -457,10 +487,20 @@ fn encode_images_from_png_matches_the_pipeline() {
     let b = input_image("b_32x56");
     let one = enc.encode_images(std::slice::from_ref(&a)).expect("images");
     let e = enc.encode_prompt(&r.prompt("one"), &one).expect("encode");
-    check("PNG one image", &e, &r.get("prompt.one.mrope").select(0, 0), TOL);
+    check(
+        "PNG one image",
+        &e,
+        &r.get("prompt.one.mrope").select(0, 0),
+        TOL,
+    );
     let two = enc.encode_images(&[a, b]).expect("images");
     let e = enc.encode_prompt(&r.prompt("two"), &two).expect("encode");
-    check("PNG two images", &e, &r.get("prompt.two.mrope").select(0, 0), TOL);
+    check(
+        "PNG two images",
+        &e,
+        &r.get("prompt.two.mrope").select(0, 0),
+        TOL,
+    );
 }
 
 #[test]

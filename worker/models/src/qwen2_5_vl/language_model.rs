@@ -145,8 +145,10 @@ impl Attention {
         let (k, v) = (repeat(k), repeat(v));
         let scale = (self.head_dim as f64).powf(-0.5);
         let o = attention(&q, &k, &v, Some(mask), scale, imp);
-        self.o_proj
-            .forward(&o.transpose(1, 2).reshape([b, l, self.heads * self.head_dim]))
+        self.o_proj.forward(
+            &o.transpose(1, 2)
+                .reshape([b, l, self.heads * self.head_dim]),
+        )
     }
 }
 
@@ -207,9 +209,7 @@ impl DecoderLayer {
         let h = x + self
             .self_attn
             .forward(&self.input_layernorm.forward(x), cos, sin, mask, imp);
-        &h + self
-            .mlp
-            .forward(&self.post_attention_layernorm.forward(&h))
+        &h + self.mlp.forward(&self.post_attention_layernorm.forward(&h))
     }
 }
 

@@ -103,8 +103,16 @@ impl ImageProcessorConfig {
             }
         }
         let size = v.get("size");
-        let min_pixels = int(size.and_then(|s| s.get("shortest_edge")), "size.shortest_edge", d.min_pixels)?;
-        let max_pixels = int(size.and_then(|s| s.get("longest_edge")), "size.longest_edge", d.max_pixels)?;
+        let min_pixels = int(
+            size.and_then(|s| s.get("shortest_edge")),
+            "size.shortest_edge",
+            d.min_pixels,
+        )?;
+        let max_pixels = int(
+            size.and_then(|s| s.get("longest_edge")),
+            "size.longest_edge",
+            d.max_pixels,
+        )?;
         let config = Self {
             min_pixels: int(v.get("min_pixels"), "min_pixels", min_pixels)?,
             max_pixels: int(v.get("max_pixels"), "max_pixels", max_pixels)?,
@@ -149,7 +157,7 @@ impl ImageProcessorConfig {
         if let Some((k, v)) = positive.iter().find(|(_, v)| *v <= 0) {
             return Err(format!("image processor `{k}` must be positive, is {v}"));
         }
-        if self.image_std.iter().any(|&s| s == 0.0) {
+        if self.image_std.contains(&0.0) {
             return Err("image processor `image_std` has a zero".into());
         }
         Ok(())
@@ -189,7 +197,10 @@ pub fn condition_resize(
             "condition image is {w}x{h}"
         )));
     }
-    let (cw, ch) = calculate_dimensions(config.condition_image_size as f64, f64::from(w) / f64::from(h));
+    let (cw, ch) = calculate_dimensions(
+        config.condition_image_size as f64,
+        f64::from(w) / f64::from(h),
+    );
     if cw <= 0 || ch <= 0 || cw > i64::from(u32::MAX) || ch > i64::from(u32::MAX) {
         return Err(GenerateError::InvalidRequest(format!(
             "condition image {w}x{h} resizes to {cw}x{ch} at area {}",
@@ -292,9 +303,13 @@ pub fn preprocess(
         let (gh, gw) = (h / config.patch_size, w / config.patch_size);
         let patches = gh
             .checked_mul(gw)
-            .filter(|&n| n <= i64::from(i32::MAX) && u32::try_from(h).is_ok() && u32::try_from(w).is_ok())
+            .filter(|&n| {
+                n <= i64::from(i32::MAX) && u32::try_from(h).is_ok() && u32::try_from(w).is_ok()
+            })
             .ok_or_else(|| {
-                GenerateError::InvalidRequest(format!("image {w0}x{h0} resizes to {w}x{h}: too large"))
+                GenerateError::InvalidRequest(format!(
+                    "image {w0}x{h0} resizes to {w}x{h}: too large"
+                ))
             })?;
         let resized = pil_resize(image, w as u32, h as u32, Filter::Bicubic);
         // Rescale (f64 multiply, cast to f32) then normalise (f32), channel-first.

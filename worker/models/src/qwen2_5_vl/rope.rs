@@ -66,9 +66,12 @@ pub fn get_rope_index(
             }
             current += run as i64;
         } else {
-            let &(t, h, w) = grids_left
-                .next()
-                .ok_or_else(|| bad(format!("more image-token runs than the {} grids", grids.len())))?;
+            let &(t, h, w) = grids_left.next().ok_or_else(|| {
+                bad(format!(
+                    "more image-token runs than the {} grids",
+                    grids.len()
+                ))
+            })?;
             if m <= 0 || t <= 0 || h <= 0 || w <= 0 || h % m != 0 || w % m != 0 {
                 return Err(bad(format!(
                     "grid (t {t}, h {h}, w {w}) is not a positive multiple of the merge size {m}"

@@ -220,8 +220,7 @@ impl QwenTextEncoder {
         })?;
         let w = Weights::new(Arc::new(store.with_fp8(opts.fp8)), opts.device, opts.kind);
         let vision = VisionTransformer::new(&w.pp(vis_prefix), &config.vision, opts.attention)?;
-        let language_model =
-            LanguageModel::new(&w.pp(lm_prefix), &config.text, opts.attention)?;
+        let language_model = LanguageModel::new(&w.pp(lm_prefix), &config.text, opts.attention)?;
         Ok(Self {
             config,
             processor,
