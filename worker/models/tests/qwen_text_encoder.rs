@@ -524,3 +524,22 @@ fn bad_requests_are_errors() {
     let empty = image::RgbImage::new(0, 0);
     assert!(enc.encode_images(&[empty]).is_err());
 }
+
+/// `TextConfig::qwen2_5_vl_7b()` asks for exactly the tensors (names and shapes) of transformers'
+/// real-size `Qwen2_5_VLTextModel` (`reference/language_model_7b_shapes.json`).
+#[test]
+fn the_7b_preset_matches_the_real_tensor_list() {
+    let text = std::fs::read_to_string(
+        fixtures()
+            .join("reference")
+            .join("language_model_7b_shapes.json"),
+    )
+    .expect("shapes file");
+    let shapes: HashMap<String, Vec<i64>> = serde_json::from_str(&text).expect("json");
+    let n = shapes.len();
+    let store = Arc::new(WeightStore::placeholders(shapes));
+    let w = Weights::new(store.clone(), Device::Cpu, Kind::Float);
+    LanguageModel::new(&w, &TextConfig::qwen2_5_vl_7b(), AttentionImpl::Sdpa).expect("7B LM");
+    assert!(store.unused().is_empty(), "unused: {:?}", store.unused());
+    println!("{n} real-size tensors, all asked for with their shapes");
+}
