@@ -12,13 +12,16 @@
 //! - [`text`]: the CLIP tokenizer and the A1111 prompt syntax.
 //! - [`sdxl`]: SDXL text-to-image (CLIP-L + OpenCLIP bigG, UNet, VAE, compel weighting, pipeline).
 //! - [`qwen2_5_vl`]: Qwen2.5-VL (Qwen-Image's text encoder): the vision tower.
+//! - [`qwen_image`]: Qwen-Image-Edit-2509 (transformer, VAE, checkpoint key mapping).
 //! - [`error`]: what callers branch on (`LoadError`, `GenerateError`).
 
 pub mod error;
+pub mod imageops;
 pub mod loading;
 pub mod nn;
 pub mod noise;
 pub mod qwen2_5_vl;
+pub mod qwen_image;
 pub mod schedulers;
 pub mod sdxl;
 pub mod text;

@@ -3,5 +3,6 @@
 //! (component folders with shards and variants).
 
 pub mod diffusers;
+pub mod lora;
 pub mod safetensors;
 pub mod weights;

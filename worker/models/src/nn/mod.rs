@@ -1,6 +1,6 @@
 //! The handful of layers every component is built from (Linear, Conv2d, GroupNorm, LayerNorm,
-//! RmsNorm), holding plain tensors loaded through [`Weights`]; the attention kernel choice; and
-//! [`embeddings`] (timestep embeddings).
+//! RmsNorm), holding plain tensors loaded through [`Weights`]; the attention kernel choice;
+//! [`embeddings`] (timestep embeddings); [`tiling`] (VAE tile-and-blend).
 //!
 //! Layer semantics follow `torch.nn` exactly so that diffusers checkpoints load unchanged. A
 //! [`Linear`] may hold its weight in fp8 (see [`crate::loading::weights::Fp8Mode`]): it is then
@@ -8,6 +8,7 @@
 
 pub mod embeddings;
 pub mod rope;
+pub mod tiling;
 
 use tch::{Kind, Tensor};
 

@@ -13,6 +13,10 @@ use crate::loading::weights::Weights;
 use crate::nn::{AttentionImpl, Conv2d, GroupNorm, Linear, attention};
 use crate::sdxl::resnet::{Downsample2D, ResnetBlock2D, Upsample2D};
 
+/// Whether a call tiles (shared with the Qwen-Image VAE; re-exported so SDXL callers keep
+/// `sdxl::vae::Tiling`).
+pub use crate::nn::tiling::Tiling;
+
 /// `AutoencoderKL` config fields, plus tiling settings (ours).
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct VaeConfig {
@@ -316,15 +320,6 @@ impl DiagonalGaussian {
     pub fn sample_with(&self, noise: &Tensor) -> Tensor {
         &self.mean + (&self.logvar * 0.5).exp() * noise
     }
-}
-
-/// Whether a call tiles.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Tiling {
-    /// Tile when a side exceeds `tiling_threshold` pixels.
-    Auto,
-    Always,
-    Never,
 }
 
 /// `AutoencoderKL`.
