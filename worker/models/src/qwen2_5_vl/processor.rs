@@ -207,15 +207,15 @@ pub fn condition_resize(
             config.condition_image_size
         )));
     }
-    Ok(pil_resize(image, cw as u32, ch as u32, Filter::Lanczos))
+    pil_resize(image, cw as u32, ch as u32, Filter::Lanczos)
 }
 
 /// `PIL.Image.resize`: a copy when the size is unchanged, else the Pillow-exact resample.
-fn pil_resize(image: &RgbImage, w: u32, h: u32, filter: Filter) -> RgbImage {
+fn pil_resize(image: &RgbImage, w: u32, h: u32, filter: Filter) -> Result<RgbImage, GenerateError> {
     if image.dimensions() == (w, h) {
-        image.clone()
+        Ok(image.clone())
     } else {
-        resize(image, w, h, filter)
+        resize(image, w, h, filter).map_err(|e| GenerateError::InvalidRequest(e.to_string()))
     }
 }
 
@@ -311,7 +311,7 @@ pub fn preprocess(
                     "image {w0}x{h0} resizes to {w}x{h}: too large"
                 ))
             })?;
-        let resized = pil_resize(image, w as u32, h as u32, Filter::Bicubic);
+        let resized = pil_resize(image, w as u32, h as u32, Filter::Bicubic)?;
         // Rescale (f64 multiply, cast to f32) then normalise (f32), channel-first.
         let (hu, wu) = (h as usize, w as usize);
         let mut chw = vec![0f32; 3 * hu * wu];
