@@ -30,7 +30,9 @@ use vnfarm_models::qwen2_5_vl::language_model::{LanguageModel, language_model_pr
 use vnfarm_models::qwen2_5_vl::processor::{
     ImageProcessorConfig, calculate_dimensions, condition_resize, preprocess, smart_resize,
 };
-use vnfarm_models::qwen2_5_vl::rope::{PositionMode, batch_position_ids, get_rope_index};
+use vnfarm_models::qwen2_5_vl::rope::{
+    PositionMode, batch_position_ids, get_rope_index, masked_position_ids,
+};
 use vnfarm_models::qwen2_5_vl::text_encoder::{QwenTextEncoder, TextEncoderOptions};
 use vnfarm_models::qwen2_5_vl::tokenizer::QwenTokenizer;
 
@@ -347,6 +349,28 @@ fn rope_index_matches() {
     .expect("batch positions");
     assert_eq!(ints(&t), ints(r.get("rope_batch.position_ids")));
 
+    // The same through the mask-driven form, and with left padding.
+    let rows = |t: &Tensor| -> Vec<Vec<i64>> { (0..b).map(|i| ints(&t.get(i))).collect() };
+    for (case, ids_name) in [
+        ("rope_batch", "rope_batch.input_ids"),
+        ("rope_left", "rope_left.input_ids"),
+    ] {
+        let t = masked_position_ids(
+            &rows(r.get(ids_name)),
+            &rows(r.get(&format!("{case}.attention_mask"))),
+            &vec![grids.clone(); b as usize],
+            151655,
+            2,
+            PositionMode::Mrope,
+        )
+        .expect("masked positions");
+        assert_eq!(
+            ints(&t),
+            ints(r.get(&format!("{case}.position_ids"))),
+            "{case}"
+        );
+    }
+
     // Mismatched grids are errors, not panics.
     assert!(get_rope_index(&ids, 151655, &grids[..1], 2).is_err());
     assert!(get_rope_index(&ids, 151655, &[(1, 4, 4), (1, 4, 4), (1, 2, 2)], 2).is_err());
@@ -400,6 +424,29 @@ fn language_model_matches() {
                 &format!("LM {what} {imp:?} (M-RoPE, padded batch)"),
                 &out,
                 r.get("lm.output"),
+                TOL,
+            );
+            // Left padding: rows rolled right by their padding; compare the tokens only.
+            let mask = r.get("rope_left.attention_mask");
+            let shift = (mask.eq(0)).sum_dim_intlist(1, false, Kind::Int64);
+            let left = Tensor::stack(
+                &(0..mask.size()[0])
+                    .map(|i| {
+                        r.get("lm.inputs_embeds")
+                            .get(i)
+                            .roll([shift.int64_value(&[i])], [0])
+                    })
+                    .collect::<Vec<_>>(),
+                0,
+            );
+            let out = lm
+                .forward(&left, r.get("rope_left.position_ids"), Some(mask))
+                .expect("forward");
+            let keep = mask.unsqueeze(-1).to_kind(Kind::Float);
+            check(
+                &format!("LM {what} {imp:?} (M-RoPE, left padding, tokens)"),
+                &(out * &keep),
+                &(r.get("lm_left.output") * &keep),
                 TOL,
             );
             let ids = r.get("lm.input_ids");
