@@ -113,6 +113,50 @@ pub fn sequential_positions(len: usize) -> [Vec<i64>; 3] {
     [p.clone(), p.clone(), p]
 }
 
+/// Position ids `[3, B, L]` (int64, CPU) of a padded batch, as transformers' `get_rope_index`
+/// with an attention mask: row `b` of `input_ids` (`[B][L]`) keeps the tokens where
+/// `attention_mask[b]` is non-zero (left, right or any padding), those get the positions of
+/// [`get_rope_index`] (or sequential ones) in order, and padding keeps 0.
+pub fn masked_position_ids(
+    input_ids: &[Vec<i64>],
+    attention_mask: &[Vec<i64>],
+    grids: &[Vec<(i64, i64, i64)>],
+    image_token_id: i64,
+    spatial_merge_size: i64,
+    mode: PositionMode,
+) -> Result<Tensor, GenerateError> {
+    let b = input_ids.len();
+    let len = input_ids.first().map_or(0, Vec::len);
+    if attention_mask.len() != b
+        || grids.len() != b
+        || input_ids
+            .iter()
+            .chain(attention_mask)
+            .any(|r| r.len() != len)
+    {
+        return Err(GenerateError::InvalidRequest(format!(
+            "position ids: input ids, attention mask and grids disagree on the batch shape [{b}, {len}]"
+        )));
+    }
+    let mut flat = vec![0i64; 3 * b * len];
+    for bi in 0..b {
+        let keep: Vec<usize> = (0..len).filter(|&j| attention_mask[bi][j] != 0).collect();
+        let ids: Vec<i64> = keep.iter().map(|&j| input_ids[bi][j]).collect();
+        let pos = match mode {
+            PositionMode::Mrope => {
+                get_rope_index(&ids, image_token_id, &grids[bi], spatial_merge_size)?
+            }
+            PositionMode::Sequential => sequential_positions(ids.len()),
+        };
+        for (axis, p) in pos.iter().enumerate() {
+            for (&j, &v) in keep.iter().zip(p) {
+                flat[(axis * b + bi) * len + j] = v;
+            }
+        }
+    }
+    Ok(Tensor::from_slice(&flat).reshape([3, b as i64, len as i64]))
+}
+
 /// Position ids `[3, B, L]` (int64, CPU) of a batch of sequences padded to `len` (right padding:
 /// each sequence's tokens first), each sequence with its own image grids. Padding positions are
 /// 0, as transformers leaves them.
