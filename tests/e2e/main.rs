@@ -5,6 +5,7 @@ mod failures;
 mod outages;
 mod pipeline;
 mod processes;
+mod qwen;
 mod sdxl;
 
 use std::time::Duration;

@@ -8,6 +8,7 @@
 //! engine cannot load exits with an error.
 
 pub mod device;
+pub mod qwen_edit;
 pub mod sdxl;
 pub mod test_pattern;
 
@@ -19,6 +20,7 @@ use image::RgbImage;
 use serde::Deserialize;
 use vnfarm_proto::{JobId, ModelFamily, StageTimings, Task};
 
+pub use qwen_edit::{QwenEditEngine, QwenEditEngineConfig};
 pub use sdxl::{SdxlConfig, SdxlEngine};
 pub use test_pattern::{TestPatternConfig, TestPatternEngine};
 
@@ -38,6 +40,9 @@ pub struct EngineConfig {
     /// SDXL on libtorch, for `generate` jobs.
     #[serde(default)]
     pub sdxl: Option<SdxlConfig>,
+    /// Qwen-Image-Edit-2509 on libtorch, for `edit` jobs. A worker may hold it and SDXL at once.
+    #[serde(default)]
+    pub qwen_edit: Option<QwenEditEngineConfig>,
 }
 
 #[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
@@ -51,16 +56,19 @@ pub enum EngineKind {
 
 impl EngineConfig {
     pub fn kind(&self) -> EngineKind {
-        self.kind.unwrap_or(if self.sdxl.is_some() {
-            EngineKind::Tch
-        } else {
-            EngineKind::TestPattern
-        })
+        self.kind
+            .unwrap_or(if self.sdxl.is_some() || self.qwen_edit.is_some() {
+                EngineKind::Tch
+            } else {
+                EngineKind::TestPattern
+            })
     }
 
     /// The families with a configured model (`tch`).
     fn configured(&self) -> Vec<ModelFamily> {
-        self.sdxl.iter().map(|_| ModelFamily::Sdxl).collect()
+        let sdxl = self.sdxl.iter().map(|_| ModelFamily::Sdxl);
+        let qwen = self.qwen_edit.iter().map(|_| ModelFamily::QwenEdit);
+        sdxl.chain(qwen).collect()
     }
 
     pub fn models(&self) -> Vec<ModelFamily> {
@@ -79,7 +87,8 @@ impl EngineConfig {
                     "engine.models: a worker must serve at least one model family".into()
                 }
                 EngineKind::Tch => "engine: the tch engine needs a model section \
-                                    (engine.sdxl.checkpoint = \"/path/to/model.safetensors\""
+                                    (engine.sdxl.checkpoint = \"/path/to/model.safetensors\", \
+                                    or engine.qwen_edit)"
                     .into(),
             });
         }
@@ -100,6 +109,9 @@ impl EngineConfig {
         }
         if let Some(sdxl) = &self.sdxl {
             sdxl.validate()?;
+        }
+        if let Some(qwen) = &self.qwen_edit {
+            qwen.validate()?;
         }
         self.test_pattern.validate()
     }
@@ -203,6 +215,7 @@ pub enum Engine {
     /// The models on libtorch; one per family as they are implemented.
     Tch {
         sdxl: Option<Box<SdxlEngine>>,
+        qwen_edit: Option<Box<QwenEditEngine>>,
     },
 }
 
@@ -210,7 +223,7 @@ impl Engine {
     /// Loads the configured engines; `cache_keys` receives the keys of the encode caches.
     pub fn load(
         config: &EngineConfig,
-        _cache_keys: Arc<Mutex<Vec<String>>>,
+        cache_keys: Arc<Mutex<Vec<String>>>,
     ) -> anyhow::Result<Self> {
         match config.kind() {
             EngineKind::TestPattern => Ok(Engine::TestPattern(TestPatternEngine::new(
@@ -221,6 +234,11 @@ impl Engine {
                     .sdxl
                     .as_ref()
                     .map(|c| SdxlEngine::load(c).map(Box::new))
+                    .transpose()?,
+                qwen_edit: config
+                    .qwen_edit
+                    .as_ref()
+                    .map(|c| QwenEditEngine::load(c, cache_keys).map(Box::new))
                     .transpose()?,
             }),
         }
@@ -241,14 +259,16 @@ impl Engine {
     ) -> Result<EngineOutput, EngineError> {
         match self {
             Engine::TestPattern(e) => e.run(job, progress, cancel),
-            Engine::Tch { sdxl } => match job.task.model() {
+            Engine::Tch { sdxl, qwen_edit } => match job.task.model() {
                 ModelFamily::Sdxl => match sdxl {
                     Some(e) => e.run(job, progress, cancel),
                     None => Err(EngineError::Unsupported(ModelFamily::Sdxl)),
                 },
-                model @ (ModelFamily::QwenEdit | ModelFamily::Esrgan) => {
-                    Err(EngineError::Unsupported(model))
-                }
+                ModelFamily::QwenEdit => match qwen_edit {
+                    Some(e) => e.run(job, progress, cancel),
+                    None => Err(EngineError::Unsupported(ModelFamily::QwenEdit)),
+                },
+                model @ ModelFamily::Esrgan => Err(EngineError::Unsupported(model)),
             },
         }
     }

@@ -5,6 +5,7 @@
 //! - [`keys`]: Wan 2.1 / ComfyUI checkpoint names mapped to diffusers names.
 
 pub mod keys;
+pub mod pipeline;
 pub mod rope;
 pub mod transformer;
 pub mod vae;

@@ -1,0 +1,247 @@
+//! The Qwen-Image-Edit-2509 engine inside the worker, end to end: a pipeline (an SDXL base, then
+//! Qwen edits of it) through the scheduler, RabbitMQ and S3 on one worker holding both tiny
+//! random-weight models, with every image in storage compared to diffusers' images for the same
+//! parameters (`worker/models/fixtures/qwen/make_e2e_reference.py`); plus edits of uploaded
+//! images with two inputs, the encode cache in heartbeats, and cancellation between steps.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{Value, json};
+use tch::{Device, Kind};
+use vnfarm_models::loading::safetensors::SafetensorsFile;
+use vnfarm_scheduler::scheduler::inline_image;
+use vnfarm_tests::{Farm, WorkerOptions};
+
+use crate::FINISH;
+
+fn models() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../worker/models/fixtures")
+}
+
+/// One worker with the tiny SDXL (diffusers folder) and the tiny Qwen edit model (ComfyUI-style
+/// single files, sized by the tiny diffusers folder's configs), on the CPU in fp32.
+fn farm_worker(condition_area: u64, vae_area: u64, scheduler: &str) -> WorkerOptions {
+    let qwen = models().join("qwen");
+    let sdxl = [
+        (
+            "CHECKPOINT",
+            models().join("sdxl/sdxl_tiny").display().to_string(),
+        ),
+        ("DEVICE", "cpu".into()),
+        ("DTYPE", "fp32".into()),
+        ("VAE_DTYPE", "fp32".into()),
+        ("WARM_UP", "[[256, 256]]".into()),
+        ("VAE_TILING", "never".into()),
+    ];
+    let qwen_edit = [
+        (
+            "TRANSFORMER",
+            qwen.join("comfy/transformer_fp8_e4m3fn.safetensors")
+                .display()
+                .to_string(),
+        ),
+        (
+            "TEXT_ENCODER",
+            qwen.join("comfy/text_encoder_fp8_scaled.safetensors")
+                .display()
+                .to_string(),
+        ),
+        (
+            "VAE",
+            qwen.join("comfy/vae_wan.safetensors").display().to_string(),
+        ),
+        ("CONFIG_DIR", qwen.join("qwen_tiny").display().to_string()),
+        ("DEVICE", "cpu".into()),
+        ("DTYPE", "fp32".into()),
+        ("VAE_DTYPE", "fp32".into()),
+        ("SCHEDULER", scheduler.into()),
+        // The references were made by diffusers 0.42.1 with transformers 5.24, which feeds the text
+        // encoder sequential positions (see `qwen2_5_vl::rope::PositionMode`).
+        ("POSITIONS", "sequential".into()),
+        ("CONDITION_IMAGE_AREA", condition_area.to_string()),
+        ("VAE_IMAGE_AREA", vae_area.to_string()),
+        ("WARM_UP", "[[256, 256]]".into()),
+    ];
+    let env = sdxl
+        .into_iter()
+        .map(|(k, v)| (format!("VNFARM_ENGINE__SDXL__{k}"), v))
+        .chain(
+            qwen_edit
+                .into_iter()
+                .map(|(k, v)| (format!("VNFARM_ENGINE__QWEN_EDIT__{k}"), v)),
+        )
+        .collect();
+    WorkerOptions {
+        extra_env: env,
+        ..WorkerOptions::default()
+    }
+}
+
+/// Mean absolute difference, in 1/255 units, of `png` and the float image `name` of `file`.
+fn mae(file: &SafetensorsFile, name: &str, png: &[u8]) -> f64 {
+    let img = image::load_from_memory(png).expect("PNG").to_rgb8();
+    let want = file
+        .load(name, Device::Cpu, Kind::Float)
+        .expect("reference image");
+    let (h, w) = (img.height() as i64, img.width() as i64);
+    assert_eq!(want.size(), [h, w, 3], "{name}: image size");
+    let got = tch::Tensor::from_slice(img.as_raw())
+        .to_kind(Kind::Float)
+        .view([h, w, 3]);
+    (got - want * 255.0)
+        .abs()
+        .mean(Kind::Double)
+        .double_value(&[])
+}
+
+async fn png(farm: &Farm, job: &Value) -> anyhow::Result<Vec<u8>> {
+    let key = job["outputs"][0].as_str().expect("an output");
+    Ok(farm.storage.get(key).await?.to_vec())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pipeline_runs_on_sdxl_then_qwen_edits_and_matches_diffusers() -> anyhow::Result<()> {
+    let started = std::time::Instant::now();
+    let reference =
+        SafetensorsFile::open(models().join("qwen/reference/e2e_pipeline.safetensors"))?;
+    let meta: Value = serde_json::from_str(&reference.metadata()["fixture"])?;
+    let areas = &meta["edit_pipeline"];
+    let mut farm = Farm::new("qwen-pipeline").await?;
+    farm.start_scheduler().await?;
+    farm.start_worker(
+        "studio-1",
+        farm_worker(
+            areas["condition_image_area"].as_u64().unwrap(),
+            areas["vae_image_area"].as_u64().unwrap(),
+            "lightning",
+        ),
+    )
+    .await?;
+    println!("worker ready {:?} after the start", started.elapsed());
+    let workers = farm.get_json("/v1/workers").await?;
+    assert_eq!(
+        workers["workers"][0]["heartbeat"]["models"],
+        json!(["sdxl", "qwen-edit"]),
+        "one worker holds both models warm: {workers}"
+    );
+
+    let (status, body) = farm.submit(&meta["submission"]).await?;
+    assert_eq!(status, 201, "{body}");
+    let pipeline = farm
+        .wait_finished(body["job_id"].as_str().unwrap(), FINISH)
+        .await?;
+    assert_eq!(
+        pipeline["state"],
+        "completed",
+        "{pipeline}\n{}",
+        farm.worker_logs()
+    );
+    println!("pipeline finished {:?} after the start", started.elapsed());
+    let children = pipeline["children"].as_array().unwrap().clone();
+    assert_eq!(children.len(), 3, "{pipeline}");
+
+    let base = farm.job(children[0].as_str().unwrap()).await?;
+    let base_mae = mae(&reference, "base.image", &png(&farm, &base).await?);
+    println!("base: mean abs difference {base_mae:.4}/255 from diffusers");
+    assert!(base_mae <= 1.0, "base: {base_mae:.3}/255 from diffusers");
+    for (n, child) in children[1..].iter().enumerate() {
+        let edit = farm.job(child.as_str().unwrap()).await?;
+        assert_eq!(edit["state"], "completed", "{edit}");
+        let d = mae(
+            &reference,
+            &format!("edit{n}.image"),
+            &png(&farm, &edit).await?,
+        );
+        println!("edit {n}: mean abs difference {d:.4}/255 from diffusers");
+        assert!(d <= 1.0, "edit {n}: {d:.3}/255 from diffusers");
+    }
+
+    // Both edits share one input: it was encoded once and the worker says it holds it.
+    let workers = farm.get_json("/v1/workers").await?;
+    let keys = workers["workers"][0]["heartbeat"]["encode_cache"].clone();
+    assert_eq!(
+        keys.as_array().map(Vec::len),
+        Some(1),
+        "one cached input set: {workers}"
+    );
+    assert!(
+        keys[0].as_str().unwrap().starts_with("qwen-edit:"),
+        "{keys}"
+    );
+    // The first edit of the input encoded it; the second found it in the cache.
+    let mut encoded = Vec::new();
+    for child in &children[1..] {
+        let key = format!("results/{}/manifest.json", child.as_str().unwrap());
+        let manifest: Value = serde_json::from_slice(&farm.storage.get(&key).await?)?;
+        encoded.push(manifest["timings"].get("encode").is_some());
+    }
+    assert_eq!(
+        encoded.iter().filter(|e| **e).count(),
+        1,
+        "exactly one edit paid the input encode: {encoded:?}"
+    );
+    Ok(())
+}
+
+/// An edit of two uploaded images (character + reference): it runs at the requested size, its
+/// encodings are cached under both images' hashes, and a long edit is cancelled between steps.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn edits_of_uploaded_images_take_two_inputs_and_cancel_between_steps() -> anyhow::Result<()> {
+    let inputs = models().join("qwen/inputs");
+    let a = std::fs::read(inputs.join("a_48x40.png"))?;
+    let b = std::fs::read(inputs.join("b_32x56.png"))?;
+    let mut farm = Farm::new("qwen-edit").await?;
+    farm.start_scheduler().await?;
+    farm.start_worker("studio-2", farm_worker(56 * 56, 64 * 64, "model"))
+        .await?;
+    let inline = |bytes: &[u8]| serde_json::to_value(inline_image(bytes)).expect("an ImageRef");
+    let (status, body) = farm
+        .submit(&json!({"schema_version": 1, "job": {"kind": "edit",
+            "inputs": [inline(&a), inline(&b)],
+            "instruction": "put the hat from picture 2 on her",
+            "width": 256, "height": 256, "steps": 2, "seed": 11}}))
+        .await?;
+    assert_eq!(status, 201, "{body}");
+    let job = farm
+        .wait_finished(body["job_id"].as_str().unwrap(), FINISH)
+        .await?;
+    assert_eq!(job["state"], "completed", "{job}\n{}", farm.worker_logs());
+    let img = image::load_from_memory(&png(&farm, &job).await?)?;
+    assert_eq!((img.width(), img.height()), (256, 256));
+    let workers = farm.get_json("/v1/workers").await?;
+    let key = workers["workers"][0]["heartbeat"]["encode_cache"][0]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert_eq!(
+        key.strip_prefix("qwen-edit:").map(|k| k.split('+').count()),
+        Some(2),
+        "the cache key names both inputs: {workers}"
+    );
+
+    // A long edit stops between steps when cancelled, stores nothing, and frees the engine.
+    let (_, body) = farm
+        .submit(&json!({"schema_version": 1, "job": {"kind": "edit",
+            "inputs": [inline(&a)], "instruction": "make her smile",
+            "width": 256, "height": 256, "steps": 100, "seed": 3}}))
+        .await?;
+    let id = body["job_id"].as_str().unwrap().to_owned();
+    farm.wait_step(&id, 1, FINISH).await?;
+    let r = farm
+        .http
+        .post(farm.url(&format!("/v1/jobs/{id}/cancel")))
+        .send()
+        .await?;
+    assert!(r.status().is_success(), "cancel: {}", r.status());
+    let job = farm.wait_finished(&id, FINISH).await?;
+    assert_eq!(job["state"], "cancelled", "{job}");
+    assert!(job["progress"]["step"].as_u64().unwrap_or(0) < 100);
+    assert!(
+        farm.storage
+            .list(&format!("results/{id}/"))
+            .await?
+            .is_empty(),
+        "a cancelled edit leaves nothing in storage"
+    );
+    Ok(())
+}
