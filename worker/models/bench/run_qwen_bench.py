@@ -68,7 +68,7 @@ from run_bench import emit, run_sampled  # noqa: E402  (NVML sampler + process r
 DEFAULT_TOKENIZER = os.path.join(MODELS, "tokenizer", "qwen2")
 DEFAULT_FIXTURES = os.path.join(MODELS, "fixtures", "qwen")
 
-# Same strings as examples/qwen_bench.rs (it reads them from --instructions to be sure).
+# Instruction i and seed i make variant i on both sides (our binary reads them from `instructions.json`).
 INSTRUCTIONS = [
     "make her smile",
     "make her look angry",
@@ -626,8 +626,12 @@ def main():
            "--config-dir", os.path.join(a.work, "config")]
     sizes = ["--size", str(a.size), "--condition-area", str(a.condition_area), "--vae-area", str(a.vae_area)]
     modes = [m for m in a.modes.split(",") if m]
+    instructions = os.path.join(a.work, "instructions.json")
+    with open(instructions, "w") as f:
+        json.dump(INSTRUCTIONS, f)
     for m in modes:
         ours(f"pipeline_{m}", ["pipeline", *src, *sizes, "--fp8", m, "--input", os.path.join(a.work, "input.png"),
+                               "--instructions", instructions,
                                "--iters", str(a.iters), "--save", os.path.join(imgs, m),
                                "--variants", ",".join(map(str, VARIANT_COUNTS))])
     if not a.skip_components:
