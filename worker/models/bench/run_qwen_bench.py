@@ -30,8 +30,8 @@ What one run does (each side in its own process, same files, same GPU):
    - `config/{transformer,vae,text_encoder}/config.json`, `config/scheduler/scheduler_config.json`
      (the Lightning flow-match config): the `config_dir` both sides build from;
    - `input.png`: a synthetic RGB input of `--size`.
-2. `read`: the three weight files read from the page cache start to end (Python `readinto` and our
-   `qwen_bench read`, twice; the second pass counts): the baseline for load times.
+2. `read`: the three weight files read from the page cache start to end (Python `readinto` once, our
+   `qwen_bench read` twice; its second pass counts): the baseline for load times.
 3. `diffusers` (subprocess): the components rebuilt from `config/`, weights copied in from the three
    files (fp8 dequantised on the device: `(q.float() * scale).to(bf16)`, the same arithmetic as our
    loader), `QwenImageEditPlusPipeline` (bf16, SDPA, Lightning scheduler, tokenizer = the bundled
@@ -544,6 +544,11 @@ def main():
     ap.add_argument("--fixtures", default=DEFAULT_FIXTURES, help="folder of common.py (--tiny)")
     ap.add_argument("--tiny", action="store_true", help="tiny configs of fixtures/qwen/common.py on the CPU, fp32")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per process before it is killed")
+    ap.add_argument("--budget", type=float, default=540,
+                    help="seconds for the whole run: each process gets at most what is left (minus 15 s for the "
+                         "report), and a process is skipped when less than 30 s are left")
+    ap.add_argument("--alloc-conf", default="expandable_segments:True",
+                    help="PYTORCH_CUDA_ALLOC_CONF of every process, both sides (the worker's default)")
     ap.add_argument("--side", choices=["write", "diffusers"], help=argparse.SUPPRESS)
     ap.add_argument("--save", help=argparse.SUPPRESS)
     ap.add_argument("--size", type=int, help=argparse.SUPPRESS)
@@ -580,9 +585,24 @@ def main():
               "--size", str(a.size), "--condition-area", str(a.condition_area), "--vae-area", str(a.vae_area)]
     common += ["--tiny"] if a.tiny else []
 
+    env = dict(os.environ)
+    env["PYTORCH_CUDA_ALLOC_CONF"] = a.alloc_conf
+
+    def time_left(tag):
+        left = a.budget - (time.time() - t_start) - 15
+        if left < 30:
+            print(f"== {tag}: skipped, {left:.0f} s left of --budget", flush=True)
+            res.setdefault("skipped", []).append(tag)
+            save()
+            return None
+        return int(min(a.timeout, left))
+
     def py_side(side, extra=()):
+        timeout = time_left(side)
+        if timeout is None:
+            return None, None, None
         r = run_sampled([sys.executable, "-u", os.path.abspath(__file__), "--side", side, *common, *extra],
-                        os.path.join(a.out, f"diffusers_{side}.log"), timeout=a.timeout)
+                        os.path.join(a.out, f"diffusers_{side}.log"), env, timeout=timeout)
         print(f"== {side}: rc={r[2]} {r[1]}", flush=True)
         res[f"py_{side}"] = {"rows": r[0], "mem": r[1], "rc": r[2]}
         save()
@@ -590,7 +610,6 @@ def main():
 
     import torch  # only for the location of libtorch
 
-    env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = os.path.join(os.path.dirname(torch.__file__), "lib") + ":" + env.get("LD_LIBRARY_PATH", "")
     ours_flags = ["--cpu"] if a.tiny else []
 
@@ -600,7 +619,10 @@ def main():
             res[f"ours_{tag}"] = {"error": f"no binary at {a.bin}"}
             save()
             return None
-        r = run_sampled([a.bin, *args, *ours_flags], os.path.join(a.out, f"ours_{tag}.log"), env, timeout=a.timeout)
+        timeout = time_left(tag)
+        if timeout is None:
+            return None
+        r = run_sampled([a.bin, *args, *ours_flags], os.path.join(a.out, f"ours_{tag}.log"), env, timeout=timeout)
         print(f"== ours {tag}: rc={r[2]} {r[1]}", flush=True)
         res[f"ours_{tag}"] = {"rows": r[0], "mem": r[1], "rc": r[2], "args": args}
         save()
@@ -613,7 +635,7 @@ def main():
             return 1
     files = weight_files(a.work)
     res["weight_bytes"] = {os.path.basename(f): os.path.getsize(f) for f in files}
-    res["py_read"] = py_read(files)
+    res["py_read"] = py_read(files, passes=1)  # (after the write: from the page cache)
     ours("read", ["read", *files])
     save()
 
@@ -690,7 +712,7 @@ def make_table(res, modes):
     read_py = res["py_read"][-1]["s"] if res.get("py_read") else None
     total = sum(res.get("weight_bytes", {}).values())
     lines = [f"Weights: {total / 1e9:.2f} GB ({', '.join(f'{k} {v / 1e9:.2f}' for k, v in res.get('weight_bytes', {}).items())}). "
-             f"Page-cache read, 2nd pass: `qwen_bench read` {f(read_rust, 2)} s, Python {f(read_py, 2)} s.", "",
+             f"Page-cache read: `qwen_bench read` (2nd pass) {f(read_rust, 2)} s, Python `readinto` {f(read_py, 2)} s.", "",
              "| measurement | diffusers | " + " | ".join(f"ours `{m}` | ÷" for m in modes) + " |",
              "| --- | ---: |" + " ---: | ---: |" * len(modes)]
 

@@ -256,8 +256,9 @@ fn read_files(files: &[String]) -> anyhow::Result<()> {
 fn pipeline(opts: &Opts) -> anyhow::Result<()> {
     init_device(opts)?;
     let (dev, dt) = device_kind();
-    let instructions: Vec<String> =
-        serde_json::from_str(&std::fs::read_to_string(required(&opts.instructions, "--instructions")?)?)?;
+    let instructions_json =
+        std::fs::read_to_string(required(&opts.instructions, "--instructions")?)?;
+    let instructions: Vec<String> = serde_json::from_str(&instructions_json)?;
     anyhow::ensure!(!instructions.is_empty(), "no instructions");
     let input = image::open(required(&opts.input, "--input")?)?.to_rgb8();
 
@@ -291,7 +292,9 @@ fn pipeline(opts: &Opts) -> anyhow::Result<()> {
     );
 
     let inputs = [input];
-    bench("encode_inputs", 1, 5, "", || Ok(pipe.encode_inputs(&inputs)?))?;
+    bench("encode_inputs", 1, 5, "", || {
+        Ok(pipe.encode_inputs(&inputs)?)
+    })?;
 
     let request = |i: usize| EditRequest {
         instruction: instructions[i % instructions.len()].clone(),
