@@ -15,9 +15,9 @@
 //!
 //! - `read`: the files read start to end into one 64 MiB buffer, twice (the page-cache baseline of
 //!   load times; the second pass counts).
-//! - `pipeline`: `QwenEditPipeline::load`, then `encode_inputs` of the input (median of 5 after
-//!   one warm-up), the full 4-step edit (`encode_inputs` + `edit`, instruction 0, seed 0, cfg 1,
-//!   output `--size`²): first call and median of `--iters`, each with the pipeline's stage times;
+//! - `pipeline`: `QwenEditPipeline::load`, then the full 4-step edit (`encode_inputs` + `edit`,
+//!   instruction 0, seed 0, cfg 1, output `--size`²): first call and median of `--iters`, with the
+//!   pipeline's stage times; `encode_inputs` of the input alone (median of 5 after one warm-up);
 //!   then for each N of `--variants`: `encode_inputs` once + one `edit` per variant (instruction i,
 //!   seed i). `--save DIR` writes the seed-0 image of the first call as raw RGB8 (`edit.rgb`).
 //! - `components`: the transformer alone (one forward at the edit's shapes: the target's and the
@@ -292,10 +292,6 @@ fn pipeline(opts: &Opts) -> anyhow::Result<()> {
     );
 
     let inputs = [input];
-    bench("encode_inputs", 1, 5, "", || {
-        Ok(pipe.encode_inputs(&inputs)?)
-    })?;
-
     let request = |i: usize| EditRequest {
         instruction: instructions[i % instructions.len()].clone(),
         seed: i as u64,
@@ -358,6 +354,11 @@ fn pipeline(opts: &Opts) -> anyhow::Result<()> {
         first_times[2] * 1e3,
         now()
     );
+
+    // The input set's encode alone (vision tower + VAE encode), after the first edit.
+    bench("encode_inputs", 1, 5, "", || {
+        Ok(pipe.encode_inputs(&inputs)?)
+    })?;
 
     // N variants of one input: the input set encoded once, then one edit per variant.
     for &n in &opts.variants {
