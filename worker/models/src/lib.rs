@@ -11,12 +11,14 @@
 //! - [`schedulers`]: Euler, Euler ancestral, DPM++ 2M Karras; [`noise`]: torch-identical seeded noise.
 //! - [`text`]: the CLIP tokenizer and the A1111 prompt syntax.
 //! - [`sdxl`]: SDXL text-to-image (CLIP-L + OpenCLIP bigG, UNet, VAE, compel weighting, pipeline).
+//! - [`qwen2_5_vl`]: Qwen2.5-VL (Qwen-Image's text encoder): the vision tower.
 //! - [`error`]: what callers branch on (`LoadError`, `GenerateError`).
 
 pub mod error;
 pub mod loading;
 pub mod nn;
 pub mod noise;
+pub mod qwen2_5_vl;
 pub mod schedulers;
 pub mod sdxl;
 pub mod text;

@@ -9,10 +9,12 @@
 mod dpm_solver;
 mod euler;
 mod euler_ancestral;
+mod flow_match;
 
 pub use dpm_solver::DpmSolverMultistep;
 pub use euler::EulerDiscrete;
 pub use euler_ancestral::EulerAncestralDiscrete;
+pub use flow_match::{FlowMatchConfig, FlowMatchEulerDiscrete, TimeShiftType, pipeline_sigmas};
 
 use tch::{Device, Kind, Tensor};
 
