@@ -8,11 +8,12 @@ Commands (repository root):
     # here: the binary and the wheels (see docs/performance.md for the pip download line)
     cargo build --release -p vnfarm-models --example qwen_bench
     mkdir -p .bench && cp $CARGO_TARGET_DIR/release/examples/qwen_bench .bench/qwen_bench
-    # here: smoke test of the whole flow on the CPU (tiny configs of fixtures/qwen/common.py, fp32):
+    # here: smoke test of the whole flow on the CPU (tiny configs of fixtures/qwen/common.py, fp32),
+    # with a debug build (`cargo build -p vnfarm-models --example qwen_bench`):
     OMP_NUM_THREADS=2 /work/pyfix/bin/python worker/models/bench/run_qwen_bench.py --tiny \
         --bin $CARGO_TARGET_DIR/debug/examples/qwen_bench --work /tmp/qsmoke/work --out /tmp/qsmoke/out
-    # GPU machine (one device call, carry [".whl", ".bench"]; wrapper: run_qwen_bench.sh):
-    worker/models/bench/run_qwen_bench.sh
+    # GPU machine: one device call, carry [".whl", ".bench"], timeout_s 600, command
+    worker/models/bench/run_qwen_bench.sh      # (the wrapper installs the wheels, writes $OUT)
 
 What one run does (each side in its own process, same files, same GPU):
 1. `write` (subprocess): the real Qwen-Image-Edit-2509 components in diffusers/transformers with
@@ -28,7 +29,9 @@ What one run does (each side in its own process, same files, same GPU):
      `model.norm`, `visual.*`), no lm_head;
    - `vae_bf16.safetensors`: bf16, diffusers names;
    - `config/{transformer,vae,text_encoder}/config.json`, `config/scheduler/scheduler_config.json`
-     (the Lightning flow-match config): the `config_dir` both sides build from;
+     (the Lightning flow-match config): what the diffusers side builds from; ours builds from its
+     presets (`QwenSource::Files { config_dir: None }`, as the studio's files load) unless `--tiny`
+     or `--ours-config-dir`;
    - `input.png`: a synthetic RGB input of `--size`.
 2. `read`: the three weight files read from the page cache start to end (Python `readinto` once, our
    `qwen_bench read` twice; its second pass counts): the baseline for load times.
@@ -45,6 +48,10 @@ What one run does (each side in its own process, same files, same GPU):
    and median, N variants = encode_inputs once + edit per variant) and `components` (transformer
    step at the same shapes, VAE encode/decode).
 
+Every process runs with `PYTORCH_CUDA_ALLOC_CONF=--alloc-conf` (default `expandable_segments:True`,
+what the worker sets). `--budget` (default 540 s) bounds the whole run: each process is given what
+is left, so that results and tables are written before the device command's 600 s limit.
+
 Memory: NVML `memory.used` of GPU 0 sampled every 20 ms per process (peak minus the idle reading
 before it; per case in each case's t0..t1 window, cumulative); diffusers' `max_memory_allocated`
 per case (reset per case). Image agreement: mean |ours - diffusers| of the seed-0 edit, RGB8.
@@ -55,7 +62,7 @@ import argparse
 import json
 import math
 import os
-import statistics
+import shutil
 import subprocess
 import sys
 import time
@@ -222,6 +229,9 @@ def write_side(a):
           "transformers": transformers.__version__})
     tr_kw, vae_kw, te_kw, sched = configs(a)
     os.makedirs(a.work, exist_ok=True)
+    free = shutil.disk_usage(a.work).free
+    need = 0 if a.tiny else 31e9  # 20.4 GB transformer + 8.8 GB text encoder + VAE, and some room
+    assert free > need, f"{a.work}: {free / 1e9:.1f} GB free, the weights need about {need / 1e9:.0f} GB"
     cfg_dir = os.path.join(a.work, "config")
     files = {}
     # Built directly in the storage dtype on the device (bf16 on the GPU: no fp32 copy of 20 B
@@ -543,6 +553,8 @@ def main():
     ap.add_argument("--skip-components", action="store_true", help="no `qwen_bench components` processes")
     ap.add_argument("--tokenizer", default=DEFAULT_TOKENIZER, help="folder with the bundled Qwen2 tokenizer.json")
     ap.add_argument("--fixtures", default=DEFAULT_FIXTURES, help="folder of common.py (--tiny)")
+    ap.add_argument("--ours-config-dir", action="store_true",
+                    help="our side builds from the written config.json files too (default: --tiny only)")
     ap.add_argument("--tiny", action="store_true", help="tiny configs of fixtures/qwen/common.py on the CPU, fp32")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per process before it is killed")
     ap.add_argument("--budget", type=float, default=540,
@@ -645,8 +657,9 @@ def main():
     drows = res.get("py_diffusers", {}).get("rows", {})
     txt_len = drows.get("encode_prompt", {}).get("txt_len", 216 if not a.tiny else 20)
 
-    src = ["--transformer", files[0], "--text-encoder", files[1], "--vae", files[2],
-           "--config-dir", os.path.join(a.work, "config")]
+    src = ["--transformer", files[0], "--text-encoder", files[1], "--vae", files[2]]
+    if a.tiny or a.ours_config_dir:  # real size: the engine's presets, as the studio loads these files
+        src += ["--config-dir", os.path.join(a.work, "config")]
     sizes = ["--size", str(a.size), "--condition-area", str(a.condition_area), "--vae-area", str(a.vae_area)]
     modes = [m for m in a.modes.split(",") if m]
     instructions = os.path.join(a.work, "instructions.json")

@@ -23,6 +23,8 @@
 //! - `components`: the transformer alone (one forward at the edit's shapes: the target's and the
 //!   reference's tokens of a `--size`² edit and `--txt-len` prompt tokens, sigma 0.9) and the VAE
 //!   alone (encode of a `--vae-area` image, decode of a `--size`² latent), untiled.
+//! - `--config-dir D`: a diffusers-layout folder with the components' `config.json` (the tiny smoke
+//!   test's sizes); without it the real model's presets, as the studio's files are loaded.
 //! - `--cpu`: fp32 on the CPU (smoke tests with the tiny fixtures' configs from `--config-dir`).
 //!
 //! Prints one JSON object per line: `{"name": ..., "ms_median": ...}` for repeated calls,
@@ -44,6 +46,7 @@ use vnfarm_models::qwen_image::pipeline::{
 };
 use vnfarm_models::qwen_image::transformer::{QwenImageTransformer, QwenImageTransformerConfig};
 use vnfarm_models::qwen_image::vae::{QwenVae, QwenVaeConfig, Tiling};
+use vnfarm_models::schedulers::flow_match::FlowMatchConfig;
 
 const STEPS: usize = 4;
 const CFG: f64 = 1.0;
@@ -274,8 +277,8 @@ fn pipeline(opts: &Opts) -> anyhow::Result<()> {
     cfg.fp8 = opts.fp8;
     cfg.attention = AttentionImpl::Sdpa;
     cfg.loras = Vec::new();
-    // The Lightning config from `<config-dir>/scheduler/scheduler_config.json` (None reads it).
-    cfg.scheduler = None;
+    // Qwen-Image-Lightning's scheduler, as the diffusers side (run_qwen_bench.py LIGHTNING_SCHEDULER).
+    cfg.scheduler = Some(FlowMatchConfig::qwen_image_lightning());
     cfg.max_batch = 1;
     cfg.vae_tiling = Tiling::Never; // diffusers decodes untiled
     cfg.condition_image_area = opts.condition_area;
