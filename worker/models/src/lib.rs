@@ -19,6 +19,7 @@ pub mod loading;
 pub mod nn;
 pub mod noise;
 pub mod qwen2_5_vl;
+pub mod qwen_image;
 pub mod schedulers;
 pub mod sdxl;
 pub mod text;

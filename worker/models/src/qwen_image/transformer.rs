@@ -1,0 +1,716 @@
+//! The QwenImage diffusion transformer (`QwenImageTransformer2DModel`, 20 B parameters at real
+//! size): packed latent tokens of the target and reference images plus the text encoder's hidden
+//! states in, the flow prediction for every image token out.
+//!
+//! Ported from diffusers 0.42.1 `models/transformers/transformer_qwenimage.py` (Apache-2.0,
+//! Copyright 2025 Qwen-Image Team, The HuggingFace Team): `QwenTimestepProjEmbeddings`,
+//! `QwenDoubleStreamAttnProcessor2_0`, `QwenImageTransformerBlock`, `QwenImageTransformer2DModel`,
+//! with `AdaLayerNormContinuous` and `FeedForward("gelu-approximate")` from `normalization.py` and
+//! `attention.py`. The 3-D RoPE is in [`super::rope`].
+//!
+//! Field names equal the checkpoint keys (`img_in`, `txt_norm`, `txt_in`,
+//! `time_text_embed.timestep_embedder.linear_{1,2}`, `transformer_blocks.N.{img_mod.1, txt_mod.1,
+//! attn.{to_q, to_k, to_v, add_q_proj, add_k_proj, add_v_proj, to_out.0, to_add_out, norm_q,
+//! norm_k, norm_added_q, norm_added_k}, img_mlp.net.{0.proj, 2}, txt_mlp.net.{0.proj, 2}}`,
+//! `norm_out.linear`, `proj_out`). ComfyUI's single file uses the same names, optionally under
+//! `model.diffusion_model.` or `diffusion_model.` ([`transformer_store`]).
+//!
+//! Invariants, as the reference:
+//! - the timestep is σ in [0, 1] (the pipeline passes `t / 1000`); `time_proj` scales it by 1000;
+//! - blocks modulate with (shift, scale, gate) per half, `norm_out` with (scale, shift);
+//! - joint attention runs over `cat([text, image])`; with a prompt mask the padded text keys are
+//!   masked out for every query (image keys never are), and the text RoPE positions are those of
+//!   the padded length regardless of the mask; without a mask no mask tensor is built;
+//! - RoPE and the RMSNorm statistics are computed in fp32 and cast back.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use tch::{Kind, Tensor};
+
+use crate::error::{GenerateError, LoadError};
+use crate::loading::diffusers::component_store;
+use crate::loading::safetensors::SafetensorsFile;
+use crate::loading::weights::{WeightStore, Weights};
+use crate::nn::rope::apply_interleaved;
+use crate::nn::{AttentionImpl, Linear, RmsNorm, attention};
+use crate::qwen_image::rope::{ImageShape, QwenEmbedRope, RopeTables};
+
+/// Key prefixes of single-file checkpoints, stripped by [`transformer_store`] (ComfyUI's full
+/// checkpoints and its bare diffusion-model files).
+pub const KEY_PREFIXES: [&str; 2] = ["model.diffusion_model.", "diffusion_model."];
+
+/// The diffusers name of a checkpoint key: [`KEY_PREFIXES`] stripped, otherwise unchanged.
+pub fn diffusers_key(key: &str) -> Option<String> {
+    let bare = KEY_PREFIXES
+        .iter()
+        .find_map(|p| key.strip_prefix(p))
+        .unwrap_or(key);
+    Some(bare.to_string())
+}
+
+/// A single-file transformer checkpoint (diffusers names, bare or under a [`KEY_PREFIXES`]
+/// prefix; any dtype per tensor, fp8 Linear weights with or without a scale).
+pub fn transformer_store(file: Arc<SafetensorsFile>) -> WeightStore {
+    WeightStore::renamed(file, diffusers_key)
+}
+
+/// A diffusers `transformer/` folder: `diffusion_pytorch_model.safetensors`, or its shards with
+/// the `.safetensors.index.json`.
+pub fn transformer_folder_store(dir: &Path) -> Result<WeightStore, LoadError> {
+    component_store(dir, "diffusion_pytorch_model", diffusers_key)
+}
+
+/// `QwenImageTransformer2DModel` config, plus the constants its code fixes (as fields).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct QwenImageTransformerConfig {
+    pub patch_size: i64,
+    pub in_channels: i64,
+    pub out_channels: i64,
+    pub num_layers: i64,
+    pub attention_head_dim: i64,
+    pub num_attention_heads: i64,
+    pub joint_attention_dim: i64,
+    /// Head-dimension split of the 3-D RoPE (frame, height, width); sums to `attention_head_dim`.
+    pub axes_dims_rope: [i64; 3],
+    /// RoPE base (`QwenEmbedRope(theta=10000)`).
+    pub rope_theta: f64,
+    /// Epsilon of every LayerNorm and RMSNorm (`eps=1e-6` throughout the reference).
+    pub norm_eps: f64,
+    /// Sinusoidal timestep features (`Timesteps(num_channels=256)`).
+    pub time_proj_dim: i64,
+    /// `Timesteps(scale=1000)`: σ in [0, 1] becomes the 0–1000 timestep.
+    pub time_proj_scale: f64,
+    /// `FeedForward(mult=4)`: MLP hidden size over model width.
+    pub mlp_ratio: i64,
+}
+
+impl Default for QwenImageTransformerConfig {
+    /// The defaults of `QwenImageTransformer2DModel.__init__`, which are the released model's.
+    fn default() -> Self {
+        Self {
+            patch_size: 2,
+            in_channels: 64,
+            out_channels: 16,
+            num_layers: 60,
+            attention_head_dim: 128,
+            num_attention_heads: 24,
+            joint_attention_dim: 3584,
+            axes_dims_rope: [16, 56, 56],
+            rope_theta: 10000.0,
+            norm_eps: 1e-6,
+            time_proj_dim: 256,
+            time_proj_scale: 1000.0,
+            mlp_ratio: 4,
+        }
+    }
+}
+
+impl QwenImageTransformerConfig {
+    /// Qwen/Qwen-Image-Edit-2509 `transformer/config.json` (patch 2, in 64, out 16, 60 layers,
+    /// 24 heads of 128, joint dim 3584, RoPE axes (16, 56, 56), no guidance embedding).
+    pub fn qwen_image_edit_2509() -> Self {
+        Self::default()
+    }
+
+    /// The tiny test transformer of `fixtures/qwen/common.py` (diffusers 0.42.1
+    /// `tests/pipelines/qwenimage/test_qwenimage_edit_plus.py::get_dummy_components`).
+    pub fn tiny() -> Self {
+        Self {
+            patch_size: 2,
+            in_channels: 16,
+            out_channels: 4,
+            num_layers: 2,
+            attention_head_dim: 16,
+            num_attention_heads: 3,
+            joint_attention_dim: 16,
+            axes_dims_rope: [8, 4, 4],
+            ..Self::default()
+        }
+    }
+
+    /// Parses a diffusers `transformer/config.json`. Missing keys take the reference defaults;
+    /// `out_channels: null` means `in_channels`. Flags of other Qwen-Image variants that this port
+    /// does not implement are rejected by name.
+    pub fn from_json(text: &str) -> Result<Self, String> {
+        let v: serde_json::Value = serde_json::from_str(text).map_err(|e| e.to_string())?;
+        if !v.is_object() {
+            return Err("the transformer config is not a JSON object".into());
+        }
+        for (flag, what) in [
+            ("guidance_embeds", "guidance embedding"),
+            (
+                "zero_cond_t",
+                "zero-timestep conditioning of reference tokens (Edit-2511)",
+            ),
+            ("use_additional_t_cond", "additional timestep conditioning"),
+            ("use_layer3d_rope", "layered 3-D RoPE"),
+        ] {
+            match v.get(flag) {
+                None | Some(serde_json::Value::Null) | Some(serde_json::Value::Bool(false)) => {}
+                Some(serde_json::Value::Bool(true)) => {
+                    return Err(format!("`{flag}: true` ({what}) is not supported"));
+                }
+                Some(other) => return Err(format!("`{flag}` is not a boolean: {other}")),
+            }
+        }
+        let d = Self::default();
+        let int = |k: &str, default: i64| -> Result<i64, String> {
+            match v.get(k) {
+                None | Some(serde_json::Value::Null) => Ok(default),
+                Some(x) => x.as_i64().ok_or_else(|| format!("`{k}` is not an integer")),
+            }
+        };
+        let in_channels = int("in_channels", d.in_channels)?;
+        let axes_dims_rope = match v.get("axes_dims_rope") {
+            None => d.axes_dims_rope,
+            Some(a) => {
+                let dims: Vec<i64> = a
+                    .as_array()
+                    .and_then(|a| a.iter().map(serde_json::Value::as_i64).collect())
+                    .ok_or("`axes_dims_rope` is not a list of integers")?;
+                <[i64; 3]>::try_from(dims.as_slice())
+                    .map_err(|_| format!("`axes_dims_rope` has {} entries, not 3", dims.len()))?
+            }
+        };
+        let config = Self {
+            patch_size: int("patch_size", d.patch_size)?,
+            in_channels,
+            out_channels: int("out_channels", in_channels)?,
+            num_layers: int("num_layers", d.num_layers)?,
+            attention_head_dim: int("attention_head_dim", d.attention_head_dim)?,
+            num_attention_heads: int("num_attention_heads", d.num_attention_heads)?,
+            joint_attention_dim: int("joint_attention_dim", d.joint_attention_dim)?,
+            axes_dims_rope,
+            ..d
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// The structural constraints the model relies on.
+    pub fn validate(&self) -> Result<(), String> {
+        let positive = [
+            ("patch_size", self.patch_size),
+            ("in_channels", self.in_channels),
+            ("out_channels", self.out_channels),
+            ("num_layers", self.num_layers),
+            ("attention_head_dim", self.attention_head_dim),
+            ("num_attention_heads", self.num_attention_heads),
+            ("joint_attention_dim", self.joint_attention_dim),
+            ("time_proj_dim", self.time_proj_dim),
+            ("mlp_ratio", self.mlp_ratio),
+        ];
+        if let Some((k, v)) = positive.iter().find(|(_, v)| *v <= 0) {
+            return Err(format!("`{k}` must be positive, is {v}"));
+        }
+        let axes = self.axes_dims_rope;
+        if axes.iter().any(|d| *d <= 0 || d % 2 != 0) {
+            return Err(format!(
+                "`axes_dims_rope` {axes:?} must be positive and even"
+            ));
+        }
+        if axes.iter().sum::<i64>() != self.attention_head_dim {
+            return Err(format!(
+                "`axes_dims_rope` {axes:?} must sum to attention_head_dim {}",
+                self.attention_head_dim
+            ));
+        }
+        Ok(())
+    }
+
+    /// Model width `num_attention_heads * attention_head_dim`.
+    pub fn inner_dim(&self) -> i64 {
+        self.num_attention_heads * self.attention_head_dim
+    }
+
+    /// Channels of one output token, `patch_size² * out_channels`.
+    pub fn out_token_dim(&self) -> i64 {
+        self.patch_size * self.patch_size * self.out_channels
+    }
+}
+
+/// `LayerNorm(dim, elementwise_affine=False)` over the last dimension.
+fn layer_norm_plain(x: &Tensor, dim: i64, eps: f64) -> Tensor {
+    x.layer_norm([dim], None::<&Tensor>, None::<&Tensor>, eps, true)
+}
+
+/// diffusers `embeddings.get_timestep_embedding(t, dim, flip_sin_to_cos=True,
+/// downscale_freq_shift=0, scale)` in its op order: fp32 frequencies times the timestep in fp32,
+/// then scaled. (The shared [`crate::nn::embeddings::timestep_features`] has no `scale`, and
+/// scaling the timestep first would round differently: the arguments reach 1000 radians.)
+fn time_proj(t: &Tensor, dim: i64, scale: f64) -> Tensor {
+    let half = dim / 2;
+    let exponent =
+        Tensor::arange(half, (Kind::Float, t.device())) * (-(10000f64).ln()) / half as f64;
+    let freqs = exponent.exp();
+    let args = t.to_kind(Kind::Float).unsqueeze(1) * freqs.unsqueeze(0) * scale;
+    let emb = Tensor::cat(&[args.cos(), args.sin()], -1);
+    if dim % 2 == 1 {
+        emb.constant_pad_nd([0, 1, 0, 0])
+    } else {
+        emb
+    }
+}
+
+/// `QwenTimestepProjEmbeddings`: `Timesteps(256, flip_sin_to_cos, shift 0, scale 1000)` then
+/// `TimestepEmbedding` (`timestep_embedder.linear_2(silu(linear_1(·)))`). The embedder's Linears
+/// are held here (not in a shared `TimestepEmbedding`) so that LoRA fusing can reach them.
+#[derive(Debug)]
+struct QwenTimestepProjEmbeddings {
+    linear_1: Linear,
+    linear_2: Linear,
+    proj_dim: i64,
+    proj_scale: f64,
+}
+
+impl QwenTimestepProjEmbeddings {
+    fn new(w: &Weights, c: &QwenImageTransformerConfig) -> Result<Self, LoadError> {
+        let w = w.pp("timestep_embedder");
+        let dim = c.inner_dim();
+        Ok(Self {
+            linear_1: Linear::new(&w.pp("linear_1"), c.time_proj_dim, dim, true)?,
+            linear_2: Linear::new(&w.pp("linear_2"), dim, dim, true)?,
+            proj_dim: c.time_proj_dim,
+            proj_scale: c.time_proj_scale,
+        })
+    }
+
+    /// `timestep` `[B]` already in the activations' dtype → `[B, inner]`.
+    fn forward(&self, timestep: &Tensor, kind: Kind) -> Tensor {
+        let proj = time_proj(timestep, self.proj_dim, self.proj_scale).to_kind(kind);
+        self.linear_2.forward(&self.linear_1.forward(&proj).silu())
+    }
+}
+
+/// `FeedForward(dim, dim_out=dim, activation_fn="gelu-approximate")`: `net.0.proj`, GELU (tanh),
+/// `net.2`.
+#[derive(Debug)]
+struct FeedForward {
+    proj_in: Linear,
+    proj_out: Linear,
+}
+
+impl FeedForward {
+    fn new(w: &Weights, dim: i64, hidden: i64) -> Result<Self, LoadError> {
+        Ok(Self {
+            proj_in: Linear::new(&w.pp("net").pp(0).pp("proj"), dim, hidden, true)?,
+            proj_out: Linear::new(&w.pp("net").pp(2), hidden, dim, true)?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Tensor {
+        self.proj_out.forward(&self.proj_in.forward(x).gelu("tanh"))
+    }
+}
+
+/// The block's `Attention` with `QwenDoubleStreamAttnProcessor2_0`: image projections `to_*`,
+/// text projections `add_*_proj`, per-head RMSNorm on queries and keys, RoPE per stream, one
+/// attention over `cat([text, image])`.
+#[derive(Debug)]
+struct JointAttention {
+    to_q: Linear,
+    to_k: Linear,
+    to_v: Linear,
+    add_q_proj: Linear,
+    add_k_proj: Linear,
+    add_v_proj: Linear,
+    norm_q: RmsNorm,
+    norm_k: RmsNorm,
+    norm_added_q: RmsNorm,
+    norm_added_k: RmsNorm,
+    to_out: Linear,
+    to_add_out: Linear,
+    heads: i64,
+    head_dim: i64,
+}
+
+impl JointAttention {
+    fn new(w: &Weights, c: &QwenImageTransformerConfig) -> Result<Self, LoadError> {
+        let dim = c.inner_dim();
+        let hd = c.attention_head_dim;
+        let lin = |name: &str| Linear::new(&w.pp(name), dim, dim, true);
+        let norm = |name: &str| RmsNorm::new(&w.pp(name), hd, c.norm_eps);
+        Ok(Self {
+            to_q: lin("to_q")?,
+            to_k: lin("to_k")?,
+            to_v: lin("to_v")?,
+            add_q_proj: lin("add_q_proj")?,
+            add_k_proj: lin("add_k_proj")?,
+            add_v_proj: lin("add_v_proj")?,
+            norm_q: norm("norm_q")?,
+            norm_k: norm("norm_k")?,
+            norm_added_q: norm("norm_added_q")?,
+            norm_added_k: norm("norm_added_k")?,
+            to_out: Linear::new(&w.pp("to_out").pp(0), dim, dim, true)?,
+            to_add_out: lin("to_add_out")?,
+            heads: c.num_attention_heads,
+            head_dim: hd,
+        })
+    }
+
+    /// `[B, S, inner]` → `[B, S, H, D]`.
+    fn heads_of(&self, x: &Tensor) -> Tensor {
+        let (b, s) = (x.size()[0], x.size()[1]);
+        x.view([b, s, self.heads, self.head_dim])
+    }
+
+    /// Returns `(image output, text output)`. `mask` is the additive joint mask `[B, 1, 1, L+N]`.
+    fn forward(
+        &self,
+        img: &Tensor,
+        txt: &Tensor,
+        rope: &RopeTables,
+        mask: Option<&Tensor>,
+        imp: AttentionImpl,
+    ) -> (Tensor, Tensor) {
+        let seq_txt = txt.size()[1];
+        let img_q = self.norm_q.forward(&self.heads_of(&self.to_q.forward(img)));
+        let img_k = self.norm_k.forward(&self.heads_of(&self.to_k.forward(img)));
+        let img_v = self.heads_of(&self.to_v.forward(img));
+        let txt_q = self
+            .norm_added_q
+            .forward(&self.heads_of(&self.add_q_proj.forward(txt)));
+        let txt_k = self
+            .norm_added_k
+            .forward(&self.heads_of(&self.add_k_proj.forward(txt)));
+        let txt_v = self.heads_of(&self.add_v_proj.forward(txt));
+
+        // Tables `[S, D/2]` broadcast over `[B, S, H, D/2]`: one row per token, shared by heads.
+        let (ic, is) = (rope.img_cos.unsqueeze(1), rope.img_sin.unsqueeze(1));
+        let (tc, ts) = (rope.txt_cos.unsqueeze(1), rope.txt_sin.unsqueeze(1));
+        let img_q = apply_interleaved(&img_q, &ic, &is);
+        let img_k = apply_interleaved(&img_k, &ic, &is);
+        let txt_q = apply_interleaved(&txt_q, &tc, &ts);
+        let txt_k = apply_interleaved(&txt_k, &tc, &ts);
+
+        // [B, S, H, D] → [B, H, S, D], text first.
+        let joint = |t: Tensor, i: Tensor| Tensor::cat(&[t, i], 1).transpose(1, 2);
+        let q = joint(txt_q, img_q);
+        let k = joint(txt_k, img_k);
+        let v = joint(txt_v, img_v);
+        let scale = 1.0 / (self.head_dim as f64).sqrt();
+        let out = attention(&q, &k, &v, mask, scale, imp)
+            .transpose(1, 2)
+            .flatten(2, 3);
+        let total = out.size()[1];
+        let txt_out = out.narrow(1, 0, seq_txt).contiguous();
+        let img_out = out.narrow(1, seq_txt, total - seq_txt).contiguous();
+        (
+            self.to_out.forward(&img_out),
+            self.to_add_out.forward(&txt_out),
+        )
+    }
+}
+
+/// `x * (1 + scale) + shift` and the gate, from one third-split of a modulation `[B, 3*dim]`.
+fn modulate(x: &Tensor, params: &Tensor) -> (Tensor, Tensor) {
+    let p = params.chunk(3, -1);
+    let (shift, scale, gate) = (p[0].unsqueeze(1), p[1].unsqueeze(1), p[2].unsqueeze(1));
+    (x * (scale + 1.0) + shift, gate)
+}
+
+/// `QwenImageTransformerBlock`: dual-stream (image, text) block with adaLN modulation.
+#[derive(Debug)]
+struct QwenImageTransformerBlock {
+    img_mod: Linear,
+    txt_mod: Linear,
+    attn: JointAttention,
+    img_mlp: FeedForward,
+    txt_mlp: FeedForward,
+    dim: i64,
+    eps: f64,
+}
+
+impl QwenImageTransformerBlock {
+    fn new(w: &Weights, c: &QwenImageTransformerConfig) -> Result<Self, LoadError> {
+        let dim = c.inner_dim();
+        Ok(Self {
+            img_mod: Linear::new(&w.pp("img_mod").pp(1), dim, 6 * dim, true)?,
+            txt_mod: Linear::new(&w.pp("txt_mod").pp(1), dim, 6 * dim, true)?,
+            attn: JointAttention::new(&w.pp("attn"), c)?,
+            img_mlp: FeedForward::new(&w.pp("img_mlp"), dim, dim * c.mlp_ratio)?,
+            txt_mlp: FeedForward::new(&w.pp("txt_mlp"), dim, dim * c.mlp_ratio)?,
+            dim,
+            eps: c.norm_eps,
+        })
+    }
+
+    /// Returns `(text, image)` hidden states, like the reference.
+    fn forward(
+        &self,
+        img: &Tensor,
+        txt: &Tensor,
+        temb_silu: &Tensor,
+        rope: &RopeTables,
+        mask: Option<&Tensor>,
+        imp: AttentionImpl,
+    ) -> (Tensor, Tensor) {
+        let img_mod = self.img_mod.forward(temb_silu).chunk(2, -1);
+        let txt_mod = self.txt_mod.forward(temb_silu).chunk(2, -1);
+        let norm = |x: &Tensor| layer_norm_plain(x, self.dim, self.eps);
+
+        let (img_in, img_gate1) = modulate(&norm(img), &img_mod[0]);
+        let (txt_in, txt_gate1) = modulate(&norm(txt), &txt_mod[0]);
+        let (img_attn, txt_attn) = self.attn.forward(&img_in, &txt_in, rope, mask, imp);
+        let img = img + img_gate1 * img_attn;
+        let txt = txt + txt_gate1 * txt_attn;
+
+        let (img_in, img_gate2) = modulate(&norm(&img), &img_mod[1]);
+        let img = &img + img_gate2 * self.img_mlp.forward(&img_in);
+        let (txt_in, txt_gate2) = modulate(&norm(&txt), &txt_mod[1]);
+        let txt = &txt + txt_gate2 * self.txt_mlp.forward(&txt_in);
+
+        // The reference clips fp16 activations to the fp16 range after every block.
+        if img.kind() == Kind::Half {
+            (txt.clamp(-65504.0, 65504.0), img.clamp(-65504.0, 65504.0))
+        } else {
+            (txt, img)
+        }
+    }
+}
+
+/// `AdaLayerNormContinuous(elementwise_affine=False)`: `LN(x) * (1 + scale) + shift` with
+/// `(scale, shift) = linear(silu(temb)).chunk(2)` (scale first, unlike the blocks).
+#[derive(Debug)]
+struct AdaLayerNormContinuous {
+    linear: Linear,
+    dim: i64,
+    eps: f64,
+}
+
+impl AdaLayerNormContinuous {
+    fn forward(&self, x: &Tensor, temb_silu: &Tensor) -> Tensor {
+        let emb = self.linear.forward(temb_silu).chunk(2, 1);
+        let (scale, shift) = (emb[0].unsqueeze(1), emb[1].unsqueeze(1));
+        layer_norm_plain(x, self.dim, self.eps) * (scale + 1.0) + shift
+    }
+}
+
+/// `QwenImageTransformer2DModel` (dual-stream MMDiT with 3-D RoPE).
+#[derive(Debug)]
+pub struct QwenImageTransformer2DModel {
+    img_in: Linear,
+    txt_norm: RmsNorm,
+    txt_in: Linear,
+    time_text_embed: QwenTimestepProjEmbeddings,
+    pos_embed: QwenEmbedRope,
+    transformer_blocks: Vec<QwenImageTransformerBlock>,
+    norm_out: AdaLayerNormContinuous,
+    proj_out: Linear,
+    config: QwenImageTransformerConfig,
+    imp: AttentionImpl,
+}
+
+impl QwenImageTransformer2DModel {
+    /// Builds the model from diffusers-named weights (see [`transformer_store`]). A config that
+    /// fails [`QwenImageTransformerConfig::validate`] is a [`LoadError::Config`].
+    pub fn new(
+        w: &Weights,
+        c: &QwenImageTransformerConfig,
+        imp: AttentionImpl,
+    ) -> Result<Self, LoadError> {
+        c.validate().map_err(|reason| LoadError::Config {
+            path: "<QwenImageTransformerConfig>".into(),
+            reason,
+        })?;
+        let dim = c.inner_dim();
+        let transformer_blocks = (0..c.num_layers)
+            .map(|i| QwenImageTransformerBlock::new(&w.pp("transformer_blocks").pp(i), c))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self {
+            img_in: Linear::new(&w.pp("img_in"), c.in_channels, dim, true)?,
+            txt_norm: RmsNorm::new(&w.pp("txt_norm"), c.joint_attention_dim, c.norm_eps)?,
+            txt_in: Linear::new(&w.pp("txt_in"), c.joint_attention_dim, dim, true)?,
+            time_text_embed: QwenTimestepProjEmbeddings::new(&w.pp("time_text_embed"), c)?,
+            pos_embed: QwenEmbedRope::new(c.rope_theta, c.axes_dims_rope, w.device),
+            transformer_blocks,
+            norm_out: AdaLayerNormContinuous {
+                linear: Linear::new(&w.pp("norm_out").pp("linear"), dim, 2 * dim, true)?,
+                dim,
+                eps: c.norm_eps,
+            },
+            proj_out: Linear::new(&w.pp("proj_out"), dim, c.out_token_dim(), true)?,
+            config: c.clone(),
+            imp,
+        })
+    }
+
+    pub fn config(&self) -> &QwenImageTransformerConfig {
+        &self.config
+    }
+
+    /// The attention kernel used from now on.
+    pub fn set_attention_impl(&mut self, imp: AttentionImpl) {
+        self.imp = imp;
+    }
+
+    /// Every Linear under its diffusers module name (`img_in`,
+    /// `transformer_blocks.0.attn.to_q`, `transformer_blocks.0.img_mod.1`, …), for LoRA fusing.
+    pub fn linears_mut(&mut self) -> Vec<(String, &mut Linear)> {
+        let mut out: Vec<(String, &mut Linear)> = vec![
+            ("img_in".into(), &mut self.img_in),
+            ("txt_in".into(), &mut self.txt_in),
+            (
+                "time_text_embed.timestep_embedder.linear_1".into(),
+                &mut self.time_text_embed.linear_1,
+            ),
+            (
+                "time_text_embed.timestep_embedder.linear_2".into(),
+                &mut self.time_text_embed.linear_2,
+            ),
+        ];
+        for (i, b) in self.transformer_blocks.iter_mut().enumerate() {
+            let p = format!("transformer_blocks.{i}");
+            let a = &mut b.attn;
+            out.extend([
+                (format!("{p}.img_mod.1"), &mut b.img_mod),
+                (format!("{p}.txt_mod.1"), &mut b.txt_mod),
+                (format!("{p}.attn.to_q"), &mut a.to_q),
+                (format!("{p}.attn.to_k"), &mut a.to_k),
+                (format!("{p}.attn.to_v"), &mut a.to_v),
+                (format!("{p}.attn.add_q_proj"), &mut a.add_q_proj),
+                (format!("{p}.attn.add_k_proj"), &mut a.add_k_proj),
+                (format!("{p}.attn.add_v_proj"), &mut a.add_v_proj),
+                (format!("{p}.attn.to_out.0"), &mut a.to_out),
+                (format!("{p}.attn.to_add_out"), &mut a.to_add_out),
+                (format!("{p}.img_mlp.net.0.proj"), &mut b.img_mlp.proj_in),
+                (format!("{p}.img_mlp.net.2"), &mut b.img_mlp.proj_out),
+                (format!("{p}.txt_mlp.net.0.proj"), &mut b.txt_mlp.proj_in),
+                (format!("{p}.txt_mlp.net.2"), &mut b.txt_mlp.proj_out),
+            ]);
+        }
+        out.push(("norm_out.linear".into(), &mut self.norm_out.linear));
+        out.push(("proj_out".into(), &mut self.proj_out));
+        out
+    }
+
+    /// The RoPE tables (fp32 cos/sin, `[tokens, head_dim/2]`) a forward pass with these image
+    /// shapes and text length uses.
+    pub fn rope_tables(&self, img_shapes: &[ImageShape], txt_len: i64) -> RopeTables {
+        self.pos_embed.tables(img_shapes, txt_len)
+    }
+
+    /// One denoising evaluation.
+    ///
+    /// - `hidden_states` `[B, N, in_channels]`: the packed latent tokens of every image of
+    ///   `img_shapes` in order (target first), `N = Σ f·h·w`;
+    /// - `encoder_hidden_states` `[B, L, joint_attention_dim]`;
+    /// - `encoder_mask` `[B, L]`, 1 for valid and 0 for padded text tokens, or `None` when every
+    ///   token is valid (no mask is built then);
+    /// - `timestep` `[B]`: σ in [0, 1];
+    /// - `img_shapes`: `(frames, h, w)` in patches per image, shared by the batch.
+    ///
+    /// Returns `[B, N, patch² · out_channels]` (the caller keeps the target's tokens).
+    pub fn forward(
+        &self,
+        hidden_states: &Tensor,
+        encoder_hidden_states: &Tensor,
+        encoder_mask: Option<&Tensor>,
+        timestep: &Tensor,
+        img_shapes: &[ImageShape],
+    ) -> Result<Tensor, GenerateError> {
+        let c = &self.config;
+        let (b, n, l) = self.check_inputs(
+            hidden_states,
+            encoder_hidden_states,
+            encoder_mask,
+            timestep,
+            img_shapes,
+        )?;
+        let kind = hidden_states.kind();
+        let img = self.img_in.forward(hidden_states);
+        let timestep = timestep.to_kind(kind);
+        let txt = self
+            .txt_in
+            .forward(&self.txt_norm.forward(encoder_hidden_states));
+        let temb = self.time_text_embed.forward(&timestep, kind);
+        // Every consumer of temb (img_mod, txt_mod, norm_out) applies SiLU first.
+        let temb_silu = temb.silu();
+        let rope = self.pos_embed.tables(img_shapes, l);
+
+        // Joint mask over keys `[text, image]`: padded text keys get -inf (what SDPA makes of the
+        // reference's boolean mask), image keys are always valid.
+        let mask = encoder_mask.map(|m| {
+            let valid = Tensor::cat(
+                &[m.ne(0.0), Tensor::ones([b, n], (Kind::Bool, m.device()))],
+                1,
+            );
+            Tensor::zeros([b, l + n], (kind, m.device()))
+                .masked_fill(&valid.logical_not(), f64::NEG_INFINITY)
+                .view([b, 1, 1, l + n])
+        });
+
+        let (mut txt, mut img) = (txt, img);
+        for block in &self.transformer_blocks {
+            (txt, img) = block.forward(&img, &txt, &temb_silu, &rope, mask.as_ref(), self.imp);
+        }
+        let img = self.norm_out.forward(&img, &temb_silu);
+        let out = self.proj_out.forward(&img);
+        debug_assert_eq!(out.size(), [b, n, c.out_token_dim()]);
+        Ok(out)
+    }
+
+    /// Shapes and sizes of the inputs; returns `(B, N, L)`.
+    fn check_inputs(
+        &self,
+        hidden_states: &Tensor,
+        encoder_hidden_states: &Tensor,
+        encoder_mask: Option<&Tensor>,
+        timestep: &Tensor,
+        img_shapes: &[ImageShape],
+    ) -> Result<(i64, i64, i64), GenerateError> {
+        let c = &self.config;
+        let bad = |s: String| Err(GenerateError::InvalidRequest(s));
+        let hs = hidden_states.size();
+        let es = encoder_hidden_states.size();
+        let [b, n, ch] = hs[..] else {
+            return bad(format!(
+                "transformer hidden_states must be [B, N, C], is {hs:?}"
+            ));
+        };
+        if ch != c.in_channels {
+            return bad(format!(
+                "transformer hidden_states has {ch} channels, the model takes {}",
+                c.in_channels
+            ));
+        }
+        let [eb, l, ed] = es[..] else {
+            return bad(format!(
+                "transformer encoder_hidden_states must be [B, L, D], is {es:?}"
+            ));
+        };
+        if eb != b || ed != c.joint_attention_dim || l == 0 {
+            return bad(format!(
+                "transformer encoder_hidden_states is {es:?}, expected [{b}, L ≥ 1, {}]",
+                c.joint_attention_dim
+            ));
+        }
+        if timestep.size() != [b] {
+            return bad(format!(
+                "transformer timestep must be [{b}], is {:?}",
+                timestep.size()
+            ));
+        }
+        if let Some(m) = encoder_mask
+            && m.size() != [b, l]
+        {
+            return bad(format!(
+                "transformer encoder mask must be [{b}, {l}], is {:?}",
+                m.size()
+            ));
+        }
+        if img_shapes.is_empty() || img_shapes.iter().any(|&(f, h, w)| f < 1 || h < 1 || w < 1) {
+            return bad(format!(
+                "transformer img_shapes must be non-empty and positive, is {img_shapes:?}"
+            ));
+        }
+        let tokens: i64 = img_shapes.iter().map(|&(f, h, w)| f * h * w).sum();
+        if tokens != n {
+            return bad(format!(
+                "transformer img_shapes {img_shapes:?} hold {tokens} tokens, hidden_states has {n}"
+            ));
+        }
+        Ok((b, n, l))
+    }
+}
