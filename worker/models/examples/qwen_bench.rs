@@ -38,15 +38,19 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use tch::{Cuda, Device, Kind, Tensor};
 use vnfarm_models::loading::diffusers::read_config;
+use vnfarm_models::loading::safetensors::SafetensorsFile;
 use vnfarm_models::loading::weights::{Fp8Mode, Weights};
 use vnfarm_models::nn::AttentionImpl;
-use vnfarm_models::qwen_image::keys;
+use vnfarm_models::nn::tiling::Tiling;
+use vnfarm_models::qwen_image::keys::vae_weight_store;
 use vnfarm_models::qwen_image::pipeline::{
     EditRequest, EncodedInputs, QwenEditConfig, QwenEditPipeline, QwenSource, calculate_dimensions,
 };
-use vnfarm_models::qwen_image::transformer::{QwenImageTransformer, QwenImageTransformerConfig};
-use vnfarm_models::qwen_image::vae::{QwenVae, QwenVaeConfig, Tiling};
-use vnfarm_models::schedulers::flow_match::FlowMatchConfig;
+use vnfarm_models::qwen_image::transformer::{
+    QwenImageTransformer2DModel, QwenImageTransformerConfig, transformer_store,
+};
+use vnfarm_models::qwen_image::vae::{QwenVae, QwenVaeConfig};
+use vnfarm_models::schedulers::FlowMatchConfig;
 
 const STEPS: usize = 4;
 const CFG: f64 = 1.0;
@@ -403,9 +407,16 @@ fn components(opts: &Opts) -> anyhow::Result<()> {
         )?,
         None => QwenImageTransformerConfig::qwen_image_edit_2509(),
     };
-    let store = keys::transformer_file_store(required(&opts.transformer, "--transformer")?)?;
-    let tw = Weights::new(Arc::new(store.with_fp8(opts.fp8)), dev, dt);
-    let transformer = QwenImageTransformer::new(&tw, &tcfg, AttentionImpl::Sdpa)?;
+    let file = Arc::new(SafetensorsFile::open(required(
+        &opts.transformer,
+        "--transformer",
+    )?)?);
+    let tw = Weights::new(
+        Arc::new(transformer_store(file).with_fp8(opts.fp8)),
+        dev,
+        dt,
+    );
+    let transformer = QwenImageTransformer2DModel::new(&tw, &tcfg, AttentionImpl::Sdpa)?;
     sync();
     println!(
         "{{\"name\": \"transformer_load\", \"s\": {:.3}, \"t0\": {t0:.3}, \"t1\": {:.3}}}",
@@ -420,14 +431,9 @@ fn components(opts: &Opts) -> anyhow::Result<()> {
         Some(d) => read_config(&d.join("vae/config.json"), QwenVaeConfig::from_json)?,
         None => QwenVaeConfig::qwen_image(),
     };
-    let vae = QwenVae::new(
-        &Weights::new(
-            Arc::new(keys::vae_file_store(required(&opts.vae, "--vae")?)?),
-            dev,
-            dt,
-        ),
-        &vcfg,
-    )?;
+    let vae_store = vae_weight_store(required(&opts.vae, "--vae")?, vcfg.num_res_blocks)?;
+    let vae = QwenVae::new(&Weights::new(Arc::new(vae_store), dev, dt), &vcfg)?
+        .with_tiling(Tiling::Never);
     sync();
     println!(
         "{{\"name\": \"vae_load\", \"s\": {:.3}, \"t0\": {t0:.3}, \"t1\": {:.3}}}",
@@ -436,7 +442,7 @@ fn components(opts: &Opts) -> anyhow::Result<()> {
     );
 
     // The edit's shapes: target tokens of a size² output, reference tokens of the VAE copy.
-    let f = vae.config().spatial_factor() as i64;
+    let f = vae.config().spatial_compression_ratio();
     let size = i64::from(opts.size);
     let (vw, vh) = calculate_dimensions(opts.vae_area, 1.0);
     let (vw, vh) = (i64::from(vw), i64::from(vh));
@@ -458,7 +464,7 @@ fn components(opts: &Opts) -> anyhow::Result<()> {
             reference.1 * reference.2,
             opts.txt_len
         ),
-        || Ok(transformer.forward(&hs, &txt, None, &timestep, &shapes)),
+        || Ok(transformer.forward(&hs, &txt, None, &timestep, &shapes)?),
     )?;
     drop((hs, txt, timestep, transformer));
     sync();
@@ -469,7 +475,7 @@ fn components(opts: &Opts) -> anyhow::Result<()> {
         2,
         5,
         &format!(", \"size\": [{vw}, {vh}]"),
-        || Ok(vae.encode_mean(&x, Tiling::Never)),
+        || Ok(vae.encode_mean(&x)?),
     )?;
     let z = Tensor::randn([1, vcfg.z_dim, size / f, size / f], (dt, dev));
     bench(
@@ -477,7 +483,7 @@ fn components(opts: &Opts) -> anyhow::Result<()> {
         2,
         5,
         &format!(", \"size\": [{size}, {size}]"),
-        || Ok(vae.decode(&z, Tiling::Never)),
+        || Ok(vae.decode(&z)?),
     )?;
     Ok(())
 }
