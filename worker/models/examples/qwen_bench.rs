@@ -1,0 +1,489 @@
+//! GPU benchmark of the Qwen-Image-Edit-2509 engine at real size, bf16, SDPA attention, for one
+//! fp8 mode per process (`--fp8 upcast|resident`).
+//!
+//! Weights are the ComfyUI-layout files with random values written by `bench/run_qwen_bench.py`,
+//! which also times diffusers on the same weights and GPU and runs this binary:
+//!
+//! ```sh
+//! qwen_bench read <file>...
+//! qwen_bench pipeline  --transformer F --text-encoder F --vae F [--config-dir D] --fp8 M
+//!                      --input PNG --instructions JSON [--iters N] [--variants 1,3,10] [--save DIR]
+//!                      [--size S] [--condition-area A] [--vae-area A] [--cpu]
+//! qwen_bench components --transformer F --vae F [--config-dir D] --fp8 M [--txt-len L]
+//!                      [--size S] [--vae-area A] [--cpu]
+//! ```
+//!
+//! - `read`: the files read start to end into one 64 MiB buffer, twice (the page-cache baseline of
+//!   load times; the second pass counts).
+//! - `pipeline`: `QwenEditPipeline::load`, then the full 4-step edit (`encode_inputs` + `edit`,
+//!   instruction 0, seed 0, cfg 1, output `--size`²): first call and median of `--iters`, with the
+//!   pipeline's stage times; `encode_inputs` of the input alone (median of 5 after one warm-up);
+//!   then for each N of `--variants`: `encode_inputs` once + one `edit` per variant (instruction i,
+//!   seed i). `--save DIR` writes the seed-0 image of the first call as raw RGB8 (`edit.rgb`).
+//! - `components`: the transformer alone (one forward at the edit's shapes: the target's and the
+//!   reference's tokens of a `--size`² edit and `--txt-len` prompt tokens, sigma 0.9) and the VAE
+//!   alone (encode of a `--vae-area` image, decode of a `--size`² latent), untiled.
+//! - `--config-dir D`: a diffusers-layout folder with the components' `config.json` (the tiny smoke
+//!   test's sizes); without it the real model's presets, as the studio's files are loaded.
+//! - `--cpu`: fp32 on the CPU (smoke tests with the tiny fixtures' configs from `--config-dir`).
+//!
+//! Prints one JSON object per line: `{"name": ..., "ms_median": ...}` for repeated calls,
+//! `{"name": ..., "s": ...}` for single timings; `t0`/`t1` (Unix seconds) bracket each case so that
+//! the driver can attribute sampled GPU memory to it. Every timed call ends with a device
+//! synchronize and is measured with the host clock, as the diffusers side is.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use tch::{Cuda, Device, Kind, Tensor};
+use vnfarm_models::loading::diffusers::read_config;
+use vnfarm_models::loading::safetensors::SafetensorsFile;
+use vnfarm_models::loading::weights::{Fp8Mode, Weights};
+use vnfarm_models::nn::AttentionImpl;
+use vnfarm_models::nn::tiling::Tiling;
+use vnfarm_models::qwen_image::keys::vae_weight_store;
+use vnfarm_models::qwen_image::pipeline::{
+    EditRequest, EncodedInputs, QwenEditConfig, QwenEditPipeline, QwenSource, calculate_dimensions,
+};
+use vnfarm_models::qwen_image::transformer::{
+    QwenImageTransformer2DModel, QwenImageTransformerConfig, transformer_store,
+};
+use vnfarm_models::qwen_image::vae::{QwenVae, QwenVaeConfig};
+use vnfarm_models::schedulers::FlowMatchConfig;
+
+const STEPS: usize = 4;
+const CFG: f64 = 1.0;
+
+/// `--cpu` (local smoke tests on tiny models): no CUDA, fp32.
+static CPU: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+fn on_cpu() -> bool {
+    CPU.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+fn sync() {
+    if !on_cpu() {
+        Cuda::synchronize(0);
+    }
+}
+
+fn now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+fn device_kind() -> (Device, Kind) {
+    if on_cpu() {
+        (Device::Cpu, Kind::Float)
+    } else {
+        (Device::Cuda(0), Kind::BFloat16)
+    }
+}
+
+fn median_min_max(mut ts: Vec<f64>) -> (f64, f64, f64) {
+    ts.sort_by(|a, b| a.partial_cmp(b).expect("finite times"));
+    (ts[ts.len() / 2], ts[0], ts[ts.len() - 1])
+}
+
+/// Times `f` (milliseconds): `warm` untimed calls, then `iters` timed ones.
+fn bench<T>(
+    name: &str,
+    warm: usize,
+    iters: usize,
+    extra: &str,
+    mut f: impl FnMut() -> anyhow::Result<T>,
+) -> anyhow::Result<()> {
+    let t0 = now();
+    for _ in 0..warm {
+        drop(f()?);
+    }
+    sync();
+    let mut ts = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let t = Instant::now();
+        let out = f()?;
+        sync();
+        ts.push(t.elapsed().as_secs_f64() * 1e3);
+        drop(out);
+    }
+    let (med, min, max) = median_min_max(ts);
+    println!(
+        "{{\"name\": \"{name}\", \"ms_median\": {med:.3}, \"ms_min\": {min:.3}, \"ms_max\": {max:.3}, \"iters\": {iters}, \"t0\": {t0:.3}, \"t1\": {:.3}{extra}}}",
+        now()
+    );
+    Ok(())
+}
+
+/// Options after the mode.
+struct Opts {
+    files: Vec<String>,
+    transformer: Option<PathBuf>,
+    text_encoder: Option<PathBuf>,
+    vae: Option<PathBuf>,
+    config_dir: Option<PathBuf>,
+    fp8: Fp8Mode,
+    input: Option<PathBuf>,
+    instructions: Option<PathBuf>,
+    iters: usize,
+    variants: Vec<usize>,
+    save: Option<PathBuf>,
+    size: u32,
+    condition_area: u64,
+    vae_area: u64,
+    txt_len: i64,
+}
+
+fn parse_opts(args: &[String]) -> anyhow::Result<Opts> {
+    let mut o = Opts {
+        files: Vec::new(),
+        transformer: None,
+        text_encoder: None,
+        vae: None,
+        config_dir: None,
+        fp8: Fp8Mode::Upcast,
+        input: None,
+        instructions: None,
+        iters: 3,
+        variants: vec![1, 3, 10],
+        save: None,
+        size: 1024,
+        condition_area: 384 * 384,
+        vae_area: 1024 * 1024,
+        txt_len: 216,
+    };
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let mut val = || {
+            it.next()
+                .cloned()
+                .ok_or_else(|| anyhow::anyhow!("{a} needs a value"))
+        };
+        match a.as_str() {
+            "--transformer" => o.transformer = Some(val()?.into()),
+            "--text-encoder" => o.text_encoder = Some(val()?.into()),
+            "--vae" => o.vae = Some(val()?.into()),
+            "--config-dir" => o.config_dir = Some(val()?.into()),
+            "--fp8" => {
+                o.fp8 = match val()?.as_str() {
+                    "upcast" => Fp8Mode::Upcast,
+                    "resident" => Fp8Mode::Resident,
+                    other => anyhow::bail!("unknown fp8 mode {other}"),
+                }
+            }
+            "--input" => o.input = Some(val()?.into()),
+            "--instructions" => o.instructions = Some(val()?.into()),
+            "--iters" => o.iters = val()?.parse()?,
+            "--variants" => {
+                o.variants = val()?
+                    .split(',')
+                    .filter(|s| !s.is_empty())
+                    .map(str::parse)
+                    .collect::<Result<_, _>>()?
+            }
+            "--save" => o.save = Some(val()?.into()),
+            "--size" => o.size = val()?.parse()?,
+            "--condition-area" => o.condition_area = val()?.parse()?,
+            "--vae-area" => o.vae_area = val()?.parse()?,
+            "--txt-len" => o.txt_len = val()?.parse()?,
+            "--cpu" => CPU.store(true, std::sync::atomic::Ordering::Relaxed),
+            _ if a.starts_with("--") => anyhow::bail!("unknown option {a}"),
+            _ => o.files.push(a.clone()),
+        }
+    }
+    anyhow::ensure!(o.iters >= 1, "--iters must be at least 1");
+    Ok(o)
+}
+
+fn required<'a>(p: &'a Option<PathBuf>, flag: &str) -> anyhow::Result<&'a Path> {
+    p.as_deref()
+        .ok_or_else(|| anyhow::anyhow!("{flag} is required"))
+}
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let usage = "usage: qwen_bench read <file>... | qwen_bench pipeline --transformer F --text-encoder F --vae F --input PNG --instructions JSON [...] | qwen_bench components --transformer F --vae F [...]";
+    let Some((mode, rest)) = args.split_first() else {
+        anyhow::bail!(usage);
+    };
+    let opts = parse_opts(rest)?;
+    match mode.as_str() {
+        "read" => read_files(&opts.files),
+        "pipeline" => pipeline(&opts),
+        "components" => components(&opts),
+        _ => anyhow::bail!(usage),
+    }
+}
+
+/// CUDA context created before anything is timed.
+fn init_device(opts: &Opts) -> anyhow::Result<()> {
+    if !on_cpu() {
+        anyhow::ensure!(Cuda::is_available(), "CUDA not available to libtorch");
+        let _ = Tensor::zeros([1], (Kind::BFloat16, Device::Cuda(0)));
+        sync();
+    }
+    println!(
+        "{{\"name\": \"config\", \"fp8\": \"{:?}\", \"cpu\": {}, \"alloc_conf\": \"{}\"}}",
+        opts.fp8,
+        on_cpu(),
+        std::env::var("PYTORCH_CUDA_ALLOC_CONF").unwrap_or_default()
+    );
+    Ok(())
+}
+
+fn read_files(files: &[String]) -> anyhow::Result<()> {
+    use std::io::Read;
+    let mut buf = vec![0u8; 64 << 20];
+    for pass in 0..2 {
+        let t0 = now();
+        let t = Instant::now();
+        let mut total = 0usize;
+        for f in files {
+            let mut file = std::fs::File::open(f)?;
+            loop {
+                let n = file.read(&mut buf)?;
+                if n == 0 {
+                    break;
+                }
+                total += n;
+            }
+        }
+        let s = t.elapsed().as_secs_f64();
+        println!(
+            "{{\"name\": \"read_files_pass{pass}\", \"s\": {s:.3}, \"bytes\": {total}, \"gb_per_s\": {:.2}, \"t0\": {t0:.3}, \"t1\": {:.3}}}",
+            total as f64 / s / 1e9,
+            now()
+        );
+    }
+    Ok(())
+}
+
+fn pipeline(opts: &Opts) -> anyhow::Result<()> {
+    init_device(opts)?;
+    let (dev, dt) = device_kind();
+    let instructions_json =
+        std::fs::read_to_string(required(&opts.instructions, "--instructions")?)?;
+    let instructions: Vec<String> = serde_json::from_str(&instructions_json)?;
+    anyhow::ensure!(!instructions.is_empty(), "no instructions");
+    let input = image::open(required(&opts.input, "--input")?)?.to_rgb8();
+
+    let source = QwenSource::Files {
+        transformer: required(&opts.transformer, "--transformer")?.into(),
+        text_encoder: required(&opts.text_encoder, "--text-encoder")?.into(),
+        vae: required(&opts.vae, "--vae")?.into(),
+        config_dir: opts.config_dir.clone(),
+    };
+    let mut cfg = QwenEditConfig::new(source, dev);
+    cfg.dtype = dt;
+    cfg.vae_dtype = dt;
+    cfg.fp8 = opts.fp8;
+    cfg.attention = AttentionImpl::Sdpa;
+    cfg.loras = Vec::new();
+    // Qwen-Image-Lightning's scheduler, as the diffusers side (run_qwen_bench.py LIGHTNING_SCHEDULER).
+    cfg.scheduler = Some(FlowMatchConfig::qwen_image_lightning());
+    cfg.max_batch = 1;
+    cfg.vae_tiling = Tiling::Never; // diffusers decodes untiled
+    cfg.condition_image_area = opts.condition_area;
+    cfg.vae_image_area = opts.vae_area;
+
+    let t0 = now();
+    let t = Instant::now();
+    let pipe = QwenEditPipeline::load(&cfg)?;
+    sync();
+    println!(
+        "{{\"name\": \"pipeline_load\", \"s\": {:.3}, \"t0\": {t0:.3}, \"t1\": {:.3}}}",
+        t.elapsed().as_secs_f64(),
+        now()
+    );
+
+    let inputs = [input];
+    let request = |i: usize| EditRequest {
+        instruction: instructions[i % instructions.len()].clone(),
+        seed: i as u64,
+        steps: STEPS,
+        cfg: CFG,
+        size: Some((opts.size, opts.size)),
+    };
+    let edit_once = |encoded: &EncodedInputs, i: usize| {
+        pipe.edit(encoded, &[request(i)], &mut |_, _| {}, &|| false)
+    };
+
+    // Full edit: encode_inputs + edit, as one diffusers pipeline call does both.
+    let t0 = now();
+    let run = || -> anyhow::Result<(f64, image::RgbImage, [f64; 3])> {
+        let t = Instant::now();
+        let encoded = pipe.encode_inputs(&inputs)?;
+        let (mut images, times) = edit_once(&encoded, 0)?;
+        sync();
+        let s = t.elapsed().as_secs_f64();
+        anyhow::ensure!(images.len() == 1, "edit returned {} images", images.len());
+        Ok((
+            s,
+            images.remove(0),
+            [times.encode_prompt, times.denoise, times.decode],
+        ))
+    };
+    let (first, image, first_times) = run()?;
+    let mut saved = String::new();
+    if let Some(dir) = &opts.save {
+        std::fs::create_dir_all(dir)?;
+        let p = dir.join("edit.rgb");
+        std::fs::write(&p, image.as_raw())?;
+        saved = format!(
+            ", \"saved\": \"{}\", \"width\": {}, \"height\": {}",
+            p.display(),
+            image.width(),
+            image.height()
+        );
+    }
+    let mut ts = Vec::with_capacity(opts.iters);
+    let mut stages = Vec::with_capacity(opts.iters);
+    for _ in 0..opts.iters {
+        let (s, _, st) = run()?;
+        ts.push(s);
+        stages.push(st);
+    }
+    let (med, min, max) = median_min_max(ts);
+    let stage_median = |k: usize| median_min_max(stages.iter().map(|s| s[k]).collect()).0 * 1e3;
+    println!(
+        "{{\"name\": \"edit\", \"first_s\": {first:.3}, \"s_median\": {med:.3}, \"s_min\": {min:.3}, \"s_max\": {max:.3}, \"iters\": {}, \"steps\": {STEPS}, \
+\"encode_prompt_ms\": {:.3}, \"denoise_ms\": {:.3}, \"denoise_step_ms\": {:.3}, \"decode_ms\": {:.3}, \
+\"first_encode_prompt_ms\": {:.3}, \"first_denoise_ms\": {:.3}, \"first_decode_ms\": {:.3}, \"t0\": {t0:.3}, \"t1\": {:.3}{saved}}}",
+        opts.iters,
+        stage_median(0),
+        stage_median(1),
+        stage_median(1) / STEPS as f64,
+        stage_median(2),
+        first_times[0] * 1e3,
+        first_times[1] * 1e3,
+        first_times[2] * 1e3,
+        now()
+    );
+
+    // The input set's encode alone (vision tower + VAE encode), after the first edit.
+    bench("encode_inputs", 1, 5, "", || {
+        Ok(pipe.encode_inputs(&inputs)?)
+    })?;
+
+    // N variants of one input: the input set encoded once, then one edit per variant.
+    for &n in &opts.variants {
+        let t0 = now();
+        let t = Instant::now();
+        let encoded = pipe.encode_inputs(&inputs)?;
+        sync();
+        let encode_s = t.elapsed().as_secs_f64();
+        let mut per = Vec::with_capacity(n);
+        for i in 0..n {
+            let tv = Instant::now();
+            let (images, _) = edit_once(&encoded, i)?;
+            sync();
+            anyhow::ensure!(images.len() == 1, "edit returned {} images", images.len());
+            per.push(format!("{:.3}", tv.elapsed().as_secs_f64()));
+        }
+        println!(
+            "{{\"name\": \"variants_{n}\", \"s\": {:.3}, \"encode_s\": {encode_s:.3}, \"per_variant_s\": [{}], \"t0\": {t0:.3}, \"t1\": {:.3}}}",
+            t.elapsed().as_secs_f64(),
+            per.join(", "),
+            now()
+        );
+    }
+    Ok(())
+}
+
+fn components(opts: &Opts) -> anyhow::Result<()> {
+    init_device(opts)?;
+    let (dev, dt) = device_kind();
+    let _guard = tch::no_grad_guard();
+
+    // Transformer alone.
+    let t0 = now();
+    let t = Instant::now();
+    let tcfg = match &opts.config_dir {
+        Some(d) => read_config(
+            &d.join("transformer/config.json"),
+            QwenImageTransformerConfig::from_json,
+        )?,
+        None => QwenImageTransformerConfig::qwen_image_edit_2509(),
+    };
+    let file = Arc::new(SafetensorsFile::open(required(
+        &opts.transformer,
+        "--transformer",
+    )?)?);
+    let tw = Weights::new(
+        Arc::new(transformer_store(file).with_fp8(opts.fp8)),
+        dev,
+        dt,
+    );
+    let transformer = QwenImageTransformer2DModel::new(&tw, &tcfg, AttentionImpl::Sdpa)?;
+    sync();
+    println!(
+        "{{\"name\": \"transformer_load\", \"s\": {:.3}, \"t0\": {t0:.3}, \"t1\": {:.3}}}",
+        t.elapsed().as_secs_f64(),
+        now()
+    );
+
+    // VAE alone.
+    let t0 = now();
+    let t = Instant::now();
+    let vcfg = match &opts.config_dir {
+        Some(d) => read_config(&d.join("vae/config.json"), QwenVaeConfig::from_json)?,
+        None => QwenVaeConfig::qwen_image(),
+    };
+    let vae_store = vae_weight_store(required(&opts.vae, "--vae")?, vcfg.num_res_blocks)?;
+    let vae = QwenVae::new(&Weights::new(Arc::new(vae_store), dev, dt), &vcfg)?
+        .with_tiling(Tiling::Never);
+    sync();
+    println!(
+        "{{\"name\": \"vae_load\", \"s\": {:.3}, \"t0\": {t0:.3}, \"t1\": {:.3}}}",
+        t.elapsed().as_secs_f64(),
+        now()
+    );
+
+    // The edit's shapes: target tokens of a size² output, reference tokens of the VAE copy.
+    let f = vae.config().spatial_compression_ratio();
+    let size = i64::from(opts.size);
+    let (vw, vh) = calculate_dimensions(opts.vae_area, 1.0);
+    let (vw, vh) = (i64::from(vw), i64::from(vh));
+    let target = (1, size / f / 2, size / f / 2);
+    let reference = (1, vh / f / 2, vw / f / 2);
+    let tokens = target.1 * target.2 + reference.1 * reference.2;
+    tch::manual_seed(0);
+    let hs = Tensor::randn([1, tokens, tcfg.in_channels], (dt, dev));
+    let txt = Tensor::randn([1, opts.txt_len, tcfg.joint_attention_dim], (dt, dev));
+    let timestep = Tensor::full([1], 0.9, (dt, dev));
+    let shapes = [target, reference];
+    bench(
+        "transformer_step",
+        2,
+        5,
+        &format!(
+            ", \"tokens\": [{}, {}, {}]",
+            target.1 * target.2,
+            reference.1 * reference.2,
+            opts.txt_len
+        ),
+        || Ok(transformer.forward(&hs, &txt, None, &timestep, &shapes)?),
+    )?;
+    drop((hs, txt, timestep, transformer));
+    sync();
+
+    let x = Tensor::rand([1, 3, vh, vw], (dt, dev)) * 2.0 - 1.0;
+    bench(
+        "vae_encode",
+        2,
+        5,
+        &format!(", \"size\": [{vw}, {vh}]"),
+        || Ok(vae.encode_mean(&x)?),
+    )?;
+    let z = Tensor::randn([1, vcfg.z_dim, size / f, size / f], (dt, dev));
+    bench(
+        "vae_decode",
+        2,
+        5,
+        &format!(", \"size\": [{size}, {size}]"),
+        || Ok(vae.decode(&z)?),
+    )?;
+    Ok(())
+}
