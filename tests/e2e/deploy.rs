@@ -17,7 +17,13 @@ fn shipped_configs_are_valid() {
         .expect("deploy/worker.toml");
     assert_eq!(worker.worker_id, "box-1");
     assert_eq!(worker.engine.kind(), vnfarm_worker::engine::EngineKind::Tch);
-    assert_eq!(worker.models(), [vnfarm_proto::ModelFamily::Sdxl]);
+    assert_eq!(
+        worker.models(),
+        [
+            vnfarm_proto::ModelFamily::Sdxl,
+            vnfarm_proto::ModelFamily::QwenEdit
+        ]
+    );
 }
 
 #[test]
@@ -40,6 +46,15 @@ fn engine_settings_are_checked_before_anything_loads() {
     let err = load(&[("VNFARM_ENGINE__SDXL__ATTENTION", "flash")]).unwrap_err();
     assert!(err.contains("attention"), "{err}");
     load(&[("VNFARM_ENGINE__SDXL__ATTENTION", "matmul")]).expect("matmul attention");
+    let err = load(&[("VNFARM_ENGINE__QWEN_EDIT__FP8", "fp4")]).unwrap_err();
+    assert!(err.contains("fp8"), "{err}");
+    let err = load(&[("VNFARM_ENGINE__QWEN_EDIT__MODEL_DIR", "/models/qwen")]).unwrap_err();
+    assert!(
+        err.starts_with("engine.qwen_edit: give `model_dir`"),
+        "{err}"
+    );
+    let err = load(&[("VNFARM_ENGINE__QWEN_EDIT__WARM_UP", "[[1000, 1000]]")]).unwrap_err();
+    assert!(err.starts_with("engine.qwen_edit.warm_up: "), "{err}");
 }
 
 #[test]

@@ -281,6 +281,9 @@ fn pipeline(opts: &Opts) -> anyhow::Result<()> {
     cfg.fp8 = opts.fp8;
     cfg.attention = AttentionImpl::Sdpa;
     cfg.loras = Vec::new();
+    // diffusers 0.42.1 with transformers >= 5.15 (the GPU machine has 5.17) feeds the text encoder
+    // sequential positions; the same here, so the images are comparable (no speed difference).
+    cfg.positions = vnfarm_models::qwen2_5_vl::rope::PositionMode::Sequential;
     // Qwen-Image-Lightning's scheduler, as the diffusers side (run_qwen_bench.py LIGHTNING_SCHEDULER).
     cfg.scheduler = Some(FlowMatchConfig::qwen_image_lightning());
     cfg.max_batch = 1;
