@@ -33,6 +33,9 @@ pub struct RopeTables {
     pub img_sin: Tensor,
     pub txt_cos: Tensor,
     pub txt_sin: Tensor,
+    /// `cos + i·sin` (complex64), what the attention multiplies by.
+    pub img_cis: Tensor,
+    pub txt_cis: Tensor,
 }
 
 impl RopeTables {
@@ -43,6 +46,8 @@ impl RopeTables {
             img_sin: self.img_sin.shallow_clone(),
             txt_cos: self.txt_cos.shallow_clone(),
             txt_sin: self.txt_sin.shallow_clone(),
+            img_cis: self.img_cis.shallow_clone(),
+            txt_cis: self.txt_cis.shallow_clone(),
         }
     }
 }
@@ -146,11 +151,14 @@ impl QwenEmbedRope {
             (Kind::Int64, self.device),
         );
         let txt = Tensor::cat(&self.axes_dims.map(|d| self.angles(&positions, d)), -1);
+        let (img_cos, img_sin, txt_cos, txt_sin) = (img.cos(), img.sin(), txt.cos(), txt.sin());
         RopeTables {
-            img_cos: img.cos(),
-            img_sin: img.sin(),
-            txt_cos: txt.cos(),
-            txt_sin: txt.sin(),
+            img_cis: Tensor::complex(&img_cos, &img_sin),
+            txt_cis: Tensor::complex(&txt_cos, &txt_sin),
+            img_cos,
+            img_sin,
+            txt_cos,
+            txt_sin,
         }
     }
 }

@@ -377,12 +377,11 @@ impl JointAttention {
         let txt_v = self.heads_of(&self.add_v_proj.forward(txt));
 
         // Tables `[S, D/2]` broadcast over `[B, S, H, D/2]`: one row per token, shared by heads.
-        let (ic, is) = (rope.img_cos.unsqueeze(1), rope.img_sin.unsqueeze(1));
-        let (tc, ts) = (rope.txt_cos.unsqueeze(1), rope.txt_sin.unsqueeze(1));
-        let img_q = apply_interleaved(&img_q, &ic, &is);
-        let img_k = apply_interleaved(&img_k, &ic, &is);
-        let txt_q = apply_interleaved(&txt_q, &tc, &ts);
-        let txt_k = apply_interleaved(&txt_k, &tc, &ts);
+        let (ic, tc) = (rope.img_cis.unsqueeze(1), rope.txt_cis.unsqueeze(1));
+        let img_q = apply_interleaved(&img_q, &ic);
+        let img_k = apply_interleaved(&img_k, &ic);
+        let txt_q = apply_interleaved(&txt_q, &tc);
+        let txt_k = apply_interleaved(&txt_k, &tc);
 
         // [B, S, H, D] → [B, H, S, D], text first.
         let joint = |t: Tensor, i: Tensor| Tensor::cat(&[t, i], 1).transpose(1, 2);
