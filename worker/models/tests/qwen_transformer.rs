@@ -25,6 +25,9 @@ use vnfarm_models::qwen_image::transformer::{
     transformer_store,
 };
 
+mod support;
+use support::{check, rel_err};
+
 const TOL: f64 = 1e-5;
 
 const SHAPES_A: [(i64, i64, i64); 1] = [(1, 4, 4)];
@@ -87,22 +90,6 @@ fn reference() -> HashMap<String, Tensor> {
             (n, t)
         })
         .collect()
-}
-
-fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
-    assert_eq!(a.size(), b.size(), "shape mismatch");
-    let a = a.to_kind(Kind::Double);
-    let b = b.to_kind(Kind::Double);
-    let num = (&a - &b).abs().max().double_value(&[]);
-    let den = b.abs().max().double_value(&[]).max(1e-12);
-    num / den
-}
-
-fn check(what: &str, a: &Tensor, b: &Tensor, tol: f64) -> f64 {
-    let e = rel_err(a, b);
-    println!("{what}: relative error {e:.3e}");
-    assert!(e <= tol, "{what}: relative error {e:.3e} > {tol:.1e}");
-    e
 }
 
 /// Runs both reference cases; returns the worse relative error.

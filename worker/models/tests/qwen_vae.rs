@@ -21,6 +21,9 @@ use vnfarm_models::nn::tiling::Tiling;
 use vnfarm_models::qwen_image::keys::{VaeNaming, vae_weight_store, wan_vae_key};
 use vnfarm_models::qwen_image::vae::{QwenVae, QwenVaeConfig};
 
+mod support;
+use support::{check, rel_err};
+
 const TOL_FP32: f64 = 1e-5;
 const TOL_BF16: f64 = 5e-2;
 
@@ -47,22 +50,6 @@ fn reference() -> HashMap<String, Tensor> {
             (n.to_string(), t)
         })
         .collect()
-}
-
-fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
-    assert_eq!(a.size(), b.size(), "shape mismatch");
-    let a = a.to_kind(Kind::Double);
-    let b = b.to_kind(Kind::Double);
-    let num = (&a - &b).abs().max().double_value(&[]);
-    let den = b.abs().max().double_value(&[]).max(1e-12);
-    num / den
-}
-
-fn check(what: &str, a: &Tensor, b: &Tensor, tol: f64) -> f64 {
-    let e = rel_err(a, b);
-    println!("{what}: relative error {e:.3e}");
-    assert!(e <= tol, "{what}: relative error {e:.3e} > {tol:.1e}");
-    e
 }
 
 fn tiny_config() -> QwenVaeConfig {

@@ -24,6 +24,9 @@ use vnfarm_models::qwen2_5_vl::vision::{
     VisionConfig, VisionLayout, VisionTransformer, vision_prefix,
 };
 
+mod support;
+use support::check;
+
 const TOL: f64 = 1e-5;
 
 fn fixtures() -> PathBuf {
@@ -85,22 +88,6 @@ impl Reference {
 
 fn ints(t: &Tensor) -> Vec<i64> {
     Vec::<i64>::try_from(t.to_kind(Kind::Int64).flatten(0, -1)).expect("int64 tensor")
-}
-
-fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
-    assert_eq!(a.size(), b.size(), "shape mismatch");
-    let a = a.to_kind(Kind::Double);
-    let b = b.to_kind(Kind::Double);
-    let num = (&a - &b).abs().max().double_value(&[]);
-    let den = b.abs().max().double_value(&[]).max(1e-12);
-    num / den
-}
-
-fn check(what: &str, a: &Tensor, b: &Tensor, tol: f64) -> f64 {
-    let e = rel_err(a, b);
-    println!("{what}: relative error {e:.3e}");
-    assert!(e <= tol, "{what}: relative error {e:.3e} > {tol:.1e}");
-    e
 }
 
 /// `visual.*` ↔ `model.visual.*`: the folder under the other vision root, so that both layouts

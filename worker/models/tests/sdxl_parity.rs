@@ -26,6 +26,9 @@ use vnfarm_models::sdxl::unet::{AddedCond, UNet2DConditionModel, UNetConfig};
 use vnfarm_models::sdxl::vae::{AutoencoderKL, Tiling, VaeConfig};
 use vnfarm_models::text::clip_tokenizer::ClipTokenizer;
 
+mod support;
+use support::check;
+
 const TOL: f64 = 1e-4;
 
 fn fixtures() -> PathBuf {
@@ -62,22 +65,6 @@ fn reference(name: &str) -> (HashMap<String, Tensor>, SafetensorsFile) {
         m.insert(n.clone(), f.load(&n, Device::Cpu, kind).expect("tensor"));
     }
     (m, f)
-}
-
-fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
-    assert_eq!(a.size(), b.size(), "shape mismatch");
-    let a = a.to_kind(Kind::Double);
-    let b = b.to_kind(Kind::Double);
-    let num = (&a - &b).abs().max().double_value(&[]);
-    let den = b.abs().max().double_value(&[]).max(1e-12);
-    num / den
-}
-
-fn check(what: &str, a: &Tensor, b: &Tensor, tol: f64) -> f64 {
-    let e = rel_err(a, b);
-    println!("{what}: relative error {e:.3e}");
-    assert!(e <= tol, "{what}: relative error {e:.3e} > {tol:.1e}");
-    e
 }
 
 /// The four component stores of a format: `[unet, vae, clip_l, clip_g]`.
