@@ -173,6 +173,12 @@ impl GroupNorm {
     }
 }
 
+/// `torch.nn.LayerNorm(dim, elementwise_affine=False)` over the last dimension (the adaLN blocks of
+/// diffusion transformers, which modulate the normalised values themselves).
+pub fn layer_norm_without_affine(x: &Tensor, dim: i64, eps: f64) -> Tensor {
+    x.layer_norm([dim], None::<&Tensor>, None::<&Tensor>, eps, true)
+}
+
 /// `torch.nn.LayerNorm` over the last dimension, with affine parameters.
 #[derive(Debug)]
 pub struct LayerNorm {

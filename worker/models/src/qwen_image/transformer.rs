@@ -32,6 +32,8 @@ use crate::error::{GenerateError, LoadError};
 use crate::loading::diffusers::component_store;
 use crate::loading::safetensors::SafetensorsFile;
 use crate::loading::weights::{WeightStore, Weights};
+use crate::nn::embeddings::timestep_features;
+use crate::nn::layer_norm_without_affine;
 use crate::nn::rope::apply_interleaved;
 use crate::nn::{AttentionImpl, Linear, RmsNorm, attention};
 use crate::qwen_image::rope::{ImageShape, QwenEmbedRope, RopeTables};
@@ -230,29 +232,6 @@ impl QwenImageTransformerConfig {
     }
 }
 
-/// `LayerNorm(dim, elementwise_affine=False)` over the last dimension.
-fn layer_norm_plain(x: &Tensor, dim: i64, eps: f64) -> Tensor {
-    x.layer_norm([dim], None::<&Tensor>, None::<&Tensor>, eps, true)
-}
-
-/// diffusers `embeddings.get_timestep_embedding(t, dim, flip_sin_to_cos=True,
-/// downscale_freq_shift=0, scale)` in its op order: fp32 frequencies times the timestep in fp32,
-/// then scaled. (The shared [`crate::nn::embeddings::timestep_features`] has no `scale`, and
-/// scaling the timestep first would round differently: the arguments reach 1000 radians.)
-fn time_proj(t: &Tensor, dim: i64, scale: f64) -> Tensor {
-    let half = dim / 2;
-    let exponent =
-        Tensor::arange(half, (Kind::Float, t.device())) * (-(10000f64).ln()) / half as f64;
-    let freqs = exponent.exp();
-    let args = t.to_kind(Kind::Float).unsqueeze(1) * freqs.unsqueeze(0) * scale;
-    let emb = Tensor::cat(&[args.cos(), args.sin()], -1);
-    if dim % 2 == 1 {
-        emb.constant_pad_nd([0, 1, 0, 0])
-    } else {
-        emb
-    }
-}
-
 /// `QwenTimestepProjEmbeddings`: `Timesteps(256, flip_sin_to_cos, shift 0, scale 1000)` then
 /// `TimestepEmbedding` (`timestep_embedder.linear_2(silu(linear_1(·)))`). The embedder's Linears
 /// are held here (not in a shared `TimestepEmbedding`) so that LoRA fusing can reach them.
@@ -278,7 +257,8 @@ impl QwenTimestepProjEmbeddings {
 
     /// `timestep` `[B]` already in the activations' dtype → `[B, inner]`.
     fn forward(&self, timestep: &Tensor, kind: Kind) -> Tensor {
-        let proj = time_proj(timestep, self.proj_dim, self.proj_scale).to_kind(kind);
+        let proj =
+            timestep_features(timestep, self.proj_dim, true, 0.0, self.proj_scale).to_kind(kind);
         self.linear_2.forward(&self.linear_1.forward(&proj).silu())
     }
 }
@@ -447,7 +427,7 @@ impl QwenImageTransformerBlock {
     ) -> (Tensor, Tensor) {
         let img_mod = self.img_mod.forward(temb_silu).chunk(2, -1);
         let txt_mod = self.txt_mod.forward(temb_silu).chunk(2, -1);
-        let norm = |x: &Tensor| layer_norm_plain(x, self.dim, self.eps);
+        let norm = |x: &Tensor| layer_norm_without_affine(x, self.dim, self.eps);
 
         let (img_in, img_gate1) = modulate(&norm(img), &img_mod[0]);
         let (txt_in, txt_gate1) = modulate(&norm(txt), &txt_mod[0]);
@@ -482,7 +462,7 @@ impl AdaLayerNormContinuous {
     fn forward(&self, x: &Tensor, temb_silu: &Tensor) -> Tensor {
         let emb = self.linear.forward(temb_silu).chunk(2, 1);
         let (scale, shift) = (emb[0].unsqueeze(1), emb[1].unsqueeze(1));
-        layer_norm_plain(x, self.dim, self.eps) * (scale + 1.0) + shift
+        layer_norm_without_affine(x, self.dim, self.eps) * (scale + 1.0) + shift
     }
 }
 

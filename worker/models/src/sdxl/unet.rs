@@ -292,8 +292,14 @@ impl UNet2DConditionModel {
             .to_device(sample.device())
             .reshape([-1])
             .expand([b], false);
-        let t_emb = timestep_features(&t, c.block_out_channels[0], c.flip_sin_to_cos, c.freq_shift)
-            .to_kind(kind);
+        let t_emb = timestep_features(
+            &t,
+            c.block_out_channels[0],
+            c.flip_sin_to_cos,
+            c.freq_shift,
+            1.0,
+        )
+        .to_kind(kind);
         let emb = self.time_embedding.forward(&t_emb);
         let time_ids = added.time_ids.reshape([-1]);
         let time_embeds = timestep_features(
@@ -301,6 +307,7 @@ impl UNet2DConditionModel {
             c.addition_time_embed_dim,
             c.flip_sin_to_cos,
             c.freq_shift,
+            1.0,
         )
         .reshape([b, -1]);
         let add =
