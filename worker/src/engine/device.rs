@@ -59,6 +59,27 @@ pub fn open_device(name: &str, field: &str) -> anyhow::Result<Device> {
     Ok(device)
 }
 
+/// Runs `warm_up` once per configured `[width, height]` (kernel compilation, memory pools) before
+/// the worker takes jobs, logging each; the first failure names the model and the size.
+pub fn warm_up_sizes(
+    model: &str,
+    sizes: &[[u32; 2]],
+    mut warm_up: impl FnMut(u32, u32) -> Result<(), GenerateError>,
+) -> anyhow::Result<()> {
+    for &[w, h] in sizes {
+        let started = std::time::Instant::now();
+        warm_up(w, h).map_err(|e| anyhow::anyhow!("{model} warm-up at {w}x{h}: {e}"))?;
+        tracing::info!(
+            model,
+            width = w,
+            height = h,
+            seconds = started.elapsed().as_secs_f64(),
+            "warmed up"
+        );
+    }
+    Ok(())
+}
+
 /// The engine error a pipeline failure becomes (see `EngineError` for what the worker does with
 /// each).
 pub fn engine_error(e: GenerateError, cancel: &Cancel) -> EngineError {

@@ -26,7 +26,7 @@ use vnfarm_models::qwen2_5_vl::rope::PositionMode;
 use vnfarm_models::schedulers::FlowMatchConfig;
 use vnfarm_proto::{EditSpec, LoraRef, StageTimings, Task};
 
-use super::device::{Dtype, engine_error, open_device, parse_device};
+use super::device::{Dtype, engine_error, open_device, parse_device, warm_up_sizes};
 use super::{Cancel, EngineError, EngineJob, EngineOutput, InputImage, Progress};
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
@@ -304,18 +304,9 @@ impl QwenEditEngine {
             seconds = started.elapsed().as_secs_f64(),
             "Qwen-Image-Edit loaded"
         );
-        for [w, h] in &config.warm_up {
-            let started = Instant::now();
-            pipeline
-                .warm_up(&[(*w, *h)])
-                .map_err(|e| anyhow::anyhow!("Qwen-Image-Edit warm-up at {w}x{h}: {e}"))?;
-            tracing::info!(
-                width = w,
-                height = h,
-                seconds = started.elapsed().as_secs_f64(),
-                "Qwen-Image-Edit warmed up"
-            );
-        }
+        warm_up_sizes("Qwen-Image-Edit", &config.warm_up, |w, h| {
+            pipeline.warm_up(&[(w, h)])
+        })?;
         Ok(Self {
             pipeline,
             cache: EncodeCache::new((config.encode_cache_mib as usize) << 20, cache_keys),

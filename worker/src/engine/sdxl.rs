@@ -19,7 +19,7 @@ use vnfarm_models::sdxl::pipeline::{
 use vnfarm_models::sdxl::vae::{Tiling, VaeConfig};
 use vnfarm_proto::{GenerateSpec, StageTimings, Task};
 
-use super::device::{Dtype, engine_error, open_device, parse_device};
+use super::device::{Dtype, engine_error, open_device, parse_device, warm_up_sizes};
 use super::{Cancel, EngineError, EngineJob, EngineOutput, Progress};
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
@@ -167,18 +167,7 @@ impl SdxlEngine {
             seconds = started.elapsed().as_secs_f64(),
             "SDXL loaded"
         );
-        for [w, h] in &config.warm_up {
-            let started = Instant::now();
-            pipeline
-                .warm_up(&[(*w, *h)])
-                .map_err(|e| anyhow::anyhow!("SDXL warm-up at {w}x{h}: {e}"))?;
-            tracing::info!(
-                width = w,
-                height = h,
-                seconds = started.elapsed().as_secs_f64(),
-                "SDXL warmed up"
-            );
-        }
+        warm_up_sizes("SDXL", &config.warm_up, |w, h| pipeline.warm_up(&[(w, h)]))?;
         Ok(Self {
             pipeline,
             max_batch: config.max_batch as usize,
