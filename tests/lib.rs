@@ -91,10 +91,11 @@ impl S3Server {
         Ok(server)
     }
 
-    /// Stops the server (an outage); its data stays.
+    /// Stops the server (an outage); its data stays. Closing the guard's stdin makes it stop
+    /// `s3s-fs` and wait for it, so the port is free when this returns.
     pub fn stop(&mut self) {
         if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
+            drop(child.stdin.take());
             let _ = child.wait();
         }
     }
@@ -102,22 +103,30 @@ impl S3Server {
     /// Starts the server again on the same port and data, and waits until it listens.
     pub fn restart(&mut self) -> anyhow::Result<()> {
         self.stop();
-        let child = Command::new("s3s-fs")
+        // `s3s-fs` runs under a small shell guard that stops it when the guard's stdin closes: when
+        // `stop` drops the pipe, and when the test binary exits however it exits (the shared
+        // server lives in a static, which is never dropped), so no server outlives the suite.
+        let child = Command::new("sh")
+            .arg("-c")
+            .arg(r#"s3s-fs "$@" & pid=$!; trap 'kill $pid 2>/dev/null; wait $pid' EXIT; read -r _; exit 0"#)
+            .arg("s3s-fs")
             .args(["--host", "127.0.0.1", "--port", &self.port.to_string()])
             .args(["--access-key", S3_KEY, "--secret-key", S3_SECRET])
             .arg(&self.root)
+            .stdin(Stdio::piped())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .context(
-                "s3s-fs must be installed (`cargo install s3s-fs@0.14.1 --features binary --locked`; \
-                 .ci/run does it)",
-            )?;
+            .context("starting sh for s3s-fs")?;
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(20);
         while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
             if Instant::now() > deadline {
-                bail!("s3s-fs did not start listening on {}", self.port);
+                bail!(
+                    "s3s-fs did not start listening on {} (is it installed? \
+                     `cargo install s3s-fs@0.14.1 --features binary --locked`; .ci/run does it)",
+                    self.port
+                );
             }
             std::thread::sleep(Duration::from_millis(50));
         }
