@@ -37,7 +37,7 @@ use vnfarm_models::qwen2_5_vl::text_encoder::{QwenTextEncoder, TextEncoderOption
 use vnfarm_models::qwen2_5_vl::tokenizer::QwenTokenizer;
 
 mod support;
-use support::{check, rel_err};
+use support::{check, load_reference, rel_err};
 
 const TOL: f64 = 1e-5;
 
@@ -54,25 +54,11 @@ struct Reference {
 
 impl Reference {
     fn load() -> Self {
-        let f = SafetensorsFile::open(
-            fixtures()
+        let (tensors, f) = load_reference(
+            &fixtures()
                 .join("reference")
                 .join("text_encoder.safetensors"),
-        )
-        .expect("reference file (run fixtures/qwen/make_text_reference.py)");
-        let names: Vec<String> = f.names().map(str::to_string).collect();
-        let tensors = names
-            .into_iter()
-            .map(|n| {
-                let kind = match f.info(&n).expect("listed").dtype.as_str() {
-                    "I64" | "I32" => Kind::Int64,
-                    "U8" => Kind::Uint8,
-                    _ => Kind::Float,
-                };
-                let t = f.load(&n, Device::Cpu, kind).expect("reference tensor");
-                (n, t)
-            })
-            .collect();
+        );
         let meta = serde_json::from_str(&f.metadata()["fixture"]).expect("fixture metadata");
         Self { tensors, meta }
     }

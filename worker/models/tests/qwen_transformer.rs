@@ -26,7 +26,7 @@ use vnfarm_models::qwen_image::transformer::{
 };
 
 mod support;
-use support::{check, rel_err};
+use support::{check, load_reference, rel_err};
 
 const TOL: f64 = 1e-5;
 
@@ -80,16 +80,7 @@ fn load(
 }
 
 fn reference() -> HashMap<String, Tensor> {
-    let f = SafetensorsFile::open(fixtures().join("reference").join("transformer.safetensors"))
-        .expect("reference file");
-    let names: Vec<String> = f.names().map(str::to_string).collect();
-    names
-        .into_iter()
-        .map(|n| {
-            let t = f.load(&n, Device::Cpu, Kind::Float).expect("tensor");
-            (n, t)
-        })
-        .collect()
+    load_reference(&fixtures().join("reference").join("transformer.safetensors")).0
 }
 
 /// Runs both reference cases; returns the worse relative error.

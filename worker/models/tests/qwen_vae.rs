@@ -22,7 +22,7 @@ use vnfarm_models::qwen_image::keys::{VaeNaming, vae_weight_store, wan_vae_key};
 use vnfarm_models::qwen_image::vae::{QwenVae, QwenVaeConfig};
 
 mod support;
-use support::{check, rel_err};
+use support::{check, load_reference, rel_err};
 
 const TOL_FP32: f64 = 1e-5;
 const TOL_BF16: f64 = 5e-2;
@@ -42,14 +42,7 @@ fn wan_file() -> PathBuf {
 }
 
 fn reference() -> HashMap<String, Tensor> {
-    let f = SafetensorsFile::open(fixtures().join("reference").join("vae.safetensors"))
-        .expect("reference file (run make_vae_reference.py)");
-    f.names()
-        .map(|n| {
-            let t = f.load(n, Device::Cpu, Kind::Float).expect("tensor");
-            (n.to_string(), t)
-        })
-        .collect()
+    load_reference(&fixtures().join("reference").join("vae.safetensors")).0
 }
 
 fn tiny_config() -> QwenVaeConfig {

@@ -25,7 +25,7 @@ use vnfarm_models::qwen2_5_vl::vision::{
 };
 
 mod support;
-use support::check;
+use support::{check, load_reference};
 
 const TOL: f64 = 1e-5;
 
@@ -44,20 +44,7 @@ struct Reference {
 
 impl Reference {
     fn load() -> Self {
-        let f = SafetensorsFile::open(fixtures().join("reference").join("vision.safetensors"))
-            .expect("reference file (run fixtures/qwen/make_vision_reference.py)");
-        let names: Vec<String> = f.names().map(str::to_string).collect();
-        let tensors = names
-            .into_iter()
-            .map(|n| {
-                let kind = match f.info(&n).expect("listed").dtype.as_str() {
-                    "I64" | "I32" => Kind::Int64,
-                    _ => Kind::Float,
-                };
-                let t = f.load(&n, Device::Cpu, kind).expect("reference tensor");
-                (n, t)
-            })
-            .collect();
+        let (tensors, f) = load_reference(&fixtures().join("reference").join("vision.safetensors"));
         let meta = serde_json::from_str(&f.metadata()["fixture"]).expect("fixture metadata");
         Self { tensors, meta }
     }

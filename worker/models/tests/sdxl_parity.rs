@@ -27,7 +27,7 @@ use vnfarm_models::sdxl::vae::{AutoencoderKL, Tiling, VaeConfig};
 use vnfarm_models::text::clip_tokenizer::ClipTokenizer;
 
 mod support;
-use support::check;
+use support::{check, load_reference};
 
 const TOL: f64 = 1e-4;
 
@@ -52,19 +52,7 @@ fn fixture_meta(f: &SafetensorsFile) -> serde_json::Value {
 
 /// All tensors of a reference file (floats as fp32).
 fn reference(name: &str) -> (HashMap<String, Tensor>, SafetensorsFile) {
-    let f = SafetensorsFile::open(fixtures().join("reference").join(name)).expect("reference file");
-    let mut m = HashMap::new();
-    let names: Vec<String> = f.names().map(str::to_string).collect();
-    for n in names {
-        let info = f.info(&n).expect("listed");
-        let kind = match info.dtype.as_str() {
-            "I64" => Kind::Int64,
-            "F64" => Kind::Double,
-            _ => Kind::Float,
-        };
-        m.insert(n.clone(), f.load(&n, Device::Cpu, kind).expect("tensor"));
-    }
-    (m, f)
+    load_reference(&fixtures().join("reference").join(name))
 }
 
 /// The four component stores of a format: `[unet, vae, clip_l, clip_g]`.

@@ -21,3 +21,36 @@ pub fn check(what: &str, a: &Tensor, b: &Tensor, tol: f64) -> f64 {
     assert!(e <= tol, "{what}: relative error {e:.3e} > {tol:.1e}");
     e
 }
+
+/// Every tensor of a reference file, by name: integers as int64 (`U8` as uint8), `F64` as f64,
+/// every other float as fp32; with the open file for its metadata.
+pub fn load_reference(
+    path: &std::path::Path,
+) -> (
+    std::collections::HashMap<String, Tensor>,
+    vnfarm_models::loading::safetensors::SafetensorsFile,
+) {
+    let f = vnfarm_models::loading::safetensors::SafetensorsFile::open(path).unwrap_or_else(|e| {
+        panic!(
+            "reference file {} (run its fixture script): {e}",
+            path.display()
+        )
+    });
+    let names: Vec<String> = f.names().map(str::to_string).collect();
+    let tensors = names
+        .into_iter()
+        .map(|n| {
+            let kind = match f.info(&n).expect("listed").dtype.as_str() {
+                "I64" | "I32" => Kind::Int64,
+                "U8" => Kind::Uint8,
+                "F64" => Kind::Double,
+                _ => Kind::Float,
+            };
+            let t = f
+                .load(&n, tch::Device::Cpu, kind)
+                .unwrap_or_else(|e| panic!("reference tensor {n}: {e}"));
+            (n, t)
+        })
+        .collect();
+    (tensors, f)
+}
