@@ -4,21 +4,34 @@
 //! # Layout
 //!
 //! - [`config`]: the typed configuration, validated before any I/O.
-//! - [`registry`]: jobs and workers as a projection of the event stream; the dispatch policy.
-//! - [`scheduler`]: shared state and operations: accept, dispatch, cancel, returned jobs.
-//! - [`session`]: one broker connection's life: replay the stream, then serve.
+//! - [`registry`]: jobs and workers as a projection of the event stream, with the indexes the
+//!   decisions use; encapsulated (changed only by applying events and by the decision methods).
+//! - [`intake`]: accepting a submission (inline images, the one `queued` event, pipeline
+//!   expansion, idempotency) and the intake-queue consumer.
+//! - [`dispatch`]: follow-ups, the dispatch policy and publishing, redispatch of returned jobs,
+//!   the watchdog.
+//! - [`leader`]: active and standby schedulers (the leader token).
+//! - [`snapshot`]: registry snapshots, so a restart replays only recent events.
+//! - [`scheduler`]: shared state and what every scheduler does: publish, apply, cancel, gauges.
+//! - [`session`]: one broker connection's life: load, replay, then read and lead concurrently.
 //! - [`api`]: the HTTP API and Server-Sent Events.
 //! - [`metrics`]: Prometheus metrics.
 //!
-//! Durable state lives in RabbitMQ only: the event stream is the job history and the backlog. A
-//! restarted scheduler replays it and carries on where the last one stopped.
+//! Durable state lives in RabbitMQ only: the event stream is the job history and the backlog, the
+//! snapshot stream a shortcut into it. A restarted scheduler loads the latest snapshot, replays the
+//! events after it and carries on where the last one stopped; a standby does the same continuously
+//! and takes over when the active one dies.
 
 pub mod api;
 pub mod config;
+pub mod dispatch;
+pub mod intake;
+pub mod leader;
 pub mod metrics;
 pub mod registry;
 pub mod scheduler;
 pub mod session;
+pub mod snapshot;
 
 use anyhow::Context;
 use tokio::net::TcpListener;
