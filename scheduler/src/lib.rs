@@ -41,7 +41,6 @@ use vnfarm_storage::Storage;
 pub use config::Config;
 use metrics::Metrics;
 pub use scheduler::Scheduler;
-use session::SessionEnd;
 
 pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<()> {
     let listener = TcpListener::bind(config.listen)
@@ -71,28 +70,22 @@ pub async fn serve(
         })
     };
     tracing::info!(%addr, storage = %scheduler.storage.describe(), "scheduler listening");
-    loop {
-        let metrics = scheduler.metrics.clone();
-        let name = "vnfarm-scheduler";
-        let Some(connection) =
-            vnfarm_bus::connect_with_backoff(&scheduler.config.amqp, name, &shutdown, |_| {
-                metrics.amqp_reconnects_total.inc()
-            })
-            .await
-        else {
-            break;
-        };
-        let end = scheduler.session(&connection, &shutdown).await;
-        let _ = connection.close(200, "scheduler session over".into()).await;
-        match end {
-            SessionEnd::Shutdown => break,
-            SessionEnd::Lost(reason) => {
-                scheduler.metrics.amqp_reconnects_total.inc();
-                tracing::warn!(%reason, "broker session lost; reconnecting");
-            }
-        }
+    let metrics = scheduler.metrics.clone();
+    let this = &scheduler;
+    let stop = &shutdown;
+    vnfarm_bus::run_sessions(
+        &scheduler.config.amqp,
+        "vnfarm-scheduler",
+        &shutdown,
+        || metrics.amqp_reconnects_total.inc(),
+        move |connection| async move { this.session(&connection, stop).await },
+    )
+    .await;
+    match server.await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::error!(error = %e, "the HTTP server failed"),
+        Err(e) => tracing::error!(error = %e, "the HTTP server task panicked"),
     }
-    let _ = server.await;
     tracing::info!("scheduler stopped");
     Ok(())
 }

@@ -15,17 +15,12 @@ use lapin::{Connection, Consumer};
 use tokio_util::sync::CancellationToken;
 use vnfarm_bus::headers::stream_offset;
 use vnfarm_bus::publisher::json_properties;
-use vnfarm_bus::{Publisher, topology};
+use vnfarm_bus::{Publisher, SessionEnd, topology};
 use vnfarm_proto::event::SequencedEvent;
 use vnfarm_proto::topology::{HEARTBEAT_ROUTING_PATTERN, MARKER_ROUTING_PREFIX};
 use vnfarm_proto::{Event, Heartbeat, JobId, decode_json};
 
 use crate::scheduler::Scheduler;
-
-pub enum SessionEnd {
-    Shutdown,
-    Lost(String),
-}
 
 /// Stream deliveries are acknowledged in batches (the stream's credit); well under the prefetch.
 const STREAM_ACK_BATCH: u64 = 200;
