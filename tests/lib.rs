@@ -155,6 +155,8 @@ pub struct Farm {
     /// A server of this farm's own, for tests that take S3 down.
     pub own_s3: Option<S3Server>,
     pub scheduler_port: u16,
+    /// Extra environment of the scheduler (`VNFARM_*` settings a test changes).
+    pub scheduler_env: Vec<(String, String)>,
     pub http: reqwest::Client,
     pub storage: Storage,
     scheduler: Option<Child>,
@@ -205,6 +207,7 @@ impl Farm {
             s3_endpoint,
             own_s3,
             scheduler_port: free_port(),
+            scheduler_env: Vec::new(),
             http: reqwest::Client::new(),
             storage,
             scheduler: None,
@@ -271,6 +274,7 @@ impl Farm {
         ));
         env.push(("VNFARM_HEARTBEAT_TIMEOUT_MS".into(), "3000".into()));
         env.push(("VNFARM_DISPATCH_TTL_MS".into(), "2000".into()));
+        env.extend(self.scheduler_env.iter().cloned());
         self.scheduler = Some(self.spawn("vnfarm-scheduler", "scheduler.log", env)?);
         let http = self.http.clone();
         let url = self.url("/healthz");
@@ -351,6 +355,11 @@ impl Farm {
             let _ = child.kill();
             let _ = child.wait();
         }
+    }
+
+    /// The whole log of one process.
+    pub fn full_log(&self, name: &str) -> String {
+        std::fs::read_to_string(self.logs.path().join(name)).unwrap_or_default()
     }
 
     /// The tail of one process's log, for failure messages.

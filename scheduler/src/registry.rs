@@ -576,20 +576,26 @@ impl Registry {
 
     // ----- applying the stream -----
 
-    /// Applies one event read from the stream at `ev.seq`.
-    pub fn apply(&mut self, ev: SequencedEvent) {
+    /// Applies one event read from the stream at `ev.seq`. Returns whether it was part of a job's
+    /// history: false for a duplicate submission, a late event of a finished job and an event of a
+    /// job not known (forgotten); clients are not shown those.
+    pub fn apply(&mut self, ev: SequencedEvent) -> bool {
         self.next_offset = self.next_offset.max(ev.seq + 1);
         self.latest = self.latest.max(Some(ev.event.at));
-        self.recent.push_back(ev.clone());
-        if self.recent.len() > RECENT_EVENTS {
-            self.recent.pop_front();
-        }
-        if matches!(ev.event.kind, EventKind::Queued { .. }) {
-            self.apply_queued(ev);
+        let recent = ev.clone();
+        let applied = if matches!(ev.event.kind, EventKind::Queued { .. }) {
+            self.apply_queued(ev)
         } else {
-            self.apply_change(ev);
+            self.apply_change(ev)
+        };
+        if applied {
+            self.recent.push_back(recent);
+            if self.recent.len() > RECENT_EVENTS {
+                self.recent.pop_front();
+            }
         }
         self.forget_expired();
+        applied
     }
 
     /// A stream offset with nothing to apply (a marker, an undecodable event).
@@ -597,7 +603,7 @@ impl Registry {
         self.next_offset = self.next_offset.max(seq + 1);
     }
 
-    fn apply_queued(&mut self, ev: SequencedEvent) {
+    fn apply_queued(&mut self, ev: SequencedEvent) -> bool {
         let EventKind::Queued {
             submission,
             parent,
@@ -608,13 +614,13 @@ impl Registry {
         };
         let id = ev.event.job_id;
         if self.jobs.contains_key(&id) {
-            return; // a resubmission of a known id
+            return false; // a resubmission of a known id
         }
         if let Some(key) = &submission.idempotency_key
             && let Some(first) = self.idempotency.get(key)
         {
             tracing::info!(job_id = %id, first = %first, "duplicate submission of an idempotency key ignored");
-            return;
+            return false;
         }
         let derived = crate::intake::pipeline_jobs(&submission, &children);
         let at = ev.event.at;
@@ -629,7 +635,7 @@ impl Registry {
         let Some(jobs) = derived else {
             tracing::error!(job_id = %id, children = children.len(), "a pipeline event that does not match its spec; the pipeline fails");
             self.owed.insert(id);
-            return;
+            return true;
         };
         for (child_id, child) in children.into_iter().zip(jobs) {
             if self.jobs.contains_key(&child_id) {
@@ -640,6 +646,7 @@ impl Registry {
             record.parent = Some(id);
             self.insert(record);
         }
+        true
     }
 
     fn job_state(&self, id: JobId) -> Option<JobState> {
@@ -671,7 +678,7 @@ impl Registry {
         self.index_in(id);
     }
 
-    fn apply_change(&mut self, ev: SequencedEvent) {
+    fn apply_change(&mut self, ev: SequencedEvent) -> bool {
         let id = ev.event.job_id;
         let at = ev.event.at;
         let Some(job) = self.jobs.get(&id) else {
@@ -689,11 +696,12 @@ impl Registry {
                 record.history.push(ev);
                 self.insert(record);
                 self.finished.push_back((at, id));
+                return true;
             }
-            return;
+            return false;
         };
         if job.state.is_terminal() {
-            return; // the first terminal event won
+            return false; // the first terminal event won
         }
         self.index_out(id);
         let job = self.jobs.get_mut(&id).expect("checked above");
@@ -792,6 +800,7 @@ impl Registry {
         if terminal {
             self.finish(id, at);
         }
+        true
     }
 
     /// A job reached its final state: its pipeline and the jobs waiting on it learn of it.

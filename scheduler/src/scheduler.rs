@@ -172,16 +172,19 @@ impl Scheduler {
     /// Applies one event from the stream. `live`: read after this process's first catch-up, so it
     /// feeds the metrics (replayed history does not).
     pub(crate) fn apply(&self, ev: SequencedEvent, live: bool) {
-        {
+        let applied = {
             let mut reg = self.registry();
             if live {
                 self.observe(&reg, &ev);
             }
-            reg.apply(ev.clone());
-        }
+            reg.apply(ev.clone())
+        };
         self.metrics.events_applied_total.inc();
         self.since_snapshot.fetch_add(1, Ordering::Relaxed);
-        let _ = self.events.send(ev); // no SSE client listening is fine
+        if applied {
+            // No SSE client listening is fine.
+            let _ = self.events.send(ev);
+        }
         self.applied.notify_waiters();
         self.dispatch_wanted.notify_one();
     }

@@ -2,6 +2,7 @@
 
 mod deploy;
 mod failures;
+mod intake;
 mod outages;
 mod pipeline;
 mod processes;
