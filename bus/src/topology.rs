@@ -136,8 +136,8 @@ pub async fn declare_core(channel: &Channel, config: &AmqpConfig) -> Result<(), 
     Ok(())
 }
 
-/// Declares the schedulers' own queues: the leader queue (quorum, single active consumer, no
-/// delivery limit: its token is redelivered at every takeover) and the snapshot stream (small
+/// Declares the schedulers' own queues: the leader queue (quorum, single active consumer, a
+/// delivery limit out of reach: its token is redelivered at every takeover) and the snapshot stream (small
 /// retention: only the latest snapshot matters). Returns the number of ready tokens in the leader
 /// queue (a held token is not counted).
 pub async fn declare_scheduler(
@@ -148,6 +148,9 @@ pub async fn declare_scheduler(
     let mut leader_args = FieldTable::default();
     leader_args.insert("x-queue-type".into(), text("quorum"));
     leader_args.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
+    // The token is redelivered at every takeover. RabbitMQ 4 gives quorum queues a default delivery
+    // limit of 20, past which the token would be dropped: set one no fleet reaches.
+    leader_args.insert("x-delivery-limit".into(), AMQPValue::LongInt(1_000_000_000));
     let leader = channel
         .queue_declare(t.leader_queue().into(), durable(), leader_args)
         .await?;

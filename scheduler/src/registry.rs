@@ -1155,9 +1155,10 @@ impl Registry {
         r.next_offset = snapshot.next_offset;
         r.latest = snapshot.latest;
         r.finished = snapshot.finished.into();
-        // Inputs before the jobs that take them: ids sort by creation time.
+        // Inputs before the jobs that take them: in stream order (a pipeline's jobs share their
+        // pipeline's offset and have time-ordered ids made in order).
         let mut jobs = snapshot.jobs;
-        jobs.sort_by_key(|j| j.id);
+        jobs.sort_by_key(|j| (j.first_seq, j.id));
         for job in jobs {
             if let Some(key) = job
                 .submission
