@@ -188,7 +188,8 @@ impl Client {
             .0
             .next_key
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let key = format!("chaos-{}-{n}", self.0.run);
+        // Zero-padded, so the ledger's key order is the order of submission.
+        let key = format!("chaos-{}-{n:06}", self.0.run);
         let body =
             json!({"schema_version": 1, "idempotency_key": key, "priority": priority, "job": job});
         self.ledger_mut().submissions.insert(
@@ -258,14 +259,16 @@ impl Client {
         });
     }
 
-    /// Cancels a job the client was told about (it may well have finished already).
+    /// Cancels one of the latest jobs the client was told about (it may have finished already).
     fn spawn_cancel(&self, rng: &mut StdRng, permit: OwnedSemaphorePermit) {
         let candidates: Vec<(String, String)> = self
             .ledger_mut()
             .submissions
             .iter()
+            .rev()
             .filter(|(_, s)| !s.cancel_requested)
             .filter_map(|(k, s)| Some((k.clone(), s.ids.first()?.clone())))
+            .take(8)
             .collect();
         let Some((key, id)) = candidates.choose(rng).cloned() else {
             return;
