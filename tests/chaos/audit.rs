@@ -366,7 +366,12 @@ fn check_stream(traces: &Traces, report: &mut Report) {
             let workers: Vec<String> = job
                 .completions
                 .iter()
-                .map(|c| format!("{:?}", c.worker.as_ref().map(WorkerId::as_str)))
+                .map(|c| {
+                    c.worker
+                        .as_ref()
+                        .map_or("none", WorkerId::as_str)
+                        .to_owned()
+                })
                 .collect();
             report.duplicated.add(
                 format!("job {id}"),
@@ -562,11 +567,11 @@ async fn stored_run(farm: &Farm, id: JobId, completion: &Completion) -> Result<(
     if !run.same_run(completion) {
         return Err(Problem::OtherRun(format!(
             "the manifest is from attempt {} on {} finished at {}, the completed event from a run on \
-             {:?} with other stage timings",
+             {} with other stage timings",
             manifest.attempt,
             manifest.worker,
             manifest.finished_at,
-            completion.worker.as_ref().map(WorkerId::as_str)
+            completion.worker.as_ref().map_or("none", WorkerId::as_str)
         )));
     }
     Ok(())
