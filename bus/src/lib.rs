@@ -7,16 +7,20 @@
 //! - [`publisher`]: a confirm-mode channel; a publish returns only once the broker has the message.
 //! - [`headers`]: reading and writing the message headers vnfarm uses.
 //! - [`connect`]: connecting with exponential backoff until shutdown.
+//! - [`session`]: the reconnect loop both binaries run: connect, run a *session* (channels,
+//!   consumers, helper tasks) until it ends in shutdown or is lost, close, connect again.
 //!
-//! Reconnection policy lives in the binaries: each runs a *session* (connection, channels, consumers)
-//! until the connection fails, then connects again with backoff and re-declares the topology.
+//! What a session does is the binary's: [`run_sessions`] hands it each new connection and acts on
+//! the [`SessionEnd`] it returns.
 
 pub mod config;
 pub mod connect;
 pub mod headers;
 pub mod publisher;
+pub mod session;
 pub mod topology;
 
 pub use config::AmqpConfig;
 pub use connect::connect_with_backoff;
 pub use publisher::{PublishError, Publisher};
+pub use session::{SessionEnd, run_sessions};

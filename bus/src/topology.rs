@@ -10,6 +10,8 @@
 //! | `<p>.worker.<id>` | quorum queue | one worker's jobs; expired or over-limit messages go to `<p>.redispatch` |
 //! | `<p>.redispatch` | quorum queue | consumed by the scheduler |
 //! | `<p>.dead` | fanout exchange + quorum queue | permanent failures, reason in headers |
+//! | `<p>.scheduler.leader` | quorum queue, single active consumer | the leader token ([`declare_scheduler`]) |
+//! | `<p>.scheduler.snapshots` | stream | registry snapshots of the active scheduler |
 
 use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
@@ -134,6 +136,34 @@ pub async fn declare_core(channel: &Channel, config: &AmqpConfig) -> Result<(), 
     Ok(())
 }
 
+/// Declares the schedulers' own queues: the leader queue (quorum, single active consumer, no
+/// delivery limit: its token is redelivered at every takeover) and the snapshot stream (small
+/// retention: only the latest snapshot matters). Returns the number of ready tokens in the leader
+/// queue (a held token is not counted).
+pub async fn declare_scheduler(
+    channel: &Channel,
+    config: &AmqpConfig,
+) -> Result<u32, lapin::Error> {
+    let t = config.topology();
+    let mut leader_args = FieldTable::default();
+    leader_args.insert("x-queue-type".into(), text("quorum"));
+    leader_args.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
+    let leader = channel
+        .queue_declare(t.leader_queue().into(), durable(), leader_args)
+        .await?;
+    let mut snapshot_args = FieldTable::default();
+    snapshot_args.insert("x-queue-type".into(), text("stream"));
+    snapshot_args.insert("x-max-length-bytes".into(), AMQPValue::LongLongInt(1 << 30));
+    snapshot_args.insert(
+        "x-stream-max-segment-size-bytes".into(),
+        AMQPValue::LongInt(64 << 20),
+    );
+    channel
+        .queue_declare(t.snapshot_stream().into(), durable(), snapshot_args)
+        .await?;
+    Ok(leader.message_count())
+}
+
 /// Declares one worker's own queue. Messages that expire there (the worker died or stalled) or exceed
 /// the delivery limit go to the redispatch queue, where the scheduler decides what happens next.
 pub async fn declare_worker_queue(
@@ -167,6 +197,8 @@ pub async fn delete_all(
         t.redispatch_queue(),
         t.dead_queue(),
         t.events_stream(),
+        t.leader_queue(),
+        t.snapshot_stream(),
     ];
     queues.extend(workers.iter().map(|w| t.worker_queue(w)));
     for q in queues {

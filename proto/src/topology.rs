@@ -55,6 +55,18 @@ impl Topology {
         format!("{}.events.log", self.prefix)
     }
 
+    /// Quorum queue holding the scheduler leader token: the scheduler that holds it (unacked) is the
+    /// active one; single-active-consumer hands it to a standby when the holder's connection dies.
+    pub fn leader_queue(&self) -> String {
+        format!("{}.scheduler.leader", self.prefix)
+    }
+
+    /// Stream of registry snapshots written by the active scheduler; a starting scheduler loads
+    /// the latest and replays the event stream only after it.
+    pub fn snapshot_stream(&self) -> String {
+        format!("{}.scheduler.snapshots", self.prefix)
+    }
+
     /// Fanout exchange of permanently failed messages.
     pub fn dead_exchange(&self) -> String {
         format!("{}.dead", self.prefix)

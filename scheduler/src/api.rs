@@ -32,12 +32,13 @@ use serde::Deserialize;
 use serde_json::json;
 use tokio::sync::broadcast::error::RecvError;
 use vnfarm_proto::event::SequencedEvent;
-use vnfarm_proto::topology::output_key;
-use vnfarm_proto::{JobId, MAX_MESSAGE_BYTES, Submission, decode_json};
+use vnfarm_proto::topology::{manifest_key, output_key};
+use vnfarm_proto::{JobId, MAX_MESSAGE_BYTES, Manifest, Submission, decode_json};
 use vnfarm_storage::StorageError;
 
+use crate::intake::AcceptError;
 use crate::registry::JobState;
-use crate::scheduler::{AcceptError, CancelError, Scheduler};
+use crate::scheduler::{CancelError, Scheduler};
 
 pub fn router(scheduler: Scheduler) -> Router {
     let v1 = Router::new()
@@ -98,14 +99,18 @@ async fn submit(State(s): State<Scheduler>, body: Bytes) -> Response {
         Err(e) => return error(StatusCode::UNPROCESSABLE_ENTITY, &e.field, e.message),
     };
     match s.accept(submission).await {
-        Ok((id, created)) => {
-            if !s.wait_for_job(id, Duration::from_secs(10)).await {
+        Ok(submitted) => {
+            let Some(accepted) = s.accepted(submitted.clone(), Duration::from_secs(10)).await
+            else {
                 return error(
                     StatusCode::SERVICE_UNAVAILABLE,
                     ".",
-                    format!("job {id} was queued but is not visible yet"),
+                    format!(
+                        "{submitted:?} was queued but is not visible yet; retry with the same idempotency key"
+                    ),
                 );
-            }
+            };
+            let (id, created) = (accepted.job_id, accepted.created);
             let status = if created {
                 StatusCode::CREATED
             } else {
@@ -142,11 +147,49 @@ async fn get_job(State(s): State<Scheduler>, Path(id): Path<String>) -> Response
         Ok(id) => id,
         Err(r) => return r,
     };
-    let reg = s.registry();
-    match reg.jobs.get(&id) {
-        Some(job) => Json(job.view()).into_response(),
-        None => error(StatusCode::NOT_FOUND, "id", format!("job {id} not found")),
+    {
+        let reg = s.registry();
+        if let Some(job) = reg.job(id) {
+            return Json(reg.view(job, s.heartbeat_timeout())).into_response();
+        }
     }
+    archived_job(&s, id).await
+}
+
+/// A job the registry no longer holds (finished before the retention horizon): answered from its
+/// manifest in storage when it completed; a failed or cancelled one that old is not known any more.
+async fn archived_job(s: &Scheduler, id: JobId) -> Response {
+    let not_found = || {
+        error(
+            StatusCode::NOT_FOUND,
+            "id",
+            format!(
+                "job {id} not found (finished jobs past the retention are answered only when they completed)"
+            ),
+        )
+    };
+    let key = manifest_key(id);
+    let bytes = match s.storage.get(&key).await {
+        Ok(bytes) => bytes,
+        Err(StorageError::NotFound { .. }) => return not_found(),
+        Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, ".", e.to_string()),
+    };
+    let Ok(manifest) = serde_json::from_slice::<Manifest>(&bytes) else {
+        return not_found();
+    };
+    Json(json!({
+        "id": id,
+        "kind": manifest.task.kind_name(),
+        "state": "completed",
+        "archived": true,
+        "worker": manifest.worker,
+        "attempts": manifest.attempt,
+        "outputs": manifest.outputs.iter().map(|o| &o.key).collect::<Vec<_>>(),
+        "manifest": key,
+        "updated_at": manifest.finished_at,
+        "task": manifest.task,
+    }))
+    .into_response()
 }
 
 #[derive(Deserialize)]
@@ -173,16 +216,15 @@ async fn list_jobs(State(s): State<Scheduler>, Query(q): Query<ListQuery>) -> Re
         None => None,
     };
     let limit = q.limit.unwrap_or(100).min(1000);
+    let timeout = s.heartbeat_timeout();
     let reg = s.registry();
     let jobs: Vec<_> = reg
-        .jobs
-        .values()
-        .rev()
-        .filter(|j| q.all || j.parent.is_none())
-        .filter(|j| state.is_none_or(|st| j.state == st))
+        .jobs_newest_first()
+        .filter(|j| q.all || j.parent().is_none())
+        .filter(|j| state.is_none_or(|st| j.state() == st))
         .filter(|j| q.kind.as_deref().is_none_or(|k| j.kind() == k))
         .take(limit)
-        .map(|j| j.view())
+        .map(|j| reg.view(j, timeout))
         .collect();
     Json(json!({"jobs": jobs})).into_response()
 }
@@ -245,16 +287,15 @@ async fn job_events(
     let live = s.events.subscribe();
     let (history, finished) = {
         let reg = s.registry();
-        let Some(job) = reg.jobs.get(&id) else {
+        let Some(job) = reg.job(id) else {
             return error(StatusCode::NOT_FOUND, "id", format!("job {id} not found"));
         };
         let history: Vec<SequencedEvent> = job
-            .events
-            .iter()
+            .events()
+            .into_iter()
             .filter(|e| after.is_none_or(|a| e.seq > a))
-            .cloned()
             .collect();
-        (history, job.state.is_terminal())
+        (history, job.state().is_terminal())
     };
     let scope = if finished {
         Scope::Finished
@@ -273,13 +314,7 @@ async fn all_events(
     let after = resume_from(&headers, q.after);
     let live = s.events.subscribe();
     let history: Vec<SequencedEvent> = match after {
-        Some(a) => s
-            .registry()
-            .recent
-            .iter()
-            .filter(|e| e.seq > a)
-            .cloned()
-            .collect(),
+        Some(a) => s.registry().recent_after(a),
         None => Vec::new(),
     };
     event_stream(&s, live, history, after, Scope::All)
@@ -372,18 +407,18 @@ async fn output(State(s): State<Scheduler>, Path((id, n)): Path<(String, u32)>) 
 }
 
 async fn workers(State(s): State<Scheduler>) -> Response {
-    let timeout = Duration::from_millis(s.config.heartbeat_timeout_ms);
+    let timeout = s.heartbeat_timeout();
     let reg = s.registry();
     let workers: Vec<_> = reg
-        .workers
-        .values()
+        .workers()
         .map(|w| {
             json!({
-                "id": w.id,
+                "id": w.id(),
                 "alive": w.alive(timeout),
-                "assigned": w.assigned,
-                "heartbeat": w.last_heartbeat.as_ref().map(|(_, hb)| hb),
-                "seconds_since_heartbeat": w.last_heartbeat.as_ref().map(|(at, _)| at.elapsed().as_secs_f64()),
+                "state": w.state_name(timeout),
+                "assigned": w.assigned(),
+                "heartbeat": w.last_heartbeat().map(|(_, hb)| hb),
+                "seconds_since_heartbeat": w.last_heartbeat().map(|(at, _)| at.elapsed().as_secs_f64()),
             })
         })
         .collect();
@@ -411,9 +446,10 @@ async fn healthz(State(s): State<Scheduler>) -> Response {
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
+    let role = if s.is_active() { "active" } else { "standby" };
     (
         status,
-        Json(json!({"ready": ready, "amqp_connected": connected})),
+        Json(json!({"ready": ready, "amqp_connected": connected, "role": role})),
     )
         .into_response()
 }

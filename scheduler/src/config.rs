@@ -32,6 +32,17 @@ pub struct Config {
     /// A job dispatched this many times without finishing fails with `delivery_limit`.
     #[serde(default = "default_max_dispatches")]
     pub max_dispatches: u32,
+    /// Finished jobs kept in memory (a pipeline counts once, with its jobs). Older ones are
+    /// answered from their manifest in storage; their idempotency keys are forgotten with them.
+    #[serde(default = "default_retain_jobs")]
+    pub retain_jobs: usize,
+    /// Finished jobs older than this (by their final event's time) are forgotten.
+    #[serde(default = "default_retain_age_s")]
+    pub retain_age_s: u64,
+    /// The active scheduler snapshots its registry after this many events (and at least every
+    /// minute while events arrive), so a restart replays no more than that.
+    #[serde(default = "default_snapshot_every_events")]
+    pub snapshot_every_events: u64,
 }
 
 fn default_storage() -> StorageConfig {
@@ -51,6 +62,15 @@ fn default_dispatch_ttl_ms() -> u64 {
 fn default_max_dispatches() -> u32 {
     4
 }
+fn default_retain_jobs() -> usize {
+    10_000
+}
+fn default_retain_age_s() -> u64 {
+    7 * 24 * 3600
+}
+fn default_snapshot_every_events() -> u64 {
+    5_000
+}
 
 impl Config {
     pub fn load(
@@ -58,6 +78,13 @@ impl Config {
         env: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Self, ConfigError> {
         vnfarm_config::load_validated(file, env)
+    }
+
+    pub fn retention(&self) -> crate::registry::Retention {
+        crate::registry::Retention {
+            max_jobs: self.retain_jobs,
+            max_age: chrono::Duration::seconds(self.retain_age_s.min(i64::MAX as u64) as i64),
+        }
     }
 }
 
@@ -82,6 +109,15 @@ impl vnfarm_config::Validate for Config {
         }
         if !(1..=100).contains(&self.max_dispatches) {
             return Err("max_dispatches: must be 1..=100".into());
+        }
+        if self.retain_jobs == 0 {
+            return Err("retain_jobs: must be at least 1".into());
+        }
+        if self.retain_age_s < 60 {
+            return Err("retain_age_s: must be at least 60".into());
+        }
+        if self.snapshot_every_events < 100 {
+            return Err("snapshot_every_events: must be at least 100".into());
         }
         Ok(())
     }

@@ -4,21 +4,34 @@
 //! # Layout
 //!
 //! - [`config`]: the typed configuration, validated before any I/O.
-//! - [`registry`]: jobs and workers as a projection of the event stream; the dispatch policy.
-//! - [`scheduler`]: shared state and operations: accept, dispatch, cancel, returned jobs.
-//! - [`session`]: one broker connection's life: replay the stream, then serve.
+//! - [`registry`]: jobs and workers as a projection of the event stream, with the indexes the
+//!   decisions use; encapsulated (changed only by applying events and by the decision methods).
+//! - [`intake`]: accepting a submission (inline images, the one `queued` event, pipeline
+//!   expansion, idempotency) and the intake-queue consumer.
+//! - [`dispatch`]: follow-ups, the dispatch policy and publishing, redispatch of returned jobs,
+//!   the watchdog.
+//! - [`leader`]: active and standby schedulers (the leader token).
+//! - [`snapshot`]: registry snapshots, so a restart replays only recent events.
+//! - [`scheduler`]: shared state and what every scheduler does: publish, apply, cancel, gauges.
+//! - [`session`]: one broker connection's life: load, replay, then read and lead concurrently.
 //! - [`api`]: the HTTP API and Server-Sent Events.
 //! - [`metrics`]: Prometheus metrics.
 //!
-//! Durable state lives in RabbitMQ only: the event stream is the job history and the backlog. A
-//! restarted scheduler replays it and carries on where the last one stopped.
+//! Durable state lives in RabbitMQ only: the event stream is the job history and the backlog, the
+//! snapshot stream a shortcut into it. A restarted scheduler loads the latest snapshot, replays the
+//! events after it and carries on where the last one stopped; a standby does the same continuously
+//! and takes over when the active one dies.
 
 pub mod api;
 pub mod config;
+pub mod dispatch;
+pub mod intake;
+pub mod leader;
 pub mod metrics;
 pub mod registry;
 pub mod scheduler;
 pub mod session;
+pub mod snapshot;
 
 use anyhow::Context;
 use tokio::net::TcpListener;
@@ -28,7 +41,6 @@ use vnfarm_storage::Storage;
 pub use config::Config;
 use metrics::Metrics;
 pub use scheduler::Scheduler;
-use session::SessionEnd;
 
 pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<()> {
     let listener = TcpListener::bind(config.listen)
@@ -58,28 +70,22 @@ pub async fn serve(
         })
     };
     tracing::info!(%addr, storage = %scheduler.storage.describe(), "scheduler listening");
-    loop {
-        let metrics = scheduler.metrics.clone();
-        let name = "vnfarm-scheduler";
-        let Some(connection) =
-            vnfarm_bus::connect_with_backoff(&scheduler.config.amqp, name, &shutdown, |_| {
-                metrics.amqp_reconnects_total.inc()
-            })
-            .await
-        else {
-            break;
-        };
-        let end = scheduler.session(&connection, &shutdown).await;
-        let _ = connection.close(200, "scheduler session over".into()).await;
-        match end {
-            SessionEnd::Shutdown => break,
-            SessionEnd::Lost(reason) => {
-                scheduler.metrics.amqp_reconnects_total.inc();
-                tracing::warn!(%reason, "broker session lost; reconnecting");
-            }
-        }
+    let metrics = scheduler.metrics.clone();
+    let this = &scheduler;
+    let stop = &shutdown;
+    vnfarm_bus::run_sessions(
+        &scheduler.config.amqp,
+        "vnfarm-scheduler",
+        &shutdown,
+        || metrics.amqp_reconnects_total.inc(),
+        move |connection| async move { this.session(&connection, stop).await },
+    )
+    .await;
+    match server.await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::error!(error = %e, "the HTTP server failed"),
+        Err(e) => tracing::error!(error = %e, "the HTTP server task panicked"),
     }
-    let _ = server.await;
     tracing::info!("scheduler stopped");
     Ok(())
 }

@@ -19,8 +19,16 @@ pub struct Metrics {
     pub job_run_seconds: HistogramVec,
     /// Active jobs by state.
     pub jobs: IntGaugeVec,
-    /// Queued jobs waiting for a worker, by model.
+    /// Queued jobs waiting for a worker, by model and priority.
     pub backlog: IntGaugeVec,
+    /// Jobs held in memory (active and retained finished ones).
+    pub registry_jobs: IntGauge,
+    /// 1 while this scheduler is the active one (0: a standby).
+    pub scheduler_active: IntGauge,
+    /// Registry snapshots written, by outcome (`written`, `failed`, `too_large`).
+    pub snapshots_total: IntCounterVec,
+    /// Size of the last snapshot written.
+    pub snapshot_bytes: IntGauge,
     /// Workers by state (`ready`, `warming`, `draining`, `gone`).
     pub workers: IntGaugeVec,
     /// Dispatch decisions by policy branch (`least_loaded`).
@@ -83,8 +91,33 @@ impl Metrics {
             .unwrap(),
             backlog: register_int_gauge_vec_with_registry!(
                 "backlog_jobs",
-                "Queued jobs waiting for a worker, by model",
-                &["model"],
+                "Queued jobs waiting for a worker, by model and priority",
+                &["model", "priority"],
+                r
+            )
+            .unwrap(),
+            registry_jobs: register_int_gauge_with_registry!(
+                "registry_jobs",
+                "Jobs held in the scheduler's memory, active and retained finished ones",
+                r
+            )
+            .unwrap(),
+            scheduler_active: register_int_gauge_with_registry!(
+                "scheduler_active",
+                "1 while this scheduler is the active one, 0 while it is a standby",
+                r
+            )
+            .unwrap(),
+            snapshots_total: register_int_counter_vec_with_registry!(
+                "snapshots_total",
+                "Registry snapshots, by outcome",
+                &["outcome"],
+                r
+            )
+            .unwrap(),
+            snapshot_bytes: register_int_gauge_with_registry!(
+                "snapshot_bytes",
+                "Size of the last registry snapshot written",
                 r
             )
             .unwrap(),

@@ -1,28 +1,43 @@
-//! The live job registry and worker registry: a projection of the event stream plus what the scheduler
-//! decided locally and has not yet seen come back (dispatches in flight).
+//! The job registry and worker registry: a projection of the event stream, plus the decisions the
+//! scheduler took locally and has not yet seen come back (dispatches and follow-ups in flight).
+//!
+//! Encapsulated: every field is private. Job state changes only through [`Registry::apply`] of an
+//! event from the stream, in stream order; the local decision flags change only through the
+//! decision methods ([`Registry::plan_dispatch`], [`Registry::take_follow_ups`],
+//! [`Registry::request_cancel`], ...). Readers get views.
 //!
 //! Invariants:
-//! - A job's state only changes through [`Registry::apply`] of an event from the stream, in stream order;
-//!   the first terminal event wins, later ones are kept in the history but change nothing.
-//! - A job is dispatched at most once at a time: `dispatch_pending` is set when the scheduler publishes
-//!   it to a worker queue and cleared when the `dispatched` event comes back.
-//! - A worker's load counts jobs from the moment they are dispatched to it (not when it reports them).
+//! - The first terminal event of a job wins; later events of a finished job change nothing and are
+//!   not kept.
+//! - The first `queued` event with an idempotency key (or a job id) wins: a later one is a duplicate
+//!   and creates nothing, so a key makes one job however many schedulers accept it at once.
+//! - A pipeline is one `queued` event: its jobs are derived from it ([`crate::intake::pipeline_jobs`]),
+//!   so a pipeline is either wholly known or not at all.
+//! - A job is dispatched at most once at a time: `dispatch_pending` is set when the scheduler decides
+//!   and cleared when the `dispatched` event comes back. A worker's load counts jobs from the moment
+//!   they are dispatched to it.
+//! - Cost is flat in the backlog: dispatchable jobs sit in a ready index per model, jobs waiting on
+//!   an input sit under that input, follow-ups are owed by the events that cause them; nothing scans
+//!   every job per event.
+//! - Memory is bounded: a finished job keeps no progress history, and finished jobs are forgotten by
+//!   count and age measured on event timestamps, so a restarted scheduler and a long-running one
+//!   forget the same jobs.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use vnfarm_proto::event::SequencedEvent;
 use vnfarm_proto::{
-    EventKind, FailureKind, Heartbeat, ImageRef, JobId, JobSpec, ModelFamily, Priority, Submission,
-    WorkerId, WorkerState,
+    Event, EventKind, FailureKind, Heartbeat, ImageRef, JobId, JobSpec, ModelFamily, Priority,
+    Submission, WorkerId, WorkerState,
 };
 
 /// How many recent events are kept for clients resuming the all-events stream.
-const RECENT_EVENTS: usize = 50_000;
+const RECENT_EVENTS: usize = 20_000;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum JobState {
     Queued,
@@ -36,6 +51,16 @@ pub enum JobState {
 }
 
 impl JobState {
+    pub const ALL: [JobState; 7] = [
+        JobState::Queued,
+        JobState::Dispatched,
+        JobState::Running,
+        JobState::Retrying,
+        JobState::Completed,
+        JobState::Failed,
+        JobState::Cancelled,
+    ];
+
     pub fn is_terminal(self) -> bool {
         matches!(
             self,
@@ -43,60 +68,92 @@ impl JobState {
         )
     }
 
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobState::Queued => "queued",
+            JobState::Dispatched => "dispatched",
+            JobState::Running => "running",
+            JobState::Retrying => "retrying",
+            JobState::Completed => "completed",
+            JobState::Failed => "failed",
+            JobState::Cancelled => "cancelled",
+        }
+    }
+
     pub fn parse(s: &str) -> Option<Self> {
-        Some(match s {
-            "queued" => JobState::Queued,
-            "dispatched" => JobState::Dispatched,
-            "running" => JobState::Running,
-            "retrying" => JobState::Retrying,
-            "completed" => JobState::Completed,
-            "failed" => JobState::Failed,
-            "cancelled" => JobState::Cancelled,
-            _ => return None,
-        })
+        Self::ALL.into_iter().find(|st| st.as_str() == s)
     }
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Failure {
     pub kind: FailureKind,
     pub message: String,
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Progress {
     pub step: u32,
     pub total: u32,
 }
 
-#[derive(Clone, Debug)]
+/// How long finished jobs stay in memory.
+#[derive(Clone, Copy, Debug)]
+pub struct Retention {
+    /// Finished top-level jobs kept (a pipeline counts once, with its jobs).
+    pub max_jobs: usize,
+    /// Finished jobs older than this (by their final event's time) are forgotten.
+    pub max_age: chrono::Duration,
+}
+
+impl Default for Retention {
+    fn default() -> Self {
+        Self {
+            max_jobs: 10_000,
+            max_age: chrono::Duration::days(7),
+        }
+    }
+}
+
+/// Decisions taken locally and not yet confirmed by the stream. Not part of a snapshot.
+#[derive(Clone, Debug, Default)]
+struct Local {
+    dispatch_pending: bool,
+    cancel_requested: bool,
+    /// A follow-up event (pipeline finished, dependency failed) was handed out for publishing.
+    finishing: bool,
+    /// Inputs of this job not yet completed.
+    unmet: u32,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct JobRecord {
-    pub id: JobId,
-    /// `None` for a job known only from a `failed` event (a malformed submission).
-    pub submission: Option<Submission>,
-    pub parent: Option<JobId>,
-    pub children: Vec<JobId>,
-    pub state: JobState,
-    pub created_at: DateTime<Utc>,
-    pub updated_at: DateTime<Utc>,
-    pub worker: Option<WorkerId>,
-    pub dispatches: u32,
-    pub attempts: u32,
-    pub progress: Option<Progress>,
-    pub outputs: Vec<String>,
-    pub manifest: Option<String>,
-    pub failure: Option<Failure>,
-    pub events: Vec<SequencedEvent>,
-    // Local decisions, not (yet) in the stream.
-    pub dispatch_pending: bool,
-    pub cancel_requested: bool,
-    pub finishing: bool,
+    id: JobId,
+    /// `None` for a job known only from a `failed` event (a submission too broken to queue).
+    submission: Option<Submission>,
+    parent: Option<JobId>,
+    children: Vec<JobId>,
+    state: JobState,
+    created_at: DateTime<Utc>,
+    updated_at: DateTime<Utc>,
+    worker: Option<WorkerId>,
+    dispatches: u32,
+    attempts: u32,
+    progress: Option<Progress>,
+    outputs: Vec<String>,
+    manifest: Option<String>,
+    failure: Option<Failure>,
+    /// Offset of the event that made the job known: its own `queued`, or its pipeline's.
+    first_seq: u64,
+    /// The events after that one. While the job runs only its latest `progress` is kept; once it
+    /// has ended, none.
+    history: Vec<SequencedEvent>,
+    #[serde(skip)]
+    local: Local,
 }
 
 impl JobRecord {
-    /// A job as its first event (`ev`) makes it known: in `state`, nothing else recorded yet.
-    fn first_seen(id: JobId, state: JobState, ev: SequencedEvent) -> Self {
-        let at = ev.event.at;
+    fn new(id: JobId, state: JobState, seq: u64, at: DateTime<Utc>) -> Self {
         Self {
             id,
             submission: None,
@@ -112,11 +169,38 @@ impl JobRecord {
             outputs: Vec::new(),
             manifest: None,
             failure: None,
-            events: vec![ev],
-            dispatch_pending: false,
-            cancel_requested: false,
-            finishing: false,
+            first_seq: seq,
+            history: Vec::new(),
+            local: Local::default(),
         }
+    }
+
+    pub fn id(&self) -> JobId {
+        self.id
+    }
+
+    pub fn state(&self) -> JobState {
+        self.state
+    }
+
+    pub fn parent(&self) -> Option<JobId> {
+        self.parent
+    }
+
+    pub fn children(&self) -> &[JobId] {
+        &self.children
+    }
+
+    pub fn submission(&self) -> Option<&Submission> {
+        self.submission.as_ref()
+    }
+
+    pub fn created_at(&self) -> DateTime<Utc> {
+        self.created_at
+    }
+
+    pub fn dispatches(&self) -> u32 {
+        self.dispatches
     }
 
     pub fn kind(&self) -> &'static str {
@@ -135,6 +219,15 @@ impl JobRecord {
             .map_or(Priority::Batch, |s| s.priority)
     }
 
+    /// When the job started running most recently.
+    pub fn started_at(&self) -> Option<DateTime<Utc>> {
+        self.history
+            .iter()
+            .rev()
+            .find(|e| matches!(e.event.kind, EventKind::Started { .. }))
+            .map(|e| e.event.at)
+    }
+
     /// The jobs whose outputs this one takes as inputs.
     pub fn dependencies(&self) -> Vec<JobId> {
         let inputs = match self.submission.as_ref().map(|s| &s.job) {
@@ -142,34 +235,61 @@ impl JobRecord {
             Some(JobSpec::Upscale(u)) => vec![&u.input],
             Some(JobSpec::Generate(_) | JobSpec::Pipeline(_)) | None => Vec::new(),
         };
-        inputs
+        let mut deps: Vec<JobId> = inputs
             .into_iter()
             .filter_map(|input| match input {
                 ImageRef::JobOutput { job, .. } => Some(*job),
                 ImageRef::Stored(_) | ImageRef::Inline(_) => None,
             })
+            .collect();
+        deps.sort();
+        deps.dedup();
+        deps
+    }
+
+    /// The job's events in order, its `queued` event first (rebuilt from the submission, which is
+    /// kept once).
+    pub fn events(&self) -> Vec<SequencedEvent> {
+        let queued = self.submission.as_ref().map(|s| SequencedEvent {
+            seq: self.first_seq,
+            event: Event {
+                job_id: self.id,
+                at: self.created_at,
+                kind: EventKind::Queued {
+                    submission: Box::new(s.clone()),
+                    parent: self.parent,
+                    children: self.children.clone(),
+                },
+            },
+        });
+        queued
+            .into_iter()
+            .chain(self.history.iter().cloned())
             .collect()
     }
 
-    pub fn view(&self) -> JobView<'_> {
-        JobView {
-            id: self.id,
-            kind: self.kind(),
-            state: self.state,
-            priority: self.priority(),
-            parent: self.parent,
-            children: &self.children,
-            created_at: self.created_at,
-            updated_at: self.updated_at,
-            worker: self.worker.as_ref(),
-            dispatches: self.dispatches,
-            attempts: self.attempts,
-            progress: self.progress.as_ref(),
-            outputs: &self.outputs,
-            manifest: self.manifest.as_deref(),
-            failure: self.failure.as_ref(),
-            submission: self.submission.as_ref(),
-        }
+    fn is_pipeline(&self) -> bool {
+        matches!(
+            self.submission.as_ref().map(|s| &s.job),
+            Some(JobSpec::Pipeline(_))
+        )
+    }
+
+    fn rank(&self) -> (u8, JobId) {
+        (u8::from(self.priority() != Priority::Interactive), self.id)
+    }
+
+    fn dispatchable(&self) -> bool {
+        self.state == JobState::Queued
+            && !self.local.dispatch_pending
+            && !self.local.cancel_requested
+            && !self.local.finishing
+            && self.local.unmet == 0
+            && self.model().is_some()
+    }
+
+    fn awaiting_start(&self) -> bool {
+        self.state == JobState::Dispatched && !self.local.dispatch_pending
     }
 }
 
@@ -188,63 +308,607 @@ pub struct JobView<'a> {
     pub updated_at: DateTime<Utc>,
     pub worker: Option<&'a WorkerId>,
     pub dispatches: u32,
+    /// Runs started, on any worker.
     pub attempts: u32,
     pub progress: Option<&'a Progress>,
     pub outputs: &'a [String],
     pub manifest: Option<&'a str>,
     pub failure: Option<&'a Failure>,
+    /// Why a job that is not finished is not moving, in words.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub waiting_for: Option<String>,
     pub submission: Option<&'a Submission>,
 }
 
 #[derive(Clone, Debug)]
 pub struct WorkerRecord {
-    pub id: WorkerId,
-    pub last_heartbeat: Option<(Instant, Heartbeat)>,
+    id: WorkerId,
+    last_heartbeat: Option<(Instant, Heartbeat)>,
     /// Jobs dispatched to it and not yet finished or returned.
-    pub assigned: BTreeSet<JobId>,
+    assigned: BTreeSet<JobId>,
 }
 
 impl WorkerRecord {
+    pub fn id(&self) -> &WorkerId {
+        &self.id
+    }
+
+    pub fn assigned(&self) -> &BTreeSet<JobId> {
+        &self.assigned
+    }
+
+    pub fn last_heartbeat(&self) -> Option<&(Instant, Heartbeat)> {
+        self.last_heartbeat.as_ref()
+    }
+
     pub fn alive(&self, timeout: Duration) -> bool {
         self.last_heartbeat
             .as_ref()
             .is_some_and(|(at, _)| at.elapsed() < timeout)
     }
 
-    /// Ready, recently heard from, and serving `model`, with a free slot.
-    pub fn can_take(&self, model: ModelFamily, timeout: Duration) -> bool {
+    /// Ready, recently heard from, serving `model`.
+    fn serves(&self, model: ModelFamily, timeout: Duration) -> bool {
+        self.last_heartbeat.as_ref().is_some_and(|(at, hb)| {
+            at.elapsed() < timeout && hb.state == WorkerState::Ready && hb.models.contains(&model)
+        })
+    }
+
+    /// Serves `model` and has a free slot.
+    fn can_take(&self, model: ModelFamily, timeout: Duration) -> bool {
+        self.serves(model, timeout)
+            && self
+                .last_heartbeat
+                .as_ref()
+                .is_some_and(|(_, hb)| (self.assigned.len() as u32) < hb.slots)
+    }
+
+    /// `ready`, `warming`, `draining` or `gone`.
+    pub fn state_name(&self, timeout: Duration) -> &'static str {
         match &self.last_heartbeat {
-            Some((at, hb)) => {
-                at.elapsed() < timeout
-                    && hb.state == WorkerState::Ready
-                    && hb.models.contains(&model)
-                    && (self.assigned.len() as u32) < hb.slots
-            }
-            None => false,
+            Some((at, hb)) if at.elapsed() < timeout => match hb.state {
+                WorkerState::Ready => "ready",
+                WorkerState::Warming => "warming",
+                WorkerState::Draining => "draining",
+            },
+            _ => "gone",
         }
     }
 }
 
-/// Something the scheduler must publish because of what the registry now holds.
-#[derive(Debug, Clone, PartialEq)]
-pub enum FollowUp {
-    Event(JobId, EventKind),
+/// Why a cancellation was refused.
+#[derive(Debug)]
+pub enum CancelRefusal {
+    NotFound,
+    Finished(JobState),
+}
+
+/// The durable part of a registry at a stream offset (see [`crate::snapshot`]).
+#[derive(Debug, Deserialize)]
+pub struct Snapshot {
+    next_offset: u64,
+    latest: Option<DateTime<Utc>>,
+    jobs: Vec<JobRecord>,
+    finished: Vec<(DateTime<Utc>, JobId)>,
+}
+
+impl Snapshot {
+    pub fn next_offset(&self) -> u64 {
+        self.next_offset
+    }
+
+    pub fn jobs(&self) -> usize {
+        self.jobs.len()
+    }
+}
+
+/// Serializes like [`Snapshot`] without copying the registry.
+struct SnapshotRef<'a>(&'a Registry);
+
+impl Serialize for SnapshotRef<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let r = self.0;
+        let mut st = s.serialize_struct("Snapshot", 4)?;
+        st.serialize_field("next_offset", &r.next_offset)?;
+        st.serialize_field("latest", &r.latest)?;
+        st.serialize_field("jobs", &JobsRef(&r.jobs))?;
+        st.serialize_field("finished", &r.finished)?;
+        st.end()
+    }
+}
+
+struct JobsRef<'a>(&'a BTreeMap<JobId, JobRecord>);
+
+impl Serialize for JobsRef<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(self.0.values())
+    }
 }
 
 #[derive(Default)]
 pub struct Registry {
-    pub jobs: BTreeMap<JobId, JobRecord>,
+    retention: Retention,
+    jobs: BTreeMap<JobId, JobRecord>,
     /// Jobs not in a terminal state.
-    pub active: BTreeSet<JobId>,
-    pub idempotency: HashMap<String, JobId>,
-    pub workers: BTreeMap<WorkerId, WorkerRecord>,
-    pub recent: VecDeque<SequencedEvent>,
+    active: BTreeSet<JobId>,
+    idempotency: HashMap<String, JobId>,
+    /// For each job, the waiting jobs that take its output as input.
+    dependents: HashMap<JobId, Vec<JobId>>,
+    /// Dispatchable jobs per model, interactive first, then oldest.
+    ready: BTreeMap<ModelFamily, BTreeSet<(u8, JobId)>>,
+    /// Jobs dispatched and not yet started (the watchdog's only concern).
+    awaiting_start: BTreeSet<JobId>,
+    /// Jobs whose follow-up (pipeline result, failed dependency) must be worked out.
+    owed: BTreeSet<JobId>,
+    /// Finished top-level jobs in the order they finished, with their final event's time.
+    finished: VecDeque<(DateTime<Utc>, JobId)>,
+    counts: HashMap<JobState, usize>,
+    backlog: HashMap<(ModelFamily, Priority), usize>,
+    workers: BTreeMap<WorkerId, WorkerRecord>,
+    recent: VecDeque<SequencedEvent>,
     /// Offset of the next event to read from the stream.
-    pub next_offset: u64,
+    next_offset: u64,
+    /// The newest event time seen: the clock retention is measured on.
+    latest: Option<DateTime<Utc>>,
 }
 
 impl Registry {
-    pub fn worker_mut(&mut self, id: &WorkerId) -> &mut WorkerRecord {
+    pub fn new(retention: Retention) -> Self {
+        Self {
+            retention,
+            ..Self::default()
+        }
+    }
+
+    // ----- reading -----
+
+    pub fn next_offset(&self) -> u64 {
+        self.next_offset
+    }
+
+    pub fn job(&self, id: JobId) -> Option<&JobRecord> {
+        self.jobs.get(&id)
+    }
+
+    pub fn contains(&self, id: JobId) -> bool {
+        self.jobs.contains_key(&id)
+    }
+
+    /// The job an idempotency key names.
+    pub fn resolve_key(&self, key: &str) -> Option<JobId> {
+        self.idempotency.get(key).copied()
+    }
+
+    /// Jobs in memory, newest first.
+    pub fn jobs_newest_first(&self) -> impl Iterator<Item = &JobRecord> {
+        self.jobs.values().rev()
+    }
+
+    pub fn len(&self) -> usize {
+        self.jobs.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.jobs.is_empty()
+    }
+
+    pub fn workers(&self) -> impl Iterator<Item = &WorkerRecord> {
+        self.workers.values()
+    }
+
+    /// Recent events after `seq`, for a client resuming the all-events stream.
+    pub fn recent_after(&self, seq: u64) -> Vec<SequencedEvent> {
+        let start = self.recent.partition_point(|e| e.seq <= seq);
+        self.recent.range(start..).cloned().collect()
+    }
+
+    /// Jobs in memory by state.
+    pub fn count(&self, state: JobState) -> usize {
+        self.counts.get(&state).copied().unwrap_or(0)
+    }
+
+    /// Queued jobs of a model and priority.
+    pub fn backlog(&self, model: ModelFamily, priority: Priority) -> usize {
+        self.backlog.get(&(model, priority)).copied().unwrap_or(0)
+    }
+
+    pub fn view<'a>(&'a self, job: &'a JobRecord, heartbeat_timeout: Duration) -> JobView<'a> {
+        JobView {
+            id: job.id,
+            kind: job.kind(),
+            state: job.state,
+            priority: job.priority(),
+            parent: job.parent,
+            children: &job.children,
+            created_at: job.created_at,
+            updated_at: job.updated_at,
+            worker: job.worker.as_ref(),
+            dispatches: job.dispatches,
+            attempts: job.attempts,
+            progress: job.progress.as_ref(),
+            outputs: &job.outputs,
+            manifest: job.manifest.as_deref(),
+            failure: job.failure.as_ref(),
+            waiting_for: self.waiting_for(job, heartbeat_timeout),
+            submission: job.submission.as_ref(),
+        }
+    }
+
+    /// Why an unfinished job is where it is.
+    fn waiting_for(&self, job: &JobRecord, timeout: Duration) -> Option<String> {
+        match job.state {
+            JobState::Completed | JobState::Failed | JobState::Cancelled => None,
+            JobState::Running => None,
+            JobState::Retrying => Some(format!(
+                "a transient failure ({}); it runs again",
+                job.failure.as_ref().map_or("", |f| f.message.as_str())
+            )),
+            JobState::Dispatched => Some(match &job.worker {
+                Some(w) => format!("sent to worker {w}; waiting for it to start"),
+                None => "sent to a worker; waiting for it to start".into(),
+            }),
+            JobState::Queued if job.is_pipeline() => Some("its pipeline's jobs to finish".into()),
+            JobState::Queued if job.local.cancel_requested => Some("cancelling".into()),
+            JobState::Queued if job.local.dispatch_pending => Some("being dispatched".into()),
+            JobState::Queued if job.local.unmet > 0 => {
+                let inputs: Vec<String> = job
+                    .dependencies()
+                    .into_iter()
+                    .filter(|d| {
+                        self.jobs
+                            .get(d)
+                            .is_some_and(|j| j.state != JobState::Completed)
+                    })
+                    .map(|d| d.to_string())
+                    .collect();
+                Some(format!("input job {} to complete", inputs.join(", ")))
+            }
+            JobState::Queued => match job.model() {
+                Some(model) if !self.workers.values().any(|w| w.serves(model, timeout)) => Some(
+                    format!("no live worker serves {model}; it runs when one does"),
+                ),
+                Some(_) => Some("a free worker slot".into()),
+                None => None,
+            },
+        }
+    }
+
+    // ----- applying the stream -----
+
+    /// Applies one event read from the stream at `ev.seq`.
+    pub fn apply(&mut self, ev: SequencedEvent) {
+        self.next_offset = self.next_offset.max(ev.seq + 1);
+        self.latest = self.latest.max(Some(ev.event.at));
+        self.recent.push_back(ev.clone());
+        if self.recent.len() > RECENT_EVENTS {
+            self.recent.pop_front();
+        }
+        if matches!(ev.event.kind, EventKind::Queued { .. }) {
+            self.apply_queued(ev);
+        } else {
+            self.apply_change(ev);
+        }
+        self.forget_expired();
+    }
+
+    /// A stream offset with nothing to apply (a marker, an undecodable event).
+    pub fn skip(&mut self, seq: u64) {
+        self.next_offset = self.next_offset.max(seq + 1);
+    }
+
+    fn apply_queued(&mut self, ev: SequencedEvent) {
+        let EventKind::Queued {
+            submission,
+            parent,
+            children,
+        } = ev.event.kind
+        else {
+            unreachable!("apply_queued is called for queued events only")
+        };
+        let id = ev.event.job_id;
+        if self.jobs.contains_key(&id) {
+            return; // a resubmission of a known id
+        }
+        if let Some(key) = &submission.idempotency_key
+            && let Some(first) = self.idempotency.get(key)
+        {
+            tracing::info!(job_id = %id, first = %first, "duplicate submission of an idempotency key ignored");
+            return;
+        }
+        let derived = crate::intake::pipeline_jobs(&submission, &children);
+        let at = ev.event.at;
+        let mut record = JobRecord::new(id, JobState::Queued, ev.seq, at);
+        if let Some(key) = &submission.idempotency_key {
+            self.idempotency.insert(key.clone(), id);
+        }
+        record.submission = Some(*submission);
+        record.parent = parent;
+        record.children = children.clone();
+        self.insert(record);
+        let Some(jobs) = derived else {
+            tracing::error!(job_id = %id, children = children.len(), "a pipeline event that does not match its spec; the pipeline fails");
+            self.owed.insert(id);
+            return;
+        };
+        for (child_id, child) in children.into_iter().zip(jobs) {
+            if self.jobs.contains_key(&child_id) {
+                continue; // written as its own event by an older scheduler
+            }
+            let mut record = JobRecord::new(child_id, JobState::Queued, ev.seq, at);
+            record.submission = Some(child);
+            record.parent = Some(id);
+            self.insert(record);
+        }
+    }
+
+    fn job_state(&self, id: JobId) -> Option<JobState> {
+        self.jobs.get(&id).map(|j| j.state)
+    }
+
+    /// Adds a new queued job and links it to its inputs.
+    fn insert(&mut self, mut record: JobRecord) {
+        let id = record.id;
+        for dep in record.dependencies() {
+            match self.job_state(dep) {
+                Some(JobState::Completed) => {}
+                Some(JobState::Failed | JobState::Cancelled) => {
+                    self.owed.insert(id);
+                }
+                Some(_) => {
+                    record.local.unmet += 1;
+                    self.dependents.entry(dep).or_default().push(id);
+                }
+                // Forgotten long ago, or never a job here: its outputs are in storage or the
+                // worker reports the input missing.
+                None => {}
+            }
+        }
+        if !record.state.is_terminal() {
+            self.active.insert(id);
+        }
+        self.jobs.insert(id, record);
+        self.index_in(id);
+    }
+
+    fn apply_change(&mut self, ev: SequencedEvent) {
+        let id = ev.event.job_id;
+        let at = ev.event.at;
+        let Some(job) = self.jobs.get(&id) else {
+            // Only a failure can name a job never queued (a submission too broken to queue).
+            // Events of forgotten jobs change nothing.
+            if let EventKind::Failed {
+                failure, message, ..
+            } = &ev.event.kind
+            {
+                let mut record = JobRecord::new(id, JobState::Failed, ev.seq, at);
+                record.failure = Some(Failure {
+                    kind: *failure,
+                    message: message.clone(),
+                });
+                record.history.push(ev);
+                self.insert(record);
+                self.finished.push_back((at, id));
+            }
+            return;
+        };
+        if job.state.is_terminal() {
+            return; // the first terminal event won
+        }
+        self.index_out(id);
+        let job = self.jobs.get_mut(&id).expect("checked above");
+        job.updated_at = at;
+        let mut unassign = false;
+        let mut assign = None;
+        match &ev.event.kind {
+            EventKind::Queued { .. } => unreachable!("handled by apply_queued"),
+            EventKind::Dispatched { worker, .. } => {
+                if job.state == JobState::Queued {
+                    job.state = JobState::Dispatched;
+                }
+                job.local.dispatch_pending = false;
+                job.dispatches += 1;
+                job.worker = worker.clone();
+                assign = worker.clone();
+            }
+            EventKind::Requeued { .. } => {
+                job.state = JobState::Queued;
+                job.local.dispatch_pending = false;
+                job.worker = None;
+                job.progress = None;
+                unassign = true;
+            }
+            EventKind::Started { worker, .. } => {
+                job.state = JobState::Running;
+                // Every run counts, on whichever worker: the message's own delivery count starts
+                // again at each dispatch.
+                job.attempts += 1;
+                job.worker = Some(worker.clone());
+                job.progress = None;
+            }
+            EventKind::Progress { step, total } => {
+                job.progress = Some(Progress {
+                    step: *step,
+                    total: *total,
+                });
+            }
+            EventKind::Completed {
+                outputs,
+                manifest,
+                worker,
+                ..
+            } => {
+                job.state = JobState::Completed;
+                job.outputs = outputs.clone();
+                job.manifest = Some(manifest.clone());
+                if worker.is_some() {
+                    job.worker = worker.clone();
+                }
+                unassign = true;
+            }
+            EventKind::Failed {
+                failure,
+                message,
+                retryable,
+            } => {
+                job.failure = Some(Failure {
+                    kind: *failure,
+                    message: message.clone(),
+                });
+                job.state = if *retryable {
+                    JobState::Retrying
+                } else {
+                    JobState::Failed
+                };
+                unassign = !retryable;
+            }
+            EventKind::Cancelled { .. } => {
+                job.state = JobState::Cancelled;
+                unassign = true;
+            }
+        }
+        // Keep one progress event while running (a resuming client needs the latest), none after.
+        if matches!(ev.event.kind, EventKind::Progress { .. })
+            && let Some(last) = job.history.last_mut()
+            && matches!(last.event.kind, EventKind::Progress { .. })
+        {
+            *last = ev;
+        } else {
+            job.history.push(ev);
+        }
+        let terminal = job.state.is_terminal();
+        if terminal {
+            job.history
+                .retain(|e| !matches!(e.event.kind, EventKind::Progress { .. }));
+            job.history.shrink_to_fit();
+        }
+        if let Some(w) = assign {
+            self.worker_mut(&w).assigned.insert(id);
+        }
+        if unassign {
+            self.unassign(id);
+        }
+        self.index_in(id);
+        if terminal {
+            self.finish(id, at);
+        }
+    }
+
+    /// A job reached its final state: its pipeline and the jobs waiting on it learn of it.
+    fn finish(&mut self, id: JobId, at: DateTime<Utc>) {
+        self.active.remove(&id);
+        let job = &self.jobs[&id];
+        let completed = job.state == JobState::Completed;
+        let parent = job.parent.filter(|p| self.active.contains(p));
+        if let Some(p) = parent {
+            self.owed.insert(p);
+        } else {
+            // Top-level (or orphaned) jobs are forgotten on their own; a pipeline's go with it.
+            self.finished.push_back((at, id));
+        }
+        for waiting in self.dependents.remove(&id).unwrap_or_default() {
+            if !self.active.contains(&waiting) {
+                continue;
+            }
+            if completed {
+                self.index_out(waiting);
+                let w = self.jobs.get_mut(&waiting).expect("active jobs are known");
+                w.local.unmet = w.local.unmet.saturating_sub(1);
+                self.index_in(waiting);
+            } else {
+                self.owed.insert(waiting);
+            }
+        }
+    }
+
+    /// Forgets finished jobs beyond the retention count or age.
+    fn forget_expired(&mut self) {
+        let Some(now) = self.latest else { return };
+        while let Some(&(at, id)) = self.finished.front() {
+            let too_many = self.finished.len() > self.retention.max_jobs;
+            let too_old = now - at > self.retention.max_age;
+            if !(too_many || too_old) {
+                break;
+            }
+            self.finished.pop_front();
+            self.forget(id);
+        }
+    }
+
+    fn forget(&mut self, id: JobId) {
+        let Some(job) = self.jobs.get(&id) else {
+            return;
+        };
+        if !job.state.is_terminal() {
+            return;
+        }
+        let children = job.children.clone();
+        self.index_out(id);
+        let job = self.jobs.remove(&id).expect("checked above");
+        if let Some(key) = job
+            .submission
+            .as_ref()
+            .and_then(|s| s.idempotency_key.as_ref())
+            && self.idempotency.get(key) == Some(&id)
+        {
+            self.idempotency.remove(key);
+        }
+        self.dependents.remove(&id);
+        for child in children {
+            self.forget(child);
+        }
+    }
+
+    // ----- indexes -----
+
+    /// Removes a job from the indexes its current state puts it in. Every change of a job is
+    /// bracketed by `index_out` and [`Registry::index_in`].
+    fn index_out(&mut self, id: JobId) {
+        let job = &self.jobs[&id];
+        let (state, model, priority, rank) = (job.state, job.model(), job.priority(), job.rank());
+        let (dispatchable, awaiting) = (job.dispatchable(), job.awaiting_start());
+        if let Some(n) = self.counts.get_mut(&state) {
+            *n = n.saturating_sub(1);
+        }
+        if let (JobState::Queued, Some(m)) = (state, model)
+            && let Some(n) = self.backlog.get_mut(&(m, priority))
+        {
+            *n = n.saturating_sub(1);
+        }
+        if dispatchable && let Some(m) = model {
+            self.ready.entry(m).or_default().remove(&rank);
+        }
+        if awaiting {
+            self.awaiting_start.remove(&id);
+        }
+    }
+
+    fn index_in(&mut self, id: JobId) {
+        let job = &self.jobs[&id];
+        let (state, model, priority, rank) = (job.state, job.model(), job.priority(), job.rank());
+        let (dispatchable, awaiting) = (job.dispatchable(), job.awaiting_start());
+        *self.counts.entry(state).or_default() += 1;
+        if let (JobState::Queued, Some(m)) = (state, model) {
+            *self.backlog.entry((m, priority)).or_default() += 1;
+        }
+        if dispatchable && let Some(m) = model {
+            self.ready.entry(m).or_default().insert(rank);
+        }
+        if awaiting {
+            self.awaiting_start.insert(id);
+        }
+    }
+
+    /// Changes a job's local decision flags, keeping the indexes right.
+    fn set_local(&mut self, id: JobId, f: impl FnOnce(&mut Local)) {
+        self.index_out(id);
+        f(&mut self.jobs.get_mut(&id).expect("a known job").local);
+        self.index_in(id);
+    }
+
+    // ----- workers -----
+
+    fn worker_mut(&mut self, id: &WorkerId) -> &mut WorkerRecord {
         self.workers
             .entry(id.clone())
             .or_insert_with(|| WorkerRecord {
@@ -265,195 +929,54 @@ impl Registry {
         }
     }
 
-    /// Applies one event read from the stream at `seq`.
-    pub fn apply(&mut self, ev: SequencedEvent) {
-        self.next_offset = self.next_offset.max(ev.seq + 1);
-        self.recent.push_back(ev.clone());
-        if self.recent.len() > RECENT_EVENTS {
-            self.recent.pop_front();
+    // ----- decisions (the active scheduler) -----
+
+    /// Starts a term as the active scheduler: forgets local decisions of an earlier term (they
+    /// were lost with its connection), recounts worker loads from the job states, and owes every
+    /// unfinished job a follow-up check. O(jobs), once per takeover.
+    pub fn begin_term(&mut self) {
+        let active: Vec<JobId> = self.active.iter().copied().collect();
+        for w in self.workers.values_mut() {
+            w.assigned.clear();
         }
-        let id = ev.event.job_id;
-        let at = ev.event.at;
-        if let EventKind::Queued {
-            submission,
-            parent,
-            children,
-        } = &ev.event.kind
-        {
-            if self.jobs.contains_key(&id) {
-                return; // a duplicate submission of a known id changes nothing
-            }
-            if let Some(key) = &submission.idempotency_key {
-                self.idempotency.entry(key.clone()).or_insert(id);
-            }
-            let record = JobRecord {
-                submission: Some((**submission).clone()),
-                parent: *parent,
-                children: children.clone(),
-                ..JobRecord::first_seen(id, JobState::Queued, ev)
-            };
-            self.jobs.insert(id, record);
-            self.active.insert(id);
-            return;
-        }
-        if let std::collections::btree_map::Entry::Vacant(e) = self.jobs.entry(id) {
-            // Only a failure can name a job the registry never saw (a submission too broken to queue).
-            let EventKind::Failed {
-                failure, message, ..
-            } = &ev.event.kind
-            else {
-                return;
-            };
-            let failure = Failure {
-                kind: *failure,
-                message: message.clone(),
-            };
-            e.insert(JobRecord {
-                failure: Some(failure),
-                ..JobRecord::first_seen(id, JobState::Failed, ev)
+        for id in &active {
+            self.set_local(*id, |l| {
+                l.dispatch_pending = false;
+                l.finishing = false;
             });
-            return;
-        }
-        let kind = ev.event.kind.clone();
-        let job = self.jobs.get_mut(&id).expect("checked above");
-        job.events.push(ev);
-        if job.state.is_terminal() {
-            return;
-        }
-        job.updated_at = at;
-        let mut unassign = false;
-        match kind {
-            EventKind::Queued { .. } => unreachable!("handled above"),
-            EventKind::Dispatched { worker, .. } => {
-                if job.state == JobState::Queued {
-                    job.state = JobState::Dispatched;
-                }
-                job.dispatch_pending = false;
-                job.dispatches += 1;
-                job.worker = worker.clone();
-                if let Some(w) = worker {
-                    self.worker_mut(&w).assigned.insert(id);
-                }
-                return;
-            }
-            EventKind::Requeued { .. } => {
-                job.state = JobState::Queued;
-                job.dispatch_pending = false;
-                job.worker = None;
-                job.progress = None;
-                unassign = true;
-            }
-            EventKind::Started { worker, attempt } => {
-                job.state = JobState::Running;
-                job.attempts = job.attempts.max(attempt);
-                job.worker = Some(worker);
-                job.progress = None;
-            }
-            EventKind::Progress { step, total } => {
-                job.progress = Some(Progress { step, total });
-            }
-            EventKind::Completed {
-                outputs,
-                manifest,
-                worker,
-                ..
-            } => {
-                job.state = JobState::Completed;
-                job.outputs = outputs;
-                job.manifest = Some(manifest);
-                if worker.is_some() {
-                    job.worker = worker;
-                }
-                unassign = true;
-            }
-            EventKind::Failed {
-                failure,
-                message,
-                retryable,
-            } => {
-                job.failure = Some(Failure {
-                    kind: failure,
-                    message,
-                });
-                job.state = if retryable {
-                    JobState::Retrying
-                } else {
-                    JobState::Failed
-                };
-                unassign = !retryable;
-            }
-            EventKind::Cancelled { .. } => {
-                job.state = JobState::Cancelled;
-                unassign = true;
+            let job = &self.jobs[id];
+            if matches!(
+                job.state,
+                JobState::Dispatched | JobState::Running | JobState::Retrying
+            ) && let Some(w) = job.worker.clone()
+            {
+                self.worker_mut(&w).assigned.insert(*id);
             }
         }
-        if self.jobs[&id].state.is_terminal() {
-            self.active.remove(&id);
-        }
-        if unassign {
-            self.unassign(id);
-        }
+        self.owed = active.into_iter().collect();
     }
 
-    /// Events the scheduler owes now: finished pipelines, jobs whose dependency failed.
-    pub fn follow_ups(&mut self) -> Vec<FollowUp> {
+    /// A standby does not act on follow-ups: it drops them, and works them all out if it takes over
+    /// ([`Registry::begin_term`]).
+    pub fn drop_follow_ups(&mut self) {
+        self.owed.clear();
+    }
+
+    /// Events the scheduler owes now: finished pipelines, jobs whose input failed. Each is handed
+    /// out once (until a new term).
+    pub fn take_follow_ups(&mut self) -> Vec<(JobId, EventKind)> {
+        let owed = std::mem::take(&mut self.owed);
         let mut out = Vec::new();
-        let active: Vec<JobId> = self.active.iter().copied().collect();
-        for id in active {
-            let job = &self.jobs[&id];
-            if job.finishing || job.state.is_terminal() {
+        for id in owed {
+            let Some(job) = self.jobs.get(&id) else {
+                continue;
+            };
+            if job.local.finishing || job.state.is_terminal() {
                 continue;
             }
-            let event = if !job.children.is_empty() {
-                let children: Vec<&JobRecord> = job
-                    .children
-                    .iter()
-                    .filter_map(|c| self.jobs.get(c))
-                    .collect();
-                if children.len() == job.children.len()
-                    && children.iter().all(|c| c.state == JobState::Completed)
-                {
-                    let outputs = children
-                        .iter()
-                        .flat_map(|c| c.outputs.iter().cloned())
-                        .collect();
-                    let manifest = children
-                        .first()
-                        .and_then(|c| c.manifest.clone())
-                        .unwrap_or_default();
-                    Some(EventKind::Completed {
-                        outputs,
-                        manifest,
-                        worker: None,
-                        timings: Default::default(),
-                    })
-                } else if let Some(bad) = children
-                    .iter()
-                    .find(|c| matches!(c.state, JobState::Failed | JobState::Cancelled))
-                {
-                    if job.cancel_requested {
-                        Some(EventKind::Cancelled {
-                            reason: "pipeline cancelled".into(),
-                        })
-                    } else {
-                        Some(EventKind::Failed {
-                            failure: FailureKind::DependencyFailed,
-                            message: format!(
-                                "pipeline job {} {}",
-                                bad.id,
-                                if bad.state == JobState::Failed {
-                                    "failed"
-                                } else {
-                                    "was cancelled"
-                                }
-                            ),
-                            retryable: false,
-                        })
-                    }
-                } else {
-                    None
-                }
-            } else if job.state == JobState::Queued && !job.dispatch_pending {
+            let event = if job.is_pipeline() {
+                self.pipeline_outcome(job)
+            } else if job.state == JobState::Queued && !job.local.dispatch_pending {
                 job.dependencies()
                     .iter()
                     .filter_map(|d| self.jobs.get(d))
@@ -467,108 +990,185 @@ impl Registry {
                 None
             };
             if let Some(event) = event {
-                self.jobs
-                    .get_mut(&id)
-                    .expect("iterating known ids")
-                    .finishing = true;
-                out.push(FollowUp::Event(id, event));
+                self.set_local(id, |l| l.finishing = true);
+                out.push((id, event));
             }
         }
         out
     }
 
-    /// Chooses up to one worker per dispatchable job: interactive before batch, oldest first, each to
-    /// the least-loaded live worker serving its model. Marks the choices pending and counts them.
-    pub fn plan_dispatch(&mut self, heartbeat_timeout: Duration) -> Vec<(JobId, WorkerId)> {
-        let mut ready: Vec<(Priority, JobId)> = Vec::new();
-        for id in &self.active {
-            let job = &self.jobs[id];
-            if job.state != JobState::Queued
-                || job.dispatch_pending
-                || job.cancel_requested
-                || job.finishing
-                || job.model().is_none()
-            {
-                continue;
-            }
-            // A pipeline's job waits until the pipeline itself is recorded (its commit point).
-            if job.parent.is_some_and(|p| !self.jobs.contains_key(&p)) {
-                continue;
-            }
-            let dep_done = job
-                .dependencies()
-                .iter()
-                .filter_map(|d| self.jobs.get(d))
-                .all(|dep| dep.state == JobState::Completed);
-            if dep_done {
-                ready.push((job.priority(), *id));
-            }
+    fn pipeline_outcome(&self, job: &JobRecord) -> Option<EventKind> {
+        let children: Vec<&JobRecord> = job
+            .children
+            .iter()
+            .filter_map(|c| self.jobs.get(c))
+            .collect();
+        if children.is_empty() || children.len() != job.children.len() {
+            return Some(EventKind::Failed {
+                failure: FailureKind::InvalidSpec,
+                message: "the pipeline's jobs could not be derived from its spec".into(),
+                retryable: false,
+            });
         }
-        ready.sort_by_key(|(p, id)| (*p != Priority::Interactive, *id));
+        if children.iter().all(|c| c.state == JobState::Completed) {
+            return Some(EventKind::Completed {
+                outputs: children
+                    .iter()
+                    .flat_map(|c| c.outputs.iter().cloned())
+                    .collect(),
+                manifest: children
+                    .first()
+                    .and_then(|c| c.manifest.clone())
+                    .unwrap_or_default(),
+                worker: None,
+                timings: Default::default(),
+            });
+        }
+        let bad = children
+            .iter()
+            .find(|c| matches!(c.state, JobState::Failed | JobState::Cancelled))?;
+        Some(if job.local.cancel_requested {
+            EventKind::Cancelled {
+                reason: "pipeline cancelled".into(),
+            }
+        } else {
+            EventKind::Failed {
+                failure: FailureKind::DependencyFailed,
+                message: format!(
+                    "pipeline job {} {}",
+                    bad.id,
+                    if bad.state == JobState::Failed {
+                        "failed"
+                    } else {
+                        "was cancelled"
+                    }
+                ),
+                retryable: false,
+            }
+        })
+    }
+
+    /// A follow-up could not be published: owe it again.
+    pub fn follow_up_failed(&mut self, id: JobId) {
+        if self.jobs.contains_key(&id) {
+            self.set_local(id, |l| l.finishing = false);
+            self.owed.insert(id);
+        }
+    }
+
+    /// Chooses a worker for as many dispatchable jobs as there are free slots: interactive before
+    /// batch, oldest first across models, each to the least-loaded live worker serving its model.
+    /// Marks the choices pending and counts them on the worker. Cost: O(dispatches × (models +
+    /// workers)), whatever the backlog.
+    pub fn plan_dispatch(&mut self, heartbeat_timeout: Duration) -> Vec<(JobId, WorkerId)> {
         let mut plan = Vec::new();
-        for (_, id) in ready {
-            let model = self.jobs[&id].model().expect("filtered above");
-            let best = self
-                .workers
-                .values()
-                .filter(|w| w.can_take(model, heartbeat_timeout))
-                .min_by_key(|w| (w.assigned.len(), w.id.clone()))
-                .map(|w| w.id.clone());
-            let Some(worker) = best else { continue };
+        loop {
+            let mut best: Option<((u8, JobId), WorkerId)> = None;
+            for (model, ready) in &self.ready {
+                let Some(head) = ready.first() else { continue };
+                if best.as_ref().is_some_and(|(b, _)| b <= head) {
+                    continue;
+                }
+                let worker = self
+                    .workers
+                    .values()
+                    .filter(|w| w.can_take(*model, heartbeat_timeout))
+                    .min_by_key(|w| (w.assigned.len(), w.id.clone()));
+                if let Some(w) = worker {
+                    best = Some((*head, w.id.clone()));
+                }
+            }
+            let Some(((_, id), worker)) = best else { break };
+            self.set_local(id, |l| l.dispatch_pending = true);
             self.worker_mut(&worker).assigned.insert(id);
-            self.jobs.get_mut(&id).expect("known id").dispatch_pending = true;
             plan.push((id, worker));
         }
         plan
     }
 
-    /// Jobs in `dispatched` for longer than `threshold` (see `Scheduler::requeue_stale`).
+    /// Undoes a planned dispatch that could not be published.
+    pub fn dispatch_failed(&mut self, job: JobId, worker: &WorkerId) {
+        self.worker_mut(worker).assigned.remove(&job);
+        if self.jobs.contains_key(&job) {
+            self.set_local(job, |l| l.dispatch_pending = false);
+        }
+    }
+
+    /// Jobs in `dispatched` for longer than `threshold`; each is reported once until its state
+    /// changes (see `Scheduler::requeue_stale`).
     pub fn stale_dispatches(&mut self, now: DateTime<Utc>, threshold: Duration) -> Vec<JobId> {
         let threshold = chrono::Duration::from_std(threshold).unwrap_or(chrono::Duration::MAX);
-        let mut stale = Vec::new();
-        for id in &self.active {
-            let job = self.jobs.get_mut(id).expect("active jobs are known");
-            if job.state == JobState::Dispatched
-                && !job.dispatch_pending
-                && now - job.updated_at > threshold
-            {
-                // Marked pending until the requeue comes back, so it is not reported twice.
-                job.dispatch_pending = true;
-                stale.push(*id);
-            }
+        let stale: Vec<JobId> = self
+            .awaiting_start
+            .iter()
+            .filter(|id| now - self.jobs[id].updated_at > threshold)
+            .copied()
+            .collect();
+        for id in &stale {
+            // Pending until the requeue comes back, so it is not reported twice.
+            self.set_local(*id, |l| l.dispatch_pending = true);
         }
         stale
     }
 
-    /// Undoes a planned dispatch that could not be published.
-    pub fn dispatch_failed(&mut self, job: JobId, worker: &WorkerId) {
-        self.worker_mut(worker).assigned.remove(&job);
-        if let Some(j) = self.jobs.get_mut(&job) {
-            j.dispatch_pending = false;
+    /// Marks a job (and a pipeline's unfinished jobs) for cancellation. Returns each job to cancel
+    /// with whether the scheduler itself must report it cancelled (it is on no worker).
+    pub fn request_cancel(&mut self, id: JobId) -> Result<Vec<(JobId, bool)>, CancelRefusal> {
+        let job = self.jobs.get(&id).ok_or(CancelRefusal::NotFound)?;
+        if job.state.is_terminal() {
+            return Err(CancelRefusal::Finished(job.state));
         }
+        let mut ids = job.children.clone();
+        ids.push(id);
+        let mut targets = Vec::new();
+        for t in ids {
+            let Some(j) = self.jobs.get(&t) else { continue };
+            if j.state.is_terminal() {
+                continue;
+            }
+            let here = j.state == JobState::Queued && !j.local.dispatch_pending || j.is_pipeline();
+            self.set_local(t, |l| l.cancel_requested = true);
+            targets.push((t, here));
+        }
+        Ok(targets)
     }
 
-    pub fn counts_by_state(&self) -> HashMap<JobState, usize> {
-        let mut counts = HashMap::new();
-        for id in &self.active {
-            *counts.entry(self.jobs[id].state).or_default() += 1;
-        }
-        counts
+    // ----- snapshots -----
+
+    /// Writes the durable part (jobs, retention order, stream position) as JSON.
+    pub fn write_snapshot(&self, out: impl std::io::Write) -> serde_json::Result<()> {
+        serde_json::to_writer(out, &SnapshotRef(self))
     }
 
-    pub fn live_workers(&self, timeout: Duration) -> HashSet<WorkerId> {
-        self.workers
-            .values()
-            .filter(|w| w.alive(timeout))
-            .map(|w| w.id.clone())
-            .collect()
+    /// A registry as a snapshot left it; the indexes are rebuilt.
+    pub fn restore(snapshot: Snapshot, retention: Retention) -> Self {
+        let mut r = Registry::new(retention);
+        r.next_offset = snapshot.next_offset;
+        r.latest = snapshot.latest;
+        r.finished = snapshot.finished.into();
+        // Inputs before the jobs that take them: ids sort by creation time.
+        let mut jobs = snapshot.jobs;
+        jobs.sort_by_key(|j| j.id);
+        for job in jobs {
+            if let Some(key) = job
+                .submission
+                .as_ref()
+                .and_then(|s| s.idempotency_key.clone())
+            {
+                r.idempotency.entry(key).or_insert(job.id);
+            }
+            r.insert(job);
+        }
+        r.owed.clear();
+        r
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use vnfarm_proto::{Event, GenerateSpec, Sampler};
+    use vnfarm_proto::spec::{PipelineEdit, PipelineSpec};
+    use vnfarm_proto::{EditSpec, GenerateSpec, Sampler};
 
     fn generate() -> Submission {
         Submission {
@@ -591,6 +1191,53 @@ mod tests {
         }
     }
 
+    fn keyed(key: &str) -> Submission {
+        Submission {
+            idempotency_key: Some(key.into()),
+            ..generate()
+        }
+    }
+
+    fn edit_of(job: JobId) -> Submission {
+        Submission {
+            job: JobSpec::Edit(EditSpec {
+                input: Some(ImageRef::JobOutput { job, index: 0 }),
+                inputs: vec![],
+                width: None,
+                height: None,
+                instruction: "smile".into(),
+                steps: 4,
+                cfg: 1.0,
+                seed: Some(1),
+                loras: vec![],
+            }),
+            ..generate()
+        }
+    }
+
+    fn pipeline(edits: usize) -> Submission {
+        let JobSpec::Generate(base) = generate().job else {
+            unreachable!()
+        };
+        Submission {
+            job: JobSpec::Pipeline(PipelineSpec {
+                base,
+                edits: (0..edits)
+                    .map(|i| PipelineEdit {
+                        instruction: format!("variant {i}"),
+                        references: vec![],
+                        steps: 4,
+                        cfg: 1.0,
+                        seed: Some(1),
+                        loras: vec![],
+                    })
+                    .collect(),
+                upscales: vec![],
+            }),
+            ..generate()
+        }
+    }
+
     fn worker(id: &str, slots: u32) -> Heartbeat {
         Heartbeat {
             worker: id.parse().unwrap(),
@@ -606,43 +1253,89 @@ mod tests {
         }
     }
 
-    struct Seq(u64);
-    impl Seq {
-        fn ev(&mut self, id: JobId, kind: EventKind) -> SequencedEvent {
-            self.0 += 1;
-            SequencedEvent {
-                seq: self.0,
-                event: Event::now(id, kind),
+    /// Writes events with increasing offsets and times.
+    struct Stream {
+        seq: u64,
+        at: DateTime<Utc>,
+    }
+
+    impl Stream {
+        fn new() -> Self {
+            Self {
+                seq: 0,
+                at: Utc::now(),
             }
         }
+        fn ev(&mut self, id: JobId, kind: EventKind) -> SequencedEvent {
+            self.seq += 1;
+            self.at += chrono::Duration::milliseconds(1);
+            SequencedEvent {
+                seq: self.seq,
+                event: Event {
+                    job_id: id,
+                    at: self.at,
+                    kind,
+                },
+            }
+        }
+        fn queue(&mut self, r: &mut Registry, sub: Submission) -> JobId {
+            let id = JobId::new();
+            let children = match &sub.job {
+                JobSpec::Pipeline(p) => (0..1 + p.edits.len() + p.upscales.len())
+                    .map(|_| JobId::new())
+                    .collect(),
+                _ => vec![],
+            };
+            r.apply(self.ev(
+                id,
+                EventKind::Queued {
+                    submission: Box::new(sub),
+                    parent: None,
+                    children,
+                },
+            ));
+            id
+        }
+        fn complete(&mut self, r: &mut Registry, id: JobId) {
+            r.apply(self.ev(
+                id,
+                EventKind::Completed {
+                    outputs: vec![format!("results/{id}/0.png")],
+                    manifest: format!("results/{id}/manifest.json"),
+                    worker: None,
+                    timings: Default::default(),
+                },
+            ));
+        }
+        fn fail(&mut self, r: &mut Registry, id: JobId) {
+            r.apply(self.ev(
+                id,
+                EventKind::Failed {
+                    failure: FailureKind::BadInput,
+                    message: "x".into(),
+                    retryable: false,
+                },
+            ));
+        }
     }
+
+    const T: Duration = Duration::from_secs(5);
 
     #[test]
     fn least_loaded_dispatch_counts_at_dispatch() {
         let mut r = Registry::default();
-        let mut s = Seq(0);
+        let mut s = Stream::new();
         r.heartbeat(worker("a", 1));
         r.heartbeat(worker("b", 2));
-        let ids: Vec<JobId> = (0..4).map(|_| JobId::new()).collect();
-        for id in &ids {
-            r.apply(s.ev(
-                *id,
-                EventKind::Queued {
-                    submission: Box::new(generate()),
-                    parent: None,
-                    children: vec![],
-                },
-            ));
-        }
-        let plan = r.plan_dispatch(Duration::from_secs(5));
+        let ids: Vec<JobId> = (0..4).map(|_| s.queue(&mut r, generate())).collect();
+        let plan = r.plan_dispatch(T);
         // Three slots in all: a gets one, b two; the fourth job waits.
         assert_eq!(plan.len(), 3);
         assert_eq!(plan.iter().filter(|(_, w)| w.as_str() == "a").count(), 1);
         assert!(
-            r.plan_dispatch(Duration::from_secs(5)).is_empty(),
+            r.plan_dispatch(T).is_empty(),
             "pending dispatches are not repeated"
         );
-        // A completion frees a slot.
         let (done, w) = plan[0].clone();
         r.apply(s.ev(
             done,
@@ -651,111 +1344,237 @@ mod tests {
                 worker: Some(w),
             },
         ));
-        r.apply(s.ev(
-            done,
-            EventKind::Completed {
-                outputs: vec![],
-                manifest: "m".into(),
-                worker: None,
-                timings: Default::default(),
-            },
-        ));
-        let next = r.plan_dispatch(Duration::from_secs(5));
-        assert_eq!(next.len(), 1);
+        s.complete(&mut r, done);
+        let next = r.plan_dispatch(T);
+        assert_eq!(next.len(), 1, "a completion frees a slot");
         assert_eq!(next[0].0, ids[3]);
     }
 
     #[test]
-    fn first_terminal_event_wins() {
+    fn interactive_jobs_go_first_across_models() {
         let mut r = Registry::default();
-        let mut s = Seq(0);
-        let id = JobId::new();
-        r.apply(s.ev(
-            id,
-            EventKind::Queued {
-                submission: Box::new(generate()),
-                parent: None,
-                children: vec![],
+        let mut s = Stream::new();
+        let batch = s.queue(&mut r, generate());
+        let base = s.queue(&mut r, generate());
+        s.complete(&mut r, base);
+        let interactive = s.queue(
+            &mut r,
+            Submission {
+                priority: Priority::Interactive,
+                ..edit_of(base)
             },
-        ));
-        r.apply(s.ev(
-            id,
-            EventKind::Completed {
-                outputs: vec!["o".into()],
-                manifest: "m".into(),
-                worker: None,
-                timings: Default::default(),
-            },
-        ));
-        r.apply(s.ev(
-            id,
-            EventKind::Failed {
-                failure: FailureKind::Engine,
-                message: "late".into(),
-                retryable: false,
-            },
-        ));
-        r.apply(s.ev(
-            id,
-            EventKind::Completed {
-                outputs: vec!["o".into()],
-                manifest: "m".into(),
-                worker: None,
-                timings: Default::default(),
-            },
-        ));
-        let job = &r.jobs[&id];
-        assert_eq!(job.state, JobState::Completed);
-        assert_eq!(job.events.len(), 4, "history keeps every event");
-        assert!(r.active.is_empty());
+        );
+        r.heartbeat(worker("a", 1));
+        assert_eq!(
+            r.plan_dispatch(T),
+            vec![(interactive, "a".parse().unwrap())]
+        );
+        r.heartbeat(worker("b", 1));
+        assert_eq!(r.plan_dispatch(T), vec![(batch, "b".parse().unwrap())]);
     }
 
     #[test]
-    fn pipelines_finish_with_their_children() {
+    fn first_terminal_event_wins_and_late_events_are_not_kept() {
         let mut r = Registry::default();
-        let mut s = Seq(0);
-        let (p, c1, c2) = (JobId::new(), JobId::new(), JobId::new());
-        r.apply(s.ev(
-            p,
-            EventKind::Queued {
-                submission: Box::new(generate()),
-                parent: None,
-                children: vec![c1, c2],
-            },
-        ));
-        for c in [c1, c2] {
+        let mut s = Stream::new();
+        let id = s.queue(&mut r, generate());
+        s.complete(&mut r, id);
+        s.fail(&mut r, id);
+        s.complete(&mut r, id);
+        let job = r.job(id).unwrap();
+        assert_eq!(job.state(), JobState::Completed);
+        assert_eq!(job.events().len(), 2, "queued and completed");
+        assert_eq!(r.count(JobState::Completed), 1);
+    }
+
+    #[test]
+    fn a_pipeline_is_one_event_and_finishes_with_its_jobs() {
+        let mut r = Registry::default();
+        let mut s = Stream::new();
+        let p = s.queue(&mut r, pipeline(2));
+        let children = r.job(p).unwrap().children().to_vec();
+        assert_eq!(children.len(), 3, "base and two edits from the one event");
+        let (base, e1, e2) = (children[0], children[1], children[2]);
+        assert_eq!(r.job(e1).unwrap().parent(), Some(p));
+        r.heartbeat(worker("a", 8));
+        assert_eq!(
+            r.plan_dispatch(T)
+                .iter()
+                .map(|(j, _)| *j)
+                .collect::<Vec<_>>(),
+            vec![base],
+            "the edits wait for their base"
+        );
+        s.complete(&mut r, base);
+        assert!(r.take_follow_ups().is_empty());
+        assert_eq!(r.plan_dispatch(T).len(), 2, "the base's edits are ready");
+        s.complete(&mut r, e1);
+        assert!(r.take_follow_ups().is_empty());
+        s.fail(&mut r, e2);
+        let f = r.take_follow_ups();
+        assert!(
+            matches!(&f[..], [(id, EventKind::Failed { failure: FailureKind::DependencyFailed, .. })] if *id == p),
+            "{f:?}"
+        );
+        assert!(r.take_follow_ups().is_empty(), "a follow-up is owed once");
+    }
+
+    #[test]
+    fn a_failed_input_fails_the_jobs_waiting_on_it() {
+        let mut r = Registry::default();
+        let mut s = Stream::new();
+        let base = s.queue(&mut r, generate());
+        let edit = s.queue(&mut r, edit_of(base));
+        s.fail(&mut r, base);
+        let f = r.take_follow_ups();
+        assert!(
+            matches!(&f[..], [(id, EventKind::Failed { .. })] if *id == edit),
+            "{f:?}"
+        );
+        // An edit queued after its input failed is owed the same.
+        let late = s.queue(&mut r, edit_of(base));
+        let f = r.take_follow_ups();
+        assert!(matches!(&f[..], [(id, _)] if *id == late), "{f:?}");
+    }
+
+    #[test]
+    fn the_first_queued_event_of_a_key_wins() {
+        let mut r = Registry::default();
+        let mut s = Stream::new();
+        let first = s.queue(&mut r, keyed("k"));
+        let second = s.queue(&mut r, keyed("k"));
+        assert_eq!(r.resolve_key("k"), Some(first));
+        assert!(!r.contains(second), "the duplicate creates nothing");
+        r.heartbeat(worker("a", 8));
+        assert_eq!(r.plan_dispatch(T).len(), 1);
+    }
+
+    #[test]
+    fn attempts_count_every_run() {
+        let mut r = Registry::default();
+        let mut s = Stream::new();
+        let id = s.queue(&mut r, generate());
+        for w in ["a", "b"] {
             r.apply(s.ev(
-                c,
-                EventKind::Queued {
-                    submission: Box::new(generate()),
-                    parent: Some(p),
-                    children: vec![],
+                id,
+                EventKind::Started {
+                    worker: w.parse().unwrap(),
+                    attempt: 1,
+                },
+            ));
+            r.apply(s.ev(
+                id,
+                EventKind::Requeued {
+                    reason: "worker died".into(),
                 },
             ));
         }
-        r.apply(s.ev(
-            c1,
-            EventKind::Completed {
-                outputs: vec!["a".into()],
-                manifest: "m".into(),
-                worker: None,
-                timings: Default::default(),
-            },
+        let job = r.job(id).unwrap();
+        assert_eq!(r.view(job, T).attempts, 2);
+    }
+
+    #[test]
+    fn finished_jobs_keep_no_progress_and_are_forgotten_by_count() {
+        let mut r = Registry::new(Retention {
+            max_jobs: 3,
+            max_age: chrono::Duration::days(1),
+        });
+        let mut s = Stream::new();
+        let mut ids = Vec::new();
+        for _ in 0..5 {
+            let id = s.queue(&mut r, keyed(&format!("k{}", ids.len())));
+            for step in 1..=20 {
+                r.apply(s.ev(id, EventKind::Progress { step, total: 20 }));
+            }
+            assert_eq!(r.job(id).unwrap().events().len(), 2, "one progress kept");
+            s.complete(&mut r, id);
+            assert_eq!(r.job(id).unwrap().events().len(), 2, "none once finished");
+            ids.push(id);
+        }
+        assert_eq!(r.len(), 3);
+        assert!(!r.contains(ids[0]) && !r.contains(ids[1]));
+        assert_eq!(r.resolve_key("k0"), None, "forgotten keys go too");
+        assert_eq!(r.count(JobState::Completed), 3);
+    }
+
+    #[test]
+    fn finished_jobs_are_forgotten_by_age_on_event_time() {
+        let mut r = Registry::new(Retention {
+            max_jobs: 100,
+            max_age: chrono::Duration::hours(1),
+        });
+        let mut s = Stream::new();
+        let old = s.queue(&mut r, generate());
+        s.complete(&mut r, old);
+        s.at += chrono::Duration::hours(2);
+        let new = s.queue(&mut r, generate());
+        assert!(!r.contains(old));
+        assert!(r.contains(new));
+    }
+
+    #[test]
+    fn a_snapshot_restores_the_same_registry() {
+        let mut r = Registry::new(Retention {
+            max_jobs: 2,
+            max_age: chrono::Duration::days(1),
+        });
+        let mut s = Stream::new();
+        let base = s.queue(&mut r, keyed("base"));
+        let edit = s.queue(&mut r, edit_of(base));
+        let p = s.queue(&mut r, pipeline(1));
+        let done = s.queue(&mut r, generate());
+        s.complete(&mut r, done);
+        let mut bytes = Vec::new();
+        r.write_snapshot(&mut bytes).unwrap();
+        let snapshot: Snapshot = serde_json::from_slice(&bytes).unwrap();
+        let mut restored = Registry::restore(snapshot, r.retention);
+        assert_eq!(restored.next_offset(), r.next_offset());
+        assert_eq!(restored.len(), r.len());
+        assert_eq!(restored.resolve_key("base"), Some(base));
+        for state in JobState::ALL {
+            assert_eq!(restored.count(state), r.count(state), "{state:?}");
+        }
+        // The same events then lead to the same decisions.
+        for reg in [&mut r, &mut restored] {
+            let mut s2 = Stream {
+                seq: s.seq,
+                at: s.at,
+            };
+            s2.complete(reg, base);
+            reg.heartbeat(worker("a", 8));
+        }
+        let plan = |reg: &mut Registry| {
+            let mut p: Vec<JobId> = reg.plan_dispatch(T).into_iter().map(|(j, _)| j).collect();
+            p.sort();
+            p
+        };
+        assert_eq!(plan(&mut r), plan(&mut restored));
+        assert!(restored.contains(edit) && restored.contains(p));
+    }
+
+    #[test]
+    fn cancelling_a_queued_job_takes_it_out_of_dispatch() {
+        let mut r = Registry::default();
+        let mut s = Stream::new();
+        let id = s.queue(&mut r, generate());
+        assert!(matches!(&r.request_cancel(id).unwrap()[..], [(j, true)] if *j == id));
+        r.heartbeat(worker("a", 1));
+        assert!(r.plan_dispatch(T).is_empty());
+        assert!(matches!(
+            r.request_cancel(JobId::new()),
+            Err(CancelRefusal::NotFound)
         ));
-        assert!(r.follow_ups().is_empty());
-        r.apply(s.ev(
-            c2,
-            EventKind::Failed {
-                failure: FailureKind::BadInput,
-                message: "x".into(),
-                retryable: false,
-            },
-        ));
-        let f = r.follow_ups();
-        assert!(
-            matches!(&f[..], [FollowUp::Event(id, EventKind::Failed { failure: FailureKind::DependencyFailed, .. })] if *id == p),
-            "{f:?}"
-        );
-        assert!(r.follow_ups().is_empty(), "a follow-up is owed once");
+    }
+
+    #[test]
+    fn a_new_term_redoes_lost_decisions() {
+        let mut r = Registry::default();
+        let mut s = Stream::new();
+        let id = s.queue(&mut r, generate());
+        r.heartbeat(worker("a", 1));
+        assert_eq!(r.plan_dispatch(T).len(), 1);
+        // The dispatch was never published (the connection died); a new term dispatches again.
+        r.begin_term();
+        assert_eq!(r.plan_dispatch(T), vec![(id, "a".parse().unwrap())]);
     }
 }

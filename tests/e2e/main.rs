@@ -6,6 +6,7 @@ mod outages;
 mod pipeline;
 mod processes;
 mod qwen;
+mod redelivery;
 mod sdxl;
 
 use std::time::Duration;

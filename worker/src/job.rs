@@ -1,5 +1,7 @@
 //! One delivery, from message to acknowledgement: decode, run on the engine, store outputs and the
 //! manifest, publish the events, then ack (DESIGN §4: ack only after the side effects are done).
+//! A delivery of a job whose manifest is already stored is not run again: see
+//! [`Worker::finished_before`].
 //!
 //! Every failure is classified once, in [`JobError::disposition`]: dead-letter (permanent), retry
 //! (transient), report cancelled, give back (shutdown), or abandon (the broker is gone, so the message
@@ -22,7 +24,7 @@ use vnfarm_proto::spec::MAX_UPSCALE_OUTPUT_SIDE;
 use vnfarm_proto::topology::{manifest_key, output_key};
 use vnfarm_proto::{
     Event, EventKind, FailureKind, ImageRef, JobId, MAX_MESSAGE_BYTES, Manifest, SCHEMA_VERSION,
-    StageTimings, Task, WorkMessage, decode_json,
+    StageTimings, Task, WorkMessage, WorkerId, decode_json,
 };
 use vnfarm_storage::StorageError;
 
@@ -34,26 +36,44 @@ use crate::worker::Worker;
 pub struct Pending(Delivery);
 
 impl Pending {
+    /// A failed ack means the channel is gone: the broker redelivers the message, and the session
+    /// must end.
     async fn ack(self) -> Result<(), Lost> {
-        self.0
-            .acker
-            .ack(BasicAckOptions::default())
-            .await
-            .map(drop)
-            .map_err(Lost::from)
+        let result = self.0.acker.ack(BasicAckOptions::default()).await;
+        self.settled("ack", result)
     }
 
     /// Back to the queue; the broker counts a delivery and dead-letters past the limit.
     async fn requeue(self) -> Result<(), Lost> {
-        self.0
+        let result = self
+            .0
             .acker
             .nack(BasicNackOptions {
                 requeue: true,
                 multiple: false,
             })
-            .await
-            .map(drop)
-            .map_err(Lost::from)
+            .await;
+        self.settled("requeue", result)
+    }
+
+    /// `Ok(false)` from lapin means the acker is poisoned: its channel closed or failed before the
+    /// message was settled, so the broker will redeliver it (that the acker was already used cannot
+    /// happen: settling consumes `Pending`). Either way the session is lost.
+    fn settled(self, op: &'static str, result: Result<bool, lapin::Error>) -> Result<(), Lost> {
+        let reason = match result {
+            Ok(true) => return Ok(()),
+            Ok(false) => "the channel closed before the delivery was settled".to_owned(),
+            Err(e) => e.to_string(),
+        };
+        let message_id = self.0.properties.message_id().as_ref().map(|m| m.as_str());
+        tracing::warn!(
+            delivery_tag = self.0.delivery_tag,
+            message_id = message_id.unwrap_or(""),
+            op,
+            error = %reason,
+            "could not settle the delivery; the broker will redeliver it"
+        );
+        Err(Lost(reason))
     }
 }
 
@@ -193,6 +213,7 @@ impl Worker {
         };
         let job_id = msg.job_id;
         let kind = msg.task.kind_name();
+        let span = tracing::info_span!("job", job_id = %job_id, kind, attempt);
         if self.is_cancelled(job_id) {
             tracing::info!(job_id = %job_id, "skipping a job cancelled before it started");
             self.publish_event(
@@ -210,10 +231,24 @@ impl Worker {
                 .inc();
             return pending.ack().await;
         }
+        match self.finished_before(job_id).instrument(span.clone()).await {
+            Ok(None) => {}
+            Ok(Some(manifest)) => {
+                return self
+                    .report_finished(publisher, pending, kind, manifest)
+                    .instrument(span)
+                    .await;
+            }
+            Err(e) => {
+                return self
+                    .settle_failure(publisher, pending, &body, &msg, e)
+                    .instrument(span)
+                    .await;
+            }
+        }
 
         let cancel = Cancel::default();
         self.set_running(Some((job_id, cancel.clone())));
-        let span = tracing::info_span!("job", job_id = %job_id, kind, attempt);
         let result = self
             .execute(publisher, &msg, &cancel, attempt)
             .instrument(span)
@@ -248,6 +283,62 @@ impl Worker {
                     .await
             }
         }
+    }
+
+    /// The manifest of this job, if one is stored: then an earlier delivery ran the job to the end
+    /// and it must not run again (a redelivery after the worker died or lost the broker between
+    /// storing the results and the ack, or a second dispatch).
+    ///
+    /// Sound because the manifest is the last thing a run stores ([`Worker::execute`] puts every
+    /// output first), and a put is atomic in both stores (an S3 PUT; write-then-rename on disk): a
+    /// manifest is there only when every output it names is. A manifest that does not decode (or
+    /// names another job) proves nothing, so the job runs again and overwrites it. Storage that
+    /// cannot answer is a transient failure like any other: the job is retried, not guessed about.
+    async fn finished_before(&self, job_id: JobId) -> Result<Option<Manifest>, JobError> {
+        let key = manifest_key(job_id);
+        // `NotFound` is the usual answer here, not a storage error: it is a value for the retries.
+        let stored = self
+            .with_storage_retries("get", &key, || async {
+                match self.storage.get(&key).await {
+                    Ok(bytes) => Ok(Some(bytes)),
+                    Err(StorageError::NotFound { .. }) => Ok(None),
+                    Err(e) => Err(e),
+                }
+            })
+            .await?;
+        let Some(bytes) = stored else {
+            return Ok(None);
+        };
+        match manifest_of(job_id, &bytes) {
+            Ok(manifest) => Ok(Some(manifest)),
+            Err(reason) => {
+                tracing::warn!(job_id = %job_id, key, %reason, "stored manifest is unreadable; running the job again");
+                Ok(None)
+            }
+        }
+    }
+
+    /// Reports a job an earlier delivery finished (see [`Worker::finished_before`]): `completed`
+    /// rebuilt from its manifest, then the ack. The engine does not run and no `started` is sent.
+    async fn report_finished(
+        &self,
+        publisher: &Publisher,
+        pending: Pending,
+        kind: &'static str,
+        manifest: Manifest,
+    ) -> Result<(), Lost> {
+        let job_id = manifest.job_id;
+        let made_by = manifest.worker.clone();
+        self.publish_event(publisher, job_id, completed_from(manifest, &self.id))
+            .await
+            .map_err(broker)?;
+        pending.ack().await?;
+        self.metrics
+            .jobs_total
+            .with_label_values(&[kind, "already_completed"])
+            .inc();
+        tracing::info!(job_id = %job_id, made_by = %made_by, "job already completed; not running it again");
+        Ok(())
     }
 
     async fn settle_failure(
@@ -345,10 +436,13 @@ impl Worker {
         let props = BasicProperties::default()
             .with_delivery_mode(2)
             .with_headers(dead_letter_headers(reason, failure.as_str(), id.as_deref()));
-        publisher
+        if let Err(e) = publisher
             .publish(&self.topology.dead_exchange(), "", body, props)
             .await
-            .map_err(broker)?;
+        {
+            tracing::warn!(job_id = ?job_id, error = %e, "could not dead-letter the message; it stays unsettled");
+            return Err(broker(e));
+        }
         if let Some(job_id) = job_id {
             let event = EventKind::Failed {
                 failure,
@@ -369,14 +463,18 @@ impl Worker {
         kind: EventKind,
     ) -> Result<(), PublishError> {
         let event = Event::now(job_id, kind);
-        publisher
+        let result = publisher
             .publish_json(
                 &self.topology.events_exchange(),
                 &event.routing_key(),
                 &event,
                 json_properties(),
             )
-            .await
+            .await;
+        if let Err(e) = &result {
+            tracing::warn!(job_id = %job_id, event = event.kind.name(), error = %e, "event not published");
+        }
+        result
     }
 
     async fn execute(
@@ -431,6 +529,9 @@ impl Worker {
         }
 
         // Progress events go out from their own task, so the engine never waits on the broker.
+        // Progress is advisory: after a failed publish (logged in `publish_event`) the rest of this
+        // job's progress is dropped rather than sent into a broken channel, and the job goes on; its
+        // final event, which must arrive, meets the same broker and ends the session if it is gone.
         let (progress_tx, mut progress_rx) = tokio::sync::mpsc::unbounded_channel();
         let forwarder = {
             let publisher = publisher.clone();
@@ -438,16 +539,18 @@ impl Worker {
             tokio::spawn(async move {
                 while let Some(p) = progress_rx.recv().await {
                     let p: crate::engine::Progress = p;
-                    let _ = this
-                        .publish_event(
-                            &publisher,
-                            job_id,
-                            EventKind::Progress {
-                                step: p.step,
-                                total: p.total,
-                            },
-                        )
-                        .await;
+                    let progress = EventKind::Progress {
+                        step: p.step,
+                        total: p.total,
+                    };
+                    if this
+                        .publish_event(&publisher, job_id, progress)
+                        .await
+                        .is_err()
+                    {
+                        tracing::warn!(job_id = %job_id, "no more progress events for this job");
+                        break;
+                    }
                 }
             })
         };
@@ -469,7 +572,9 @@ impl Worker {
         self.metrics
             .busy_seconds_total
             .inc_by(engine_started.elapsed().as_secs_f64());
-        let _ = forwarder.await;
+        if let Err(e) = forwarder.await {
+            tracing::warn!(job_id = %job_id, error = %e, "progress forwarder failed");
+        }
         let output = output.map_err(JobError::Engine)?;
         for (stage, seconds) in &output.timings.0 {
             timings.add(stage, *seconds);
@@ -528,6 +633,8 @@ impl Worker {
             },
             finished_at: Utc::now(),
         };
+        // The manifest goes last, after every output: a stored manifest is what `finished_before`
+        // takes as proof that the job is done, so it must never exist before its outputs do.
         let key = manifest_key(job_id);
         let body = serde_json::to_vec_pretty(&manifest).expect("manifests serialize to JSON");
         self.put_with_retries(&key, Bytes::from(body), "application/json")
@@ -627,14 +734,29 @@ impl Worker {
 #[error("broker session lost: {0}")]
 pub struct Lost(pub String);
 
-impl From<lapin::Error> for Lost {
-    fn from(e: lapin::Error) -> Self {
-        Lost(e.to_string())
-    }
-}
-
 fn broker(e: PublishError) -> Lost {
     Lost(e.to_string())
+}
+
+/// Decodes a stored manifest and checks that it is `job_id`'s.
+fn manifest_of(job_id: JobId, bytes: &[u8]) -> Result<Manifest, String> {
+    let manifest: Manifest = decode_json(bytes).map_err(|e| e.to_string())?;
+    if manifest.job_id != job_id {
+        return Err(format!("job_id: {} is another job's", manifest.job_id));
+    }
+    Ok(manifest)
+}
+
+/// The `completed` event of a job an earlier delivery finished. `worker` is the worker that holds
+/// this delivery, the one the scheduler now has the job assigned to; the manifest keeps naming the
+/// worker that made the outputs.
+fn completed_from(manifest: Manifest, worker: &WorkerId) -> EventKind {
+    EventKind::Completed {
+        outputs: manifest.outputs.into_iter().map(|o| o.key).collect(),
+        manifest: manifest_key(manifest.job_id),
+        worker: Some(worker.clone()),
+        timings: manifest.timings,
+    }
 }
 
 /// Generation parameters for the PNG text chunk: A1111's layout for generates, JSON otherwise.
@@ -661,6 +783,68 @@ fn parameters_text(job_id: JobId, task: &Task) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn manifest(job_id: JobId) -> Manifest {
+        let mut timings = StageTimings::default();
+        timings.add("denoise", 1.5);
+        Manifest {
+            schema_version: SCHEMA_VERSION,
+            job_id,
+            task: decode_json(br#"{"kind": "generate", "prompt": "a lighthouse"}"#)
+                .expect("a valid task"),
+            outputs: (0..2)
+                .map(|n| ManifestOutput {
+                    key: output_key(job_id, n),
+                    width: 512,
+                    height: 512,
+                    seed: Some(7 + u64::from(n)),
+                    sha256: "00".repeat(32),
+                })
+                .collect(),
+            worker: "w-first".parse().expect("a valid worker id"),
+            attempt: 1,
+            engine: "test-pattern".into(),
+            model_files: Vec::new(),
+            timings,
+            versions: Versions {
+                vnfarm: "0.0.0".into(),
+            },
+            finished_at: Utc::now(),
+        }
+    }
+
+    #[test]
+    fn a_stored_manifest_counts_only_for_its_own_job_and_only_when_whole() {
+        let id = JobId::new();
+        let stored = manifest(id);
+        let bytes = serde_json::to_vec_pretty(&stored).unwrap();
+        assert_eq!(manifest_of(id, &bytes), Ok(stored));
+        let other = manifest_of(JobId::new(), &bytes).unwrap_err();
+        assert!(other.starts_with("job_id"), "{other}");
+        let truncated = manifest_of(id, &bytes[..bytes.len() / 2]);
+        assert!(truncated.is_err(), "{truncated:?}");
+        assert!(manifest_of(id, b"").is_err());
+    }
+
+    #[test]
+    fn completed_is_rebuilt_from_the_manifest_for_the_worker_holding_the_delivery() {
+        let id = JobId::new();
+        let stored = manifest(id);
+        let here: WorkerId = "w-second".parse().unwrap();
+        let EventKind::Completed {
+            outputs,
+            manifest: key,
+            worker,
+            timings,
+        } = completed_from(stored.clone(), &here)
+        else {
+            panic!("a completed event")
+        };
+        assert_eq!(outputs, [output_key(id, 0), output_key(id, 1)]);
+        assert_eq!(key, manifest_key(id));
+        assert_eq!(worker, Some(here));
+        assert_eq!(timings, stored.timings);
+    }
 
     #[test]
     fn every_error_has_one_disposition() {

@@ -32,7 +32,6 @@ use vnfarm_storage::Storage;
 pub use config::Config;
 use engine::EngineHost;
 use metrics::Metrics;
-use session::SessionEnd;
 use worker::Worker;
 
 /// Runs the worker until `shutdown` is cancelled: the job in hand finishes (or, past the drain grace
@@ -99,29 +98,22 @@ pub async fn serve(
     }
 
     let name = format!("vnfarm-worker {}", worker.id);
-    loop {
-        let metrics = worker.metrics.clone();
-        let Some(connection) =
-            vnfarm_bus::connect_with_backoff(&worker.config.amqp, &name, &shutdown, |_| {
-                metrics.amqp_reconnects_total.inc()
-            })
-            .await
-        else {
-            break;
-        };
-        let end = worker.session(&connection, &shutdown).await;
-        worker.metrics.amqp_connected.set(0);
-        let _ = connection.close(200, "worker session over".into()).await;
-        match end {
-            SessionEnd::Shutdown => break,
-            SessionEnd::Lost(reason) => {
-                worker.metrics.amqp_reconnects_total.inc();
-                tracing::warn!(%reason, "broker session lost; reconnecting");
-            }
-        }
-    }
+    let this = &worker;
+    let until = &shutdown;
+    vnfarm_bus::run_sessions(
+        &worker.config.amqp,
+        &name,
+        &shutdown,
+        || worker.metrics.amqp_reconnects_total.inc(),
+        move |connection| async move { this.session(&connection, until).await },
+    )
+    .await;
     http_stop.cancel();
-    let _ = server.await;
+    match server.await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::warn!(error = %e, "the metrics server failed"),
+        Err(e) => tracing::warn!(error = %e, "the metrics server task panicked"),
+    }
     tracing::info!(worker = %worker.id, "worker stopped");
     match worker.fatal_reason() {
         Some(reason) => anyhow::bail!("stopped after a device failure: {reason}"),

@@ -10,7 +10,8 @@ use prometheus::{
 #[derive(Clone)]
 pub struct Metrics {
     pub registry: Registry,
-    /// Jobs finished, by kind and outcome (`completed`, `failed`, `cancelled`, `requeued`).
+    /// Jobs finished, by kind and outcome (`completed`, `already_completed` for a redelivery of a job
+    /// whose results were stored, `failed`, `cancelled`, `requeued`).
     pub jobs_total: IntCounterVec,
     /// Seconds per stage (`download`, `encode`, `encode_prompt`, `denoise`, `decode`, `upload`), by kind.
     pub stage_seconds: HistogramVec,

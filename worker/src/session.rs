@@ -1,5 +1,7 @@
-//! One broker session: connect, declare, consume the worker's queue and the cancel fan-out, heartbeat,
-//! and handle deliveries one at a time until shutdown or until the connection is lost.
+//! One broker session (run by [`vnfarm_bus::run_sessions`]): declare, consume the worker's queue and
+//! the cancel fan-out, heartbeat, and handle deliveries one at a time until shutdown or until the
+//! connection, a channel or a consumer fails. A helper task that fails reports it to the session,
+//! which then ends as lost, so nothing keeps running on half a session.
 
 use std::time::Duration;
 
@@ -9,16 +11,11 @@ use lapin::options::{BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use tokio_util::sync::CancellationToken;
 use vnfarm_bus::publisher::json_properties;
-use vnfarm_bus::{PublishError, Publisher, topology};
+use vnfarm_bus::{PublishError, Publisher, SessionEnd, topology};
 use vnfarm_proto::topology::{CANCEL_ROUTING_KEY, heartbeat_routing_key};
 use vnfarm_proto::{CancelRequest, Heartbeat, WorkerState, decode_json};
 
 use crate::worker::Worker;
-
-pub enum SessionEnd {
-    Shutdown,
-    Lost(String),
-}
 
 impl Worker {
     pub(crate) async fn session(
@@ -26,10 +23,12 @@ impl Worker {
         connection: &Connection,
         shutdown: &CancellationToken,
     ) -> SessionEnd {
-        match self.session_inner(connection, shutdown).await {
+        let end = match self.session_inner(connection, shutdown).await {
             Ok(end) => end,
             Err(e) => SessionEnd::Lost(e.to_string()),
-        }
+        };
+        self.metrics.amqp_connected.set(0);
+        end
     }
 
     async fn session_inner(
@@ -63,14 +62,22 @@ impl Worker {
         .await?;
         let session_done = CancellationToken::new();
         let _stop_helpers = session_done.clone().drop_guard();
+        // Helper tasks that fail send why here; the session then ends as lost. When both helpers
+        // have stopped, `recv` answers `None` and that `select!` branch is disabled.
+        let (helper_lost, mut lost) = tokio::sync::mpsc::channel::<String>(2);
         {
             let this = self.clone();
             let done = session_done.clone();
+            let helper_lost = helper_lost.clone();
             tokio::spawn(async move {
-                loop {
+                let reason = loop {
                     let next =
-                        tokio::select! { _ = done.cancelled() => break, n = cancels.next() => n };
-                    let Some(Ok(delivery)) = next else { break };
+                        tokio::select! { _ = done.cancelled() => return, n = cancels.next() => n };
+                    let delivery = match next {
+                        Some(Ok(delivery)) => delivery,
+                        Some(Err(e)) => break format!("cancel consumer failed: {e}"),
+                        None => break "cancel consumer cancelled by the broker".to_owned(),
+                    };
                     match decode_json::<CancelRequest>(&delivery.data) {
                         Ok(req) => {
                             tracing::info!(job_id = %req.job_id, "cancel requested");
@@ -78,7 +85,10 @@ impl Worker {
                         }
                         Err(e) => tracing::warn!(error = %e, "ignoring a malformed cancel request"),
                     }
-                }
+                };
+                // Without this consumer, cancels would silently stop arriving.
+                tracing::warn!(%reason, "cancellations no longer arrive; ending the session");
+                report_lost(&helper_lost, reason).await;
             });
         }
         {
@@ -86,6 +96,7 @@ impl Worker {
             let publisher = publisher.clone();
             let done = session_done.clone();
             let shutdown = shutdown.clone();
+            let helper_lost = helper_lost.clone();
             tokio::spawn(async move {
                 let mut tick =
                     tokio::time::interval(Duration::from_millis(this.config.heartbeat_interval_ms));
@@ -100,12 +111,28 @@ impl Worker {
                             this.set_state(WorkerState::Draining);
                         }
                     }
-                    if let Err(e) = this.heartbeat(&publisher).await {
-                        tracing::debug!(error = %e, "heartbeat not delivered");
+                    match this.heartbeat(&publisher).await {
+                        Ok(()) => {}
+                        // The broker refused this one (a resource alarm): the next may pass, and the
+                        // scheduler tolerates missed beats up to its heartbeat timeout. (`heartbeat`
+                        // already answers `Ok` for an unroutable beat.)
+                        Err(
+                            e @ (PublishError::Nacked { .. } | PublishError::Unroutable { .. }),
+                        ) => {
+                            tracing::warn!(worker = %this.id, error = %e, "heartbeat refused by the broker");
+                        }
+                        Err(e @ PublishError::Broker(_)) => {
+                            // The publishing channel is gone, and with it every event this session
+                            // could send: reconnect now rather than at the next job.
+                            tracing::warn!(worker = %this.id, error = %e, "heartbeat not delivered; ending the session");
+                            report_lost(&helper_lost, format!("heartbeat: {e}")).await;
+                            return;
+                        }
                     }
                 }
             });
         }
+        drop(helper_lost);
 
         self.metrics.amqp_connected.set(1);
         tracing::info!(worker = %self.id, queue, engine = self.engine.name(), "worker ready");
@@ -114,10 +141,14 @@ impl Worker {
                 biased;
                 _ = shutdown.cancelled() => {
                     self.set_state(WorkerState::Draining);
-                    // Tell the scheduler at once, so it stops sending jobs here.
-                    let _ = self.heartbeat(&publisher).await;
+                    // Tell the scheduler at once, so it stops sending jobs here. If that fails the
+                    // scheduler learns it from the missing heartbeats instead; shutdown goes on.
+                    if let Err(e) = self.heartbeat(&publisher).await {
+                        tracing::warn!(worker = %self.id, error = %e, "could not announce draining");
+                    }
                     return Ok(SessionEnd::Shutdown);
                 }
+                Some(reason) = lost.recv() => return Ok(SessionEnd::Lost(reason)),
                 next = jobs.next() => next,
             };
             match next {
@@ -160,5 +191,13 @@ impl Worker {
             Err(PublishError::Unroutable { .. }) => Ok(()),
             other => other,
         }
+    }
+}
+
+/// Tells the session that a helper task failed. The send fails only when the session is already
+/// over (it dropped the receiver), and then there is nobody left to tell.
+async fn report_lost(to: &tokio::sync::mpsc::Sender<String>, reason: String) {
+    if to.send(reason).await.is_err() {
+        tracing::debug!("session already over; not reporting a helper failure");
     }
 }

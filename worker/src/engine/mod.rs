@@ -319,13 +319,19 @@ impl EngineHost {
             .name("engine".into())
             .spawn(move || {
                 let served = config.models();
+                // A failed send means `start` was dropped (the worker is exiting): nobody waits for
+                // the answer.
                 let mut engine = match Engine::load(&config, engine_keys) {
                     Ok(engine) => {
-                        let _ = ready_tx.send(Ok(engine.name()));
+                        if ready_tx.send(Ok(engine.name())).is_err() {
+                            tracing::debug!("engine loaded, but nobody is waiting for it");
+                        }
                         engine
                     }
                     Err(e) => {
-                        let _ = ready_tx.send(Err(e));
+                        if ready_tx.send(Err(e)).is_err() {
+                            tracing::debug!("engine failed to load, and nobody is waiting for it");
+                        }
                         return;
                     }
                 };
@@ -343,6 +349,8 @@ impl EngineHost {
                             engine.run(
                                 job,
                                 &mut |p| {
+                                    // The receiver is gone only when the job's progress forwarder
+                                    // stopped, which logged why; the job itself goes on.
                                     let _ = progress.send(p);
                                 },
                                 &cancel,
@@ -351,7 +359,11 @@ impl EngineHost {
                     } else {
                         Err(EngineError::Unsupported(model))
                     };
-                    let _ = reply.send(result);
+                    if reply.send(result).is_err() {
+                        // The job's future was dropped (the worker is exiting); the message was not
+                        // acked, so the broker redelivers it.
+                        tracing::debug!("engine result dropped: nobody is waiting for it");
+                    }
                 }
             })?;
         let name = ready_rx

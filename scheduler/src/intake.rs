@@ -1,0 +1,352 @@
+//! Intake: accepting a submission (validation, inline images into storage, the `queued` event), the
+//! expansion of a pipeline into its jobs, and the intake-queue consumer for producers that publish
+//! over AMQP.
+//!
+//! Accepting is all or nothing: a job, or a whole pipeline, becomes known through exactly one
+//! `queued` event. A pipeline's event lists its jobs' ids, and their specs are derived from the
+//! pipeline's own spec by [`pipeline_jobs`] wherever the event is read, so a scheduler killed while
+//! accepting leaves either nothing or the complete pipeline. Idempotency holds under concurrency
+//! because the stream decides: the first `queued` event with a key wins and later ones create
+//! nothing (`Registry::apply`); the caller learns which job its key names once its own event has
+//! come back.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use lapin::message::Delivery;
+use lapin::options::{BasicAckOptions, BasicNackOptions};
+use sha2::{Digest, Sha256};
+use vnfarm_bus::headers::dead_letter_headers;
+use vnfarm_proto::spec::{MAX_INLINE_IMAGE_BYTES, MAX_INPUT_SIDE, PipelineImage};
+use vnfarm_proto::topology::input_key;
+use vnfarm_proto::{
+    EditSpec, EventKind, FailureKind, ImageRef, JobId, JobSpec, MAX_MESSAGE_BYTES, SCHEMA_VERSION,
+    Submission, UpscaleSpec, ValidationError, decode_json,
+};
+
+use crate::scheduler::Scheduler;
+
+/// Why a submission was not accepted.
+#[derive(Debug, thiserror::Error)]
+pub enum AcceptError {
+    #[error("{0}")]
+    Invalid(#[from] ValidationError),
+    /// The broker or storage is unavailable; the client may retry (with its idempotency key).
+    #[error("unavailable: {0}")]
+    Unavailable(String),
+}
+
+/// What became of an accepted submission.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Accepted {
+    /// The job the submission names: its own, or the one its key or id already named.
+    pub job_id: JobId,
+    /// False for a repeat of a known key or id.
+    pub created: bool,
+}
+
+impl Scheduler {
+    /// Validates, stores inline inputs and records the job (a pipeline with all its jobs) in one
+    /// `queued` event. Returns once the event is confirmed by the broker, before it is read back:
+    /// see [`Scheduler::accepted`] for the job it names.
+    pub async fn accept(&self, submission: Submission) -> Result<Submitted, AcceptError> {
+        let mut submission = submission.validate(&mut || rand::random::<u64>() >> 11)?;
+        let key = submission.idempotency_key.clone();
+        if let Some(known) = self.known(key.as_deref(), submission.job_id) {
+            return Ok(Submitted::Known(known));
+        }
+        match &mut submission.job {
+            JobSpec::Edit(edit) => {
+                for input in edit.images_mut() {
+                    self.store_inline(input).await?
+                }
+            }
+            JobSpec::Upscale(UpscaleSpec { input, .. }) => self.store_inline(input).await?,
+            JobSpec::Pipeline(p) => {
+                for edit in &mut p.edits {
+                    for input in &mut edit.references {
+                        self.store_inline(input).await?
+                    }
+                }
+            }
+            JobSpec::Generate(_) => {}
+        }
+        let id = *submission.job_id.get_or_insert_with(JobId::new);
+        let kind = submission.job.kind_name();
+        let children: Vec<JobId> = (0..pipeline_size(&submission))
+            .map(|_| JobId::new())
+            .collect();
+        let jobs = 1 + children.len();
+        self.publish_event(
+            id,
+            EventKind::Queued {
+                submission: Box::new(submission),
+                parent: None,
+                children,
+            },
+        )
+        .await
+        .map_err(|e| AcceptError::Unavailable(e.to_string()))?;
+        self.metrics
+            .jobs_submitted_total
+            .with_label_values(&[kind])
+            .inc();
+        tracing::info!(job_id = %id, kind, jobs, "job accepted");
+        Ok(Submitted::Published { job_id: id, key })
+    }
+
+    /// The job a key or id already names, if the registry knows it.
+    fn known(&self, key: Option<&str>, id: Option<JobId>) -> Option<JobId> {
+        let reg = self.registry();
+        key.and_then(|k| reg.resolve_key(k))
+            .or_else(|| id.filter(|id| reg.contains(*id)))
+    }
+
+    /// Waits until a submission's `queued` event has been read back from the stream, and says which
+    /// job it names: its own, or, when another submission of the same key came first, that one.
+    pub async fn accepted(&self, submitted: Submitted, timeout: Duration) -> Option<Accepted> {
+        let (id, key) = match submitted {
+            Submitted::Known(id) => {
+                return Some(Accepted {
+                    job_id: id,
+                    created: false,
+                });
+            }
+            Submitted::Published { job_id, key } => (job_id, key),
+        };
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let notified = self.applied.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let reg = self.registry();
+                let by_key = key.as_deref().and_then(|k| reg.resolve_key(k));
+                match by_key {
+                    Some(first) => {
+                        return Some(Accepted {
+                            job_id: first,
+                            created: first == id,
+                        });
+                    }
+                    None if key.is_none() && reg.contains(id) => {
+                        return Some(Accepted {
+                            job_id: id,
+                            created: true,
+                        });
+                    }
+                    None => {}
+                }
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return None;
+            }
+        }
+    }
+
+    /// Replaces an inline image by a stored one under `inputs/` (content-addressed), after checking
+    /// that it is an image of an accepted format and size.
+    async fn store_inline(&self, input: &mut ImageRef) -> Result<(), AcceptError> {
+        let Some(decoded) = input.inline_bytes() else {
+            return Ok(());
+        };
+        let invalid = |message: String| {
+            AcceptError::Invalid(ValidationError {
+                field: "job.input.inline".into(),
+                message,
+            })
+        };
+        let bytes = decoded.map_err(|e| invalid(format!("not valid base64: {e}")))?;
+        if bytes.len() > MAX_INLINE_IMAGE_BYTES {
+            return Err(invalid("image is larger than 8 MiB".into()));
+        }
+        let reader = image::ImageReader::new(std::io::Cursor::new(&bytes))
+            .with_guessed_format()
+            .map_err(|e| invalid(e.to_string()))?;
+        let ext = match reader.format() {
+            Some(image::ImageFormat::Png) => "png",
+            Some(image::ImageFormat::Jpeg) => "jpg",
+            Some(image::ImageFormat::WebP) => "webp",
+            _ => return Err(invalid("not a PNG, JPEG or WebP image".into())),
+        };
+        let (w, h) = reader
+            .into_dimensions()
+            .map_err(|e| invalid(format!("cannot read the image header: {e}")))?;
+        if w > MAX_INPUT_SIDE || h > MAX_INPUT_SIDE {
+            return Err(invalid(format!(
+                "image is {w}x{h}; at most {MAX_INPUT_SIDE} pixels a side"
+            )));
+        }
+        let key = input_key(&hex::encode(Sha256::digest(&bytes)), ext);
+        let content_type = format!("image/{}", if ext == "jpg" { "jpeg" } else { ext });
+        self.storage
+            .put(&key, Bytes::from(bytes), &content_type)
+            .await
+            .map_err(|e| AcceptError::Unavailable(e.to_string()))?;
+        *input = ImageRef::Stored(key);
+        Ok(())
+    }
+
+    /// A submission from a producer on the intake queue, handled in a task of its own so that a
+    /// slow store never holds up the scheduler's other work. Invalid ones are dead-lettered with a
+    /// `failed` event; when the broker or storage is unavailable the message goes back to the queue.
+    /// The ack comes after the `queued` event is confirmed, so a scheduler killed in between leaves
+    /// the message to be delivered again, and the key or id makes the repeat harmless.
+    pub(crate) async fn on_intake(&self, delivery: Delivery) -> anyhow::Result<()> {
+        let id_hint = delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .and_then(|m| m.as_str().parse::<JobId>().ok());
+        let parsed = if delivery.data.len() > MAX_MESSAGE_BYTES {
+            Err((
+                FailureKind::Malformed,
+                format!(
+                    "message of {} bytes exceeds {MAX_MESSAGE_BYTES}",
+                    delivery.data.len()
+                ),
+            ))
+        } else {
+            decode_json::<Submission>(&delivery.data)
+                .map_err(|e| (FailureKind::Malformed, e.to_string()))
+        };
+        let rejected = match parsed {
+            Ok(mut sub) => {
+                // Without an id of its own, the message id names the job, so a redelivered
+                // message is the same job.
+                if sub.job_id.is_none() {
+                    sub.job_id = id_hint;
+                }
+                let fallback_id = sub.job_id;
+                match self.accept(sub).await {
+                    Ok(_) => None,
+                    Err(AcceptError::Invalid(e)) => {
+                        Some((fallback_id, FailureKind::InvalidSpec, e.to_string()))
+                    }
+                    Err(AcceptError::Unavailable(reason)) => {
+                        tracing::warn!(%reason, "cannot accept a submission now; it goes back to the intake queue");
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                        delivery
+                            .acker
+                            .nack(BasicNackOptions {
+                                requeue: true,
+                                multiple: false,
+                            })
+                            .await?;
+                        return Ok(());
+                    }
+                }
+            }
+            Err((kind, message)) => Some((id_hint, kind, message)),
+        };
+        if let Some((job_id, failure, message)) = rejected {
+            self.metrics.malformed_messages_total.inc();
+            // A failed event needs an id: the producer's, or a fresh one reported in the dead letter.
+            let job_id = job_id.unwrap_or_default();
+            tracing::warn!(job_id = %job_id, failure = failure.as_str(), %message, "submission rejected");
+            let id_text = job_id.to_string();
+            self.dead_letter(
+                &delivery.data,
+                dead_letter_headers(&message, failure.as_str(), Some(&id_text)),
+            )
+            .await?;
+            self.publish_event(
+                job_id,
+                EventKind::Failed {
+                    failure,
+                    message,
+                    retryable: false,
+                },
+            )
+            .await?;
+        }
+        delivery.acker.ack(BasicAckOptions::default()).await?;
+        Ok(())
+    }
+}
+
+/// A published submission, before its event is read back.
+#[derive(Clone, Debug)]
+pub enum Submitted {
+    /// Its key or id already named this job.
+    Known(JobId),
+    Published {
+        job_id: JobId,
+        key: Option<String>,
+    },
+}
+
+/// How many jobs a pipeline expands into (0 for any other job).
+fn pipeline_size(submission: &Submission) -> usize {
+    match &submission.job {
+        JobSpec::Pipeline(p) => 1 + p.edits.len() + p.upscales.len(),
+        JobSpec::Generate(_) | JobSpec::Edit(_) | JobSpec::Upscale(_) => 0,
+    }
+}
+
+/// The jobs of a pipeline with the given ids: its base generate, the edits of the base image, the
+/// upscales. Edits and upscales take their input from the job they depend on. `Some(vec![])` for a
+/// job that is not a pipeline (with no ids); `None` when the ids do not fit the spec.
+///
+/// Deterministic: the registry derives a pipeline's jobs from its one `queued` event with this, on
+/// every scheduler and on every replay.
+pub fn pipeline_jobs(submission: &Submission, ids: &[JobId]) -> Option<Vec<Submission>> {
+    if ids.len() != pipeline_size(submission) {
+        return None;
+    }
+    let JobSpec::Pipeline(p) = &submission.job else {
+        return Some(Vec::new());
+    };
+    let mut ids = ids.iter().copied();
+    let mut child = |job: JobSpec| Submission {
+        schema_version: SCHEMA_VERSION,
+        job_id: ids.next(),
+        idempotency_key: None,
+        priority: submission.priority,
+        deadline: submission.deadline,
+        job,
+    };
+    let base = child(JobSpec::Generate(p.base.clone()));
+    let base_id = base.job_id?;
+    let mut out = vec![base];
+    let mut edit_ids = Vec::new();
+    for e in &p.edits {
+        // Picture 1 is the base; the variants keep its size (floored to the model's multiple of 16),
+        // so a pipeline's images line up.
+        let inputs: Vec<ImageRef> = std::iter::once(ImageRef::JobOutput {
+            job: base_id,
+            index: 0,
+        })
+        .chain(e.references.iter().cloned())
+        .collect();
+        let edit = child(JobSpec::Edit(EditSpec {
+            input: None,
+            inputs,
+            width: Some(p.base.width / 16 * 16),
+            height: Some(p.base.height / 16 * 16),
+            instruction: e.instruction.clone(),
+            steps: e.steps,
+            cfg: e.cfg,
+            seed: e.seed,
+            loras: e.loras.clone(),
+        }));
+        edit_ids.push(edit.job_id?);
+        out.push(edit);
+    }
+    for u in &p.upscales {
+        let source = match u.of {
+            PipelineImage::Base => base_id,
+            PipelineImage::Edit(n) => *edit_ids.get(n)?,
+        };
+        out.push(child(JobSpec::Upscale(UpscaleSpec {
+            input: ImageRef::JobOutput {
+                job: source,
+                index: 0,
+            },
+            scale: u.scale,
+            tile: u.tile,
+            tile_overlap: u.tile_overlap,
+        })));
+    }
+    Some(out)
+}

@@ -1,0 +1,156 @@
+//! Active and standby schedulers. Any number of schedulers may run on one installation; one is
+//! active. All of them read the event stream and heartbeats (so a standby's registry is current),
+//! and all serve the HTTP API: reads, submissions and cancellations, which only publish events.
+//! Only the active one consumes the intake and redispatch queues, dispatches, runs the watchdog and
+//! writes snapshots.
+//!
+//! Leadership is a token: a message in the quorum queue `<prefix>.scheduler.leader`, declared with
+//! single-active-consumer. The scheduler whose consumer is the queue's active one receives the token
+//! and holds it unacknowledged for as long as it leads. When its connection dies (SIGKILL, a network
+//! cut, a broker restart) the broker returns the token to the queue and delivers it to the next
+//! consumer: the standby takes over within the broker's detection of the dead connection. Every
+//! scheduler publishes a token at start when the queue has none ready; extra tokens all reach the
+//! active consumer (single-active-consumer), which acknowledges (discards) them, so there is never
+//! more than one leader.
+//!
+//! A new leader first reads the stream up to a marker of its own, so that every event the old
+//! leader published (its dispatches in particular) is applied before it decides anything, then
+//! starts a new term ([`crate::registry::Registry::begin_term`]).
+
+use futures::StreamExt;
+use lapin::Connection;
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
+use lapin::types::FieldTable;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use vnfarm_bus::headers::death_reason;
+use vnfarm_bus::publisher::json_properties;
+
+use crate::scheduler::Scheduler;
+
+impl Scheduler {
+    /// Waits for the leader token as a standby, then does the active scheduler's work until the
+    /// session ends (an error) or `stop`.
+    pub(crate) async fn lead(
+        &self,
+        connection: &Connection,
+        stop: &CancellationToken,
+    ) -> anyhow::Result<()> {
+        let channel = connection.create_channel().await?;
+        let ready_tokens =
+            vnfarm_bus::topology::declare_scheduler(&channel, &self.config.amqp).await?;
+        if ready_tokens == 0 {
+            self.publisher()?
+                .publish("", &self.topology.leader_queue(), b"{}", json_properties())
+                .await?;
+        }
+        channel.basic_qos(4, BasicQosOptions::default()).await?;
+        let mut tokens = channel
+            .basic_consume(
+                self.topology.leader_queue().into(),
+                "leader".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        tracing::info!("standing by for the leader token");
+        // The token is held, never acknowledged: closing the channel gives it back.
+        let _token = tokio::select! {
+            _ = stop.cancelled() => return Ok(()),
+            t = tokens.next() => match t {
+                Some(t) => t?,
+                None => anyhow::bail!("the leader queue's consumer was cancelled"),
+            },
+        };
+        let result = self.term(connection, stop, &mut tokens).await;
+        self.set_active(false);
+        if let Err(e) = channel.close(200, "leadership over".into()).await {
+            tracing::debug!(error = %e, "closing the leader channel");
+        }
+        result
+    }
+
+    async fn term(
+        &self,
+        connection: &Connection,
+        stop: &CancellationToken,
+        tokens: &mut lapin::Consumer,
+    ) -> anyhow::Result<()> {
+        let marker = self.publish_marker().await?;
+        tokio::select! {
+            _ = stop.cancelled() => return Ok(()),
+            _ = self.wait_marker(&marker) => {}
+        }
+        self.registry().begin_term();
+        self.set_active(true);
+        tracing::info!("this scheduler is the active one");
+        tokio::select! {
+            _ = stop.cancelled() => Ok(()),
+            r = discard_extra_tokens(tokens) => r,
+            r = self.consume_intake(connection) => r,
+            r = self.consume_redispatch(connection) => r,
+            r = self.dispatcher(stop.clone()) => r,
+        }
+    }
+
+    /// Takes submissions from the intake queue, each accepted in a task of its own (at most the
+    /// channel's prefetch at once); the tasks end with this future.
+    async fn consume_intake(&self, connection: &Connection) -> anyhow::Result<()> {
+        let channel = connection.create_channel().await?;
+        channel.basic_qos(32, BasicQosOptions::default()).await?;
+        let mut intake = channel
+            .basic_consume(
+                self.topology.intake_queue().into(),
+                "intake".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        let mut tasks = JoinSet::new();
+        loop {
+            tokio::select! {
+                d = intake.next() => {
+                    let Some(d) = d else { anyhow::bail!("the intake consumer was cancelled") };
+                    let d = d?;
+                    let this = self.clone();
+                    tasks.spawn(async move {
+                        if let Err(e) = this.on_intake(d).await {
+                            // Unsettled: the broker delivers it again on the next session.
+                            tracing::error!(error = %e, "an intake message could not be settled");
+                        }
+                    });
+                }
+                Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+            }
+        }
+    }
+
+    /// Jobs that came back from worker queues.
+    async fn consume_redispatch(&self, connection: &Connection) -> anyhow::Result<()> {
+        let channel = connection.create_channel().await?;
+        channel.basic_qos(32, BasicQosOptions::default()).await?;
+        let mut returned = channel
+            .basic_consume(
+                self.topology.redispatch_queue().into(),
+                "redispatch".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        while let Some(d) = returned.next().await {
+            let d = d?;
+            let reason = death_reason(&d.properties).unwrap_or_else(|| "unknown".into());
+            self.returned(&d.data, &d.properties, &reason).await?;
+            d.acker.ack(BasicAckOptions::default()).await?;
+        }
+        anyhow::bail!("the redispatch consumer was cancelled")
+    }
+}
+
+/// Tokens beyond the one held come from schedulers that started while this one led: discard them.
+async fn discard_extra_tokens(tokens: &mut lapin::Consumer) -> anyhow::Result<()> {
+    while let Some(t) = tokens.next().await {
+        t?.acker.ack(BasicAckOptions::default()).await?;
+    }
+    anyhow::bail!("the leader queue's consumer was cancelled")
+}

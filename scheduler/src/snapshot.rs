@@ -1,0 +1,176 @@
+//! Registry snapshots, so that a restarted or standby scheduler serves within seconds however long
+//! the event history is.
+//!
+//! The active scheduler writes its registry's durable part (jobs, retention order, the event-stream
+//! offset it reflects) to the stream `<prefix>.scheduler.snapshots` after `snapshot_every_events`
+//! events, and at least every minute while events arrive. A starting scheduler loads the latest
+//! snapshot and replays the event stream from the snapshot's offset on. The snapshot is only an
+//! accelerator: the event stream stays the truth, and without a usable snapshot the scheduler
+//! replays the whole stream as before.
+//!
+//! A snapshot reflects a prefix of the stream and the registry applies the same events the same
+//! way (retention is measured on event times), so a scheduler started from a snapshot and one that
+//! has been running all along hold the same jobs.
+
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use lapin::Connection;
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use vnfarm_bus::headers::stream_offset;
+use vnfarm_bus::publisher::json_properties;
+
+use crate::registry::{Registry, Snapshot};
+use crate::scheduler::Scheduler;
+
+/// Larger snapshots are not written (RabbitMQ refuses messages over 128 MiB by default); the
+/// scheduler then replays the stream from the last snapshot written, which stays correct.
+const MAX_SNAPSHOT_BYTES: usize = 64 << 20;
+/// A snapshot is also written this long after the last one when any event arrived since.
+const SNAPSHOT_AT_LEAST_EVERY: Duration = Duration::from_secs(60);
+
+impl Scheduler {
+    /// Writes a snapshot if enough happened since the last one. A failure is logged and counted,
+    /// and the next tick tries again; it never stops dispatch.
+    pub(crate) async fn maybe_snapshot(&self) {
+        let since = self
+            .since_snapshot
+            .load(std::sync::atomic::Ordering::Relaxed);
+        let last = *self.last_snapshot.lock().unwrap_or_else(|p| p.into_inner());
+        let due = since >= self.config.snapshot_every_events
+            || (since > 0 && last.is_none_or(|t| t.elapsed() >= SNAPSHOT_AT_LEAST_EVERY));
+        if !due {
+            return;
+        }
+        let started = Instant::now();
+        let mut bytes = Vec::new();
+        let (offset, jobs) = {
+            let reg = self.registry();
+            if let Err(e) = reg.write_snapshot(&mut bytes) {
+                tracing::error!(error = %e, "could not serialize a registry snapshot");
+                self.metrics
+                    .snapshots_total
+                    .with_label_values(&["failed"])
+                    .inc();
+                return;
+            }
+            (reg.next_offset(), reg.len())
+        };
+        self.since_snapshot
+            .fetch_sub(since, std::sync::atomic::Ordering::Relaxed);
+        *self.last_snapshot.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
+        if bytes.len() > MAX_SNAPSHOT_BYTES {
+            tracing::warn!(
+                bytes = bytes.len(),
+                jobs,
+                "registry snapshot too large to write; a restart replays from the previous one"
+            );
+            self.metrics
+                .snapshots_total
+                .with_label_values(&["too_large"])
+                .inc();
+            return;
+        }
+        let size = bytes.len();
+        let published = match self.snapshot_publisher() {
+            Ok(p) => {
+                p.publish(
+                    "",
+                    &self.topology.snapshot_stream(),
+                    &bytes,
+                    json_properties(),
+                )
+                .await
+            }
+            Err(e) => Err(e),
+        };
+        match published {
+            Ok(()) => {
+                self.metrics
+                    .snapshots_total
+                    .with_label_values(&["written"])
+                    .inc();
+                self.metrics.snapshot_bytes.set(size as i64);
+                tracing::info!(
+                    offset,
+                    jobs,
+                    bytes = size,
+                    seconds = started.elapsed().as_secs_f64(),
+                    "registry snapshot written"
+                );
+            }
+            Err(e) => {
+                // Not written: owe it again at the next tick.
+                self.since_snapshot
+                    .fetch_add(since, std::sync::atomic::Ordering::Relaxed);
+                self.metrics
+                    .snapshots_total
+                    .with_label_values(&["failed"])
+                    .inc();
+                tracing::warn!(error = %e, "registry snapshot not written; retrying later");
+            }
+        }
+    }
+
+    /// Reads the latest snapshot, if there is a usable one. Snapshots are the only messages of
+    /// their stream, so the latest is the last message of the stream's last chunk: read from
+    /// "last" until the stream goes quiet.
+    pub(crate) async fn load_snapshot(
+        &self,
+        connection: &Connection,
+    ) -> anyhow::Result<Option<Registry>> {
+        let channel = connection.create_channel().await?;
+        channel.basic_qos(16, BasicQosOptions::default()).await?;
+        let mut args = FieldTable::default();
+        args.insert(
+            "x-stream-offset".into(),
+            AMQPValue::LongString(LongString::from("last")),
+        );
+        let mut consumer = channel
+            .basic_consume(
+                self.topology.snapshot_stream().into(),
+                "snapshot-loader".into(),
+                BasicConsumeOptions::default(),
+                args,
+            )
+            .await?;
+        let mut latest: Option<(u64, Vec<u8>)> = None;
+        let mut quiet = Duration::from_millis(1500);
+        while let Ok(Some(delivery)) = tokio::time::timeout(quiet, consumer.next()).await {
+            let delivery = delivery?;
+            let offset = stream_offset(&delivery.properties).unwrap_or(0);
+            delivery.acker.ack(BasicAckOptions::default()).await?;
+            if latest.as_ref().is_none_or(|(o, _)| offset >= *o) {
+                latest = Some((offset, delivery.data));
+            }
+            quiet = Duration::from_millis(300);
+        }
+        if let Err(e) = channel.close(200, "snapshot read".into()).await {
+            tracing::debug!(error = %e, "closing the snapshot channel");
+        }
+        let Some((offset, bytes)) = latest else {
+            return Ok(None);
+        };
+        let started = Instant::now();
+        match serde_json::from_slice::<Snapshot>(&bytes) {
+            Ok(snapshot) => {
+                let (next, jobs) = (snapshot.next_offset(), snapshot.jobs());
+                let registry = Registry::restore(snapshot, self.config.retention());
+                tracing::info!(
+                    snapshot_offset = offset,
+                    events_from = next,
+                    jobs,
+                    bytes = bytes.len(),
+                    seconds = started.elapsed().as_secs_f64(),
+                    "registry snapshot loaded"
+                );
+                Ok(Some(registry))
+            }
+            Err(e) => {
+                tracing::warn!(snapshot_offset = offset, error = %e, "the latest registry snapshot does not decode; replaying the whole event stream");
+                Ok(None)
+            }
+        }
+    }
+}
