@@ -13,7 +13,7 @@
 //! What must be zero:
 //! - **duplicated**: a key answered with more than one job id, or with another job than the
 //!   stream's first for it; a key with more than one completed job; a job completed by more than
-//!   one distinct run (runs are told apart by worker and stage timings: a `completed` event
+//!   one distinct run (runs are told apart by their measured stage timings: a `completed` event
 //!   republished from the manifest of the same run is not a second run); a job whose manifest in S3
 //!   is from another run than its outcome.
 //! - **lost**: a key the client never got an answer for, or whose job the system does not know or
@@ -96,6 +96,10 @@ pub struct Report {
     /// jobs of theirs (pipeline children included) were dispatched all the same.
     pub shadows: usize,
     pub shadow_jobs_dispatched: usize,
+    /// Completed jobs whose `completed` event names another worker than their manifest (the run is
+    /// the right one; the credit is not), and one of them.
+    pub credited_to_another_worker: usize,
+    pub credited_example: Option<String>,
     pub waited: Option<Quiescence>,
 }
 
@@ -201,9 +205,11 @@ struct Completion {
 }
 
 impl Completion {
-    /// Whether both report the same run (a republished event), not two runs of the job.
+    /// Whether both report the same run, not two runs of the job. Stage timings are measured, so two
+    /// runs never share them; a `completed` event republished from a run's manifest (a redelivered
+    /// job that had finished) carries that run's timings, whichever worker republished it.
     fn same_run(&self, other: &Completion) -> bool {
-        self.worker == other.worker && self.timings == other.timings
+        self.timings == other.timings
     }
 }
 
@@ -498,7 +504,7 @@ async fn check_storage(farm: &Farm, traces: &Traces, report: &mut Report) {
         .filter(|(_, t)| t.outcome == Some(Outcome::Completed))
         .filter_map(|(id, t)| Some((*id, t.completions.first()?)))
         .collect();
-    let checked: Vec<(JobId, Result<(), Problem>)> = futures::stream::iter(
+    let checked: Vec<(JobId, Result<Stored, Problem>)> = futures::stream::iter(
         completed
             .into_iter()
             .map(|(id, completion)| async move { (id, stored_run(farm, id, completion).await) }),
@@ -508,7 +514,13 @@ async fn check_storage(farm: &Farm, traces: &Traces, report: &mut Report) {
     .await;
     for (id, result) in checked {
         match result {
-            Ok(()) => {}
+            Ok(Stored::AsCompleted) => {}
+            Ok(Stored::MadeByAnother(maker)) => {
+                report.credited_to_another_worker += 1;
+                if report.credited_example.is_none() {
+                    report.credited_example = Some(format!("job {id}: {maker}"));
+                }
+            }
             Err(Problem::Missing(what)) => {
                 report
                     .missing_outputs
@@ -523,6 +535,14 @@ async fn check_storage(farm: &Farm, traces: &Traces, report: &mut Report) {
     }
 }
 
+/// A completed job's objects, as they should be.
+enum Stored {
+    AsCompleted,
+    /// The run of the outcome, but the `completed` event names another worker than the one that
+    /// made it (the manifest's): it was republished by the worker of a redelivery.
+    MadeByAnother(String),
+}
+
 /// What is wrong with a completed job's objects.
 enum Problem {
     Missing(String),
@@ -530,7 +550,7 @@ enum Problem {
     OtherRun(String),
 }
 
-async fn stored_run(farm: &Farm, id: JobId, completion: &Completion) -> Result<(), Problem> {
+async fn stored_run(farm: &Farm, id: JobId, completion: &Completion) -> Result<Stored, Problem> {
     let missing = |e: vnfarm_storage::StorageError| Problem::Missing(e.to_string());
     let mut stored = farm
         .storage
@@ -564,17 +584,21 @@ async fn stored_run(farm: &Farm, id: JobId, completion: &Completion) -> Result<(
         timings: manifest.timings.clone(),
         ..completion.clone()
     };
+    let reporter = completion.worker.as_ref().map_or("none", WorkerId::as_str);
     if !run.same_run(completion) {
         return Err(Problem::OtherRun(format!(
             "the manifest is from attempt {} on {} finished at {}, the completed event from a run on \
-             {} with other stage timings",
-            manifest.attempt,
-            manifest.worker,
-            manifest.finished_at,
-            completion.worker.as_ref().map_or("none", WorkerId::as_str)
+             {reporter} with other stage timings",
+            manifest.attempt, manifest.worker, manifest.finished_at,
         )));
     }
-    Ok(())
+    if run.worker != completion.worker {
+        return Ok(Stored::MadeByAnother(format!(
+            "made by {} (manifest), reported completed by {reporter}",
+            manifest.worker
+        )));
+    }
+    Ok(Stored::AsCompleted)
 }
 
 impl fmt::Display for Report {
@@ -618,6 +642,12 @@ impl fmt::Display for Report {
             self.shadow_jobs_dispatched,
             false,
         )?;
+        row(
+            f,
+            "completed, credited elsewhere",
+            self.credited_to_another_worker,
+            false,
+        )?;
         if let Some(q) = &self.waited {
             let unfinished = match q.unfinished {
                 0 => "quiet".to_owned(),
@@ -629,6 +659,9 @@ impl fmt::Display for Report {
                 "waited {:.1} s for the farm to finish: {unfinished}",
                 q.waited.as_secs_f64()
             )?;
+        }
+        if let Some(example) = &self.credited_example {
+            writeln!(f, "credited elsewhere, e.g. {example}")?;
         }
         for (name, findings) in [
             ("duplicated", &self.duplicated),

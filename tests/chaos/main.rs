@@ -75,6 +75,9 @@ async fn under_chaos_every_submission_ends_exactly_once() -> anyhow::Result<()> 
         settings.seed
     );
     let mut farm = Farm::with_own_s3("chaos").await?;
+    // Snapshots every few hundred events, so that replacement schedulers start from one.
+    farm.scheduler_env
+        .push(("VNFARM_SNAPSHOT_EVERY_EVENTS".into(), "500".into()));
     while farm.scheduler_slots() < settings.schedulers {
         farm.add_scheduler();
     }
