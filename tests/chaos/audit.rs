@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use serde_json::Value;
-use vnfarm_proto::{EventKind, JobId, JobSpec, Manifest, StageTimings, WorkerId};
+use vnfarm_proto::{EventKind, FailureKind, JobId, JobSpec, Manifest, StageTimings, WorkerId};
 use vnfarm_tests::Farm;
 
 use crate::stream::{self, EventLog};
@@ -82,6 +82,8 @@ pub struct Report {
     pub submitted: usize,
     pub completed: usize,
     pub failed: usize,
+    /// Every failed job of the stream (pipeline children included), by failure kind.
+    pub failures: BTreeMap<&'static str, usize>,
     pub cancelled: usize,
     pub duplicated: Findings,
     pub lost: Findings,
@@ -181,7 +183,7 @@ async fn api_get(farm: &Farm, path: &str) -> Option<Value> {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Outcome {
     Completed,
-    Failed,
+    Failed(FailureKind),
     Cancelled,
 }
 
@@ -189,7 +191,7 @@ impl Outcome {
     fn name(self) -> &'static str {
         match self {
             Outcome::Completed => "completed",
-            Outcome::Failed => "failed",
+            Outcome::Failed(_) => "failed",
             Outcome::Cancelled => "cancelled",
         }
     }
@@ -305,9 +307,11 @@ fn trace(log: &EventLog) -> Traces {
                 job.outcome.get_or_insert(Outcome::Completed);
             }
             EventKind::Failed {
-                retryable: false, ..
+                retryable: false,
+                failure,
+                ..
             } => {
-                job.outcome.get_or_insert(Outcome::Failed);
+                job.outcome.get_or_insert(Outcome::Failed(*failure));
             }
             EventKind::Cancelled { .. } => {
                 job.outcome.get_or_insert(Outcome::Cancelled);
@@ -353,6 +357,9 @@ fn check_stream(traces: &Traces, report: &mut Report) {
             continue; // events of a job the stream never created (none expected; see `jobs`)
         }
         report.jobs += 1;
+        if let Some(Outcome::Failed(failure)) = job.outcome {
+            *report.failures.entry(failure.as_str()).or_default() += 1;
+        }
         if job.outcome.is_none() {
             let orphan = job
                 .parent
@@ -451,7 +458,7 @@ fn check_ledger(ledger: &Ledger, traces: &Traces, report: &mut Report) {
                     .lost
                     .add(&subject, "its job never finished", id.to_string()),
                 Some(Outcome::Completed) => report.completed += 1,
-                Some(Outcome::Failed) => report.failed += 1,
+                Some(Outcome::Failed(_)) => report.failed += 1,
                 Some(Outcome::Cancelled) => report.cancelled += 1,
             },
         }
@@ -609,10 +616,10 @@ impl fmt::Display for Report {
             } else {
                 ""
             };
-            writeln!(f, "| {name:<28} | {n:>7} |{mark}")
+            writeln!(f, "| {name:<30} | {n:>7} |{mark}")
         };
-        writeln!(f, "| {:<28} | {:>7} |", "chaos run", "count")?;
-        writeln!(f, "| {:-<28} | {:->7} |", "", "")?;
+        writeln!(f, "| {:<30} | {:>7} |", "chaos run", "count")?;
+        writeln!(f, "| {:-<30} | {:->7} |", "", "")?;
         row(f, "submitted (keys)", self.submitted, false)?;
         row(f, "completed", self.completed, false)?;
         row(f, "failed", self.failed, false)?;
@@ -659,6 +666,14 @@ impl fmt::Display for Report {
                 "waited {:.1} s for the farm to finish: {unfinished}",
                 q.waited.as_secs_f64()
             )?;
+        }
+        if !self.failures.is_empty() {
+            let tally: Vec<String> = self
+                .failures
+                .iter()
+                .map(|(kind, n)| format!("{kind} {n}"))
+                .collect();
+            writeln!(f, "failed jobs by failure: {}", tally.join(", "))?;
         }
         if let Some(example) = &self.credited_example {
             writeln!(f, "credited elsewhere, e.g. {example}")?;
