@@ -131,8 +131,10 @@ impl Client {
         self.0.schedulers.len()
     }
 
-    /// Makes submissions until `until`: one action every 100–400 ms. Submissions still being
-    /// retried then go on in the background; [`Client::drain`] waits for them.
+    /// Makes submissions until `until`: one action every 100–400 ms, each to a random scheduler. The
+    /// mix: 45 % generates, 25 % pipelines, 15 % edits of an earlier generate's output, 7 % a
+    /// simultaneous same-key pair, 5 % a resubmission of an answered key, 3 % a cancel. Submissions
+    /// still being retried then go on in the background; [`Client::drain`] waits for them.
     pub async fn run(self, until: Instant, seed: u64) {
         let mut rng = StdRng::seed_from_u64(seed);
         while Instant::now() < until {
