@@ -103,6 +103,8 @@ pub struct Report {
     pub credited_to_another_worker: usize,
     pub credited_example: Option<String>,
     pub waited: Option<Quiescence>,
+    /// How long reading each view took.
+    pub phases: Vec<(&'static str, Duration)>,
 }
 
 impl Report {
@@ -329,6 +331,7 @@ fn trace(log: &EventLog) -> Traces {
 /// Waits for a quiet farm, reads every view and compares them.
 pub async fn audit(farm: &Farm, ledger: &Ledger, bound: Duration) -> anyhow::Result<Report> {
     let waited = quiesce(farm, bound).await;
+    let started = Instant::now();
     let log = stream::read_all(farm).await?;
     let traces = trace(&log);
     let mut report = Report {
@@ -338,10 +341,15 @@ pub async fn audit(farm: &Farm, ledger: &Ledger, bound: Duration) -> anyhow::Res
         waited: Some(waited),
         ..Report::default()
     };
+    report.phases.push(("stream", started.elapsed()));
     check_stream(&traces, &mut report);
     check_ledger(ledger, &traces, &mut report);
+    let started = Instant::now();
     check_api(farm, &traces, &mut report).await;
+    report.phases.push(("API", started.elapsed()));
+    let started = Instant::now();
     check_storage(farm, &traces, &mut report).await;
+    report.phases.push(("S3", started.elapsed()));
     Ok(report)
 }
 
@@ -667,6 +675,12 @@ impl fmt::Display for Report {
                 q.waited.as_secs_f64()
             )?;
         }
+        let phases: Vec<String> = self
+            .phases
+            .iter()
+            .map(|(view, took)| format!("{view} {:.1} s", took.as_secs_f64()))
+            .collect();
+        writeln!(f, "audit read: {}", phases.join(", "))?;
         if !self.failures.is_empty() {
             let tally: Vec<String> = self
                 .failures

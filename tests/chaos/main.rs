@@ -108,7 +108,12 @@ async fn under_chaos_every_submission_ends_exactly_once() -> anyhow::Result<()> 
         }
     };
     workload.await?;
+    let draining = Instant::now();
     client.drain().await;
+    println!(
+        "workload over; the last answers came {:.1} s later",
+        draining.elapsed().as_secs_f64()
+    );
     let ledger = client.ledger();
     let report = audit::audit(&farm, &ledger, SETTLE).await?;
 
