@@ -2,25 +2,12 @@
 //! and the worker reconnect on their own, the job in flight is delivered again and completes, and new
 //! jobs flow afterwards. Needs the right to run `rabbitmqctl` (root, as in CI).
 
-use std::process::Command;
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use vnfarm_tests::{Farm, WorkerOptions};
+use vnfarm_tests::{Farm, WorkerOptions, restart_rabbitmq};
 
 const FINISH: Duration = Duration::from_secs(120);
-
-fn rabbitmqctl(verb: &str) {
-    let out = Command::new("rabbitmqctl")
-        .arg(verb)
-        .output()
-        .expect("rabbitmqctl must be installed (./farm setup installs RabbitMQ)");
-    assert!(
-        out.status.success(),
-        "rabbitmqctl {verb} failed (this test needs the right to restart the broker):\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
 
 async fn submit(farm: &Farm, prompt: &str, steps: u32) -> anyhow::Result<String> {
     let (status, body) = farm
@@ -52,10 +39,7 @@ async fn a_broker_restart_mid_job_loses_nothing() -> anyhow::Result<()> {
     let id = submit(&farm, "before the restart", 40).await?;
     farm.wait_step(&id, 2, FINISH).await?;
 
-    rabbitmqctl("stop_app");
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    rabbitmqctl("start_app");
-    rabbitmqctl("await_startup");
+    restart_rabbitmq(Duration::from_secs(2)).await?;
 
     let job: Value = farm.wait_finished(&id, FINISH).await?;
     assert_eq!(

@@ -4,6 +4,11 @@
 //!
 //! Every test gets its own broker prefix (queues, exchanges, stream) and its own bucket, so tests run
 //! side by side on one broker. Waits poll a condition with a deadline; there are no fixed sleeps.
+//!
+//! A farm may run several schedulers on one prefix (each on its own HTTP port: standbys, and
+//! replacements for killed ones) and restart its workers; [`restart_rabbitmq`] restarts the shared
+//! broker, so only a test binary of its own may call it. No process outlives the test binary: the
+//! S3 server runs under a guard, and a [`Farm`] kills its schedulers and workers when dropped.
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -146,6 +151,61 @@ pub fn s3() -> &'static S3Server {
     S3.get_or_init(|| S3Server::start().expect("the shared S3 server"))
 }
 
+/// Runs `rabbitmqctl <verb>` against the broker of the tests (the node in `RABBITMQ_NODENAME`, by
+/// default the local one). Needs the right to administer it (root, as in CI).
+pub fn rabbitmqctl(verb: &str) -> anyhow::Result<()> {
+    let out = Command::new("rabbitmqctl")
+        .arg(verb)
+        .output()
+        .context("running rabbitmqctl (./farm setup installs RabbitMQ)")?;
+    if !out.status.success() {
+        bail!(
+            "rabbitmqctl {verb} failed (restarting the broker needs the right to administer it):\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(())
+}
+
+/// Restarts the RabbitMQ application (`stop_app`, `down` of outage, `start_app`) and waits until it
+/// serves again. Every test on the broker loses its connections: call it only from a test binary
+/// of its own (cargo runs test binaries one after another).
+pub async fn restart_rabbitmq(down: Duration) -> anyhow::Result<()> {
+    let ctl = |verb: &'static str| async move {
+        tokio::task::spawn_blocking(move || rabbitmqctl(verb))
+            .await
+            .context("rabbitmqctl task")?
+    };
+    ctl("stop_app").await?;
+    tokio::time::sleep(down).await;
+    ctl("start_app").await?;
+    ctl("await_startup").await
+}
+
+/// What a scheduler says it is doing (`GET /healthz`, field `role`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// Holds the leader token: consumes intake, dispatches, runs the watchdog.
+    Active,
+    /// Serves the API from the stream and waits for the token.
+    Standby,
+}
+
+/// One scheduler of a farm: a fixed HTTP port and log, and the process while one runs there. A
+/// replacement for a killed scheduler starts in the same slot, so clients keep their addresses.
+struct SchedulerSlot {
+    port: u16,
+    log: String,
+    child: Option<Child>,
+}
+
+/// A worker process, with the options it was started with (to start it again after a kill).
+struct WorkerProcess {
+    id: String,
+    options: WorkerOptions,
+    child: Child,
+}
+
 /// One test's installation: a broker prefix, a bucket, and the processes it started.
 pub struct Farm {
     pub prefix: String,
@@ -154,13 +214,14 @@ pub struct Farm {
     pub s3_endpoint: String,
     /// A server of this farm's own, for tests that take S3 down.
     pub own_s3: Option<S3Server>,
+    /// The port of the first scheduler, which [`Farm::url`] and the helpers built on it address.
     pub scheduler_port: u16,
-    /// Extra environment of the scheduler (`VNFARM_*` settings a test changes).
+    /// Extra environment for schedulers started from now on (settings a test needs).
     pub scheduler_env: Vec<(String, String)>,
     pub http: reqwest::Client,
     pub storage: Storage,
-    scheduler: Option<Child>,
-    workers: Vec<(String, Child)>,
+    schedulers: Vec<SchedulerSlot>,
+    workers: Vec<WorkerProcess>,
     logs: tempfile::TempDir,
 }
 
@@ -201,16 +262,21 @@ impl Farm {
         let storage = Storage::open(&Self::storage_config(&bucket, &s3_endpoint))
             .await
             .context("creating the test bucket")?;
+        let first = SchedulerSlot {
+            port: free_port(),
+            log: "scheduler.log".into(),
+            child: None,
+        };
         Ok(Self {
             prefix,
             bucket,
             s3_endpoint,
             own_s3,
-            scheduler_port: free_port(),
+            scheduler_port: first.port,
             scheduler_env: Vec::new(),
             http: reqwest::Client::new(),
             storage,
-            scheduler: None,
+            schedulers: vec![first],
             workers: Vec::new(),
             logs: tempfile::tempdir()?,
         })
@@ -265,33 +331,86 @@ impl Farm {
         format!("http://127.0.0.1:{}{path}", self.scheduler_port)
     }
 
-    /// Starts the scheduler and waits until it has replayed its stream and answers.
+    /// Starts the (first) scheduler and waits until it has replayed its stream and answers.
     pub async fn start_scheduler(&mut self) -> anyhow::Result<()> {
+        self.start_scheduler_at(0).await
+    }
+
+    /// Adds a scheduler slot on a port of its own (same prefix and bucket); returns its index for
+    /// [`Farm::start_scheduler_at`]. Nothing runs there until it is started.
+    pub fn add_scheduler(&mut self) -> usize {
+        let slot = self.schedulers.len();
+        self.schedulers.push(SchedulerSlot {
+            port: free_port(),
+            log: format!("scheduler-{slot}.log"),
+            child: None,
+        });
+        slot
+    }
+
+    /// How many scheduler slots the farm has (see [`Farm::add_scheduler`]).
+    pub fn scheduler_slots(&self) -> usize {
+        self.schedulers.len()
+    }
+
+    /// The base URL (`http://127.0.0.1:<port>`) of every scheduler slot, by index.
+    pub fn scheduler_urls(&self) -> Vec<String> {
+        self.schedulers
+            .iter()
+            .map(|s| format!("http://127.0.0.1:{}", s.port))
+            .collect()
+    }
+
+    /// Starts a scheduler in `slot` (killing one still running there) and waits until it has
+    /// replayed its stream and answers `/healthz`, as active or standby.
+    pub async fn start_scheduler_at(&mut self, slot: usize) -> anyhow::Result<()> {
+        self.kill_scheduler_at(slot);
+        let port = self.schedulers[slot].port;
         let mut env = self.common_env();
-        env.push((
-            "VNFARM_LISTEN".into(),
-            format!("127.0.0.1:{}", self.scheduler_port),
-        ));
+        env.push(("VNFARM_LISTEN".into(), format!("127.0.0.1:{port}")));
         env.push(("VNFARM_HEARTBEAT_TIMEOUT_MS".into(), "3000".into()));
         env.push(("VNFARM_DISPATCH_TTL_MS".into(), "2000".into()));
         env.extend(self.scheduler_env.iter().cloned());
-        self.scheduler = Some(self.spawn("vnfarm-scheduler", "scheduler.log", env)?);
-        let http = self.http.clone();
-        let url = self.url("/healthz");
-        wait_for("the scheduler to be ready", Duration::from_secs(30), || {
-            let http = http.clone();
-            let url = url.clone();
-            async move {
-                http.get(&url)
-                    .send()
-                    .await
-                    .ok()
-                    .filter(|r| r.status().is_success())
-            }
+        let log = self.schedulers[slot].log.clone();
+        self.schedulers[slot].child = Some(self.spawn("vnfarm-scheduler", &log, env)?);
+        wait_for("the scheduler to be ready", Duration::from_secs(60), || {
+            self.role(slot)
         })
         .await
-        .map_err(|e| e.context(self.log("scheduler.log")))?;
+        .map_err(|e| e.context(self.log(&log)))?;
         Ok(())
+    }
+
+    /// The role of the scheduler in `slot`, or `None` while it is not ready (or not running). A
+    /// scheduler that does not report a role acts on its own, as an active one does.
+    pub async fn role(&self, slot: usize) -> Option<Role> {
+        let url = format!("{}/healthz", self.scheduler_urls()[slot]);
+        let response = self
+            .http
+            .get(url)
+            .timeout(Duration::from_secs(2))
+            .send()
+            .await
+            .ok()
+            .filter(|r| r.status().is_success())?;
+        let health: Value = response.json().await.ok()?;
+        match health["role"].as_str() {
+            Some("standby") => Some(Role::Standby),
+            Some(_) | None => Some(Role::Active),
+        }
+    }
+
+    /// Waits until some scheduler reports itself active and returns its slot.
+    pub async fn active_scheduler(&self, timeout: Duration) -> anyhow::Result<usize> {
+        wait_for("an active scheduler", timeout, || async {
+            for slot in 0..self.schedulers.len() {
+                if self.role(slot).await == Some(Role::Active) {
+                    return Some(slot);
+                }
+            }
+            None
+        })
+        .await
     }
 
     /// Starts a worker and waits until the scheduler lists it alive.
@@ -327,19 +446,52 @@ impl Farm {
         ));
         env.push(("VNFARM_ENGINE__TEST_PATTERN__ENCODE_MS".into(), "5".into()));
         env.push(("VNFARM_ENGINE__TEST_PATTERN__DECODE_MS".into(), "5".into()));
-        env.extend(options.extra_env);
+        env.extend(options.extra_env.iter().cloned());
         let child = self.spawn("vnfarm-worker", &format!("{id}.log"), env)?;
-        self.workers.push((id.to_owned(), child));
+        match self.workers.iter_mut().find(|w| w.id == id) {
+            Some(known) => {
+                // Started again: reap the old process (killed, or exited on its own) first.
+                let _ = known.child.kill();
+                let _ = known.child.wait();
+                known.child = child;
+                known.options = options;
+            }
+            None => self.workers.push(WorkerProcess {
+                id: id.to_owned(),
+                options,
+                child,
+            }),
+        }
         Ok(())
     }
 
-    pub fn worker_mut(&mut self, id: &str) -> &mut Child {
-        &mut self
-            .workers
+    /// SIGKILLs a worker and reaps it; [`Farm::relaunch_worker`] starts it again.
+    pub fn kill_worker(&mut self, id: &str) {
+        let child = &mut self.worker(id).child;
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+
+    /// Starts a worker again with the id and options it had, without waiting for it.
+    pub fn relaunch_worker(&mut self, id: &str) -> anyhow::Result<()> {
+        let options = self.worker(id).options.clone();
+        self.launch_worker(id, options)
+    }
+
+    /// The ids of the workers this farm started.
+    pub fn worker_ids(&self) -> Vec<String> {
+        self.workers.iter().map(|w| w.id.clone()).collect()
+    }
+
+    fn worker(&mut self, id: &str) -> &mut WorkerProcess {
+        self.workers
             .iter_mut()
-            .find(|(w, _)| w == id)
+            .find(|w| w.id == id)
             .expect("a started worker")
-            .1
+    }
+
+    pub fn worker_mut(&mut self, id: &str) -> &mut Child {
+        &mut self.worker(id).child
     }
 
     pub fn signal_worker(&mut self, id: &str, signal: i32) {
@@ -350,8 +502,14 @@ impl Farm {
         assert_eq!(rc, 0, "kill({pid}, {signal})");
     }
 
+    /// SIGKILLs the (first) scheduler.
     pub fn kill_scheduler(&mut self) {
-        if let Some(mut child) = self.scheduler.take() {
+        self.kill_scheduler_at(0);
+    }
+
+    /// SIGKILLs the scheduler in `slot`, if one runs there, and reaps it.
+    pub fn kill_scheduler_at(&mut self, slot: usize) {
+        if let Some(mut child) = self.schedulers[slot].child.take() {
             let _ = child.kill();
             let _ = child.wait();
         }
@@ -436,7 +594,23 @@ impl Farm {
     pub fn worker_logs(&self) -> String {
         self.workers
             .iter()
-            .map(|(id, _)| self.log(&format!("{id}.log")))
+            .map(|w| self.log(&format!("{}.log", w.id)))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// Keeps the processes' logs when the farm is dropped (to examine a failed run); returns
+    /// their directory.
+    pub fn keep_logs(&mut self) -> PathBuf {
+        self.logs.disable_cleanup(true);
+        self.logs.path().to_path_buf()
+    }
+
+    /// The tails of every scheduler slot's log.
+    pub fn scheduler_logs(&self) -> String {
+        self.schedulers
+            .iter()
+            .map(|s| self.log(&s.log))
             .collect::<Vec<_>>()
             .join("\n")
     }
@@ -476,17 +650,19 @@ impl Farm {
 
 impl Drop for Farm {
     fn drop(&mut self) {
-        for (_, child) in &mut self.workers {
-            let _ = child.kill();
-            let _ = child.wait();
+        for worker in &mut self.workers {
+            let _ = worker.child.kill();
+            let _ = worker.child.wait();
         }
-        self.kill_scheduler();
+        for slot in 0..self.schedulers.len() {
+            self.kill_scheduler_at(slot);
+        }
         // Remove this test's queues, stream and exchanges from the shared broker.
         let prefix = self.prefix.clone();
         let workers: Vec<vnfarm_proto::WorkerId> = self
             .workers
             .iter()
-            .filter_map(|(w, _)| w.parse().ok())
+            .filter_map(|w| w.id.parse().ok())
             .collect();
         let cleanup = std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread()
