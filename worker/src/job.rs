@@ -24,7 +24,7 @@ use vnfarm_proto::spec::MAX_UPSCALE_OUTPUT_SIDE;
 use vnfarm_proto::topology::{manifest_key, output_key};
 use vnfarm_proto::{
     Event, EventKind, FailureKind, ImageRef, JobId, MAX_MESSAGE_BYTES, Manifest, SCHEMA_VERSION,
-    StageTimings, Task, WorkMessage, WorkerId, decode_json,
+    StageTimings, Task, WorkMessage, decode_json,
 };
 use vnfarm_storage::StorageError;
 
@@ -329,7 +329,7 @@ impl Worker {
     ) -> Result<(), Lost> {
         let job_id = manifest.job_id;
         let made_by = manifest.worker.clone();
-        self.publish_event(publisher, job_id, completed_from(manifest, &self.id))
+        self.publish_event(publisher, job_id, completed_from(manifest))
             .await
             .map_err(broker)?;
         pending.ack().await?;
@@ -747,14 +747,13 @@ fn manifest_of(job_id: JobId, bytes: &[u8]) -> Result<Manifest, String> {
     Ok(manifest)
 }
 
-/// The `completed` event of a job an earlier delivery finished. `worker` is the worker that holds
-/// this delivery, the one the scheduler now has the job assigned to; the manifest keeps naming the
-/// worker that made the outputs.
-fn completed_from(manifest: Manifest, worker: &WorkerId) -> EventKind {
+/// The `completed` event of a job an earlier delivery finished, as that run would have published
+/// it: credited to the worker that made the outputs (the manifest's), not the one republishing it.
+fn completed_from(manifest: Manifest) -> EventKind {
     EventKind::Completed {
         outputs: manifest.outputs.into_iter().map(|o| o.key).collect(),
         manifest: manifest_key(manifest.job_id),
-        worker: Some(worker.clone()),
+        worker: Some(manifest.worker),
         timings: manifest.timings,
     }
 }
@@ -827,22 +826,21 @@ mod tests {
     }
 
     #[test]
-    fn completed_is_rebuilt_from_the_manifest_for_the_worker_holding_the_delivery() {
+    fn completed_is_rebuilt_from_the_manifest_and_credits_the_worker_that_made_it() {
         let id = JobId::new();
         let stored = manifest(id);
-        let here: WorkerId = "w-second".parse().unwrap();
         let EventKind::Completed {
             outputs,
             manifest: key,
             worker,
             timings,
-        } = completed_from(stored.clone(), &here)
+        } = completed_from(stored.clone())
         else {
             panic!("a completed event")
         };
         assert_eq!(outputs, [output_key(id, 0), output_key(id, 1)]);
         assert_eq!(key, manifest_key(id));
-        assert_eq!(worker, Some(here));
+        assert_eq!(worker, Some(stored.worker.clone()));
         assert_eq!(timings, stored.timings);
     }
 
