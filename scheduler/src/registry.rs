@@ -36,6 +36,8 @@ use vnfarm_proto::{
 
 /// How many recent events are kept for clients resuming the all-events stream.
 const RECENT_EVENTS: usize = 20_000;
+/// Interactive jobs dispatched in a row, at most, while a batch job could go (starvation freedom).
+pub const INTERACTIVE_BURST: u32 = 4;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -451,6 +453,8 @@ pub struct Registry {
     next_offset: u64,
     /// The newest event time seen: the clock retention is measured on.
     latest: Option<DateTime<Utc>>,
+    /// Interactive jobs dispatched in a row while batch jobs waited (see `plan_dispatch`).
+    interactive_streak: u32,
 }
 
 impl Registry {
@@ -1065,17 +1069,23 @@ impl Registry {
         }
     }
 
-    /// Chooses a worker for as many dispatchable jobs as there are free slots: interactive before
-    /// batch, oldest first across models, each to the least-loaded live worker serving its model.
+    /// Chooses a worker for as many dispatchable jobs as there are free slots, each to the
+    /// least-loaded live worker serving its model. Interactive jobs go before batch jobs, oldest
+    /// first across models, but never more than [`INTERACTIVE_BURST`] in a row while a batch job
+    /// could go: batch work keeps at least one slot in `INTERACTIVE_BURST + 1` and never starves.
     /// Marks the choices pending and counts them on the worker. Cost: O(dispatches × (models +
     /// workers)), whatever the backlog.
     pub fn plan_dispatch(&mut self, heartbeat_timeout: Duration) -> Vec<(JobId, WorkerId)> {
         let mut plan = Vec::new();
         loop {
-            let mut best: Option<((u8, JobId), WorkerId)> = None;
+            // Per model with a free worker: its oldest interactive and its oldest batch job.
+            let mut candidates: Vec<((u8, JobId), WorkerId)> = Vec::new();
             for (model, ready) in &self.ready {
-                let Some(head) = ready.first() else { continue };
-                if best.as_ref().is_some_and(|(b, _)| b <= head) {
+                let heads = [
+                    ready.first().filter(|(rank, _)| *rank == 0),
+                    ready.range((1, JobId(uuid::Uuid::nil()))..).next(),
+                ];
+                if heads.iter().all(Option::is_none) {
                     continue;
                 }
                 let worker = self
@@ -1084,10 +1094,23 @@ impl Registry {
                     .filter(|w| w.can_take(*model, heartbeat_timeout))
                     .min_by_key(|w| (w.assigned.len(), w.id.clone()));
                 if let Some(w) = worker {
-                    best = Some((*head, w.id.clone()));
+                    candidates.extend(heads.into_iter().flatten().map(|h| (*h, w.id.clone())));
                 }
             }
-            let Some(((_, id), worker)) = best else { break };
+            let batch_waits = candidates.iter().any(|((rank, _), _)| *rank == 1);
+            let batch_turn = batch_waits && self.interactive_streak >= INTERACTIVE_BURST;
+            let Some(((rank, id), worker)) = candidates
+                .into_iter()
+                .filter(|((rank, _), _)| !batch_turn || *rank == 1)
+                .min_by_key(|(key, _)| *key)
+            else {
+                break;
+            };
+            self.interactive_streak = if rank == 0 && batch_waits {
+                self.interactive_streak + 1
+            } else {
+                0
+            };
             self.set_local(id, |l| l.dispatch_pending = true);
             self.worker_mut(&worker).assigned.insert(id);
             plan.push((id, worker));
@@ -1381,6 +1404,29 @@ mod tests {
         );
         r.heartbeat(worker("b", 1));
         assert_eq!(r.plan_dispatch(T), vec![(batch, "b".parse().unwrap())]);
+    }
+
+    #[test]
+    fn batch_jobs_are_not_starved_by_interactive_ones() {
+        let mut r = Registry::default();
+        let mut s = Stream::new();
+        let batch: Vec<JobId> = (0..2).map(|_| s.queue(&mut r, generate())).collect();
+        let interactive = Submission {
+            priority: Priority::Interactive,
+            ..generate()
+        };
+        for _ in 0..20 {
+            s.queue(&mut r, interactive.clone());
+        }
+        r.heartbeat(worker("a", 12));
+        let plan: Vec<JobId> = r.plan_dispatch(T).into_iter().map(|(j, _)| j).collect();
+        let burst = INTERACTIVE_BURST as usize;
+        // Four interactive jobs, then the oldest batch job, four more, the next batch job, ...
+        assert_eq!(plan[burst], batch[0], "{plan:?}");
+        assert_eq!(plan[2 * burst + 1], batch[1], "{plan:?}");
+        assert_eq!(plan.len(), 12);
+        // With no batch job waiting, interactive jobs go back to back.
+        assert!(plan[2 * burst + 2..].iter().all(|j| !batch.contains(j)));
     }
 
     #[test]
