@@ -133,6 +133,10 @@ pub struct BaseArgs {
     /// Omitted: the scheduler picks one and records it.
     #[arg(long)]
     pub seed: Option<u64>,
+    /// SDXL checkpoint by name (`vnfarm workers` lists what the fleet holds). Omitted: the fleet's
+    /// default.
+    #[arg(long)]
+    pub checkpoint: Option<String>,
 }
 
 #[derive(Debug, Args)]

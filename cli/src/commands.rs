@@ -94,8 +94,14 @@ async fn workers(api: &Api) -> anyhow::Result<()> {
             },
             hb.map_or("-".to_owned(), |h| format!("{}/{}", h.in_flight, h.slots)),
             w.assigned.len().to_string(),
-            hb.and_then(|h| h.running)
-                .map_or("-".to_owned(), |id| id.to_string()),
+            hb.filter(|h| !h.running.is_empty())
+                .map_or("-".to_owned(), |h| {
+                    h.running
+                        .iter()
+                        .map(ToString::to_string)
+                        .collect::<Vec<_>>()
+                        .join(",")
+                }),
             w.seconds_since_heartbeat
                 .map_or("never".to_owned(), |s| format!("{s:.0}s ago")),
         ]

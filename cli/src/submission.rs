@@ -219,6 +219,7 @@ fn generate_spec(base: &BaseArgs) -> GenerateSpec {
         sampler: base.sampler.into(),
         seed: base.seed,
         count: 1,
+        checkpoint: base.checkpoint.clone(),
     }
 }
 

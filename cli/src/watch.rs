@@ -125,10 +125,17 @@ impl EventView {
             EventKind::Queued { submission, .. } => {
                 line(format!("queued ({})", submission.job.kind_name()))
             }
-            EventKind::Dispatched { queue, worker } => match worker {
-                Some(worker) => line(format!("dispatched to {worker} ({queue})")),
-                None => line(format!("dispatched to {queue}")),
-            },
+            EventKind::Dispatched {
+                queue,
+                worker,
+                batch,
+            } => {
+                let with = batch.map_or(String::new(), |b| format!(", in the batch of {b}"));
+                match worker {
+                    Some(worker) => line(format!("dispatched to {worker} ({queue}{with})")),
+                    None => line(format!("dispatched to {queue}{with}")),
+                }
+            }
             EventKind::Requeued { reason } => {
                 self.bar.set_position(0);
                 line(format!("requeued: {reason}"));

@@ -65,6 +65,10 @@ pub enum EventKind {
         queue: String,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         worker: Option<WorkerId>,
+        /// The first job of the batch message it travels in, when it shares one with others; the
+        /// message holds one of the worker's slots until every job in it has ended.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        batch: Option<JobId>,
     },
     /// Back in the scheduler's backlog, to be dispatched again (its message came back from a worker
     /// queue: the worker died or stalled).

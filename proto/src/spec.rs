@@ -150,6 +150,11 @@ pub struct GenerateSpec {
     /// Images from this job; image `n` uses seed `seed + n`.
     #[serde(default = "one")]
     pub count: u32,
+    /// The SDXL checkpoint by name, as the workers that hold it advertise it. Omitted: the fleet's
+    /// default (the scheduler's `default_checkpoint`, recorded at submission), or any SDXL worker
+    /// when the scheduler has none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint: Option<String>,
 }
 
 /// A Qwen-Image-Edit-2509 instruction edit of one to three input images. Give `input` (one image)
@@ -345,17 +350,18 @@ fn check_text(field: &str, text: &str, required: bool) -> Result<(), ValidationE
     Ok(())
 }
 
+/// A model or LoRA file's name: [A-Za-z0-9._-], not starting with '.', at most 128 characters.
+pub fn is_file_name(name: &str) -> bool {
+    let ok = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
+    !name.is_empty() && name.len() <= 128 && !name.starts_with('.') && name.chars().all(ok)
+}
+
 fn check_loras(field: &str, loras: &[LoraRef]) -> Result<(), ValidationError> {
     if loras.len() > MAX_LORAS {
         return Err(err(field, format!("at most {MAX_LORAS} LoRAs")));
     }
     for (i, lora) in loras.iter().enumerate() {
-        let ok = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
-        if lora.name.is_empty()
-            || lora.name.len() > 128
-            || lora.name.starts_with('.')
-            || !lora.name.chars().all(ok)
-        {
+        if !is_file_name(&lora.name) {
             return Err(err(
                 format!("{field}[{i}].name"),
                 "must be a file name of [A-Za-z0-9._-], not starting with '.'",
@@ -390,6 +396,14 @@ impl GenerateSpec {
         check_range(&format!("{at}.steps"), self.steps, 1, 150)?;
         check_cfg(&format!("{at}.cfg"), self.cfg)?;
         check_range(&format!("{at}.count"), self.count, 1, 16)?;
+        if let Some(name) = &self.checkpoint
+            && !is_file_name(name)
+        {
+            return Err(err(
+                format!("{at}.checkpoint"),
+                "must be a checkpoint name of [A-Za-z0-9._-], not starting with '.'",
+            ));
+        }
         if let Some(seed) = self.seed
             && seed.checked_add(u64::from(self.count)).is_none()
         {

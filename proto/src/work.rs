@@ -5,9 +5,12 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::ids::{JobId, WorkerId};
-use crate::spec::{EditSpec, GenerateSpec, ModelFamily, Priority, UpscaleSpec};
+use crate::spec::{EditSpec, GenerateSpec, ImageRef, ModelFamily, Priority, UpscaleSpec};
 
-/// One job for a worker. Its `task` is validated and complete (seeds resolved, inline inputs stored).
+/// One job for a worker, or a batch of jobs that share work: edits of the same input (encoded
+/// once) or compatible generates (one forward pass). Its tasks are validated and complete (seeds
+/// resolved, inline inputs stored). A batch is one message: acknowledged when every job in it has
+/// ended, each job with its own events, outputs and manifest.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct WorkMessage {
@@ -18,6 +21,48 @@ pub struct WorkMessage {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub deadline: Option<DateTime<Utc>>,
     pub task: Task,
+    /// The other jobs of a batch, run with this one.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub batch: Vec<BatchedJob>,
+}
+
+/// A job travelling in another job's [`WorkMessage`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct BatchedJob {
+    pub job_id: JobId,
+    #[serde(default)]
+    pub priority: Priority,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deadline: Option<DateTime<Utc>>,
+    pub task: Task,
+}
+
+impl WorkMessage {
+    /// Every job of the message, the first one first.
+    pub fn jobs(&self) -> impl Iterator<Item = BatchedJob> + '_ {
+        std::iter::once(BatchedJob {
+            job_id: self.job_id,
+            priority: self.priority,
+            deadline: self.deadline,
+            task: self.task.clone(),
+        })
+        .chain(self.batch.iter().cloned())
+    }
+
+    /// A message of these jobs (at least one), the first one in front.
+    pub fn of(jobs: Vec<BatchedJob>) -> Option<Self> {
+        let mut jobs = jobs.into_iter();
+        let first = jobs.next()?;
+        Some(Self {
+            schema_version: crate::SCHEMA_VERSION,
+            job_id: first.job_id,
+            priority: first.priority,
+            deadline: first.deadline,
+            task: first.task,
+            batch: jobs.collect(),
+        })
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -34,6 +79,38 @@ impl Task {
             Task::Generate(_) => ModelFamily::Sdxl,
             Task::Edit(_) => ModelFamily::QwenEdit,
             Task::Upscale(_) => ModelFamily::Esrgan,
+        }
+    }
+
+    /// The key of the input encodings an edit needs: its input references in prompt order
+    /// (`qwen-edit:job:<id>/<n>+stored:<key>`). Edits with the same key share one encoding, so
+    /// they go to the worker that holds it and travel together; workers advertise the keys of
+    /// what their encode caches hold in the same terms. `None` for tasks that encode nothing.
+    pub fn affinity_key(&self) -> Option<String> {
+        let Task::Edit(edit) = self else {
+            return None;
+        };
+        let mut parts = Vec::new();
+        for input in edit.images() {
+            parts.push(match input {
+                ImageRef::Stored(key) => format!("stored:{key}"),
+                ImageRef::JobOutput { job, index } => format!("job:{job}/{index}"),
+                // Stored before dispatch; an inline image has no stable name to share.
+                ImageRef::Inline(_) => return None,
+            });
+        }
+        Some(format!(
+            "{}:{}",
+            ModelFamily::QwenEdit.as_str(),
+            parts.join("+")
+        ))
+    }
+
+    /// The SDXL checkpoint a generate names, if any.
+    pub fn checkpoint(&self) -> Option<&str> {
+        match self {
+            Task::Generate(g) => g.checkpoint.as_deref(),
+            Task::Edit(_) | Task::Upscale(_) => None,
         }
     }
 
@@ -66,15 +143,41 @@ pub struct Heartbeat {
     pub slots: u32,
     /// Jobs delivered to it and not yet acknowledged.
     pub in_flight: u32,
+    /// The jobs on the engine now (several for a batch).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub running: Vec<JobId>,
+    /// SDXL checkpoints it holds warm, by name: jobs that name a checkpoint go only to a worker
+    /// that advertises it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub checkpoints: Vec<String>,
+    /// The most jobs it runs as one batch message (1: no batching).
+    #[serde(default = "one")]
+    pub max_batch: u32,
+    /// Device memory, when its engine runs on a GPU.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub running: Option<JobId>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub gpu_memory_bytes: Option<u64>,
-    /// Input keys whose encodings the worker holds (for affinity).
+    pub gpu_memory: Option<GpuMemory>,
+    /// Affinity keys of the inputs whose encodings it holds ([`crate::affinity_key`]), least
+    /// recently used first.
     #[serde(default)]
     pub encode_cache: Vec<String>,
     pub version: String,
     pub at: DateTime<Utc>,
+}
+
+fn one() -> u32 {
+    1
+}
+
+/// A GPU's memory as the device and libtorch's caching allocator see it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct GpuMemory {
+    pub total_bytes: u64,
+    /// Free on the device (every process's use counted).
+    pub free_bytes: u64,
+    /// Held by this process's allocator, in use or cached, where libtorch reports it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reserved_bytes: Option<u64>,
 }
 
 /// Published on `control.cancel`: every worker stops this job if it has it, or skips it when it comes.
@@ -82,4 +185,71 @@ pub struct Heartbeat {
 #[serde(deny_unknown_fields)]
 pub struct CancelRequest {
     pub job_id: JobId,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn edit(inputs: Vec<ImageRef>, instruction: &str) -> Task {
+        Task::Edit(EditSpec {
+            input: None,
+            inputs,
+            instruction: instruction.into(),
+            width: None,
+            height: None,
+            steps: 4,
+            cfg: 1.0,
+            seed: Some(1),
+            loras: Vec::new(),
+        })
+    }
+
+    #[test]
+    fn edits_of_the_same_inputs_share_an_affinity_key_and_others_do_not() {
+        let base = JobId(uuid::Uuid::from_u128(7));
+        let of_base = ImageRef::JobOutput {
+            job: base,
+            index: 0,
+        };
+        let outfit = ImageRef::Stored("inputs/ab.png".into());
+        let smile = edit(vec![of_base.clone()], "make her smile");
+        let angry = edit(vec![of_base.clone()], "make her angry");
+        assert_eq!(smile.affinity_key(), angry.affinity_key());
+        assert_eq!(
+            smile.affinity_key().as_deref(),
+            Some(format!("qwen-edit:job:{base}/0").as_str())
+        );
+        let with_outfit = edit(vec![of_base.clone(), outfit.clone()], "x");
+        let other_order = edit(vec![outfit, of_base], "x");
+        assert_ne!(with_outfit.affinity_key(), smile.affinity_key());
+        assert_ne!(with_outfit.affinity_key(), other_order.affinity_key());
+        assert_eq!(
+            edit(vec![ImageRef::Inline("aGk=".into())], "x").affinity_key(),
+            None
+        );
+    }
+
+    #[test]
+    fn a_batch_message_lists_every_job_once_first_one_first() {
+        let job = |n: u128| BatchedJob {
+            job_id: JobId(uuid::Uuid::from_u128(n)),
+            priority: Priority::Batch,
+            deadline: None,
+            task: edit(vec![ImageRef::Stored("inputs/a.png".into())], "x"),
+        };
+        assert!(WorkMessage::of(Vec::new()).is_none());
+        let single = WorkMessage::of(vec![job(1)]).unwrap();
+        let json = serde_json::to_value(&single).unwrap();
+        assert!(
+            json.get("batch").is_none(),
+            "a single job's message is unchanged"
+        );
+        let message = WorkMessage::of(vec![job(1), job(2), job(3)]).unwrap();
+        let ids: Vec<_> = message.jobs().map(|j| j.job_id.0.as_u128()).collect();
+        assert_eq!(ids, [1, 2, 3]);
+        let back: WorkMessage =
+            serde_json::from_slice(&serde_json::to_vec(&message).unwrap()).unwrap();
+        assert_eq!(back, message);
+    }
 }

@@ -94,6 +94,7 @@ impl Scheduler {
             priority: sub.priority,
             deadline: sub.deadline,
             task,
+            batch: Vec::new(),
         })
     }
 
@@ -116,6 +117,7 @@ impl Scheduler {
             EventKind::Dispatched {
                 queue: queue.clone(),
                 worker: Some(worker.clone()),
+                batch: None,
             },
         )
         .await?;

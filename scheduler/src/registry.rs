@@ -1244,6 +1244,7 @@ mod tests {
                 sampler: Sampler::Euler,
                 seed: Some(1),
                 count: 1,
+                checkpoint: None,
             }),
         }
     }
@@ -1302,8 +1303,10 @@ mod tests {
             models: ModelFamily::ALL.to_vec(),
             slots,
             in_flight: 0,
-            running: None,
-            gpu_memory_bytes: None,
+            running: vec![],
+            checkpoints: vec![],
+            max_batch: 1,
+            gpu_memory: None,
             encode_cache: vec![],
             version: "t".into(),
             at: Utc::now(),
@@ -1399,6 +1402,7 @@ mod tests {
             EventKind::Dispatched {
                 queue: "q".into(),
                 worker: Some(w),
+                batch: None,
             },
         ));
         s.complete(&mut r, done);

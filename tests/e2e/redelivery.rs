@@ -48,6 +48,7 @@ async fn a_redelivered_completed_job_is_not_run_again() -> anyhow::Result<()> {
         priority: Default::default(),
         deadline: None,
         task: manifest.task.clone(),
+        batch: Vec::new(),
     };
     let worker: WorkerId = "w1".parse().map_err(anyhow::Error::msg)?;
     Publisher::open(&conn)

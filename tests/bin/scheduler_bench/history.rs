@@ -131,6 +131,7 @@ impl Events {
                 EventKind::Dispatched {
                     queue: self.topology.worker_queue(&worker),
                     worker: Some(worker),
+                    batch: None,
                 },
             ));
         };

@@ -259,6 +259,7 @@ mod tests {
             sampler: vnfarm_proto::Sampler::EulerAncestral,
             seed: Some(10),
             count,
+            checkpoint: None,
         }
     }
 

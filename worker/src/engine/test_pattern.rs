@@ -244,6 +244,7 @@ mod tests {
             sampler: Sampler::Euler,
             seed: Some(seed),
             count: 2,
+            checkpoint: None,
         })
     }
 
