@@ -379,6 +379,21 @@ fn check_loras(field: &str, loras: &[LoraRef]) -> Result<(), ValidationError> {
 }
 
 impl GenerateSpec {
+    /// Generates with the same key can share one forward pass (`SdxlPipeline::generate_batch`):
+    /// same checkpoint, size, steps, sampler and whether guidance runs.
+    pub fn batch_key(&self) -> String {
+        format!(
+            "{}:{}:{}x{}:{}:{:?}:{}",
+            ModelFamily::Sdxl.as_str(),
+            self.checkpoint.as_deref().unwrap_or("-"),
+            self.width,
+            self.height,
+            self.steps,
+            self.sampler,
+            if self.cfg > 1.0 { "cfg" } else { "nocfg" }
+        )
+    }
+
     fn validate(&self, at: &str) -> Result<(), ValidationError> {
         check_text(&format!("{at}.prompt"), &self.prompt, true)?;
         check_text(
@@ -430,6 +445,30 @@ impl EditSpec {
     /// The input images in prompt order (`input`, or `inputs`).
     pub fn images(&self) -> Vec<&ImageRef> {
         self.input.iter().chain(&self.inputs).collect()
+    }
+
+    /// The key of the input encodings this edit needs (see [`crate::Task::affinity_key`]).
+    pub fn affinity_key(&self) -> Option<String> {
+        Self::affinity_key_of(&self.images())
+    }
+
+    /// The affinity key of an edit of these inputs, in prompt order: `qwen-edit:` and each
+    /// reference (`job:<id>/<n>`, `stored:<key>`) joined by `+`. `None` for an inline image,
+    /// which has no stable name until the scheduler stores it.
+    pub fn affinity_key_of(inputs: &[&ImageRef]) -> Option<String> {
+        let mut parts = Vec::with_capacity(inputs.len());
+        for input in inputs {
+            parts.push(match input {
+                ImageRef::Stored(key) => format!("stored:{key}"),
+                ImageRef::JobOutput { job, index } => format!("job:{job}/{index}"),
+                ImageRef::Inline(_) => return None,
+            });
+        }
+        Some(format!(
+            "{}:{}",
+            ModelFamily::QwenEdit.as_str(),
+            parts.join("+")
+        ))
     }
 
     /// The input images in prompt order, mutably (the scheduler stores inline ones).

@@ -5,7 +5,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::ids::{JobId, WorkerId};
-use crate::spec::{EditSpec, GenerateSpec, ImageRef, ModelFamily, Priority, UpscaleSpec};
+use crate::spec::{EditSpec, GenerateSpec, ModelFamily, Priority, UpscaleSpec};
 
 /// One job for a worker, or a batch of jobs that share work: edits of the same input (encoded
 /// once) or compatible generates (one forward pass). Its tasks are validated and complete (seeds
@@ -87,23 +87,10 @@ impl Task {
     /// they go to the worker that holds it and travel together; workers advertise the keys of
     /// what their encode caches hold in the same terms. `None` for tasks that encode nothing.
     pub fn affinity_key(&self) -> Option<String> {
-        let Task::Edit(edit) = self else {
-            return None;
-        };
-        let mut parts = Vec::new();
-        for input in edit.images() {
-            parts.push(match input {
-                ImageRef::Stored(key) => format!("stored:{key}"),
-                ImageRef::JobOutput { job, index } => format!("job:{job}/{index}"),
-                // Stored before dispatch; an inline image has no stable name to share.
-                ImageRef::Inline(_) => return None,
-            });
+        match self {
+            Task::Edit(edit) => edit.affinity_key(),
+            Task::Generate(_) | Task::Upscale(_) => None,
         }
-        Some(format!(
-            "{}:{}",
-            ModelFamily::QwenEdit.as_str(),
-            parts.join("+")
-        ))
     }
 
     /// The SDXL checkpoint a generate names, if any.
@@ -190,6 +177,7 @@ pub struct CancelRequest {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::spec::ImageRef;
 
     fn edit(inputs: Vec<ImageRef>, instruction: &str) -> Task {
         Task::Edit(EditSpec {
