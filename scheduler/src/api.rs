@@ -416,7 +416,7 @@ async fn workers(State(s): State<Scheduler>) -> Response {
                 "id": w.id(),
                 "alive": w.alive(timeout),
                 "state": w.state_name(timeout),
-                "assigned": w.assigned(),
+                "assigned": w.assigned().collect::<Vec<_>>(),
                 "heartbeat": w.last_heartbeat().map(|(_, hb)| hb),
                 "seconds_since_heartbeat": w.last_heartbeat().map(|(at, _)| at.elapsed().as_secs_f64()),
             })

@@ -43,6 +43,118 @@ pub struct Config {
     /// five minutes while events arrive), so a restart replays no more than that.
     #[serde(default = "default_snapshot_every_events")]
     pub snapshot_every_events: u64,
+    /// The SDXL checkpoint (by the name workers advertise) of generate jobs that name none,
+    /// recorded in the job at submission. Unset: such jobs go to any SDXL worker.
+    #[serde(default)]
+    pub default_checkpoint: Option<String>,
+    #[serde(default)]
+    pub dispatch: DispatchConfig,
+}
+
+/// How jobs are matched to workers (DESIGN §5).
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct DispatchConfig {
+    #[serde(default)]
+    pub policy: Policy,
+    /// Most jobs in one batch message (a worker's own `max_batch` may lower it).
+    #[serde(default = "default_max_batch")]
+    pub max_batch: u32,
+    /// How long an edit waits for the busy worker that holds its input's encodings before any
+    /// worker may take it.
+    #[serde(default = "default_affinity_wait_ms")]
+    pub affinity_wait_ms: u64,
+    /// Edits of an input that arrive this soon after the first are sent with it, in one batch.
+    #[serde(default = "default_coalesce_window_ms")]
+    pub coalesce_window_ms: u64,
+    /// With this many edits of one input waiting, a second worker takes some (a hot input).
+    #[serde(default = "default_spill_after")]
+    pub spill_after: u32,
+    /// Affinity yields to the least-loaded worker when the holder has more than `imbalance_abs`
+    /// jobs more than the least-loaded worker of the model and more than `imbalance_rel` times
+    /// its load (SGLang's cache-aware router's rule).
+    #[serde(default = "default_imbalance_abs")]
+    pub imbalance_abs: u32,
+    #[serde(default = "default_imbalance_rel")]
+    pub imbalance_rel: f64,
+}
+
+/// Which worker gets a job.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Policy {
+    /// Edits go to the worker holding their input's encodings, batched; compatible generates
+    /// batch; otherwise the least-loaded worker.
+    #[default]
+    Affinity,
+    /// One job per message to the least-loaded worker (the baseline before affinity).
+    LeastLoaded,
+    /// One job per message to the next worker in turn (a baseline).
+    RoundRobin,
+}
+
+impl Policy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Policy::Affinity => "affinity",
+            Policy::LeastLoaded => "least_loaded",
+            Policy::RoundRobin => "round_robin",
+        }
+    }
+}
+
+impl Default for DispatchConfig {
+    fn default() -> Self {
+        Self {
+            policy: Policy::default(),
+            max_batch: default_max_batch(),
+            affinity_wait_ms: default_affinity_wait_ms(),
+            coalesce_window_ms: default_coalesce_window_ms(),
+            spill_after: default_spill_after(),
+            imbalance_abs: default_imbalance_abs(),
+            imbalance_rel: default_imbalance_rel(),
+        }
+    }
+}
+
+fn default_max_batch() -> u32 {
+    8
+}
+fn default_affinity_wait_ms() -> u64 {
+    3_000
+}
+fn default_coalesce_window_ms() -> u64 {
+    50
+}
+fn default_spill_after() -> u32 {
+    12
+}
+fn default_imbalance_abs() -> u32 {
+    8
+}
+fn default_imbalance_rel() -> f64 {
+    2.0
+}
+
+impl DispatchConfig {
+    fn validate(&self) -> Result<(), String> {
+        if !(1..=64).contains(&self.max_batch) {
+            return Err("dispatch.max_batch: must be 1..=64".into());
+        }
+        if self.affinity_wait_ms > 600_000 {
+            return Err("dispatch.affinity_wait_ms: at most 600000".into());
+        }
+        if self.coalesce_window_ms > 10_000 {
+            return Err("dispatch.coalesce_window_ms: at most 10000".into());
+        }
+        if self.spill_after < 2 {
+            return Err("dispatch.spill_after: must be at least 2".into());
+        }
+        if !(self.imbalance_rel.is_finite() && self.imbalance_rel >= 1.0) {
+            return Err("dispatch.imbalance_rel: must be a number of at least 1".into());
+        }
+        Ok(())
+    }
 }
 
 fn default_storage() -> StorageConfig {
@@ -119,7 +231,15 @@ impl vnfarm_config::Validate for Config {
         if self.snapshot_every_events < 100 {
             return Err("snapshot_every_events: must be at least 100".into());
         }
-        Ok(())
+        if let Some(name) = &self.default_checkpoint
+            && !vnfarm_proto::spec::is_file_name(name)
+        {
+            return Err(
+                "default_checkpoint: must be a checkpoint name of [A-Za-z0-9._-], not starting with '.'"
+                    .into(),
+            );
+        }
+        self.dispatch.validate()
     }
 }
 

@@ -7,32 +7,42 @@
 //! so a slow publish never holds up the reading of the stream. The decisions are taken under the
 //! registry lock (O(dispatches), not O(backlog)), then published without it.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use lapin::BasicProperties;
 use tokio_util::sync::CancellationToken;
 use vnfarm_bus::PublishError;
 use vnfarm_bus::publisher::json_properties;
-use vnfarm_proto::{
-    EventKind, FailureKind, JobId, JobSpec, SCHEMA_VERSION, Task, WorkMessage, WorkerId,
-};
+use vnfarm_proto::{BatchedJob, EventKind, FailureKind, JobId, JobSpec, Task, WorkMessage};
 
+use crate::registry::Dispatch;
+
+/// The reason of a returned message that carries no death record: its worker gave it back.
+pub(crate) const GIVEN_BACK: &str = "given_back";
 use crate::scheduler::Scheduler;
 
 impl Scheduler {
-    /// The active scheduler's loop: settle whenever something may have changed, and at least every
-    /// half second (the watchdog). Returns on the first publish error: the session is then lost
-    /// and starts again.
+    /// The active scheduler's loop: settle whenever something may have changed, when a hold or a
+    /// coalescing window the last plan left open ends, and at least every half second (the
+    /// watchdog). Returns on the first publish error: the session is then lost and starts again.
     pub(crate) async fn dispatcher(&self, stop: CancellationToken) -> anyhow::Result<()> {
         let mut tick = tokio::time::interval(Duration::from_millis(500));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut wake_at: Option<Instant> = None;
         loop {
+            let wake = async {
+                match wake_at {
+                    Some(at) => tokio::time::sleep_until(at.into()).await,
+                    None => std::future::pending().await,
+                }
+            };
             let timer = tokio::select! {
                 _ = stop.cancelled() => return Ok(()),
                 _ = self.dispatch_wanted.notified() => false,
+                _ = wake => false,
                 _ = tick.tick() => true,
             };
-            self.settle().await?;
+            wake_at = self.settle().await?;
             if timer {
                 self.requeue_stale().await?;
             }
@@ -40,7 +50,8 @@ impl Scheduler {
     }
 
     /// Publishes what the registry owes (finished pipelines, failed dependents), then dispatches.
-    pub(crate) async fn settle(&self) -> Result<(), PublishError> {
+    /// Returns when planning again may dispatch more with nothing else happening.
+    pub(crate) async fn settle(&self) -> Result<Option<Instant>, PublishError> {
         let follow_ups = self.registry().take_follow_ups();
         for (id, kind) in follow_ups {
             if let Err(e) = self.publish_event(id, kind).await {
@@ -52,33 +63,61 @@ impl Scheduler {
         self.dispatch().await
     }
 
-    /// Sends every dispatchable job to the least-loaded worker that can take it.
-    async fn dispatch(&self) -> Result<(), PublishError> {
-        let plan = self.registry().plan_dispatch(self.heartbeat_timeout());
-        for (job_id, worker) in plan {
-            let Some(message) = self.work_message(job_id) else {
-                self.registry().dispatch_failed(job_id, &worker);
-                continue;
-            };
-            match self.send(job_id, &worker, &message).await {
+    /// Plans with the configured policy and sends each planned message.
+    async fn dispatch(&self) -> Result<Option<Instant>, PublishError> {
+        let plan = self.registry().plan_dispatch(
+            &self.config.dispatch,
+            Instant::now(),
+            self.heartbeat_timeout(),
+        );
+        for (n, d) in plan.dispatches.iter().enumerate() {
+            let jobs: Vec<BatchedJob> =
+                d.jobs.iter().filter_map(|id| self.work_item(*id)).collect();
+            if jobs.len() != d.jobs.len() {
+                // A job without a runnable spec is never planned; should one be, it is not sent.
+                tracing::error!(worker = %d.worker, "a planned job has no work item; not dispatching its message");
+                self.undo(&plan.dispatches[n..]);
+                return Ok(None);
+            }
+            let message = WorkMessage::of(jobs).expect("a planned dispatch has a job");
+            match self.send(d, &message).await {
                 Ok(()) => {
                     self.metrics
                         .dispatches_total
-                        .with_label_values(&["least_loaded"])
+                        .with_label_values(&[d.decision.as_str()])
                         .inc();
-                    tracing::info!(job_id = %job_id, worker = %worker, "job dispatched");
+                    self.metrics
+                        .dispatch_batch_jobs
+                        .observe(d.jobs.len() as f64);
+                    tracing::info!(
+                        job_id = %d.jobs[0],
+                        jobs = d.jobs.len(),
+                        worker = %d.worker,
+                        decision = d.decision.as_str(),
+                        "dispatched"
+                    );
                 }
                 Err(e) => {
-                    tracing::error!(job_id = %job_id, worker = %worker, error = %e, "dispatch failed; the job goes back to the backlog");
-                    self.registry().dispatch_failed(job_id, &worker);
+                    tracing::error!(job_id = %d.jobs[0], worker = %d.worker, error = %e, "dispatch failed; its jobs go back to the backlog");
+                    self.undo(&plan.dispatches[n..]);
                     return Err(e);
                 }
             }
         }
-        Ok(())
+        Ok(plan.wake_at)
     }
 
-    fn work_message(&self, job_id: JobId) -> Option<WorkMessage> {
+    /// Gives planned dispatches that were not sent back to the backlog.
+    fn undo(&self, dispatches: &[Dispatch]) {
+        let mut reg = self.registry();
+        for d in dispatches {
+            for id in &d.jobs {
+                reg.dispatch_failed(*id, &d.worker);
+            }
+        }
+    }
+
+    fn work_item(&self, job_id: JobId) -> Option<BatchedJob> {
         let reg = self.registry();
         let sub = reg.job(job_id)?.submission()?;
         let task = match &sub.job {
@@ -88,54 +127,52 @@ impl Scheduler {
             // Pipelines have no model and are never planned.
             JobSpec::Pipeline(_) => return None,
         };
-        Some(WorkMessage {
-            schema_version: SCHEMA_VERSION,
+        Some(BatchedJob {
             job_id,
             priority: sub.priority,
             deadline: sub.deadline,
             task,
-            batch: Vec::new(),
         })
     }
 
-    /// The `dispatched` event goes first, so the stream never shows `started` before `dispatched`.
-    /// If the message then cannot be sent, a `requeued` event puts the job back in the backlog; if
+    /// The `dispatched` events go first, so the stream never shows `started` before `dispatched`.
+    /// If the message then cannot be sent, `requeued` events put its jobs back in the backlog; if
     /// that fails too, or the scheduler dies in between, the watchdog ([`Scheduler::requeue_stale`])
-    /// requeues it.
-    async fn send(
-        &self,
-        job_id: JobId,
-        worker: &WorkerId,
-        message: &WorkMessage,
-    ) -> Result<(), PublishError> {
-        let queue = self.topology.worker_queue(worker);
+    /// requeues them.
+    async fn send(&self, d: &Dispatch, message: &WorkMessage) -> Result<(), PublishError> {
+        let queue = self.topology.worker_queue(&d.worker);
         let props = json_properties()
-            .with_message_id(job_id.to_string().into())
+            .with_message_id(message.job_id.to_string().into())
             .with_expiration(self.config.dispatch_ttl_ms.to_string().into());
-        self.publish_event(
-            job_id,
-            EventKind::Dispatched {
-                queue: queue.clone(),
-                worker: Some(worker.clone()),
-                batch: None,
-            },
-        )
+        let batch = (d.jobs.len() > 1).then_some(message.job_id);
+        futures::future::try_join_all(d.jobs.iter().map(|id| {
+            self.publish_event(
+                *id,
+                EventKind::Dispatched {
+                    queue: queue.clone(),
+                    worker: Some(d.worker.clone()),
+                    batch,
+                },
+            )
+        }))
         .await?;
         if let Err(e) = self
             .publisher()?
             .publish_json("", &queue, message, props)
             .await
         {
-            let requeued = self
-                .publish_event(
-                    job_id,
-                    EventKind::Requeued {
-                        reason: format!("dispatch failed: {e}"),
-                    },
-                )
-                .await;
-            if let Err(r) = requeued {
-                tracing::error!(job_id = %job_id, error = %r, "could not requeue a job whose dispatch failed; the watchdog will");
+            for id in &d.jobs {
+                let requeued = self
+                    .publish_event(
+                        *id,
+                        EventKind::Requeued {
+                            reason: format!("dispatch failed: {e}"),
+                        },
+                    )
+                    .await;
+                if let Err(r) = requeued {
+                    tracing::error!(job_id = %id, error = %r, "could not requeue a job whose dispatch failed; the watchdog will");
+                }
             }
             return Err(e);
         }
@@ -189,11 +226,32 @@ impl Scheduler {
             );
             return self.dead_letter(body, headers).await;
         };
+        // A batch comes back whole; its jobs were dispatched together and go back one by one.
+        for job in msg.jobs() {
+            let single = WorkMessage::of(vec![job]).expect("one job");
+            self.returned_job(&single, props, reason).await?;
+        }
+        Ok(())
+    }
+
+    /// One job of a returned message. A message without a death reason was given back by its
+    /// worker (a job of a batch it could not finish: shutdown, a transient failure) and counts like
+    /// an expiry.
+    async fn returned_job(
+        &self,
+        msg: &WorkMessage,
+        props: &BasicProperties,
+        reason: &str,
+    ) -> Result<(), PublishError> {
         let id = msg.job_id;
-        let expired = reason == "expired";
+        let expired = reason == "expired" || reason == GIVEN_BACK;
         self.metrics
             .requeues_total
-            .with_label_values(&[if expired { "expired" } else { "delivery_limit" }])
+            .with_label_values(&[match reason {
+                "expired" => "expired",
+                GIVEN_BACK => "given_back",
+                _ => "delivery_limit",
+            }])
             .inc();
         let (known, terminal, dispatches) = {
             let reg = self.registry();
@@ -218,7 +276,8 @@ impl Scheduler {
                 FailureKind::DeliveryLimit.as_str(),
                 Some(&id_text),
             );
-            self.dead_letter(body, headers).await?;
+            let body = serde_json::to_vec(msg).expect("work messages serialize to JSON");
+            self.dead_letter(&body, headers).await?;
             return self
                 .publish_event(
                     id,
@@ -230,7 +289,7 @@ impl Scheduler {
                 )
                 .await;
         }
-        tracing::warn!(job_id = %id, "job not taken by its worker in time; dispatching it again");
+        tracing::warn!(job_id = %id, reason, "job came back from its worker; dispatching it again");
         self.publish_event(
             id,
             EventKind::Requeued {

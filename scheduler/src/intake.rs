@@ -20,8 +20,8 @@ use vnfarm_bus::headers::dead_letter_headers;
 use vnfarm_proto::spec::{MAX_INLINE_IMAGE_BYTES, MAX_INPUT_SIDE, PipelineImage};
 use vnfarm_proto::topology::input_key;
 use vnfarm_proto::{
-    EditSpec, EventKind, FailureKind, ImageRef, JobId, JobSpec, MAX_MESSAGE_BYTES, SCHEMA_VERSION,
-    Submission, UpscaleSpec, ValidationError, decode_json,
+    EditSpec, EventKind, FailureKind, GenerateSpec, ImageRef, JobId, JobSpec, MAX_MESSAGE_BYTES,
+    SCHEMA_VERSION, Submission, UpscaleSpec, ValidationError, decode_json,
 };
 
 use crate::scheduler::Scheduler;
@@ -46,6 +46,14 @@ pub struct Accepted {
 }
 
 impl Scheduler {
+    /// Records the fleet's default checkpoint in a generate that names none, so the job stays
+    /// reproducible when the default changes.
+    fn default_checkpoint(&self, g: &mut GenerateSpec) {
+        if g.checkpoint.is_none() {
+            g.checkpoint.clone_from(&self.config.default_checkpoint);
+        }
+    }
+
     /// Validates, stores inline inputs and records the job (a pipeline with all its jobs) in one
     /// `queued` event. Returns once the event is confirmed by the broker, before it is read back:
     /// see [`Scheduler::accepted`] for the job it names.
@@ -68,8 +76,9 @@ impl Scheduler {
                         self.store_inline(input).await?
                     }
                 }
+                self.default_checkpoint(&mut p.base);
             }
-            JobSpec::Generate(_) => {}
+            JobSpec::Generate(g) => self.default_checkpoint(g),
         }
         let id = *submission.job_id.get_or_insert_with(JobId::new);
         let kind = submission.job.kind_name();

@@ -140,7 +140,8 @@ impl Scheduler {
             .await?;
         while let Some(d) = returned.next().await {
             let d = d?;
-            let reason = death_reason(&d.properties).unwrap_or_else(|| "unknown".into());
+            let reason =
+                death_reason(&d.properties).unwrap_or_else(|| crate::dispatch::GIVEN_BACK.into());
             self.returned(&d.data, &d.properties, &reason).await?;
             d.acker.ack(BasicAckOptions::default()).await?;
         }

@@ -1,10 +1,10 @@
 //! The scheduler's Prometheus metrics (DESIGN §8), registered into one explicit registry.
 
 use prometheus::{
-    HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Registry,
-    register_histogram_vec_with_registry, register_int_counter_vec_with_registry,
-    register_int_counter_with_registry, register_int_gauge_vec_with_registry,
-    register_int_gauge_with_registry,
+    Histogram, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Registry,
+    register_histogram_vec_with_registry, register_histogram_with_registry,
+    register_int_counter_vec_with_registry, register_int_counter_with_registry,
+    register_int_gauge_vec_with_registry, register_int_gauge_with_registry,
 };
 
 #[derive(Clone)]
@@ -31,8 +31,10 @@ pub struct Metrics {
     pub snapshot_bytes: IntGauge,
     /// Workers by state (`ready`, `warming`, `draining`, `gone`).
     pub workers: IntGaugeVec,
-    /// Dispatch decisions by policy branch (`least_loaded`).
+    /// Messages dispatched, by the policy's decision (`registry::Decision`).
     pub dispatches_total: IntCounterVec,
+    /// Jobs per dispatched message.
+    pub dispatch_batch_jobs: Histogram,
     /// Jobs that came back from a worker queue, by reason.
     pub requeues_total: IntCounterVec,
     pub amqp_connected: IntGauge,
@@ -130,8 +132,15 @@ impl Metrics {
             .unwrap(),
             dispatches_total: register_int_counter_vec_with_registry!(
                 "dispatches_total",
-                "Dispatch decisions by policy branch",
+                "Messages dispatched, by the policy's decision",
                 &["decision"],
+                r
+            )
+            .unwrap(),
+            dispatch_batch_jobs: register_histogram_with_registry!(
+                "dispatch_batch_jobs",
+                "Jobs per dispatched message",
+                vec![1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0, 64.0],
                 r
             )
             .unwrap(),

@@ -32,8 +32,14 @@ use serde::{Deserialize, Serialize};
 use vnfarm_proto::event::SequencedEvent;
 use vnfarm_proto::{
     Event, EventKind, FailureKind, Heartbeat, ImageRef, JobId, JobSpec, ModelFamily, Priority,
-    Submission, WorkerId, WorkerState,
+    Submission, WorkerId,
 };
+
+mod plan;
+mod workers;
+
+pub use plan::{Decision, Dispatch, Plan};
+pub use workers::{Route, WorkerRecord};
 
 /// How many recent events are kept for clients resuming the all-events stream.
 const RECENT_EVENTS: usize = 20_000;
@@ -127,6 +133,10 @@ struct Local {
     finishing: bool,
     /// Inputs of this job not yet completed.
     unmet: u32,
+    /// Waiting for the busy worker that holds its input's encodings, until then.
+    hold_until: Option<Instant>,
+    /// Waited once for that worker in vain: any worker may take it now.
+    hold_expired: bool,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -140,6 +150,9 @@ pub struct JobRecord {
     created_at: DateTime<Utc>,
     updated_at: DateTime<Utc>,
     worker: Option<WorkerId>,
+    /// The first job of the batch message it was last dispatched in, when it shared one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    batch: Option<JobId>,
     dispatches: u32,
     attempts: u32,
     progress: Option<Progress>,
@@ -166,6 +179,7 @@ impl JobRecord {
             created_at: at,
             updated_at: at,
             worker: None,
+            batch: None,
             dispatches: 0,
             attempts: 0,
             progress: None,
@@ -282,13 +296,37 @@ impl JobRecord {
         (u8::from(self.priority() != Priority::Interactive), self.id)
     }
 
-    fn dispatchable(&self) -> bool {
+    /// Queued with nothing in its way but a worker: in the ready index, or held for its input's
+    /// holder.
+    fn waiting(&self) -> bool {
         self.state == JobState::Queued
             && !self.local.dispatch_pending
             && !self.local.cancel_requested
             && !self.local.finishing
             && self.local.unmet == 0
             && self.model().is_some()
+    }
+
+    /// The workers that may run it.
+    fn route(&self) -> Option<Route> {
+        let sub = self.submission.as_ref()?;
+        Some(Route {
+            model: sub.job.model()?,
+            checkpoint: match &sub.job {
+                JobSpec::Generate(g) => g.checkpoint.clone(),
+                _ => None,
+            },
+        })
+    }
+
+    /// The key of the jobs it may share a message with: edits of the same inputs, or generates
+    /// that can share a forward pass.
+    fn group_key(&self) -> Option<String> {
+        match &self.submission.as_ref()?.job {
+            JobSpec::Edit(e) => e.affinity_key(),
+            JobSpec::Generate(g) => Some(g.batch_key()),
+            JobSpec::Upscale(_) | JobSpec::Pipeline(_) => None,
+        }
     }
 
     fn awaiting_start(&self) -> bool {
@@ -321,62 +359,6 @@ pub struct JobView<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub waiting_for: Option<String>,
     pub submission: Option<&'a Submission>,
-}
-
-#[derive(Clone, Debug)]
-pub struct WorkerRecord {
-    id: WorkerId,
-    last_heartbeat: Option<(Instant, Heartbeat)>,
-    /// Jobs dispatched to it and not yet finished or returned.
-    assigned: BTreeSet<JobId>,
-}
-
-impl WorkerRecord {
-    pub fn id(&self) -> &WorkerId {
-        &self.id
-    }
-
-    pub fn assigned(&self) -> &BTreeSet<JobId> {
-        &self.assigned
-    }
-
-    pub fn last_heartbeat(&self) -> Option<&(Instant, Heartbeat)> {
-        self.last_heartbeat.as_ref()
-    }
-
-    pub fn alive(&self, timeout: Duration) -> bool {
-        self.last_heartbeat
-            .as_ref()
-            .is_some_and(|(at, _)| at.elapsed() < timeout)
-    }
-
-    /// Ready, recently heard from, serving `model`.
-    fn serves(&self, model: ModelFamily, timeout: Duration) -> bool {
-        self.last_heartbeat.as_ref().is_some_and(|(at, hb)| {
-            at.elapsed() < timeout && hb.state == WorkerState::Ready && hb.models.contains(&model)
-        })
-    }
-
-    /// Serves `model` and has a free slot.
-    fn can_take(&self, model: ModelFamily, timeout: Duration) -> bool {
-        self.serves(model, timeout)
-            && self
-                .last_heartbeat
-                .as_ref()
-                .is_some_and(|(_, hb)| (self.assigned.len() as u32) < hb.slots)
-    }
-
-    /// `ready`, `warming`, `draining` or `gone`.
-    pub fn state_name(&self, timeout: Duration) -> &'static str {
-        match &self.last_heartbeat {
-            Some((at, hb)) if at.elapsed() < timeout => match hb.state {
-                WorkerState::Ready => "ready",
-                WorkerState::Warming => "warming",
-                WorkerState::Draining => "draining",
-            },
-            _ => "gone",
-        }
-    }
 }
 
 /// Why a cancellation was refused.
@@ -460,8 +442,16 @@ pub struct Registry {
     idempotency: HashMap<String, JobId>,
     /// For each job, the waiting jobs that take its output as input.
     dependents: HashMap<JobId, Vec<JobId>>,
-    /// Dispatchable jobs per model, interactive first, then oldest.
-    ready: BTreeMap<ModelFamily, BTreeSet<(u8, JobId)>>,
+    /// Waiting jobs per route, interactive first, then oldest; held jobs are not here.
+    ready: BTreeMap<Route, BTreeSet<(u8, JobId)>>,
+    /// Waiting jobs (held or not) that may share a message, by group key.
+    groups: HashMap<String, BTreeSet<(u8, JobId)>>,
+    /// Held jobs by the end of their hold.
+    holds: BTreeSet<(Instant, JobId)>,
+    /// When each waiting job began waiting (for holds and coalescing windows).
+    waiting_since: HashMap<JobId, Instant>,
+    /// The worker `round_robin` chose last.
+    rr_cursor: Option<WorkerId>,
     /// Jobs dispatched and not yet started (the watchdog's only concern).
     awaiting_start: BTreeSet<JobId>,
     /// Jobs whose follow-up (pipeline result, failed dependency) must be worked out.
@@ -591,13 +581,32 @@ impl Registry {
                     .collect();
                 Some(format!("input job {} to complete", inputs.join(", ")))
             }
-            JobState::Queued => match job.model() {
-                Some(model) if !self.workers.values().any(|w| w.serves(model, timeout)) => Some(
-                    format!("no live worker serves {model}; it runs when one does"),
-                ),
-                Some(_) => Some("a free worker slot".into()),
-                None => None,
-            },
+            JobState::Queued => {
+                let route = job.route()?;
+                if !self.workers.values().any(|w| w.serves(&route, timeout)) {
+                    return Some(format!(
+                        "no live worker serves {route}; it runs when one does"
+                    ));
+                }
+                if job.local.hold_until.is_some() {
+                    let holders: Vec<String> = job
+                        .group_key()
+                        .map(|key| {
+                            self.workers
+                                .values()
+                                .filter(|w| w.holds(&key))
+                                .map(|w| w.id().to_string())
+                                .collect()
+                        })
+                        .unwrap_or_default();
+                    return Some(format!(
+                        "worker {} to free a slot: it holds this input's encodings (for a \
+                         while, then any worker)",
+                        holders.join(" or ")
+                    ));
+                }
+                Some("a free worker slot".into())
+            }
         }
     }
 
@@ -735,16 +744,18 @@ impl Registry {
         job.updated_at = at;
         let mut unassign = false;
         let mut assign = None;
+        let mut made = None;
         match &ev.event.kind {
             EventKind::Queued { .. } => unreachable!("handled by apply_queued"),
-            EventKind::Dispatched { worker, .. } => {
+            EventKind::Dispatched { worker, batch, .. } => {
                 if job.state == JobState::Queued {
                     job.state = JobState::Dispatched;
                 }
                 job.local.dispatch_pending = false;
                 job.dispatches += 1;
                 job.worker = worker.clone();
-                assign = worker.clone();
+                job.batch = *batch;
+                assign = worker.clone().map(|w| (w, batch.unwrap_or(id)));
             }
             EventKind::Requeued { .. } => {
                 job.state = JobState::Queued;
@@ -780,6 +791,15 @@ impl Registry {
                     job.worker = worker.clone();
                 }
                 unassign = true;
+                // Its worker holds the images it made: edits of them go there first.
+                if let Some(w) = worker
+                    && matches!(
+                        job.submission.as_ref().map(|s| &s.job),
+                        Some(JobSpec::Generate(_))
+                    )
+                {
+                    made = Some((w.clone(), outputs.len()));
+                }
             }
             EventKind::Failed {
                 failure,
@@ -817,11 +837,21 @@ impl Registry {
                 .retain(|e| !matches!(e.event.kind, EventKind::Progress { .. }));
             job.history.shrink_to_fit();
         }
-        if let Some(w) = assign {
-            self.worker_mut(&w).assigned.insert(id);
+        if let Some((w, lead)) = assign {
+            self.worker_mut(&w).assign(id, lead);
         }
         if unassign {
             self.unassign(id);
+        }
+        if let Some((w, images)) = made {
+            let now = Instant::now();
+            let keys = self.worker_mut(&w);
+            for index in 0..images as u32 {
+                let input = ImageRef::JobOutput { job: id, index };
+                if let Some(key) = vnfarm_proto::EditSpec::affinity_key_of(&[&input]) {
+                    keys.keys.insert(key, now);
+                }
+            }
         }
         self.index_in(id);
         if terminal {
@@ -902,7 +932,10 @@ impl Registry {
     fn index_out(&mut self, id: JobId) {
         let job = &self.jobs[&id];
         let (state, model, priority, rank) = (job.state, job.model(), job.priority(), job.rank());
-        let (dispatchable, awaiting) = (job.dispatchable(), job.awaiting_start());
+        let awaiting = job.awaiting_start();
+        let waiting = job
+            .waiting()
+            .then(|| (job.route(), job.group_key(), job.local.hold_until));
         if let Some(n) = self.counts.get_mut(&state) {
             *n = n.saturating_sub(1);
         }
@@ -911,8 +944,29 @@ impl Registry {
         {
             *n = n.saturating_sub(1);
         }
-        if dispatchable && let Some(m) = model {
-            self.ready.entry(m).or_default().remove(&rank);
+        if let Some((route, key, hold)) = waiting {
+            match (hold, route) {
+                (Some(until), _) => {
+                    self.holds.remove(&(until, id));
+                }
+                (None, Some(route)) => {
+                    if let Some(set) = self.ready.get_mut(&route) {
+                        set.remove(&rank);
+                        if set.is_empty() {
+                            self.ready.remove(&route);
+                        }
+                    }
+                }
+                (None, None) => {}
+            }
+            if let Some(key) = key
+                && let Some(set) = self.groups.get_mut(&key)
+            {
+                set.remove(&rank);
+                if set.is_empty() {
+                    self.groups.remove(&key);
+                }
+            }
         }
         if awaiting {
             self.awaiting_start.remove(&id);
@@ -922,13 +976,30 @@ impl Registry {
     fn index_in(&mut self, id: JobId) {
         let job = &self.jobs[&id];
         let (state, model, priority, rank) = (job.state, job.model(), job.priority(), job.rank());
-        let (dispatchable, awaiting) = (job.dispatchable(), job.awaiting_start());
+        let awaiting = job.awaiting_start();
+        let waiting = job
+            .waiting()
+            .then(|| (job.route(), job.group_key(), job.local.hold_until));
         *self.counts.entry(state).or_default() += 1;
         if let (JobState::Queued, Some(m)) = (state, model) {
             *self.backlog.entry((m, priority)).or_default() += 1;
         }
-        if dispatchable && let Some(m) = model {
-            self.ready.entry(m).or_default().insert(rank);
+        if let Some((route, key, hold)) = waiting {
+            match (hold, route) {
+                (Some(until), _) => {
+                    self.holds.insert((until, id));
+                }
+                (None, Some(route)) => {
+                    self.ready.entry(route).or_default().insert(rank);
+                }
+                (None, None) => {}
+            }
+            if let Some(key) = key {
+                self.groups.entry(key).or_default().insert(rank);
+            }
+            self.waiting_since.entry(id).or_insert_with(Instant::now);
+        } else {
+            self.waiting_since.remove(&id);
         }
         if awaiting {
             self.awaiting_start.insert(id);
@@ -947,21 +1018,17 @@ impl Registry {
     fn worker_mut(&mut self, id: &WorkerId) -> &mut WorkerRecord {
         self.workers
             .entry(id.clone())
-            .or_insert_with(|| WorkerRecord {
-                id: id.clone(),
-                last_heartbeat: None,
-                assigned: BTreeSet::new(),
-            })
+            .or_insert_with(|| WorkerRecord::new(id.clone()))
     }
 
     pub fn heartbeat(&mut self, hb: Heartbeat) {
         let w = self.worker_mut(&hb.worker.clone());
-        w.last_heartbeat = Some((Instant::now(), hb));
+        w.heartbeat(hb, Instant::now());
     }
 
     fn unassign(&mut self, job: JobId) {
         for w in self.workers.values_mut() {
-            w.assigned.remove(&job);
+            w.unassign(job);
         }
     }
 
@@ -973,12 +1040,13 @@ impl Registry {
     pub fn begin_term(&mut self) {
         let active: Vec<JobId> = self.active.iter().copied().collect();
         for w in self.workers.values_mut() {
-            w.assigned.clear();
+            w.clear_assignments();
         }
         for id in &active {
             self.set_local(*id, |l| {
                 l.dispatch_pending = false;
                 l.finishing = false;
+                l.hold_until = None;
             });
             let job = &self.jobs[id];
             if matches!(
@@ -986,7 +1054,8 @@ impl Registry {
                 JobState::Dispatched | JobState::Running | JobState::Retrying
             ) && let Some(w) = job.worker.clone()
             {
-                self.worker_mut(&w).assigned.insert(*id);
+                let lead = job.batch.unwrap_or(*id);
+                self.worker_mut(&w).assign(*id, lead);
             }
         }
         self.owed = active.into_iter().collect();
@@ -1088,63 +1157,6 @@ impl Registry {
         }
     }
 
-    /// Chooses a worker for as many dispatchable jobs as there are free slots, each to the
-    /// least-loaded live worker serving its model. Interactive jobs go before batch jobs, oldest
-    /// first across models, but never more than [`INTERACTIVE_BURST`] in a row while a batch job
-    /// could go: batch work keeps at least one slot in `INTERACTIVE_BURST + 1` and never starves.
-    /// Marks the choices pending and counts them on the worker. Cost: O(dispatches × (models +
-    /// workers)), whatever the backlog.
-    pub fn plan_dispatch(&mut self, heartbeat_timeout: Duration) -> Vec<(JobId, WorkerId)> {
-        let mut plan = Vec::new();
-        loop {
-            // Per model with a free worker: its oldest interactive and its oldest batch job.
-            let mut candidates: Vec<((u8, JobId), WorkerId)> = Vec::new();
-            for (model, ready) in &self.ready {
-                let heads = [
-                    ready.first().filter(|(rank, _)| *rank == 0),
-                    ready.range((1, JobId(uuid::Uuid::nil()))..).next(),
-                ];
-                if heads.iter().all(Option::is_none) {
-                    continue;
-                }
-                let worker = self
-                    .workers
-                    .values()
-                    .filter(|w| w.can_take(*model, heartbeat_timeout))
-                    .min_by_key(|w| (w.assigned.len(), w.id.clone()));
-                if let Some(w) = worker {
-                    candidates.extend(heads.into_iter().flatten().map(|h| (*h, w.id.clone())));
-                }
-            }
-            let batch_waits = candidates.iter().any(|((rank, _), _)| *rank == 1);
-            let batch_turn = batch_waits && self.interactive_streak >= INTERACTIVE_BURST;
-            let Some(((rank, id), worker)) = candidates
-                .into_iter()
-                .filter(|((rank, _), _)| !batch_turn || *rank == 1)
-                .min_by_key(|(key, _)| *key)
-            else {
-                break;
-            };
-            self.interactive_streak = if rank == 0 && batch_waits {
-                self.interactive_streak + 1
-            } else {
-                0
-            };
-            self.set_local(id, |l| l.dispatch_pending = true);
-            self.worker_mut(&worker).assigned.insert(id);
-            plan.push((id, worker));
-        }
-        plan
-    }
-
-    /// Undoes a planned dispatch that could not be published.
-    pub fn dispatch_failed(&mut self, job: JobId, worker: &WorkerId) {
-        self.worker_mut(worker).assigned.remove(&job);
-        if self.jobs.contains_key(&job) {
-            self.set_local(job, |l| l.dispatch_pending = false);
-        }
-    }
-
     /// Jobs in `dispatched` for longer than `threshold`; each is reported once until its state
     /// changes (see `Scheduler::requeue_stale`).
     pub fn stale_dispatches(&mut self, now: DateTime<Utc>, threshold: Duration) -> Vec<JobId> {
@@ -1224,6 +1236,26 @@ impl Registry {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::{DispatchConfig, Policy};
+    use vnfarm_proto::WorkerState;
+
+    impl Registry {
+        /// One job per message to the least-loaded worker, as (job, worker) pairs.
+        fn plan_ll(&mut self) -> Vec<(JobId, WorkerId)> {
+            let config = DispatchConfig {
+                policy: Policy::LeastLoaded,
+                ..DispatchConfig::default()
+            };
+            self.plan_dispatch(&config, Instant::now(), T)
+                .dispatches
+                .into_iter()
+                .map(|d| {
+                    assert_eq!(d.jobs.len(), 1, "least_loaded sends one job per message");
+                    (d.jobs[0], d.worker)
+                })
+                .collect()
+        }
+    }
     use vnfarm_proto::spec::{PipelineEdit, PipelineSpec};
     use vnfarm_proto::{EditSpec, GenerateSpec, Sampler};
 
@@ -1381,6 +1413,240 @@ mod tests {
 
     const T: Duration = Duration::from_secs(5);
 
+    fn affinity() -> DispatchConfig {
+        DispatchConfig {
+            policy: Policy::Affinity,
+            max_batch: 8,
+            affinity_wait_ms: 1_000,
+            coalesce_window_ms: 50,
+            spill_after: 6,
+            ..DispatchConfig::default()
+        }
+    }
+
+    fn batching_worker(id: &str, slots: u32, max_batch: u32) -> Heartbeat {
+        Heartbeat {
+            max_batch,
+            ..worker(id, slots)
+        }
+    }
+
+    fn wid(id: &str) -> WorkerId {
+        id.parse().unwrap()
+    }
+
+    fn later(ms: u64) -> Instant {
+        Instant::now() + Duration::from_millis(ms)
+    }
+
+    impl Stream {
+        fn dispatched(&mut self, r: &mut Registry, d: &Dispatch) {
+            let batch = (d.jobs.len() > 1).then_some(d.jobs[0]);
+            for id in &d.jobs {
+                r.apply(self.ev(
+                    *id,
+                    EventKind::Dispatched {
+                        queue: "q".into(),
+                        worker: Some(d.worker.clone()),
+                        batch,
+                    },
+                ));
+            }
+        }
+        fn completed_on(&mut self, r: &mut Registry, id: JobId, worker: &str) {
+            r.apply(self.ev(
+                id,
+                EventKind::Completed {
+                    outputs: vec![format!("results/{id}/0.png")],
+                    manifest: format!("results/{id}/manifest.json"),
+                    worker: Some(worker.parse().unwrap()),
+                    timings: Default::default(),
+                },
+            ));
+        }
+    }
+
+    #[test]
+    fn edits_of_a_base_go_as_one_batch_to_the_worker_that_made_it() {
+        let mut r = Registry::default();
+        let mut s = Stream::new();
+        for w in ["a", "b", "c"] {
+            r.heartbeat(batching_worker(w, 1, 8));
+        }
+        let base = s.queue(&mut r, generate());
+        let edits: Vec<JobId> = (0..5).map(|_| s.queue(&mut r, edit_of(base))).collect();
+        let plan = r.plan_dispatch(&affinity(), later(0), T);
+        assert_eq!(plan.dispatches.len(), 1, "only the base can run");
+        s.dispatched(&mut r, &plan.dispatches[0]);
+        s.completed_on(&mut r, base, "b");
+        // Inside the coalescing window nothing goes yet, and the plan says when to look again.
+        let plan = r.plan_dispatch(&affinity(), later(0), T);
+        assert!(plan.dispatches.is_empty(), "{plan:?}");
+        assert!(plan.wake_at.is_some());
+        let plan = r.plan_dispatch(&affinity(), later(60), T);
+        assert_eq!(plan.dispatches.len(), 1, "{plan:?}");
+        let d = &plan.dispatches[0];
+        assert_eq!(d.worker.as_str(), "b");
+        assert_eq!(d.decision, Decision::AffinityHit);
+        assert_eq!(d.jobs, edits, "one message, oldest first");
+        // Their dispatched events keep the worker's one slot taken by the one message.
+        s.dispatched(&mut r, d);
+        assert_eq!(r.workers[&wid("b")].messages.len(), 1);
+        assert_eq!(r.workers[&wid("b")].load(), 5);
+    }
+
+    #[test]
+    fn an_edit_waits_for_its_busy_holder_then_goes_elsewhere() {
+        let mut r = Registry::default();
+        let mut s = Stream::new();
+        r.heartbeat(batching_worker("a", 1, 8));
+        let base = s.queue(&mut r, generate());
+        let plan = r.plan_dispatch(&affinity(), later(0), T);
+        s.dispatched(&mut r, &plan.dispatches[0]);
+        s.completed_on(&mut r, base, "a");
+        // a is busy with something else when the edit arrives.
+        let other = s.queue(&mut r, generate());
+        let plan = r.plan_dispatch(&affinity(), later(0), T);
+        assert_eq!(plan.dispatches[0].jobs, vec![other]);
+        s.dispatched(&mut r, &plan.dispatches[0]);
+        r.heartbeat(batching_worker("b", 1, 8));
+        let edit = s.queue(&mut r, edit_of(base));
+        let plan = r.plan_dispatch(&affinity(), later(0), T);
+        assert!(
+            plan.dispatches.is_empty(),
+            "b is free, but a holds the input"
+        );
+        assert!(plan.wake_at.is_some_and(|w| w > later(500)));
+        let view = r.view(r.job(edit).unwrap(), T);
+        assert!(
+            view.waiting_for.as_deref().unwrap().contains("worker a"),
+            "{:?}",
+            view.waiting_for
+        );
+        let plan = r.plan_dispatch(&affinity(), later(1_100), T);
+        assert_eq!(plan.dispatches.len(), 1);
+        assert_eq!(plan.dispatches[0].worker.as_str(), "b");
+        assert_eq!(plan.dispatches[0].decision, Decision::AffinityWaitExpired);
+    }
+
+    #[test]
+    fn a_hot_input_spills_to_a_second_worker_and_batches_stay_within_limits() {
+        let mut r = Registry::default();
+        let mut s = Stream::new();
+        r.heartbeat(batching_worker("a", 1, 4));
+        let base = s.queue(&mut r, generate());
+        let plan = r.plan_dispatch(&affinity(), later(0), T);
+        s.dispatched(&mut r, &plan.dispatches[0]);
+        s.completed_on(&mut r, base, "a");
+        let other = s.queue(&mut r, generate());
+        let plan = r.plan_dispatch(&affinity(), later(0), T);
+        assert_eq!(plan.dispatches[0].jobs, vec![other]);
+        s.dispatched(&mut r, &plan.dispatches[0]);
+        r.heartbeat(batching_worker("b", 1, 4));
+        // Six edits of a's input (spill_after) while a is busy: b takes some at once.
+        for _ in 0..6 {
+            s.queue(&mut r, edit_of(base));
+        }
+        let plan = r.plan_dispatch(&affinity(), later(0), T);
+        assert_eq!(plan.dispatches.len(), 1, "{plan:?}");
+        let d = &plan.dispatches[0];
+        assert_eq!(
+            (d.worker.as_str(), d.decision),
+            ("b", Decision::AffinitySpill)
+        );
+        assert_eq!(d.jobs.len(), 4, "the worker's own max_batch");
+    }
+
+    #[test]
+    fn a_job_naming_a_checkpoint_goes_only_to_a_worker_holding_it() {
+        let mut r = Registry::default();
+        let mut s = Stream::new();
+        r.heartbeat(worker("plain", 4));
+        let named = |c: &str| {
+            let JobSpec::Generate(g) = generate().job else {
+                unreachable!()
+            };
+            Submission {
+                job: JobSpec::Generate(GenerateSpec {
+                    checkpoint: Some(c.into()),
+                    ..g
+                }),
+                ..generate()
+            }
+        };
+        let job = s.queue(&mut r, named("novaAnimeXL"));
+        for policy in [Policy::Affinity, Policy::LeastLoaded, Policy::RoundRobin] {
+            let config = DispatchConfig {
+                policy,
+                ..affinity()
+            };
+            assert!(r.plan_dispatch(&config, later(0), T).dispatches.is_empty());
+        }
+        let view = r.view(r.job(job).unwrap(), T);
+        assert_eq!(
+            view.waiting_for.as_deref(),
+            Some("no live worker serves sdxl checkpoint novaAnimeXL; it runs when one does")
+        );
+        r.heartbeat(Heartbeat {
+            checkpoints: vec!["novaAnimeXL".into()],
+            ..worker("nova", 1)
+        });
+        let plan = r.plan_dispatch(&affinity(), later(0), T);
+        assert_eq!(plan.dispatches.len(), 1);
+        assert_eq!(plan.dispatches[0].worker.as_str(), "nova");
+        // A job naming no checkpoint may go to either.
+        s.queue(&mut r, generate());
+        let plan = r.plan_dispatch(&affinity(), later(0), T);
+        assert_eq!(plan.dispatches[0].worker.as_str(), "plain");
+    }
+
+    #[test]
+    fn round_robin_takes_workers_in_turn_and_least_loaded_by_load() {
+        let mut r = Registry::default();
+        let mut s = Stream::new();
+        for w in ["a", "b", "c"] {
+            r.heartbeat(worker(w, 4));
+        }
+        for _ in 0..6 {
+            s.queue(&mut r, generate());
+        }
+        let config = DispatchConfig {
+            policy: Policy::RoundRobin,
+            ..affinity()
+        };
+        let order: Vec<String> = r
+            .plan_dispatch(&config, later(0), T)
+            .dispatches
+            .iter()
+            .map(|d| d.worker.to_string())
+            .collect();
+        assert_eq!(order, ["a", "b", "c", "a", "b", "c"]);
+    }
+
+    #[test]
+    fn compatible_generates_share_a_message_with_a_batching_worker() {
+        let mut r = Registry::default();
+        let mut s = Stream::new();
+        r.heartbeat(batching_worker("a", 1, 3));
+        let same: Vec<JobId> = (0..4).map(|_| s.queue(&mut r, generate())).collect();
+        let JobSpec::Generate(g) = generate().job else {
+            unreachable!()
+        };
+        let bigger = s.queue(
+            &mut r,
+            Submission {
+                job: JobSpec::Generate(GenerateSpec { width: 512, ..g }),
+                ..generate()
+            },
+        );
+        let plan = r.plan_dispatch(&affinity(), later(0), T);
+        assert_eq!(plan.dispatches.len(), 1);
+        assert_eq!(plan.dispatches[0].jobs, same[..3].to_vec());
+        assert!(!plan.dispatches[0].jobs.contains(&bigger));
+        // The same workload under least_loaded: one job per message.
+        assert_eq!(r.workers[&wid("a")].messages.len(), 1);
+    }
+
     #[test]
     fn least_loaded_dispatch_counts_at_dispatch() {
         let mut r = Registry::default();
@@ -1388,12 +1654,12 @@ mod tests {
         r.heartbeat(worker("a", 1));
         r.heartbeat(worker("b", 2));
         let ids: Vec<JobId> = (0..4).map(|_| s.queue(&mut r, generate())).collect();
-        let plan = r.plan_dispatch(T);
+        let plan = r.plan_ll();
         // Three slots in all: a gets one, b two; the fourth job waits.
         assert_eq!(plan.len(), 3);
         assert_eq!(plan.iter().filter(|(_, w)| w.as_str() == "a").count(), 1);
         assert!(
-            r.plan_dispatch(T).is_empty(),
+            r.plan_ll().is_empty(),
             "pending dispatches are not repeated"
         );
         let (done, w) = plan[0].clone();
@@ -1406,7 +1672,7 @@ mod tests {
             },
         ));
         s.complete(&mut r, done);
-        let next = r.plan_dispatch(T);
+        let next = r.plan_ll();
         assert_eq!(next.len(), 1, "a completion frees a slot");
         assert_eq!(next[0].0, ids[3]);
     }
@@ -1426,12 +1692,9 @@ mod tests {
             },
         );
         r.heartbeat(worker("a", 1));
-        assert_eq!(
-            r.plan_dispatch(T),
-            vec![(interactive, "a".parse().unwrap())]
-        );
+        assert_eq!(r.plan_ll(), vec![(interactive, "a".parse().unwrap())]);
         r.heartbeat(worker("b", 1));
-        assert_eq!(r.plan_dispatch(T), vec![(batch, "b".parse().unwrap())]);
+        assert_eq!(r.plan_ll(), vec![(batch, "b".parse().unwrap())]);
     }
 
     #[test]
@@ -1447,7 +1710,7 @@ mod tests {
             s.queue(&mut r, interactive.clone());
         }
         r.heartbeat(worker("a", 12));
-        let plan: Vec<JobId> = r.plan_dispatch(T).into_iter().map(|(j, _)| j).collect();
+        let plan: Vec<JobId> = r.plan_ll().into_iter().map(|(j, _)| j).collect();
         let burst = INTERACTIVE_BURST as usize;
         // Four interactive jobs, then the oldest batch job, four more, the next batch job, ...
         assert_eq!(plan[burst], batch[0], "{plan:?}");
@@ -1482,16 +1745,13 @@ mod tests {
         assert_eq!(r.job(e1).unwrap().parent(), Some(p));
         r.heartbeat(worker("a", 8));
         assert_eq!(
-            r.plan_dispatch(T)
-                .iter()
-                .map(|(j, _)| *j)
-                .collect::<Vec<_>>(),
+            r.plan_ll().iter().map(|(j, _)| *j).collect::<Vec<_>>(),
             vec![base],
             "the edits wait for their base"
         );
         s.complete(&mut r, base);
         assert!(r.take_follow_ups().is_empty());
-        assert_eq!(r.plan_dispatch(T).len(), 2, "the base's edits are ready");
+        assert_eq!(r.plan_ll().len(), 2, "the base's edits are ready");
         s.complete(&mut r, e1);
         assert!(r.take_follow_ups().is_empty());
         s.fail(&mut r, e2);
@@ -1530,7 +1790,7 @@ mod tests {
         assert_eq!(r.resolve_key("k"), Some(first));
         assert!(!r.contains(second), "the duplicate creates nothing");
         r.heartbeat(worker("a", 8));
-        assert_eq!(r.plan_dispatch(T).len(), 1);
+        assert_eq!(r.plan_ll().len(), 1);
     }
 
     #[test]
@@ -1647,7 +1907,7 @@ mod tests {
             reg.heartbeat(worker("a", 8));
         }
         let plan = |reg: &mut Registry| {
-            let mut p: Vec<JobId> = reg.plan_dispatch(T).into_iter().map(|(j, _)| j).collect();
+            let mut p: Vec<JobId> = reg.plan_ll().into_iter().map(|(j, _)| j).collect();
             p.sort();
             p
         };
@@ -1662,7 +1922,7 @@ mod tests {
         let id = s.queue(&mut r, generate());
         assert!(matches!(&r.request_cancel(id).unwrap()[..], [(j, true)] if *j == id));
         r.heartbeat(worker("a", 1));
-        assert!(r.plan_dispatch(T).is_empty());
+        assert!(r.plan_ll().is_empty());
         assert!(matches!(
             r.request_cancel(JobId::new()),
             Err(CancelRefusal::NotFound)
@@ -1675,9 +1935,9 @@ mod tests {
         let mut s = Stream::new();
         let id = s.queue(&mut r, generate());
         r.heartbeat(worker("a", 1));
-        assert_eq!(r.plan_dispatch(T).len(), 1);
+        assert_eq!(r.plan_ll().len(), 1);
         // The dispatch was never published (the connection died); a new term dispatches again.
         r.begin_term();
-        assert_eq!(r.plan_dispatch(T), vec![(id, "a".parse().unwrap())]);
+        assert_eq!(r.plan_ll(), vec![(id, "a".parse().unwrap())]);
     }
 }

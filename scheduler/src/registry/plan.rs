@@ -1,0 +1,369 @@
+//! The dispatch policy (DESIGN §5): which waiting jobs go to which worker, in which messages.
+//!
+//! Decisions are taken on the registry's indexes, never by scanning the backlog: the ready index
+//! per route (interactive first, then oldest), the groups of waiting jobs that may share a message
+//! (edits of the same inputs, by [`vnfarm_proto::Task::affinity_key`]; compatible generates), the
+//! holds (edits waiting for the busy worker that holds their input's encodings) by expiry, and per
+//! worker its load, its free slots and the affinity keys it holds. A plan costs O(dispatches ×
+//! workers × keys per worker).
+//!
+//! With the `affinity` policy, after SGLang's cache-aware router (Apache-2.0; the rule, not its
+//! code):
+//! 1. A worker with a free slot first takes the waiting edits of inputs it holds, as one batch
+//!    (up to `max_batch` and the worker's own limit), once the coalescing window of the group's
+//!    first job has passed or the batch is full. A holder loaded far beyond the least-loaded
+//!    worker of the model (`imbalance_abs` and `imbalance_rel`) takes nothing by affinity.
+//! 2. Then the next job by priority (interactive first, at most `INTERACTIVE_BURST` in a row while
+//!    batch work waits). An edit whose input a busy worker holds waits for it, up to
+//!    `affinity_wait_ms`, unless `spill_after` edits of that input wait (a hot input: a second
+//!    worker takes some) or every holder is overloaded. Otherwise it goes to the least-loaded
+//!    worker, with the waiting jobs of its group; that worker now holds the input.
+//!
+//! `least_loaded` and `round_robin` send one job per message, as the baselines the fleet
+//! benchmark compares against.
+
+use std::time::{Duration, Instant};
+
+use vnfarm_proto::{JobId, ModelFamily, WorkerId};
+
+use super::{INTERACTIVE_BURST, Registry, Route, WorkerRecord};
+use crate::config::{DispatchConfig, Policy};
+
+/// Jobs for one message to one worker.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Dispatch {
+    pub worker: WorkerId,
+    /// At least one; the first names the message.
+    pub jobs: Vec<JobId>,
+    pub decision: Decision,
+}
+
+/// Why a worker was chosen (the `decision` label of the dispatch metric).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Decision {
+    /// The worker holds the input's encodings.
+    AffinityHit,
+    /// No worker holds the input: the least-loaded one takes it (and now holds it).
+    AffinityMiss,
+    /// Many edits of a hot input wait: a second worker takes some.
+    AffinitySpill,
+    /// The holder did not free a slot within `affinity_wait_ms`.
+    AffinityWaitExpired,
+    /// Every holder is loaded far beyond the least-loaded worker.
+    AffinityImbalance,
+    LeastLoaded,
+    RoundRobin,
+}
+
+impl Decision {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Decision::AffinityHit => "affinity_hit",
+            Decision::AffinityMiss => "affinity_miss",
+            Decision::AffinitySpill => "affinity_spill",
+            Decision::AffinityWaitExpired => "affinity_wait_expired",
+            Decision::AffinityImbalance => "affinity_imbalance",
+            Decision::LeastLoaded => "least_loaded",
+            Decision::RoundRobin => "round_robin",
+        }
+    }
+}
+
+/// What a plan decided, and when planning again may decide more (a hold expires, a coalescing
+/// window closes) even if nothing else happens.
+#[derive(Debug, Default)]
+pub struct Plan {
+    pub dispatches: Vec<Dispatch>,
+    pub wake_at: Option<Instant>,
+}
+
+impl Plan {
+    fn wake(&mut self, at: Instant) {
+        self.wake_at = Some(self.wake_at.map_or(at, |w| w.min(at)));
+    }
+}
+
+enum Placement {
+    Send(Dispatch),
+    Hold(Instant),
+}
+
+impl Registry {
+    /// Plans every dispatch possible now. Jobs planned are pending until their `dispatched`
+    /// events come back (or [`Registry::dispatch_failed`]).
+    pub fn plan_dispatch(
+        &mut self,
+        config: &DispatchConfig,
+        now: Instant,
+        heartbeat_timeout: Duration,
+    ) -> Plan {
+        self.release_holds(now);
+        let mut plan = Plan::default();
+        loop {
+            if config.policy == Policy::Affinity
+                && let Some(d) = self.affinity_batch(config, now, heartbeat_timeout, &mut plan)
+            {
+                self.commit(&d, now);
+                plan.dispatches.push(d);
+                continue;
+            }
+            let Some((id, route, batch_waits)) = self.next_head(heartbeat_timeout) else {
+                break;
+            };
+            match self.place(id, &route, config, now, heartbeat_timeout) {
+                Placement::Hold(until) => {
+                    self.set_local(id, |l| l.hold_until = Some(until));
+                    plan.wake(until);
+                }
+                Placement::Send(d) => {
+                    let interactive = self.jobs[&id].rank().0 == 0;
+                    self.interactive_streak = if interactive && batch_waits {
+                        self.interactive_streak + 1
+                    } else {
+                        0
+                    };
+                    self.commit(&d, now);
+                    plan.dispatches.push(d);
+                }
+            }
+        }
+        if let Some(&(until, _)) = self.holds.first() {
+            plan.wake(until);
+        }
+        plan
+    }
+
+    /// Held jobs whose wait is over go back to the ready index, not to be held again.
+    fn release_holds(&mut self, now: Instant) {
+        while let Some(&(until, id)) = self.holds.first() {
+            if until > now {
+                break;
+            }
+            self.set_local(id, |l| {
+                l.hold_until = None;
+                l.hold_expired = true;
+            });
+        }
+    }
+
+    /// The next job by priority among routes that a worker with a free slot serves, and whether
+    /// batch work was among the candidates (for starvation freedom).
+    fn next_head(&self, timeout: Duration) -> Option<(JobId, Route, bool)> {
+        let mut candidates: Vec<((u8, JobId), &Route)> = Vec::new();
+        for (route, ready) in &self.ready {
+            let heads = [
+                ready.first().filter(|(rank, _)| *rank == 0),
+                ready.range((1, JobId(uuid::Uuid::nil()))..).next(),
+            ];
+            if heads.iter().all(Option::is_none)
+                || !self.workers.values().any(|w| w.can_take(route, timeout))
+            {
+                continue;
+            }
+            candidates.extend(heads.into_iter().flatten().map(|h| (*h, route)));
+        }
+        let batch_waits = candidates.iter().any(|((rank, _), _)| *rank == 1);
+        let batch_turn = batch_waits && self.interactive_streak >= INTERACTIVE_BURST;
+        candidates
+            .into_iter()
+            .filter(|((rank, _), _)| !batch_turn || *rank == 1)
+            .min_by_key(|(key, _)| *key)
+            .map(|((_, id), route)| (id, route.clone(), batch_waits))
+    }
+
+    /// Step 1 of the affinity policy: a free worker takes waiting edits of an input it holds.
+    fn affinity_batch(
+        &self,
+        config: &DispatchConfig,
+        now: Instant,
+        timeout: Duration,
+        plan: &mut Plan,
+    ) -> Option<Dispatch> {
+        let window = Duration::from_millis(config.coalesce_window_ms);
+        let mut free: Vec<&WorkerRecord> = self
+            .workers
+            .values()
+            .filter(|w| w.has_slot() && !w.keys.is_empty())
+            .collect();
+        free.sort_by_key(|w| (w.load(), w.id.clone()));
+        for w in free {
+            for key in w.keys.keys() {
+                let Some(group) = self.groups.get(key) else {
+                    continue;
+                };
+                let Some(&(_, first)) = group.first() else {
+                    continue;
+                };
+                let Some(route) = self.jobs[&first].route() else {
+                    continue;
+                };
+                if !w.serves(&route, timeout) || self.overloaded(w, &route, config, timeout) {
+                    continue;
+                }
+                let max = config.max_batch.min(w.max_batch()) as usize;
+                let since = self.waiting_since.get(&first).copied().unwrap_or(now);
+                if group.len() < max && since + window > now {
+                    plan.wake(since + window);
+                    continue;
+                }
+                return Some(Dispatch {
+                    worker: w.id.clone(),
+                    jobs: group.iter().take(max).map(|(_, id)| *id).collect(),
+                    decision: Decision::AffinityHit,
+                });
+            }
+        }
+        None
+    }
+
+    /// Where the next job by priority goes, or how long it waits for its input's holder.
+    fn place(
+        &self,
+        id: JobId,
+        route: &Route,
+        config: &DispatchConfig,
+        now: Instant,
+        timeout: Duration,
+    ) -> Placement {
+        let eligible: Vec<&WorkerRecord> = self
+            .workers
+            .values()
+            .filter(|w| w.can_take(route, timeout))
+            .collect();
+        let least_loaded = |among: &[&WorkerRecord]| {
+            among
+                .iter()
+                .min_by_key(|w| (w.load(), w.id.clone()))
+                .map(|w| w.id.clone())
+        };
+        let single = |worker: WorkerId, decision| {
+            Placement::Send(Dispatch {
+                worker,
+                jobs: vec![id],
+                decision,
+            })
+        };
+        let Some(fallback) = least_loaded(&eligible) else {
+            unreachable!("next_head only offers routes a free worker serves")
+        };
+        match config.policy {
+            Policy::RoundRobin => {
+                let next = eligible
+                    .iter()
+                    .find(|w| self.rr_cursor.as_ref().is_none_or(|c| w.id > *c))
+                    .or(eligible.first())
+                    .map_or(fallback, |w| w.id.clone());
+                single(next, Decision::RoundRobin)
+            }
+            Policy::LeastLoaded => single(fallback, Decision::LeastLoaded),
+            Policy::Affinity => {
+                let job = &self.jobs[&id];
+                let Some(key) = job.group_key() else {
+                    return single(fallback, Decision::LeastLoaded);
+                };
+                let group_len = self.groups.get(&key).map_or(1, |g| g.len());
+                let (worker, decision) = if route.model == ModelFamily::QwenEdit {
+                    let holders: Vec<&WorkerRecord> = self
+                        .workers
+                        .values()
+                        .filter(|w| w.holds(&key) && w.serves(route, timeout))
+                        .collect();
+                    let balanced = holders
+                        .iter()
+                        .any(|w| !self.overloaded(w, route, config, timeout));
+                    let hot = group_len >= config.spill_after as usize;
+                    if holders.is_empty() {
+                        (fallback, Decision::AffinityMiss)
+                    } else if balanced && !hot && !job.local.hold_expired {
+                        let since = self.waiting_since.get(&id).copied().unwrap_or(now);
+                        let until = since + Duration::from_millis(config.affinity_wait_ms);
+                        return Placement::Hold(until.max(now + Duration::from_millis(1)));
+                    } else {
+                        let others: Vec<&WorkerRecord> = eligible
+                            .iter()
+                            .copied()
+                            .filter(|w| !w.holds(&key))
+                            .collect();
+                        let decision = if !balanced {
+                            Decision::AffinityImbalance
+                        } else if hot {
+                            Decision::AffinitySpill
+                        } else {
+                            Decision::AffinityWaitExpired
+                        };
+                        (least_loaded(&others).unwrap_or(fallback), decision)
+                    }
+                } else {
+                    (fallback, Decision::LeastLoaded)
+                };
+                let max = config
+                    .max_batch
+                    .min(self.workers[&worker].max_batch())
+                    .max(1) as usize;
+                let mut jobs = vec![id];
+                if let Some(group) = self.groups.get(&key) {
+                    jobs.extend(
+                        group
+                            .iter()
+                            .map(|(_, j)| *j)
+                            .filter(|j| *j != id)
+                            .take(max - 1),
+                    );
+                }
+                Placement::Send(Dispatch {
+                    worker,
+                    jobs,
+                    decision,
+                })
+            }
+        }
+    }
+
+    /// Loaded far beyond the least-loaded live worker of the route.
+    fn overloaded(
+        &self,
+        w: &WorkerRecord,
+        route: &Route,
+        config: &DispatchConfig,
+        timeout: Duration,
+    ) -> bool {
+        let min = self
+            .workers
+            .values()
+            .filter(|o| o.serves(route, timeout))
+            .map(WorkerRecord::load)
+            .min()
+            .unwrap_or(0);
+        let load = w.load();
+        load.saturating_sub(min) > config.imbalance_abs as usize
+            && load as f64 > config.imbalance_rel * min as f64
+    }
+
+    /// Marks a planned message's jobs pending and counts them on the worker at once.
+    fn commit(&mut self, d: &Dispatch, now: Instant) {
+        let lead = d.jobs[0];
+        for &id in &d.jobs {
+            self.set_local(id, |l| {
+                l.dispatch_pending = true;
+                l.hold_until = None;
+            });
+            let key = self.jobs[&id].group_key();
+            let w = self.worker_mut(&d.worker);
+            w.assign(id, lead);
+            if let Some(key) = key.filter(|k| k.starts_with(ModelFamily::QwenEdit.as_str())) {
+                w.keys.insert(key, now);
+            }
+        }
+        if d.decision == Decision::RoundRobin {
+            self.rr_cursor = Some(d.worker.clone());
+        }
+    }
+
+    /// Undoes a planned dispatch that could not be published.
+    pub fn dispatch_failed(&mut self, job: JobId, worker: &WorkerId) {
+        self.worker_mut(worker).unassign(job);
+        if self.jobs.contains_key(&job) {
+            self.set_local(job, |l| l.dispatch_pending = false);
+        }
+    }
+}

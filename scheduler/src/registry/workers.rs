@@ -1,0 +1,167 @@
+//! What the scheduler knows about each worker: its latest heartbeat, the jobs dispatched to it
+//! (counted at dispatch, not when the worker reports), the batch messages those jobs travel in
+//! (each holds one of the worker's slots), and the affinity keys of the inputs whose encodings it
+//! holds.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
+
+use vnfarm_proto::{Heartbeat, JobId, ModelFamily, WorkerId, WorkerState};
+
+/// A key the worker no longer advertises is forgotten this long after it was last confirmed or
+/// dispatched (a dispatch counts before the worker's next heartbeat can show it).
+pub(super) const KEY_GRACE: Duration = Duration::from_secs(30);
+
+/// Which workers may run a job: its model family and, for a generate that names one, the SDXL
+/// checkpoint.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Route {
+    pub model: ModelFamily,
+    pub checkpoint: Option<String>,
+}
+
+impl std::fmt::Display for Route {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.checkpoint {
+            Some(c) => write!(f, "{} checkpoint {c}", self.model),
+            None => write!(f, "{}", self.model),
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct WorkerRecord {
+    pub(super) id: WorkerId,
+    pub(super) last_heartbeat: Option<(Instant, Heartbeat)>,
+    /// Jobs dispatched to it and not yet finished or returned, each with the first job of the
+    /// message it travels in.
+    pub(super) assigned: BTreeMap<JobId, JobId>,
+    /// Messages on it (by their first job) with how many of their jobs are still assigned.
+    pub(super) messages: HashMap<JobId, u32>,
+    /// Affinity keys of what it holds, with when each was last confirmed by a heartbeat or a
+    /// dispatch.
+    pub(super) keys: HashMap<String, Instant>,
+}
+
+impl WorkerRecord {
+    pub(super) fn new(id: WorkerId) -> Self {
+        Self {
+            id,
+            last_heartbeat: None,
+            assigned: BTreeMap::new(),
+            messages: HashMap::new(),
+            keys: HashMap::new(),
+        }
+    }
+
+    pub fn id(&self) -> &WorkerId {
+        &self.id
+    }
+
+    /// Jobs dispatched to it and not yet finished or returned.
+    pub fn assigned(&self) -> impl Iterator<Item = JobId> + '_ {
+        self.assigned.keys().copied()
+    }
+
+    /// Jobs on it: the load the policy balances.
+    pub fn load(&self) -> usize {
+        self.assigned.len()
+    }
+
+    pub fn last_heartbeat(&self) -> Option<&(Instant, Heartbeat)> {
+        self.last_heartbeat.as_ref()
+    }
+
+    pub fn alive(&self, timeout: Duration) -> bool {
+        self.last_heartbeat
+            .as_ref()
+            .is_some_and(|(at, _)| at.elapsed() < timeout)
+    }
+
+    /// Ready, recently heard from, serving the route's model and checkpoint.
+    pub(super) fn serves(&self, route: &Route, timeout: Duration) -> bool {
+        self.last_heartbeat.as_ref().is_some_and(|(at, hb)| {
+            at.elapsed() < timeout
+                && hb.state == WorkerState::Ready
+                && hb.models.contains(&route.model)
+                && route
+                    .checkpoint
+                    .as_ref()
+                    .is_none_or(|c| hb.checkpoints.contains(c))
+        })
+    }
+
+    /// Has a free slot: fewer messages on it than its prefetch.
+    pub(super) fn has_slot(&self) -> bool {
+        self.last_heartbeat
+            .as_ref()
+            .is_some_and(|(_, hb)| (self.messages.len() as u32) < hb.slots)
+    }
+
+    /// Serves the route and has a free slot.
+    pub(super) fn can_take(&self, route: &Route, timeout: Duration) -> bool {
+        self.serves(route, timeout) && self.has_slot()
+    }
+
+    /// The most jobs one message to it may carry.
+    pub(super) fn max_batch(&self) -> u32 {
+        self.last_heartbeat
+            .as_ref()
+            .map_or(1, |(_, hb)| hb.max_batch.max(1))
+    }
+
+    pub(super) fn holds(&self, key: &str) -> bool {
+        self.keys.contains_key(key)
+    }
+
+    pub(super) fn assign(&mut self, job: JobId, message: JobId) {
+        if let Some(old) = self.assigned.insert(job, message) {
+            self.release(old);
+        }
+        *self.messages.entry(message).or_default() += 1;
+    }
+
+    /// Takes a job off it; its message's slot frees with the message's last job.
+    pub(super) fn unassign(&mut self, job: JobId) {
+        if let Some(message) = self.assigned.remove(&job) {
+            self.release(message);
+        }
+    }
+
+    fn release(&mut self, message: JobId) {
+        if let Some(n) = self.messages.get_mut(&message) {
+            *n -= 1;
+            if *n == 0 {
+                self.messages.remove(&message);
+            }
+        }
+    }
+
+    pub(super) fn clear_assignments(&mut self) {
+        self.assigned.clear();
+        self.messages.clear();
+    }
+
+    /// Takes a heartbeat: its encode-cache keys are confirmed now, keys it no longer lists are
+    /// forgotten once their grace has passed (they were evicted).
+    pub(super) fn heartbeat(&mut self, hb: Heartbeat, now: Instant) {
+        for key in &hb.encode_cache {
+            self.keys.insert(key.clone(), now);
+        }
+        self.keys
+            .retain(|_, at| now.saturating_duration_since(*at) < KEY_GRACE);
+        self.last_heartbeat = Some((now, hb));
+    }
+
+    /// `ready`, `warming`, `draining` or `gone`.
+    pub fn state_name(&self, timeout: Duration) -> &'static str {
+        match &self.last_heartbeat {
+            Some((at, hb)) if at.elapsed() < timeout => match hb.state {
+                WorkerState::Ready => "ready",
+                WorkerState::Warming => "warming",
+                WorkerState::Draining => "draining",
+            },
+            _ => "gone",
+        }
+    }
+}
