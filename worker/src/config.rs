@@ -29,8 +29,14 @@ pub struct Config {
     #[serde(default = "default_heartbeat_ms")]
     pub heartbeat_interval_ms: u64,
     /// Jobs the broker may hand this worker before it acknowledges one (its queue's prefetch).
+    /// A batch message counts as one.
     #[serde(default = "one")]
     pub prefetch: u16,
+    /// The most jobs one work message may carry to this worker (advertised as `max_batch`): the
+    /// scheduler coalesces edits of the same input, and compatible generates, into batch messages
+    /// up to this size, which the engine runs together. 1 turns batching off.
+    #[serde(default = "default_batch_jobs")]
+    pub batch_jobs: u32,
     /// After SIGTERM, how long the job in hand may run before it is interrupted and requeued.
     #[serde(default = "default_grace_s")]
     pub drain_grace_s: u64,
@@ -63,6 +69,9 @@ fn default_heartbeat_ms() -> u64 {
 }
 fn one() -> u16 {
     1
+}
+fn default_batch_jobs() -> u32 {
+    8
 }
 fn default_grace_s() -> u64 {
     600
@@ -99,6 +108,9 @@ impl vnfarm_config::Validate for Config {
         }
         if !(1..=64).contains(&self.prefetch) {
             return Err("prefetch: must be 1..=64".into());
+        }
+        if !(1..=64).contains(&self.batch_jobs) {
+            return Err("batch_jobs: must be 1..=64".into());
         }
         if self.storage_attempts == 0 {
             return Err("storage_attempts: must be at least 1".into());

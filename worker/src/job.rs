@@ -1,35 +1,38 @@
-//! One delivery, from message to acknowledgement: decode, run on the engine, store outputs and the
-//! manifest, publish the events, then ack (DESIGN §4: ack only after the side effects are done).
-//! A delivery of a job whose manifest is already stored is not run again: see
-//! [`Worker::finished_before`].
+//! One delivery, from message to acknowledgement: decode, run the message's jobs ([`crate::execute`]),
+//! settle each, then ack (DESIGN §4: ack only after the side effects are done).
 //!
-//! Every failure is classified once, in [`JobError::disposition`]: dead-letter (permanent), retry
-//! (transient), report cancelled, give back (shutdown), or abandon (the broker is gone, so the message
-//! will be redelivered anyway).
+//! A message carries one job, or a batch of jobs ([`WorkMessage::batch`]: edits of one input, or
+//! compatible generates) that run on the engine together: one message, one delivery, one ack, and
+//! each job still gets its own events, outputs and manifest. Every failure is classified once, in
+//! [`JobError::disposition`]: dead-letter (permanent), retry (transient), report cancelled, give
+//! back (shutdown), or abandon (the broker is gone, so the message will be redelivered anyway).
+//!
+//! A single-job message is settled as a whole: dead-lettered, acked, or requeued to the worker's
+//! queue. In a batch, each job is settled on its own and the message is acked once all are, so a
+//! failure or cancel of one never loses the others: a job failing permanently is dead-lettered as a
+//! single-job copy; one to try again (a transient failure, shutdown) goes back to the scheduler as
+//! a single-job message on the redispatch queue. When the broker is lost, the whole message is
+//! redelivered and the jobs it had finished are skipped by their manifests.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use chrono::Utc;
 use lapin::BasicProperties;
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
-use sha2::{Digest, Sha256};
+use lapin::types::{AMQPValue, FieldTable, LongString};
 use tracing::Instrument;
 use vnfarm_bus::headers::{dead_letter_headers, delivery_count};
 use vnfarm_bus::publisher::json_properties;
 use vnfarm_bus::{PublishError, Publisher};
-use vnfarm_proto::manifest::{ManifestOutput, Versions};
-use vnfarm_proto::spec::MAX_UPSCALE_OUTPUT_SIDE;
-use vnfarm_proto::topology::{manifest_key, output_key};
+use vnfarm_proto::topology::{HEADER_FAILURE, HEADER_JOB_ID, HEADER_REASON, manifest_key};
 use vnfarm_proto::{
-    Event, EventKind, FailureKind, ImageRef, JobId, MAX_MESSAGE_BYTES, Manifest, SCHEMA_VERSION,
-    StageTimings, Task, WorkMessage, decode_json,
+    BatchedJob, Event, EventKind, FailureKind, JobId, MAX_MESSAGE_BYTES, Manifest, SCHEMA_VERSION,
+    WorkMessage, decode_json,
 };
 use vnfarm_storage::StorageError;
 
-use crate::engine::{Cancel, CancelReason, EngineError, EngineJob, InputImage};
-use crate::image_io::{decode_input, encode_png};
+use crate::engine::{CancelReason, EngineError};
+use crate::execute::{Done, Ended, JobEnd};
 use crate::worker::Worker;
 
 /// A delivery not yet settled. Settling consumes it, so a double ack cannot be written.
@@ -95,7 +98,7 @@ pub enum JobError {
     Broker(#[from] PublishError),
 }
 
-/// What happens to the message after a failure.
+/// What happens to a job after a failure.
 #[derive(Debug, PartialEq, Eq)]
 enum Disposition {
     /// Permanent: to the dead-letter exchange with a final `failed` event.
@@ -140,7 +143,8 @@ impl JobError {
             }
             // Not the job's fault: another worker tries it (this one stops, see `device_lost`).
             JobError::Engine(EngineError::DeviceLost(_)) => Disposition::Retry(FailureKind::Engine),
-            JobError::Engine(EngineError::Unsupported(_)) => {
+            // The scheduler routed it to a worker that does not hold its model or checkpoint.
+            JobError::Engine(EngineError::Unsupported(_) | EngineError::NoCheckpoint(_)) => {
                 Disposition::DeadLetter(FailureKind::NoWorker)
             }
             JobError::Broker(_) => Disposition::Abandon,
@@ -148,14 +152,9 @@ impl JobError {
     }
 }
 
-struct Done {
-    outputs: Vec<String>,
-    manifest: String,
-    timings: StageTimings,
-}
-
-/// Decodes a delivery into a work message; on failure returns the job id if one can be recovered.
-fn parse(delivery: &Delivery) -> Result<WorkMessage, (Option<JobId>, String)> {
+/// Decodes a delivery into a work message; on failure returns the ids of the jobs that can be
+/// recovered.
+fn parse(delivery: &Delivery) -> Result<WorkMessage, (Vec<JobId>, String)> {
     let id_from_props = delivery
         .properties
         .message_id()
@@ -163,18 +162,18 @@ fn parse(delivery: &Delivery) -> Result<WorkMessage, (Option<JobId>, String)> {
         .and_then(|m| m.as_str().parse::<JobId>().ok());
     if delivery.data.len() > MAX_MESSAGE_BYTES {
         return Err((
-            id_from_props,
+            id_from_props.into_iter().collect(),
             format!(
                 "message of {} bytes exceeds {MAX_MESSAGE_BYTES}",
                 delivery.data.len()
             ),
         ));
     }
-    let msg: WorkMessage =
-        decode_json(&delivery.data).map_err(|e| (id_from_props, e.to_string()))?;
+    let msg: WorkMessage = decode_json(&delivery.data)
+        .map_err(|e| (id_from_props.into_iter().collect(), e.to_string()))?;
     if msg.schema_version != SCHEMA_VERSION {
         return Err((
-            Some(msg.job_id),
+            msg.jobs().map(|j| j.job_id).collect(),
             format!("schema_version: {} is not supported", msg.schema_version),
         ));
     }
@@ -196,223 +195,93 @@ impl Worker {
         let pending = Pending(delivery);
         let msg = match parse(&pending.0) {
             Ok(msg) => msg,
-            Err((job_id, reason)) => {
+            Err((job_ids, reason)) => {
                 self.metrics.malformed_messages_total.inc();
-                tracing::warn!(job_id = ?job_id, %reason, "dead-lettering a malformed work message");
-                return self
-                    .dead_letter(
-                        publisher,
-                        pending,
-                        &body,
-                        job_id,
-                        FailureKind::Malformed,
-                        &reason,
-                    )
-                    .await;
+                tracing::warn!(job_ids = ?job_ids, %reason, "dead-lettering a malformed work message");
+                self.dead_letter(publisher, &body, &job_ids, FailureKind::Malformed, &reason)
+                    .await?;
+                return pending.ack().await;
             }
         };
-        let job_id = msg.job_id;
-        let kind = msg.task.kind_name();
-        let span = tracing::info_span!("job", job_id = %job_id, kind, attempt);
-        if self.is_cancelled(job_id) {
-            tracing::info!(job_id = %job_id, "skipping a job cancelled before it started");
-            self.publish_event(
-                publisher,
-                job_id,
-                EventKind::Cancelled {
-                    reason: "cancelled before it started".into(),
-                },
-            )
-            .await
-            .map_err(broker)?;
-            self.metrics
-                .jobs_total
-                .with_label_values(&[kind, "cancelled"])
-                .inc();
-            return pending.ack().await;
-        }
-        match self.finished_before(job_id).instrument(span.clone()).await {
-            Ok(None) => {}
-            Ok(Some(manifest)) => {
-                return self
-                    .report_finished(publisher, pending, kind, manifest)
-                    .instrument(span)
-                    .await;
+        let jobs: Vec<BatchedJob> = msg.jobs().collect();
+        self.metrics.batch_jobs.observe(jobs.len() as f64);
+        let settled = if jobs.len() == 1 {
+            let job = &jobs[0];
+            let span = tracing::info_span!("job", job_id = %job.job_id, kind = job.task.kind_name(), attempt);
+            async {
+                let end = self.execute(publisher, &jobs, attempt).await;
+                let end = end.into_iter().next().unwrap_or_else(|| {
+                    Err(JobError::Engine(EngineError::Failed(
+                        "no end for the job".into(),
+                    )))
+                });
+                self.settle_single(publisher, pending, &body, job, end, started)
+                    .await
             }
-            Err(e) => {
-                return self
-                    .settle_failure(publisher, pending, &body, &msg, e)
-                    .instrument(span)
-                    .await;
-            }
-        }
-
-        let cancel = Cancel::default();
-        self.set_running(Some((job_id, cancel.clone())));
-        let result = self
-            .execute(publisher, &msg, &cancel, attempt)
             .instrument(span)
-            .await;
-        self.set_running(None);
-        self.metrics
-            .job_seconds
-            .with_label_values(&[kind])
-            .observe(started.elapsed().as_secs_f64());
-
-        match result {
-            Ok(done) => {
-                let event = EventKind::Completed {
-                    outputs: done.outputs,
-                    manifest: done.manifest,
-                    worker: Some(self.id.clone()),
-                    timings: done.timings,
-                };
-                self.publish_event(publisher, job_id, event)
-                    .await
-                    .map_err(broker)?;
-                pending.ack().await?;
-                self.metrics
-                    .jobs_total
-                    .with_label_values(&[kind, "completed"])
-                    .inc();
-                tracing::info!(job_id = %job_id, seconds = started.elapsed().as_secs_f64(), "job completed");
-                Ok(())
-            }
-            Err(e) => {
-                self.settle_failure(publisher, pending, &body, &msg, e)
-                    .await
-            }
-        }
-    }
-
-    /// The manifest of this job, if one is stored: then an earlier delivery ran the job to the end
-    /// and it must not run again (a redelivery after the worker died or lost the broker between
-    /// storing the results and the ack, or a second dispatch).
-    ///
-    /// Sound because the manifest is the last thing a run stores ([`Worker::execute`] puts every
-    /// output first), and a put is atomic in both stores (an S3 PUT; write-then-rename on disk): a
-    /// manifest is there only when every output it names is. A manifest that does not decode (or
-    /// names another job) proves nothing, so the job runs again and overwrites it. Storage that
-    /// cannot answer is a transient failure like any other: the job is retried, not guessed about.
-    async fn finished_before(&self, job_id: JobId) -> Result<Option<Manifest>, JobError> {
-        let key = manifest_key(job_id);
-        // `NotFound` is the usual answer here, not a storage error: it is a value for the retries.
-        let stored = self
-            .with_storage_retries("get", &key, || async {
-                match self.storage.get(&key).await {
-                    Ok(bytes) => Ok(Some(bytes)),
-                    Err(StorageError::NotFound { .. }) => Ok(None),
-                    Err(e) => Err(e),
-                }
-            })
-            .await?;
-        let Some(bytes) = stored else {
-            return Ok(None);
-        };
-        match manifest_of(job_id, &bytes) {
-            Ok(manifest) => Ok(Some(manifest)),
-            Err(reason) => {
-                tracing::warn!(job_id = %job_id, key, %reason, "stored manifest is unreadable; running the job again");
-                Ok(None)
-            }
-        }
-    }
-
-    /// Reports a job an earlier delivery finished (see [`Worker::finished_before`]): `completed`
-    /// rebuilt from its manifest, then the ack. The engine does not run and no `started` is sent.
-    async fn report_finished(
-        &self,
-        publisher: &Publisher,
-        pending: Pending,
-        kind: &'static str,
-        manifest: Manifest,
-    ) -> Result<(), Lost> {
-        let job_id = manifest.job_id;
-        let made_by = manifest.worker.clone();
-        self.publish_event(publisher, job_id, completed_from(manifest))
             .await
-            .map_err(broker)?;
-        pending.ack().await?;
-        self.metrics
-            .jobs_total
-            .with_label_values(&[kind, "already_completed"])
-            .inc();
-        tracing::info!(job_id = %job_id, made_by = %made_by, "job already completed; not running it again");
-        Ok(())
+        } else {
+            let span =
+                tracing::info_span!("batch", first = %msg.job_id, jobs = jobs.len(), attempt);
+            async {
+                let ends = self.execute(publisher, &jobs, attempt).await;
+                self.settle_batch(publisher, pending, &jobs, ends, started)
+                    .await
+            }
+            .instrument(span)
+            .await
+        };
+        self.drop_in_hand();
+        settled
     }
 
-    async fn settle_failure(
+    /// Settles a single-job message as a whole: acked, dead-lettered, or requeued on this worker's
+    /// queue.
+    async fn settle_single(
         &self,
         publisher: &Publisher,
         pending: Pending,
         body: &[u8],
-        msg: &WorkMessage,
-        error: JobError,
+        job: &BatchedJob,
+        end: JobEnd,
+        started: Instant,
     ) -> Result<(), Lost> {
-        let job_id = msg.job_id;
-        let kind = msg.task.kind_name();
+        let job_id = job.job_id;
+        let kind = job.task.kind_name();
+        let error = match end {
+            Ok(ended) => {
+                self.report(publisher, job, ended, started).await?;
+                return pending.ack().await;
+            }
+            Err(error) => error,
+        };
         if let JobError::Engine(EngineError::DeviceLost(reason)) = &error {
             // Stop taking jobs before this one is given back, so it goes to another worker.
             self.device_lost(reason);
         }
+        self.count_failure(job, &error.disposition(), started);
         match error.disposition() {
             Disposition::DeadLetter(failure) => {
                 tracing::warn!(job_id = %job_id, failure = failure.as_str(), error = %error, "job failed permanently");
-                self.metrics
-                    .jobs_total
-                    .with_label_values(&[kind, "failed"])
-                    .inc();
-                self.dead_letter(
-                    publisher,
-                    pending,
-                    body,
-                    Some(job_id),
-                    failure,
-                    &error.to_string(),
-                )
-                .await
+                self.dead_letter(publisher, body, &[job_id], failure, &error.to_string())
+                    .await?;
+                pending.ack().await
             }
             Disposition::Retry(failure) => {
                 tracing::warn!(job_id = %job_id, failure = failure.as_str(), error = %error, "job failed, will be retried");
-                self.metrics
-                    .jobs_total
-                    .with_label_values(&[kind, "requeued"])
-                    .inc();
-                let event = EventKind::Failed {
-                    failure,
-                    message: error.to_string(),
-                    retryable: true,
-                };
-                self.publish_event(publisher, job_id, event)
-                    .await
-                    .map_err(broker)?;
+                self.publish_failed(publisher, job_id, failure, &error, true)
+                    .await?;
                 // Back off before giving it back, so a broken dependency is not hammered.
-                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+                tokio::time::sleep(RETRY_BACKOFF).await;
                 pending.requeue().await
             }
             Disposition::Cancelled => {
-                tracing::info!(job_id = %job_id, "job cancelled while running");
-                self.metrics
-                    .jobs_total
-                    .with_label_values(&[kind, "cancelled"])
-                    .inc();
-                self.publish_event(
-                    publisher,
-                    job_id,
-                    EventKind::Cancelled {
-                        reason: "cancelled while running".into(),
-                    },
-                )
-                .await
-                .map_err(broker)?;
+                self.report_cancelled(publisher, job_id, "cancelled while running")
+                    .await?;
                 pending.ack().await
             }
             Disposition::GiveBack => {
-                tracing::info!(job_id = %job_id, "shutdown interrupted the job; giving it back");
-                self.metrics
-                    .jobs_total
-                    .with_label_values(&[kind, "requeued"])
-                    .inc();
+                tracing::info!(job_id = %job_id, kind, "shutdown interrupted the job; giving it back");
                 pending.requeue().await
             }
             Disposition::Abandon => {
@@ -422,17 +291,218 @@ impl Worker {
         }
     }
 
-    /// Copies the message to the dead-letter exchange with the reason, publishes `failed`, then acks.
-    async fn dead_letter(
+    /// Settles each job of a batch message on its own, then acks the message. A job to try again
+    /// goes back to the scheduler alone; one that failed for good is dead-lettered alone.
+    async fn settle_batch(
         &self,
         publisher: &Publisher,
         pending: Pending,
+        jobs: &[BatchedJob],
+        ends: Vec<JobEnd>,
+        started: Instant,
+    ) -> Result<(), Lost> {
+        let retries = ends
+            .iter()
+            .any(|end| matches!(end, Err(e) if matches!(e.disposition(), Disposition::Retry(_))));
+        if retries {
+            // Back off once before giving jobs back, so a broken dependency is not hammered.
+            tokio::time::sleep(RETRY_BACKOFF).await;
+        }
+        for (job, end) in jobs.iter().zip(ends) {
+            self.settle_member(publisher, job, end, started).await?;
+            self.settled(job.job_id);
+        }
+        pending.ack().await
+    }
+
+    async fn settle_member(
+        &self,
+        publisher: &Publisher,
+        job: &BatchedJob,
+        end: JobEnd,
+        started: Instant,
+    ) -> Result<(), Lost> {
+        let job_id = job.job_id;
+        let error = match end {
+            Ok(ended) => return self.report(publisher, job, ended, started).await,
+            Err(error) => error,
+        };
+        if let JobError::Engine(EngineError::DeviceLost(reason)) = &error {
+            self.device_lost(reason);
+        }
+        let disposition = error.disposition();
+        self.count_failure(job, &disposition, started);
+        match disposition {
+            Disposition::DeadLetter(failure) => {
+                tracing::warn!(job_id = %job_id, failure = failure.as_str(), error = %error, "job of a batch failed permanently");
+                let alone = single_job_body(job);
+                self.dead_letter(publisher, &alone, &[job_id], failure, &error.to_string())
+                    .await
+            }
+            Disposition::Retry(failure) => {
+                tracing::warn!(job_id = %job_id, failure = failure.as_str(), error = %error, "job of a batch failed; giving it back to be retried");
+                self.publish_failed(publisher, job_id, failure, &error, true)
+                    .await?;
+                self.give_back(publisher, job, Some(failure), &error.to_string())
+                    .await
+            }
+            Disposition::Cancelled => {
+                self.report_cancelled(publisher, job_id, "cancelled while running")
+                    .await
+            }
+            Disposition::GiveBack => {
+                tracing::info!(job_id = %job_id, "shutdown interrupted a job of a batch; giving it back");
+                self.give_back(publisher, job, None, "the worker shut down")
+                    .await
+            }
+            Disposition::Abandon => {
+                tracing::warn!(job_id = %job_id, error = %error, "broker lost mid-batch; the message will be redelivered");
+                Err(Lost(error.to_string()))
+            }
+        }
+    }
+
+    /// Publishes the event of a job that ended without failing: `cancelled` before it started,
+    /// `completed` from an earlier delivery's manifest, or `completed` here.
+    async fn report(
+        &self,
+        publisher: &Publisher,
+        job: &BatchedJob,
+        ended: Ended,
+        started: Instant,
+    ) -> Result<(), Lost> {
+        let job_id = job.job_id;
+        let kind = job.task.kind_name();
+        match ended {
+            Ended::CancelledBefore => {
+                self.metrics
+                    .jobs_total
+                    .with_label_values(&[kind, "cancelled"])
+                    .inc();
+                self.report_cancelled(publisher, job_id, "cancelled before it started")
+                    .await
+            }
+            Ended::FinishedBefore(manifest) => {
+                self.report_finished(publisher, kind, *manifest).await
+            }
+            Ended::Completed(Done {
+                outputs,
+                manifest,
+                timings,
+            }) => {
+                self.metrics
+                    .job_seconds
+                    .with_label_values(&[kind])
+                    .observe(started.elapsed().as_secs_f64());
+                let event = EventKind::Completed {
+                    outputs,
+                    manifest,
+                    worker: Some(self.id.clone()),
+                    timings,
+                };
+                self.publish_event(publisher, job_id, event)
+                    .await
+                    .map_err(broker)?;
+                self.metrics
+                    .jobs_total
+                    .with_label_values(&[kind, "completed"])
+                    .inc();
+                tracing::info!(job_id = %job_id, seconds = started.elapsed().as_secs_f64(), "job completed");
+                Ok(())
+            }
+        }
+    }
+
+    /// Reports a job an earlier delivery finished (see [`Worker::finished_before`]): `completed`
+    /// rebuilt from its manifest. The engine does not run and no `started` is sent.
+    async fn report_finished(
+        &self,
+        publisher: &Publisher,
+        kind: &'static str,
+        manifest: Manifest,
+    ) -> Result<(), Lost> {
+        let job_id = manifest.job_id;
+        let made_by = manifest.worker.clone();
+        self.publish_event(publisher, job_id, completed_from(manifest))
+            .await
+            .map_err(broker)?;
+        self.metrics
+            .jobs_total
+            .with_label_values(&[kind, "already_completed"])
+            .inc();
+        tracing::info!(job_id = %job_id, made_by = %made_by, "job already completed; not running it again");
+        Ok(())
+    }
+
+    async fn report_cancelled(
+        &self,
+        publisher: &Publisher,
+        job_id: JobId,
+        reason: &str,
+    ) -> Result<(), Lost> {
+        tracing::info!(job_id = %job_id, reason, "job cancelled");
+        self.publish_event(
+            publisher,
+            job_id,
+            EventKind::Cancelled {
+                reason: reason.into(),
+            },
+        )
+        .await
+        .map_err(broker)
+    }
+
+    /// Counts a failed job by what happens to it (a cancel counts as `cancelled`).
+    fn count_failure(&self, job: &BatchedJob, disposition: &Disposition, started: Instant) {
+        let kind = job.task.kind_name();
+        let outcome = match disposition {
+            Disposition::DeadLetter(_) => "failed",
+            Disposition::Retry(_) | Disposition::GiveBack => "requeued",
+            Disposition::Cancelled => "cancelled",
+            // Nothing is settled: the message comes back.
+            Disposition::Abandon => return,
+        };
+        self.metrics
+            .jobs_total
+            .with_label_values(&[kind, outcome])
+            .inc();
+        if outcome != "cancelled" {
+            self.metrics
+                .job_seconds
+                .with_label_values(&[kind])
+                .observe(started.elapsed().as_secs_f64());
+        }
+    }
+
+    async fn publish_failed(
+        &self,
+        publisher: &Publisher,
+        job_id: JobId,
+        failure: FailureKind,
+        error: &JobError,
+        retryable: bool,
+    ) -> Result<(), Lost> {
+        let event = EventKind::Failed {
+            failure,
+            message: error.to_string(),
+            retryable,
+        };
+        self.publish_event(publisher, job_id, event)
+            .await
+            .map_err(broker)
+    }
+
+    /// Copies `body` to the dead-letter exchange with the reason, and publishes `failed` (final)
+    /// for each of `job_ids` (the first is named in the headers). The caller acks.
+    async fn dead_letter(
+        &self,
+        publisher: &Publisher,
         body: &[u8],
-        job_id: Option<JobId>,
+        job_ids: &[JobId],
         failure: FailureKind,
         reason: &str,
     ) -> Result<(), Lost> {
-        let id = job_id.map(|j| j.to_string());
+        let id = job_ids.first().map(|j| j.to_string());
         let props = BasicProperties::default()
             .with_delivery_mode(2)
             .with_headers(dead_letter_headers(reason, failure.as_str(), id.as_deref()));
@@ -440,10 +510,10 @@ impl Worker {
             .publish(&self.topology.dead_exchange(), "", body, props)
             .await
         {
-            tracing::warn!(job_id = ?job_id, error = %e, "could not dead-letter the message; it stays unsettled");
+            tracing::warn!(job_ids = ?job_ids, error = %e, "could not dead-letter the message; it stays unsettled");
             return Err(broker(e));
         }
-        if let Some(job_id) = job_id {
+        for &job_id in job_ids {
             let event = EventKind::Failed {
                 failure,
                 message: reason.to_owned(),
@@ -453,7 +523,44 @@ impl Worker {
                 .await
                 .map_err(broker)?;
         }
-        pending.ack().await
+        Ok(())
+    }
+
+    /// Gives one job of a batch back to the scheduler: a single-job message on the redispatch
+    /// queue, where the scheduler takes it back into its backlog. The headers say why (and the
+    /// failure, for a transient one).
+    async fn give_back(
+        &self,
+        publisher: &Publisher,
+        job: &BatchedJob,
+        failure: Option<FailureKind>,
+        reason: &str,
+    ) -> Result<(), Lost> {
+        let id = job.job_id.to_string();
+        let mut headers = FieldTable::default();
+        let mut put = |name: &str, value: String| {
+            headers.insert(name.into(), AMQPValue::LongString(LongString::from(value)));
+        };
+        put(
+            HEADER_REASON,
+            format!("given back by worker {}: {reason}", self.id),
+        );
+        put(HEADER_JOB_ID, id.clone());
+        if let Some(failure) = failure {
+            put(HEADER_FAILURE, failure.as_str().to_owned());
+        }
+        let props = json_properties()
+            .with_message_id(id.into())
+            .with_headers(headers);
+        let body = single_job_body(job);
+        if let Err(e) = publisher
+            .publish("", &self.topology.redispatch_queue(), &body, props)
+            .await
+        {
+            tracing::warn!(job_id = %job.job_id, error = %e, "could not give the job back; the message stays unsettled");
+            return Err(broker(e));
+        }
+        Ok(())
     }
 
     pub(crate) async fn publish_event(
@@ -476,257 +583,15 @@ impl Worker {
         }
         result
     }
+}
 
-    async fn execute(
-        &self,
-        publisher: &Publisher,
-        msg: &WorkMessage,
-        cancel: &Cancel,
-        attempt: u32,
-    ) -> Result<Done, JobError> {
-        let job_id = msg.job_id;
-        if msg.deadline.is_some_and(|d| d < Utc::now()) {
-            return Err(JobError::DeadlineExceeded);
-        }
-        self.publish_event(
-            publisher,
-            job_id,
-            EventKind::Started {
-                worker: self.id.clone(),
-                attempt,
-            },
-        )
-        .await?;
-        let kind = msg.task.kind_name();
-        let mut timings = StageTimings::default();
+/// How long a job to retry waits before it goes back, so that a broken dependency is not hammered.
+const RETRY_BACKOFF: Duration = Duration::from_millis(500);
 
-        let started = Instant::now();
-        let inputs = match &msg.task {
-            Task::Generate(_) => Vec::new(),
-            Task::Edit(e) => {
-                let mut inputs = Vec::new();
-                for input in e.images() {
-                    inputs.push(self.fetch_input(input).await?);
-                }
-                inputs
-            }
-            Task::Upscale(u) => {
-                let input = self.fetch_input(&u.input).await?;
-                let img = &input.image;
-                let longest = img.width().max(img.height()).saturating_mul(u.scale);
-                if longest > MAX_UPSCALE_OUTPUT_SIDE {
-                    return Err(JobError::InvalidSpec(format!(
-                        "scale: output side {longest} exceeds {MAX_UPSCALE_OUTPUT_SIDE} for a {}x{} input",
-                        img.width(),
-                        img.height()
-                    )));
-                }
-                vec![input]
-            }
-        };
-        if !inputs.is_empty() {
-            timings.add("download", started.elapsed().as_secs_f64());
-        }
-
-        // Progress events go out from their own task, so the engine never waits on the broker.
-        // Progress is advisory: after a failed publish (logged in `publish_event`) the rest of this
-        // job's progress is dropped rather than sent into a broken channel, and the job goes on; its
-        // final event, which must arrive, meets the same broker and ends the session if it is gone.
-        let (progress_tx, mut progress_rx) = tokio::sync::mpsc::unbounded_channel();
-        let forwarder = {
-            let publisher = publisher.clone();
-            let this = self.clone();
-            tokio::spawn(async move {
-                while let Some(p) = progress_rx.recv().await {
-                    let p: crate::engine::Progress = p;
-                    let progress = EventKind::Progress {
-                        step: p.step,
-                        total: p.total,
-                    };
-                    if this
-                        .publish_event(&publisher, job_id, progress)
-                        .await
-                        .is_err()
-                    {
-                        tracing::warn!(job_id = %job_id, "no more progress events for this job");
-                        break;
-                    }
-                }
-            })
-        };
-        let engine_started = Instant::now();
-        self.metrics.busy.set(1);
-        let output = self
-            .engine
-            .run(
-                EngineJob {
-                    job_id,
-                    task: msg.task.clone(),
-                    inputs,
-                },
-                progress_tx,
-                cancel.clone(),
-            )
-            .await;
-        self.metrics.busy.set(0);
-        self.metrics
-            .busy_seconds_total
-            .inc_by(engine_started.elapsed().as_secs_f64());
-        if let Err(e) = forwarder.await {
-            tracing::warn!(job_id = %job_id, error = %e, "progress forwarder failed");
-        }
-        let output = output.map_err(JobError::Engine)?;
-        for (stage, seconds) in &output.timings.0 {
-            timings.add(stage, *seconds);
-        }
-
-        // PNG encoding is CPU work: off the async runtime.
-        let started = Instant::now();
-        let parameters = parameters_text(job_id, &msg.task);
-        let images = output.images;
-        let encoded = tokio::task::spawn_blocking(move || {
-            images
-                .iter()
-                .map(|img| (img.width(), img.height(), encode_png(img, &parameters)))
-                .collect::<Vec<_>>()
-        })
-        .await
-        .map_err(|e| JobError::Engine(EngineError::Failed(format!("PNG encoder panicked: {e}"))))?;
-        timings.add("encode_png", started.elapsed().as_secs_f64());
-
-        let started = Instant::now();
-        let mut outputs = Vec::new();
-        let mut manifest_outputs = Vec::new();
-        for (n, ((width, height, png), seed)) in encoded.into_iter().zip(output.seeds).enumerate() {
-            let key = output_key(job_id, n as u32);
-            let sha256 = hex::encode(Sha256::digest(&png));
-            self.put_with_retries(&key, Bytes::from(png), "image/png")
-                .await?;
-            manifest_outputs.push(ManifestOutput {
-                key: key.clone(),
-                width,
-                height,
-                seed,
-                sha256,
-            });
-            outputs.push(key);
-        }
-        timings.add("upload", started.elapsed().as_secs_f64());
-        for (stage, seconds) in &timings.0 {
-            self.metrics
-                .stage_seconds
-                .with_label_values(&[kind, stage])
-                .observe(*seconds);
-        }
-        let manifest = Manifest {
-            schema_version: SCHEMA_VERSION,
-            job_id,
-            task: msg.task.clone(),
-            outputs: manifest_outputs,
-            worker: self.id.clone(),
-            attempt,
-            engine: self.engine.name().to_owned(),
-            model_files: Vec::new(),
-            timings: timings.clone(),
-            versions: Versions {
-                vnfarm: env!("CARGO_PKG_VERSION").to_owned(),
-            },
-            finished_at: Utc::now(),
-        };
-        // The manifest goes last, after every output: a stored manifest is what `finished_before`
-        // takes as proof that the job is done, so it must never exist before its outputs do.
-        let key = manifest_key(job_id);
-        let body = serde_json::to_vec_pretty(&manifest).expect("manifests serialize to JSON");
-        self.put_with_retries(&key, Bytes::from(body), "application/json")
-            .await?;
-        Ok(Done {
-            outputs,
-            manifest: key,
-            timings,
-        })
-    }
-
-    /// Downloads (or decodes inline) one input image, with the sha256 of its bytes.
-    async fn fetch_input(&self, input: &ImageRef) -> Result<InputImage, JobError> {
-        let bytes =
-            match input {
-                ImageRef::Stored(key) => self.get_with_retries(key).await?,
-                ImageRef::JobOutput { job, index } => {
-                    self.get_with_retries(&output_key(*job, *index)).await?
-                }
-                ImageRef::Inline(_) => {
-                    let Some(decoded) = input.inline_bytes() else {
-                        unreachable!("inline_bytes is Some for Inline")
-                    };
-                    Bytes::from(decoded.map_err(|e| {
-                        JobError::BadInput(format!("inline image is not base64: {e}"))
-                    })?)
-                }
-            };
-        let decoded = tokio::task::spawn_blocking(move || {
-            decode_input(&bytes).map(|image| InputImage {
-                image,
-                sha256: hex::encode(Sha256::digest(&bytes)),
-            })
-        })
-        .await
-        .map_err(|e| {
-            JobError::Engine(EngineError::Failed(format!("image decoder panicked: {e}")))
-        })?;
-        decoded.map_err(|e| JobError::BadInput(e.to_string()))
-    }
-
-    async fn get_with_retries(&self, key: &str) -> Result<Bytes, JobError> {
-        self.with_storage_retries("get", key, || self.storage.get(key))
-            .await
-    }
-
-    async fn put_with_retries(
-        &self,
-        key: &str,
-        body: Bytes,
-        content_type: &str,
-    ) -> Result<(), JobError> {
-        self.with_storage_retries("put", key, || {
-            self.storage.put(key, body.clone(), content_type)
-        })
-        .await
-    }
-
-    /// Retries `attempt` while storage is unavailable, with exponential backoff (200 ms doubling to
-    /// 5 s), up to `storage_attempts` times; other errors and the last failure are returned.
-    async fn with_storage_retries<T, F, Fut>(
-        &self,
-        op: &'static str,
-        key: &str,
-        mut attempt: F,
-    ) -> Result<T, JobError>
-    where
-        F: FnMut() -> Fut,
-        Fut: std::future::Future<Output = Result<T, StorageError>>,
-    {
-        let mut delay = std::time::Duration::from_millis(200);
-        let mut tries = 1;
-        loop {
-            match attempt().await {
-                Ok(value) => return Ok(value),
-                Err(e) => {
-                    self.metrics
-                        .storage_errors_total
-                        .with_label_values(&[op])
-                        .inc();
-                    let transient = matches!(e, StorageError::Unavailable { .. });
-                    if !transient || tries >= self.config.storage_attempts {
-                        return Err(JobError::Storage(e));
-                    }
-                    tracing::warn!(key, op, error = %e, "storage operation failed; retrying");
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(std::time::Duration::from_secs(5));
-                    tries += 1;
-                }
-            }
-        }
-    }
+/// The work message of one job of a batch, alone.
+fn single_job_body(job: &BatchedJob) -> Vec<u8> {
+    let message = WorkMessage::of(vec![job.clone()]).expect("one job makes a message");
+    serde_json::to_vec(&message).expect("work messages serialize to JSON")
 }
 
 /// The broker connection is gone (or refused an event): the session must end and reconnect.
@@ -736,15 +601,6 @@ pub struct Lost(pub String);
 
 fn broker(e: PublishError) -> Lost {
     Lost(e.to_string())
-}
-
-/// Decodes a stored manifest and checks that it is `job_id`'s.
-fn manifest_of(job_id: JobId, bytes: &[u8]) -> Result<Manifest, String> {
-    let manifest: Manifest = decode_json(bytes).map_err(|e| e.to_string())?;
-    if manifest.job_id != job_id {
-        return Err(format!("job_id: {} is another job's", manifest.job_id));
-    }
-    Ok(manifest)
 }
 
 /// The `completed` event of a job an earlier delivery finished, as that run would have published
@@ -758,72 +614,11 @@ fn completed_from(manifest: Manifest) -> EventKind {
     }
 }
 
-/// Generation parameters for the PNG text chunk: A1111's layout for generates, JSON otherwise.
-fn parameters_text(job_id: JobId, task: &Task) -> String {
-    match task {
-        Task::Generate(g) => format!(
-            "{}\nNegative prompt: {}\nSteps: {}, Sampler: {:?}, CFG scale: {}, Seed: {}, Size: {}x{}, vnfarm job: {job_id}",
-            g.prompt,
-            g.negative_prompt,
-            g.steps,
-            g.sampler,
-            g.cfg,
-            g.seed.unwrap_or_default(),
-            g.width,
-            g.height
-        ),
-        other => format!(
-            "{}\nvnfarm job: {job_id}",
-            serde_json::to_string(other).expect("tasks serialize to JSON")
-        ),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn manifest(job_id: JobId) -> Manifest {
-        let mut timings = StageTimings::default();
-        timings.add("denoise", 1.5);
-        Manifest {
-            schema_version: SCHEMA_VERSION,
-            job_id,
-            task: decode_json(br#"{"kind": "generate", "prompt": "a lighthouse"}"#)
-                .expect("a valid task"),
-            outputs: (0..2)
-                .map(|n| ManifestOutput {
-                    key: output_key(job_id, n),
-                    width: 512,
-                    height: 512,
-                    seed: Some(7 + u64::from(n)),
-                    sha256: "00".repeat(32),
-                })
-                .collect(),
-            worker: "w-first".parse().expect("a valid worker id"),
-            attempt: 1,
-            engine: "test-pattern".into(),
-            model_files: Vec::new(),
-            timings,
-            versions: Versions {
-                vnfarm: "0.0.0".into(),
-            },
-            finished_at: Utc::now(),
-        }
-    }
-
-    #[test]
-    fn a_stored_manifest_counts_only_for_its_own_job_and_only_when_whole() {
-        let id = JobId::new();
-        let stored = manifest(id);
-        let bytes = serde_json::to_vec_pretty(&stored).unwrap();
-        assert_eq!(manifest_of(id, &bytes), Ok(stored));
-        let other = manifest_of(JobId::new(), &bytes).unwrap_err();
-        assert!(other.starts_with("job_id"), "{other}");
-        let truncated = manifest_of(id, &bytes[..bytes.len() / 2]);
-        assert!(truncated.is_err(), "{truncated:?}");
-        assert!(manifest_of(id, b"").is_err());
-    }
+    use crate::execute::tests::manifest;
+    use vnfarm_proto::topology::output_key;
 
     #[test]
     fn completed_is_rebuilt_from_the_manifest_and_credits_the_worker_that_made_it() {
@@ -842,6 +637,24 @@ mod tests {
         assert_eq!(key, manifest_key(id));
         assert_eq!(worker, Some(stored.worker.clone()));
         assert_eq!(timings, stored.timings);
+    }
+
+    #[test]
+    fn a_job_of_a_batch_goes_back_alone() {
+        let job = |n: u128| BatchedJob {
+            job_id: JobId(uuid::Uuid::from_u128(n)),
+            priority: vnfarm_proto::Priority::Interactive,
+            deadline: None,
+            task: decode_json(br#"{"kind": "generate", "prompt": "a lighthouse", "seed": 4}"#)
+                .expect("a valid task"),
+        };
+        let batch = WorkMessage::of(vec![job(1), job(2), job(3)]).unwrap();
+        let second = batch.jobs().nth(1).unwrap();
+        let alone: WorkMessage = decode_json(&single_job_body(&second)).unwrap();
+        assert_eq!(alone.job_id, second.job_id);
+        assert_eq!(alone.priority, second.priority);
+        assert_eq!(alone.task, second.task);
+        assert!(alone.batch.is_empty());
     }
 
     #[test]
@@ -883,6 +696,11 @@ mod tests {
         assert_eq!(
             JobError::Engine(EngineError::Failed("bug".into())).disposition(),
             Disposition::DeadLetter(FailureKind::Engine)
+        );
+        assert_eq!(
+            JobError::Engine(EngineError::NoCheckpoint("pony".into())).disposition(),
+            Disposition::DeadLetter(FailureKind::NoWorker),
+            "misrouted: no worker of this one's kind can run it"
         );
     }
 }

@@ -7,7 +7,9 @@
 //! - [`engine`]: the engines and the dedicated engine thread they run on.
 //! - [`worker`]: shared state (identity, storage, engine host, what is running, cancellations).
 //! - [`session`]: one broker connection's life: declare, consume, heartbeat, handle.
-//! - [`job`]: one delivery from message to ack, and the classification of every failure.
+//! - [`job`]: one delivery from message to ack (one job, or a batch of jobs each settled on its own),
+//!   and the classification of every failure.
+//! - [`execute`]: running a message's jobs: skipped, started, inputs, the engine, outputs stored.
 //! - [`image_io`]: decoding inputs within limits, encoding PNG outputs with their parameters.
 //! - [`metrics`], [`http`]: Prometheus metrics and the `/metrics` and `/healthz` endpoints.
 //!
@@ -15,6 +17,7 @@
 
 pub mod config;
 pub mod engine;
+pub mod execute;
 pub mod http;
 pub mod image_io;
 pub mod job;
@@ -35,7 +38,8 @@ use metrics::Metrics;
 use worker::Worker;
 
 /// Runs the worker until `shutdown` is cancelled: the job in hand finishes (or, past the drain grace
-/// period, is interrupted and given back to the queue), then the function returns.
+/// period, is interrupted and given back to the queue), then the function returns. An engine that
+/// fails to load ends the worker with that error.
 pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<()> {
     let listener = TcpListener::bind(config.listen)
         .await
@@ -51,21 +55,33 @@ pub async fn serve(
 ) -> anyhow::Result<()> {
     let metrics = Metrics::new();
     let started = Instant::now();
-    let engine = EngineHost::start(config.engine.clone())
-        .await
-        .context("loading the engine")?;
-    metrics
-        .model_load_seconds
-        .observe(started.elapsed().as_secs_f64());
-    tracing::info!(
-        engine = engine.name(),
-        seconds = started.elapsed().as_secs_f64(),
-        "engine loaded"
-    );
+    // The engine loads on its own thread while the worker connects and heartbeats `warming`.
+    let (engine, loading) =
+        EngineHost::start(config.engine.clone()).context("starting the engine")?;
     let storage = Storage::open(&config.storage)
         .await
         .context("opening storage")?;
     let worker = Worker::new(config, storage, engine, metrics);
+    let loaded = {
+        let worker = worker.clone();
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move {
+            let loaded = loading.finished().await;
+            match &loaded {
+                Ok(()) => {
+                    let seconds = started.elapsed().as_secs_f64();
+                    worker.metrics.model_load_seconds.observe(seconds);
+                    tracing::info!(engine = worker.engine.name(), seconds, "engine loaded");
+                    worker.engine_ready();
+                }
+                Err(e) => {
+                    tracing::error!(error = %format!("{e:#}"), "the engine failed to load; stopping");
+                    shutdown.cancel();
+                }
+            }
+            loaded
+        })
+    };
 
     let http_stop = CancellationToken::new();
     let server = {
@@ -115,6 +131,12 @@ pub async fn serve(
         Err(e) => tracing::warn!(error = %e, "the metrics server task panicked"),
     }
     tracing::info!(worker = %worker.id, "worker stopped");
+    // Stopped while still loading: the load's outcome no longer matters.
+    if !loaded.is_finished() {
+        loaded.abort();
+    } else if let Ok(Err(e)) = loaded.await {
+        return Err(e.context("loading the engine"));
+    }
     match worker.fatal_reason() {
         Some(reason) => anyhow::bail!("stopped after a device failure: {reason}"),
         None => Ok(()),

@@ -1,10 +1,11 @@
 //! The worker's Prometheus metrics (DESIGN §8), registered into one explicit registry.
 
 use prometheus::{
-    Counter, Histogram, HistogramVec, IntCounter, IntCounterVec, IntGauge, Registry,
+    Counter, Histogram, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Registry,
     register_counter_with_registry, register_histogram_vec_with_registry,
     register_histogram_with_registry, register_int_counter_vec_with_registry,
-    register_int_counter_with_registry, register_int_gauge_with_registry,
+    register_int_counter_with_registry, register_int_gauge_vec_with_registry,
+    register_int_gauge_with_registry,
 };
 
 #[derive(Clone)]
@@ -18,7 +19,15 @@ pub struct Metrics {
     /// Whole-job seconds, by kind.
     pub job_seconds: HistogramVec,
     pub model_load_seconds: Histogram,
-    /// 1 while a job is on the engine; `rate(vnfarm_worker_busy_seconds_total)` is the busy ratio.
+    /// Edits whose input encodings were in the engine's encode cache (`hit`) or were encoded for
+    /// them (`miss`).
+    pub encode_cache_total: IntCounterVec,
+    /// Jobs per work message (1 for a single job).
+    pub batch_jobs: Histogram,
+    /// The GPU's memory as its runtime reports it (`total`, `free`), when the engine runs on one;
+    /// updated with each heartbeat.
+    pub gpu_memory_bytes: IntGaugeVec,
+    /// 1 while jobs are on the engine; `rate(vnfarm_worker_busy_seconds_total)` is the busy ratio.
     pub busy: IntGauge,
     pub busy_seconds_total: Counter,
     pub amqp_connected: IntGauge,
@@ -68,9 +77,30 @@ impl Metrics {
                 r
             )
             .unwrap(),
+            encode_cache_total: register_int_counter_vec_with_registry!(
+                "worker_encode_cache_total",
+                "Edits whose input encodings were cached (hit) or encoded for them (miss)",
+                &["result"],
+                r
+            )
+            .unwrap(),
+            batch_jobs: register_histogram_with_registry!(
+                "worker_batch_jobs",
+                "Jobs per work message",
+                vec![1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0, 64.0],
+                r
+            )
+            .unwrap(),
+            gpu_memory_bytes: register_int_gauge_vec_with_registry!(
+                "worker_gpu_memory_bytes",
+                "GPU memory as the device runtime reports it",
+                &["kind"],
+                r
+            )
+            .unwrap(),
             busy: register_int_gauge_with_registry!(
                 "worker_busy",
-                "1 while a job is on the engine",
+                "1 while jobs are on the engine",
                 r
             )
             .unwrap(),
@@ -134,5 +164,18 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("vnfarm_amqp_connected 0"));
+        m.encode_cache_total.with_label_values(&["hit"]).inc_by(3);
+        m.batch_jobs.observe(4.0);
+        m.gpu_memory_bytes.with_label_values(&["free"]).set(1 << 30);
+        let text = m.render();
+        assert!(
+            text.contains("vnfarm_worker_encode_cache_total{result=\"hit\"} 3"),
+            "{text}"
+        );
+        assert!(text.contains("vnfarm_worker_batch_jobs_count 1"), "{text}");
+        assert!(
+            text.contains("vnfarm_worker_gpu_memory_bytes{kind=\"free\"} 1073741824"),
+            "{text}"
+        );
     }
 }

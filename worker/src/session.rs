@@ -1,7 +1,8 @@
-//! One broker session (run by [`vnfarm_bus::run_sessions`]): declare, consume the worker's queue and
-//! the cancel fan-out, heartbeat, and handle deliveries one at a time until shutdown or until the
-//! connection, a channel or a consumer fails. A helper task that fails reports it to the session,
-//! which then ends as lost, so nothing keeps running on half a session.
+//! One broker session (run by [`vnfarm_bus::run_sessions`]): declare, consume the cancel fan-out,
+//! heartbeat (from the start, so a worker still loading its engine is seen `warming`), consume the
+//! worker's queue once the engine is ready, and handle deliveries one at a time until shutdown or
+//! until the connection, a channel or a consumer fails. A helper task that fails reports it to the
+//! session, which then ends as lost, so nothing keeps running on half a session.
 
 use std::time::Duration;
 
@@ -13,7 +14,7 @@ use tokio_util::sync::CancellationToken;
 use vnfarm_bus::publisher::json_properties;
 use vnfarm_bus::{PublishError, Publisher, SessionEnd, topology};
 use vnfarm_proto::topology::{CANCEL_ROUTING_KEY, heartbeat_routing_key};
-use vnfarm_proto::{CancelRequest, Heartbeat, WorkerState, decode_json};
+use vnfarm_proto::{CancelRequest, Heartbeat, decode_json};
 
 use crate::worker::Worker;
 
@@ -40,17 +41,6 @@ impl Worker {
         let channel = connection.create_channel().await?;
         topology::declare_core(&channel, &self.config.amqp).await?;
         let queue = topology::declare_worker_queue(&channel, &self.config.amqp, &self.id).await?;
-        channel
-            .basic_qos(self.config.prefetch, BasicQosOptions::default())
-            .await?;
-        let mut jobs = channel
-            .basic_consume(
-                queue.as_str().into(),
-                format!("worker-{}", self.id).into(),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await?;
 
         // Cancellations fan out to every worker through a private, auto-deleted queue.
         let mut cancels = vnfarm_bus::topology::subscribe_private(
@@ -101,6 +91,7 @@ impl Worker {
                 let mut tick =
                     tokio::time::interval(Duration::from_millis(this.config.heartbeat_interval_ms));
                 let mut draining = false;
+                let mut announced_ready = false;
                 loop {
                     tokio::select! {
                         _ = done.cancelled() => break,
@@ -108,7 +99,11 @@ impl Worker {
                         // Say "draining" the moment shutdown starts, so no new job is sent here.
                         _ = shutdown.cancelled(), if !draining => {
                             draining = true;
-                            this.set_state(WorkerState::Draining);
+                            this.drain();
+                        }
+                        // Say "ready" the moment the engine is.
+                        _ = this.ready.cancelled(), if !announced_ready => {
+                            announced_ready = true;
                         }
                     }
                     match this.heartbeat(&publisher).await {
@@ -133,21 +128,34 @@ impl Worker {
             });
         }
         drop(helper_lost);
-
         self.metrics.amqp_connected.set(1);
+
+        // Jobs only once the engine is warm; until then the heartbeats say `warming`.
+        if !self.ready.is_cancelled() {
+            tracing::info!(worker = %self.id, engine = self.engine.name(), "connected; the engine is warming up");
+        }
+        tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => return Ok(self.announce_draining(&publisher).await),
+            Some(reason) = lost.recv() => return Ok(SessionEnd::Lost(reason)),
+            _ = self.ready.cancelled() => {}
+        }
+        channel
+            .basic_qos(self.config.prefetch, BasicQosOptions::default())
+            .await?;
+        let mut jobs = channel
+            .basic_consume(
+                queue.as_str().into(),
+                format!("worker-{}", self.id).into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
         tracing::info!(worker = %self.id, queue, engine = self.engine.name(), "worker ready");
         loop {
             let next = tokio::select! {
                 biased;
-                _ = shutdown.cancelled() => {
-                    self.set_state(WorkerState::Draining);
-                    // Tell the scheduler at once, so it stops sending jobs here. If that fails the
-                    // scheduler learns it from the missing heartbeats instead; shutdown goes on.
-                    if let Err(e) = self.heartbeat(&publisher).await {
-                        tracing::warn!(worker = %self.id, error = %e, "could not announce draining");
-                    }
-                    return Ok(SessionEnd::Shutdown);
-                }
+                _ = shutdown.cancelled() => return Ok(self.announce_draining(&publisher).await),
                 Some(reason) = lost.recv() => return Ok(SessionEnd::Lost(reason)),
                 next = jobs.next() => next,
             };
@@ -163,22 +171,27 @@ impl Worker {
         }
     }
 
+    /// Shutdown: tell the scheduler at once, so it stops sending jobs here. If that fails the
+    /// scheduler learns it from the missing heartbeats instead; shutdown goes on.
+    async fn announce_draining(&self, publisher: &Publisher) -> SessionEnd {
+        self.drain();
+        if let Err(e) = self.heartbeat(publisher).await {
+            tracing::warn!(worker = %self.id, error = %e, "could not announce draining");
+        }
+        SessionEnd::Shutdown
+    }
+
     pub(crate) async fn heartbeat(&self, publisher: &Publisher) -> Result<(), PublishError> {
-        let running = self.running();
-        let beat = Heartbeat {
-            worker: self.id.clone(),
-            state: self.state(),
-            models: self.engine.models().to_vec(),
-            slots: u32::from(self.config.prefetch),
-            in_flight: u32::from(running.is_some()),
-            running: running.into_iter().collect(),
-            checkpoints: Vec::new(),
-            max_batch: 1,
-            gpu_memory: None,
-            encode_cache: self.engine.encode_cache_keys(),
-            version: env!("CARGO_PKG_VERSION").to_owned(),
-            at: chrono::Utc::now(),
-        };
+        let beat = self.describe().await;
+        if let Some(memory) = &beat.gpu_memory {
+            let gauge = &self.metrics.gpu_memory_bytes;
+            gauge
+                .with_label_values(&["total"])
+                .set(saturating_i64(memory.total_bytes));
+            gauge
+                .with_label_values(&["free"])
+                .set(saturating_i64(memory.free_bytes));
+        }
         let props = json_properties().with_delivery_mode(1);
         // No scheduler listening right now is not an error for a heartbeat.
         publisher
@@ -190,6 +203,36 @@ impl Worker {
             )
             .await
     }
+
+    /// What the heartbeat says: the state, what the engine serves and holds, and the jobs here.
+    pub(crate) async fn describe(&self) -> Heartbeat {
+        let this = self.clone();
+        // A device query, however quick, is not made on the async runtime.
+        let gpu_memory = tokio::task::spawn_blocking(move || this.engine.gpu_memory())
+            .await
+            .unwrap_or_else(|e| {
+                tracing::warn!(error = %e, "reading the GPU's memory failed");
+                None
+            });
+        Heartbeat {
+            worker: self.id.clone(),
+            state: self.state(),
+            models: self.engine.models().to_vec(),
+            slots: u32::from(self.config.prefetch),
+            in_flight: u32::try_from(self.in_hand().len()).unwrap_or(u32::MAX),
+            running: self.running(),
+            checkpoints: self.engine.checkpoints().to_vec(),
+            max_batch: self.config.batch_jobs,
+            gpu_memory,
+            encode_cache: self.engine.encode_cache_keys(),
+            version: env!("CARGO_PKG_VERSION").to_owned(),
+            at: chrono::Utc::now(),
+        }
+    }
+}
+
+fn saturating_i64(bytes: u64) -> i64 {
+    i64::try_from(bytes).unwrap_or(i64::MAX)
 }
 
 /// Tells the session that a helper task failed. The send fails only when the session is already

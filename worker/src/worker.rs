@@ -1,5 +1,6 @@
-//! The worker's shared state: identity, storage, the engine host, metrics, what is running now and
-//! which jobs were cancelled. Cheap to clone (one `Arc`).
+//! The worker's shared state: identity, storage, the engine host, metrics, the jobs in hand (those of
+//! the message being handled, each with its cancellation flag) and which of them are on the engine,
+//! and which jobs were cancelled. Cheap to clone (one `Arc`).
 
 use std::collections::{HashSet, VecDeque};
 use std::ops::Deref;
@@ -27,6 +28,8 @@ pub struct Inner {
     pub engine: EngineHost,
     pub metrics: Metrics,
     status: Mutex<Status>,
+    /// Cancelled once the engine is loaded and warm: the worker takes jobs from then on.
+    pub ready: tokio_util::sync::CancellationToken,
     /// Cancelled when the device failed (see [`Worker::device_lost`]); the reason is kept for the
     /// exit status.
     pub fatal: tokio_util::sync::CancellationToken,
@@ -35,7 +38,10 @@ pub struct Inner {
 
 struct Status {
     state: WorkerState,
-    running: Option<(JobId, Cancel)>,
+    /// The unsettled jobs of the message in hand, with their cancellation flags.
+    in_hand: Vec<(JobId, Cancel)>,
+    /// Those of them on the engine now.
+    running: Vec<JobId>,
     cancelled: HashSet<JobId>,
     cancelled_order: VecDeque<JobId>,
 }
@@ -52,8 +58,9 @@ impl Worker {
         let id = config.worker_id();
         let topology = config.amqp.topology();
         let status = Status {
-            state: WorkerState::Ready,
-            running: None,
+            state: WorkerState::Warming,
+            in_hand: Vec::new(),
+            running: Vec::new(),
             cancelled: HashSet::new(),
             cancelled_order: VecDeque::new(),
         };
@@ -65,6 +72,7 @@ impl Worker {
             engine,
             metrics,
             status: Mutex::new(status),
+            ready: tokio_util::sync::CancellationToken::new(),
             fatal: tokio_util::sync::CancellationToken::new(),
             fatal_reason: Mutex::new(None),
         }))
@@ -79,19 +87,70 @@ impl Worker {
         self.status().state
     }
 
-    pub fn set_state(&self, state: WorkerState) {
-        self.status().state = state;
+    /// Starts draining: no new jobs, and the heartbeat says so.
+    pub fn drain(&self) {
+        self.status().state = WorkerState::Draining;
     }
 
-    pub fn running(&self) -> Option<JobId> {
-        self.status().running.as_ref().map(|(id, _)| *id)
+    /// The engine is loaded and warm: ready for jobs, unless already draining.
+    pub fn engine_ready(&self) {
+        {
+            let mut status = self.status();
+            if status.state == WorkerState::Warming {
+                status.state = WorkerState::Ready;
+            }
+        }
+        self.ready.cancel();
     }
 
-    pub(crate) fn set_running(&self, running: Option<(JobId, Cancel)>) {
+    /// The jobs on the engine now.
+    pub fn running(&self) -> Vec<JobId> {
+        self.status().running.clone()
+    }
+
+    /// The unsettled jobs of the message in hand.
+    pub fn in_hand(&self) -> Vec<JobId> {
+        self.status().in_hand.iter().map(|(id, _)| *id).collect()
+    }
+
+    /// Takes the jobs of a message in hand, each with a fresh cancellation flag (already raised for
+    /// a job cancelled before it came).
+    pub(crate) fn take_in_hand(&self, jobs: &[JobId]) -> Vec<Cancel> {
+        let mut status = self.status();
+        let cancels: Vec<Cancel> = jobs
+            .iter()
+            .map(|id| {
+                let cancel = Cancel::default();
+                if status.cancelled.contains(id) {
+                    cancel.request(CancelReason::User);
+                }
+                cancel
+            })
+            .collect();
+        status.in_hand = jobs.iter().copied().zip(cancels.iter().cloned()).collect();
+        status.running.clear();
+        cancels
+    }
+
+    /// The message in hand is settled (or abandoned).
+    pub(crate) fn drop_in_hand(&self) {
+        let mut status = self.status();
+        status.in_hand.clear();
+        status.running.clear();
+    }
+
+    /// A job of the message in hand is settled.
+    pub(crate) fn settled(&self, job_id: JobId) {
+        let mut status = self.status();
+        status.in_hand.retain(|(id, _)| *id != job_id);
+        status.running.retain(|id| *id != job_id);
+    }
+
+    pub(crate) fn set_running(&self, running: Vec<JobId>) {
         self.status().running = running;
     }
 
-    /// Records a cancellation; stops the job if it is running here.
+    /// Records a cancellation; stops the job if it is in hand here.
     pub fn cancel(&self, job_id: JobId) {
         let mut status = self.status();
         if status.cancelled.insert(job_id) {
@@ -102,10 +161,10 @@ impl Worker {
                 status.cancelled.remove(&old);
             }
         }
-        if let Some((id, cancel)) = &status.running
-            && *id == job_id
-        {
-            cancel.request(CancelReason::User);
+        for (id, cancel) in &status.in_hand {
+            if *id == job_id {
+                cancel.request(CancelReason::User);
+            }
         }
     }
 
@@ -132,9 +191,10 @@ impl Worker {
             .clone()
     }
 
-    /// Interrupts the running job so that it goes back to the queue (shutdown past the grace period).
+    /// Interrupts the jobs in hand so that they go back to the queue (shutdown past the grace
+    /// period).
     pub fn interrupt_for_shutdown(&self) {
-        if let Some((_, cancel)) = &self.status().running {
+        for (_, cancel) in &self.status().in_hand {
             cancel.request(CancelReason::Shutdown);
         }
     }

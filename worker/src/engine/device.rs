@@ -6,7 +6,7 @@ use serde::Deserialize;
 use tch::{Device, Kind};
 use vnfarm_models::error::GenerateError;
 
-use super::{Cancel, CancelReason, EngineError};
+use super::{CancelReason, EngineError};
 
 /// Precision of a model's weights and activations.
 #[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
@@ -81,12 +81,10 @@ pub fn warm_up_sizes(
 }
 
 /// The engine error a pipeline failure becomes (see `EngineError` for what the worker does with
-/// each).
-pub fn engine_error(e: GenerateError, cancel: &Cancel) -> EngineError {
+/// each); `cancelled` is why the jobs were stopped, if they were.
+pub fn engine_error(e: GenerateError, cancelled: Option<CancelReason>) -> EngineError {
     match e {
-        GenerateError::Cancelled => {
-            EngineError::Cancelled(cancel.requested().unwrap_or(CancelReason::User))
-        }
+        GenerateError::Cancelled => EngineError::Cancelled(cancelled.unwrap_or(CancelReason::User)),
         GenerateError::InvalidRequest(m) | GenerateError::Tokenizer(m) => {
             EngineError::InvalidInput(m)
         }
@@ -131,11 +129,11 @@ mod tests {
 
     #[test]
     fn out_of_memory_is_told_apart() {
-        let cancel = Cancel::default();
+        let cancel = None;
         assert!(matches!(
             engine_error(
                 GenerateError::Backend("CUDA out of memory. Tried to allocate 2.00 GiB".into()),
-                &cancel
+                cancel
             ),
             EngineError::OutOfMemory(_)
         ));
@@ -144,31 +142,30 @@ mod tests {
                 GenerateError::Backend(
                     "CUDA error: an illegal memory access was encountered".into()
                 ),
-                &cancel
+                cancel
             ),
             EngineError::DeviceLost(_)
         ));
         assert!(matches!(
             engine_error(
                 GenerateError::Backend("device-side assert triggered".into()),
-                &cancel
+                cancel
             ),
             EngineError::DeviceLost(_)
         ));
         assert!(matches!(
             engine_error(
                 GenerateError::Backend("expected a 4-D tensor, got 3-D".into()),
-                &cancel
+                cancel
             ),
             EngineError::Failed(_)
         ));
         assert!(matches!(
-            engine_error(GenerateError::InvalidRequest("size".into()), &cancel),
+            engine_error(GenerateError::InvalidRequest("size".into()), cancel),
             EngineError::InvalidInput(_)
         ));
-        cancel.request(CancelReason::Shutdown);
         assert!(matches!(
-            engine_error(GenerateError::Cancelled, &cancel),
+            engine_error(GenerateError::Cancelled, Some(CancelReason::Shutdown)),
             EngineError::Cancelled(CancelReason::Shutdown)
         ));
     }

@@ -1,25 +1,36 @@
 //! Engines run the models. All of them live on one dedicated thread ([`EngineHost`]): tch tensors are
 //! not `Sync`, no-grad mode is thread-local, and compute must never block the async runtime. The async
-//! side sends an [`EngineJob`] and awaits the reply; progress comes back on a channel and cancellation
-//! is a flag the engine checks between denoising steps.
+//! side sends a batch of [`EngineJob`]s (one job, or the jobs of a batch message) and awaits one
+//! result per job; progress comes back on a channel, tagged with the job, and each job has its own
+//! cancellation flag, which the engine checks between denoising steps.
+//!
+//! An engine runs the compatible jobs of a batch together (edits of one input encoded once, generates
+//! of one shape in one forward pass) and the others one after another. A group that fails in a way
+//! that may be one job's fault is run again job by job ([`together_or_alone`]), so a bad job fails
+//! alone.
 //!
 //! The set of engines is closed, so [`Engine`] is an enum. The test-pattern engine is a fixture for the
 //! job system and is never used in place of a model that failed to load: a worker whose configured
 //! engine cannot load exits with an error.
 
 pub mod device;
+pub mod encode_cache;
+pub mod gpu_memory;
+pub mod host;
 pub mod qwen_edit;
 pub mod sdxl;
 pub mod test_pattern;
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::{Arc, Mutex};
-use std::thread;
 
 use image::RgbImage;
 use serde::Deserialize;
 use vnfarm_proto::{JobId, ModelFamily, StageTimings, Task};
 
+pub use encode_cache::{AdvertisedKeys, CacheLookup, EncodeCache};
+pub use gpu_memory::GpuMemoryProbe;
+pub use host::{EngineHost, EngineLoading};
 pub use qwen_edit::{QwenEditEngine, QwenEditEngineConfig};
 pub use sdxl::{SdxlConfig, SdxlEngine};
 pub use test_pattern::{TestPatternConfig, TestPatternEngine};
@@ -54,6 +65,15 @@ pub enum EngineKind {
     Tch,
 }
 
+impl EngineKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            EngineKind::TestPattern => "test-pattern",
+            EngineKind::Tch => "tch",
+        }
+    }
+}
+
 impl EngineConfig {
     pub fn kind(&self) -> EngineKind {
         self.kind
@@ -77,6 +97,28 @@ impl EngineConfig {
             (None, EngineKind::TestPattern) => ModelFamily::ALL.to_vec(),
             (None, EngineKind::Tch) => self.configured(),
         }
+    }
+
+    /// The SDXL checkpoints this worker holds, by name (advertised in heartbeats).
+    pub fn checkpoints(&self) -> Vec<String> {
+        match self.kind() {
+            EngineKind::TestPattern => self.test_pattern.checkpoints.clone(),
+            EngineKind::Tch => self.sdxl.iter().map(SdxlConfig::name).collect(),
+        }
+    }
+
+    /// The GPU the models run on, if any: the first configured model's `cuda:N`.
+    pub fn gpu(&self) -> Option<usize> {
+        if self.kind() == EngineKind::TestPattern {
+            return None;
+        }
+        let sdxl = self.sdxl.iter().map(|c| c.device.as_str());
+        let qwen = self.qwen_edit.iter().map(|c| c.device.as_str());
+        sdxl.chain(qwen)
+            .find_map(|name| match device::parse_device(name) {
+                Ok(tch::Device::Cuda(n)) => Some(n),
+                Ok(_) | Err(_) => None,
+            })
     }
 
     pub fn validate(&self) -> Result<(), String> {
@@ -117,12 +159,14 @@ impl EngineConfig {
     }
 }
 
-/// One unit of work for an engine: a task with its decoded input images, in the task's order.
+/// One unit of work for an engine: a task with its decoded input images, in the task's order, and
+/// the job's own cancellation flag.
 #[derive(Debug)]
 pub struct EngineJob {
     pub job_id: JobId,
     pub task: Task,
     pub inputs: Vec<InputImage>,
+    pub cancel: Cancel,
 }
 
 /// A decoded input image and the sha256 (hex) of the bytes it was decoded from: the key of its
@@ -133,12 +177,22 @@ pub struct InputImage {
     pub sha256: String,
 }
 
+/// The content key of an input set: the model family, then each input's sha256 in prompt order.
+pub fn content_key(inputs: &[InputImage]) -> String {
+    let shas: Vec<&str> = inputs.iter().map(|i| i.sha256.as_str()).collect();
+    format!("{}:{}", ModelFamily::QwenEdit.as_str(), shas.join("+"))
+}
+
 #[derive(Debug)]
 pub struct EngineOutput {
     pub images: Vec<RgbImage>,
     /// Seed of each image, where the model uses one.
     pub seeds: Vec<Option<u64>>,
+    /// Per stage. In a batch, a shared stage's time is split across the jobs that shared it, except
+    /// `encode`, which only the job that encoded the inputs reports.
     pub timings: StageTimings,
+    /// For a job that encodes inputs (an edit): whether the encodings were in the cache.
+    pub encode_cache: Option<CacheLookup>,
 }
 
 #[derive(Debug, Clone, thiserror::Error)]
@@ -158,6 +212,26 @@ pub enum EngineError {
     DeviceLost(String),
     #[error("this worker has no engine for {0}")]
     Unsupported(ModelFamily),
+    /// A generate named an SDXL checkpoint this worker does not hold.
+    #[error("this worker does not hold the SDXL checkpoint `{0}`")]
+    NoCheckpoint(String),
+}
+
+impl EngineError {
+    /// Whether a group of jobs that failed together with this error may owe it to one of them (a
+    /// bad request, a failure the inputs provoke, memory a smaller batch would fit in), so that each
+    /// job is worth running alone.
+    fn may_be_one_jobs(&self) -> bool {
+        match self {
+            EngineError::OutOfMemory(_) | EngineError::InvalidInput(_) | EngineError::Failed(_) => {
+                true
+            }
+            EngineError::Cancelled(_)
+            | EngineError::DeviceLost(_)
+            | EngineError::Unsupported(_)
+            | EngineError::NoCheckpoint(_) => false,
+        }
+    }
 }
 
 /// Why a running job is being stopped.
@@ -202,11 +276,86 @@ impl Cancel {
     }
 }
 
+/// Whether work that jobs share should stop: only when every one of them was cancelled (a job
+/// cancelled alone rides along and its result is discarded). Shutdown reaches every job at once.
+pub fn all_cancelled<'a>(cancels: impl IntoIterator<Item = &'a Cancel>) -> Option<CancelReason> {
+    let mut reason = None;
+    for cancel in cancels {
+        match (cancel.requested(), reason) {
+            (None, _) => return None,
+            (Some(CancelReason::Shutdown), _) => reason = Some(CancelReason::Shutdown),
+            (Some(CancelReason::User), None) => reason = Some(CancelReason::User),
+            (Some(CancelReason::User), Some(_)) => {}
+        }
+    }
+    reason
+}
+
 /// Step progress reported by an engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Progress {
     pub step: u32,
     pub total: u32,
+}
+
+/// The jobs of a batch in groups: each group holds the indices of jobs with equal `key`, in
+/// order, and the groups come in the order of their first job.
+pub fn groups<K: PartialEq>(jobs: &[&EngineJob], key: impl Fn(&EngineJob) -> K) -> Vec<Vec<usize>> {
+    let mut groups: Vec<(K, Vec<usize>)> = Vec::new();
+    for (i, job) in jobs.iter().enumerate() {
+        let k = key(job);
+        match groups.iter_mut().find(|(g, _)| *g == k) {
+            Some((_, members)) => members.push(i),
+            None => groups.push((k, vec![i])),
+        }
+    }
+    groups.into_iter().map(|(_, members)| members).collect()
+}
+
+/// Runs `group` (indices into `jobs`) together with `run`, which answers one output per job in the
+/// group's order. When the group fails in a way that may be one job's fault, each job runs alone,
+/// so that only that job fails; a cancelled group reports each job with its own reason.
+pub fn together_or_alone(
+    jobs: &[&EngineJob],
+    group: &[usize],
+    mut run: impl FnMut(&[usize]) -> Result<Vec<EngineOutput>, EngineError>,
+) -> Vec<(usize, Result<EngineOutput, EngineError>)> {
+    let own = |i: usize, e: &EngineError| match e {
+        EngineError::Cancelled(reason) => {
+            EngineError::Cancelled(jobs[i].cancel.requested().unwrap_or(*reason))
+        }
+        other => other.clone(),
+    };
+    match run(group) {
+        Ok(outputs) if outputs.len() == group.len() => group
+            .iter()
+            .copied()
+            .zip(outputs.into_iter().map(Ok))
+            .collect(),
+        Ok(outputs) => {
+            let e = EngineError::Failed(format!(
+                "the engine answered {} outputs for {} jobs",
+                outputs.len(),
+                group.len()
+            ));
+            group.iter().map(|&i| (i, Err(e.clone()))).collect()
+        }
+        Err(e) if group.len() > 1 && e.may_be_one_jobs() => {
+            tracing::warn!(jobs = group.len(), error = %e, "a batch failed; running its jobs one by one");
+            group
+                .iter()
+                .map(|&i| {
+                    let alone = run(&[i]).and_then(|mut outputs| {
+                        outputs.pop().ok_or_else(|| {
+                            EngineError::Failed("the engine answered no output".into())
+                        })
+                    });
+                    (i, alone.map_err(|e| own(i, &e)))
+                })
+                .collect()
+        }
+        Err(e) => group.iter().map(|&i| (i, Err(own(i, &e)))).collect(),
+    }
 }
 
 /// The closed set of engines.
@@ -220,14 +369,13 @@ pub enum Engine {
 }
 
 impl Engine {
-    /// Loads the configured engines; `cache_keys` receives the keys of the encode caches.
-    pub fn load(
-        config: &EngineConfig,
-        cache_keys: Arc<Mutex<Vec<String>>>,
-    ) -> anyhow::Result<Self> {
+    /// Loads the configured engines; `cache_keys` receives the affinity keys of what their encode
+    /// caches hold.
+    pub fn load(config: &EngineConfig, cache_keys: AdvertisedKeys) -> anyhow::Result<Self> {
         match config.kind() {
             EngineKind::TestPattern => Ok(Engine::TestPattern(TestPatternEngine::new(
                 config.test_pattern.clone(),
+                cache_keys,
             ))),
             EngineKind::Tch => Ok(Engine::Tch {
                 sdxl: config
@@ -244,194 +392,152 @@ impl Engine {
         }
     }
 
-    pub fn name(&self) -> &'static str {
-        match self {
-            Engine::TestPattern(_) => "test-pattern",
-            Engine::Tch { .. } => "tch",
-        }
-    }
-
-    fn run(
+    /// Runs a batch: one result per job, in order. `progress` gets the job's index.
+    fn run_batch(
         &mut self,
-        job: EngineJob,
-        progress: &mut dyn FnMut(Progress),
-        cancel: &Cancel,
-    ) -> Result<EngineOutput, EngineError> {
-        match self {
-            Engine::TestPattern(e) => e.run(job, progress, cancel),
-            Engine::Tch { sdxl, qwen_edit } => match job.task.model() {
+        jobs: &[&EngineJob],
+        progress: &mut dyn FnMut(usize, Progress),
+    ) -> Vec<Result<EngineOutput, EngineError>> {
+        let (sdxl, qwen_edit) = match self {
+            Engine::TestPattern(e) => return e.run_batch(jobs, progress),
+            Engine::Tch { sdxl, qwen_edit } => (sdxl, qwen_edit),
+        };
+        // Each family's jobs go to its engine; a family without one fails its jobs.
+        let mut results: Vec<Option<Result<EngineOutput, EngineError>>> =
+            jobs.iter().map(|_| None).collect();
+        for family in groups(jobs, |j| j.task.model()) {
+            let model = jobs[family[0]].task.model();
+            let members: Vec<&EngineJob> = family.iter().map(|&i| jobs[i]).collect();
+            let mut progress = |k: usize, p: Progress| progress(family[k], p);
+            let answers = match model {
                 ModelFamily::Sdxl => match sdxl {
-                    Some(e) => e.run(job, progress, cancel),
-                    None => Err(EngineError::Unsupported(ModelFamily::Sdxl)),
+                    Some(e) => e.run_batch(&members, &mut progress),
+                    None => unsupported(&members, model),
                 },
                 ModelFamily::QwenEdit => match qwen_edit {
-                    Some(e) => e.run(job, progress, cancel),
-                    None => Err(EngineError::Unsupported(ModelFamily::QwenEdit)),
+                    Some(e) => e.run_batch(&members, &mut progress),
+                    None => unsupported(&members, model),
                 },
-                model @ ModelFamily::Esrgan => Err(EngineError::Unsupported(model)),
-            },
+                ModelFamily::Esrgan => unsupported(&members, model),
+            };
+            for (&i, answer) in family.iter().zip(answers) {
+                results[i] = Some(answer);
+            }
         }
-    }
-}
-
-/// Runs one job, turning a panic into [`EngineError::Failed`] for that job. A panic (a bug, or a
-/// libtorch failure outside the pipeline's own guard) must not kill the engine thread: a worker with a
-/// dead engine would fail every job sent to it. The engines keep no state a half-run job could
-/// corrupt (the weights are only read), so the thread goes on serving.
-fn guarded(
-    run: impl FnOnce() -> Result<EngineOutput, EngineError>,
-) -> Result<EngineOutput, EngineError> {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or_else(|payload| {
-        let message = payload
-            .downcast_ref::<String>()
-            .cloned()
-            .or_else(|| payload.downcast_ref::<&str>().map(|m| m.to_string()))
-            .unwrap_or_else(|| "unknown panic".into());
-        tracing::error!(%message, "the engine panicked on a job");
-        Err(EngineError::Failed(format!("engine panicked: {message}")))
-    })
-}
-
-struct Request {
-    job: EngineJob,
-    progress: tokio::sync::mpsc::UnboundedSender<Progress>,
-    cancel: Cancel,
-    reply: tokio::sync::oneshot::Sender<Result<EngineOutput, EngineError>>,
-}
-
-/// The engine thread and the channel to it.
-pub struct EngineHost {
-    tx: std::sync::mpsc::Sender<Request>,
-    name: &'static str,
-    models: Vec<ModelFamily>,
-    cache_keys: Arc<Mutex<Vec<String>>>,
-}
-
-impl EngineHost {
-    /// Starts the engine thread and loads the engine on it; fails if the engine cannot load.
-    pub async fn start(config: EngineConfig) -> anyhow::Result<Self> {
-        let (tx, rx) = std::sync::mpsc::channel::<Request>();
-        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
-        let models = config.models();
-        let cache_keys = Arc::new(Mutex::new(Vec::new()));
-        let engine_keys = cache_keys.clone();
-        thread::Builder::new()
-            .name("engine".into())
-            .spawn(move || {
-                let served = config.models();
-                // A failed send means `start` was dropped (the worker is exiting): nobody waits for
-                // the answer.
-                let mut engine = match Engine::load(&config, engine_keys) {
-                    Ok(engine) => {
-                        if ready_tx.send(Ok(engine.name())).is_err() {
-                            tracing::debug!("engine loaded, but nobody is waiting for it");
-                        }
-                        engine
-                    }
-                    Err(e) => {
-                        if ready_tx.send(Err(e)).is_err() {
-                            tracing::debug!("engine failed to load, and nobody is waiting for it");
-                        }
-                        return;
-                    }
-                };
-                // Ends when the host (the only sender) is dropped.
-                while let Ok(req) = rx.recv() {
-                    let Request {
-                        job,
-                        progress,
-                        cancel,
-                        reply,
-                    } = req;
-                    let model = job.task.model();
-                    let result = if served.contains(&model) {
-                        guarded(|| {
-                            engine.run(
-                                job,
-                                &mut |p| {
-                                    // The receiver is gone only when the job's progress forwarder
-                                    // stopped, which logged why; the job itself goes on.
-                                    let _ = progress.send(p);
-                                },
-                                &cancel,
-                            )
-                        })
-                    } else {
-                        Err(EngineError::Unsupported(model))
-                    };
-                    if reply.send(result).is_err() {
-                        // The job's future was dropped (the worker is exiting); the message was not
-                        // acked, so the broker redelivers it.
-                        tracing::debug!("engine result dropped: nobody is waiting for it");
-                    }
-                }
-            })?;
-        let name = ready_rx
-            .await
-            .map_err(|_| anyhow::anyhow!("engine thread died while loading"))??;
-        Ok(Self {
-            tx,
-            name,
-            models,
-            cache_keys,
-        })
-    }
-
-    /// Keys of the input sets whose encodings the engines hold (for the heartbeat).
-    pub fn encode_cache_keys(&self) -> Vec<String> {
-        self.cache_keys
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone()
-    }
-
-    pub fn name(&self) -> &'static str {
-        self.name
-    }
-
-    pub fn models(&self) -> &[ModelFamily] {
-        &self.models
-    }
-
-    /// Runs one job on the engine thread.
-    pub async fn run(
-        &self,
-        job: EngineJob,
-        progress: tokio::sync::mpsc::UnboundedSender<Progress>,
-        cancel: Cancel,
-    ) -> Result<EngineOutput, EngineError> {
-        let (reply, rx) = tokio::sync::oneshot::channel();
-        self.tx
-            .send(Request {
-                job,
-                progress,
-                cancel,
-                reply,
+        results
+            .into_iter()
+            .map(|r| {
+                r.unwrap_or_else(|| Err(EngineError::Failed("the engine skipped the job".into())))
             })
-            .map_err(|_| EngineError::Failed("engine thread has stopped".into()))?;
-        rx.await
-            .map_err(|_| EngineError::Failed("engine thread dropped the job".into()))?
+            .collect()
     }
+}
+
+fn unsupported(jobs: &[&EngineJob], model: ModelFamily) -> Vec<Result<EngineOutput, EngineError>> {
+    jobs.iter()
+        .map(|_| Err(EngineError::Unsupported(model)))
+        .collect()
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    #[test]
-    fn a_panicking_job_fails_alone() {
-        let r = guarded(|| panic!("index out of bounds"));
-        match r {
-            Err(EngineError::Failed(m)) => assert!(m.contains("index out of bounds"), "{m}"),
-            other => panic!("expected Failed, got {other:?}"),
+    pub(crate) fn job(task: Task) -> EngineJob {
+        EngineJob {
+            job_id: JobId::new(),
+            task,
+            inputs: Vec::new(),
+            cancel: Cancel::default(),
         }
-        let ok = guarded(|| {
-            Ok(EngineOutput {
-                images: Vec::new(),
-                seeds: Vec::new(),
-                timings: StageTimings::default(),
-            })
+    }
+
+    fn output() -> EngineOutput {
+        EngineOutput {
+            images: Vec::new(),
+            seeds: Vec::new(),
+            timings: StageTimings::default(),
+            encode_cache: None,
+        }
+    }
+
+    fn generate() -> Task {
+        vnfarm_proto::decode_json(br#"{"kind": "generate", "prompt": "a lighthouse", "seed": 1}"#)
+            .expect("a valid task")
+    }
+
+    #[test]
+    fn a_group_that_fails_together_runs_again_job_by_job() {
+        let jobs: Vec<EngineJob> = (0..3).map(|_| job(generate())).collect();
+        let refs: Vec<&EngineJob> = jobs.iter().collect();
+        let mut calls = Vec::new();
+        let results = together_or_alone(&refs, &[0, 1, 2], |members| {
+            calls.push(members.to_vec());
+            if members.contains(&1) {
+                Err(EngineError::InvalidInput("job 1's prompt".into()))
+            } else {
+                Ok(members.iter().map(|_| output()).collect())
+            }
         });
-        assert!(ok.is_ok(), "a job after a panic runs normally");
+        assert_eq!(calls, [vec![0, 1, 2], vec![0], vec![1], vec![2]]);
+        let ok: Vec<(usize, bool)> = results.iter().map(|(i, r)| (*i, r.is_ok())).collect();
+        assert_eq!(ok, [(0, true), (1, false), (2, true)]);
+    }
+
+    #[test]
+    fn a_cancelled_or_lost_group_is_not_run_again() {
+        let jobs: Vec<EngineJob> = (0..2).map(|_| job(generate())).collect();
+        jobs[0].cancel.request(CancelReason::User);
+        jobs[1].cancel.request(CancelReason::Shutdown);
+        let refs: Vec<&EngineJob> = jobs.iter().collect();
+        let mut calls = 0;
+        let results = together_or_alone(&refs, &[0, 1], |_| {
+            calls += 1;
+            Err(EngineError::Cancelled(CancelReason::Shutdown))
+        });
+        assert_eq!(calls, 1);
+        assert!(matches!(
+            results[0].1,
+            Err(EngineError::Cancelled(CancelReason::User))
+        ));
+        assert!(matches!(
+            results[1].1,
+            Err(EngineError::Cancelled(CancelReason::Shutdown))
+        ));
+        let results = together_or_alone(&refs, &[0, 1], |_| {
+            calls += 1;
+            Err(EngineError::DeviceLost("CUDA error".into()))
+        });
+        assert_eq!(calls, 2, "a device failure is nobody's job's fault");
+        assert!(
+            results
+                .iter()
+                .all(|(_, r)| matches!(r, Err(EngineError::DeviceLost(_))))
+        );
+    }
+
+    #[test]
+    fn shared_work_stops_only_when_every_job_is_cancelled() {
+        let (a, b) = (Cancel::default(), Cancel::default());
+        assert_eq!(all_cancelled([&a, &b]), None);
+        a.request(CancelReason::User);
+        assert_eq!(all_cancelled([&a, &b]), None);
+        b.request(CancelReason::User);
+        assert_eq!(all_cancelled([&a, &b]), Some(CancelReason::User));
+        let c = Cancel::default();
+        c.request(CancelReason::Shutdown);
+        assert_eq!(all_cancelled([&a, &c]), Some(CancelReason::Shutdown));
+    }
+
+    #[test]
+    fn groups_keep_the_order_of_their_first_job() {
+        let jobs: Vec<EngineJob> = (0..5).map(|_| job(generate())).collect();
+        let refs: Vec<&EngineJob> = jobs.iter().collect();
+        let keys = ["b", "a", "b", "c", "a"];
+        let index = |j: &EngineJob| refs.iter().position(|r| r.job_id == j.job_id).unwrap();
+        assert_eq!(
+            groups(&refs, |j| keys[index(j)]),
+            [vec![0, 2], vec![1, 4], vec![3]]
+        );
     }
 }

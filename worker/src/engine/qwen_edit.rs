@@ -3,15 +3,18 @@
 //!
 //! An edit's input set (one to three images) is encoded once (vision tower and VAE) and the
 //! encodings are kept in an [`EncodeCache`] keyed by the inputs' sha256, bounded in bytes, least
-//! recently used first out; the keys are what the worker reports in its heartbeat (`encode_cache`),
-//! so the scheduler can send later edits of the same image here. Progress is reported after every
-//! denoising step and cancellation is checked before every step. A job's `loras` are applied on top
-//! of the load-time LoRAs (the Lightning LoRA) for that job; the next job with another set gets the
-//! base restored bit for bit first, and the same set twice in a row costs nothing.
+//! recently used first out; the affinity keys of the jobs that used each entry are what the worker
+//! reports in its heartbeat (`encode_cache`), so the scheduler can send later edits of the same
+//! image here. The edits of a batch message that share inputs and a LoRA set are one group: its
+//! inputs are encoded (or found) once and its edits run through `edit` in micro-batches of at most
+//! `max_batch` (same output size, steps and guidance); groups run one after another. Progress is
+//! reported per job after every denoising step; before every step a micro-batch stops if all of its
+//! jobs were cancelled (a job cancelled alone rides along and its image is discarded). A job's
+//! `loras` are applied on top of the load-time LoRAs (the Lightning LoRA) for its group; the next
+//! group with another set gets the base restored bit for bit first, and the same set twice in a
+//! row costs nothing.
 
-use std::collections::VecDeque;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use serde::Deserialize;
@@ -27,7 +30,10 @@ use vnfarm_models::schedulers::FlowMatchConfig;
 use vnfarm_proto::{EditSpec, LoraRef, StageTimings, Task};
 
 use super::device::{Dtype, engine_error, open_device, parse_device, warm_up_sizes};
-use super::{Cancel, EngineError, EngineJob, EngineOutput, InputImage, Progress};
+use super::{
+    AdvertisedKeys, CacheLookup, EncodeCache, EngineError, EngineJob, EngineOutput, Progress,
+    all_cancelled, content_key, groups, together_or_alone,
+};
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -184,72 +190,17 @@ impl QwenEditEngineConfig {
     }
 }
 
-/// Encodings of input sets, least recently used first out, bounded in bytes. The key list is shared
-/// with the heartbeat.
-pub struct EncodeCache {
-    entries: VecDeque<(String, EncodedInputs)>,
-    max_bytes: usize,
-    keys: Arc<Mutex<Vec<String>>>,
-}
-
-impl EncodeCache {
-    pub fn new(max_bytes: usize, keys: Arc<Mutex<Vec<String>>>) -> Self {
-        Self {
-            entries: VecDeque::new(),
-            max_bytes,
-            keys,
-        }
-    }
-
-    /// The cache key of an input set: the model family, then each input's sha256 in order.
-    pub fn key(inputs: &[InputImage]) -> String {
-        let shas: Vec<&str> = inputs.iter().map(|i| i.sha256.as_str()).collect();
-        format!("qwen-edit:{}", shas.join("+"))
-    }
-
-    /// The entry for `key`, moved to the most recently used end.
-    fn get(&mut self, key: &str) -> Option<&EncodedInputs> {
-        let at = self.entries.iter().position(|(k, _)| k == key)?;
-        let entry = self.entries.remove(at)?;
-        self.entries.push_back(entry);
-        self.entries.back().map(|(_, e)| e)
-    }
-
-    fn insert(&mut self, key: String, value: EncodedInputs) {
-        let size = value.bytes();
-        self.entries.push_back((key, value));
-        let mut total: usize = self.entries.iter().map(|(_, e)| e.bytes()).sum();
-        // Keep at least the newest entry even when it alone exceeds the bound: the job needs it.
-        while total > self.max_bytes.max(size) && self.entries.len() > 1 {
-            if let Some((_, old)) = self.entries.pop_front() {
-                total -= old.bytes();
-            }
-        }
-        self.publish();
-    }
-
-    fn publish(&self) {
-        let keys = self.entries.iter().map(|(k, _)| k.clone()).collect();
-        *self
-            .keys
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = keys;
-    }
-}
-
 pub struct QwenEditEngine {
     pipeline: QwenEditPipeline,
-    cache: EncodeCache,
+    cache: EncodeCache<EncodedInputs>,
     lora_dir: Option<PathBuf>,
+    max_batch: usize,
 }
 
 impl QwenEditEngine {
     /// Loads the model onto the device and warms up at every configured size. Any failure (a
     /// missing or corrupt file, a missing or misshapen tensor, no device) is an error naming it.
-    pub fn load(
-        config: &QwenEditEngineConfig,
-        cache_keys: Arc<Mutex<Vec<String>>>,
-    ) -> anyhow::Result<Self> {
+    pub fn load(config: &QwenEditEngineConfig, cache_keys: AdvertisedKeys) -> anyhow::Result<Self> {
         let device = open_device(&config.device, "engine.qwen_edit.device")?;
         let source = match (
             &config.model_dir,
@@ -311,6 +262,7 @@ impl QwenEditEngine {
             pipeline,
             cache: EncodeCache::new((config.encode_cache_mib as usize) << 20, cache_keys),
             lora_dir: config.lora_dir.clone(),
+            max_batch: config.max_batch as usize,
         })
     }
 
@@ -348,65 +300,214 @@ impl QwenEditEngine {
             .collect()
     }
 
-    pub fn run(
+    /// Runs a batch: edits of the same inputs and LoRA set share one encoding and run in
+    /// micro-batches; groups run one after another. One result per job.
+    pub fn run_batch(
         &mut self,
-        job: EngineJob,
-        progress: &mut dyn FnMut(Progress),
-        cancel: &Cancel,
-    ) -> Result<EngineOutput, EngineError> {
+        jobs: &[&EngineJob],
+        progress: &mut dyn FnMut(usize, Progress),
+    ) -> Vec<Result<EngineOutput, EngineError>> {
+        let mut results: Vec<Option<Result<EngineOutput, EngineError>>> =
+            jobs.iter().map(|_| None).collect();
+        let mut runnable = Vec::new();
+        let mut prepared = Vec::new();
+        for (i, job) in jobs.iter().enumerate() {
+            match self.prepare(job) {
+                Ok(p) => {
+                    runnable.push(i);
+                    prepared.push(p);
+                }
+                Err(e) => results[i] = Some(Err(e)),
+            }
+        }
+        let members: Vec<&EngineJob> = runnable.iter().map(|&i| jobs[i]).collect();
+        let by_inputs = groups(&members, |job| {
+            let loras = match &job.task {
+                Task::Edit(e) => e.loras.clone(),
+                Task::Generate(_) | Task::Upscale(_) => Vec::new(),
+            };
+            (content_key(&job.inputs), loras)
+        });
+        for group in by_inputs {
+            let answers = self.run_group(&members, &prepared, &group, &mut |k, p| {
+                progress(runnable[k], p)
+            });
+            for (k, answer) in answers {
+                results[runnable[k]] = Some(answer);
+            }
+        }
+        results
+            .into_iter()
+            .map(|r| {
+                r.unwrap_or_else(|| Err(EngineError::Failed("the engine skipped the job".into())))
+            })
+            .collect()
+    }
+
+    /// A job's request and LoRA files, or why it cannot run.
+    fn prepare(&self, job: &EngineJob) -> Result<Prepared, EngineError> {
         let Task::Edit(spec) = &job.task else {
             return Err(EngineError::Unsupported(job.task.model()));
         };
-        let request = edit_request(spec)?;
-        let mut timings = StageTimings::default();
-
-        let loras = self.lora_files(&spec.loras)?;
-        let started = Instant::now();
-        self.pipeline
-            .set_job_loras(&loras)
-            .map_err(|e| engine_error(e, cancel))?;
-        if !loras.is_empty() {
-            timings.add("lora", started.elapsed().as_secs_f64());
-        }
-
-        let key = EncodeCache::key(&job.inputs);
-        let started = Instant::now();
-        if self.cache.get(&key).is_none() {
-            let images: Vec<_> = job.inputs.iter().map(|i| i.image.clone()).collect();
-            let encoded = self
-                .pipeline
-                .encode_inputs(&images)
-                .map_err(|e| engine_error(e, cancel))?;
-            self.cache.insert(key.clone(), encoded);
-            timings.add("encode", started.elapsed().as_secs_f64());
-        }
-        let encoded = self.cache.get(&key).ok_or_else(|| {
-            EngineError::Failed("encode cache lost the entry it just stored".into())
-        })?;
-        let total = request.steps as u32;
-        let (images, times) = self
-            .pipeline
-            .edit(
-                encoded,
-                std::slice::from_ref(&request),
-                &mut |step, _| {
-                    progress(Progress {
-                        step: step as u32,
-                        total,
-                    })
-                },
-                &|| cancel.requested().is_some(),
-            )
-            .map_err(|e| engine_error(e, cancel))?;
-        timings.add("encode_prompt", times.encode_prompt);
-        timings.add("denoise", times.denoise);
-        timings.add("decode", times.decode);
-        Ok(EngineOutput {
-            images,
-            seeds: vec![Some(request.seed)],
-            timings,
+        Ok(Prepared {
+            request: edit_request(spec)?,
+            loras: self.lora_files(&spec.loras)?,
         })
     }
+
+    /// One group (edits of the same inputs with the same LoRAs, indices into `jobs`): LoRAs, the
+    /// inputs' encoding (from the cache, else made once), then the edits in micro-batches.
+    fn run_group(
+        &mut self,
+        jobs: &[&EngineJob],
+        prepared: &[Prepared],
+        group: &[usize],
+        progress: &mut dyn FnMut(usize, Progress),
+    ) -> Vec<(usize, Result<EngineOutput, EngineError>)> {
+        let fail = |e: EngineError| -> Vec<(usize, Result<EngineOutput, EngineError>)> {
+            group
+                .iter()
+                .map(|&k| {
+                    let own = match (&e, jobs[k].cancel.requested()) {
+                        (EngineError::Cancelled(_), Some(reason)) => EngineError::Cancelled(reason),
+                        _ => e.clone(),
+                    };
+                    (k, Err(own))
+                })
+                .collect()
+        };
+        let cancelled = || all_cancelled(group.iter().map(|&k| &jobs[k].cancel));
+        let first = jobs[group[0]];
+        let mut shared = StageTimings::default();
+
+        let loras = &prepared[group[0]].loras;
+        let started = Instant::now();
+        if let Err(e) = self.pipeline.set_job_loras(loras) {
+            return fail(engine_error(e, cancelled()));
+        }
+        if !loras.is_empty() {
+            shared.add("lora", started.elapsed().as_secs_f64());
+        }
+
+        let key = content_key(&first.inputs);
+        let mut encoder = None;
+        if !self.cache.contains(&key) {
+            if let Some(reason) = cancelled() {
+                return fail(EngineError::Cancelled(reason));
+            }
+            let started = Instant::now();
+            let images: Vec<_> = first.inputs.iter().map(|i| i.image.clone()).collect();
+            let encoded = match self.pipeline.encode_inputs(&images) {
+                Ok(encoded) => encoded,
+                Err(e) => return fail(engine_error(e, cancelled())),
+            };
+            let by = group
+                .iter()
+                .copied()
+                .find(|&k| jobs[k].cancel.requested().is_none())
+                .unwrap_or(group[0]);
+            let bytes = encoded.bytes();
+            self.cache.insert(
+                key.clone(),
+                encoded,
+                bytes,
+                jobs[by].task.affinity_key().as_deref(),
+            );
+            encoder = Some((by, started.elapsed().as_secs_f64()));
+        }
+        for &k in group {
+            self.cache.get(&key, jobs[k].task.affinity_key().as_deref());
+        }
+        let Some(encoded) = self.cache.get(&key, None) else {
+            return fail(EngineError::Failed(
+                "encode cache lost the entry it just stored".into(),
+            ));
+        };
+
+        // Micro-batches: same output size, steps and guidance, at most `max_batch` edits each.
+        let shapes = groups(
+            &group.iter().map(|&k| jobs[k]).collect::<Vec<_>>(),
+            |job| match &job.task {
+                Task::Edit(e) => Some((e.width.zip(e.height), e.steps, e.cfg > 1.0)),
+                Task::Generate(_) | Task::Upscale(_) => None,
+            },
+        );
+        let pipeline = &self.pipeline;
+        let mut answers = Vec::with_capacity(group.len());
+        for shape in shapes {
+            let same: Vec<usize> = shape.into_iter().map(|s| group[s]).collect();
+            for chunk in same.chunks(self.max_batch.max(1)) {
+                answers.extend(together_or_alone(jobs, chunk, |together| {
+                    let requests: Vec<EditRequest> = together
+                        .iter()
+                        .map(|&k| prepared[k].request.clone())
+                        .collect();
+                    let stop = || all_cancelled(together.iter().map(|&k| &jobs[k].cancel));
+                    let (images, times) = pipeline
+                        .edit(
+                            encoded,
+                            &requests,
+                            &mut |done, _| {
+                                // One micro-batch (same shape, at most `max_batch`): `done` counts
+                                // the steps of all its edits, which take each step together.
+                                let step = (done / requests.len()) as u32;
+                                for (&k, r) in together.iter().zip(&requests) {
+                                    progress(
+                                        k,
+                                        Progress {
+                                            step,
+                                            total: r.steps as u32,
+                                        },
+                                    );
+                                }
+                            },
+                            &|| stop().is_some(),
+                        )
+                        .map_err(|e| engine_error(e, stop()))?;
+                    let share = 1.0 / together.len() as f64;
+                    Ok(together
+                        .iter()
+                        .zip(images)
+                        .zip(&requests)
+                        .map(|((_, image), r)| {
+                            let mut timings = StageTimings::default();
+                            timings.add("encode_prompt", times.encode_prompt * share);
+                            timings.add("denoise", times.denoise * share);
+                            timings.add("decode", times.decode * share);
+                            EngineOutput {
+                                images: vec![image],
+                                seeds: vec![Some(r.seed)],
+                                timings,
+                                encode_cache: None,
+                            }
+                        })
+                        .collect())
+                }));
+            }
+        }
+        let share = 1.0 / group.len() as f64;
+        for (k, answer) in &mut answers {
+            if let Ok(out) = answer {
+                for (stage, seconds) in &shared.0 {
+                    out.timings.add(stage, seconds * share);
+                }
+                out.encode_cache = Some(match encoder {
+                    Some((by, seconds)) if by == *k => {
+                        out.timings.add("encode", seconds);
+                        CacheLookup::Miss
+                    }
+                    Some(_) | None => CacheLookup::Hit,
+                });
+            }
+        }
+        answers
+    }
+}
+
+/// What a job needs from its spec to run.
+struct Prepared {
+    request: EditRequest,
+    loras: Vec<LoraSpec>,
 }
 
 fn edit_request(spec: &EditSpec) -> Result<EditRequest, EngineError> {

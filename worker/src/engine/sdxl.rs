@@ -1,9 +1,12 @@
 //! The SDXL engine: `generate` jobs on [`vnfarm_models::sdxl::pipeline::SdxlPipeline`], kept warm for the
 //! worker's life.
 //!
-//! A job's images are denoised together, at most `max_batch` per UNet forward; image `n` of a job
-//! uses seed `seed + n` whatever the batching, so an image can always be reproduced alone. Progress
-//! is reported after every denoising step, cancellation is checked before every step.
+//! A job's images are denoised together, at most `max_batch` per UNet forward; the compatible jobs of
+//! a batch message (same size, steps, sampler, guidance on or off) share those forwards through
+//! `generate_batch`, and the others run one after another. Image `n` of a job uses seed `seed + n`
+//! whatever the batching, so an image can always be reproduced alone. Progress is reported per job
+//! after every denoising step; before every step the forward stops if all of its jobs were
+//! cancelled (a job cancelled alone rides along and its images are discarded).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -20,7 +23,9 @@ use vnfarm_models::sdxl::vae::{Tiling, VaeConfig};
 use vnfarm_proto::{GenerateSpec, StageTimings, Task};
 
 use super::device::{Dtype, engine_error, open_device, parse_device, warm_up_sizes};
-use super::{Cancel, EngineError, EngineJob, EngineOutput, Progress};
+use super::{
+    EngineError, EngineJob, EngineOutput, Progress, all_cancelled, groups, together_or_alone,
+};
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -28,6 +33,10 @@ pub struct SdxlConfig {
     /// A single-file checkpoint (`.safetensors` with ldm key names: A1111 / CivitAI / ComfyUI) or
     /// a diffusers pipeline folder.
     pub checkpoint: PathBuf,
+    /// The checkpoint's name, as generate jobs name it (`checkpoint`) and heartbeats advertise it.
+    /// Unset: the file's name without its extension, or the folder's name.
+    #[serde(default)]
+    pub name: Option<String>,
     /// For a single-file checkpoint that is not SDXL base-sized: a diffusers-layout folder whose
     /// `unet/`, `vae/`, `text_encoder/`, `text_encoder_2/` and `scheduler/` hold the component
     /// `config.json` files. Unset: the SDXL base configuration.
@@ -62,7 +71,8 @@ pub struct SdxlConfig {
     /// `[width, height]` sizes run once (one step and a decode) before the worker takes jobs.
     #[serde(default = "default_warm_up")]
     pub warm_up: Vec<[u32; 2]>,
-    /// Images per UNet forward; a job with more images runs in several batches.
+    /// Images per UNet forward, over all the jobs that share it; a job with more images runs in
+    /// several forwards.
     #[serde(default = "default_max_batch")]
     pub max_batch: u32,
 }
@@ -87,7 +97,28 @@ fn default_max_batch() -> u32 {
 }
 
 impl SdxlConfig {
+    /// The checkpoint's name: `name`, else the file's stem or the folder's name.
+    pub fn name(&self) -> String {
+        if let Some(name) = &self.name {
+            return name.clone();
+        }
+        let path = &self.checkpoint;
+        let single_file = path
+            .extension()
+            .is_some_and(|e| e == "safetensors" || e == "ckpt" || e == "sft");
+        let name = if single_file {
+            path.file_stem()
+        } else {
+            path.file_name()
+        };
+        name.map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default()
+    }
+
     pub fn validate(&self) -> Result<(), String> {
+        if self.name().trim().is_empty() {
+            return Err("engine.sdxl.name: the checkpoint needs a name (set `name`)".into());
+        }
         parse_device(&self.device).map_err(|e| format!("engine.sdxl.device: {e}"))?;
         if self.vae_dtype == Dtype::Fp16 {
             return Err(
@@ -112,6 +143,7 @@ impl SdxlConfig {
 pub struct SdxlEngine {
     pipeline: SdxlPipeline,
     max_batch: usize,
+    name: String,
 }
 
 impl SdxlEngine {
@@ -171,84 +203,192 @@ impl SdxlEngine {
         Ok(Self {
             pipeline,
             max_batch: config.max_batch as usize,
+            name: config.name(),
         })
     }
 
-    pub fn run(
+    /// Runs a batch: compatible jobs share UNet forwards, the others run one after another. One
+    /// result per job.
+    pub fn run_batch(
         &mut self,
-        job: EngineJob,
-        progress: &mut dyn FnMut(Progress),
-        cancel: &Cancel,
-    ) -> Result<EngineOutput, EngineError> {
+        jobs: &[&EngineJob],
+        progress: &mut dyn FnMut(usize, Progress),
+    ) -> Vec<Result<EngineOutput, EngineError>> {
+        let mut results: Vec<Option<Result<EngineOutput, EngineError>>> = jobs
+            .iter()
+            .map(|job| self.refuse(job).err().map(Err))
+            .collect();
+        let runnable: Vec<usize> = (0..jobs.len()).filter(|&i| results[i].is_none()).collect();
+        let members: Vec<&EngineJob> = runnable.iter().map(|&i| jobs[i]).collect();
+        for group in groups(&members, |job| match &job.task {
+            Task::Generate(g) => Some(((g.width, g.height), g.steps, g.sampler, g.cfg > 1.0)),
+            Task::Edit(_) | Task::Upscale(_) => None,
+        }) {
+            let answers = together_or_alone(&members, &group, |together| {
+                self.generate(&members, together, &mut |k, p| progress(runnable[k], p))
+            });
+            for (k, answer) in answers {
+                results[runnable[k]] = Some(answer);
+            }
+        }
+        results
+            .into_iter()
+            .map(|r| {
+                r.unwrap_or_else(|| Err(EngineError::Failed("the engine skipped the job".into())))
+            })
+            .collect()
+    }
+
+    /// Why this engine cannot run the job at all, if it cannot.
+    fn refuse(&self, job: &EngineJob) -> Result<(), EngineError> {
         let Task::Generate(spec) = &job.task else {
             return Err(EngineError::Unsupported(job.task.model()));
         };
-        let seed = spec
-            .seed
-            .ok_or_else(|| EngineError::InvalidInput("generate without a resolved seed".into()))?;
-        let batches = split(spec, seed, self.max_batch);
-        let total = spec.steps * batches.len() as u32;
-        let mut timings = StageTimings::default();
-        let mut images = Vec::with_capacity(spec.count as usize);
-        for (b, request) in batches.iter().enumerate() {
-            let done = spec.steps * b as u32;
+        if spec.seed.is_none() {
+            return Err(EngineError::InvalidInput(
+                "generate without a resolved seed".into(),
+            ));
+        }
+        match &spec.checkpoint {
+            Some(name) if *name != self.name => Err(EngineError::NoCheckpoint(name.clone())),
+            Some(_) | None => Ok(()),
+        }
+    }
+
+    /// Generates the images of `together` (indices into `jobs`, compatible generates) in forwards of
+    /// at most `max_batch` images; one output per job, in order. A forward's stage times are split
+    /// across its jobs by their share of its images.
+    fn generate(
+        &self,
+        jobs: &[&EngineJob],
+        together: &[usize],
+        progress: &mut dyn FnMut(usize, Progress),
+    ) -> Result<Vec<EngineOutput>, EngineError> {
+        let specs: Vec<&GenerateSpec> = together
+            .iter()
+            .map(|&i| match &jobs[i].task {
+                Task::Generate(spec) => Ok(spec),
+                other => Err(EngineError::Unsupported(other.model())),
+            })
+            .collect::<Result<_, _>>()?;
+        let forwards = pack(&specs, self.max_batch);
+        // Each job's progress runs over all the forwards it is in.
+        let mut in_forwards = vec![0u32; specs.len()];
+        for forward in &forwards {
+            for (k, _) in forward {
+                in_forwards[*k] += 1;
+            }
+        }
+        let mut done = vec![0u32; specs.len()];
+        let mut outputs: Vec<EngineOutput> = specs
+            .iter()
+            .map(|spec| EngineOutput {
+                images: Vec::with_capacity(spec.count as usize),
+                seeds: image_seeds(spec),
+                timings: StageTimings::default(),
+                encode_cache: None,
+            })
+            .collect();
+        for forward in &forwards {
+            let requests: Vec<GenerateRequest> = forward.iter().map(|(_, r)| r.clone()).collect();
+            let cancels = || all_cancelled(forward.iter().map(|(k, _)| &jobs[together[*k]].cancel));
             let out = self
                 .pipeline
                 .generate_batch(
-                    std::slice::from_ref(request),
+                    &requests,
                     &mut |step, _| {
-                        progress(Progress {
-                            step: done + step as u32,
-                            total,
-                        })
+                        for (k, _) in forward {
+                            let steps = specs[*k].steps;
+                            progress(
+                                together[*k],
+                                Progress {
+                                    step: done[*k] * steps + step as u32,
+                                    total: steps * in_forwards[*k],
+                                },
+                            );
+                        }
                     },
-                    &|| cancel.requested().is_some(),
+                    &|| cancels().is_some(),
                 )
-                .map_err(|e| engine_error(e, cancel))?;
-            timings.add("encode_prompt", out.times.encode_prompt);
-            timings.add("denoise", out.times.denoise);
-            timings.add("decode", out.times.decode);
-            images.extend(out.images.into_iter().flatten());
+                .map_err(|e| engine_error(e, cancels()))?;
+            let images: usize = requests.iter().map(|r| r.count).sum();
+            for ((k, request), produced) in forward.iter().zip(out.images) {
+                let share = request.count as f64 / images.max(1) as f64;
+                let timings = &mut outputs[*k].timings;
+                timings.add("encode_prompt", out.times.encode_prompt * share);
+                timings.add("denoise", out.times.denoise * share);
+                timings.add("decode", out.times.decode * share);
+                outputs[*k].images.extend(produced);
+                done[*k] += 1;
+            }
         }
-        let seeds = (0..u64::from(spec.count))
-            .map(|n| Some(seed.wrapping_add(n)))
-            .collect();
-        Ok(EngineOutput {
-            images,
-            seeds,
-            timings,
-        })
+        Ok(outputs)
     }
 }
 
-/// The job's images as requests of at most `max_batch` images; image `n` keeps seed `seed + n`.
-fn split(spec: &GenerateSpec, seed: u64, max_batch: usize) -> Vec<GenerateRequest> {
-    let count = spec.count as usize;
-    (0..count)
-        .step_by(max_batch)
-        .map(|first| GenerateRequest {
-            prompt: spec.prompt.clone(),
-            negative_prompt: spec.negative_prompt.clone(),
-            width: spec.width,
-            height: spec.height,
-            steps: spec.steps as usize,
-            cfg: f64::from(spec.cfg),
-            sampler: match spec.sampler {
-                vnfarm_proto::Sampler::Euler => Sampler::Euler,
-                vnfarm_proto::Sampler::EulerAncestral => Sampler::EulerAncestral,
-                vnfarm_proto::Sampler::DpmppTwoMKarras => Sampler::DpmPp2mKarras,
-            },
-            seed: seed.wrapping_add(first as u64),
-            count: max_batch.min(count - first),
-        })
+/// The seed of each of a job's images: `seed + n` for image `n`.
+fn image_seeds(spec: &GenerateSpec) -> Vec<Option<u64>> {
+    let seed = spec.seed.unwrap_or_default();
+    (0..u64::from(spec.count))
+        .map(|n| Some(seed.wrapping_add(n)))
         .collect()
+}
+
+/// The images of several compatible jobs as UNet forwards of at most `max_batch` images, filled in
+/// job order: each forward lists `(job, request)`, a job's images possibly spread over several
+/// forwards, each request keeping its images' seeds.
+fn pack(specs: &[&GenerateSpec], max_batch: usize) -> Vec<Vec<(usize, GenerateRequest)>> {
+    let max_batch = max_batch.max(1);
+    let mut forwards: Vec<Vec<(usize, GenerateRequest)>> = Vec::new();
+    let mut room = 0;
+    for (k, spec) in specs.iter().enumerate() {
+        let seed = spec.seed.unwrap_or_default();
+        let mut first = 0;
+        let count = spec.count as usize;
+        while first < count {
+            if room == 0 {
+                forwards.push(Vec::new());
+                room = max_batch;
+            }
+            let take = room.min(count - first);
+            let mut request = request(spec);
+            request.seed = seed.wrapping_add(first as u64);
+            request.count = take;
+            forwards
+                .last_mut()
+                .expect("a forward was pushed above")
+                .push((k, request));
+            first += take;
+            room -= take;
+        }
+    }
+    forwards
+}
+
+/// A job's spec as a pipeline request (seed and count set by the caller).
+fn request(spec: &GenerateSpec) -> GenerateRequest {
+    GenerateRequest {
+        prompt: spec.prompt.clone(),
+        negative_prompt: spec.negative_prompt.clone(),
+        width: spec.width,
+        height: spec.height,
+        steps: spec.steps as usize,
+        cfg: f64::from(spec.cfg),
+        sampler: match spec.sampler {
+            vnfarm_proto::Sampler::Euler => Sampler::Euler,
+            vnfarm_proto::Sampler::EulerAncestral => Sampler::EulerAncestral,
+            vnfarm_proto::Sampler::DpmppTwoMKarras => Sampler::DpmPp2mKarras,
+        },
+        seed: spec.seed.unwrap_or_default(),
+        count: spec.count as usize,
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn spec(count: u32) -> GenerateSpec {
+    fn spec(count: u32, seed: u64) -> GenerateSpec {
         GenerateSpec {
             prompt: "p".into(),
             negative_prompt: String::new(),
@@ -257,18 +397,76 @@ mod tests {
             steps: 3,
             cfg: 4.5,
             sampler: vnfarm_proto::Sampler::EulerAncestral,
-            seed: Some(10),
+            seed: Some(seed),
             count,
             checkpoint: None,
         }
     }
 
+    /// Each forward as `(job, seed, count)`.
+    fn shape(forwards: &[Vec<(usize, GenerateRequest)>]) -> Vec<Vec<(usize, u64, usize)>> {
+        forwards
+            .iter()
+            .map(|f| f.iter().map(|(k, r)| (*k, r.seed, r.count)).collect())
+            .collect()
+    }
+
     #[test]
-    fn a_job_splits_into_batches_that_keep_each_images_seed() {
-        let parts = split(&spec(10), 10, 4);
-        let shape: Vec<(u64, usize)> = parts.iter().map(|r| (r.seed, r.count)).collect();
-        assert_eq!(shape, [(10, 4), (14, 4), (18, 2)]);
-        assert!(parts.iter().all(|r| r.sampler == Sampler::EulerAncestral));
-        assert_eq!(split(&spec(1), 10, 4).len(), 1);
+    fn a_job_splits_into_forwards_that_keep_each_images_seed() {
+        let forwards = pack(&[&spec(10, 10)], 4);
+        assert_eq!(
+            shape(&forwards),
+            [vec![(0, 10, 4)], vec![(0, 14, 4)], vec![(0, 18, 2)]]
+        );
+        assert!(
+            forwards
+                .iter()
+                .flatten()
+                .all(|(_, r)| r.sampler == Sampler::EulerAncestral)
+        );
+        assert_eq!(pack(&[&spec(1, 10)], 4).len(), 1);
+    }
+
+    #[test]
+    fn jobs_share_forwards_up_to_the_batch_size() {
+        let (a, b, c) = (spec(1, 100), spec(3, 200), spec(2, 300));
+        assert_eq!(
+            shape(&pack(&[&a, &b, &c], 4)),
+            [vec![(0, 100, 1), (1, 200, 3)], vec![(2, 300, 2)],]
+        );
+        // A job that does not fit whole is spread, its images keeping their seeds.
+        assert_eq!(
+            shape(&pack(&[&b, &b], 4)),
+            [vec![(0, 200, 3), (1, 200, 1)], vec![(1, 201, 2)]]
+        );
+        assert_eq!(image_seeds(&b), [Some(200), Some(201), Some(202)]);
+    }
+
+    #[test]
+    fn a_checkpoint_is_named_by_its_file_or_folder() {
+        let config = |path: &str, name: Option<&str>| SdxlConfig {
+            checkpoint: path.into(),
+            name: name.map(Into::into),
+            config_dir: None,
+            tokenizer_dir: None,
+            device: "cpu".into(),
+            dtype: Dtype::Bf16,
+            vae_dtype: Dtype::Bf16,
+            attention: AttentionImpl::default(),
+            prediction_type: None,
+            vae_tiling: VaeTiling::Auto,
+            vae_tile_threshold: None,
+            warm_up: Vec::new(),
+            max_batch: 4,
+        };
+        assert_eq!(
+            config("/models/sdxl/novaAnimeXL_ilV190.safetensors", None).name(),
+            "novaAnimeXL_ilV190"
+        );
+        assert_eq!(
+            config("/models/stable-diffusion-xl-base-1.0", None).name(),
+            "stable-diffusion-xl-base-1.0"
+        );
+        assert_eq!(config("/models/x.safetensors", Some("nova")).name(), "nova");
     }
 }

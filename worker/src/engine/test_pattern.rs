@@ -1,7 +1,15 @@
 //! The test-pattern engine: deterministic CPU images for exercising the job system without libtorch or
 //! weights. Every field of the task and the seed change the image (the spec is hashed into it), and
 //! each stage sleeps for a configurable time so scheduling can be measured against realistic shapes:
-//! a generate "denoises" for `steps × step_ms`, an edit first "encodes" its input, every job "decodes".
+//! a generate "denoises" for `steps × step_ms` per image, an edit "encodes" its inputs, every image
+//! "decodes".
+//!
+//! It simulates what the models' engines gain from batches, so that the fleet's dispatch can be
+//! measured: edits of one input share one encoding, kept in an encode cache (by affinity key, least
+//! recently used first out) and paid only on a miss; and compatible jobs denoise together, a step
+//! of `n` jobs costing `step_ms × (1 + (n − 1) × batch_step_cost)`, split evenly across their
+//! timings. Only the job that encoded reports an `encode` timing, so encodes can be counted from
+//! `completed` events.
 //!
 //! It is a fixture, never a stand-in for a model.
 
@@ -10,9 +18,12 @@ use std::time::{Duration, Instant};
 use image::{Rgb, RgbImage};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
-use vnfarm_proto::{StageTimings, Task};
+use vnfarm_proto::{EditSpec, JobId, LoraRef, Sampler, StageTimings, Task};
 
-use super::{Cancel, EngineError, EngineJob, EngineOutput, Progress};
+use super::{
+    AdvertisedKeys, CacheLookup, CancelReason, EncodeCache, EngineError, EngineJob, EngineOutput,
+    Progress, all_cancelled, content_key, groups,
+};
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -20,12 +31,24 @@ pub struct TestPatternConfig {
     /// Sleep per denoising step, in milliseconds.
     #[serde(default = "default_step_ms")]
     pub step_ms: u64,
-    /// Sleep for encoding an edit's input.
+    /// Sleep for encoding an edit's inputs (on a cache miss).
     #[serde(default = "default_encode_ms")]
     pub encode_ms: u64,
     /// Sleep for decoding each output image.
     #[serde(default = "default_decode_ms")]
     pub decode_ms: u64,
+    /// Input sets whose encodings it keeps, least recently used first out.
+    #[serde(default = "default_cache_entries")]
+    pub encode_cache_entries: usize,
+    /// What each job beyond the first adds to a batch's denoising step, as a fraction of one job's
+    /// step: 1 is no gain (n jobs take n times as long), 0 makes the extra jobs free. Set from
+    /// measured profiles by the fleet benchmark.
+    #[serde(default = "default_batch_step_cost")]
+    pub batch_step_cost: f64,
+    /// SDXL checkpoints it claims to hold (advertised in heartbeats); a generate naming another one
+    /// fails as it would on an SDXL worker.
+    #[serde(default)]
+    pub checkpoints: Vec<String>,
     /// Fault injection for tests of the job system: a generate with exactly this prompt fails as a
     /// device failure would (the job is given back, the worker exits with an error).
     #[serde(default)]
@@ -41,6 +64,12 @@ fn default_encode_ms() -> u64 {
 fn default_decode_ms() -> u64 {
     30
 }
+fn default_cache_entries() -> usize {
+    32
+}
+fn default_batch_step_cost() -> f64 {
+    1.0
+}
 
 impl Default for TestPatternConfig {
     fn default() -> Self {
@@ -48,6 +77,9 @@ impl Default for TestPatternConfig {
             step_ms: default_step_ms(),
             encode_ms: default_encode_ms(),
             decode_ms: default_decode_ms(),
+            encode_cache_entries: default_cache_entries(),
+            batch_step_cost: default_batch_step_cost(),
+            checkpoints: Vec::new(),
             device_failure_prompt: None,
         }
     }
@@ -64,12 +96,89 @@ impl TestPatternConfig {
                 return Err(format!("engine.test_pattern.{name}: at most 60000"));
             }
         }
+        if !(1..=100_000).contains(&self.encode_cache_entries) {
+            return Err("engine.test_pattern.encode_cache_entries: must be 1..=100000".into());
+        }
+        if !(0.0..=1.0).contains(&self.batch_step_cost) {
+            return Err("engine.test_pattern.batch_step_cost: must be within 0..=1".into());
+        }
+        if self.checkpoints.iter().any(|c| c.trim().is_empty()) {
+            return Err("engine.test_pattern.checkpoints: names must not be empty".into());
+        }
         Ok(())
     }
 }
 
 pub struct TestPatternEngine {
     config: TestPatternConfig,
+    /// Keyed by the inputs' affinity key (their content key for inputs without one).
+    cache: EncodeCache<()>,
+}
+
+/// Jobs that denoise together: the same kind and shape, and for edits the same inputs (and LoRA
+/// set, which the model fuses per call).
+#[derive(Debug, PartialEq)]
+enum Shape {
+    Generate {
+        checkpoint: Option<String>,
+        size: (u32, u32),
+        steps: u32,
+        sampler: Sampler,
+        guided: bool,
+    },
+    Edit {
+        inputs: String,
+        size: Option<(u32, u32)>,
+        steps: u32,
+        guided: bool,
+        loras: Vec<LoraRef>,
+    },
+    Alone(JobId),
+}
+
+impl Shape {
+    fn of(job: &EngineJob) -> Self {
+        match &job.task {
+            Task::Generate(g) => Shape::Generate {
+                checkpoint: g.checkpoint.clone(),
+                size: (g.width, g.height),
+                steps: g.steps,
+                sampler: g.sampler,
+                guided: g.cfg > 1.0,
+            },
+            Task::Edit(e) => Shape::Edit {
+                inputs: cache_key(job),
+                size: e.width.zip(e.height),
+                steps: e.steps,
+                guided: e.cfg > 1.0,
+                loras: e.loras.clone(),
+            },
+            Task::Upscale(_) => Shape::Alone(job.job_id),
+        }
+    }
+}
+
+/// The encode cache's key of an edit's inputs: their affinity key, else their content.
+fn cache_key(job: &EngineJob) -> String {
+    job.task
+        .affinity_key()
+        .unwrap_or_else(|| content_key(&job.inputs))
+}
+
+/// One job's result as the batch builds it.
+#[derive(Default)]
+struct Run {
+    images: Vec<RgbImage>,
+    seeds: Vec<Option<u64>>,
+    timings: StageTimings,
+    encode_cache: Option<CacheLookup>,
+    error: Option<EngineError>,
+}
+
+impl Run {
+    fn live(&self) -> bool {
+        self.error.is_none()
+    }
 }
 
 /// 32 bytes that depend on every field of the task and on the image index.
@@ -80,11 +189,14 @@ fn fingerprint(task: &Task, index: u32) -> [u8; 32] {
     h.finalize().into()
 }
 
-fn sleep_checked(ms: u64, cancel: &Cancel) -> Result<(), EngineError> {
-    // Sleep in slices so that cancellation is noticed within ~10 ms.
-    let deadline = Instant::now() + Duration::from_millis(ms);
+/// Sleeps `ms` in slices, so that a stop is noticed within ~10 ms; `stop` says whether (and why)
+/// to stop.
+fn sleep_unless(ms: f64, stop: impl Fn() -> Option<CancelReason>) -> Result<(), EngineError> {
+    let deadline = Instant::now() + Duration::from_secs_f64(ms.max(0.0) / 1000.0);
     loop {
-        cancel.check()?;
+        if let Some(reason) = stop() {
+            return Err(EngineError::Cancelled(reason));
+        }
         let now = Instant::now();
         if now >= deadline {
             return Ok(());
@@ -116,122 +228,291 @@ fn pattern(width: u32, height: u32, fp: &[u8; 32]) -> RgbImage {
     })
 }
 
+/// An edit's output: the first input at the requested size (else its own), blended with the
+/// task's pattern. (The model's default size differs: this is a fixture for the job system.)
+fn edited(input: &RgbImage, spec: &EditSpec, task: &Task) -> RgbImage {
+    let (w, h) = spec
+        .width
+        .zip(spec.height)
+        .unwrap_or((input.width(), input.height()));
+    let overlay = pattern(w, h, &fingerprint(task, 0));
+    let mut out = if (w, h) == (input.width(), input.height()) {
+        input.clone()
+    } else {
+        image::imageops::resize(input, w, h, image::imageops::FilterType::Triangle)
+    };
+    for (o, p) in out.pixels_mut().zip(overlay.pixels()) {
+        for c in 0..3 {
+            o[c] = ((u16::from(o[c]) + u16::from(p[c])) / 2) as u8;
+        }
+    }
+    out
+}
+
 impl TestPatternEngine {
-    pub fn new(config: TestPatternConfig) -> Self {
-        Self { config }
+    pub fn new(config: TestPatternConfig, cache_keys: AdvertisedKeys) -> Self {
+        let cache = EncodeCache::new(config.encode_cache_entries, cache_keys);
+        Self { config, cache }
     }
 
-    fn denoise(
-        &self,
-        steps: u32,
-        progress: &mut dyn FnMut(Progress),
-        cancel: &Cancel,
+    /// Runs a batch: compatible jobs together, the groups one after another. One result per job.
+    pub fn run_batch(
+        &mut self,
+        jobs: &[&EngineJob],
+        progress: &mut dyn FnMut(usize, Progress),
+    ) -> Vec<Result<EngineOutput, EngineError>> {
+        let mut runs: Vec<Run> = jobs
+            .iter()
+            .map(|job| Run {
+                error: self.refuse(job).err(),
+                ..Run::default()
+            })
+            .collect();
+        if let Some(injected) = jobs.iter().position(|job| self.fails_the_device(job)) {
+            // Like a real device failure, it takes the whole batch down.
+            let reported = sleep_unless(self.config.step_ms as f64, || {
+                jobs[injected].cancel.requested()
+            });
+            if reported.is_ok() {
+                progress(injected, Progress { step: 1, total: 1 });
+            }
+            let lost = EngineError::DeviceLost(
+                "injected by engine.test_pattern.device_failure_prompt".into(),
+            );
+            return jobs.iter().map(|_| Err(lost.clone())).collect();
+        }
+        let live: Vec<usize> = (0..jobs.len()).filter(|&i| runs[i].live()).collect();
+        let members: Vec<&EngineJob> = live.iter().map(|&i| jobs[i]).collect();
+        for group in groups(&members, Shape::of) {
+            let group: Vec<usize> = group.into_iter().map(|k| live[k]).collect();
+            self.run_group(jobs, &group, &mut runs, progress);
+        }
+        runs.into_iter()
+            .map(|run| match run.error {
+                Some(e) => Err(e),
+                None => Ok(EngineOutput {
+                    images: run.images,
+                    seeds: run.seeds,
+                    timings: run.timings,
+                    encode_cache: run.encode_cache,
+                }),
+            })
+            .collect()
+    }
+
+    /// Why this engine cannot run the job at all, if it cannot.
+    fn refuse(&self, job: &EngineJob) -> Result<(), EngineError> {
+        match &job.task {
+            Task::Generate(g) => {
+                if let Some(name) = &g.checkpoint
+                    && !self.config.checkpoints.contains(name)
+                {
+                    return Err(EngineError::NoCheckpoint(name.clone()));
+                }
+                g.seed.map(drop).ok_or_else(|| {
+                    EngineError::InvalidInput("generate without a resolved seed".into())
+                })
+            }
+            Task::Edit(_) | Task::Upscale(_) => match job.inputs.first() {
+                Some(_) => Ok(()),
+                None => Err(EngineError::InvalidInput(format!(
+                    "{} without an input image",
+                    job.task.kind_name()
+                ))),
+            },
+        }
+    }
+
+    fn fails_the_device(&self, job: &EngineJob) -> bool {
+        let Task::Generate(g) = &job.task else {
+            return false;
+        };
+        self.config.device_failure_prompt.as_deref() == Some(g.prompt.as_str())
+    }
+
+    /// One group of compatible jobs (indices into `jobs`): encode (edits, on a miss), then each
+    /// round of images denoised together and decoded.
+    fn run_group(
+        &mut self,
+        jobs: &[&EngineJob],
+        group: &[usize],
+        runs: &mut [Run],
+        progress: &mut dyn FnMut(usize, Progress),
+    ) {
+        if let Task::Upscale(_) = jobs[group[0]].task {
+            for &i in group {
+                if let Err(e) = self.upscale(jobs[i], &mut runs[i], &mut |p| progress(i, p)) {
+                    runs[i].error = Some(e);
+                }
+            }
+            return;
+        }
+        if let Task::Edit(_) = jobs[group[0]].task
+            && let Err(e) = self.encode(jobs, group, runs)
+        {
+            for &i in group {
+                let own = jobs[i].cancel.requested();
+                runs[i].error = Some(match (&e, own) {
+                    (EngineError::Cancelled(_), Some(reason)) => EngineError::Cancelled(reason),
+                    _ => e.clone(),
+                });
+            }
+            return;
+        }
+        let images = |job: &EngineJob| match &job.task {
+            Task::Generate(g) => g.count,
+            Task::Edit(_) | Task::Upscale(_) => 1,
+        };
+        let rounds = group.iter().map(|&i| images(jobs[i])).max().unwrap_or(0);
+        for round in 0..rounds {
+            let mut active: Vec<usize> = group
+                .iter()
+                .copied()
+                .filter(|&i| runs[i].live() && images(jobs[i]) > round)
+                .collect();
+            let steps = match &jobs[group[0]].task {
+                Task::Generate(g) => g.steps,
+                Task::Edit(e) => e.steps,
+                Task::Upscale(_) => 1,
+            };
+            for step in 1..=steps {
+                // A job cancelled on its own leaves the batch between steps.
+                active.retain(|&i| match jobs[i].cancel.check() {
+                    Ok(()) => true,
+                    Err(e) => {
+                        runs[i].error = Some(e);
+                        false
+                    }
+                });
+                if active.is_empty() {
+                    break;
+                }
+                let n = active.len() as f64;
+                let cost =
+                    self.config.step_ms as f64 * (1.0 + (n - 1.0) * self.config.batch_step_cost);
+                let started = Instant::now();
+                // Stops early only when every job in it is cancelled; they leave at the next step.
+                if sleep_unless(cost, || {
+                    all_cancelled(active.iter().map(|&i| &jobs[i].cancel))
+                })
+                .is_ok()
+                {
+                    for &i in &active {
+                        progress(i, Progress { step, total: steps });
+                    }
+                }
+                let share = started.elapsed().as_secs_f64() / n;
+                for &i in &active {
+                    runs[i].timings.add("denoise", share);
+                }
+            }
+            for &i in &active {
+                if let Err(e) = self.decode(jobs[i], round, &mut runs[i]) {
+                    runs[i].error = Some(e);
+                }
+            }
+        }
+    }
+
+    /// The group's inputs (all the same) from the cache, or encoded once for all of them: the
+    /// encoding job (the first one not cancelled) reports the time and the miss, the others a hit.
+    fn encode(
+        &mut self,
+        jobs: &[&EngineJob],
+        group: &[usize],
+        runs: &mut [Run],
     ) -> Result<(), EngineError> {
-        for step in 1..=steps {
-            sleep_checked(self.config.step_ms, cancel)?;
-            progress(Progress { step, total: steps });
+        let key = cache_key(jobs[group[0]]);
+        let mut encoder = None;
+        if !self.cache.contains(&key) {
+            let started = Instant::now();
+            sleep_unless(self.config.encode_ms as f64, || {
+                all_cancelled(group.iter().map(|&i| &jobs[i].cancel))
+            })?;
+            let first = group
+                .iter()
+                .copied()
+                .find(|&i| jobs[i].cancel.requested().is_none())
+                .unwrap_or(group[0]);
+            runs[first]
+                .timings
+                .add("encode", started.elapsed().as_secs_f64());
+            self.cache.insert(
+                key.clone(),
+                (),
+                1,
+                jobs[first].task.affinity_key().as_deref(),
+            );
+            encoder = Some(first);
+        }
+        for &i in group {
+            self.cache.get(&key, jobs[i].task.affinity_key().as_deref());
+            runs[i].encode_cache = Some(if encoder == Some(i) {
+                CacheLookup::Miss
+            } else {
+                CacheLookup::Hit
+            });
         }
         Ok(())
     }
 
-    pub fn run(
-        &mut self,
-        job: EngineJob,
-        progress: &mut dyn FnMut(Progress),
-        cancel: &Cancel,
-    ) -> Result<EngineOutput, EngineError> {
-        let mut timings = StageTimings::default();
-        let mut images = Vec::new();
-        let mut seeds = Vec::new();
+    /// Decodes image `n` of a job.
+    fn decode(&self, job: &EngineJob, n: u32, run: &mut Run) -> Result<(), EngineError> {
+        let started = Instant::now();
+        sleep_unless(self.config.decode_ms as f64, || job.cancel.requested())?;
         match &job.task {
             Task::Generate(g) => {
-                if self.config.device_failure_prompt.as_deref() == Some(g.prompt.as_str()) {
-                    self.denoise(1, progress, cancel)?;
-                    return Err(EngineError::DeviceLost(
-                        "injected by engine.test_pattern.device_failure_prompt".into(),
-                    ));
-                }
-                let seed = g.seed.ok_or_else(|| {
-                    EngineError::InvalidInput("generate without a resolved seed".into())
-                })?;
-                for n in 0..g.count {
-                    let started = Instant::now();
-                    self.denoise(g.steps, progress, cancel)?;
-                    timings.add("denoise", started.elapsed().as_secs_f64());
-                    let started = Instant::now();
-                    sleep_checked(self.config.decode_ms, cancel)?;
-                    images.push(pattern(g.width, g.height, &fingerprint(&job.task, n)));
-                    timings.add("decode", started.elapsed().as_secs_f64());
-                    seeds.push(Some(seed + u64::from(n)));
-                }
+                run.images
+                    .push(pattern(g.width, g.height, &fingerprint(&job.task, n)));
+                run.seeds.push(g.seed.map(|s| s + u64::from(n)));
             }
             Task::Edit(e) => {
-                let input = job.inputs.first().map(|i| &i.image).ok_or_else(|| {
-                    EngineError::InvalidInput("edit without an input image".into())
-                })?;
-                let started = Instant::now();
-                sleep_checked(self.config.encode_ms, cancel)?;
-                timings.add("encode", started.elapsed().as_secs_f64());
-                let started = Instant::now();
-                self.denoise(e.steps, progress, cancel)?;
-                timings.add("denoise", started.elapsed().as_secs_f64());
-                let started = Instant::now();
-                sleep_checked(self.config.decode_ms, cancel)?;
-                // The requested output size, else the first input's (the model's default differs:
-                // this is a fixture for the job system, not a model).
-                let (w, h) = e
-                    .width
-                    .zip(e.height)
-                    .unwrap_or((input.width(), input.height()));
-                let overlay = pattern(w, h, &fingerprint(&job.task, 0));
-                let mut out = if (w, h) == (input.width(), input.height()) {
-                    input.clone()
-                } else {
-                    image::imageops::resize(input, w, h, image::imageops::FilterType::Triangle)
-                };
-                for (o, p) in out.pixels_mut().zip(overlay.pixels()) {
-                    for c in 0..3 {
-                        o[c] = ((u16::from(o[c]) + u16::from(p[c])) / 2) as u8;
-                    }
-                }
-                images.push(out);
-                seeds.push(e.seed);
-                timings.add("decode", started.elapsed().as_secs_f64());
+                let input = &job.inputs[0].image;
+                run.images.push(edited(input, e, &job.task));
+                run.seeds.push(e.seed);
             }
-            Task::Upscale(u) => {
-                let input = job.inputs.first().map(|i| &i.image).ok_or_else(|| {
-                    EngineError::InvalidInput("upscale without an input image".into())
-                })?;
-                let (w, h) = (input.width() * u.scale, input.height() * u.scale);
-                let started = Instant::now();
-                self.denoise(1, progress, cancel)?;
-                let mut out =
-                    image::imageops::resize(input, w, h, image::imageops::FilterType::Triangle);
-                // Mark tile seams, so tile size and overlap show in the image.
-                let step = (u.tile * u.scale).max(1);
-                let fp = fingerprint(&job.task, 0);
-                for (x, y, px) in out.enumerate_pixels_mut() {
-                    if x % step < u.tile_overlap.min(2) || y % step < u.tile_overlap.min(2) {
-                        *px = Rgb([fp[0], fp[1], fp[2]]);
-                    }
-                }
-                images.push(out);
-                seeds.push(None);
-                timings.add("upscale", started.elapsed().as_secs_f64());
+            Task::Upscale(_) => {}
+        }
+        run.timings.add("decode", started.elapsed().as_secs_f64());
+        Ok(())
+    }
+
+    fn upscale(
+        &self,
+        job: &EngineJob,
+        run: &mut Run,
+        progress: &mut dyn FnMut(Progress),
+    ) -> Result<(), EngineError> {
+        let Task::Upscale(u) = &job.task else {
+            return Ok(());
+        };
+        let input = &job.inputs[0].image;
+        let (w, h) = (input.width() * u.scale, input.height() * u.scale);
+        let started = Instant::now();
+        sleep_unless(self.config.step_ms as f64, || job.cancel.requested())?;
+        progress(Progress { step: 1, total: 1 });
+        let mut out = image::imageops::resize(input, w, h, image::imageops::FilterType::Triangle);
+        // Mark tile seams, so tile size and overlap show in the image.
+        let step = (u.tile * u.scale).max(1);
+        let fp = fingerprint(&job.task, 0);
+        for (x, y, px) in out.enumerate_pixels_mut() {
+            if x % step < u.tile_overlap.min(2) || y % step < u.tile_overlap.min(2) {
+                *px = Rgb([fp[0], fp[1], fp[2]]);
             }
         }
-        Ok(EngineOutput {
-            images,
-            seeds,
-            timings,
-        })
+        run.images.push(out);
+        run.seeds.push(None);
+        run.timings.add("upscale", started.elapsed().as_secs_f64());
+        Ok(())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use vnfarm_proto::{GenerateSpec, JobId, Sampler};
+    use crate::engine::InputImage;
+    use crate::engine::tests::job;
+    use vnfarm_proto::{GenerateSpec, ImageRef};
 
     fn generate(seed: u64, prompt: &str) -> Task {
         Task::Generate(GenerateSpec {
@@ -248,31 +529,64 @@ mod tests {
         })
     }
 
-    fn run(task: Task) -> Vec<RgbImage> {
-        let mut engine = TestPatternEngine::new(TestPatternConfig {
+    fn edit(input: &str, instruction: &str) -> EngineJob {
+        let mut job = job(Task::Edit(EditSpec {
+            input: Some(ImageRef::Stored(input.into())),
+            inputs: Vec::new(),
+            instruction: instruction.into(),
+            width: None,
+            height: None,
+            steps: 4,
+            cfg: 1.0,
+            seed: Some(3),
+            loras: Vec::new(),
+        }));
+        job.inputs.push(InputImage {
+            image: RgbImage::new(32, 32),
+            sha256: hex::encode(Sha256::digest(input.as_bytes())),
+        });
+        job
+    }
+
+    fn engine(config: TestPatternConfig) -> (TestPatternEngine, AdvertisedKeys) {
+        let keys = AdvertisedKeys::default();
+        (TestPatternEngine::new(config, keys.clone()), keys)
+    }
+
+    fn instant() -> TestPatternConfig {
+        TestPatternConfig {
             step_ms: 0,
             encode_ms: 0,
             decode_ms: 0,
-            device_failure_prompt: None,
-        });
+            ..TestPatternConfig::default()
+        }
+    }
+
+    fn run(task: Task) -> Vec<RgbImage> {
+        let (mut engine, _) = engine(instant());
         let mut steps = Vec::new();
-        let out = engine
-            .run(
-                EngineJob {
-                    job_id: JobId::new(),
-                    task,
-                    inputs: Vec::new(),
-                },
-                &mut |p| steps.push(p),
-                &Cancel::default(),
-            )
-            .unwrap();
+        let mut out = engine.run_batch(&[&job(task)], &mut |_, p| steps.push(p));
         assert_eq!(
             steps.len(),
             4,
             "two images of two steps each report four steps"
         );
-        out.images
+        out.pop().unwrap().unwrap().images
+    }
+
+    /// Runs a batch, returning each job's result and progress.
+    fn run_batch(
+        engine: &mut TestPatternEngine,
+        jobs: &[EngineJob],
+    ) -> (Vec<Result<EngineOutput, EngineError>>, Vec<Vec<Progress>>) {
+        let refs: Vec<&EngineJob> = jobs.iter().collect();
+        let mut progress = vec![Vec::new(); jobs.len()];
+        let results = engine.run_batch(&refs, &mut |i, p| progress[i].push(p));
+        (results, progress)
+    }
+
+    fn timing(out: &Result<EngineOutput, EngineError>, stage: &str) -> Option<f64> {
+        out.as_ref().unwrap().timings.0.get(stage).copied()
     }
 
     #[test]
@@ -285,27 +599,216 @@ mod tests {
     }
 
     #[test]
+    fn batching_never_changes_an_image() {
+        let (mut e, _) = engine(instant());
+        let jobs = [job(generate(1, "cat")), job(generate(5, "dog"))];
+        let (results, progress) = run_batch(&mut e, &jobs);
+        assert_eq!(results[0].as_ref().unwrap().images, run(generate(1, "cat")));
+        assert_eq!(results[1].as_ref().unwrap().images, run(generate(5, "dog")));
+        let seeds: Vec<_> = results
+            .iter()
+            .map(|r| r.as_ref().unwrap().seeds.clone())
+            .collect();
+        assert_eq!(seeds, [vec![Some(1), Some(2)], vec![Some(5), Some(6)]]);
+        assert!(progress.iter().all(|p| p.len() == 4), "{progress:?}");
+    }
+
+    #[test]
     fn cancellation_stops_between_steps() {
-        let mut engine = TestPatternEngine::new(TestPatternConfig {
+        let (mut e, _) = engine(TestPatternConfig {
             step_ms: 1,
-            encode_ms: 0,
-            decode_ms: 0,
-            device_failure_prompt: None,
+            ..instant()
         });
-        let cancel = Cancel::default();
-        cancel.request(super::super::CancelReason::User);
-        let r = engine.run(
-            EngineJob {
-                job_id: JobId::new(),
-                task: generate(1, "x"),
-                inputs: Vec::new(),
-            },
-            &mut |_| {},
-            &cancel,
-        );
+        let job = job(generate(1, "x"));
+        job.cancel.request(CancelReason::User);
+        let (mut results, progress) = run_batch(&mut e, std::slice::from_ref(&job));
         assert!(matches!(
-            r,
-            Err(EngineError::Cancelled(super::super::CancelReason::User))
+            results.pop().unwrap(),
+            Err(EngineError::Cancelled(CancelReason::User))
         ));
+        assert!(progress[0].is_empty());
+    }
+
+    #[test]
+    fn a_job_cancelled_in_a_batch_leaves_it_and_the_others_finish() {
+        let (mut e, _) = engine(TestPatternConfig {
+            step_ms: 1,
+            ..instant()
+        });
+        let jobs = [edit("inputs/a.png", "smile"), edit("inputs/a.png", "frown")];
+        jobs[1].cancel.request(CancelReason::User);
+        let (results, progress) = run_batch(&mut e, &jobs);
+        assert!(results[0].is_ok());
+        assert!(matches!(
+            results[1],
+            Err(EngineError::Cancelled(CancelReason::User))
+        ));
+        assert_eq!(progress[0].len(), 4);
+        assert!(progress[1].is_empty());
+        // The encoding went to the job that finished, so counting encodes from completions works.
+        assert!(timing(&results[0], "encode").is_some());
+    }
+
+    #[test]
+    fn a_batch_of_the_same_input_encodes_once_and_a_later_one_not_at_all() {
+        let (mut e, keys) = engine(TestPatternConfig {
+            encode_ms: 20,
+            ..instant()
+        });
+        let batch = [
+            edit("inputs/a.png", "smile"),
+            edit("inputs/a.png", "frown"),
+            edit("inputs/b.png", "wave"),
+        ];
+        let (results, _) = run_batch(&mut e, &batch);
+        let lookups: Vec<_> = results
+            .iter()
+            .map(|r| r.as_ref().unwrap().encode_cache)
+            .collect();
+        assert_eq!(
+            lookups,
+            [
+                Some(CacheLookup::Miss),
+                Some(CacheLookup::Hit),
+                Some(CacheLookup::Miss)
+            ]
+        );
+        assert!(timing(&results[0], "encode").unwrap() >= 0.02);
+        assert_eq!(
+            timing(&results[1], "encode"),
+            None,
+            "only the encoder reports it"
+        );
+        assert_eq!(
+            keys.get(),
+            [
+                "qwen-edit:stored:inputs/a.png",
+                "qwen-edit:stored:inputs/b.png"
+            ]
+        );
+
+        let (again, _) = run_batch(&mut e, &[edit("inputs/a.png", "laugh")]);
+        assert_eq!(
+            again[0].as_ref().unwrap().encode_cache,
+            Some(CacheLookup::Hit)
+        );
+        assert_eq!(timing(&again[0], "encode"), None);
+        assert_eq!(
+            keys.get(),
+            [
+                "qwen-edit:stored:inputs/b.png",
+                "qwen-edit:stored:inputs/a.png"
+            ],
+            "most recently used last"
+        );
+    }
+
+    #[test]
+    fn the_cache_forgets_the_least_recently_used_input() {
+        let (mut e, keys) = engine(TestPatternConfig {
+            encode_cache_entries: 2,
+            ..instant()
+        });
+        for input in ["inputs/a.png", "inputs/b.png", "inputs/c.png"] {
+            run_batch(&mut e, &[edit(input, "x")]);
+        }
+        assert_eq!(
+            keys.get(),
+            [
+                "qwen-edit:stored:inputs/b.png",
+                "qwen-edit:stored:inputs/c.png"
+            ]
+        );
+        let (results, _) = run_batch(&mut e, &[edit("inputs/a.png", "x")]);
+        assert_eq!(
+            results[0].as_ref().unwrap().encode_cache,
+            Some(CacheLookup::Miss)
+        );
+    }
+
+    #[test]
+    fn a_batch_denoises_at_the_configured_cost_split_across_its_jobs() {
+        // Four jobs of four 25 ms steps: 400 ms one after another, (1 + 3 × 0.25) × 100 = 175 ms
+        // together.
+        let (mut e, _) = engine(TestPatternConfig {
+            step_ms: 25,
+            batch_step_cost: 0.25,
+            ..instant()
+        });
+        let jobs: Vec<EngineJob> = ["a", "b", "c", "d"]
+            .iter()
+            .map(|i| edit("inputs/same.png", i))
+            .collect();
+        let started = Instant::now();
+        let (results, _) = run_batch(&mut e, &jobs);
+        let wall = started.elapsed().as_secs_f64();
+        assert!((0.175..0.3).contains(&wall), "{wall}");
+        let shares: Vec<f64> = results
+            .iter()
+            .map(|r| timing(r, "denoise").unwrap())
+            .collect();
+        let total: f64 = shares.iter().sum();
+        assert!((0.175..0.3).contains(&total), "{shares:?}");
+        for share in &shares {
+            assert!((share - total / 4.0).abs() < 1e-3, "{shares:?}");
+        }
+    }
+
+    #[test]
+    fn incompatible_jobs_run_one_after_another() {
+        let (mut e, _) = engine(TestPatternConfig {
+            step_ms: 10,
+            batch_step_cost: 0.0,
+            ..instant()
+        });
+        // Different inputs: no shared step even at zero cost.
+        let jobs = [edit("inputs/a.png", "x"), edit("inputs/b.png", "x")];
+        let started = Instant::now();
+        run_batch(&mut e, &jobs);
+        assert!(started.elapsed() >= Duration::from_millis(80));
+        let started = Instant::now();
+        run_batch(
+            &mut e,
+            &[edit("inputs/c.png", "x"), edit("inputs/c.png", "y")],
+        );
+        assert!(started.elapsed() < Duration::from_millis(80));
+    }
+
+    #[test]
+    fn a_job_is_refused_alone() {
+        let (mut e, _) = engine(TestPatternConfig {
+            checkpoints: vec!["nova".into()],
+            ..instant()
+        });
+        let named = |name: &str| {
+            let Task::Generate(mut g) = generate(1, "x") else {
+                unreachable!()
+            };
+            g.checkpoint = Some(name.into());
+            job(Task::Generate(g))
+        };
+        let jobs = [named("nova"), named("pony"), job(generate(1, "y"))];
+        let (results, _) = run_batch(&mut e, &jobs);
+        assert!(results[0].is_ok());
+        assert!(matches!(&results[1], Err(EngineError::NoCheckpoint(c)) if c == "pony"));
+        assert!(
+            results[2].is_ok(),
+            "a job naming no checkpoint runs anywhere"
+        );
+    }
+
+    #[test]
+    fn an_injected_device_failure_takes_the_batch_down() {
+        let (mut e, _) = engine(TestPatternConfig {
+            device_failure_prompt: Some("boom".into()),
+            ..instant()
+        });
+        let jobs = [job(generate(1, "fine")), job(generate(1, "boom"))];
+        let (results, _) = run_batch(&mut e, &jobs);
+        assert!(
+            results
+                .iter()
+                .all(|r| matches!(r, Err(EngineError::DeviceLost(_))))
+        );
     }
 }

@@ -1,0 +1,109 @@
+//! The GPU's memory for heartbeats: total and free as the device runtime reports them
+//! (`cudaMemGetInfo`, or `hipMemGetInfo` on ROCm builds of libtorch).
+//!
+//! The runtime is found at run time with `dlsym` among the libraries already loaded (libtorch's GPU
+//! backend brings it), so the worker gains no link dependency on CUDA or ROCm: on a CPU-only build,
+//! or where no device answers, there is simply no reading. libtorch's caching allocator keeps its
+//! reserved bytes behind a C++ API only, so `reserved_bytes` is not reported.
+
+use std::ffi::{CStr, c_int, c_void};
+use std::sync::OnceLock;
+
+use vnfarm_proto::GpuMemory;
+
+type SetDevice = unsafe extern "C" fn(c_int) -> c_int;
+type MemGetInfo = unsafe extern "C" fn(*mut usize, *mut usize) -> c_int;
+
+/// The two runtime functions a reading needs.
+#[derive(Clone, Copy)]
+struct Runtime {
+    set_device: SetDevice,
+    mem_get_info: MemGetInfo,
+}
+
+/// Reads one device's memory.
+#[derive(Debug)]
+pub struct GpuMemoryProbe {
+    device: i32,
+}
+
+impl GpuMemoryProbe {
+    /// A probe of device `index` (libtorch's `cuda:N`, which is a HIP device on ROCm builds).
+    pub fn new(index: usize) -> Self {
+        Self {
+            device: i32::try_from(index).unwrap_or(i32::MAX),
+        }
+    }
+
+    /// The device's memory now, or `None` where no GPU runtime is loaded or the device does not
+    /// answer. Fast (no device synchronisation), callable from any thread.
+    #[allow(unsafe_code)]
+    pub fn read(&self) -> Option<GpuMemory> {
+        let runtime = runtime()?;
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: both functions were resolved from the loaded CUDA or HIP runtime under their
+        // documented C names, with these signatures (`cudaError_t cudaSetDevice(int)`,
+        // `cudaError_t cudaMemGetInfo(size_t *free, size_t *total)`, HIP's identical). Selecting a
+        // device only sets this thread's current device; the pointers are valid for the call.
+        let ok = unsafe {
+            (runtime.set_device)(self.device) == 0
+                && (runtime.mem_get_info)(&mut free, &mut total) == 0
+        };
+        (ok && total > 0).then_some(GpuMemory {
+            total_bytes: total as u64,
+            free_bytes: free as u64,
+            reserved_bytes: None,
+        })
+    }
+}
+
+/// The CUDA runtime's functions, else HIP's, looked up once.
+fn runtime() -> Option<Runtime> {
+    static RUNTIME: OnceLock<Option<Runtime>> = OnceLock::new();
+    *RUNTIME.get_or_init(|| {
+        let found = lookup(c"cudaSetDevice", c"cudaMemGetInfo")
+            .or_else(|| lookup(c"hipSetDevice", c"hipMemGetInfo"));
+        if found.is_none() {
+            tracing::debug!("no CUDA or HIP runtime loaded: GPU memory is not reported");
+        }
+        found
+    })
+}
+
+#[allow(unsafe_code)]
+fn lookup(set_device: &CStr, mem_get_info: &CStr) -> Option<Runtime> {
+    let set_device = symbol(set_device)?;
+    let mem_get_info = symbol(mem_get_info)?;
+    // SAFETY: the symbols are the runtime's functions of the signatures above (see `read`); a
+    // function pointer and a data pointer have the same size and representation on the platforms
+    // libtorch supports (POSIX requires it of `dlsym`).
+    unsafe {
+        Some(Runtime {
+            set_device: std::mem::transmute::<*mut c_void, SetDevice>(set_device),
+            mem_get_info: std::mem::transmute::<*mut c_void, MemGetInfo>(mem_get_info),
+        })
+    }
+}
+
+/// A symbol of any library loaded into the process, in load order.
+#[allow(unsafe_code)]
+fn symbol(name: &CStr) -> Option<*mut c_void> {
+    // SAFETY: `dlsym` with `RTLD_DEFAULT` and a NUL-terminated name only searches the loaded
+    // libraries; it returns null when none defines the name.
+    let address = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
+    (!address.is_null()).then_some(address)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_device_that_is_not_there_reads_as_nothing() {
+        // Without a GPU (CI) there is no reading at all; with one, no device has this index.
+        assert_eq!(GpuMemoryProbe::new(10_000).read(), None);
+        if let Some(memory) = GpuMemoryProbe::new(0).read() {
+            assert!(memory.free_bytes <= memory.total_bytes, "{memory:?}");
+        }
+    }
+}
