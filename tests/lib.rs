@@ -10,6 +10,9 @@
 //! broker, so only a test binary of its own may call it. No process outlives the test binary: the
 //! S3 server runs under a guard, and a [`Farm`] kills its schedulers and workers when dropped.
 
+pub mod fleet;
+pub mod stream;
+
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
@@ -184,6 +187,17 @@ pub async fn restart_rabbitmq(down: Duration) -> anyhow::Result<()> {
     tokio::time::sleep(down).await;
     ctl("start_app").await?;
     ctl("await_startup").await
+}
+
+/// A PNG of `width`×`height` whose pixels depend on `seed`.
+pub fn png_bytes(width: u32, height: u32, seed: u8) -> Vec<u8> {
+    let img = image::RgbImage::from_fn(width, height, |x, y| {
+        image::Rgb([x as u8 ^ seed, y as u8, seed.wrapping_mul(31)])
+    });
+    let mut out = std::io::Cursor::new(Vec::new());
+    img.write_to(&mut out, image::ImageFormat::Png)
+        .expect("encoding a PNG in memory cannot fail");
+    out.into_inner()
 }
 
 /// What a scheduler says it is doing (`GET /healthz`, field `role`).

@@ -32,7 +32,7 @@ use serde_json::Value;
 use vnfarm_proto::{EventKind, FailureKind, JobId, JobSpec, Manifest, StageTimings, WorkerId};
 use vnfarm_tests::Farm;
 
-use crate::stream::{self, EventLog};
+use vnfarm_tests::stream::{self, EventLog};
 use crate::workload::Ledger;
 
 /// The farm counts as stuck when the set of unfinished jobs has not changed for this long.

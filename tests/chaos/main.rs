@@ -21,7 +21,7 @@
 
 mod audit;
 mod faults;
-mod stream;
+
 mod workload;
 
 use std::time::{Duration, Instant};

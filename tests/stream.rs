@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use crate::Farm;
 use futures::StreamExt;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
@@ -12,7 +13,6 @@ use vnfarm_bus::headers::stream_offset;
 use vnfarm_bus::publisher::json_properties;
 use vnfarm_proto::topology::{MARKER_ROUTING_PREFIX, Topology};
 use vnfarm_proto::{Event, SequencedEvent, decode_json};
-use vnfarm_tests::Farm;
 
 /// A stream that delivers nothing for this long is broken (the marker is always there to reach).
 const STALL: Duration = Duration::from_secs(30);
@@ -27,9 +27,9 @@ pub struct EventLog {
 pub async fn read_all(farm: &Farm) -> anyhow::Result<EventLog> {
     let topology = Topology::new(farm.prefix.clone());
     let connection = farm.connect_amqp().await?;
-    // Our own marker: everything before it was written before the audit began.
+    // Our own marker: everything before it was written before the reading began.
     let marker = format!(
-        "{MARKER_ROUTING_PREFIX}.chaos-audit-{}",
+        "{MARKER_ROUTING_PREFIX}.log-reader-{}",
         uuid::Uuid::new_v4()
     );
     Publisher::open(&connection)
@@ -53,7 +53,7 @@ pub async fn read_all(farm: &Farm) -> anyhow::Result<EventLog> {
     let mut consumer = channel
         .basic_consume(
             topology.events_stream().as_str().into(),
-            "chaos-audit".into(),
+            "event-log-reader".into(),
             BasicConsumeOptions::default(),
             args,
         )
@@ -66,7 +66,7 @@ pub async fn read_all(farm: &Farm) -> anyhow::Result<EventLog> {
     loop {
         let delivery = tokio::time::timeout(STALL, consumer.next())
             .await
-            .map_err(|_| anyhow::anyhow!("the event stream stalled before the audit's marker"))?
+            .map_err(|_| anyhow::anyhow!("the event stream stalled before the reader's marker"))?
             .ok_or_else(|| anyhow::anyhow!("the event stream consumer ended"))??;
         delivery.acker.ack(BasicAckOptions::default()).await?;
         let key = delivery.routing_key.as_str();
@@ -84,6 +84,6 @@ pub async fn read_all(farm: &Farm) -> anyhow::Result<EventLog> {
             _ => log.undecodable += 1,
         }
     }
-    connection.close(200, "audit done".into()).await?;
+    connection.close(200, "event log read".into()).await?;
     Ok(log)
 }

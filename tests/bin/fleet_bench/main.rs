@@ -1,0 +1,83 @@
+//! `fleet-bench`: the fleet benchmark of issue 9 (see `vnfarm_tests::fleet`). One workload, run
+//! against the `affinity` policy and the baselines `least_loaded` and `round_robin`, each on a fresh
+//! farm of test-pattern workers whose stage delays follow a measured GPU profile; prints one
+//! comparison table per profile. Build the binaries first, in the same profile:
+//! `cargo build --release -p vnfarm-tests --bin fleet-bench -p vnfarm-scheduler -p vnfarm-worker --bins`.
+
+use clap::Parser;
+use vnfarm_tests::fleet::{self, H200, RunConfig, STRIX_HALO, Workload};
+
+#[derive(Parser, Debug)]
+#[command(about = "Affinity dispatch and batching against round-robin and least-loaded")]
+struct Cli {
+    /// Profiles to run: h200, strix-halo.
+    #[arg(long, value_delimiter = ',', default_value = "h200,strix-halo")]
+    profiles: Vec<String>,
+    /// Batch work submitted at the start.
+    #[arg(long, default_value_t = 40)]
+    backlog: usize,
+    /// Interactive work arriving during the run.
+    #[arg(long, default_value_t = 24)]
+    interactive: usize,
+    /// Seconds over which the interactive work arrives.
+    #[arg(long, default_value_t = 20.0)]
+    arrival_seconds: f64,
+    #[arg(long, default_value_t = 4)]
+    workers: usize,
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+    /// The short form the test suite runs.
+    #[arg(long)]
+    quick: bool,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    for name in &cli.profiles {
+        let (profile, scale) = match name.as_str() {
+            "h200" => (H200, 20.0),
+            // Ten times slower than the H200 per job: scaled ten times harder to take as long.
+            "strix-halo" => (STRIX_HALO, 200.0),
+            other => anyhow::bail!("unknown profile {other:?} (h200, strix-halo)"),
+        };
+        let config = if cli.quick {
+            RunConfig {
+                profile,
+                scale,
+                ..RunConfig::quick()
+            }
+        } else {
+            RunConfig {
+                profile,
+                scale,
+                workers: cli.workers,
+                backlog_items: cli.backlog,
+                interactive_items: cli.interactive,
+                arrival_seconds: cli.arrival_seconds,
+                seed: cli.seed,
+            }
+        };
+        let workload = Workload::new(&config);
+        eprintln!(
+            "profile {}: {} items, {} jobs per policy",
+            profile.name,
+            workload.items.len(),
+            workload.jobs()
+        );
+        let mut reports = Vec::new();
+        for policy in ["affinity", "least_loaded", "round_robin"] {
+            let started = std::time::Instant::now();
+            let report = fleet::run_policy(policy, &config, &workload).await?;
+            eprintln!(
+                "  {policy}: {} jobs in {:.1} s (wall {:.1} s)",
+                report.jobs,
+                report.makespan_s,
+                started.elapsed().as_secs_f64()
+            );
+            reports.push(report);
+        }
+        println!("{}", fleet::render(&config, &reports));
+    }
+    Ok(())
+}

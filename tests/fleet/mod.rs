@@ -1,0 +1,265 @@
+//! The fleet benchmark (issue 9, DESIGN §5): one workload run against the `affinity` policy and
+//! the two baselines, `least_loaded` (one job per message, what dispatch did before) and
+//! `round_robin`, each on a fresh farm of test-pattern workers whose stage delays follow a measured
+//! profile, on the real RabbitMQ and S3 server. `fleet-bench` (a program) prints the comparison;
+//! the e2e test `fleet::the_affinity_policy_encodes_each_input_about_once` runs a short form.
+//!
+//! The workload: a backlog of batch work submitted at once (pipelines of a base and 3–10 edits,
+//! generates, bursts of edits of one uploaded image sent one by one, edits of earlier outputs),
+//! and interactive work arriving through the run. Throughput is jobs over the time to drain it
+//! all; latency is `queued` to `completed` per job, by priority.
+
+mod report;
+mod workload;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use chrono::{DateTime, Utc};
+use vnfarm_proto::{EventKind, JobId, JobSpec, Priority, SequencedEvent};
+
+pub use report::{PolicyReport, render};
+pub use workload::{Item, Workload};
+
+use crate::{Farm, WorkerOptions, wait_for};
+
+/// Stage delays of one kind of GPU box, from measurements, scaled down by `scale` so a run takes
+/// seconds. The test-pattern engine sleeps them: a generate `steps × generate_step_ms`, an edit
+/// `encode_ms` on an encode-cache miss then `steps × edit_step_ms`, every image `decode_ms`.
+#[derive(Clone, Copy, Debug)]
+pub struct Profile {
+    pub name: &'static str,
+    /// Where the numbers come from.
+    pub source: &'static str,
+    pub generate_step_ms: f64,
+    pub edit_step_ms: f64,
+    pub encode_ms: f64,
+    pub decode_ms: f64,
+    /// What a job beyond the first adds to a batch's step (1: no batch gain).
+    pub batch_step_cost: f64,
+}
+
+/// H200: SDXL 1024², 20 steps at ≈ 125 ms (docs/performance.md, SDXL full pipeline); Qwen edit
+/// 1024², 4 steps at 364 ms, input encode 72 ms + VAE encode 24 ms, VAE decode 37 ms (Qwen vs
+/// diffusers, run 2). Micro-batching variants of one input gained nothing measurable at 8 k
+/// tokens (10 variants 15.16 s vs 10 × 1.55 s), so no batch gain.
+pub const H200: Profile = Profile {
+    name: "h200",
+    source: "docs/performance.md: SDXL pipeline and Qwen edit runs on the H200",
+    generate_step_ms: 125.0,
+    edit_step_ms: 364.0,
+    encode_ms: 96.0,
+    decode_ms: 37.0,
+    batch_step_cost: 1.0,
+};
+
+/// Strix Halo (Radeon 8060S, ROCm), the studio's Python session (DESIGN §1): SDXL 1024² 20 steps
+/// ≈ 1.15 s/step + decode, Qwen edit 53 s with flash attention (4 steps), the shared encode 2–4 %
+/// of an edit (3 % taken: 1.6 s). Batch gain unmeasured there: none assumed.
+pub const STRIX_HALO: Profile = Profile {
+    name: "strix-halo",
+    source: "docs/DESIGN.md §1: the studio's Python session on a Strix Halo box",
+    generate_step_ms: 1150.0,
+    edit_step_ms: 12_600.0,
+    encode_ms: 1_600.0,
+    decode_ms: 1_000.0,
+    batch_step_cost: 1.0,
+};
+
+/// A profile's delays divided by `scale`, as whole milliseconds (at least 1).
+fn scaled(ms: f64, scale: f64) -> u64 {
+    ((ms / scale).round() as u64).max(1)
+}
+
+#[derive(Clone, Debug)]
+pub struct RunConfig {
+    pub profile: Profile,
+    /// Real time per profile time: 20 makes a 1.5 s H200 edit 75 ms.
+    pub scale: f64,
+    pub workers: usize,
+    /// Batch work submitted at the start.
+    pub backlog_items: usize,
+    /// Interactive work arriving during the run.
+    pub interactive_items: usize,
+    /// Over how long the interactive work arrives.
+    pub arrival_seconds: f64,
+    pub seed: u64,
+}
+
+impl RunConfig {
+    pub fn quick() -> Self {
+        Self {
+            profile: H200,
+            scale: 20.0,
+            workers: 4,
+            backlog_items: 12,
+            interactive_items: 8,
+            arrival_seconds: 4.0,
+            seed: 7,
+        }
+    }
+}
+
+/// Runs the workload against one policy on a fresh farm and measures it.
+pub async fn run_policy(
+    policy: &str,
+    config: &RunConfig,
+    workload: &Workload,
+) -> anyhow::Result<PolicyReport> {
+    let mut farm = Farm::new(&format!("fleet-{policy}")).await?;
+    farm.scheduler_env
+        .push(("VNFARM_DISPATCH__POLICY".into(), policy.into()));
+    farm.start_scheduler().await?;
+    let p = config.profile;
+    let env = |k: &str, v: String| (format!("VNFARM_ENGINE__TEST_PATTERN__{k}"), v);
+    for n in 0..config.workers {
+        let options = WorkerOptions {
+            step_ms: scaled(p.generate_step_ms, config.scale),
+            extra_env: vec![
+                env(
+                    "EDIT_STEP_MS",
+                    scaled(p.edit_step_ms, config.scale).to_string(),
+                ),
+                env("ENCODE_MS", scaled(p.encode_ms, config.scale).to_string()),
+                env("DECODE_MS", scaled(p.decode_ms, config.scale).to_string()),
+                env("BATCH_STEP_COST", p.batch_step_cost.to_string()),
+                ("VNFARM_PREFETCH".into(), "1".into()),
+            ],
+        };
+        farm.start_worker(&format!("w{n}"), options).await?;
+    }
+    let made = workload::submit(&farm, workload).await?;
+    let all: Vec<JobId> = made.iter().flat_map(|m| m.top.iter().copied()).collect();
+    let expected = all.len();
+    wait_for(
+        "every job of the workload to finish",
+        Duration::from_secs(600),
+        || async {
+            let terminal = finished_count(&farm, &all).await.ok()?;
+            (terminal == expected).then_some(())
+        },
+    )
+    .await
+    .with_context(|| farm.worker_logs())?;
+    let metrics = farm
+        .http
+        .get(farm.url("/metrics"))
+        .send()
+        .await?
+        .text()
+        .await?;
+    let log = crate::stream::read_all(&farm).await?;
+    if log.undecodable > 0 {
+        bail!(
+            "{} undecodable messages in the event stream",
+            log.undecodable
+        );
+    }
+    report::measure(policy, &log.events, &metrics, config.workers)
+}
+
+/// How many of `ids` are in a terminal state, counting until the first that is not.
+async fn finished_count(farm: &Farm, ids: &[JobId]) -> anyhow::Result<usize> {
+    let mut n = 0;
+    for id in ids {
+        let job = farm.job(&id.to_string()).await?;
+        if matches!(
+            job["state"].as_str(),
+            Some("completed" | "failed" | "cancelled")
+        ) {
+            n += 1;
+        } else {
+            return Ok(n);
+        }
+    }
+    Ok(n)
+}
+
+/// Every job of a run: what it was, when it was queued, started and ended, where it ran.
+#[derive(Debug, Default, Clone)]
+struct JobTimes {
+    kind: &'static str,
+    priority: Option<Priority>,
+    affinity_key: Option<String>,
+    queued: Option<DateTime<Utc>>,
+    started: Option<DateTime<Utc>>,
+    ended: Option<DateTime<Utc>>,
+    completed: bool,
+    worker: Option<String>,
+    encoded: bool,
+    batch: Option<JobId>,
+}
+
+/// Folds the event log into one record per job (pipelines themselves are left out: their jobs
+/// are counted).
+fn jobs_of(events: &[SequencedEvent]) -> BTreeMap<JobId, JobTimes> {
+    let mut jobs: BTreeMap<JobId, JobTimes> = BTreeMap::new();
+    for ev in events {
+        let id = ev.event.job_id;
+        let at = ev.event.at;
+        match &ev.event.kind {
+            EventKind::Queued {
+                submission,
+                children,
+                ..
+            } => {
+                if matches!(submission.job, JobSpec::Pipeline(_)) {
+                    let derived = vnfarm_scheduler::intake::pipeline_jobs(submission, children);
+                    for (child, spec) in children.iter().zip(derived.into_iter().flatten()) {
+                        let j = jobs.entry(*child).or_default();
+                        j.kind = spec.job.kind_name();
+                        j.priority = Some(submission.priority);
+                        j.affinity_key = match &spec.job {
+                            JobSpec::Edit(e) => e.affinity_key(),
+                            _ => None,
+                        };
+                        j.queued = Some(at);
+                    }
+                    continue;
+                }
+                let j = jobs.entry(id).or_default();
+                j.kind = submission.job.kind_name();
+                j.priority = Some(submission.priority);
+                j.affinity_key = match &submission.job {
+                    JobSpec::Edit(e) => e.affinity_key(),
+                    _ => None,
+                };
+                j.queued = Some(at);
+            }
+            EventKind::Dispatched { batch, .. } => {
+                if let Some(j) = jobs.get_mut(&id) {
+                    j.batch = *batch;
+                }
+            }
+            EventKind::Started { worker, .. } => {
+                if let Some(j) = jobs.get_mut(&id) {
+                    j.started.get_or_insert(at);
+                    j.worker = Some(worker.to_string());
+                }
+            }
+            EventKind::Completed {
+                timings, worker, ..
+            } => {
+                if let Some(j) = jobs.get_mut(&id) {
+                    j.ended.get_or_insert(at);
+                    j.completed = true;
+                    j.encoded |= timings.0.get("encode").is_some_and(|s| *s > 0.0);
+                    if let Some(w) = worker {
+                        j.worker = Some(w.to_string());
+                    }
+                }
+            }
+            EventKind::Failed {
+                retryable: false, ..
+            }
+            | EventKind::Cancelled { .. } => {
+                if let Some(j) = jobs.get_mut(&id) {
+                    j.ended.get_or_insert(at);
+                }
+            }
+            _ => {}
+        }
+    }
+    jobs
+}

@@ -1,0 +1,218 @@
+//! The fleet benchmark's workload: made once from a seed, submitted the same way to every policy.
+
+use std::time::{Duration, Instant};
+
+use anyhow::bail;
+use bytes::Bytes;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde_json::{Value, json};
+use vnfarm_proto::JobId;
+
+use super::RunConfig;
+use crate::Farm;
+
+/// Images are small: the stage delays, not the pixels, stand for the work.
+const SIDE: u32 = 256;
+/// How far apart the edits of a burst arrive (an artist sending variants one by one).
+const BURST_SPACING: Duration = Duration::from_millis(60);
+
+#[derive(Clone, Debug)]
+pub enum Item {
+    /// A base and edits of it, in one submission.
+    Pipeline {
+        edits: usize,
+    },
+    Generate {
+        count: u32,
+    },
+    /// Edits of one uploaded image, submitted one by one.
+    EditBurst {
+        upload: usize,
+        edits: usize,
+    },
+    /// An edit of the first image of an earlier item of this workload.
+    EditOf {
+        item: usize,
+    },
+}
+
+#[derive(Clone, Debug)]
+pub struct Timed {
+    /// When it is submitted, from the start of the run.
+    pub at: Duration,
+    pub interactive: bool,
+    pub item: Item,
+}
+
+#[derive(Clone, Debug)]
+pub struct Workload {
+    pub items: Vec<Timed>,
+    pub uploads: usize,
+}
+
+impl Workload {
+    pub fn new(config: &RunConfig) -> Self {
+        let mut rng = StdRng::seed_from_u64(config.seed);
+        let mut items = Vec::new();
+        let mut uploads = 0;
+        let mut pick = |rng: &mut StdRng, earlier: usize| -> Item {
+            match rng.random_range(0..10) {
+                0..=3 => Item::Pipeline {
+                    edits: rng.random_range(3..=10),
+                },
+                4..=5 => Item::Generate {
+                    count: rng.random_range(1..=2),
+                },
+                6..=8 => {
+                    uploads += 1;
+                    Item::EditBurst {
+                        upload: uploads - 1,
+                        edits: rng.random_range(3..=8),
+                    }
+                }
+                _ if earlier > 0 => Item::EditOf {
+                    item: rng.random_range(0..earlier),
+                },
+                _ => Item::Generate { count: 1 },
+            }
+        };
+        for _ in 0..config.backlog_items {
+            let item = pick(&mut rng, items.len());
+            items.push(Timed {
+                at: Duration::ZERO,
+                interactive: false,
+                item,
+            });
+        }
+        for n in 0..config.interactive_items {
+            let at = config.arrival_seconds * (n as f64 + rng.random::<f64>())
+                / config.interactive_items.max(1) as f64;
+            let item = pick(&mut rng, items.len());
+            items.push(Timed {
+                at: Duration::from_secs_f64(at),
+                interactive: true,
+                item,
+            });
+        }
+        Self { items, uploads }
+    }
+
+    /// Jobs the workload makes (a pipeline counts its base and edits).
+    pub fn jobs(&self) -> usize {
+        self.items
+            .iter()
+            .map(|t| match t.item {
+                Item::Pipeline { edits } => 1 + edits,
+                Item::Generate { .. } | Item::EditOf { .. } => 1,
+                Item::EditBurst { edits, .. } => edits,
+            })
+            .sum()
+    }
+}
+
+fn generate(n: usize, count: u32) -> Value {
+    json!({"kind": "generate", "prompt": format!("fleet generate {n}"), "width": SIDE,
+        "height": SIDE, "steps": 20, "count": count})
+}
+
+fn edit(input: Value, what: &str) -> Value {
+    json!({"kind": "edit", "input": input, "instruction": what, "width": SIDE, "height": SIDE,
+        "steps": 4})
+}
+
+/// What one item made: the top-level jobs to wait for, and the job of its first image.
+#[derive(Clone, Debug)]
+pub struct Submitted {
+    pub top: Vec<JobId>,
+    pub first_image: JobId,
+}
+
+/// Submits every item at its time.
+pub async fn submit(farm: &Farm, workload: &Workload) -> anyhow::Result<Vec<Submitted>> {
+    for n in 0..workload.uploads {
+        let png = crate::png_bytes(SIDE, SIDE, n as u8);
+        farm.storage
+            .put(&upload_key(n), Bytes::from(png), "image/png")
+            .await?;
+    }
+    let started = Instant::now();
+    let mut made: Vec<Submitted> = Vec::with_capacity(workload.items.len());
+    for (n, timed) in workload.items.iter().enumerate() {
+        if let Some(wait) = timed.at.checked_sub(started.elapsed()) {
+            tokio::time::sleep(wait).await;
+        }
+        let priority = if timed.interactive {
+            "interactive"
+        } else {
+            "batch"
+        };
+        let post = |job: Value| {
+            let body = json!({"schema_version": 1, "priority": priority, "job": job});
+            async move {
+                let (status, answer) = farm.submit(&body).await?;
+                if !status.is_success() {
+                    bail!("submission refused ({status}): {answer}");
+                }
+                answer["job_id"]
+                    .as_str()
+                    .and_then(|s| s.parse::<JobId>().ok())
+                    .ok_or_else(|| anyhow::anyhow!("no job id in {answer}"))
+            }
+        };
+        let item = match &timed.item {
+            Item::Pipeline { edits } => {
+                let edits: Vec<Value> = (0..*edits)
+                    .map(|e| json!({"instruction": format!("variant {e}"), "steps": 4}))
+                    .collect();
+                let job = json!({"kind": "pipeline", "base": {"prompt": format!("fleet pipeline {n}"),
+                    "width": SIDE, "height": SIDE, "steps": 20}, "edits": edits});
+                let id = post(job).await?;
+                let base = farm.job(&id.to_string()).await?["children"][0]
+                    .as_str()
+                    .and_then(|s| s.parse().ok())
+                    .ok_or_else(|| anyhow::anyhow!("pipeline {id} lists no jobs"))?;
+                Submitted {
+                    top: vec![id],
+                    first_image: base,
+                }
+            }
+            Item::Generate { count } => {
+                let id = post(generate(n, *count)).await?;
+                Submitted {
+                    top: vec![id],
+                    first_image: id,
+                }
+            }
+            Item::EditBurst { upload, edits } => {
+                let mut burst = Vec::new();
+                for e in 0..*edits {
+                    if e > 0 {
+                        tokio::time::sleep(BURST_SPACING).await;
+                    }
+                    let input = json!({"stored": upload_key(*upload)});
+                    burst.push(post(edit(input, &format!("burst {n} variant {e}"))).await?);
+                }
+                Submitted {
+                    first_image: burst[0],
+                    top: burst,
+                }
+            }
+            Item::EditOf { item } => {
+                let of = made[*item].first_image;
+                let input = json!({"job_output": {"job": of, "index": 0}});
+                let id = post(edit(input, &format!("edit {n} of item {item}"))).await?;
+                Submitted {
+                    top: vec![id],
+                    first_image: id,
+                }
+            }
+        };
+        made.push(item);
+    }
+    Ok(made)
+}
+
+fn upload_key(n: usize) -> String {
+    format!("inputs/fleet-upload-{n}.png")
+}
