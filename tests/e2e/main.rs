@@ -1,5 +1,6 @@
 //! End-to-end tests: the real binaries against a real RabbitMQ and a real S3 server (see `tests/lib.rs`).
 
+mod batches;
 mod deploy;
 mod failures;
 mod intake;

@@ -1,0 +1,571 @@
+//! Batch messages on a real worker: one message carrying several jobs, published straight onto a
+//! test-pattern worker's queue (the test plays the scheduler), against a real RabbitMQ and S3. Each
+//! job gets its own events, outputs and manifest; a failure, a cancel or a shutdown of one job
+//! never loses the others; jobs that share an input encode it once, and a later batch for the same
+//! input pays no encode at all. The worker's heartbeats say what it holds.
+
+use std::io::Cursor;
+use std::time::Duration;
+
+use futures::StreamExt;
+use lapin::options::{BasicAckOptions, BasicConsumeOptions};
+use lapin::types::{AMQPValue, FieldTable};
+use vnfarm_bus::publisher::json_properties;
+use vnfarm_bus::{AmqpConfig, Publisher};
+use vnfarm_proto::topology::{
+    CANCEL_ROUTING_KEY, HEADER_JOB_ID, HEADER_REASON, Topology, heartbeat_routing_key,
+    manifest_key, output_key,
+};
+use vnfarm_proto::{
+    BatchedJob, CancelRequest, EditSpec, Event, EventKind, FailureKind, GenerateSpec, Heartbeat,
+    ImageRef, JobId, Manifest, Priority, Sampler, Task, WorkMessage, WorkerId, WorkerState,
+    decode_json,
+};
+use vnfarm_tests::{Farm, WorkerOptions, wait_for};
+
+use crate::FINISH;
+
+/// A test-pattern worker alone on a fresh installation (no scheduler), with subscriptions to every
+/// job event and to its heartbeats.
+struct Bench {
+    farm: Farm,
+    conn: lapin::Connection,
+    publisher: Publisher,
+    topology: Topology,
+    worker: WorkerId,
+    events: lapin::Consumer,
+    heartbeats: lapin::Consumer,
+    /// Every job event read so far.
+    seen: Vec<Event>,
+}
+
+impl Bench {
+    async fn start(name: &str, step_ms: u64, extra_env: &[(&str, &str)]) -> anyhow::Result<Self> {
+        let mut farm = Farm::new(name).await?;
+        let conn = farm.connect_amqp().await?;
+        let config = AmqpConfig {
+            prefix: farm.prefix.clone(),
+            ..Default::default()
+        };
+        vnfarm_bus::topology::declare_core(&conn.create_channel().await?, &config).await?;
+        let topology = config.topology();
+        let worker: WorkerId = "w1".parse().map_err(anyhow::Error::msg)?;
+        let events = vnfarm_bus::topology::subscribe_private(
+            &conn,
+            &topology.events_exchange(),
+            "job.#",
+            "batches-events",
+        )
+        .await?;
+        let heartbeats = vnfarm_bus::topology::subscribe_private(
+            &conn,
+            &topology.events_exchange(),
+            &heartbeat_routing_key(&worker),
+            "batches-heartbeats",
+        )
+        .await?;
+        let mut options = WorkerOptions {
+            step_ms,
+            ..Default::default()
+        };
+        options.extra_env = extra_env
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        // Encodes long enough to tell apart from none.
+        options.extra_env.insert(
+            0,
+            ("VNFARM_ENGINE__TEST_PATTERN__ENCODE_MS".into(), "50".into()),
+        );
+        farm.launch_worker("w1", options)?;
+        let publisher = Publisher::open(&conn).await?;
+        let mut bench = Self {
+            farm,
+            conn,
+            publisher,
+            topology,
+            worker,
+            events,
+            heartbeats,
+            seen: Vec::new(),
+        };
+        bench.heartbeat(|hb| hb.state == WorkerState::Ready).await?;
+        Ok(bench)
+    }
+
+    /// The first heartbeat from now on that satisfies `ok`.
+    async fn heartbeat(&mut self, ok: impl Fn(&Heartbeat) -> bool) -> anyhow::Result<Heartbeat> {
+        let deadline = tokio::time::Instant::now() + FINISH;
+        loop {
+            let delivery = tokio::time::timeout_at(deadline, self.heartbeats.next())
+                .await
+                .map_err(|_| anyhow::anyhow!("no such heartbeat\n{}", self.farm.worker_logs()))?
+                .ok_or_else(|| anyhow::anyhow!("heartbeat subscription ended"))??;
+            let beat: Heartbeat = decode_json(&delivery.data)?;
+            if ok(&beat) {
+                return Ok(beat);
+            }
+        }
+    }
+
+    /// Publishes the jobs as one work message onto the worker's queue, as the scheduler does.
+    async fn send(&self, jobs: &[BatchedJob]) -> anyhow::Result<()> {
+        let message = WorkMessage::of(jobs.to_vec()).expect("at least one job");
+        self.publisher
+            .publish_json(
+                "",
+                &self.topology.worker_queue(&self.worker),
+                &message,
+                json_properties().with_message_id(message.job_id.to_string().into()),
+            )
+            .await?;
+        Ok(())
+    }
+
+    async fn cancel(&self, job_id: JobId) -> anyhow::Result<()> {
+        self.publisher
+            .broadcast_json(
+                &self.topology.events_exchange(),
+                CANCEL_ROUTING_KEY,
+                &CancelRequest { job_id },
+                json_properties(),
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// Reads events until every job has a final event (`completed`, `cancelled`, or a `failed`
+    /// that is not retryable).
+    async fn wait_final(&mut self, jobs: &[JobId]) -> anyhow::Result<()> {
+        self.wait_events(|seen| {
+            jobs.iter()
+                .all(|id| seen.iter().any(|e| e.job_id == *id && e.kind.is_terminal()))
+        })
+        .await
+    }
+
+    async fn wait_events(&mut self, done: impl Fn(&[Event]) -> bool) -> anyhow::Result<()> {
+        let deadline = tokio::time::Instant::now() + FINISH;
+        while !done(&self.seen) {
+            let delivery = tokio::time::timeout_at(deadline, self.events.next())
+                .await
+                .map_err(|_| {
+                    anyhow::anyhow!(
+                        "events did not arrive; seen {:?}\n{}",
+                        self.names(),
+                        self.farm.worker_logs()
+                    )
+                })?
+                .ok_or_else(|| anyhow::anyhow!("event subscription ended"))??;
+            self.seen.push(decode_json(&delivery.data)?);
+        }
+        Ok(())
+    }
+
+    /// A job's events, by name, in order.
+    fn names_of(&self, job: JobId) -> Vec<&'static str> {
+        self.seen
+            .iter()
+            .filter(|e| e.job_id == job)
+            .map(|e| e.kind.name())
+            .collect()
+    }
+
+    fn names(&self) -> Vec<(String, &'static str)> {
+        self.seen
+            .iter()
+            .map(|e| (e.job_id.to_string()[..8].to_owned(), e.kind.name()))
+            .collect()
+    }
+
+    /// A job's `completed` event: `(outputs, manifest key, timings)`.
+    fn completed(&self, job: JobId) -> Option<(Vec<String>, String, Vec<String>)> {
+        self.seen.iter().find_map(|e| match &e.kind {
+            EventKind::Completed {
+                outputs,
+                manifest,
+                timings,
+                ..
+            } if e.job_id == job => Some((
+                outputs.clone(),
+                manifest.clone(),
+                timings.0.keys().cloned().collect(),
+            )),
+            _ => None,
+        })
+    }
+
+    fn encoded(&self, job: JobId) -> bool {
+        self.completed(job)
+            .is_some_and(|(_, _, stages)| stages.iter().any(|s| s == "encode"))
+    }
+
+    /// Takes every message now in `queue` (acking them), waiting until there are `n`.
+    async fn drain_queue(
+        &self,
+        queue: &str,
+        n: usize,
+    ) -> anyhow::Result<Vec<lapin::message::Delivery>> {
+        let channel = self.conn.create_channel().await?;
+        let mut consumer = channel
+            .basic_consume(
+                queue.into(),
+                "batches-drain".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        let mut taken = Vec::new();
+        while taken.len() < n {
+            let delivery = tokio::time::timeout(FINISH, consumer.next())
+                .await
+                .map_err(|_| anyhow::anyhow!("{} of {n} messages in {queue}", taken.len()))?
+                .ok_or_else(|| anyhow::anyhow!("consumer of {queue} ended"))??;
+            delivery.acker.ack(BasicAckOptions::default()).await?;
+            taken.push(delivery);
+        }
+        Ok(taken)
+    }
+}
+
+fn job(task: Task) -> BatchedJob {
+    BatchedJob {
+        job_id: JobId::new(),
+        priority: Priority::Batch,
+        deadline: None,
+        task,
+    }
+}
+
+fn edit(input: &str, instruction: &str, steps: u32) -> BatchedJob {
+    job(Task::Edit(EditSpec {
+        input: Some(ImageRef::Stored(input.into())),
+        inputs: Vec::new(),
+        instruction: instruction.into(),
+        width: None,
+        height: None,
+        steps,
+        cfg: 1.0,
+        seed: Some(11),
+        loras: Vec::new(),
+    }))
+}
+
+fn generate(prompt: &str) -> BatchedJob {
+    job(Task::Generate(GenerateSpec {
+        prompt: prompt.into(),
+        negative_prompt: String::new(),
+        width: 256,
+        height: 256,
+        steps: 3,
+        cfg: 4.5,
+        sampler: Sampler::Euler,
+        seed: Some(5),
+        count: 1,
+        checkpoint: None,
+    }))
+}
+
+async fn put_png(farm: &Farm, key: &str) -> anyhow::Result<()> {
+    let image = image::RgbImage::from_fn(64, 48, |x, y| image::Rgb([x as u8 * 3, y as u8 * 5, 90]));
+    let mut png = Cursor::new(Vec::new());
+    image.write_to(&mut png, image::ImageFormat::Png)?;
+    farm.storage
+        .put(key, png.into_inner().into(), "image/png")
+        .await?;
+    Ok(())
+}
+
+fn string_header(delivery: &lapin::message::Delivery, name: &str) -> Option<String> {
+    let headers = delivery.properties.headers().as_ref()?;
+    match headers.inner().get(name)? {
+        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+        _ => None,
+    }
+}
+
+/// Three edits of one input in one message: each its own `started`, progress, outputs, manifest and
+/// `completed`; the input encoded once (one job reports the encode); the heartbeat then advertises
+/// the input's affinity key; a later batch for the same input encodes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_runs_together_and_each_job_ends_on_its_own() -> anyhow::Result<()> {
+    let mut bench = Bench::start("batch-own", 5, &[]).await?;
+    put_png(&bench.farm, "inputs/base.png").await?;
+    let batch = [
+        edit("inputs/base.png", "smile", 4),
+        edit("inputs/base.png", "frown", 4),
+        edit("inputs/base.png", "wave", 4),
+    ];
+    let ids: Vec<JobId> = batch.iter().map(|j| j.job_id).collect();
+    bench.send(&batch).await?;
+    bench.wait_final(&ids).await?;
+
+    for &id in &ids {
+        let names = bench.names_of(id);
+        assert_eq!(names.first(), Some(&"started"), "{names:?}");
+        assert_eq!(names.last(), Some(&"completed"), "{names:?}");
+        assert_eq!(
+            names.iter().filter(|n| **n == "progress").count(),
+            4,
+            "every step reported for each job: {names:?}"
+        );
+        let (outputs, manifest, _) = bench.completed(id).expect("completed");
+        assert_eq!(outputs, [output_key(id, 0)]);
+        assert_eq!(manifest, manifest_key(id));
+        let stored: Manifest = decode_json(&bench.farm.storage.get(&manifest).await?)?;
+        assert_eq!(stored.job_id, id);
+        assert_eq!(stored.outputs.len(), 1);
+        let png = bench.farm.storage.get(&outputs[0]).await?;
+        assert_eq!(image::load_from_memory(&png)?.width(), 64);
+    }
+    let mut images = Vec::new();
+    for &id in &ids {
+        images.push(bench.farm.storage.get(&output_key(id, 0)).await?);
+    }
+    assert!(
+        images[0] != images[1] && images[1] != images[2],
+        "each job its own image"
+    );
+    let encoders: Vec<JobId> = ids
+        .iter()
+        .copied()
+        .filter(|id| bench.encoded(*id))
+        .collect();
+    assert_eq!(encoders.len(), 1, "one encode for three edits of one input");
+
+    let key = "qwen-edit:stored:inputs/base.png";
+    let beat = bench
+        .heartbeat(|hb| hb.in_flight == 0 && hb.encode_cache.iter().any(|k| k == key))
+        .await?;
+    assert_eq!(beat.max_batch, 8, "the default batch_jobs");
+    assert!(beat.running.is_empty());
+    assert_eq!(
+        beat.gpu_memory, None,
+        "the test-pattern engine runs on no GPU"
+    );
+
+    let again = [
+        edit("inputs/base.png", "laugh", 2),
+        edit("inputs/base.png", "cry", 2),
+    ];
+    let again_ids: Vec<JobId> = again.iter().map(|j| j.job_id).collect();
+    bench.send(&again).await?;
+    bench.wait_final(&again_ids).await?;
+    for &id in &again_ids {
+        assert!(bench.completed(id).is_some(), "{:?}", bench.names_of(id));
+        assert!(!bench.encoded(id), "the input's encoding was kept");
+    }
+    Ok(())
+}
+
+/// One member's input is not an image: that job alone fails (`bad_input`, final) and is
+/// dead-lettered alone; the others complete and the message is acked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_with_a_bad_input_is_dead_lettered_alone() -> anyhow::Result<()> {
+    let mut bench = Bench::start("batch-bad", 5, &[]).await?;
+    put_png(&bench.farm, "inputs/good.png").await?;
+    bench
+        .farm
+        .storage
+        .put(
+            "inputs/garbage.png",
+            b"not an image at all".to_vec().into(),
+            "image/png",
+        )
+        .await?;
+    let batch = [
+        edit("inputs/good.png", "a", 3),
+        edit("inputs/garbage.png", "b", 3),
+        edit("inputs/good.png", "c", 3),
+    ];
+    let ids: Vec<JobId> = batch.iter().map(|j| j.job_id).collect();
+    bench.send(&batch).await?;
+    bench.wait_final(&ids).await?;
+
+    assert!(bench.completed(ids[0]).is_some(), "{:?}", bench.names());
+    assert!(bench.completed(ids[2]).is_some(), "{:?}", bench.names());
+    let failure = bench.seen.iter().find_map(|e| match &e.kind {
+        EventKind::Failed {
+            failure, retryable, ..
+        } if e.job_id == ids[1] => Some((*failure, *retryable)),
+        _ => None,
+    });
+    assert_eq!(failure, Some((FailureKind::BadInput, false)));
+    assert!(
+        bench.farm.storage.get(&manifest_key(ids[1])).await.is_err(),
+        "no manifest for the failed job"
+    );
+
+    let dead = bench.drain_queue(&bench.topology.dead_queue(), 1).await?;
+    let copy: WorkMessage = decode_json(&dead[0].data)?;
+    assert_eq!(copy.job_id, ids[1]);
+    assert!(copy.batch.is_empty(), "dead-lettered alone");
+    assert_eq!(
+        string_header(&dead[0], HEADER_JOB_ID),
+        Some(ids[1].to_string())
+    );
+    // Acked: nothing of the message is in hand any more.
+    let beat = bench.heartbeat(|hb| hb.in_flight == 0).await?;
+    assert!(beat.running.is_empty());
+    Ok(())
+}
+
+/// A job cancelled before the batch came is reported cancelled without starting; one cancelled
+/// while the batch runs is reported cancelled and stores nothing; the others complete.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelled_members_are_reported_and_the_rest_complete() -> anyhow::Result<()> {
+    let mut bench = Bench::start("batch-cancel", 40, &[]).await?;
+    put_png(&bench.farm, "inputs/base.png").await?;
+    let batch = [
+        edit("inputs/base.png", "early", 20),
+        edit("inputs/base.png", "late", 20),
+        edit("inputs/base.png", "kept", 20),
+    ];
+    let ids: Vec<JobId> = batch.iter().map(|j| j.job_id).collect();
+    bench.cancel(ids[0]).await?;
+    let early = ids[0].to_string();
+    wait_for("the worker to take the first cancel", FINISH, || async {
+        bench.farm.log("w1.log").contains(&early).then_some(())
+    })
+    .await?;
+    bench.send(&batch).await?;
+    // Cancel the second once the batch is denoising.
+    bench
+        .wait_events(|seen| {
+            seen.iter().any(|e| {
+                e.job_id == ids[1] && matches!(e.kind, EventKind::Progress { step: 2, .. })
+            })
+        })
+        .await?;
+    bench.cancel(ids[1]).await?;
+    bench.wait_final(&ids).await?;
+
+    assert_eq!(bench.names_of(ids[0]), ["cancelled"], "never started");
+    let late = bench.names_of(ids[1]);
+    assert_eq!(late.last(), Some(&"cancelled"), "{late:?}");
+    assert!(!late.contains(&"completed"), "{late:?}");
+    assert!(
+        bench.farm.storage.get(&manifest_key(ids[1])).await.is_err(),
+        "a cancelled job stores no manifest"
+    );
+    let kept = bench.names_of(ids[2]);
+    assert_eq!(kept.last(), Some(&"completed"), "{kept:?}");
+    assert_eq!(
+        kept.iter().filter(|n| **n == "progress").count(),
+        20,
+        "the rest ran to the end: {kept:?}"
+    );
+    Ok(())
+}
+
+/// The same batch delivered again after some of its jobs finished (a redelivery after the worker
+/// lost the broker): the finished ones report `completed` from their manifests without running,
+/// the others run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redelivered_batch_skips_its_finished_jobs() -> anyhow::Result<()> {
+    let mut bench = Bench::start("batch-redelivered", 5, &[]).await?;
+    let finished = generate("a lighthouse");
+    bench.send(std::slice::from_ref(&finished)).await?;
+    bench.wait_final(&[finished.job_id]).await?;
+    let stored = bench
+        .farm
+        .storage
+        .get(&manifest_key(finished.job_id))
+        .await?;
+    let first_events = bench.names_of(finished.job_id).len();
+
+    let fresh = generate("a harbour");
+    let batch = [finished.clone(), fresh.clone()];
+    bench.send(&batch).await?;
+    bench
+        .wait_events(|seen| {
+            seen.iter()
+                .filter(|e| e.job_id == finished.job_id && e.kind.is_terminal())
+                .count()
+                == 2
+                && seen
+                    .iter()
+                    .any(|e| e.job_id == fresh.job_id && e.kind.is_terminal())
+        })
+        .await?;
+    assert_eq!(
+        bench.names_of(finished.job_id)[first_events..],
+        ["completed"],
+        "only `completed`, nothing run"
+    );
+    assert_eq!(
+        bench
+            .farm
+            .storage
+            .get(&manifest_key(finished.job_id))
+            .await?,
+        stored,
+        "the finished job's manifest was not rewritten"
+    );
+    let names = bench.names_of(fresh.job_id);
+    assert_eq!(names.first(), Some(&"started"), "{names:?}");
+    assert_eq!(names.last(), Some(&"completed"), "{names:?}");
+    Ok(())
+}
+
+/// A worker shut down past its grace period gives each job of the batch in hand back to the
+/// scheduler, alone, on the redispatch queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_gives_each_job_of_a_batch_back_alone() -> anyhow::Result<()> {
+    let mut bench = Bench::start("batch-shutdown", 50, &[("VNFARM_DRAIN_GRACE_S", "0")]).await?;
+    let batch = [generate("one"), generate("two"), generate("three")];
+    let mut batch = batch.to_vec();
+    for job in &mut batch {
+        if let Task::Generate(g) = &mut job.task {
+            g.steps = 100;
+        }
+    }
+    let ids: Vec<JobId> = batch.iter().map(|j| j.job_id).collect();
+    bench.send(&batch).await?;
+    let beat = bench.heartbeat(|hb| hb.running.len() == 3).await?;
+    assert_eq!(beat.in_flight, 3);
+    bench.farm.signal_worker("w1", libc::SIGTERM);
+
+    let returned = bench
+        .drain_queue(&bench.topology.redispatch_queue(), 3)
+        .await?;
+    let mut back: Vec<JobId> = Vec::new();
+    for delivery in &returned {
+        let message: WorkMessage = decode_json(&delivery.data)?;
+        assert!(message.batch.is_empty(), "given back alone");
+        assert!(
+            string_header(delivery, HEADER_REASON).is_some_and(|r| r.contains("shut down")),
+            "{:?}",
+            delivery.properties.headers()
+        );
+        back.push(message.job_id);
+    }
+    back.sort();
+    let mut expected = ids.clone();
+    expected.sort();
+    assert_eq!(back, expected);
+    let deadline = tokio::time::Instant::now() + FINISH;
+    let status = loop {
+        if let Some(status) = bench.farm.worker_mut("w1").try_wait()? {
+            break status;
+        }
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the worker did not exit\n{}",
+            bench.farm.worker_logs()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(status.success(), "{}", bench.farm.worker_logs());
+    for id in ids {
+        assert!(
+            !bench
+                .names_of(id)
+                .iter()
+                .any(|n| *n == "failed" || *n == "completed"),
+            "{:?}",
+            bench.names_of(id)
+        );
+    }
+    Ok(())
+}
