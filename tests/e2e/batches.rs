@@ -40,7 +40,7 @@ struct Bench {
 }
 
 impl Bench {
-    async fn start(name: &str, step_ms: u64, extra_env: &[(&str, &str)]) -> anyhow::Result<Self> {
+    async fn start(name: &str, options: WorkerOptions) -> anyhow::Result<Self> {
         let mut farm = Farm::new(name).await?;
         let conn = farm.connect_amqp().await?;
         let config = AmqpConfig {
@@ -64,19 +64,6 @@ impl Bench {
             "batches-heartbeats",
         )
         .await?;
-        let mut options = WorkerOptions {
-            step_ms,
-            ..Default::default()
-        };
-        options.extra_env = extra_env
-            .iter()
-            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-            .collect();
-        // Encodes long enough to tell apart from none.
-        options.extra_env.insert(
-            0,
-            ("VNFARM_ENGINE__TEST_PATTERN__ENCODE_MS".into(), "50".into()),
-        );
         farm.launch_worker("w1", options)?;
         let publisher = Publisher::open(&conn).await?;
         let mut bench = Self {
@@ -228,6 +215,24 @@ impl Bench {
     }
 }
 
+/// A test-pattern worker stepping at `step_ms`, whose encodes are long enough to tell apart from
+/// none.
+fn test_pattern(step_ms: u64, extra_env: &[(&str, &str)]) -> WorkerOptions {
+    let mut env = vec![(
+        "VNFARM_ENGINE__TEST_PATTERN__ENCODE_MS".to_owned(),
+        "50".to_owned(),
+    )];
+    env.extend(
+        extra_env
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned())),
+    );
+    WorkerOptions {
+        step_ms,
+        extra_env: env,
+    }
+}
+
 fn job(task: Task) -> BatchedJob {
     BatchedJob {
         job_id: JobId::new(),
@@ -289,7 +294,7 @@ fn string_header(delivery: &lapin::message::Delivery, name: &str) -> Option<Stri
 /// the input's affinity key; a later batch for the same input encodes nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_runs_together_and_each_job_ends_on_its_own() -> anyhow::Result<()> {
-    let mut bench = Bench::start("batch-own", 5, &[]).await?;
+    let mut bench = Bench::start("batch-own", test_pattern(5, &[])).await?;
     put_png(&bench.farm, "inputs/base.png").await?;
     let batch = [
         edit("inputs/base.png", "smile", 4),
@@ -362,7 +367,7 @@ async fn a_batch_runs_together_and_each_job_ends_on_its_own() -> anyhow::Result<
 /// dead-lettered alone; the others complete and the message is acked.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_with_a_bad_input_is_dead_lettered_alone() -> anyhow::Result<()> {
-    let mut bench = Bench::start("batch-bad", 5, &[]).await?;
+    let mut bench = Bench::start("batch-bad", test_pattern(5, &[])).await?;
     put_png(&bench.farm, "inputs/good.png").await?;
     bench
         .farm
@@ -414,7 +419,7 @@ async fn a_member_with_a_bad_input_is_dead_lettered_alone() -> anyhow::Result<()
 /// while the batch runs is reported cancelled and stores nothing; the others complete.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancelled_members_are_reported_and_the_rest_complete() -> anyhow::Result<()> {
-    let mut bench = Bench::start("batch-cancel", 40, &[]).await?;
+    let mut bench = Bench::start("batch-cancel", test_pattern(40, &[])).await?;
     put_png(&bench.farm, "inputs/base.png").await?;
     let batch = [
         edit("inputs/base.png", "early", 20),
@@ -463,7 +468,7 @@ async fn cancelled_members_are_reported_and_the_rest_complete() -> anyhow::Resul
 /// the others run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redelivered_batch_skips_its_finished_jobs() -> anyhow::Result<()> {
-    let mut bench = Bench::start("batch-redelivered", 5, &[]).await?;
+    let mut bench = Bench::start("batch-redelivered", test_pattern(5, &[])).await?;
     let finished = generate("a lighthouse");
     bench.send(std::slice::from_ref(&finished)).await?;
     bench.wait_final(&[finished.job_id]).await?;
@@ -512,7 +517,8 @@ async fn a_redelivered_batch_skips_its_finished_jobs() -> anyhow::Result<()> {
 /// scheduler, alone, on the redispatch queue.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_gives_each_job_of_a_batch_back_alone() -> anyhow::Result<()> {
-    let mut bench = Bench::start("batch-shutdown", 50, &[("VNFARM_DRAIN_GRACE_S", "0")]).await?;
+    let options = test_pattern(50, &[("VNFARM_DRAIN_GRACE_S", "0")]);
+    let mut bench = Bench::start("batch-shutdown", options).await?;
     let batch = [generate("one"), generate("two"), generate("three")];
     let mut batch = batch.to_vec();
     for job in &mut batch {
@@ -567,5 +573,201 @@ async fn shutdown_gives_each_job_of_a_batch_back_alone() -> anyhow::Result<()> {
             bench.names_of(id)
         );
     }
+    Ok(())
+}
+
+/// One worker with the tiny SDXL (diffusers folder, so its checkpoint is named `sdxl_tiny`) and the
+/// tiny Qwen edit model (ComfyUI-style files) on the CPU in fp32, Qwen taking two edits per forward
+/// and small conditioning images (the tiny model's speed on a CPU).
+fn models_worker() -> WorkerOptions {
+    let fixtures =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../worker/models/fixtures");
+    let qwen = fixtures.join("qwen");
+    let path = |p: std::path::PathBuf| p.display().to_string();
+    let sdxl = [
+        ("CHECKPOINT", path(fixtures.join("sdxl/sdxl_tiny"))),
+        ("DEVICE", "cpu".into()),
+        ("DTYPE", "fp32".into()),
+        ("VAE_DTYPE", "fp32".into()),
+        ("WARM_UP", "[[256, 256]]".into()),
+        ("VAE_TILING", "never".into()),
+        ("MAX_BATCH", "4".into()),
+    ];
+    let qwen_edit = [
+        (
+            "TRANSFORMER",
+            path(qwen.join("comfy/transformer_fp8_e4m3fn.safetensors")),
+        ),
+        (
+            "TEXT_ENCODER",
+            path(qwen.join("comfy/text_encoder_fp8_scaled.safetensors")),
+        ),
+        ("VAE", path(qwen.join("comfy/vae_wan.safetensors"))),
+        ("CONFIG_DIR", path(qwen.join("qwen_tiny"))),
+        ("DEVICE", "cpu".into()),
+        ("DTYPE", "fp32".into()),
+        ("VAE_DTYPE", "fp32".into()),
+        ("CONDITION_IMAGE_AREA", (64 * 64).to_string()),
+        ("VAE_IMAGE_AREA", (128 * 128).to_string()),
+        ("WARM_UP", "[]".into()),
+        ("MAX_BATCH", "2".into()),
+    ];
+    let extra_env = sdxl
+        .into_iter()
+        .map(|(k, v)| (format!("VNFARM_ENGINE__SDXL__{k}"), v))
+        .chain(
+            qwen_edit
+                .into_iter()
+                .map(|(k, v)| (format!("VNFARM_ENGINE__QWEN_EDIT__{k}"), v)),
+        )
+        .collect();
+    WorkerOptions {
+        extra_env,
+        ..WorkerOptions::default()
+    }
+}
+
+/// Mean absolute difference of two PNGs of one size, in 1/255 units.
+fn mae(a: &[u8], b: &[u8]) -> anyhow::Result<f64> {
+    let (a, b) = (
+        image::load_from_memory(a)?.to_rgb8(),
+        image::load_from_memory(b)?.to_rgb8(),
+    );
+    anyhow::ensure!(a.dimensions() == b.dimensions(), "sizes differ");
+    let sum: u64 = a
+        .as_raw()
+        .iter()
+        .zip(b.as_raw())
+        .map(|(x, y)| u64::from(x.abs_diff(*y)))
+        .sum();
+    Ok(sum as f64 / a.as_raw().len() as f64)
+}
+
+/// A copy of a job under a new id: the same work, so the same images.
+fn again(job: &BatchedJob) -> BatchedJob {
+    BatchedJob {
+        job_id: JobId::new(),
+        ..job.clone()
+    }
+}
+
+/// The models' engines run batches: compatible generates share SDXL's forwards, edits of one input
+/// share Qwen's encoding and forwards; every job's image is the one it gets alone, a generate naming
+/// a checkpoint the worker does not hold fails alone, and the heartbeat names the one it holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_models_run_batches_and_each_image_is_the_one_it_gets_alone() -> anyhow::Result<()> {
+    let mut bench = Bench::start("batch-models", models_worker()).await?;
+    let beat = bench.heartbeat(|_| true).await?;
+    assert_eq!(beat.checkpoints, ["sdxl_tiny"], "named after its folder");
+    let storage = bench.farm.storage.clone();
+    let png = |id: JobId, n: u32| {
+        let storage = storage.clone();
+        async move { anyhow::Ok(storage.get(&output_key(id, n)).await?.to_vec()) }
+    };
+
+    // SDXL: two images alone, then the same job in a batch beside another compatible one (one
+    // forward of three images), and one naming another checkpoint.
+    let generate = |prompt: &str, seed: u64, count: u32, checkpoint: Option<&str>| {
+        job(Task::Generate(GenerateSpec {
+            prompt: prompt.into(),
+            negative_prompt: "blurry".into(),
+            width: 256,
+            height: 256,
+            steps: 3,
+            cfg: 4.5,
+            sampler: Sampler::EulerAncestral,
+            seed: Some(seed),
+            count,
+            checkpoint: checkpoint.map(Into::into),
+        }))
+    };
+    let alone = generate("a lighthouse", 7, 2, None);
+    bench.send(std::slice::from_ref(&alone)).await?;
+    bench.wait_final(&[alone.job_id]).await?;
+    let batch = [
+        again(&alone),
+        generate("a harbour at night", 40, 1, Some("sdxl_tiny")),
+        generate("a castle", 1, 1, Some("pony")),
+    ];
+    let ids: Vec<JobId> = batch.iter().map(|j| j.job_id).collect();
+    bench.send(&batch).await?;
+    bench.wait_final(&ids).await?;
+    for n in 0..2 {
+        let diff = mae(&png(alone.job_id, n).await?, &png(ids[0], n).await?)?;
+        assert!(diff <= 0.5, "image {n}: {diff}/255 from the job alone");
+    }
+    let other = mae(&png(alone.job_id, 0).await?, &png(ids[1], 0).await?)?;
+    assert!(other > 5.0, "another job's image: {other}/255");
+    let progress: Vec<(u32, u32)> = bench
+        .seen
+        .iter()
+        .filter_map(|e| match e.kind {
+            EventKind::Progress { step, total } if e.job_id == ids[0] => Some((step, total)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(progress, [(1, 3), (2, 3), (3, 3)], "one shared forward");
+    let misrouted = bench.seen.iter().find_map(|e| match &e.kind {
+        EventKind::Failed {
+            failure, retryable, ..
+        } if e.job_id == ids[2] => Some((*failure, *retryable)),
+        _ => None,
+    });
+    assert_eq!(misrouted, Some((FailureKind::NoWorker, false)));
+
+    // Qwen: an edit alone, then the same edit in a batch (its input still encoded) beside two edits
+    // of another input, which encode it once between them.
+    put_png(&bench.farm, "inputs/base.png").await?;
+    let pose = image::RgbImage::from_fn(48, 64, |x, y| image::Rgb([200, x as u8 * 4, y as u8 * 2]));
+    let mut bytes = Cursor::new(Vec::new());
+    pose.write_to(&mut bytes, image::ImageFormat::Png)?;
+    bench
+        .farm
+        .storage
+        .put("inputs/pose.png", bytes.into_inner().into(), "image/png")
+        .await?;
+    let edit = |input: &str, instruction: &str, seed: u64| {
+        let mut job = edit(input, instruction, 2);
+        if let Task::Edit(e) = &mut job.task {
+            (e.width, e.height, e.seed) = (Some(256), Some(256), Some(seed));
+        }
+        job
+    };
+    let alone = edit("inputs/base.png", "make her smile", 3);
+    bench.send(std::slice::from_ref(&alone)).await?;
+    bench.wait_final(&[alone.job_id]).await?;
+    assert!(bench.encoded(alone.job_id));
+    let batch = [
+        again(&alone),
+        edit("inputs/pose.png", "wave", 4),
+        edit("inputs/pose.png", "bow", 5),
+    ];
+    let ids: Vec<JobId> = batch.iter().map(|j| j.job_id).collect();
+    bench.send(&batch).await?;
+    bench.wait_final(&ids).await?;
+    for &id in &ids {
+        assert!(bench.completed(id).is_some(), "{:?}", bench.names_of(id));
+    }
+    let diff = mae(&png(alone.job_id, 0).await?, &png(ids[0], 0).await?)?;
+    assert!(diff <= 0.5, "{diff}/255 from the edit alone");
+    assert!(!bench.encoded(ids[0]), "its input was still cached");
+    assert_eq!(
+        [bench.encoded(ids[1]), bench.encoded(ids[2])]
+            .iter()
+            .filter(|e| **e)
+            .count(),
+        1,
+        "one encode for two edits of one input"
+    );
+    let beat = bench
+        .heartbeat(|hb| hb.in_flight == 0 && hb.encode_cache.len() == 2)
+        .await?;
+    assert_eq!(
+        beat.encode_cache,
+        [
+            "qwen-edit:stored:inputs/base.png",
+            "qwen-edit:stored:inputs/pose.png"
+        ]
+    );
     Ok(())
 }
