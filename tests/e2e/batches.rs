@@ -37,10 +37,20 @@ struct Bench {
     heartbeats: lapin::Consumer,
     /// Every job event read so far.
     seen: Vec<Event>,
+    /// The heartbeats before the first `ready` one.
+    warming: Vec<Heartbeat>,
 }
 
 impl Bench {
+    /// Starts the worker and waits until it is ready.
     async fn start(name: &str, options: WorkerOptions) -> anyhow::Result<Self> {
+        let mut bench = Self::launch(name, options).await?;
+        bench.wait_ready().await?;
+        Ok(bench)
+    }
+
+    /// Starts the worker without waiting for it.
+    async fn launch(name: &str, options: WorkerOptions) -> anyhow::Result<Self> {
         let mut farm = Farm::new(name).await?;
         let conn = farm.connect_amqp().await?;
         let config = AmqpConfig {
@@ -66,7 +76,7 @@ impl Bench {
         .await?;
         farm.launch_worker("w1", options)?;
         let publisher = Publisher::open(&conn).await?;
-        let mut bench = Self {
+        Ok(Self {
             farm,
             conn,
             publisher,
@@ -75,13 +85,31 @@ impl Bench {
             events,
             heartbeats,
             seen: Vec::new(),
-        };
-        bench.heartbeat(|hb| hb.state == WorkerState::Ready).await?;
-        Ok(bench)
+            warming: Vec::new(),
+        })
+    }
+
+    /// Waits for a `ready` heartbeat, keeping the ones before it in `warming`.
+    async fn wait_ready(&mut self) -> anyhow::Result<Heartbeat> {
+        let mut before = Vec::new();
+        let ready = self
+            .heartbeat(|hb| {
+                let ready = hb.state == WorkerState::Ready;
+                if !ready {
+                    before.push(hb.clone());
+                }
+                ready
+            })
+            .await?;
+        self.warming.extend(before);
+        Ok(ready)
     }
 
     /// The first heartbeat from now on that satisfies `ok`.
-    async fn heartbeat(&mut self, ok: impl Fn(&Heartbeat) -> bool) -> anyhow::Result<Heartbeat> {
+    async fn heartbeat(
+        &mut self,
+        mut ok: impl FnMut(&Heartbeat) -> bool,
+    ) -> anyhow::Result<Heartbeat> {
         let deadline = tokio::time::Instant::now() + FINISH;
         loop {
             let delivery = tokio::time::timeout_at(deadline, self.heartbeats.next())
@@ -510,6 +538,52 @@ async fn a_redelivered_batch_skips_its_finished_jobs() -> anyhow::Result<()> {
     let names = bench.names_of(fresh.job_id);
     assert_eq!(names.first(), Some(&"started"), "{names:?}");
     assert_eq!(names.last(), Some(&"completed"), "{names:?}");
+    Ok(())
+}
+
+/// A worker heartbeats from the moment it connects, `warming` while its engine loads, and takes
+/// jobs only once it is `ready`: a job sent meanwhile waits for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_heartbeats_warming_and_takes_jobs_once_ready() -> anyhow::Result<()> {
+    let options = test_pattern(
+        5,
+        &[
+            ("VNFARM_ENGINE__TEST_PATTERN__LOAD_MS", "2000"),
+            ("VNFARM_ENGINE__TEST_PATTERN__CHECKPOINTS", "[\"nova\"]"),
+            ("VNFARM_BATCH_JOBS", "4"),
+        ],
+    );
+    let mut bench = Bench::launch("batch-warming", options).await?;
+    let first = bench.heartbeat(|_| true).await?;
+    assert_eq!(first.state, WorkerState::Warming, "{first:?}");
+    let early = generate("a lighthouse");
+    bench.send(std::slice::from_ref(&early)).await?;
+    bench.wait_ready().await?;
+    bench.warming.insert(0, first);
+    for beat in &bench.warming {
+        assert_eq!(beat.state, WorkerState::Warming);
+        assert_eq!((beat.in_flight, beat.running.len()), (0, 0), "{beat:?}");
+        assert_eq!(beat.max_batch, 4);
+        assert_eq!(beat.checkpoints, ["nova"]);
+        assert_eq!(
+            beat.models.len(),
+            3,
+            "the test-pattern engine serves every family"
+        );
+    }
+    bench.wait_final(&[early.job_id]).await?;
+    let started = bench
+        .seen
+        .iter()
+        .find(|e| e.job_id == early.job_id && e.kind.name() == "started")
+        .expect("started");
+    let last_warming = bench.warming.iter().map(|b| b.at).max().expect("a beat");
+    assert!(
+        started.at > last_warming,
+        "started at {} while the worker still said warming at {last_warming}",
+        started.at
+    );
+    assert!(bench.completed(early.job_id).is_some());
     Ok(())
 }
 

@@ -373,7 +373,7 @@ impl Engine {
     /// caches hold.
     pub fn load(config: &EngineConfig, cache_keys: AdvertisedKeys) -> anyhow::Result<Self> {
         match config.kind() {
-            EngineKind::TestPattern => Ok(Engine::TestPattern(TestPatternEngine::new(
+            EngineKind::TestPattern => Ok(Engine::TestPattern(TestPatternEngine::load(
                 config.test_pattern.clone(),
                 cache_keys,
             ))),

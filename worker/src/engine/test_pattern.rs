@@ -49,6 +49,10 @@ pub struct TestPatternConfig {
     /// measured profiles by the fleet benchmark.
     #[serde(default = "default_batch_step_cost")]
     pub batch_step_cost: f64,
+    /// Sleep for "loading and warming up" before it takes jobs (the worker heartbeats `warming`
+    /// meanwhile).
+    #[serde(default)]
+    pub load_ms: u64,
     /// SDXL checkpoints it claims to hold (advertised in heartbeats); a generate naming another one
     /// fails as it would on an SDXL worker.
     #[serde(default)]
@@ -84,6 +88,7 @@ impl Default for TestPatternConfig {
             decode_ms: default_decode_ms(),
             encode_cache_entries: default_cache_entries(),
             batch_step_cost: default_batch_step_cost(),
+            load_ms: 0,
             checkpoints: Vec::new(),
             device_failure_prompt: None,
         }
@@ -97,6 +102,7 @@ impl TestPatternConfig {
             ("edit_step_ms", self.edit_step_ms.unwrap_or_default()),
             ("encode_ms", self.encode_ms),
             ("decode_ms", self.decode_ms),
+            ("load_ms", self.load_ms),
         ] {
             if ms > 60_000 {
                 return Err(format!("engine.test_pattern.{name}: at most 60000"));
@@ -264,6 +270,12 @@ impl TestPatternEngine {
     pub fn new(config: TestPatternConfig, cache_keys: AdvertisedKeys) -> Self {
         let cache = EncodeCache::new(config.encode_cache_entries, cache_keys);
         Self { config, cache }
+    }
+
+    /// The engine as the worker loads it: after `load_ms` of simulated loading.
+    pub fn load(config: TestPatternConfig, cache_keys: AdvertisedKeys) -> Self {
+        std::thread::sleep(Duration::from_millis(config.load_ms));
+        Self::new(config, cache_keys)
     }
 
     /// Runs a batch: compatible jobs together, the groups one after another. One result per job.
