@@ -92,8 +92,9 @@ impl Bench {
     /// Waits for a `ready` heartbeat, keeping the ones before it in `warming`.
     async fn wait_ready(&mut self) -> anyhow::Result<Heartbeat> {
         let mut before = Vec::new();
+        // Loading and warming up a model engine on a loaded machine takes a while.
         let ready = self
-            .heartbeat(|hb| {
+            .heartbeat_within(Duration::from_secs(120), |hb| {
                 let ready = hb.state == WorkerState::Ready;
                 if !ready {
                     before.push(hb.clone());
@@ -105,19 +106,26 @@ impl Bench {
         Ok(ready)
     }
 
-    /// The first heartbeat from now on that satisfies `ok`.
-    async fn heartbeat(
+    /// The first heartbeat made from now on that satisfies `ok`.
+    async fn heartbeat(&mut self, ok: impl FnMut(&Heartbeat) -> bool) -> anyhow::Result<Heartbeat> {
+        self.heartbeat_within(FINISH, ok).await
+    }
+
+    async fn heartbeat_within(
         &mut self,
+        timeout: Duration,
         mut ok: impl FnMut(&Heartbeat) -> bool,
     ) -> anyhow::Result<Heartbeat> {
-        let deadline = tokio::time::Instant::now() + FINISH;
+        // Heartbeats queue up in the subscription: those made before this call say nothing new.
+        let since = chrono::Utc::now();
+        let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let delivery = tokio::time::timeout_at(deadline, self.heartbeats.next())
                 .await
                 .map_err(|_| anyhow::anyhow!("no such heartbeat\n{}", self.farm.worker_logs()))?
                 .ok_or_else(|| anyhow::anyhow!("heartbeat subscription ended"))??;
             let beat: Heartbeat = decode_json(&delivery.data)?;
-            if ok(&beat) {
+            if beat.at >= since && ok(&beat) {
                 return Ok(beat);
             }
         }
@@ -437,7 +445,7 @@ async fn a_member_with_a_bad_input_is_dead_lettered_alone() -> anyhow::Result<()
         string_header(&dead[0], HEADER_JOB_ID),
         Some(ids[1].to_string())
     );
-    // Acked: nothing of the message is in hand any more.
+    // Every job settled: nothing of the message is in hand any more.
     let beat = bench.heartbeat(|hb| hb.in_flight == 0).await?;
     assert!(beat.running.is_empty());
     Ok(())
