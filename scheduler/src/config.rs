@@ -84,10 +84,12 @@ pub struct DispatchConfig {
 #[serde(rename_all = "snake_case")]
 pub enum Policy {
     /// Edits go to the worker holding their input's encodings, batched; compatible generates
-    /// batch; otherwise the least-loaded worker.
-    #[default]
+    /// batch; otherwise the least-loaded worker. Not yet the default: on the fleet benchmark it
+    /// encodes each input about once but has not yet shown throughput and interactive latency at
+    /// least as good as `least_loaded` (docs/performance.md).
     Affinity,
-    /// One job per message to the least-loaded worker (the baseline before affinity).
+    /// One job per message to the least-loaded worker (the dispatch before affinity; the default).
+    #[default]
     LeastLoaded,
     /// One job per message to the next worker in turn (a baseline).
     RoundRobin,

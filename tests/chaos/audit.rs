@@ -32,8 +32,8 @@ use serde_json::Value;
 use vnfarm_proto::{EventKind, FailureKind, JobId, JobSpec, Manifest, StageTimings, WorkerId};
 use vnfarm_tests::Farm;
 
-use vnfarm_tests::stream::{self, EventLog};
 use crate::workload::Ledger;
+use vnfarm_tests::stream::{self, EventLog};
 
 /// The farm counts as stuck when the set of unfinished jobs has not changed for this long.
 const STUCK_AFTER: Duration = Duration::from_secs(30);

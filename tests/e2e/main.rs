@@ -3,6 +3,7 @@
 mod batches;
 mod deploy;
 mod failures;
+mod fleet;
 mod intake;
 mod outages;
 mod pipeline;

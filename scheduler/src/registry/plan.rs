@@ -11,7 +11,8 @@
 //! code):
 //! 1. A worker with a free slot first takes the waiting edits of inputs it holds, as one batch
 //!    (up to `max_batch` and the worker's own limit), once the coalescing window of the group's
-//!    first job has passed or the batch is full. A holder loaded far beyond the least-loaded
+//!    first job has passed or the batch is full, unless they are batch work and interactive work
+//!    it could run waits. A holder loaded far beyond the least-loaded
 //!    worker of the model (`imbalance_abs` and `imbalance_rel`) takes nothing by affinity.
 //! 2. Then the next job by priority (interactive first, at most `INTERACTIVE_BURST` in a row while
 //!    batch work waits). An edit whose input a busy worker holds waits for it, up to
@@ -200,6 +201,12 @@ impl Registry {
                 if !w.serves(&route, timeout) || self.overloaded(w, &route, config, timeout) {
                     continue;
                 }
+                // Affinity does not let batch work overtake interactive work this worker could run.
+                if group.first().is_some_and(|(rank, _)| *rank > 0)
+                    && self.interactive_waits_for(w, timeout)
+                {
+                    continue;
+                }
                 let max = config.max_batch.min(w.max_batch()) as usize;
                 let since = self.waiting_since.get(&first).copied().unwrap_or(now);
                 if group.len() < max && since + window > now {
@@ -214,6 +221,13 @@ impl Registry {
             }
         }
         None
+    }
+
+    /// Whether an interactive job waits in the ready index for a route this worker serves.
+    fn interactive_waits_for(&self, w: &WorkerRecord, timeout: Duration) -> bool {
+        self.ready.iter().any(|(route, ready)| {
+            ready.first().is_some_and(|(rank, _)| *rank == 0) && w.serves(route, timeout)
+        })
     }
 
     /// Where the next job by priority goes, or how long it waits for its input's holder.

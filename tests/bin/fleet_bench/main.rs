@@ -66,11 +66,12 @@ async fn main() -> anyhow::Result<()> {
             workload.jobs()
         );
         let mut reports = Vec::new();
-        for policy in ["affinity", "least_loaded", "round_robin"] {
+        for variant in fleet::VARIANTS {
             let started = std::time::Instant::now();
-            let report = fleet::run_policy(policy, &config, &workload).await?;
+            let report = fleet::run_policy(variant, &config, &workload).await?;
             eprintln!(
-                "  {policy}: {} jobs in {:.1} s (wall {:.1} s)",
+                "  {}: {} jobs in {:.1} s (wall {:.1} s)",
+                variant.name,
                 report.jobs,
                 report.makespan_s,
                 started.elapsed().as_secs_f64()
