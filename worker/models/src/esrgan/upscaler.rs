@@ -120,6 +120,11 @@ impl Upscaler {
         &self.net.config
     }
 
+    /// The network itself (parity tests run it on plain tensors).
+    pub fn network(&self) -> &RrdbNet {
+        &self.net
+    }
+
     pub fn device(&self) -> Device {
         self.device
     }
