@@ -29,7 +29,7 @@ use vnfarm_proto::{
 use vnfarm_storage::StorageError;
 
 use crate::engine::{Cancel, CancelReason, EngineError, EngineJob, InputImage};
-use crate::image_io::{decode_input, encode_png};
+use crate::image_io::{decode_input_as_stored, encode_png, flatten_to_rgb8};
 use crate::worker::Worker;
 
 /// A delivery not yet settled. Settling consumes it, so a double ack cannot be written.
@@ -506,12 +506,12 @@ impl Worker {
             Task::Edit(e) => {
                 let mut inputs = Vec::new();
                 for input in e.images() {
-                    inputs.push(self.fetch_input(input).await?);
+                    inputs.push(self.fetch_input(input, Layout::Rgb8).await?);
                 }
                 inputs
             }
             Task::Upscale(u) => {
-                let input = self.fetch_input(&u.input).await?;
+                let input = self.fetch_input(&u.input, Layout::AsStored).await?;
                 let img = &input.image;
                 let longest = img.width().max(img.height()).saturating_mul(u.scale);
                 if longest > MAX_UPSCALE_OUTPUT_SIDE {
@@ -647,7 +647,7 @@ impl Worker {
     }
 
     /// Downloads (or decodes inline) one input image, with the sha256 of its bytes.
-    async fn fetch_input(&self, input: &ImageRef) -> Result<InputImage, JobError> {
+    async fn fetch_input(&self, input: &ImageRef, layout: Layout) -> Result<InputImage, JobError> {
         let bytes =
             match input {
                 ImageRef::Stored(key) => self.get_with_retries(key).await?,
@@ -664,9 +664,19 @@ impl Worker {
                 }
             };
         let decoded = tokio::task::spawn_blocking(move || {
-            decode_input(&bytes).map(|image| InputImage {
-                image,
-                sha256: hex::encode(Sha256::digest(&bytes)),
+            decode_input_as_stored(&bytes).map(|decoded| {
+                let keep = layout == Layout::AsStored
+                    && !matches!(decoded, image::DynamicImage::ImageRgb8(_));
+                let (image, stored) = if keep {
+                    (flatten_to_rgb8(decoded.clone()), Some(decoded))
+                } else {
+                    (flatten_to_rgb8(decoded), None)
+                };
+                InputImage {
+                    image,
+                    stored,
+                    sha256: hex::encode(Sha256::digest(&bytes)),
+                }
             })
         })
         .await
@@ -733,6 +743,15 @@ impl Worker {
 #[derive(Debug, thiserror::Error)]
 #[error("broker session lost: {0}")]
 pub struct Lost(pub String);
+
+/// What an input image is decoded to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Layout {
+    /// 8-bit RGB with alpha flattened onto white (the generative models).
+    Rgb8,
+    /// Also as stored: alpha, greyscale and 16-bit samples kept (upscales).
+    AsStored,
+}
 
 fn broker(e: PublishError) -> Lost {
     Lost(e.to_string())

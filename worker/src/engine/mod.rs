@@ -8,6 +8,7 @@
 //! engine cannot load exits with an error.
 
 pub mod device;
+pub mod esrgan;
 pub mod qwen_edit;
 pub mod sdxl;
 pub mod test_pattern;
@@ -16,10 +17,11 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread;
 
-use image::RgbImage;
+use image::{DynamicImage, RgbImage};
 use serde::Deserialize;
 use vnfarm_proto::{JobId, ModelFamily, StageTimings, Task};
 
+pub use esrgan::{EsrganConfig, EsrganEngine};
 pub use qwen_edit::{QwenEditEngine, QwenEditEngineConfig};
 pub use sdxl::{SdxlConfig, SdxlEngine};
 pub use test_pattern::{TestPatternConfig, TestPatternEngine};
@@ -28,7 +30,7 @@ pub use test_pattern::{TestPatternConfig, TestPatternEngine};
 #[serde(deny_unknown_fields)]
 pub struct EngineConfig {
     /// Which implementation serves the models. Unset: `tch` when a model section (`sdxl`,
-    /// `qwen_edit`) is configured, else `test_pattern`.
+    /// `qwen_edit`, `esrgan`) is configured, else `test_pattern`.
     #[serde(default)]
     pub kind: Option<EngineKind>,
     /// Model families this worker serves (and advertises in its heartbeat). Unset: every family
@@ -43,6 +45,9 @@ pub struct EngineConfig {
     /// Qwen-Image-Edit-2509 on libtorch, for `edit` jobs. A worker may hold it and SDXL at once.
     #[serde(default)]
     pub qwen_edit: Option<QwenEditEngineConfig>,
+    /// Real-ESRGAN on libtorch, for `upscale` jobs (and pipelines' upscales).
+    #[serde(default)]
+    pub esrgan: Option<EsrganConfig>,
 }
 
 #[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
@@ -56,19 +61,20 @@ pub enum EngineKind {
 
 impl EngineConfig {
     pub fn kind(&self) -> EngineKind {
-        self.kind
-            .unwrap_or(if self.sdxl.is_some() || self.qwen_edit.is_some() {
-                EngineKind::Tch
-            } else {
-                EngineKind::TestPattern
-            })
+        let any_model = self.sdxl.is_some() || self.qwen_edit.is_some() || self.esrgan.is_some();
+        self.kind.unwrap_or(if any_model {
+            EngineKind::Tch
+        } else {
+            EngineKind::TestPattern
+        })
     }
 
     /// The families with a configured model (`tch`).
     fn configured(&self) -> Vec<ModelFamily> {
         let sdxl = self.sdxl.iter().map(|_| ModelFamily::Sdxl);
         let qwen = self.qwen_edit.iter().map(|_| ModelFamily::QwenEdit);
-        sdxl.chain(qwen).collect()
+        let esrgan = self.esrgan.iter().map(|_| ModelFamily::Esrgan);
+        sdxl.chain(qwen).chain(esrgan).collect()
     }
 
     pub fn models(&self) -> Vec<ModelFamily> {
@@ -88,7 +94,7 @@ impl EngineConfig {
                 }
                 EngineKind::Tch => "engine: the tch engine needs a model section \
                                     (engine.sdxl.checkpoint = \"/path/to/model.safetensors\", \
-                                    or engine.qwen_edit)"
+                                    engine.qwen_edit or engine.esrgan)"
                     .into(),
             });
         }
@@ -113,6 +119,9 @@ impl EngineConfig {
         if let Some(qwen) = &self.qwen_edit {
             qwen.validate()?;
         }
+        if let Some(esrgan) = &self.esrgan {
+            esrgan.validate()?;
+        }
         self.test_pattern.validate()
     }
 }
@@ -129,13 +138,26 @@ pub struct EngineJob {
 /// encodings in an engine's cache.
 #[derive(Debug, Clone)]
 pub struct InputImage {
+    /// 8-bit RGB, alpha flattened onto white: what the generative models take.
     pub image: RgbImage,
+    /// The image as stored, for tasks that keep its layout (upscales), when that layout is not
+    /// 8-bit RGB (alpha, greyscale, 16-bit samples); `None` otherwise.
+    pub stored: Option<DynamicImage>,
     pub sha256: String,
+}
+
+impl InputImage {
+    /// The image in its stored layout (for upscales): `stored`, else the RGB8 image.
+    pub fn into_stored(self) -> DynamicImage {
+        self.stored
+            .unwrap_or_else(|| DynamicImage::ImageRgb8(self.image))
+    }
 }
 
 #[derive(Debug)]
 pub struct EngineOutput {
-    pub images: Vec<RgbImage>,
+    /// In the layout the engine made: 8-bit RGB, or an upscale's input layout.
+    pub images: Vec<DynamicImage>,
     /// Seed of each image, where the model uses one.
     pub seeds: Vec<Option<u64>>,
     pub timings: StageTimings,
@@ -216,6 +238,7 @@ pub enum Engine {
     Tch {
         sdxl: Option<Box<SdxlEngine>>,
         qwen_edit: Option<Box<QwenEditEngine>>,
+        esrgan: Option<Box<EsrganEngine>>,
     },
 }
 
@@ -240,6 +263,11 @@ impl Engine {
                     .as_ref()
                     .map(|c| QwenEditEngine::load(c, cache_keys).map(Box::new))
                     .transpose()?,
+                esrgan: config
+                    .esrgan
+                    .as_ref()
+                    .map(|c| EsrganEngine::load(c).map(Box::new))
+                    .transpose()?,
             }),
         }
     }
@@ -259,7 +287,11 @@ impl Engine {
     ) -> Result<EngineOutput, EngineError> {
         match self {
             Engine::TestPattern(e) => e.run(job, progress, cancel),
-            Engine::Tch { sdxl, qwen_edit } => match job.task.model() {
+            Engine::Tch {
+                sdxl,
+                qwen_edit,
+                esrgan,
+            } => match job.task.model() {
                 ModelFamily::Sdxl => match sdxl {
                     Some(e) => e.run(job, progress, cancel),
                     None => Err(EngineError::Unsupported(ModelFamily::Sdxl)),
@@ -268,7 +300,10 @@ impl Engine {
                     Some(e) => e.run(job, progress, cancel),
                     None => Err(EngineError::Unsupported(ModelFamily::QwenEdit)),
                 },
-                model @ ModelFamily::Esrgan => Err(EngineError::Unsupported(model)),
+                ModelFamily::Esrgan => match esrgan {
+                    Some(e) => e.run(job, progress, cancel),
+                    None => Err(EngineError::Unsupported(ModelFamily::Esrgan)),
+                },
             },
         }
     }

@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use image::{Rgb, RgbImage};
+use image::{DynamicImage, Rgb, RgbImage};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use vnfarm_proto::{StageTimings, Task};
@@ -160,7 +160,11 @@ impl TestPatternEngine {
                     timings.add("denoise", started.elapsed().as_secs_f64());
                     let started = Instant::now();
                     sleep_checked(self.config.decode_ms, cancel)?;
-                    images.push(pattern(g.width, g.height, &fingerprint(&job.task, n)));
+                    images.push(DynamicImage::ImageRgb8(pattern(
+                        g.width,
+                        g.height,
+                        &fingerprint(&job.task, n),
+                    )));
                     timings.add("decode", started.elapsed().as_secs_f64());
                     seeds.push(Some(seed + u64::from(n)));
                 }
@@ -194,7 +198,7 @@ impl TestPatternEngine {
                         o[c] = ((u16::from(o[c]) + u16::from(p[c])) / 2) as u8;
                     }
                 }
-                images.push(out);
+                images.push(DynamicImage::ImageRgb8(out));
                 seeds.push(e.seed);
                 timings.add("decode", started.elapsed().as_secs_f64());
             }
@@ -208,14 +212,16 @@ impl TestPatternEngine {
                 let mut out =
                     image::imageops::resize(input, w, h, image::imageops::FilterType::Triangle);
                 // Mark tile seams, so tile size and overlap show in the image.
-                let step = (u.tile * u.scale).max(1);
+                // (Without a tile in the job, the engine's default tiling of 512 / 32.)
+                let (tile, overlap) = (u.tile.unwrap_or(512), u.tile_overlap.unwrap_or(32));
+                let step = (tile * u.scale).max(1);
                 let fp = fingerprint(&job.task, 0);
                 for (x, y, px) in out.enumerate_pixels_mut() {
-                    if x % step < u.tile_overlap.min(2) || y % step < u.tile_overlap.min(2) {
+                    if x % step < overlap.min(2) || y % step < overlap.min(2) {
                         *px = Rgb([fp[0], fp[1], fp[2]]);
                     }
                 }
-                images.push(out);
+                images.push(DynamicImage::ImageRgb8(out));
                 seeds.push(None);
                 timings.add("upscale", started.elapsed().as_secs_f64());
             }
@@ -247,7 +253,7 @@ mod tests {
         })
     }
 
-    fn run(task: Task) -> Vec<RgbImage> {
+    fn run(task: Task) -> Vec<DynamicImage> {
         let mut engine = TestPatternEngine::new(TestPatternConfig {
             step_ms: 0,
             encode_ms: 0,
