@@ -37,7 +37,7 @@ What one run does:
    and `--runs` more (host clock around `Upscaler::upscale`: RGB8 in on the host, RGB8 out on the
    host); the process's NVML peak over the idle reading.
 4. Ablations of ours (anime model): the feathered merge, tiles batched 4 per forward, cuDNN's
-   benchmark mode, bf16.
+   benchmark mode, channels-last (NHWC) weights and activations, bf16.
 5. Agreement: mean |ours − Python| of the anime model's 1024² output at tile 512 / overlap 32, RGB8.
 
 Cases (`--tiny` shrinks everything for the CPU smoke test): full frame and tiles 256/512/768/1024 with
@@ -110,6 +110,10 @@ def ablations(cfg):
     rows.append((f"batch4_{mid_tile}_{mid}", mid_tile, mid, ["--batch", "4"]))
     rows.append((f"cudnn_benchmark_{mid_tile}_{mid}", mid_tile, mid, ["--cudnn-benchmark"]))
     rows.append(("cudnn_benchmark_full", 0, 0, ["--cudnn-benchmark"]))
+    rows.append((f"channels_last_{mid_tile}_{mid}", mid_tile, mid, ["--channels-last"]))
+    rows.append((f"channels_last_cudnn_benchmark_{mid_tile}_{mid}", mid_tile, mid,
+                 ["--channels-last", "--cudnn-benchmark"]))
+    rows.append(("channels_last_full", 0, 0, ["--channels-last"]))
     rows.append((f"bf16_{mid_tile}_{mid}", mid_tile, mid, ["--dtype", "bf16"]))
     return rows
 

@@ -4,7 +4,7 @@
 //! ```sh
 //! esrgan_bench --model M.pth --input IMG.rgb --size N [--tile T] [--overlap O] [--blend crop|feather]
 //!              [--batch B] [--runs R] [--dtype fp16|bf16|fp32] [--cudnn-benchmark] [--save OUT.rgb]
-//!              [--outscale S] [--cpu]
+//!              [--outscale S] [--channels-last] [--cpu]
 //! ```
 //!
 //! `--input` is raw RGB8 of `--size`² (written by `bench/run_esrgan_bench.py`, which runs this
@@ -18,6 +18,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use image::{DynamicImage, RgbImage};
 use tch::{Cuda, Device, Kind};
+use vnfarm_models::esrgan::rrdbnet::MemoryFormat;
 use vnfarm_models::esrgan::tiling::{Blend, TileSettings};
 use vnfarm_models::esrgan::upscaler::{UpscaleOptions, Upscaler};
 
@@ -41,6 +42,7 @@ struct Args {
     cudnn_benchmark: bool,
     save: Option<PathBuf>,
     outscale: Option<i64>,
+    channels_last: bool,
     cpu: bool,
 }
 
@@ -58,6 +60,7 @@ fn parse() -> Result<Args, String> {
         cudnn_benchmark: false,
         save: None,
         outscale: None,
+        channels_last: false,
         cpu: false,
     };
     let mut it = std::env::args().skip(1);
@@ -90,6 +93,7 @@ fn parse() -> Result<Args, String> {
             "--cudnn-benchmark" => a.cudnn_benchmark = true,
             "--save" => a.save = Some(value()?.into()),
             "--outscale" => a.outscale = Some(num(value()?)?),
+            "--channels-last" => a.channels_last = true,
             "--cpu" => a.cpu = true,
             other => return Err(format!("unknown argument {other}")),
         }
@@ -121,7 +125,10 @@ fn main() {
     );
 
     let started = Instant::now();
-    let up = Upscaler::load(&a.model, device, kind).expect("model loads");
+    let mut up = Upscaler::load(&a.model, device, kind).expect("model loads");
+    if a.channels_last {
+        up.set_memory_format(MemoryFormat::ChannelsLast);
+    }
     sync();
     println!(
         "{{\"name\": \"load\", \"s\": {:.4}, \"model\": {:?}}}",

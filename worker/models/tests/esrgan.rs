@@ -251,6 +251,17 @@ fn tiles_stay_close_to_the_full_frame_and_batching_changes_nothing() {
 }
 
 #[test]
+fn channels_last_gives_the_same_output() {
+    let mut up = load("tiny_x4.pth");
+    let x = rgb_tensor(&input("rgb8_37x29.png"));
+    let opts = options(Some(16), 4, Blend::Feather);
+    let nchw = up.upscale_tensor(&x, &opts, &mut |_, _| {}, &|| false).unwrap();
+    up.set_memory_format(vnfarm_models::esrgan::rrdbnet::MemoryFormat::ChannelsLast);
+    let nhwc = up.upscale_tensor(&x, &opts, &mut |_, _| {}, &|| false).unwrap();
+    check("channels-last vs contiguous", &nhwc, &nchw, 1e-5);
+}
+
+#[test]
 fn progress_counts_tiles_and_cancel_stops_between_them() {
     let up = load("tiny_x4.pth");
     let image = input("rgb8_37x29.png");

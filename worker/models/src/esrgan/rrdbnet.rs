@@ -12,7 +12,18 @@ use tch::Tensor;
 use crate::error::LoadError;
 use crate::esrgan::config::RrdbConfig;
 use crate::loading::weights::Weights;
-use crate::nn::Conv2d;
+use crate::nn::{Conv2d, channels_last};
+
+/// Memory order of the network's weights and activations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MemoryFormat {
+    /// NCHW, as BasicSR runs.
+    #[default]
+    Contiguous,
+    /// NHWC (`torch.channels_last`): the layout tensor-core convolution kernels want.
+    ChannelsLast,
+}
 
 /// "Empirically, we use 0.2 to scale the residual for better performance" (BasicSR).
 const RESIDUAL_SCALE: f64 = 0.2;
@@ -40,6 +51,16 @@ pub struct ResidualDenseBlock {
 }
 
 impl ResidualDenseBlock {
+    fn convs(&mut self) -> [&mut Conv2d; 5] {
+        [
+            &mut self.conv1,
+            &mut self.conv2,
+            &mut self.conv3,
+            &mut self.conv4,
+            &mut self.conv5,
+        ]
+    }
+
     pub fn new(w: &Weights, num_feat: i64, num_grow_ch: i64) -> Result<Self, LoadError> {
         let conv = |j: i64, out: i64| {
             Conv2d::new(&w.pp(format!("conv{j}")), num_feat + (j - 1) * num_grow_ch, out, 3, 1, 1)
@@ -101,6 +122,7 @@ impl Rrdb {
 #[derive(Debug)]
 pub struct RrdbNet {
     pub config: RrdbConfig,
+    format: MemoryFormat,
     conv_first: Conv2d,
     body: Vec<Rrdb>,
     conv_body: Conv2d,
@@ -118,6 +140,7 @@ impl RrdbNet {
         let body = w.pp("body");
         Ok(Self {
             config,
+            format: MemoryFormat::Contiguous,
             conv_first: conv("conv_first", config.num_in_ch * u * u, nf)?,
             body: (0..config.num_block)
                 .map(|n| Rrdb::new(&body.pp(n), nf, config.num_grow_ch))
@@ -130,6 +153,37 @@ impl RrdbNet {
         })
     }
 
+    /// Puts every weight in `format`; inputs follow at each forward.
+    pub fn set_memory_format(&mut self, format: MemoryFormat) {
+        if format == self.format {
+            return;
+        }
+        let mut convs: Vec<&mut Conv2d> = vec![
+            &mut self.conv_first,
+            &mut self.conv_body,
+            &mut self.conv_up1,
+            &mut self.conv_up2,
+            &mut self.conv_hr,
+            &mut self.conv_last,
+        ];
+        for block in &mut self.body {
+            for rdb in [&mut block.rdb1, &mut block.rdb2, &mut block.rdb3] {
+                convs.extend(rdb.convs());
+            }
+        }
+        for conv in convs {
+            conv.weight = match format {
+                MemoryFormat::Contiguous => conv.weight.contiguous(),
+                MemoryFormat::ChannelsLast => channels_last(&conv.weight),
+            };
+        }
+        self.format = format;
+    }
+
+    pub fn memory_format(&self) -> MemoryFormat {
+        self.format
+    }
+
     /// `[B, num_in_ch, H, W]` in [0, 1] (any range works) → `[B, num_out_ch, H·s, W·s]`, in the
     /// weights' dtype; H and W must be multiples of the unshuffle factor for ×2 / ×1 models.
     pub fn forward(&self, x: &Tensor) -> Tensor {
@@ -138,6 +192,10 @@ impl RrdbNet {
             x.pixel_unshuffle(u)
         } else {
             x.shallow_clone()
+        };
+        let feat = match self.format {
+            MemoryFormat::Contiguous => feat,
+            MemoryFormat::ChannelsLast => channels_last(&feat),
         };
         let mut feat = self.conv_first.forward(&feat);
         let mut trunk = self.body.iter().fold(None::<Tensor>, |acc, block| {

@@ -25,7 +25,7 @@ use tch::{Device, Kind, Tensor};
 use crate::error::{GenerateError, LoadError, contain_backend_panics};
 use crate::esrgan::config::RrdbConfig;
 use crate::esrgan::keys::{self, CheckpointInfo, Naming};
-use crate::esrgan::rrdbnet::RrdbNet;
+use crate::esrgan::rrdbnet::{MemoryFormat, RrdbNet};
 use crate::esrgan::tiling::{TileSettings, run_tiled};
 use crate::imageops::lanczos4::{self, Layout};
 use crate::loading::weights::Weights;
@@ -118,6 +118,11 @@ impl Upscaler {
 
     pub fn config(&self) -> &RrdbConfig {
         &self.net.config
+    }
+
+    /// Weights and activations in `format` (NHWC where the device's kernels prefer it).
+    pub fn set_memory_format(&mut self, format: MemoryFormat) {
+        self.net.set_memory_format(format);
     }
 
     /// The network itself (parity tests run it on plain tensors).
