@@ -81,6 +81,24 @@ TINY = {
 }
 
 
+# Run 2 (`--followup`): channels-last across the fastest tilings of run 1, the chosen default
+# feathered, x4plus at that default, and two run-1 cases again (run-to-run spread).
+FOLLOWUP = [
+    ("anime_6b", 2048, 1024, 16, []),
+    ("anime_6b", 2048, 512, 16, []),
+    ("anime_6b", 2048, 512, 16, ["--channels-last"]),
+    ("anime_6b", 2048, 768, 16, ["--channels-last"]),
+    ("anime_6b", 2048, 1024, 16, ["--channels-last"]),
+    ("anime_6b", 2048, 1024, 32, ["--channels-last"]),
+    ("anime_6b", 1024, 512, 16, ["--channels-last"]),
+    ("anime_6b", 1024, 1024, 16, ["--channels-last"]),
+    ("anime_6b", 2048, 1024, 16, ["--blend", "feather"]),
+    ("anime_6b", 2048, 1024, 16, ["--channels-last", "--blend", "feather"]),
+    ("x4plus", 2048, 1024, 16, []),
+    ("x4plus", 2048, 1024, 16, ["--channels-last"]),
+]
+
+
 def cases(cfg):
     """(model, size, tile or 0, overlap) per side, in run order."""
     out = []
@@ -276,6 +294,7 @@ def main():
     ap.add_argument("--timeout", type=int, default=240, help="seconds per process before it is killed")
     ap.add_argument("--budget", type=float, default=450, help="seconds for the whole run (see the module docs)")
     ap.add_argument("--alloc-conf", default="expandable_segments:True")
+    ap.add_argument("--followup", action="store_true", help="run 2 only: the FOLLOWUP cases of ours")
     ap.add_argument("--side", choices=["write", "python"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -356,6 +375,21 @@ def main():
         if tile:
             args += ["--tile", str(tile), "--overlap", str(overlap)]
         return args
+
+    if a.followup:
+        for (m, size, tile, overlap, extra) in FOLLOWUP:
+            ours(f"followup_{m}_{size}_{tile}_{overlap}{''.join('_' + x.strip('-').replace('-', '_') for x in extra)}",
+                 case_args(m, size, tile, overlap) + extra)
+        lines = ["| case | median (s) | first (s) | times (s) | peak (MiB) |", "| --- | ---: | ---: | --- | ---: |"]
+        for k, v in res["ours"].items():
+            times = ", ".join(f"{t:.3f}" for t in v.get("times") or [])
+            lines.append(f"| {k} | {v.get('median_s')} | {v.get('first_s')} | {times} | {v.get('mem', {}).get('peak_mib')} |")
+        res["table"] = "\n".join(lines)
+        save()
+        print("\n" + res["table"], flush=True)
+        with open(os.path.join(a.out, "esrgan_table.md"), "w") as f:
+            f.write(res["table"] + "\n")
+        return 0
 
     all_cases = cases(cfg)
     for model in models:

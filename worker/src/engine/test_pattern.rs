@@ -212,8 +212,8 @@ impl TestPatternEngine {
                 let mut out =
                     image::imageops::resize(input, w, h, image::imageops::FilterType::Triangle);
                 // Mark tile seams, so tile size and overlap show in the image.
-                // (Without a tile in the job, the engine's default tiling of 512 / 32.)
-                let (tile, overlap) = (u.tile.unwrap_or(512), u.tile_overlap.unwrap_or(32));
+                // (Without a tile in the job, the Real-ESRGAN engine's default tiling, 1024 / 16.)
+                let (tile, overlap) = (u.tile.unwrap_or(1024), u.tile_overlap.unwrap_or(16));
                 let step = (tile * u.scale).max(1);
                 let fp = fingerprint(&job.task, 0);
                 for (x, y, px) in out.enumerate_pixels_mut() {
