@@ -489,7 +489,12 @@ fn validate_upscale_params(
         return Err(err(format!("{at}.scale"), format!("{scale} is not 2 or 4")));
     }
     if let Some(tile) = tile {
-        check_range(&format!("{at}.tile"), tile, MIN_UPSCALE_TILE, MAX_UPSCALE_TILE)?;
+        check_range(
+            &format!("{at}.tile"),
+            tile,
+            MIN_UPSCALE_TILE,
+            MAX_UPSCALE_TILE,
+        )?;
     }
     if let Some(overlap) = overlap {
         // Without a tile the worker's applies; it checks the quarter rule again.

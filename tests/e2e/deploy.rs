@@ -45,7 +45,10 @@ fn engine_settings_are_checked_before_anything_loads() {
     let err = vnfarm_worker::Config::load(
         None,
         [
-            ("VNFARM_ENGINE__SDXL__CHECKPOINT", "/models/sdxl.safetensors"),
+            (
+                "VNFARM_ENGINE__SDXL__CHECKPOINT",
+                "/models/sdxl.safetensors",
+            ),
             ("VNFARM_ENGINE__MODELS", "[\"sdxl\", \"esrgan\"]"),
         ]
         .map(|(k, v)| (k.to_string(), v.to_string())),

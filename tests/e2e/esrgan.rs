@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use image::DynamicImage;
 use serde_json::{Value, json};
 use tch::{Device, Kind};
+use vnfarm_models::esrgan::rrdbnet::MemoryFormat;
 use vnfarm_models::esrgan::tiling::{Blend, TileSettings};
 use vnfarm_models::esrgan::upscaler::{UpscaleOptions, Upscaler};
 use vnfarm_models::loading::safetensors::SafetensorsFile;
@@ -85,6 +86,17 @@ fn max_diff(img: &DynamicImage, reference: &tch::Tensor) -> i64 {
         .int64_value(&[])
 }
 
+/// The tiny model as the worker runs it (its default memory format, channels-last).
+fn library_upscaler() -> anyhow::Result<Upscaler> {
+    let mut up = Upscaler::load(
+        &fixtures().join("esrgan/tiny_x4.pth"),
+        Device::Cpu,
+        Kind::Float,
+    )?;
+    up.set_memory_format(MemoryFormat::ChannelsLast);
+    Ok(up)
+}
+
 async fn upscale(farm: &Farm, image: &[u8], scale: u32) -> anyhow::Result<Value> {
     let input = serde_json::to_value(inline_image(image))?;
     let (status, body) = farm
@@ -101,8 +113,7 @@ async fn upscale(farm: &Farm, image: &[u8], scale: u32) -> anyhow::Result<Value>
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn upscales_keep_alpha_grey_and_16_bits_and_match_realesrgan() -> anyhow::Result<()> {
-    let reference =
-        SafetensorsFile::open(fixtures().join("esrgan/reference/esrgan.safetensors"))?;
+    let reference = SafetensorsFile::open(fixtures().join("esrgan/reference/esrgan.safetensors"))?;
     let want = |name: &str| {
         reference
             .load(name, Device::Cpu, Kind::Int64)
@@ -148,11 +159,7 @@ async fn upscales_keep_alpha_grey_and_16_bits_and_match_realesrgan() -> anyhow::
     let job = upscale(&farm, &png, 4).await?;
     assert_eq!(job["progress"], json!({"step": 12, "total": 12}), "{job}");
     let out = output(&farm, &job).await?;
-    let up = Upscaler::load(
-        &fixtures().join("esrgan/tiny_x4.pth"),
-        Device::Cpu,
-        Kind::Float,
-    )?;
+    let up = library_upscaler()?;
     let options = UpscaleOptions {
         outscale: Some(4),
         tiles: TileSettings {
@@ -163,7 +170,12 @@ async fn upscales_keep_alpha_grey_and_16_bits_and_match_realesrgan() -> anyhow::
         },
         pre_pad: 0,
     };
-    let local = up.upscale(&DynamicImage::ImageRgb8(img), &options, &mut |_, _| {}, &|| false)?;
+    let local = up.upscale(
+        &DynamicImage::ImageRgb8(img),
+        &options,
+        &mut |_, _| {},
+        &|| false,
+    )?;
     assert!(
         out.as_bytes() == local.as_bytes(),
         "the worker's output is the library's"
@@ -196,15 +208,15 @@ async fn a_pipeline_upscales_its_base_and_a_cancel_stops_between_tiles() -> anyh
     let children = pipeline["children"].as_array().unwrap().clone();
     let base = output(&farm, &farm.job(children[0].as_str().unwrap()).await?).await?;
     let upscaled = farm.job(children[1].as_str().unwrap()).await?;
-    assert_eq!(upscaled["progress"], json!({"step": 16, "total": 16}), "{upscaled}");
+    assert_eq!(
+        upscaled["progress"],
+        json!({"step": 16, "total": 16}),
+        "{upscaled}"
+    );
     let out = output(&farm, &upscaled).await?;
     assert_eq!((out.width(), out.height()), (512, 512));
     // The upscale is of the base: the library's ×2 of the stored base image, byte for byte.
-    let up = Upscaler::load(
-        &fixtures().join("esrgan/tiny_x4.pth"),
-        Device::Cpu,
-        Kind::Float,
-    )?;
+    let up = library_upscaler()?;
     let options = UpscaleOptions {
         outscale: Some(2),
         tiles: TileSettings {
@@ -216,7 +228,10 @@ async fn a_pipeline_upscales_its_base_and_a_cancel_stops_between_tiles() -> anyh
         pre_pad: 0,
     };
     let local = up.upscale(&base, &options, &mut |_, _| {}, &|| false)?;
-    assert!(out.as_bytes() == local.as_bytes(), "the upscale is of the base");
+    assert!(
+        out.as_bytes() == local.as_bytes(),
+        "the upscale is of the base"
+    );
 
     // A 1024² input at 64-pixel tiles is 256 tiles: cancelled after the first, it stops.
     let img = image::RgbImage::from_fn(1024, 1024, |x, y| {

@@ -199,7 +199,10 @@ mod tests {
     #[test]
     fn png_round_trips_with_parameters() {
         let img = RgbImage::from_fn(8, 4, |x, y| image::Rgb([x as u8, y as u8, 7]));
-        let bytes = encode_png(&DynamicImage::ImageRgb8(img.clone()), "prompt: a cat (smiling)");
+        let bytes = encode_png(
+            &DynamicImage::ImageRgb8(img.clone()),
+            "prompt: a cat (smiling)",
+        );
         assert_eq!(decode_input(&bytes).unwrap(), img);
         let decoder = png::Decoder::new(std::io::Cursor::new(&bytes));
         let reader = decoder.read_info().unwrap();
@@ -210,7 +213,9 @@ mod tests {
 
     #[test]
     fn every_layout_round_trips_as_stored() {
-        let rgba = image::RgbaImage::from_fn(5, 3, |x, y| image::Rgba([x as u8, y as u8, 7, 40 * x as u8]));
+        let rgba = image::RgbaImage::from_fn(5, 3, |x, y| {
+            image::Rgba([x as u8, y as u8, 7, 40 * x as u8])
+        });
         let la16 = image::ImageBuffer::<image::LumaA<u16>, _>::from_fn(4, 2, |x, y| {
             image::LumaA([x as u16 * 20000 + 1, y as u16 * 60000])
         });

@@ -92,10 +92,21 @@ fn check_image(what: &str, ours: &DynamicImage, reference: &Tensor) -> (i64, f64
     assert_eq!(got.size(), reference.size(), "{what}: shape");
     let diff = (got - reference.to_kind(Kind::Int64)).abs();
     let max = diff.max().int64_value(&[]);
-    let frac = diff.gt(0).to_kind(Kind::Double).mean(Kind::Double).double_value(&[]);
-    println!("{what}: max |diff| {max}, {:.3} % of samples differ", frac * 100.0);
+    let frac = diff
+        .gt(0)
+        .to_kind(Kind::Double)
+        .mean(Kind::Double)
+        .double_value(&[]);
+    println!(
+        "{what}: max |diff| {max}, {:.3} % of samples differ",
+        frac * 100.0
+    );
     assert!(max <= 1, "{what}: max |diff| {max} > 1");
-    assert!(frac <= 0.005, "{what}: {:.3} % of samples differ", frac * 100.0);
+    assert!(
+        frac <= 0.005,
+        "{what}: {:.3} % of samples differ",
+        frac * 100.0
+    );
     (max, frac)
 }
 
@@ -114,18 +125,40 @@ fn rgb_tensor(image: &DynamicImage) -> Tensor {
 #[test]
 fn rrdbnet_matches_basicsr_in_every_file_format() {
     let r = reference();
-    for file in ["tiny_x4.safetensors", "tiny_x4.pth", "tiny_x4_esrgan_names.pth"] {
+    for file in [
+        "tiny_x4.safetensors",
+        "tiny_x4.pth",
+        "tiny_x4_esrgan_names.pth",
+    ] {
         let up = load(file);
         let c = up.config();
-        assert_eq!((c.scale, c.num_block, c.num_feat, c.num_grow_ch), (4, 2, 8, 4), "{file}");
+        assert_eq!(
+            (c.scale, c.num_block, c.num_feat, c.num_grow_ch),
+            (4, 2, 8, 4),
+            "{file}"
+        );
         let out = tch::no_grad(|| up.network().forward(&r["forward_x4.input"]));
-        check(&format!("{file} forward"), &out, &r["forward_x4.output"], 1e-5);
+        check(
+            &format!("{file} forward"),
+            &out,
+            &r["forward_x4.output"],
+            1e-5,
+        );
     }
     for file in ["tiny_x2.safetensors", "tiny_x2.pth"] {
         let up = load(file);
-        assert_eq!(up.config().scale, 2, "{file}: detected as ×2 from conv_first's 12 inputs");
+        assert_eq!(
+            up.config().scale,
+            2,
+            "{file}: detected as ×2 from conv_first's 12 inputs"
+        );
         let out = tch::no_grad(|| up.network().forward(&r["forward_x2.input"]));
-        check(&format!("{file} forward"), &out, &r["forward_x2.output"], 1e-5);
+        check(
+            &format!("{file} forward"),
+            &out,
+            &r["forward_x2.output"],
+            1e-5,
+        );
     }
 }
 
@@ -164,8 +197,18 @@ fn cases() -> Vec<(&'static str, &'static str, &'static str, UpscaleOptions)> {
         ),
         ("x2_full", "tiny_x2.pth", "rgb8_37x29.png", full),
         ("x2_crop_16_4", "tiny_x2.pth", "rgb8_37x29.png", crop),
-        ("x2_feather_16_4", "tiny_x2.safetensors", "rgb8_37x29.png", feather),
-        ("x4_rgba_crop_16_4", "tiny_x4.safetensors", "rgba8_37x29.png", crop),
+        (
+            "x2_feather_16_4",
+            "tiny_x2.safetensors",
+            "rgb8_37x29.png",
+            feather,
+        ),
+        (
+            "x4_rgba_crop_16_4",
+            "tiny_x4.safetensors",
+            "rgba8_37x29.png",
+            crop,
+        ),
         ("x4_rgba_full", "tiny_x4.pth", "rgba8_37x29.png", full),
         ("x4_grey_full", "tiny_x4.pth", "grey8_37x29.png", full),
         ("x4_rgb16_full", "tiny_x4.pth", "rgb16_23x19.png", full),
@@ -173,19 +216,28 @@ fn cases() -> Vec<(&'static str, &'static str, &'static str, UpscaleOptions)> {
             "x4_outscale2_full",
             "tiny_x4.pth",
             "rgb8_37x29.png",
-            UpscaleOptions { outscale: Some(2), ..full },
+            UpscaleOptions {
+                outscale: Some(2),
+                ..full
+            },
         ),
         (
             "x4_rgba_outscale2_full",
             "tiny_x4.pth",
             "rgba8_37x29.png",
-            UpscaleOptions { outscale: Some(2), ..full },
+            UpscaleOptions {
+                outscale: Some(2),
+                ..full
+            },
         ),
         (
             "x2_outscale4_full",
             "tiny_x2.pth",
             "rgb8_37x29.png",
-            UpscaleOptions { outscale: Some(4), ..full },
+            UpscaleOptions {
+                outscale: Some(4),
+                ..full
+            },
         ),
     ]
 }
@@ -204,13 +256,20 @@ fn upscaled_images_match_realesrgan_enhance() {
         );
         check_image(name, &out, &r[&format!("{name}.image")]);
         // Float level, before rounding: the colour image of RGB(A) inputs at the network's scale.
-        if matches!(image, DynamicImage::ImageRgb8(_) | DynamicImage::ImageRgba8(_))
-            && opts.outscale.is_none()
+        if matches!(
+            image,
+            DynamicImage::ImageRgb8(_) | DynamicImage::ImageRgba8(_)
+        ) && opts.outscale.is_none()
         {
             let f = up
                 .upscale_tensor(&rgb_tensor(&image), &opts, &mut |_, _| {}, &|| false)
                 .expect("upscale_tensor");
-            check(&format!("{name} float"), &f, &r[&format!("{name}.float")], 1e-5);
+            check(
+                &format!("{name} float"),
+                &f,
+                &r[&format!("{name}.float")],
+                1e-5,
+            );
         }
     }
 }
@@ -236,7 +295,10 @@ fn tiles_stay_close_to_the_full_frame_and_batching_changes_nothing() {
 
     // A tile larger than the image is the full frame, exactly.
     let one = run(&options(Some(64), 8, Blend::Feather));
-    assert!(one.equal(&full), "one tile covering the image is the full frame");
+    assert!(
+        one.equal(&full),
+        "one tile covering the image is the full frame"
+    );
 
     // Tiles batched four at a time equal tiles run one by one.
     let one_by_one = run(&UpscaleOptions {
@@ -255,9 +317,13 @@ fn channels_last_gives_the_same_output() {
     let mut up = load("tiny_x4.pth");
     let x = rgb_tensor(&input("rgb8_37x29.png"));
     let opts = options(Some(16), 4, Blend::Feather);
-    let nchw = up.upscale_tensor(&x, &opts, &mut |_, _| {}, &|| false).unwrap();
+    let nchw = up
+        .upscale_tensor(&x, &opts, &mut |_, _| {}, &|| false)
+        .unwrap();
     up.set_memory_format(vnfarm_models::esrgan::rrdbnet::MemoryFormat::ChannelsLast);
-    let nhwc = up.upscale_tensor(&x, &opts, &mut |_, _| {}, &|| false).unwrap();
+    let nhwc = up
+        .upscale_tensor(&x, &opts, &mut |_, _| {}, &|| false)
+        .unwrap();
     check("channels-last vs contiguous", &nhwc, &nchw, 1e-5);
 }
 
@@ -273,22 +339,22 @@ fn progress_counts_tiles_and_cancel_stops_between_them() {
         ..options(Some(16), 4, Blend::Feather)
     };
     let mut seen = Vec::new();
-    up.upscale(&image, &opts, &mut |done, total| seen.push((done, total)), &|| false)
-        .expect("upscale");
+    up.upscale(
+        &image,
+        &opts,
+        &mut |done, total| seen.push((done, total)),
+        &|| false,
+    )
+    .expect("upscale");
     // 37×29 at tile 16: 3 columns × 2 rows.
     assert_eq!(seen, (1..=6).map(|d| (d, 6)).collect::<Vec<_>>());
 
     let calls = std::cell::Cell::new(0);
     let err = up
-        .upscale(
-            &image,
-            &opts,
-            &mut |_, _| {},
-            &|| {
-                calls.set(calls.get() + 1);
-                calls.get() > 2
-            },
-        )
+        .upscale(&image, &opts, &mut |_, _| {}, &|| {
+            calls.set(calls.get() + 1);
+            calls.get() > 2
+        })
         .unwrap_err();
     assert!(matches!(err, GenerateError::Cancelled), "{err}");
     assert_eq!(calls.get(), 3, "two tiles ran, the third was not started");
@@ -299,8 +365,7 @@ fn half_precision_stays_close_to_fp32() {
     let r = reference();
     let image = input("rgb8_37x29.png");
     for (kind, bound) in [(Kind::Half, 1.0), (Kind::BFloat16, 3.0)] {
-        let up = Upscaler::load(&fixtures().join("tiny_x4.pth"), Device::Cpu, kind)
-            .expect("load");
+        let up = Upscaler::load(&fixtures().join("tiny_x4.pth"), Device::Cpu, kind).expect("load");
         let out = upscale(&up, &image, &options(Some(16), 4, Blend::Crop));
         let diff = (samples(&out) - r["x4_crop_16_4.image"].to_kind(Kind::Int64))
             .abs()
@@ -319,7 +384,11 @@ fn tiny_images_are_padded_without_failing() {
     // 1×1 and 3×2 inputs: too small to reflect-pad for the ×2 model's even size or pre_pad 10.
     let up = load("tiny_x2.pth");
     for (w, h) in [(1, 1), (3, 2)] {
-        let image = DynamicImage::ImageRgb8(image::RgbImage::from_pixel(w, h, image::Rgb([90, 120, 200])));
+        let image = DynamicImage::ImageRgb8(image::RgbImage::from_pixel(
+            w,
+            h,
+            image::Rgb([90, 120, 200]),
+        ));
         for pre_pad in [0, 10] {
             let opts = UpscaleOptions {
                 pre_pad,
@@ -353,7 +422,10 @@ fn lanczos4_matches_opencv() {
         let source: Vec<u8> = match cn {
             1 => rgb.chunks(3).map(|p| p[0]).collect(),
             3 => rgb.clone(),
-            _ => rgb.chunks(3).flat_map(|p| [p[0], p[1], p[2], p[0]]).collect(),
+            _ => rgb
+                .chunks(3)
+                .flat_map(|p| [p[0], p[1], p[2], p[0]])
+                .collect(),
         };
         let layout = Layout {
             width: w,
@@ -385,7 +457,8 @@ fn lanczos4_matches_opencv() {
             dw,
             dh,
         );
-        let theirs = Vec::<i64>::try_from(r[&format!("lanczos4.u16.c3.{dw}x{dh}")].reshape([-1])).unwrap();
+        let theirs =
+            Vec::<i64>::try_from(r[&format!("lanczos4.u16.c3.{dw}x{dh}")].reshape([-1])).unwrap();
         let max = ours
             .iter()
             .zip(&theirs)
@@ -400,7 +473,10 @@ fn load_err(path: &Path) -> String {
     let err = Upscaler::load(path, Device::Cpu, Kind::Float).unwrap_err();
     let msg = err.to_string();
     println!("{}: {msg}", path.display());
-    assert!(msg.contains(&path.display().to_string()), "the error names the file: {msg}");
+    assert!(
+        msg.contains(&path.display().to_string()),
+        "the error names the file: {msg}"
+    );
     msg
 }
 
@@ -408,11 +484,17 @@ fn load_err(path: &Path) -> String {
 fn bad_checkpoints_are_refused_with_the_reason() {
     let bad = fixtures().join("bad");
     let msg = load_err(&bad.join("evil_global.pth"));
-    assert!(msg.contains("`posix.system`") && msg.contains("only tensors and plain containers"), "{msg}");
+    assert!(
+        msg.contains("`posix.system`") && msg.contains("only tensors and plain containers"),
+        "{msg}"
+    );
     let msg = load_err(&bad.join("legacy.pth"));
     assert!(msg.contains("pre-1.6"), "{msg}");
     let msg = load_err(&bad.join("extra_key.safetensors"));
-    assert!(msg.contains("conv_extra.weight") && msg.contains("×4, 2 blocks"), "{msg}");
+    assert!(
+        msg.contains("conv_extra.weight") && msg.contains("×4, 2 blocks"),
+        "{msg}"
+    );
     let err = Upscaler::load(&bad.join("bad_shape.pth"), Device::Cpu, Kind::Float).unwrap_err();
     match &err {
         LoadError::Shape {
@@ -422,7 +504,10 @@ fn bad_checkpoints_are_refused_with_the_reason() {
             ..
         } => {
             assert_eq!(tensor, "conv_hr.weight");
-            assert_eq!((expected.as_slice(), found.as_slice()), (&[8, 8, 3, 3][..], &[8, 8, 1, 1][..]));
+            assert_eq!(
+                (expected.as_slice(), found.as_slice()),
+                (&[8, 8, 3, 3][..], &[8, 8, 1, 1][..])
+            );
         }
         other => panic!("expected a shape error, got {other}"),
     }

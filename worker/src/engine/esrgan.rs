@@ -124,8 +124,10 @@ impl EsrganEngine {
     pub fn load(config: &EsrganConfig) -> anyhow::Result<Self> {
         let device = open_device(&config.device, "engine.esrgan.device")?;
         let started = Instant::now();
-        let mut upscaler = Upscaler::load(&config.model, device, config.dtype.kind())
-            .map_err(|e| anyhow::anyhow!("loading Real-ESRGAN from {}: {e}", config.model.display()))?;
+        let mut upscaler =
+            Upscaler::load(&config.model, device, config.dtype.kind()).map_err(|e| {
+                anyhow::anyhow!("loading Real-ESRGAN from {}: {e}", config.model.display())
+            })?;
         upscaler.set_memory_format(config.memory_format);
         tracing::info!(
             model = %upscaler.describe(),
@@ -136,10 +138,7 @@ impl EsrganEngine {
         let started = Instant::now();
         let tiles = config.tiles(config.tile, config.tile_overlap);
         upscaler.warm_up(&tiles).map_err(|e| {
-            anyhow::anyhow!(
-                "Real-ESRGAN warm-up with {}-pixel tiles: {e}",
-                config.tile
-            )
+            anyhow::anyhow!("Real-ESRGAN warm-up with {}-pixel tiles: {e}", config.tile)
         })?;
         tracing::info!(
             model = "esrgan",
@@ -175,11 +174,10 @@ impl EsrganEngine {
             tiles: self.config.tiles(tile, overlap),
             pre_pad: i64::from(self.config.pre_pad),
         };
-        let input = job
-            .inputs
-            .into_iter()
-            .next()
-            .ok_or_else(|| EngineError::InvalidInput("upscale without an input image".into()))?;
+        let input =
+            job.inputs.into_iter().next().ok_or_else(|| {
+                EngineError::InvalidInput("upscale without an input image".into())
+            })?;
         let image = input.into_stored();
         let started = Instant::now();
         let out = self

@@ -149,8 +149,7 @@ pub struct InputImage {
 impl InputImage {
     /// The image in its stored layout (for upscales): `stored`, else the RGB8 image.
     pub fn into_stored(self) -> DynamicImage {
-        self.stored
-            .unwrap_or_else(|| DynamicImage::ImageRgb8(self.image))
+        self.stored.unwrap_or(DynamicImage::ImageRgb8(self.image))
     }
 }
 

@@ -402,7 +402,10 @@ impl QwenEditEngine {
         timings.add("denoise", times.denoise);
         timings.add("decode", times.decode);
         Ok(EngineOutput {
-            images: images.into_iter().map(image::DynamicImage::ImageRgb8).collect(),
+            images: images
+                .into_iter()
+                .map(image::DynamicImage::ImageRgb8)
+                .collect(),
             seeds: vec![Some(request.seed)],
             timings,
         })

@@ -208,7 +208,12 @@ impl SdxlEngine {
             timings.add("encode_prompt", out.times.encode_prompt);
             timings.add("denoise", out.times.denoise);
             timings.add("decode", out.times.decode);
-            images.extend(out.images.into_iter().flatten().map(image::DynamicImage::ImageRgb8));
+            images.extend(
+                out.images
+                    .into_iter()
+                    .flatten()
+                    .map(image::DynamicImage::ImageRgb8),
+            );
         }
         let seeds = (0..u64::from(spec.count))
             .map(|n| Some(seed.wrapping_add(n)))

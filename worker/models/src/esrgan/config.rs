@@ -65,7 +65,8 @@ impl RrdbConfig {
         shape: impl Fn(&str) -> Option<Vec<i64>>,
     ) -> Result<Self, String> {
         let conv = |name: &str| -> Result<[i64; 4], String> {
-            let s = shape(name).ok_or_else(|| format!("no `{name}`: not an RRDBNet (Real-ESRGAN) checkpoint"))?;
+            let s = shape(name)
+                .ok_or_else(|| format!("no `{name}`: not an RRDBNet (Real-ESRGAN) checkpoint"))?;
             <[i64; 4]>::try_from(s.as_slice())
                 .map_err(|_| format!("`{name}` has shape {s:?}, expected a 4-D conv weight"))
         };
@@ -74,12 +75,19 @@ impl RrdbConfig {
         let [num_grow_ch, _, _, _] = conv("body.0.rdb1.conv1.weight")?;
         let mut blocks: Vec<i64> = names
             .into_iter()
-            .filter_map(|n| n.strip_prefix("body.")?.strip_suffix(".rdb1.conv1.weight")?.parse().ok())
+            .filter_map(|n| {
+                n.strip_prefix("body.")?
+                    .strip_suffix(".rdb1.conv1.weight")?
+                    .parse()
+                    .ok()
+            })
             .collect();
         blocks.sort_unstable();
         let num_block = blocks.len() as i64;
         if blocks.iter().copied().ne(0..num_block) {
-            return Err(format!("RRDB blocks are not numbered 0..{num_block}: {blocks:?}"));
+            return Err(format!(
+                "RRDB blocks are not numbered 0..{num_block}: {blocks:?}"
+            ));
         }
         let scale = match in_total.checked_div(num_out_ch) {
             Some(1) if in_total == num_out_ch => 4,

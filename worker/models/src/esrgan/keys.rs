@@ -102,7 +102,10 @@ pub fn open(path: &Path) -> Result<(WeightStore, CheckpointInfo), LoadError> {
     };
     // safetensors: an 8-byte header length, then the JSON header.
     let (file, wrapper) = if n == 9 && head[8] == b'{' {
-        (TensorFile::Safetensors(Arc::new(SafetensorsFile::open(path)?)), None)
+        (
+            TensorFile::Safetensors(Arc::new(SafetensorsFile::open(path)?)),
+            None,
+        )
     } else {
         let pth = PthFile::open(path)?;
         let wrapper = pth.wrapper().map(str::to_string);
@@ -146,7 +149,10 @@ mod tests {
     fn esrgan_names_map_to_basicsr_names() {
         let cases = [
             ("model.0.weight", Some("conv_first.weight")),
-            ("model.1.sub.5.RDB2.conv4.0.bias", Some("body.5.rdb2.conv4.bias")),
+            (
+                "model.1.sub.5.RDB2.conv4.0.bias",
+                Some("body.5.rdb2.conv4.bias"),
+            ),
             ("model.1.sub.23.weight", Some("conv_body.weight")),
             ("model.3.bias", Some("conv_up1.bias")),
             ("model.6.weight", Some("conv_up2.weight")),

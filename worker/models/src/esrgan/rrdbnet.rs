@@ -63,7 +63,14 @@ impl ResidualDenseBlock {
 
     pub fn new(w: &Weights, num_feat: i64, num_grow_ch: i64) -> Result<Self, LoadError> {
         let conv = |j: i64, out: i64| {
-            Conv2d::new(&w.pp(format!("conv{j}")), num_feat + (j - 1) * num_grow_ch, out, 3, 1, 1)
+            Conv2d::new(
+                &w.pp(format!("conv{j}")),
+                num_feat + (j - 1) * num_grow_ch,
+                out,
+                3,
+                1,
+                1,
+            )
         };
         Ok(Self {
             conv1: conv(1, num_grow_ch)?,
@@ -83,7 +90,9 @@ impl ResidualDenseBlock {
         leaky_relu_(&x3);
         let x4 = self.conv4.forward(&Tensor::cat(&[x, &x1, &x2, &x3], 1));
         leaky_relu_(&x4);
-        let mut x5 = self.conv5.forward(&Tensor::cat(&[x, &x1, &x2, &x3, &x4], 1));
+        let mut x5 = self
+            .conv5
+            .forward(&Tensor::cat(&[x, &x1, &x2, &x3, &x4], 1));
         // x5 * 0.2 + x
         let _ = x5.g_mul_scalar_(RESIDUAL_SCALE);
         let _ = x5.g_add_(x);

@@ -107,7 +107,10 @@ impl TileSettings {
         let xs = spans(w, self, 1);
         let mut shapes: Vec<[i64; 2]> = ys
             .iter()
-            .flat_map(|y| xs.iter().map(move |x| [y.input.1 - y.input.0, x.input.1 - x.input.0]))
+            .flat_map(|y| {
+                xs.iter()
+                    .map(move |x| [y.input.1 - y.input.0, x.input.1 - x.input.0])
+            })
             .collect();
         shapes.sort_unstable();
         shapes.dedup();
@@ -156,7 +159,10 @@ fn spans(len: i64, settings: &TileSettings, s: i64) -> Vec<Span> {
             // Weights at pixel centres over the tile's whole output, then trimmed to where > 0.
             let half = (o * s) as f64 / 2.0;
             let ramp = |boundary: i64, c: f64| -> f64 {
-                let (p, q) = (boundary as f64 - half, (boundary as f64 + half).min((len * s) as f64));
+                let (p, q) = (
+                    boundary as f64 - half,
+                    (boundary as f64 + half).min((len * s) as f64),
+                );
                 if q > p {
                     ((c - p) / (q - p)).clamp(0.0, 1.0)
                 } else if c >= boundary as f64 {
@@ -218,9 +224,9 @@ pub fn run_tiled(
         // Tiles of this row, grouped by input width (their heights are equal).
         let mut order: Vec<usize> = (0..xs.len()).collect();
         order.sort_by_key(|&j| (xs[j].input.1 - xs[j].input.0, j));
-        for group in order.chunk_by(|&p, &q| {
-            xs[p].input.1 - xs[p].input.0 == xs[q].input.1 - xs[q].input.0
-        }) {
+        for group in
+            order.chunk_by(|&p, &q| xs[p].input.1 - xs[p].input.0 == xs[q].input.1 - xs[q].input.0)
+        {
             for batch in group.chunks(settings.max_batch) {
                 if cancel() {
                     return Err(GenerateError::Cancelled);
@@ -228,9 +234,11 @@ pub fn run_tiled(
                 let tiles: Vec<Tensor> = batch
                     .iter()
                     .map(|&j| {
-                        input
-                            .narrow(2, y.input.0, y.input.1 - y.input.0)
-                            .narrow(3, xs[j].input.0, xs[j].input.1 - xs[j].input.0)
+                        input.narrow(2, y.input.0, y.input.1 - y.input.0).narrow(
+                            3,
+                            xs[j].input.0,
+                            xs[j].input.1 - xs[j].input.0,
+                        )
                     })
                     .collect();
                 let batched = if tiles.len() == 1 {
@@ -242,7 +250,8 @@ pub fn run_tiled(
                 drop(batched);
                 let channels = out.size()[1];
                 let strip = strip.get_or_insert_with(|| {
-                    let strip = Tensor::zeros([b, channels, rows, w * scale], (Kind::Float, device));
+                    let strip =
+                        Tensor::zeros([b, channels, rows, w * scale], (Kind::Float, device));
                     // Rows carried over from the previous tile row (they start where this row's
                     // output starts) go in first, so each pixel sums its tiles in grid order.
                     if let Some(c) = carry.take() {
@@ -258,9 +267,10 @@ pub fn run_tiled(
                         .narrow(2, y.output.0 - y.input.0 * scale, rows)
                         .narrow(3, x.output.0 - x.input.0 * scale, x.output.1 - x.output.0)
                         .to_kind(Kind::Float);
-                    let target = strip
-                        .narrow(2, 0, rows)
-                        .narrow(3, x.output.0, x.output.1 - x.output.0);
+                    let target =
+                        strip
+                            .narrow(2, 0, rows)
+                            .narrow(3, x.output.0, x.output.1 - x.output.0);
                     match settings.blend {
                         Blend::Crop => {
                             let mut target = target;

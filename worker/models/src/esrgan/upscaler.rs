@@ -146,7 +146,11 @@ impl Upscaler {
             .as_deref()
             .map(|w| format!(", `{w}`"))
             .unwrap_or_default();
-        format!("{}{naming}{wrapper} ({})", describe(&self.net.config), self.path.display())
+        format!(
+            "{}{naming}{wrapper} ({})",
+            describe(&self.net.config),
+            self.path.display()
+        )
     }
 
     /// The settings the network can run: tiles and overlap aligned to its pixel-unshuffle.
@@ -202,7 +206,8 @@ impl Upscaler {
             let rows = (h * s - row0).min(strip.size()[2]);
             if rows > 0 {
                 let part = strip.narrow(2, 0, rows).narrow(3, 0, w * s).clamp(0.0, 1.0);
-                out.narrow(2, row0, rows).copy_(&part.to_device(Device::Cpu));
+                out.narrow(2, row0, rows)
+                    .copy_(&part.to_device(Device::Cpu));
             }
             Ok(())
         };
@@ -264,7 +269,11 @@ impl Upscaler {
         };
         let mut planes = vec![colour.permute([2, 0, 1])];
         if channels.alpha() {
-            planes.push(hwc.narrow(2, cn as i64 - 1, 1).expand([h, w, 3], false).permute([2, 0, 1]));
+            planes.push(
+                hwc.narrow(2, cn as i64 - 1, 1)
+                    .expand([h, w, 3], false)
+                    .permute([2, 0, 1]),
+            );
         }
         let x = Tensor::stack(&planes, 0);
         drop((raw, hwc, planes));
@@ -300,13 +309,19 @@ impl Upscaler {
             let at = (row0 * ow) as usize * cn;
             let n = (rows * ow) as usize * cn;
             if sixteen {
-                let q = (hwc * 65535.0).round().to_kind(Kind::Int).to_device(Device::Cpu);
+                let q = (hwc * 65535.0)
+                    .round()
+                    .to_kind(Kind::Int)
+                    .to_device(Device::Cpu);
                 let v = Vec::<i32>::try_from(q.reshape([-1]))?;
                 for (o, x) in out16[at..at + n].iter_mut().zip(v) {
                     *o = x as u16;
                 }
             } else {
-                let q = (hwc * 255.0).round().to_kind(Kind::Uint8).to_device(Device::Cpu);
+                let q = (hwc * 255.0)
+                    .round()
+                    .to_kind(Kind::Uint8)
+                    .to_device(Device::Cpu);
                 q.reshape([-1]).copy_data_u8(&mut out8[at..at + n], n);
             }
             Ok(())
@@ -330,14 +345,30 @@ impl Upscaler {
         let (fw, fh) = (fw as u32, fh as u32);
         let bad = || GenerateError::InvalidRequest("output buffer does not match its size".into());
         Ok(match (channels, sixteen) {
-            (Channels::Luma, false) => DynamicImage::ImageLuma8(ImageBuffer::from_raw(fw, fh, out8).ok_or_else(bad)?),
-            (Channels::LumaAlpha, false) => DynamicImage::ImageLumaA8(ImageBuffer::from_raw(fw, fh, out8).ok_or_else(bad)?),
-            (Channels::Rgb, false) => DynamicImage::ImageRgb8(ImageBuffer::from_raw(fw, fh, out8).ok_or_else(bad)?),
-            (Channels::Rgba, false) => DynamicImage::ImageRgba8(ImageBuffer::from_raw(fw, fh, out8).ok_or_else(bad)?),
-            (Channels::Luma, true) => DynamicImage::ImageLuma16(ImageBuffer::from_raw(fw, fh, out16).ok_or_else(bad)?),
-            (Channels::LumaAlpha, true) => DynamicImage::ImageLumaA16(ImageBuffer::from_raw(fw, fh, out16).ok_or_else(bad)?),
-            (Channels::Rgb, true) => DynamicImage::ImageRgb16(ImageBuffer::from_raw(fw, fh, out16).ok_or_else(bad)?),
-            (Channels::Rgba, true) => DynamicImage::ImageRgba16(ImageBuffer::from_raw(fw, fh, out16).ok_or_else(bad)?),
+            (Channels::Luma, false) => {
+                DynamicImage::ImageLuma8(ImageBuffer::from_raw(fw, fh, out8).ok_or_else(bad)?)
+            }
+            (Channels::LumaAlpha, false) => {
+                DynamicImage::ImageLumaA8(ImageBuffer::from_raw(fw, fh, out8).ok_or_else(bad)?)
+            }
+            (Channels::Rgb, false) => {
+                DynamicImage::ImageRgb8(ImageBuffer::from_raw(fw, fh, out8).ok_or_else(bad)?)
+            }
+            (Channels::Rgba, false) => {
+                DynamicImage::ImageRgba8(ImageBuffer::from_raw(fw, fh, out8).ok_or_else(bad)?)
+            }
+            (Channels::Luma, true) => {
+                DynamicImage::ImageLuma16(ImageBuffer::from_raw(fw, fh, out16).ok_or_else(bad)?)
+            }
+            (Channels::LumaAlpha, true) => {
+                DynamicImage::ImageLumaA16(ImageBuffer::from_raw(fw, fh, out16).ok_or_else(bad)?)
+            }
+            (Channels::Rgb, true) => {
+                DynamicImage::ImageRgb16(ImageBuffer::from_raw(fw, fh, out16).ok_or_else(bad)?)
+            }
+            (Channels::Rgba, true) => {
+                DynamicImage::ImageRgba16(ImageBuffer::from_raw(fw, fh, out16).ok_or_else(bad)?)
+            }
         })
     }
 }
@@ -377,6 +408,10 @@ fn pad_bottom_right(x: &Tensor, ph: i64, pw: i64) -> Tensor {
         return x.shallow_clone();
     }
     let (_, _, h, w) = x.size4().expect("images are [B, C, H, W]");
-    let mode = if ph < h && pw < w { "reflect" } else { "replicate" };
+    let mode = if ph < h && pw < w {
+        "reflect"
+    } else {
+        "replicate"
+    };
     x.pad([0, pw, 0, ph], mode, None)
 }

@@ -93,14 +93,23 @@ impl<T, F: FnMut(usize) -> Vec<T>> RowCache<T, F> {
         }
         std::array::from_fn(|k| {
             let i = clamp_index(s0 + k as i64, height);
-            &self.rows.iter().find(|(j, _)| *j == i).expect("filled above").1
+            &self
+                .rows
+                .iter()
+                .find(|(j, _)| *j == i)
+                .expect("filled above")
+                .1
         })
     }
 }
 
 /// `cv2.resize(..., INTER_LANCZOS4)` of 8-bit samples (OpenCV's fixed-point path).
 pub fn resize_u8(src: &[u8], from: Layout, width: usize, height: usize) -> Vec<u8> {
-    assert_eq!(src.len(), from.width * from.height * from.channels, "buffer matches layout");
+    assert_eq!(
+        src.len(),
+        from.width * from.height * from.channels,
+        "buffer matches layout"
+    );
     let cn = from.channels;
     let fixed = |c: f32| -> i32 {
         // saturate_cast<short>(c * INTER_RESIZE_COEF_SCALE): cvRound, ties to even.
@@ -149,7 +158,11 @@ pub fn resize_u8(src: &[u8], from: Layout, width: usize, height: usize) -> Vec<u
 
 /// `cv2.resize(..., INTER_LANCZOS4)` of 16-bit samples (OpenCV's float path).
 pub fn resize_u16(src: &[u16], from: Layout, width: usize, height: usize) -> Vec<u16> {
-    assert_eq!(src.len(), from.width * from.height * from.channels, "buffer matches layout");
+    assert_eq!(
+        src.len(),
+        from.width * from.height * from.channels,
+        "buffer matches layout"
+    );
     let cn = from.channels;
     let xt = taps(from.width, width);
     let yt = taps(from.height, height);

@@ -220,7 +220,9 @@ impl<'a> Machine<'a> {
         if self.marks.last().is_some_and(|&m| m >= self.stack.len()) {
             return Err("pickle pops past a MARK".into());
         }
-        self.stack.pop().ok_or_else(|| "pickle stack underflow".into())
+        self.stack
+            .pop()
+            .ok_or_else(|| "pickle stack underflow".into())
     }
     fn pop_mark(&mut self) -> Result<Vec<Id>, String> {
         let mark = self.marks.pop().ok_or("pickle has no MARK to pop to")?;
@@ -521,7 +523,9 @@ impl<'a> Machine<'a> {
             return Err("persistent id is not a PyTorch storage reference".into());
         };
         if tag != "storage" {
-            return Err(format!("persistent id of kind `{tag}`; only `storage` is accepted"));
+            return Err(format!(
+                "persistent id of kind `{tag}`; only `storage` is accepted"
+            ));
         }
         if key.is_empty() || !key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
             return Err(format!("storage key `{key}` is not a plain name"));
@@ -579,7 +583,12 @@ impl<'a> Machine<'a> {
 }
 
 /// Checks that the strided view lies inside its storage.
-fn check_view(storage: &StorageRef, offset: i64, shape: &[i64], stride: &[i64]) -> Result<(), String> {
+fn check_view(
+    storage: &StorageRef,
+    offset: i64,
+    shape: &[i64],
+    stride: &[i64],
+) -> Result<(), String> {
     if shape.len() != stride.len() {
         return Err(format!(
             "tensor on storage `{}` has {} sizes but {} strides",
@@ -589,7 +598,10 @@ fn check_view(storage: &StorageRef, offset: i64, shape: &[i64], stride: &[i64]) 
         ));
     }
     if offset < 0 || shape.iter().any(|&s| s < 0) || stride.iter().any(|&s| s < 0) {
-        return Err(format!("tensor on storage `{}` has a negative size, stride or offset", storage.key));
+        return Err(format!(
+            "tensor on storage `{}` has a negative size, stride or offset",
+            storage.key
+        ));
     }
     if shape.contains(&0) {
         return Ok(());
@@ -597,7 +609,9 @@ fn check_view(storage: &StorageRef, offset: i64, shape: &[i64], stride: &[i64]) 
     let last = shape
         .iter()
         .zip(stride)
-        .try_fold(offset, |acc, (&n, &s)| (n - 1).checked_mul(s).and_then(|d| acc.checked_add(d)))
+        .try_fold(offset, |acc, (&n, &s)| {
+            (n - 1).checked_mul(s).and_then(|d| acc.checked_add(d))
+        })
         .ok_or_else(|| format!("tensor on storage `{}` overflows", storage.key))?;
     if last >= storage.numel {
         return Err(format!(
@@ -609,7 +623,7 @@ fn check_view(storage: &StorageRef, offset: i64, shape: &[i64], stride: &[i64]) 
 }
 
 fn pairs(items: &[Id]) -> Result<Vec<(Id, Id)>, String> {
-    if items.len() % 2 != 0 {
+    if !items.len().is_multiple_of(2) {
         return Err("dict items of odd length".into());
     }
     Ok(items.chunks(2).map(|kv| (kv[0], kv[1])).collect())
@@ -659,7 +673,12 @@ mod tests {
         let ints: Vec<_> = list.iter().map(|&i| u.get(i).clone()).collect();
         assert_eq!(
             ints,
-            [Value::Int(1), Value::Int(-2), Value::Int(300), Value::Int(70000)]
+            [
+                Value::Int(1),
+                Value::Int(-2),
+                Value::Int(300),
+                Value::Int(70000)
+            ]
         );
         assert_eq!(u.str(items[2].1), Some("é"));
     }
@@ -674,7 +693,11 @@ mod tests {
         let err = unpickle(stack_global).unwrap_err();
         assert!(err.contains("`builtins.eval`"), "{err}");
         let newobj = b"\x80\x02ccollections\nOrderedDict\n)\x81.";
-        assert!(unpickle(newobj).unwrap_err().contains("constructs an object"));
+        assert!(
+            unpickle(newobj)
+                .unwrap_err()
+                .contains("constructs an object")
+        );
     }
 
     #[test]

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use tch::{Device, Kind, Tensor};
 
 use crate::error::LoadError;
-use crate::loading::pickle::{self, TensorRef, Unpickled, Value};
+use crate::loading::pickle::{self, Id, TensorRef, Unpickled, Value};
 use crate::loading::zip::ZipIndex;
 
 /// The wrapper keys tried, in order, before the top-level dict is taken as the state dict.
@@ -97,7 +97,9 @@ impl PthFile {
             .filter(|n| n.ends_with("/data.pkl") && n.matches('/').count() == 1)
             .min()
             .map(str::to_string)
-            .ok_or_else(|| format("zip archive without `<dir>/data.pkl`: not a PyTorch checkpoint".into()))?;
+            .ok_or_else(|| {
+                format("zip archive without `<dir>/data.pkl`: not a PyTorch checkpoint".into())
+            })?;
         let dir = pkl_name.trim_end_matches("data.pkl").to_string();
         if let Some(order) = zip.get(&format!("{dir}byteorder")) {
             let order = &mmap[order.start..order.start + order.len];
@@ -111,13 +113,21 @@ impl PthFile {
         let pkl = zip.get(&pkl_name).expect("listed by the index");
         let unpickled = pickle::unpickle(&mmap[pkl.start..pkl.start + pkl.len])
             .map_err(|e| format(format!("refused: {e}")))?;
-        let (wrapper, dict) = state_dict(&unpickled).map_err(format)?;
+        let StateDict {
+            wrapper,
+            items: dict,
+        } = state_dict(&unpickled).map_err(format)?;
 
         let mut tensors = BTreeMap::new();
         for (k, v) in dict {
             let name = unpickled
                 .str(k)
-                .ok_or_else(|| format(format!("a state-dict key is a {}, not a string", unpickled.type_name(k))))?
+                .ok_or_else(|| {
+                    format(format!(
+                        "a state-dict key is a {}, not a string",
+                        unpickled.type_name(k)
+                    ))
+                })?
                 .to_string();
             let Value::Tensor(t) = unpickled.get(v) else {
                 return Err(format(format!(
@@ -193,8 +203,9 @@ impl PthFile {
             source,
         };
         let range = self.storages[&t.storage.key].clone();
-        let storage = Tensor::f_from_data_size(&self.mmap[range], &[t.storage.numel], t.storage.kind)
-            .map_err(torch)?;
+        let storage =
+            Tensor::f_from_data_size(&self.mmap[range], &[t.storage.numel], t.storage.kind)
+                .map_err(torch)?;
         // Bounds were checked when the pickle was read (`check_view`).
         let view = storage
             .f_as_strided(t.shape.as_slice(), t.stride.as_slice(), t.offset)
@@ -206,18 +217,36 @@ impl PthFile {
     }
 }
 
+/// The state dict found in a checkpoint: the wrapper key it was under, and its (key, value) ids.
+struct StateDict {
+    wrapper: Option<&'static str>,
+    items: Vec<(Id, Id)>,
+}
+
 /// The dict of tensors inside the unpickled object (see [`WRAPPERS`]).
-fn state_dict(u: &Unpickled) -> Result<(Option<&'static str>, Vec<(usize, usize)>), String> {
+fn state_dict(u: &Unpickled) -> Result<StateDict, String> {
     let Value::Dict(top) = u.get(u.root) else {
-        return Err(format!("the checkpoint holds a {}, not a dict of tensors", u.type_name(u.root)));
+        return Err(format!(
+            "the checkpoint holds a {}, not a dict of tensors",
+            u.type_name(u.root)
+        ));
     };
     for wrapper in WRAPPERS {
         if let Some(&(_, v)) = top.iter().find(|(k, _)| u.str(*k) == Some(wrapper)) {
             let Value::Dict(inner) = u.get(v) else {
-                return Err(format!("`{wrapper}` is a {}, not a dict of tensors", u.type_name(v)));
+                return Err(format!(
+                    "`{wrapper}` is a {}, not a dict of tensors",
+                    u.type_name(v)
+                ));
             };
-            return Ok((Some(wrapper), inner.clone()));
+            return Ok(StateDict {
+                wrapper: Some(wrapper),
+                items: inner.clone(),
+            });
         }
     }
-    Ok((None, top.clone()))
+    Ok(StateDict {
+        wrapper: None,
+        items: top.clone(),
+    })
 }

@@ -148,7 +148,8 @@ impl ZipIndex {
             if r.u32(local)? != LOCAL {
                 return Err(format!("entry `{name}`: no local header at byte {local}"));
             }
-            let start = local + 30 + usize::from(r.u16(local + 26)?) + usize::from(r.u16(local + 28)?);
+            let start =
+                local + 30 + usize::from(r.u16(local + 26)?) + usize::from(r.u16(local + 28)?);
             let len = usize_of(size, "entry size")?;
             if start.checked_add(len).is_none_or(|end| end > data.len()) {
                 return Err(format!(
