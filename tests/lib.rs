@@ -28,14 +28,18 @@ pub fn amqp_url() -> String {
         .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
 }
 
-/// Directory of the workspace's binaries (`target/debug`), found from this test executable's path.
+/// Directory of the workspace's binaries (`target/<profile>`), found from this executable's path:
+/// a test runs from `target/<profile>/deps`, a program of this crate (the benchmarks) from
+/// `target/<profile>` itself.
 pub fn bin_dir() -> PathBuf {
-    let exe = std::env::current_exe().expect("the test binary knows its path");
-    let dir = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .expect("tests run from target/<profile>/deps")
-        .to_path_buf();
+    let exe = std::env::current_exe().expect("the running program knows its path");
+    let parent = exe.parent().expect("an executable lies in a directory");
+    let dir = if parent.file_name().is_some_and(|name| name == "deps") {
+        parent.parent().expect("deps lies in target/<profile>")
+    } else {
+        parent
+    }
+    .to_path_buf();
     for bin in ["vnfarm-scheduler", "vnfarm-worker"] {
         assert!(
             dir.join(bin).exists(),
@@ -364,6 +368,19 @@ impl Farm {
     /// Starts a scheduler in `slot` (killing one still running there) and waits until it has
     /// replayed its stream and answers `/healthz`, as active or standby.
     pub async fn start_scheduler_at(&mut self, slot: usize) -> anyhow::Result<()> {
+        self.launch_scheduler_at(slot)?;
+        let log = self.schedulers[slot].log.clone();
+        wait_for("the scheduler to be ready", Duration::from_secs(60), || {
+            self.role(slot)
+        })
+        .await
+        .map_err(|e| e.context(self.log(&log)))?;
+        Ok(())
+    }
+
+    /// Starts a scheduler process in `slot` (killing one still running there) without waiting
+    /// for it.
+    pub fn launch_scheduler_at(&mut self, slot: usize) -> anyhow::Result<()> {
         self.kill_scheduler_at(slot);
         let port = self.schedulers[slot].port;
         let mut env = self.common_env();
@@ -373,12 +390,17 @@ impl Farm {
         env.extend(self.scheduler_env.iter().cloned());
         let log = self.schedulers[slot].log.clone();
         self.schedulers[slot].child = Some(self.spawn("vnfarm-scheduler", &log, env)?);
-        wait_for("the scheduler to be ready", Duration::from_secs(60), || {
-            self.role(slot)
-        })
-        .await
-        .map_err(|e| e.context(self.log(&log)))?;
         Ok(())
+    }
+
+    /// The process id of the scheduler running in `slot`, if one runs there.
+    pub fn scheduler_pid(&self, slot: usize) -> Option<u32> {
+        self.schedulers[slot].child.as_ref().map(Child::id)
+    }
+
+    /// The name of the log file of `slot`'s schedulers (for [`Farm::full_log`]).
+    pub fn scheduler_log(&self, slot: usize) -> &str {
+        &self.schedulers[slot].log
     }
 
     /// The role of the scheduler in `slot`, or `None` while it is not ready (or not running). A
@@ -416,6 +438,11 @@ impl Farm {
     /// Starts a worker and waits until the scheduler lists it alive.
     pub async fn start_worker(&mut self, id: &str, options: WorkerOptions) -> anyhow::Result<()> {
         self.launch_worker(id, options)?;
+        self.wait_worker(id).await
+    }
+
+    /// Waits until the scheduler lists the worker `id` alive.
+    pub async fn wait_worker(&self, id: &str) -> anyhow::Result<()> {
         let id = id.to_owned();
         wait_for(
             &format!("worker {id} to register"),

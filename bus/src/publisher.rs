@@ -45,7 +45,7 @@ impl Publisher {
         Ok(Self { channel })
     }
 
-    /// Publishes and waits for the broker's confirm. `mandatory` makes an unroutable message an error.
+    /// Publishes and waits for the broker's confirm; an unroutable message is an error (`mandatory`).
     pub async fn publish(
         &self,
         exchange: &str,
@@ -53,13 +53,41 @@ impl Publisher {
         payload: &[u8],
         properties: BasicProperties,
     ) -> Result<(), PublishError> {
+        self.publish_with(exchange, routing_key, payload, properties, true)
+            .await
+    }
+
+    /// Publishes a broadcast that may have no listener (a cancel request when no worker is
+    /// connected): confirmed, but a message no queue takes is dropped, not an error. Not
+    /// `mandatory` on purpose: a returned message on a channel shared by concurrent publishes can
+    /// be matched to another publish's confirm, which would then fail for nothing.
+    pub async fn broadcast_json<T: Serialize>(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        body: &T,
+        properties: BasicProperties,
+    ) -> Result<(), PublishError> {
+        let payload = serde_json::to_vec(body).expect("vnfarm wire types serialize to JSON");
+        self.publish_with(exchange, routing_key, &payload, properties, false)
+            .await
+    }
+
+    async fn publish_with(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        payload: &[u8],
+        properties: BasicProperties,
+        mandatory: bool,
+    ) -> Result<(), PublishError> {
         let confirm = self
             .channel
             .basic_publish(
                 exchange.into(),
                 routing_key.into(),
                 BasicPublishOptions {
-                    mandatory: true,
+                    mandatory,
                     ..Default::default()
                 },
                 payload,

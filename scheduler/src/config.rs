@@ -40,7 +40,7 @@ pub struct Config {
     #[serde(default = "default_retain_age_s")]
     pub retain_age_s: u64,
     /// The active scheduler snapshots its registry after this many events (and at least every
-    /// minute while events arrive), so a restart replays no more than that.
+    /// five minutes while events arrive), so a restart replays no more than that.
     #[serde(default = "default_snapshot_every_events")]
     pub snapshot_every_events: u64,
 }

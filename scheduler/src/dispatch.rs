@@ -21,8 +21,8 @@ use crate::scheduler::Scheduler;
 
 impl Scheduler {
     /// The active scheduler's loop: settle whenever something may have changed, and at least every
-    /// half second (the watchdog, snapshots). Returns on the first publish error: the session is
-    /// then lost and starts again.
+    /// half second (the watchdog). Returns on the first publish error: the session is then lost
+    /// and starts again.
     pub(crate) async fn dispatcher(&self, stop: CancellationToken) -> anyhow::Result<()> {
         let mut tick = tokio::time::interval(Duration::from_millis(500));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -35,7 +35,6 @@ impl Scheduler {
             self.settle().await?;
             if timer {
                 self.requeue_stale().await?;
-                self.maybe_snapshot().await;
             }
         }
     }

@@ -90,6 +90,7 @@ impl Scheduler {
             r = self.consume_intake(connection) => r,
             r = self.consume_redispatch(connection) => r,
             r = self.dispatcher(stop.clone()) => r,
+            r = self.snapshot_writer() => r,
         }
     }
 

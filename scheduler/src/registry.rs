@@ -24,6 +24,7 @@
 //!   forget the same jobs.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
@@ -404,34 +405,56 @@ impl Snapshot {
     }
 }
 
-/// Serializes like [`Snapshot`] without copying the registry.
-struct SnapshotRef<'a>(&'a Registry);
+/// The durable part of a registry taken under its lock in O(jobs) pointer copies (job records are
+/// shared, copied on write), to be serialized without the lock: the dispatcher never waits for a
+/// snapshot to be written.
+pub struct SnapshotView {
+    next_offset: u64,
+    latest: Option<DateTime<Utc>>,
+    jobs: Vec<Arc<JobRecord>>,
+    finished: VecDeque<(DateTime<Utc>, JobId)>,
+}
 
-impl Serialize for SnapshotRef<'_> {
+impl SnapshotView {
+    pub fn next_offset(&self) -> u64 {
+        self.next_offset
+    }
+
+    pub fn jobs(&self) -> usize {
+        self.jobs.len()
+    }
+
+    /// Writes it as JSON, in the shape [`Snapshot`] reads.
+    pub fn write(&self, out: impl std::io::Write) -> serde_json::Result<()> {
+        serde_json::to_writer(out, self)
+    }
+}
+
+impl Serialize for SnapshotView {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeStruct;
-        let r = self.0;
         let mut st = s.serialize_struct("Snapshot", 4)?;
-        st.serialize_field("next_offset", &r.next_offset)?;
-        st.serialize_field("latest", &r.latest)?;
-        st.serialize_field("jobs", &JobsRef(&r.jobs))?;
-        st.serialize_field("finished", &r.finished)?;
+        st.serialize_field("next_offset", &self.next_offset)?;
+        st.serialize_field("latest", &self.latest)?;
+        st.serialize_field("jobs", &JobsRef(&self.jobs))?;
+        st.serialize_field("finished", &self.finished)?;
         st.end()
     }
 }
 
-struct JobsRef<'a>(&'a BTreeMap<JobId, JobRecord>);
+struct JobsRef<'a>(&'a [Arc<JobRecord>]);
 
 impl Serialize for JobsRef<'_> {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_seq(self.0.values())
+        s.collect_seq(self.0.iter().map(|j| &**j))
     }
 }
 
 #[derive(Default)]
 pub struct Registry {
     retention: Retention,
-    jobs: BTreeMap<JobId, JobRecord>,
+    /// Shared with snapshots being written; changed copy-on-write.
+    jobs: BTreeMap<JobId, Arc<JobRecord>>,
     /// Jobs not in a terminal state.
     active: BTreeSet<JobId>,
     idempotency: HashMap<String, JobId>,
@@ -472,7 +495,7 @@ impl Registry {
     }
 
     pub fn job(&self, id: JobId) -> Option<&JobRecord> {
-        self.jobs.get(&id)
+        self.jobs.get(&id).map(|j| &**j)
     }
 
     pub fn contains(&self, id: JobId) -> bool {
@@ -486,7 +509,7 @@ impl Registry {
 
     /// Jobs in memory, newest first.
     pub fn jobs_newest_first(&self) -> impl Iterator<Item = &JobRecord> {
-        self.jobs.values().rev()
+        self.jobs.values().rev().map(|j| &**j)
     }
 
     pub fn len(&self) -> usize {
@@ -678,7 +701,7 @@ impl Registry {
         if !record.state.is_terminal() {
             self.active.insert(id);
         }
-        self.jobs.insert(id, record);
+        self.jobs.insert(id, Arc::new(record));
         self.index_in(id);
     }
 
@@ -708,7 +731,7 @@ impl Registry {
             return false; // the first terminal event won
         }
         self.index_out(id);
-        let job = self.jobs.get_mut(&id).expect("checked above");
+        let job = Arc::make_mut(self.jobs.get_mut(&id).expect("checked above"));
         job.updated_at = at;
         let mut unassign = false;
         let mut assign = None;
@@ -825,7 +848,7 @@ impl Registry {
             }
             if completed {
                 self.index_out(waiting);
-                let w = self.jobs.get_mut(&waiting).expect("active jobs are known");
+                let w = Arc::make_mut(self.jobs.get_mut(&waiting).expect("active jobs are known"));
                 w.local.unmet = w.local.unmet.saturating_sub(1);
                 self.index_in(waiting);
             } else {
@@ -915,7 +938,7 @@ impl Registry {
     /// Changes a job's local decision flags, keeping the indexes right.
     fn set_local(&mut self, id: JobId, f: impl FnOnce(&mut Local)) {
         self.index_out(id);
-        f(&mut self.jobs.get_mut(&id).expect("a known job").local);
+        f(&mut Arc::make_mut(self.jobs.get_mut(&id).expect("a known job")).local);
         self.index_in(id);
     }
 
@@ -1011,11 +1034,7 @@ impl Registry {
     }
 
     fn pipeline_outcome(&self, job: &JobRecord) -> Option<EventKind> {
-        let children: Vec<&JobRecord> = job
-            .children
-            .iter()
-            .filter_map(|c| self.jobs.get(c))
-            .collect();
+        let children: Vec<&JobRecord> = job.children.iter().filter_map(|c| self.job(*c)).collect();
         if children.is_empty() || children.len() != job.children.len() {
             return Some(EventKind::Failed {
                 failure: FailureKind::InvalidSpec,
@@ -1167,9 +1186,14 @@ impl Registry {
 
     // ----- snapshots -----
 
-    /// Writes the durable part (jobs, retention order, stream position) as JSON.
-    pub fn write_snapshot(&self, out: impl std::io::Write) -> serde_json::Result<()> {
-        serde_json::to_writer(out, &SnapshotRef(self))
+    /// The durable part (jobs, retention order, stream position), to be written without the lock.
+    pub fn snapshot(&self) -> SnapshotView {
+        SnapshotView {
+            next_offset: self.next_offset,
+            latest: self.latest,
+            jobs: self.jobs.values().cloned().collect(),
+            finished: self.finished.clone(),
+        }
     }
 
     /// A registry as a snapshot left it; the indexes are rebuilt.
@@ -1569,6 +1593,25 @@ mod tests {
     }
 
     #[test]
+    fn a_snapshot_taken_is_not_changed_by_later_events() {
+        let mut r = Registry::new(Retention::default());
+        let mut s = Stream::new();
+        let job = s.queue(&mut r, generate());
+        let view = r.snapshot();
+        s.complete(&mut r, job);
+        assert_eq!(r.job_state(job), Some(JobState::Completed));
+        let mut bytes = Vec::new();
+        view.write(&mut bytes).unwrap();
+        let restored = Registry::restore(
+            serde_json::from_slice(&bytes).unwrap(),
+            Retention::default(),
+        );
+        assert_eq!(restored.job_state(job), Some(JobState::Queued));
+        assert_eq!(restored.next_offset(), view.next_offset());
+        assert!(restored.next_offset() < r.next_offset());
+    }
+
+    #[test]
     fn a_snapshot_restores_the_same_registry() {
         let mut r = Registry::new(Retention {
             max_jobs: 2,
@@ -1581,7 +1624,7 @@ mod tests {
         let done = s.queue(&mut r, generate());
         s.complete(&mut r, done);
         let mut bytes = Vec::new();
-        r.write_snapshot(&mut bytes).unwrap();
+        r.snapshot().write(&mut bytes).unwrap();
         let snapshot: Snapshot = serde_json::from_slice(&bytes).unwrap();
         let mut restored = Registry::restore(snapshot, r.retention);
         assert_eq!(restored.next_offset(), r.next_offset());

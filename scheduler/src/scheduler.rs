@@ -286,19 +286,16 @@ impl Scheduler {
             let publisher = self.publisher().map_err(unavailable)?;
             let request = CancelRequest { job_id: t };
             let props = json_properties().with_delivery_mode(1);
-            match publisher
-                .publish_json(
+            // With no worker connected nobody hears it, and none has the job.
+            publisher
+                .broadcast_json(
                     &self.topology.events_exchange(),
                     CANCEL_ROUTING_KEY,
                     &request,
                     props,
                 )
                 .await
-            {
-                // No worker connected: none has the job.
-                Ok(()) | Err(PublishError::Unroutable { .. }) => {}
-                Err(e) => return Err(unavailable(e)),
-            }
+                .map_err(unavailable)?;
             if here {
                 self.publish_event(
                     t,

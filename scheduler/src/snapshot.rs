@@ -12,6 +12,7 @@
 //! way (retention is measured on event times), so a scheduler started from a snapshot and one that
 //! has been running all along hold the same jobs.
 
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -27,16 +28,29 @@ use crate::scheduler::Scheduler;
 /// Larger snapshots are not written (RabbitMQ refuses messages over 128 MiB by default); the
 /// scheduler then replays the stream from the last snapshot written, which stays correct.
 const MAX_SNAPSHOT_BYTES: usize = 64 << 20;
-/// A snapshot is also written this long after the last one when any event arrived since.
-const SNAPSHOT_AT_LEAST_EVERY: Duration = Duration::from_secs(60);
+/// A snapshot is also written this long after the last one when any event arrived since, so a
+/// quiet farm's restart replays little. Between, `snapshot_every_events` decides.
+const SNAPSHOT_AT_LEAST_EVERY: Duration = Duration::from_secs(300);
+/// How often the snapshot writer checks whether one is due.
+const SNAPSHOT_CHECK_EVERY: Duration = Duration::from_secs(1);
 
 impl Scheduler {
-    /// Writes a snapshot if enough happened since the last one. A failure is logged and counted,
-    /// and the next tick tries again; it never stops dispatch.
-    pub(crate) async fn maybe_snapshot(&self) {
-        let since = self
-            .since_snapshot
-            .load(std::sync::atomic::Ordering::Relaxed);
+    /// The active scheduler's snapshot writer, a task of its own beside the dispatcher: the
+    /// registry lock is held only to take a [`crate::registry::SnapshotView`] (pointer copies);
+    /// serializing runs on a blocking thread and publishing on this task, so neither delays
+    /// dispatch, events or heartbeats. A failure is logged and counted, and the next check tries
+    /// again; it never ends the session.
+    pub(crate) async fn snapshot_writer(&self) -> anyhow::Result<()> {
+        let mut tick = tokio::time::interval(SNAPSHOT_CHECK_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            self.maybe_snapshot().await;
+        }
+    }
+
+    async fn maybe_snapshot(&self) {
+        let since = self.since_snapshot.load(Ordering::Relaxed);
         let last = *self.last_snapshot.lock().unwrap_or_else(|p| p.into_inner());
         let due = since >= self.config.snapshot_every_events
             || (since > 0 && last.is_none_or(|t| t.elapsed() >= SNAPSHOT_AT_LEAST_EVERY));
@@ -44,22 +58,29 @@ impl Scheduler {
             return;
         }
         let started = Instant::now();
-        let mut bytes = Vec::new();
-        let (offset, jobs) = {
-            let reg = self.registry();
-            if let Err(e) = reg.write_snapshot(&mut bytes) {
+        let view = self.registry().snapshot();
+        let locked = started.elapsed();
+        let (offset, jobs) = (view.next_offset(), view.jobs());
+        self.since_snapshot.fetch_sub(since, Ordering::Relaxed);
+        *self.last_snapshot.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
+        let serialized = tokio::task::spawn_blocking(move || {
+            let mut bytes = Vec::new();
+            view.write(&mut bytes).map(|()| bytes)
+        })
+        .await;
+        let bytes = match serialized {
+            Ok(Ok(bytes)) => bytes,
+            Ok(Err(e)) => {
                 tracing::error!(error = %e, "could not serialize a registry snapshot");
-                self.metrics
-                    .snapshots_total
-                    .with_label_values(&["failed"])
-                    .inc();
+                self.snapshot_not_written(since, "failed");
                 return;
             }
-            (reg.next_offset(), reg.len())
+            Err(e) => {
+                tracing::error!(error = %e, "the snapshot serializer panicked");
+                self.snapshot_not_written(since, "failed");
+                return;
+            }
         };
-        self.since_snapshot
-            .fetch_sub(since, std::sync::atomic::Ordering::Relaxed);
-        *self.last_snapshot.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
         if bytes.len() > MAX_SNAPSHOT_BYTES {
             tracing::warn!(
                 bytes = bytes.len(),
@@ -85,6 +106,7 @@ impl Scheduler {
             }
             Err(e) => Err(e),
         };
+        drop(bytes);
         match published {
             Ok(()) => {
                 self.metrics
@@ -96,26 +118,32 @@ impl Scheduler {
                     offset,
                     jobs,
                     bytes = size,
+                    lock_seconds = locked.as_secs_f64(),
                     seconds = started.elapsed().as_secs_f64(),
                     "registry snapshot written"
                 );
             }
             Err(e) => {
-                // Not written: owe it again at the next tick.
-                self.since_snapshot
-                    .fetch_add(since, std::sync::atomic::Ordering::Relaxed);
-                self.metrics
-                    .snapshots_total
-                    .with_label_values(&["failed"])
-                    .inc();
                 tracing::warn!(error = %e, "registry snapshot not written; retrying later");
+                self.snapshot_not_written(since, "failed");
             }
         }
     }
 
+    /// Owes the snapshot again at the next check.
+    fn snapshot_not_written(&self, since: u64, outcome: &str) {
+        self.since_snapshot.fetch_add(since, Ordering::Relaxed);
+        self.metrics
+            .snapshots_total
+            .with_label_values(&[outcome])
+            .inc();
+    }
+
     /// Reads the latest snapshot, if there is a usable one. Snapshots are the only messages of
     /// their stream, so the latest is the last message of the stream's last chunk: read from
-    /// "last" until the stream goes quiet.
+    /// "last" until the stream goes quiet. The broker reports no message count for a stream
+    /// (`queue.declare` answers 0), so an empty one (a fresh installation) can only be told by
+    /// the first wait running out: a start without snapshots costs that wait once.
     pub(crate) async fn load_snapshot(
         &self,
         connection: &Connection,

@@ -178,19 +178,15 @@ impl Worker {
             at: chrono::Utc::now(),
         };
         let props = json_properties().with_delivery_mode(1);
-        match publisher
-            .publish_json(
+        // No scheduler listening right now is not an error for a heartbeat.
+        publisher
+            .broadcast_json(
                 &self.topology.events_exchange(),
                 &heartbeat_routing_key(&self.id),
                 &beat,
                 props,
             )
             .await
-        {
-            // No scheduler listening right now is not an error for a heartbeat.
-            Err(PublishError::Unroutable { .. }) => Ok(()),
-            other => other,
-        }
     }
 }
 
