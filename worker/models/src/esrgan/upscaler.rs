@@ -248,6 +248,20 @@ impl Upscaler {
         progress: &mut dyn FnMut(usize, usize),
         cancel: &dyn Fn() -> bool,
     ) -> Result<DynamicImage, GenerateError> {
+        // libtorch failures outside the tiled run too (the upload of a large input running out of
+        // device memory) come back as errors the worker can classify.
+        contain_backend_panics(std::panic::AssertUnwindSafe(|| {
+            self.upscale_image(image, options, progress, cancel)
+        }))
+    }
+
+    fn upscale_image(
+        &self,
+        image: &DynamicImage,
+        options: &UpscaleOptions,
+        progress: &mut dyn FnMut(usize, usize),
+        cancel: &dyn Fn() -> bool,
+    ) -> Result<DynamicImage, GenerateError> {
         let (channels, samples) = split(image)?;
         let (w, h) = (image.width() as i64, image.height() as i64);
         let cn = channels.count();
