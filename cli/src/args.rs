@@ -180,11 +180,12 @@ pub struct UpscaleParams {
     /// 2 or 4.
     #[arg(long, default_value_t = 2, value_parser = parse_scale)]
     pub scale: u32,
-    /// Tile side in pixels.
-    #[arg(long, default_value_t = 512)]
-    pub tile: u32,
-    #[arg(long, default_value_t = 32)]
-    pub tile_overlap: u32,
+    /// Tile side in input pixels (64–2048); default: the worker's setting.
+    #[arg(long)]
+    pub tile: Option<u32>,
+    /// Context around each tile in pixels (at most a quarter of the tile); default: the worker's.
+    #[arg(long)]
+    pub tile_overlap: Option<u32>,
 }
 
 #[derive(Debug, Args)]

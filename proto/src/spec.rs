@@ -17,6 +17,9 @@ pub const MAX_INLINE_IMAGE_BYTES: usize = 8 * 1024 * 1024;
 pub const MAX_INPUT_SIDE: u32 = 4096;
 /// Largest side of an upscaled output.
 pub const MAX_UPSCALE_OUTPUT_SIDE: u32 = 8192;
+/// Bounds of an upscale's tile side (input pixels); the overlap is at most a quarter of the tile.
+pub const MIN_UPSCALE_TILE: u32 = 64;
+pub const MAX_UPSCALE_TILE: u32 = 2048;
 /// Most jobs one pipeline may expand into (its base generate included).
 pub const MAX_PIPELINE_JOBS: usize = 64;
 /// Input images of one edit (Qwen-Image-Edit-2509 takes one to three).
@@ -189,12 +192,17 @@ pub struct EditSpec {
 #[serde(deny_unknown_fields)]
 pub struct UpscaleSpec {
     pub input: ImageRef,
+    /// Output size ÷ input size, 2 or 4 (a model of another scale resamples its output).
     #[serde(default = "default_scale")]
     pub scale: u32,
-    #[serde(default = "default_tile")]
-    pub tile: u32,
-    #[serde(default = "default_tile_overlap")]
-    pub tile_overlap: u32,
+    /// Side of a tile in input pixels, 64–2048: the image runs through the model tile by tile.
+    /// Absent: the worker's setting (`engine.esrgan.tile`), the measured fastest.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tile: Option<u32>,
+    /// Context around each tile in input pixels, at most a quarter of the tile; neighbouring
+    /// tiles blend across it. Absent: the worker's setting (`engine.esrgan.tile_overlap`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tile_overlap: Option<u32>,
 }
 
 /// A base generate, then edits of its first image, then upscales of any of those.
@@ -236,10 +244,12 @@ pub struct PipelineUpscale {
     pub of: PipelineImage,
     #[serde(default = "default_scale")]
     pub scale: u32,
-    #[serde(default = "default_tile")]
-    pub tile: u32,
-    #[serde(default = "default_tile_overlap")]
-    pub tile_overlap: u32,
+    /// As [`UpscaleSpec::tile`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tile: Option<u32>,
+    /// As [`UpscaleSpec::tile_overlap`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tile_overlap: Option<u32>,
 }
 
 /// An image inside a pipeline: `"base"` or `{"edit": n}`.
@@ -289,12 +299,6 @@ fn default_edit_cfg() -> f32 {
 }
 fn default_scale() -> u32 {
     2
-}
-fn default_tile() -> u32 {
-    512
-}
-fn default_tile_overlap() -> u32 {
-    32
 }
 fn one() -> u32 {
     1
@@ -531,14 +535,26 @@ impl EditSpec {
 fn validate_upscale_params(
     at: &str,
     scale: u32,
-    tile: u32,
-    overlap: u32,
+    tile: Option<u32>,
+    overlap: Option<u32>,
 ) -> Result<(), ValidationError> {
     if scale != 2 && scale != 4 {
         return Err(err(format!("{at}.scale"), format!("{scale} is not 2 or 4")));
     }
-    check_range(&format!("{at}.tile"), tile, 64, 2048)?;
-    check_range(&format!("{at}.tile_overlap"), overlap, 0, tile / 4)
+    if let Some(tile) = tile {
+        check_range(
+            &format!("{at}.tile"),
+            tile,
+            MIN_UPSCALE_TILE,
+            MAX_UPSCALE_TILE,
+        )?;
+    }
+    if let Some(overlap) = overlap {
+        // Without a tile the worker's applies; it checks the quarter rule again.
+        let max = tile.unwrap_or(MAX_UPSCALE_TILE) / 4;
+        check_range(&format!("{at}.tile_overlap"), overlap, 0, max)?;
+    }
+    Ok(())
 }
 
 impl ImageRef {
@@ -817,6 +833,20 @@ mod tests {
             (
                 serde_json::json!({"schema_version": 1, "job": {"kind": "upscale", "input": {"stored": "inputs/a.png"}, "scale": 3}}),
                 "job.scale",
+            ),
+            (
+                serde_json::json!({"schema_version": 1, "job": {"kind": "upscale", "input": {"stored": "inputs/a.png"}, "tile": 32}}),
+                "job.tile",
+            ),
+            (
+                serde_json::json!({"schema_version": 1, "job": {"kind": "upscale", "input": {"stored": "inputs/a.png"},
+                "tile": 256, "tile_overlap": 65}}),
+                "job.tile_overlap",
+            ),
+            (
+                serde_json::json!({"schema_version": 1, "job": {"kind": "upscale", "input": {"stored": "inputs/a.png"},
+                "tile_overlap": 513}}),
+                "job.tile_overlap",
             ),
             (
                 serde_json::json!({"schema_version": 1, "job": {"kind": "pipeline", "base": {"prompt": "x", "count": 2}}}),

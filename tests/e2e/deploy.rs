@@ -21,7 +21,8 @@ fn shipped_configs_are_valid() {
         worker.models(),
         [
             vnfarm_proto::ModelFamily::Sdxl,
-            vnfarm_proto::ModelFamily::QwenEdit
+            vnfarm_proto::ModelFamily::QwenEdit,
+            vnfarm_proto::ModelFamily::Esrgan
         ]
     );
 }
@@ -41,8 +42,24 @@ fn engine_settings_are_checked_before_anything_loads() {
     let err = load(&[("VNFARM_ENGINE__SDXL__WARM_UP", "[[1000, 7]]")]).unwrap_err();
     assert!(err.starts_with("engine.sdxl.warm_up: "), "{err}");
     // A tch worker cannot claim a family it has no model for.
-    let err = load(&[("VNFARM_ENGINE__MODELS", "[\"sdxl\", \"esrgan\"]")]).unwrap_err();
+    let err = vnfarm_worker::Config::load(
+        None,
+        [
+            (
+                "VNFARM_ENGINE__SDXL__CHECKPOINT",
+                "/models/sdxl.safetensors",
+            ),
+            ("VNFARM_ENGINE__MODELS", "[\"sdxl\", \"esrgan\"]"),
+        ]
+        .map(|(k, v)| (k.to_string(), v.to_string())),
+    )
+    .unwrap_err()
+    .to_string();
     assert!(err.starts_with("engine.models: `esrgan`"), "{err}");
+    let err = load(&[("VNFARM_ENGINE__ESRGAN__TILE_OVERLAP", "300")]).unwrap_err();
+    assert!(err.starts_with("engine.esrgan.tile_overlap: "), "{err}");
+    let err = load(&[("VNFARM_ENGINE__ESRGAN__BLEND", "smooth")]).unwrap_err();
+    assert!(err.contains("blend"), "{err}");
     let err = load(&[("VNFARM_ENGINE__SDXL__ATTENTION", "flash")]).unwrap_err();
     assert!(err.contains("attention"), "{err}");
     load(&[("VNFARM_ENGINE__SDXL__ATTENTION", "matmul")]).expect("matmul attention");

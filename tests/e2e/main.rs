@@ -2,6 +2,7 @@
 
 mod batches;
 mod deploy;
+mod esrgan;
 mod failures;
 mod fleet;
 mod intake;

@@ -23,7 +23,7 @@ use vnfarm_proto::{
 use vnfarm_storage::StorageError;
 
 use crate::engine::{CancelReason, EngineError, EngineJob, EngineOutput, InputImage, Progress};
-use crate::image_io::{decode_input, encode_png};
+use crate::image_io::{decode_input_as_stored, encode_png, flatten_to_rgb8};
 use crate::job::JobError;
 use crate::worker::Worker;
 
@@ -187,7 +187,7 @@ impl Worker {
         publisher: &Publisher,
         job: &BatchedJob,
         attempt: u32,
-        fetched: &mut HashMap<String, InputImage>,
+        fetched: &mut HashMap<(String, Layout), InputImage>,
         timings: &mut StageTimings,
     ) -> Result<Vec<InputImage>, JobError> {
         if job.deadline.is_some_and(|d| d < Utc::now()) {
@@ -208,13 +208,18 @@ impl Worker {
             Task::Edit(e) => e.images(),
             Task::Upscale(u) => vec![&u.input],
         };
+        // Upscales keep the stored layout (alpha, grey, 16-bit); the generative models take RGB8.
+        let layout = match &job.task {
+            Task::Upscale(_) => Layout::AsStored,
+            Task::Generate(_) | Task::Edit(_) => Layout::Rgb8,
+        };
         let mut inputs = Vec::with_capacity(refs.len());
         for input in refs {
-            let name = shared_name(input);
+            let name = shared_name(input).map(|n| (n, layout));
             let image = match name.as_ref().and_then(|n| fetched.get(n)) {
                 Some(image) => image.clone(),
                 None => {
-                    let image = self.fetch_input(input).await?;
+                    let image = self.fetch_input(input, layout).await?;
                     if let Some(name) = name {
                         fetched.insert(name, image.clone());
                     }
@@ -374,7 +379,7 @@ impl Worker {
     }
 
     /// Downloads (or decodes inline) one input image, with the sha256 of its bytes.
-    async fn fetch_input(&self, input: &ImageRef) -> Result<InputImage, JobError> {
+    async fn fetch_input(&self, input: &ImageRef, layout: Layout) -> Result<InputImage, JobError> {
         let bytes =
             match input {
                 ImageRef::Stored(key) => self.get_with_retries(key).await?,
@@ -391,9 +396,19 @@ impl Worker {
                 }
             };
         let decoded = tokio::task::spawn_blocking(move || {
-            decode_input(&bytes).map(|image| InputImage {
-                image,
-                sha256: hex::encode(Sha256::digest(&bytes)),
+            decode_input_as_stored(&bytes).map(|decoded| {
+                let keep = layout == Layout::AsStored
+                    && !matches!(decoded, image::DynamicImage::ImageRgb8(_));
+                let (image, stored) = if keep {
+                    (flatten_to_rgb8(decoded.clone()), Some(decoded))
+                } else {
+                    (flatten_to_rgb8(decoded), None)
+                };
+                InputImage {
+                    image,
+                    stored,
+                    sha256: hex::encode(Sha256::digest(&bytes)),
+                }
             })
         })
         .await
@@ -555,4 +570,13 @@ pub(crate) mod tests {
         );
         assert_eq!(shared_name(&ImageRef::Inline("aGk=".into())), None);
     }
+}
+
+/// What an input image is decoded to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Layout {
+    /// 8-bit RGB with alpha flattened onto white (the generative models).
+    Rgb8,
+    /// Also as stored: alpha, greyscale and 16-bit samples kept (upscales).
+    AsStored,
 }

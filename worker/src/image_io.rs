@@ -1,7 +1,9 @@
 //! Decoding untrusted input images within limits, and encoding outputs as PNG with their generation
 //! parameters in a `tEXt` chunk (key `parameters`, as A1111 and most viewers read it).
 //!
-//! Every input ends as 8-bit RGB, or as a typed error that says why not:
+//! Inputs decode as stored ([`decode_input_as_stored`]: 8- or 16-bit grey, grey + alpha, RGB or RGBA,
+//! which is what upscales keep), and for the generative models end as 8-bit RGB
+//! ([`decode_input`], [`flatten_to_rgb8`]), or as a typed error that says why not:
 //! - greyscale (any bit depth) and palette PNGs expand to RGB (the decoder applies the palette and
 //!   `tRNS`, then grey is replicated into the three channels);
 //! - 16-bit samples become 8-bit by rounding `v * 255 / 65535`;
@@ -42,6 +44,13 @@ impl From<image::ImageError> for ImageError {
 /// Decodes PNG, JPEG or WebP to 8-bit RGB (see the module docs for each kind of input); checks the
 /// size from the header before decoding any pixels.
 pub fn decode_input(bytes: &[u8]) -> Result<RgbImage, ImageError> {
+    decode_input_as_stored(bytes).map(flatten_to_rgb8)
+}
+
+/// Decodes PNG, JPEG or WebP keeping alpha, greyscale and 16-bit samples (palettes and CMYK are
+/// expanded by the decoder): the result is one of the 8- or 16-bit grey, grey + alpha, RGB and
+/// RGBA layouts. Checks the size from the header before decoding any pixels.
+pub fn decode_input_as_stored(bytes: &[u8]) -> Result<DynamicImage, ImageError> {
     let reader = ImageReader::new(std::io::Cursor::new(bytes))
         .with_guessed_format()
         .map_err(|e| ImageError::Corrupt(e.to_string()))?;
@@ -67,12 +76,24 @@ pub fn decode_input(bytes: &[u8]) -> Result<RgbImage, ImageError> {
     limits.max_image_width = Some(MAX_INPUT_SIDE);
     limits.max_image_height = Some(MAX_INPUT_SIDE);
     reader.limits(limits);
-    Ok(to_rgb8(reader.decode()?))
+    Ok(match reader.decode()? {
+        img @ (DynamicImage::ImageLuma8(_)
+        | DynamicImage::ImageLumaA8(_)
+        | DynamicImage::ImageRgb8(_)
+        | DynamicImage::ImageRgba8(_)
+        | DynamicImage::ImageLuma16(_)
+        | DynamicImage::ImageLumaA16(_)
+        | DynamicImage::ImageRgb16(_)
+        | DynamicImage::ImageRgba16(_)) => img,
+        // Float layouts (none of the three formats decodes to them today): 16-bit RGBA carries
+        // every value a PNG, JPEG or WebP can hold.
+        other => DynamicImage::ImageRgba16(other.to_rgba16()),
+    })
 }
 
 /// Converts any decoded layout to 8-bit RGB: exact for 8-bit RGB and grey, rounding for 16 bits,
 /// alpha flattened onto white at the source bit depth.
-fn to_rgb8(img: DynamicImage) -> RgbImage {
+pub fn flatten_to_rgb8(img: DynamicImage) -> RgbImage {
     match img {
         DynamicImage::ImageRgb8(rgb) => rgb,
         DynamicImage::ImageLuma8(_) => img.to_rgb8(),
@@ -113,13 +134,50 @@ fn u16_to_u8(v: u16) -> u8 {
     ((u32::from(v) * 255 + 65535 / 2) / 65535) as u8
 }
 
-/// Encodes RGB8 as PNG with `parameters` text.
-pub fn encode_png(image: &RgbImage, parameters: &str) -> Vec<u8> {
+/// Encodes an image as PNG with `parameters` text, in its own layout: 8- or 16-bit grey, grey +
+/// alpha, RGB or RGBA (any other layout is written as 16-bit RGBA).
+pub fn encode_png(image: &DynamicImage, parameters: &str) -> Vec<u8> {
+    use png::{BitDepth, ColorType};
+    let converted;
+    let image = match image {
+        DynamicImage::ImageLuma8(_)
+        | DynamicImage::ImageLumaA8(_)
+        | DynamicImage::ImageRgb8(_)
+        | DynamicImage::ImageRgba8(_)
+        | DynamicImage::ImageLuma16(_)
+        | DynamicImage::ImageLumaA16(_)
+        | DynamicImage::ImageRgb16(_)
+        | DynamicImage::ImageRgba16(_) => image,
+        other => {
+            converted = DynamicImage::ImageRgba16(other.to_rgba16());
+            &converted
+        }
+    };
+    let (color, depth) = match image {
+        DynamicImage::ImageLuma8(_) => (ColorType::Grayscale, BitDepth::Eight),
+        DynamicImage::ImageLumaA8(_) => (ColorType::GrayscaleAlpha, BitDepth::Eight),
+        DynamicImage::ImageRgba8(_) => (ColorType::Rgba, BitDepth::Eight),
+        DynamicImage::ImageLuma16(_) => (ColorType::Grayscale, BitDepth::Sixteen),
+        DynamicImage::ImageLumaA16(_) => (ColorType::GrayscaleAlpha, BitDepth::Sixteen),
+        DynamicImage::ImageRgb16(_) => (ColorType::Rgb, BitDepth::Sixteen),
+        DynamicImage::ImageRgba16(_) => (ColorType::Rgba, BitDepth::Sixteen),
+        _ => (ColorType::Rgb, BitDepth::Eight),
+    };
+    // PNG stores 16-bit samples big-endian.
+    let data: std::borrow::Cow<[u8]> = match depth {
+        BitDepth::Sixteen => image
+            .as_bytes()
+            .chunks_exact(2)
+            .flat_map(|b| u16::from_ne_bytes([b[0], b[1]]).to_be_bytes())
+            .collect::<Vec<u8>>()
+            .into(),
+        _ => image.as_bytes().into(),
+    };
     let mut out = Vec::new();
     {
         let mut encoder = png::Encoder::new(&mut out, image.width(), image.height());
-        encoder.set_color(png::ColorType::Rgb);
-        encoder.set_depth(png::BitDepth::Eight);
+        encoder.set_color(color);
+        encoder.set_depth(depth);
         // Latin-1 only in tEXt; iTXt carries UTF-8 prompts.
         encoder
             .add_itxt_chunk("parameters".into(), parameters.into())
@@ -128,7 +186,7 @@ pub fn encode_png(image: &RgbImage, parameters: &str) -> Vec<u8> {
             .write_header()
             .expect("writing a PNG header to a Vec cannot fail");
         writer
-            .write_image_data(image.as_raw())
+            .write_image_data(&data)
             .expect("buffer length matches the declared size");
     }
     out
@@ -141,7 +199,10 @@ mod tests {
     #[test]
     fn png_round_trips_with_parameters() {
         let img = RgbImage::from_fn(8, 4, |x, y| image::Rgb([x as u8, y as u8, 7]));
-        let bytes = encode_png(&img, "prompt: a cat (smiling)");
+        let bytes = encode_png(
+            &DynamicImage::ImageRgb8(img.clone()),
+            "prompt: a cat (smiling)",
+        );
         assert_eq!(decode_input(&bytes).unwrap(), img);
         let decoder = png::Decoder::new(std::io::Cursor::new(&bytes));
         let reader = decoder.read_info().unwrap();
@@ -151,15 +212,38 @@ mod tests {
     }
 
     #[test]
+    fn every_layout_round_trips_as_stored() {
+        let rgba = image::RgbaImage::from_fn(5, 3, |x, y| {
+            image::Rgba([x as u8, y as u8, 7, 40 * x as u8])
+        });
+        let la16 = image::ImageBuffer::<image::LumaA<u16>, _>::from_fn(4, 2, |x, y| {
+            image::LumaA([x as u16 * 20000 + 1, y as u16 * 60000])
+        });
+        let rgb16 = image::ImageBuffer::<image::Rgb<u16>, _>::from_fn(3, 3, |x, y| {
+            image::Rgb([x as u16 * 30001, y as u16 * 257, 65535])
+        });
+        let grey = image::GrayImage::from_fn(2, 2, |x, y| image::Luma([(x * 100 + y) as u8]));
+        for img in [
+            DynamicImage::ImageRgba8(rgba),
+            DynamicImage::ImageLumaA16(la16),
+            DynamicImage::ImageRgb16(rgb16),
+            DynamicImage::ImageLuma8(grey),
+        ] {
+            let back = decode_input_as_stored(&encode_png(&img, "x")).unwrap();
+            assert_eq!(back, img, "{:?}", img.color());
+        }
+    }
+
+    #[test]
     fn garbage_and_huge_images_are_rejected() {
         assert!(matches!(
             decode_input(b"not an image at all"),
             Err(ImageError::UnknownFormat)
         ));
-        let mut truncated = encode_png(&RgbImage::new(64, 64), "x");
+        let mut truncated = encode_png(&DynamicImage::ImageRgb8(RgbImage::new(64, 64)), "x");
         truncated.truncate(60);
         assert!(decode_input(&truncated).is_err());
-        let huge = encode_png(&RgbImage::new(4097, 1), "x");
+        let huge = encode_png(&DynamicImage::ImageRgb8(RgbImage::new(4097, 1)), "x");
         assert!(matches!(
             decode_input(&huge),
             Err(ImageError::TooLarge { width: 4097, .. })
@@ -354,7 +438,7 @@ mod tests {
     #[test]
     fn zero_sized_and_truncated_inputs_are_errors() {
         // A PNG whose IHDR says 0x4 (CRC fixed up so only the size is wrong).
-        let mut zero = encode_png(&RgbImage::new(1, 4), "x");
+        let mut zero = encode_png(&DynamicImage::ImageRgb8(RgbImage::new(1, 4)), "x");
         zero[16..20].copy_from_slice(&0u32.to_be_bytes());
         let crc = crc32(&zero[12..29]);
         zero[29..33].copy_from_slice(&crc.to_be_bytes());

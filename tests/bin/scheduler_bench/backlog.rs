@@ -39,6 +39,8 @@ pub struct Options {
     pub workers: usize,
     /// Submissions in flight at once.
     pub concurrency: usize,
+    /// Extra settings of every scheduler (`VNFARM_*`).
+    pub scheduler_env: Vec<(String, String)>,
 }
 
 /// One timed stretch: `jobs` submitted or completed in `elapsed`, the backlog going from `from`
@@ -87,8 +89,6 @@ pub struct Round {
 #[derive(Clone, Debug)]
 pub struct DepthReport {
     pub depth: usize,
-    /// Filling the backlog from empty to the depth.
-    pub fill: Window,
     pub rounds: Vec<Round>,
     /// The scheduler's memory at the end, with the backlog back at the depth.
     pub memory: Memory,
@@ -175,6 +175,8 @@ async fn backlog(farm: &Farm, submitter: &Submitter) -> anyhow::Result<u64> {
 
 async fn at_depth(options: &Options, depth: usize) -> anyhow::Result<DepthReport> {
     let mut farm = Farm::with_own_s3("bench-backlog").await?;
+    farm.scheduler_env
+        .extend(options.scheduler_env.iter().cloned());
     farm.start_scheduler().await?;
     let pid = farm.scheduler_pid(0).expect("started above");
     let submitter = Submitter {
@@ -266,7 +268,6 @@ async fn at_depth(options: &Options, depth: usize) -> anyhow::Result<DepthReport
     let memory = process::memory(pid)?;
     Ok(DepthReport {
         depth,
-        fill,
         rounds,
         memory,
     })

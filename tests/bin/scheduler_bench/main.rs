@@ -51,13 +51,15 @@ struct Cli {
     /// Timed starts with a snapshot, and as many without [default: 3; quick: 1].
     #[arg(long, global = true)]
     restarts: Option<usize>,
-    /// Backlog depths of `backlog`, comma-separated [default: 100,10000; quick: 100,1000].
+    /// Backlog depths of `backlog`, comma-separated, each on a farm of its own; a depth may come
+    /// again, and the summary takes the medians of all its rounds [default: 100,10000,10000,100,
+    /// so that a drift of the machine's speed falls on both depths alike; quick: 100,1000].
     #[arg(long, global = true, value_delimiter = ',')]
     depths: Option<Vec<usize>>,
     /// Jobs per timed submit or drain window [default: 500; quick: 200].
     #[arg(long, global = true)]
     window: Option<usize>,
-    /// Submit and drain windows per depth [default: 3; quick: 1].
+    /// Submit and drain windows per farm [default: 2; quick: 1].
     #[arg(long, global = true)]
     rounds: Option<usize>,
     /// Test-pattern workers draining the backlog (and workers in the synthetic history).
@@ -66,6 +68,17 @@ struct Cli {
     /// Submissions in flight at once.
     #[arg(long, global = true, default_value_t = 8)]
     concurrency: usize,
+    /// Extra setting of every scheduler started, as `VNFARM_KEY=value` (repeatable), to measure
+    /// the effect of one (`VNFARM_SNAPSHOT_EVERY_EVENTS=1000000000000`: no snapshots).
+    #[arg(long = "scheduler-env", global = true, value_parser = parse_setting)]
+    scheduler_env: Vec<(String, String)>,
+}
+
+fn parse_setting(text: &str) -> Result<(String, String), String> {
+    match text.split_once('=') {
+        Some((key, value)) if key.starts_with("VNFARM_") => Ok((key.into(), value.into())),
+        _ => Err(format!("{text:?}: expected VNFARM_KEY=value")),
+    }
 }
 
 #[derive(Subcommand, Debug, Clone, Copy, PartialEq, Eq)]
@@ -89,6 +102,7 @@ impl Cli {
                 workers: self.workers,
             },
             restarts: self.restarts.unwrap_or(if self.quick { 1 } else { 3 }),
+            scheduler_env: self.scheduler_env.clone(),
         }
     }
 
@@ -97,12 +111,13 @@ impl Cli {
             depths: self.depths.clone().unwrap_or(if self.quick {
                 vec![100, 1_000]
             } else {
-                vec![100, 10_000]
+                vec![100, 10_000, 10_000, 100]
             }),
             window: self.window.unwrap_or(if self.quick { 200 } else { 500 }),
-            rounds: self.rounds.unwrap_or(if self.quick { 1 } else { 3 }),
+            rounds: self.rounds.unwrap_or(if self.quick { 1 } else { 2 }),
             workers: self.workers,
             concurrency: self.concurrency,
+            scheduler_env: self.scheduler_env.clone(),
         }
     }
 }
@@ -112,6 +127,8 @@ async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let what = cli.what.unwrap_or(What::All);
     print!("{}", report::machine());
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    println!("  arguments: {}", args.join(" "));
     // The farms live inside `run`: interrupting drops it, and a farm dropped kills its processes
     // and deletes its queues.
     tokio::select! {
@@ -136,5 +153,6 @@ async fn run(cli: &Cli, what: What) -> anyhow::Result<()> {
     if let Some(backlog) = &backlog {
         print!("{}", report::backlog(backlog));
     }
+    println!("at the end: {}", report::load());
     Ok(())
 }

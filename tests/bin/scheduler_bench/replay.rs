@@ -20,11 +20,13 @@ const SERVE_LIMIT: Duration = Duration::from_secs(900);
 /// first snapshot by then).
 const SETTLE: Duration = Duration::from_secs(5);
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct Options {
     pub shape: Shape,
     /// Starts timed with a snapshot, and as many without.
     pub restarts: usize,
+    /// Extra settings of every scheduler (`VNFARM_*`).
+    pub scheduler_env: Vec<(String, String)>,
 }
 
 /// The scheduler that applied the history as it was written.
@@ -68,24 +70,25 @@ pub struct Report {
 
 pub async fn run(options: Options) -> anyhow::Result<Report> {
     let mut farm = Farm::with_own_s3("bench-replay").await?;
+    farm.scheduler_env
+        .extend(options.scheduler_env.iter().cloned());
     farm.start_scheduler().await?;
     probe::wait_serving(&farm, 0, Instant::now(), SERVE_LIMIT).await?;
     let live = live(&farm, options.shape).await?;
     farm.kill_scheduler();
 
+    // A scheduler writes its first snapshot as soon as it is active (none written yet counts as
+    // due), so the first start with a snapshot reads the live scheduler's last one, as after a
+    // crash, and the later ones the snapshot of the start before them.
     let mut starts = Vec::new();
     for n in 1..=options.restarts {
-        println!(
-            "start {n} of {} with the live scheduler's snapshots",
-            options.restarts
-        );
+        println!("start {n} of {} with a snapshot", options.restarts);
         starts.push(start(&mut farm, true).await?);
         farm.kill_scheduler();
     }
     let topology = Topology::new(farm.prefix.clone());
     for n in 1..=options.restarts {
         println!("start {n} of {} without a snapshot", options.restarts);
-        // Each start without one: the previous start wrote its own as soon as it was active.
         let connection = farm.connect_amqp().await?;
         let channel = connection.create_channel().await?;
         channel

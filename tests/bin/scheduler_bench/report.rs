@@ -53,7 +53,15 @@ pub fn machine() -> String {
         "  RabbitMQ: {}",
         first_line("rabbitmqctl", &["version"])
     );
+    let _ = writeln!(out, "  {}", load());
     out
+}
+
+/// The load averages (1, 5, 15 minutes): other work on the machine shows here.
+pub fn load() -> String {
+    let text = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let averages: Vec<&str> = text.split_whitespace().take(3).collect();
+    format!("load average: {}", averages.join(" "))
 }
 
 fn secs(value: Option<f64>) -> String {
@@ -209,35 +217,43 @@ pub fn backlog(reports: &[DepthReport]) -> String {
             );
         }
     }
+    // A depth may have been measured on several farms (the default alternates them, so that drift
+    // of the machine's speed during the run falls on both alike): one summary row per depth.
+    let mut depths: Vec<usize> = reports.iter().map(|r| r.depth).collect();
+    depths.dedup();
+    depths.sort_unstable();
+    depths.dedup();
     let _ = writeln!(
         out,
-        "\n| depth | fill from empty (jobs/s) | submit, median (jobs/s) | drain, median (jobs/s) | scheduler RSS at the end (MiB) |"
+        "\n| depth | farms | rounds | submit, median (jobs/s) | drain, median (jobs/s) | scheduler CPU per drained job, median (ms) | scheduler RSS at the end (MiB) |"
     );
-    let _ = writeln!(out, "| ---: | ---: | ---: | ---: | ---: |");
-    let medians: Vec<(f64, f64)> = reports
-        .iter()
-        .map(|r| {
-            (
-                median(r.rounds.iter().map(|x| x.submit.rate()).collect()),
-                median(r.rounds.iter().map(|x| x.drain.rate()).collect()),
-            )
-        })
-        .collect();
-    for (report, (submit, drain)) in reports.iter().zip(&medians) {
+    let _ = writeln!(out, "| ---: | ---: | ---: | ---: | ---: | ---: | --- |");
+    let mut medians = Vec::new();
+    for depth in depths {
+        let farms: Vec<&DepthReport> = reports.iter().filter(|r| r.depth == depth).collect();
+        let rounds: Vec<_> = farms.iter().flat_map(|r| &r.rounds).collect();
+        let submit = median(rounds.iter().map(|x| x.submit.rate()).collect());
+        let drain = median(rounds.iter().map(|x| x.drain.rate()).collect());
+        let cpu = median(rounds.iter().map(|x| x.drain.cpu_ms_per_job()).collect());
+        let rss: Vec<String> = farms
+            .iter()
+            .map(|r| format!("{:.1}", mib(r.memory.rss_kib)))
+            .collect();
         let _ = writeln!(
             out,
-            "| {} | {:.1} | {submit:.1} | {drain:.1} | {:.1} |",
-            report.depth,
-            report.fill.rate(),
-            mib(report.memory.rss_kib)
+            "| {depth} | {} | {} | {submit:.1} | {drain:.1} | {cpu:.2} | {} |",
+            farms.len(),
+            rounds.len(),
+            rss.join(", ")
         );
+        medians.push((submit, drain));
     }
     if let (Some(first), Some(last)) = (medians.first(), medians.last())
-        && reports.len() > 1
+        && medians.len() > 1
     {
         let _ = writeln!(
             out,
-            "\ndeepest ÷ shallowest backlog: submit {:.2}, drain {:.2}",
+            "\ndeepest ÷ shallowest backlog (medians): submit {:.2}, drain {:.2}",
             last.0 / first.0,
             last.1 / first.1
         );

@@ -45,6 +45,14 @@ pub enum LoadError {
     Config { path: PathBuf, reason: String },
     #[error("{path}: {reason}")]
     Format { path: PathBuf, reason: String },
+    /// Tensors the model does not have: another architecture, or another size of this one.
+    #[error("{path} has tensors the model does not use ({describe}): {}", .tensors.join(", "))]
+    Unexpected {
+        path: PathBuf,
+        /// What the loader took the file for (e.g. "RRDBNet ×4, 23 blocks").
+        describe: String,
+        tensors: Vec<String>,
+    },
     #[error("torch error while loading `{tensor}` from {path}: {source}")]
     Torch {
         path: PathBuf,

@@ -16,6 +16,7 @@
 //! - [`error`]: what callers branch on (`LoadError`, `GenerateError`).
 
 pub mod error;
+pub mod esrgan;
 pub mod imageops;
 pub mod loading;
 pub mod nn;

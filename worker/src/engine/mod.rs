@@ -15,6 +15,7 @@
 
 pub mod device;
 pub mod encode_cache;
+pub mod esrgan;
 pub mod gpu_memory;
 pub mod host;
 pub mod qwen_edit;
@@ -24,11 +25,12 @@ pub mod test_pattern;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
 
-use image::RgbImage;
+use image::{DynamicImage, RgbImage};
 use serde::Deserialize;
 use vnfarm_proto::{JobId, ModelFamily, StageTimings, Task};
 
 pub use encode_cache::{AdvertisedKeys, CacheLookup, EncodeCache};
+pub use esrgan::{EsrganConfig, EsrganEngine};
 pub use gpu_memory::GpuMemoryProbe;
 pub use host::{EngineHost, EngineLoading};
 pub use qwen_edit::{QwenEditEngine, QwenEditEngineConfig};
@@ -39,7 +41,7 @@ pub use test_pattern::{TestPatternConfig, TestPatternEngine};
 #[serde(deny_unknown_fields)]
 pub struct EngineConfig {
     /// Which implementation serves the models. Unset: `tch` when a model section (`sdxl`,
-    /// `qwen_edit`) is configured, else `test_pattern`.
+    /// `qwen_edit`, `esrgan`) is configured, else `test_pattern`.
     #[serde(default)]
     pub kind: Option<EngineKind>,
     /// Model families this worker serves (and advertises in its heartbeat). Unset: every family
@@ -54,6 +56,9 @@ pub struct EngineConfig {
     /// Qwen-Image-Edit-2509 on libtorch, for `edit` jobs. A worker may hold it and SDXL at once.
     #[serde(default)]
     pub qwen_edit: Option<QwenEditEngineConfig>,
+    /// Real-ESRGAN on libtorch, for `upscale` jobs (and pipelines' upscales).
+    #[serde(default)]
+    pub esrgan: Option<EsrganConfig>,
 }
 
 #[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
@@ -76,19 +81,20 @@ impl EngineKind {
 
 impl EngineConfig {
     pub fn kind(&self) -> EngineKind {
-        self.kind
-            .unwrap_or(if self.sdxl.is_some() || self.qwen_edit.is_some() {
-                EngineKind::Tch
-            } else {
-                EngineKind::TestPattern
-            })
+        let any_model = self.sdxl.is_some() || self.qwen_edit.is_some() || self.esrgan.is_some();
+        self.kind.unwrap_or(if any_model {
+            EngineKind::Tch
+        } else {
+            EngineKind::TestPattern
+        })
     }
 
     /// The families with a configured model (`tch`).
     fn configured(&self) -> Vec<ModelFamily> {
         let sdxl = self.sdxl.iter().map(|_| ModelFamily::Sdxl);
         let qwen = self.qwen_edit.iter().map(|_| ModelFamily::QwenEdit);
-        sdxl.chain(qwen).collect()
+        let esrgan = self.esrgan.iter().map(|_| ModelFamily::Esrgan);
+        sdxl.chain(qwen).chain(esrgan).collect()
     }
 
     pub fn models(&self) -> Vec<ModelFamily> {
@@ -130,7 +136,7 @@ impl EngineConfig {
                 }
                 EngineKind::Tch => "engine: the tch engine needs a model section \
                                     (engine.sdxl.checkpoint = \"/path/to/model.safetensors\", \
-                                    or engine.qwen_edit)"
+                                    engine.qwen_edit or engine.esrgan)"
                     .into(),
             });
         }
@@ -155,6 +161,9 @@ impl EngineConfig {
         if let Some(qwen) = &self.qwen_edit {
             qwen.validate()?;
         }
+        if let Some(esrgan) = &self.esrgan {
+            esrgan.validate()?;
+        }
         self.test_pattern.validate()
     }
 }
@@ -173,7 +182,11 @@ pub struct EngineJob {
 /// encodings in an engine's cache.
 #[derive(Debug, Clone)]
 pub struct InputImage {
+    /// 8-bit RGB, alpha flattened onto white: what the generative models take.
     pub image: RgbImage,
+    /// The image as stored, for tasks that keep its layout (upscales), when that layout is not
+    /// 8-bit RGB (alpha, greyscale, 16-bit samples); `None` otherwise.
+    pub stored: Option<DynamicImage>,
     pub sha256: String,
 }
 
@@ -183,9 +196,17 @@ pub fn content_key(inputs: &[InputImage]) -> String {
     format!("{}:{}", ModelFamily::QwenEdit.as_str(), shas.join("+"))
 }
 
+impl InputImage {
+    /// The image in its stored layout (for upscales): `stored`, else the RGB8 image.
+    pub fn into_stored(self) -> DynamicImage {
+        self.stored.unwrap_or(DynamicImage::ImageRgb8(self.image))
+    }
+}
+
 #[derive(Debug)]
 pub struct EngineOutput {
-    pub images: Vec<RgbImage>,
+    /// In the layout the engine made: 8-bit RGB, or an upscale's input layout.
+    pub images: Vec<DynamicImage>,
     /// Seed of each image, where the model uses one.
     pub seeds: Vec<Option<u64>>,
     /// Per stage. In a batch, a shared stage's time is split across the jobs that shared it, except
@@ -365,6 +386,7 @@ pub enum Engine {
     Tch {
         sdxl: Option<Box<SdxlEngine>>,
         qwen_edit: Option<Box<QwenEditEngine>>,
+        esrgan: Option<Box<EsrganEngine>>,
     },
 }
 
@@ -388,6 +410,11 @@ impl Engine {
                     .as_ref()
                     .map(|c| QwenEditEngine::load(c, cache_keys).map(Box::new))
                     .transpose()?,
+                esrgan: config
+                    .esrgan
+                    .as_ref()
+                    .map(|c| EsrganEngine::load(c).map(Box::new))
+                    .transpose()?,
             }),
         }
     }
@@ -398,9 +425,13 @@ impl Engine {
         jobs: &[&EngineJob],
         progress: &mut dyn FnMut(usize, Progress),
     ) -> Vec<Result<EngineOutput, EngineError>> {
-        let (sdxl, qwen_edit) = match self {
+        let (sdxl, qwen_edit, esrgan) = match self {
             Engine::TestPattern(e) => return e.run_batch(jobs, progress),
-            Engine::Tch { sdxl, qwen_edit } => (sdxl, qwen_edit),
+            Engine::Tch {
+                sdxl,
+                qwen_edit,
+                esrgan,
+            } => (sdxl, qwen_edit, esrgan),
         };
         // Each family's jobs go to its engine; a family without one fails its jobs.
         let mut results: Vec<Option<Result<EngineOutput, EngineError>>> =
@@ -418,7 +449,23 @@ impl Engine {
                     Some(e) => e.run_batch(&members, &mut progress),
                     None => unsupported(&members, model),
                 },
-                ModelFamily::Esrgan => unsupported(&members, model),
+                // Upscales share nothing: one after another, each with its own cancel.
+                ModelFamily::Esrgan => match esrgan {
+                    Some(e) => members
+                        .iter()
+                        .enumerate()
+                        .map(|(k, job)| {
+                            let owned = EngineJob {
+                                job_id: job.job_id,
+                                task: job.task.clone(),
+                                inputs: job.inputs.clone(),
+                                cancel: job.cancel.clone(),
+                            };
+                            e.run(owned, &mut |p| progress(k, p), &job.cancel)
+                        })
+                        .collect(),
+                    None => unsupported(&members, model),
+                },
             };
             for (&i, answer) in family.iter().zip(answers) {
                 results[i] = Some(answer);

@@ -475,7 +475,7 @@ impl QwenEditEngine {
                             timings.add("denoise", times.denoise * share);
                             timings.add("decode", times.decode * share);
                             EngineOutput {
-                                images: vec![image],
+                                images: vec![image::DynamicImage::ImageRgb8(image)],
                                 seeds: vec![Some(r.seed)],
                                 timings,
                                 encode_cache: None,

@@ -318,7 +318,9 @@ impl SdxlEngine {
                 timings.add("encode_prompt", out.times.encode_prompt * share);
                 timings.add("denoise", out.times.denoise * share);
                 timings.add("decode", out.times.decode * share);
-                outputs[*k].images.extend(produced);
+                outputs[*k]
+                    .images
+                    .extend(produced.into_iter().map(image::DynamicImage::ImageRgb8));
                 done[*k] += 1;
             }
         }

@@ -15,7 +15,7 @@
 
 use std::time::{Duration, Instant};
 
-use image::{Rgb, RgbImage};
+use image::{DynamicImage, Rgb, RgbImage};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use vnfarm_proto::{EditSpec, JobId, LoraRef, Sampler, StageTimings, Task};
@@ -185,7 +185,7 @@ fn step_cost_ms(step_ms: u64, n: usize, batch_step_cost: f64) -> f64 {
 /// One job's result as the batch builds it.
 #[derive(Default)]
 struct Run {
-    images: Vec<RgbImage>,
+    images: Vec<DynamicImage>,
     seeds: Vec<Option<u64>>,
     timings: StageTimings,
     encode_cache: Option<CacheLookup>,
@@ -487,13 +487,17 @@ impl TestPatternEngine {
         sleep_unless(self.config.decode_ms as f64, || job.cancel.requested())?;
         match &job.task {
             Task::Generate(g) => {
-                run.images
-                    .push(pattern(g.width, g.height, &fingerprint(&job.task, n)));
+                run.images.push(DynamicImage::ImageRgb8(pattern(
+                    g.width,
+                    g.height,
+                    &fingerprint(&job.task, n),
+                )));
                 run.seeds.push(g.seed.map(|s| s + u64::from(n)));
             }
             Task::Edit(e) => {
                 let input = &job.inputs[0].image;
-                run.images.push(edited(input, e, &job.task));
+                run.images
+                    .push(DynamicImage::ImageRgb8(edited(input, e, &job.task)));
                 run.seeds.push(e.seed);
             }
             Task::Upscale(_) => {}
@@ -518,14 +522,16 @@ impl TestPatternEngine {
         progress(Progress { step: 1, total: 1 });
         let mut out = image::imageops::resize(input, w, h, image::imageops::FilterType::Triangle);
         // Mark tile seams, so tile size and overlap show in the image.
-        let step = (u.tile * u.scale).max(1);
+        // (Without a tile in the job, the Real-ESRGAN engine's default tiling, 1024 / 16.)
+        let (tile, overlap) = (u.tile.unwrap_or(1024), u.tile_overlap.unwrap_or(16));
+        let step = (tile * u.scale).max(1);
         let fp = fingerprint(&job.task, 0);
         for (x, y, px) in out.enumerate_pixels_mut() {
-            if x % step < u.tile_overlap.min(2) || y % step < u.tile_overlap.min(2) {
+            if x % step < overlap.min(2) || y % step < overlap.min(2) {
                 *px = Rgb([fp[0], fp[1], fp[2]]);
             }
         }
-        run.images.push(out);
+        run.images.push(DynamicImage::ImageRgb8(out));
         run.seeds.push(None);
         run.timings.add("upscale", started.elapsed().as_secs_f64());
         Ok(())
@@ -568,6 +574,7 @@ mod tests {
         }));
         job.inputs.push(InputImage {
             image: RgbImage::new(32, 32),
+            stored: None,
             sha256: hex::encode(Sha256::digest(input.as_bytes())),
         });
         job
@@ -587,7 +594,7 @@ mod tests {
         }
     }
 
-    fn run(task: Task) -> Vec<RgbImage> {
+    fn run(task: Task) -> Vec<DynamicImage> {
         let (mut engine, _) = engine(instant());
         let mut steps = Vec::new();
         let mut out = engine.run_batch(&[&job(task)], &mut |_, p| steps.push(p));

@@ -4,6 +4,7 @@
 //! - [`rgb8_to_tensor`] / [`tensor_to_rgb8`]: images to and from the VAEs' [-1, 1] tensors, as
 //!   diffusers' `VaeImageProcessor` converts them (shared by every pipeline).
 
+pub mod lanczos4;
 pub mod resample;
 
 pub use resample::{Filter, ResizeError, resize};

@@ -1,8 +1,12 @@
 //! Getting weights from files to the device: [`safetensors`] (mmap, header parsing, bounds checks,
-//! staged copies), [`weights`] (name tables and the cursor model code asks), [`diffusers`]
-//! (component folders with shards and variants).
+//! staged copies), [`pth`] (PyTorch zip checkpoints through a restricted [`pickle`] reader and a
+//! stored-[`zip`] index), [`weights`] (name tables and the cursor model code asks), [`diffusers`]
+//! (component folders with shards and variants), [`lora`] (LoRA fusion).
 
 pub mod diffusers;
 pub mod lora;
+pub mod pickle;
+pub mod pth;
 pub mod safetensors;
 pub mod weights;
+pub mod zip;

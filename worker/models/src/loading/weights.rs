@@ -12,7 +12,47 @@ use std::sync::{Arc, Mutex};
 use tch::{Device, Kind, Tensor};
 
 use crate::error::LoadError;
+use crate::loading::pth::PthFile;
 use crate::loading::safetensors::SafetensorsFile;
+
+/// A file tensors are read from.
+#[derive(Debug, Clone)]
+pub enum TensorFile {
+    Safetensors(Arc<SafetensorsFile>),
+    /// A PyTorch zip checkpoint, reduced to its state dict ([`PthFile`]).
+    Pth(Arc<PthFile>),
+}
+
+impl TensorFile {
+    pub fn path(&self) -> &std::path::Path {
+        match self {
+            TensorFile::Safetensors(f) => f.path(),
+            TensorFile::Pth(f) => f.path(),
+        }
+    }
+
+    /// Stored shape of `key`.
+    pub fn shape(&self, key: &str) -> Option<Vec<i64>> {
+        match self {
+            TensorFile::Safetensors(f) => f.info(key).map(|i| i.shape.clone()),
+            TensorFile::Pth(f) => f.shape(key).map(<[i64]>::to_vec),
+        }
+    }
+
+    pub fn names(&self) -> Vec<String> {
+        match self {
+            TensorFile::Safetensors(f) => f.names().map(str::to_string).collect(),
+            TensorFile::Pth(f) => f.names().map(str::to_string).collect(),
+        }
+    }
+
+    pub fn load(&self, key: &str, device: Device, kind: Kind) -> Result<Tensor, LoadError> {
+        match self {
+            TensorFile::Safetensors(f) => f.load(key, device, kind),
+            TensorFile::Pth(f) => f.load(key, device, kind),
+        }
+    }
+}
 
 /// How a stored tensor becomes the requested one.
 #[derive(Debug, Clone)]
@@ -51,7 +91,7 @@ pub enum Fp8Mode {
 /// [`WeightStore::placeholders`]). It records which names were asked for.
 #[derive(Debug, Default)]
 pub struct WeightStore {
-    files: Vec<Arc<SafetensorsFile>>,
+    files: Vec<TensorFile>,
     names: HashMap<String, Source>,
     placeholders: HashMap<String, Vec<i64>>,
     requested: Mutex<BTreeSet<String>>,
@@ -66,12 +106,17 @@ impl WeightStore {
 
     /// Every tensor of `file` under `rename(key)`; keys mapped to `None` are skipped.
     pub fn renamed(file: Arc<SafetensorsFile>, rename: impl Fn(&str) -> Option<String>) -> Self {
+        Self::renamed_file(TensorFile::Safetensors(file), rename)
+    }
+
+    /// [`WeightStore::renamed`] for any [`TensorFile`].
+    pub fn renamed_file(file: TensorFile, rename: impl Fn(&str) -> Option<String>) -> Self {
         let mut store = Self::default();
-        let idx = store.add_file(file);
-        let keys: Vec<String> = store.files[idx].names().map(str::to_string).collect();
+        store.files.push(file);
+        let keys = store.files[0].names();
         for k in keys {
             if let Some(name) = rename(&k) {
-                store.insert(name, idx, k, Transform::Identity);
+                store.insert(name, 0, k, Transform::Identity);
             }
         }
         store
@@ -101,7 +146,7 @@ impl WeightStore {
     }
 
     pub fn add_file(&mut self, file: Arc<SafetensorsFile>) -> usize {
-        self.files.push(file);
+        self.files.push(TensorFile::Safetensors(file));
         self.files.len() - 1
     }
 
@@ -141,7 +186,10 @@ impl WeightStore {
         let Some(src) = self.names.get(name) else {
             return Ok((self.get(name, shape, device, kind)?, None));
         };
-        let file = &self.files[src.file];
+        let TensorFile::Safetensors(file) = &self.files[src.file] else {
+            // fp8 weights come only in safetensors files.
+            return Ok((self.get(name, shape, device, kind)?, None));
+        };
         let stored = file
             .info(&src.key)
             .and_then(|info| crate::loading::safetensors::kind_of(&info.dtype))
@@ -234,11 +282,10 @@ impl WeightStore {
             tensor: name.to_string(),
         })?;
         let file = &self.files[src.file];
-        let info = file.info(&src.key).ok_or_else(|| LoadError::Missing {
+        let stored = file.shape(&src.key).ok_or_else(|| LoadError::Missing {
             path: file.path().to_path_buf(),
             tensor: src.key.clone(),
         })?;
-        let stored = info.shape.clone();
         let shape_err = |found: Vec<i64>| LoadError::Shape {
             path: file.path().to_path_buf(),
             tensor: src.key.clone(),
@@ -291,6 +338,23 @@ impl WeightStore {
             }
         };
         Ok(t)
+    }
+
+    /// Every known name.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.names
+            .keys()
+            .chain(self.placeholders.keys())
+            .map(String::as_str)
+    }
+
+    /// The stored shape of `name` (before any transform).
+    pub fn shape(&self, name: &str) -> Option<Vec<i64>> {
+        if let Some(shape) = self.placeholders.get(name) {
+            return Some(shape.clone());
+        }
+        let src = self.names.get(name)?;
+        self.files[src.file].shape(&src.key)
     }
 
     /// Whether `name` is known.

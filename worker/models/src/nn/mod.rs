@@ -143,6 +143,13 @@ impl Conv2d {
     }
 }
 
+/// `x` (`[N, C, H, W]`) with the same values in channels-last memory order (NHWC strides), as
+/// `x.to(memory_format=torch.channels_last)`: convolutions that see it run their NHWC kernels and
+/// return channels-last outputs.
+pub fn channels_last(x: &Tensor) -> Tensor {
+    x.permute([0, 2, 3, 1]).contiguous().permute([0, 3, 1, 2])
+}
+
 /// `torch.nn.GroupNorm` with affine parameters.
 #[derive(Debug)]
 pub struct GroupNorm {

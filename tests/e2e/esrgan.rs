@@ -1,0 +1,277 @@
+//! The Real-ESRGAN engine inside the worker, end to end through the scheduler, RabbitMQ and S3,
+//! with the tiny random-weight RRDBNet of `worker/models/fixtures/esrgan` on the CPU (fp32):
+//! uploaded RGBA, grey and 16-bit images come back in their own layout and equal Real-ESRGAN's
+//! `enhance` for the same weights (`make_esrgan_fixtures.py`); a pipeline's upscale step runs on
+//! the SDXL base it follows; progress counts tiles; a cancel stops between tiles.
+
+use std::path::{Path, PathBuf};
+
+use image::DynamicImage;
+use serde_json::{Value, json};
+use tch::{Device, Kind};
+use vnfarm_models::esrgan::rrdbnet::MemoryFormat;
+use vnfarm_models::esrgan::tiling::{Blend, TileSettings};
+use vnfarm_models::esrgan::upscaler::{UpscaleOptions, Upscaler};
+use vnfarm_models::loading::safetensors::SafetensorsFile;
+use vnfarm_scheduler::scheduler::inline_image;
+use vnfarm_tests::{Farm, WorkerOptions};
+
+use crate::FINISH;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../worker/models/fixtures")
+}
+
+/// The tiny ×4 model with 64-pixel tiles and a 16-pixel overlap, feathered; optionally SDXL too.
+fn esrgan_worker(with_sdxl: bool) -> WorkerOptions {
+    let mut env: Vec<(String, String)> = [
+        (
+            "MODEL",
+            fixtures().join("esrgan/tiny_x4.pth").display().to_string(),
+        ),
+        ("DEVICE", "cpu".into()),
+        ("DTYPE", "fp32".into()),
+        ("TILE", "64".into()),
+        ("TILE_OVERLAP", "16".into()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (format!("VNFARM_ENGINE__ESRGAN__{k}"), v))
+    .collect();
+    if with_sdxl {
+        env.extend(
+            [
+                (
+                    "CHECKPOINT",
+                    fixtures().join("sdxl/sdxl_tiny").display().to_string(),
+                ),
+                ("DEVICE", "cpu".into()),
+                ("DTYPE", "fp32".into()),
+                ("VAE_DTYPE", "fp32".into()),
+                ("WARM_UP", "[[256, 256]]".into()),
+                ("VAE_TILING", "never".into()),
+            ]
+            .into_iter()
+            .map(|(k, v)| (format!("VNFARM_ENGINE__SDXL__{k}"), v.to_string())),
+        );
+    }
+    WorkerOptions {
+        extra_env: env,
+        ..WorkerOptions::default()
+    }
+}
+
+async fn output(farm: &Farm, job: &Value) -> anyhow::Result<DynamicImage> {
+    let key = job["outputs"][0].as_str().expect("an output");
+    Ok(image::load_from_memory(&farm.storage.get(key).await?)?)
+}
+
+/// The image's samples against a reference tensor of the fixture (`[H, W, C]` or `[H, W]`):
+/// the largest absolute difference.
+fn max_diff(img: &DynamicImage, reference: &tch::Tensor) -> i64 {
+    let (w, h) = (i64::from(img.width()), i64::from(img.height()));
+    let c = i64::from(img.color().channel_count());
+    let samples: Vec<i64> = if img.color().bytes_per_pixel() / img.color().channel_count() == 2 {
+        img.as_bytes()
+            .chunks(2)
+            .map(|b| i64::from(u16::from_ne_bytes([b[0], b[1]])))
+            .collect()
+    } else {
+        img.as_bytes().iter().map(|&b| i64::from(b)).collect()
+    };
+    let shape = if c == 1 { vec![h, w] } else { vec![h, w, c] };
+    assert_eq!(reference.size(), shape, "image size");
+    (tch::Tensor::from_slice(&samples).view(shape.as_slice()) - reference.to_kind(Kind::Int64))
+        .abs()
+        .max()
+        .int64_value(&[])
+}
+
+/// The tiny model as the worker runs it (its default memory format, channels-last).
+fn library_upscaler() -> anyhow::Result<Upscaler> {
+    let mut up = Upscaler::load(
+        &fixtures().join("esrgan/tiny_x4.pth"),
+        Device::Cpu,
+        Kind::Float,
+    )?;
+    up.set_memory_format(MemoryFormat::ChannelsLast);
+    Ok(up)
+}
+
+/// The job's last progress is `tiles` of `tiles`. A job dispatched twice (its first dispatch was
+/// given back under load, and the redelivery found the finished manifest) has no progress of its
+/// last run to show, which is fine.
+fn assert_tiles(job: &Value, tiles: u64) {
+    if job["progress"].is_null() && job["dispatches"].as_u64().unwrap_or(0) > 1 {
+        println!("progress not kept over a redispatch: {job}");
+        return;
+    }
+    assert_eq!(
+        job["progress"],
+        json!({"step": tiles, "total": tiles}),
+        "{job}"
+    );
+}
+
+async fn upscale(farm: &Farm, image: &[u8], scale: u32) -> anyhow::Result<Value> {
+    let input = serde_json::to_value(inline_image(image))?;
+    let (status, body) = farm
+        .submit(&json!({"schema_version": 1,
+            "job": {"kind": "upscale", "input": input, "scale": scale}}))
+        .await?;
+    assert_eq!(status, 201, "{body}");
+    let job = farm
+        .wait_finished(body["job_id"].as_str().unwrap(), FINISH)
+        .await?;
+    assert_eq!(job["state"], "completed", "{job}\n{}", farm.worker_logs());
+    Ok(job)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upscales_keep_alpha_grey_and_16_bits_and_match_realesrgan() -> anyhow::Result<()> {
+    let reference = SafetensorsFile::open(fixtures().join("esrgan/reference/esrgan.safetensors"))?;
+    let want = |name: &str| {
+        reference
+            .load(name, Device::Cpu, Kind::Int64)
+            .expect("reference image")
+    };
+    let inputs = fixtures().join("esrgan/inputs");
+    let mut farm = Farm::new("esrgan-upscale").await?;
+    farm.start_scheduler().await?;
+    farm.start_worker("esrgan-1", esrgan_worker(false)).await?;
+    let workers = farm.get_json("/v1/workers").await?;
+    assert_eq!(
+        workers["workers"][0]["heartbeat"]["models"],
+        json!(["esrgan"]),
+        "{workers}"
+    );
+
+    // 37×29 fits one 64-pixel tile: Real-ESRGAN's full-frame references apply.
+    let cases = [
+        ("rgba8_37x29.png", 4, "x4_rgba_full.image"),
+        ("rgba8_37x29.png", 2, "x4_rgba_outscale2_full.image"),
+        ("grey8_37x29.png", 4, "x4_grey_full.image"),
+        ("rgb16_23x19.png", 4, "x4_rgb16_full.image"),
+    ];
+    for (file, scale, name) in cases {
+        let bytes = std::fs::read(inputs.join(file))?;
+        let job = upscale(&farm, &bytes, scale).await?;
+        let out = output(&farm, &job).await?;
+        let input = image::load_from_memory(&bytes)?;
+        assert_eq!(out.color(), input.color(), "{file}: the layout is kept");
+        let d = max_diff(&out, &want(name));
+        println!("{file} ×{scale}: max |difference| {d} from Real-ESRGAN");
+        assert!(d <= 1, "{file} ×{scale}: {d} from Real-ESRGAN");
+        assert_tiles(&job, 1);
+    }
+
+    // 200×150 at 64-pixel tiles: 4 × 3 tiles, counted as progress; the output equals the
+    // library's for the same settings.
+    let img = image::RgbImage::from_fn(200, 150, |x, y| {
+        image::Rgb([(x + y) as u8, (3 * x) as u8, (200 - y) as u8])
+    });
+    let mut png = Vec::new();
+    img.write_to(&mut std::io::Cursor::new(&mut png), image::ImageFormat::Png)?;
+    let job = upscale(&farm, &png, 4).await?;
+    assert_tiles(&job, 12);
+    let out = output(&farm, &job).await?;
+    let up = library_upscaler()?;
+    let options = UpscaleOptions {
+        outscale: Some(4),
+        tiles: TileSettings {
+            tile: Some(64),
+            overlap: 16,
+            blend: Blend::Feather,
+            max_batch: 1,
+        },
+        pre_pad: 0,
+    };
+    let local = up.upscale(
+        &DynamicImage::ImageRgb8(img),
+        &options,
+        &mut |_, _| {},
+        &|| false,
+    )?;
+    assert!(
+        out.as_bytes() == local.as_bytes(),
+        "the worker's output is the library's"
+    );
+    Ok(())
+}
+
+/// A pipeline (an SDXL base, then an upscale of it) on one worker holding both models; and a long
+/// upscale cancelled between tiles.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pipeline_upscales_its_base_and_a_cancel_stops_between_tiles() -> anyhow::Result<()> {
+    let mut farm = Farm::new("esrgan-pipeline").await?;
+    farm.start_scheduler().await?;
+    farm.start_worker("esrgan-2", esrgan_worker(true)).await?;
+    let (status, body) = farm
+        .submit(&json!({"schema_version": 1, "job": {"kind": "pipeline",
+            "base": {"prompt": "1girl, classroom", "width": 256, "height": 256, "steps": 2, "seed": 5},
+            "upscales": [{"of": "base", "scale": 2}]}}))
+        .await?;
+    assert_eq!(status, 201, "{body}");
+    let pipeline = farm
+        .wait_finished(body["job_id"].as_str().unwrap(), FINISH)
+        .await?;
+    assert_eq!(
+        pipeline["state"],
+        "completed",
+        "{pipeline}\n{}",
+        farm.worker_logs()
+    );
+    let children = pipeline["children"].as_array().unwrap().clone();
+    let base = output(&farm, &farm.job(children[0].as_str().unwrap()).await?).await?;
+    let upscaled = farm.job(children[1].as_str().unwrap()).await?;
+    assert_tiles(&upscaled, 16);
+    let out = output(&farm, &upscaled).await?;
+    assert_eq!((out.width(), out.height()), (512, 512));
+    // The upscale is of the base: the library's ×2 of the stored base image, byte for byte.
+    let up = library_upscaler()?;
+    let options = UpscaleOptions {
+        outscale: Some(2),
+        tiles: TileSettings {
+            tile: Some(64),
+            overlap: 16,
+            blend: Blend::Feather,
+            max_batch: 1,
+        },
+        pre_pad: 0,
+    };
+    let local = up.upscale(&base, &options, &mut |_, _| {}, &|| false)?;
+    assert!(
+        out.as_bytes() == local.as_bytes(),
+        "the upscale is of the base"
+    );
+
+    // A 1024² input at 64-pixel tiles is 256 tiles: cancelled after the first, it stops.
+    let img = image::RgbImage::from_fn(1024, 1024, |x, y| {
+        image::Rgb([(x / 4) as u8, (y / 4) as u8, ((x ^ y) & 0xFF) as u8])
+    });
+    let mut png = Vec::new();
+    img.write_to(&mut std::io::Cursor::new(&mut png), image::ImageFormat::Png)?;
+    let input = serde_json::to_value(inline_image(&png))?;
+    let (_, body) = farm
+        .submit(&json!({"schema_version": 1,
+            "job": {"kind": "upscale", "input": input, "scale": 4}}))
+        .await?;
+    let id = body["job_id"].as_str().unwrap().to_owned();
+    farm.wait_step(&id, 1, FINISH).await?;
+    let r = farm
+        .http
+        .post(farm.url(&format!("/v1/jobs/{id}/cancel")))
+        .send()
+        .await?;
+    assert!(r.status().is_success(), "cancel: {}", r.status());
+    let job = farm.wait_finished(&id, FINISH).await?;
+    assert_eq!(job["state"], "cancelled", "{job}");
+    assert!(job["progress"]["step"].as_u64().unwrap_or(0) < 256, "{job}");
+    assert!(
+        farm.storage
+            .list(&format!("results/{id}/"))
+            .await?
+            .is_empty(),
+        "a cancelled upscale leaves nothing in storage"
+    );
+    Ok(())
+}
