@@ -301,14 +301,19 @@ impl Worker {
         ends: Vec<JobEnd>,
         started: Instant,
     ) -> Result<(), Lost> {
-        let retries = ends
-            .iter()
-            .any(|end| matches!(end, Err(e) if matches!(e.disposition(), Disposition::Retry(_))));
-        if retries {
-            // Back off once before giving jobs back, so a broken dependency is not hammered.
+        let (retries, others): (Vec<_>, Vec<_>) = jobs.iter().zip(ends).partition(
+            |(_, end)| matches!(end, Err(e) if matches!(e.disposition(), Disposition::Retry(_))),
+        );
+        for (job, end) in others {
+            self.settle_member(publisher, job, end, started).await?;
+            self.settled(job.job_id);
+        }
+        if !retries.is_empty() {
+            // Back off once before giving jobs back, so a broken dependency is not hammered (the
+            // others are reported first: they do not wait for it).
             tokio::time::sleep(RETRY_BACKOFF).await;
         }
-        for (job, end) in jobs.iter().zip(ends) {
+        for (job, end) in retries {
             self.settle_member(publisher, job, end, started).await?;
             self.settled(job.job_id);
         }
