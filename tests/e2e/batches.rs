@@ -223,6 +223,22 @@ impl Bench {
             .is_some_and(|(_, _, stages)| stages.iter().any(|s| s == "encode"))
     }
 
+    /// Waits until the worker process exits.
+    async fn wait_exit(&mut self) -> anyhow::Result<std::process::ExitStatus> {
+        let deadline = tokio::time::Instant::now() + FINISH;
+        loop {
+            if let Some(status) = self.farm.worker_mut("w1").try_wait()? {
+                return Ok(status);
+            }
+            anyhow::ensure!(
+                tokio::time::Instant::now() < deadline,
+                "the worker did not exit\n{}",
+                self.farm.worker_logs()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     /// Takes every message now in `queue` (acking them), waiting until there are `n`.
     async fn drain_queue(
         &self,
@@ -632,18 +648,7 @@ async fn shutdown_gives_each_job_of_a_batch_back_alone() -> anyhow::Result<()> {
     let mut expected = ids.clone();
     expected.sort();
     assert_eq!(back, expected);
-    let deadline = tokio::time::Instant::now() + FINISH;
-    let status = loop {
-        if let Some(status) = bench.farm.worker_mut("w1").try_wait()? {
-            break status;
-        }
-        anyhow::ensure!(
-            tokio::time::Instant::now() < deadline,
-            "the worker did not exit\n{}",
-            bench.farm.worker_logs()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let status = bench.wait_exit().await?;
     assert!(status.success(), "{}", bench.farm.worker_logs());
     for id in ids {
         assert!(
@@ -655,6 +660,61 @@ async fn shutdown_gives_each_job_of_a_batch_back_alone() -> anyhow::Result<()> {
             bench.names_of(id)
         );
     }
+    Ok(())
+}
+
+/// A device failure in a batch is nobody's fault: each job gets a retryable `failed` and goes back to
+/// the scheduler alone, and the worker exits with an error for its supervisor to restart it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_failure_gives_every_job_of_the_batch_back_to_be_retried() -> anyhow::Result<()> {
+    let options = test_pattern(
+        5,
+        &[("VNFARM_ENGINE__TEST_PATTERN__DEVICE_FAILURE_PROMPT", "boom")],
+    );
+    let mut bench = Bench::start("batch-device", options).await?;
+    let batch = [generate("fine"), generate("boom"), generate("also fine")];
+    let ids: Vec<JobId> = batch.iter().map(|j| j.job_id).collect();
+    bench.send(&batch).await?;
+    let returned = bench
+        .drain_queue(&bench.topology.redispatch_queue(), 3)
+        .await?;
+    let mut back = Vec::new();
+    for delivery in &returned {
+        let message: WorkMessage = decode_json(&delivery.data)?;
+        assert!(message.batch.is_empty(), "given back alone");
+        back.push(message.job_id);
+    }
+    back.sort();
+    let mut expected = ids.clone();
+    expected.sort();
+    assert_eq!(back, expected);
+    bench
+        .wait_events(|seen| {
+            ids.iter().all(|id| {
+                seen.iter()
+                    .any(|e| e.job_id == *id && e.kind.name() == "failed")
+            })
+        })
+        .await?;
+    for &id in &ids {
+        let failed = bench.seen.iter().find_map(|e| match &e.kind {
+            EventKind::Failed {
+                failure, retryable, ..
+            } if e.job_id == id => Some((*failure, *retryable)),
+            _ => None,
+        });
+        assert_eq!(
+            failed,
+            Some((FailureKind::Engine, true)),
+            "{:?}",
+            bench.names_of(id)
+        );
+    }
+    let status = bench.wait_exit().await?;
+    assert!(
+        !status.success(),
+        "a device failure ends the worker with an error"
+    );
     Ok(())
 }
 
