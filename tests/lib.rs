@@ -592,6 +592,17 @@ impl Farm {
         Ok((r.status(), r.json().await?))
     }
 
+    /// Asks the scheduler to cancel a job; fails unless the request is accepted.
+    pub async fn cancel(&self, id: &str) -> anyhow::Result<()> {
+        let r = self
+            .http
+            .post(self.url(&format!("/v1/jobs/{id}/cancel")))
+            .send()
+            .await?;
+        anyhow::ensure!(r.status().is_success(), "cancel {id}: {}", r.status());
+        Ok(())
+    }
+
     pub async fn job(&self, id: &str) -> anyhow::Result<Value> {
         self.get_json(&format!("/v1/jobs/{id}")).await
     }

@@ -1495,21 +1495,27 @@ mod tests {
         assert_eq!(r.workers[&wid("b")].load(), 5);
     }
 
-    #[test]
-    fn an_edit_waits_for_its_busy_holder_then_goes_elsewhere() {
+    /// Worker `a` made `base` (so it holds the base's encodings) and is now busy with another
+    /// job; worker `b` has just joined, free. Both take `max_batch` jobs per message.
+    fn busy_holder(max_batch: u32) -> (Registry, Stream, JobId) {
         let mut r = Registry::default();
         let mut s = Stream::new();
-        r.heartbeat(batching_worker("a", 1, 8));
+        r.heartbeat(batching_worker("a", 1, max_batch));
         let base = s.queue(&mut r, generate());
         let plan = r.plan_dispatch(&affinity(), later(0), T);
         s.dispatched(&mut r, &plan.dispatches[0]);
         s.completed_on(&mut r, base, "a");
-        // a is busy with something else when the edit arrives.
         let other = s.queue(&mut r, generate());
         let plan = r.plan_dispatch(&affinity(), later(0), T);
         assert_eq!(plan.dispatches[0].jobs, vec![other]);
         s.dispatched(&mut r, &plan.dispatches[0]);
-        r.heartbeat(batching_worker("b", 1, 8));
+        r.heartbeat(batching_worker("b", 1, max_batch));
+        (r, s, base)
+    }
+
+    #[test]
+    fn an_edit_waits_for_its_busy_holder_then_goes_elsewhere() {
+        let (mut r, mut s, base) = busy_holder(8);
         let edit = s.queue(&mut r, edit_of(base));
         let plan = r.plan_dispatch(&affinity(), later(0), T);
         assert!(
@@ -1531,18 +1537,7 @@ mod tests {
 
     #[test]
     fn a_hot_input_spills_to_a_second_worker_and_batches_stay_within_limits() {
-        let mut r = Registry::default();
-        let mut s = Stream::new();
-        r.heartbeat(batching_worker("a", 1, 4));
-        let base = s.queue(&mut r, generate());
-        let plan = r.plan_dispatch(&affinity(), later(0), T);
-        s.dispatched(&mut r, &plan.dispatches[0]);
-        s.completed_on(&mut r, base, "a");
-        let other = s.queue(&mut r, generate());
-        let plan = r.plan_dispatch(&affinity(), later(0), T);
-        assert_eq!(plan.dispatches[0].jobs, vec![other]);
-        s.dispatched(&mut r, &plan.dispatches[0]);
-        r.heartbeat(batching_worker("b", 1, 4));
+        let (mut r, mut s, base) = busy_holder(4);
         // Six edits of a's input (spill_after) while a is busy: b takes some at once.
         for _ in 0..6 {
             s.queue(&mut r, edit_of(base));

@@ -257,12 +257,7 @@ async fn a_pipeline_upscales_its_base_and_a_cancel_stops_between_tiles() -> anyh
         .await?;
     let id = body["job_id"].as_str().unwrap().to_owned();
     farm.wait_step(&id, 1, FINISH).await?;
-    let r = farm
-        .http
-        .post(farm.url(&format!("/v1/jobs/{id}/cancel")))
-        .send()
-        .await?;
-    assert!(r.status().is_success(), "cancel: {}", r.status());
+    farm.cancel(&id).await?;
     let job = farm.wait_finished(&id, FINISH).await?;
     assert_eq!(job["state"], "cancelled", "{job}");
     assert!(job["progress"]["step"].as_u64().unwrap_or(0) < 256, "{job}");

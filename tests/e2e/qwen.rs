@@ -227,12 +227,7 @@ async fn edits_of_uploaded_images_take_two_inputs_and_cancel_between_steps() -> 
         .await?;
     let id = body["job_id"].as_str().unwrap().to_owned();
     farm.wait_step(&id, 1, FINISH).await?;
-    let r = farm
-        .http
-        .post(farm.url(&format!("/v1/jobs/{id}/cancel")))
-        .send()
-        .await?;
-    assert!(r.status().is_success(), "cancel: {}", r.status());
+    farm.cancel(&id).await?;
     let job = farm.wait_finished(&id, FINISH).await?;
     assert_eq!(job["state"], "cancelled", "{job}");
     assert!(job["progress"]["step"].as_u64().unwrap_or(0) < 100);

@@ -186,12 +186,7 @@ async fn cancelling_a_generate_stops_it_between_steps() -> anyhow::Result<()> {
     assert_eq!(status, 201, "{body}");
     let id = body["job_id"].as_str().unwrap().to_owned();
     farm.wait_step(&id, 1, FINISH).await?;
-    let r = farm
-        .http
-        .post(farm.url(&format!("/v1/jobs/{id}/cancel")))
-        .send()
-        .await?;
-    assert!(r.status().is_success(), "cancel: {}", r.status());
+    farm.cancel(&id).await?;
     let job = farm.wait_finished(&id, FINISH).await?;
     assert_eq!(job["state"], "cancelled", "{job}");
     let step = job["progress"]["step"].as_u64().unwrap_or(0);
