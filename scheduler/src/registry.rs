@@ -137,6 +137,8 @@ struct Local {
     hold_until: Option<Instant>,
     /// Waited once for that worker in vain: any worker may take it now.
     hold_expired: bool,
+    /// Released from its hold to a worker that had nothing else to do.
+    idle_release: bool,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -1514,14 +1516,18 @@ mod tests {
     }
 
     #[test]
-    fn an_edit_waits_for_its_busy_holder_then_goes_elsewhere() {
+    fn an_edit_waits_for_its_busy_holder_while_others_have_work_then_goes_elsewhere() {
         let (mut r, mut s, base) = busy_holder(8);
         let edit = s.queue(&mut r, edit_of(base));
+        let other = s.queue(&mut r, generate());
         let plan = r.plan_dispatch(&affinity(), later(0), T);
-        assert!(
-            plan.dispatches.is_empty(),
-            "b is free, but a holds the input"
+        assert_eq!(plan.dispatches.len(), 1, "{plan:?}");
+        assert_eq!(
+            plan.dispatches[0].jobs,
+            vec![other],
+            "b takes other work; a holds the edit's input"
         );
+        s.dispatched(&mut r, &plan.dispatches[0]);
         assert!(plan.wake_at.is_some_and(|w| w > later(500)));
         let view = r.view(r.job(edit).unwrap(), T);
         assert!(
@@ -1529,10 +1535,50 @@ mod tests {
             "{:?}",
             view.waiting_for
         );
+        // Past `affinity_wait_ms` a newly free worker takes it before younger work.
+        let younger = s.queue(&mut r, generate());
+        r.heartbeat(batching_worker("c", 1, 8));
         let plan = r.plan_dispatch(&affinity(), later(1_100), T);
-        assert_eq!(plan.dispatches.len(), 1);
-        assert_eq!(plan.dispatches[0].worker.as_str(), "b");
-        assert_eq!(plan.dispatches[0].decision, Decision::AffinityWaitExpired);
+        assert_eq!(plan.dispatches.len(), 1, "{plan:?}");
+        let d = &plan.dispatches[0];
+        assert_eq!((d.worker.as_str(), d.jobs.as_slice()), ("c", &[edit][..]));
+        assert_eq!(d.decision, Decision::AffinityWaitExpired);
+        assert_eq!(r.job(younger).unwrap().state, JobState::Queued);
+    }
+
+    #[test]
+    fn a_held_edit_goes_to_a_worker_that_would_otherwise_idle() {
+        let (mut r, mut s, base) = busy_holder(8);
+        s.queue(&mut r, edit_of(base));
+        let plan = r.plan_dispatch(&affinity(), later(0), T);
+        assert_eq!(plan.dispatches.len(), 1, "{plan:?}");
+        let d = &plan.dispatches[0];
+        assert_eq!(
+            (d.worker.as_str(), d.decision),
+            ("b", Decision::AffinityIdle)
+        );
+    }
+
+    #[test]
+    fn an_interactive_edit_is_not_held_and_travels_without_batch_work() {
+        let (mut r, mut s, base) = busy_holder(8);
+        let batch = s.queue(&mut r, edit_of(base));
+        let interactive = s.queue(
+            &mut r,
+            Submission {
+                priority: Priority::Interactive,
+                ..edit_of(base)
+            },
+        );
+        s.queue(&mut r, generate());
+        let plan = r.plan_dispatch(&affinity(), later(0), T);
+        let d = &plan.dispatches[0];
+        assert_eq!(
+            (d.worker.as_str(), d.decision, d.jobs.as_slice()),
+            ("b", Decision::AffinityInteractive, &[interactive][..]),
+            "{plan:?}"
+        );
+        assert_eq!(r.job(batch).unwrap().state, JobState::Queued);
     }
 
     #[test]

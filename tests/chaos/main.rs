@@ -14,7 +14,9 @@
 //! Settings (environment): `VNFARM_CHAOS_SECONDS`, the length of the workload (default 90, the
 //! bounded run of the test suite; `./farm chaos 600` runs ten minutes); `VNFARM_CHAOS_SEED`, to
 //! replay the workload's and the schedule's choices (their timing depends on the machine);
-//! `VNFARM_CHAOS_SCHEDULERS`, how many schedulers share the farm (default 2).
+//! `VNFARM_CHAOS_SCHEDULERS`, how many schedulers share the farm (default 2);
+//! `VNFARM_CHAOS_POLICY`, the dispatch policy (default `affinity`, with batch messages of up to 8
+//! jobs: the policy with the most state to lose; `least_loaded` and `round_robin` run too).
 //!
 //! It restarts the shared RabbitMQ, so it is a test binary of its own (cargo runs test binaries one
 //! after another, never beside the end-to-end tests).
@@ -40,6 +42,7 @@ struct Settings {
     workload: Duration,
     seed: u64,
     schedulers: usize,
+    policy: String,
 }
 
 impl Settings {
@@ -56,6 +59,7 @@ impl Settings {
             workload: Duration::from_secs(var("VNFARM_CHAOS_SECONDS", 90)?),
             seed: var("VNFARM_CHAOS_SEED", rand::random())?,
             schedulers: usize::try_from(var("VNFARM_CHAOS_SCHEDULERS", 2)?)?,
+            policy: std::env::var("VNFARM_CHAOS_POLICY").unwrap_or_else(|_| "affinity".into()),
         };
         anyhow::ensure!(
             settings.schedulers >= 1,
@@ -69,15 +73,21 @@ impl Settings {
 async fn under_chaos_every_submission_ends_exactly_once() -> anyhow::Result<()> {
     let settings = Settings::from_env()?;
     println!(
-        "chaos: {} s of workload, {} schedulers, {WORKERS} workers, VNFARM_CHAOS_SEED={}",
+        "chaos: {} s of workload, {} schedulers, {WORKERS} workers, dispatch policy {}, \
+         VNFARM_CHAOS_SEED={}",
         settings.workload.as_secs(),
         settings.schedulers,
+        settings.policy,
         settings.seed
     );
     let mut farm = Farm::with_own_s3("chaos").await?;
     // Snapshots every few hundred events, so that replacement schedulers start from one.
     farm.scheduler_env
         .push(("VNFARM_SNAPSHOT_EVERY_EVENTS".into(), "500".into()));
+    farm.scheduler_env.extend([
+        ("VNFARM_DISPATCH__POLICY".into(), settings.policy.clone()),
+        ("VNFARM_DISPATCH__MAX_BATCH".into(), "8".into()),
+    ]);
     while farm.scheduler_slots() < settings.schedulers {
         farm.add_scheduler();
     }

@@ -130,6 +130,8 @@ pub fn measure(
         "affinity_spill",
         "affinity_wait_expired",
         "affinity_imbalance",
+        "affinity_idle",
+        "affinity_interactive",
     ]
     .iter()
     .map(|d| {

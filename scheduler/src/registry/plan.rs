@@ -15,10 +15,14 @@
 //!    it could run waits. A holder loaded far beyond the least-loaded
 //!    worker of the model (`imbalance_abs` and `imbalance_rel`) takes nothing by affinity.
 //! 2. Then the next job by priority (interactive first, at most `INTERACTIVE_BURST` in a row while
-//!    batch work waits). An edit whose input a busy worker holds waits for it, up to
-//!    `affinity_wait_ms`, unless `spill_after` edits of that input wait (a hot input: a second
-//!    worker takes some) or every holder is overloaded. Otherwise it goes to the least-loaded
-//!    worker, with the waiting jobs of its group; that worker now holds the input.
+//!    batch work waits). A batch edit whose input a busy worker holds waits for it (a *hold*)
+//!    while the free workers have other work to take, up to `affinity_wait_ms`, unless
+//!    `spill_after` edits of that input wait (a hot input: a second worker takes some) or every
+//!    holder is overloaded. Interactive edits are never held: priority means a free worker runs
+//!    them now rather than batch work. Otherwise it goes to the least-loaded worker, with the
+//!    waiting jobs of its group; that worker now holds the input.
+//! 3. Dispatch is work-conserving: a worker that would otherwise idle takes a held edit (a second
+//!    encode of its input costs a fraction of an edit; idling costs the whole edit).
 //!
 //! `least_loaded` and `round_robin` send one job per message, as the baselines the fleet
 //! benchmark compares against.
@@ -29,6 +33,19 @@ use vnfarm_proto::{JobId, ModelFamily, WorkerId};
 
 use super::{INTERACTIVE_BURST, Registry, Route, WorkerRecord};
 use crate::config::{DispatchConfig, Policy};
+
+/// The jobs of a group that may share a message led by a job of `lead_rank`, in order: a message
+/// led by interactive work carries only interactive work (the engine ends a message's jobs
+/// together when it has no batch gain, so batch work would delay it).
+fn companions(
+    group: &std::collections::BTreeSet<(u8, JobId)>,
+    lead_rank: u8,
+) -> impl Iterator<Item = JobId> + '_ {
+    group
+        .iter()
+        .take_while(move |(rank, _)| lead_rank > 0 || *rank == 0)
+        .map(|(_, id)| *id)
+}
 
 /// Jobs for one message to one worker.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -52,6 +69,10 @@ pub enum Decision {
     AffinityWaitExpired,
     /// Every holder is loaded far beyond the least-loaded worker.
     AffinityImbalance,
+    /// Held for a busy holder, taken by a worker that had nothing else to do.
+    AffinityIdle,
+    /// An interactive edit whose holders are all busy: a free worker runs it now.
+    AffinityInteractive,
     LeastLoaded,
     RoundRobin,
 }
@@ -64,6 +85,8 @@ impl Decision {
             Decision::AffinitySpill => "affinity_spill",
             Decision::AffinityWaitExpired => "affinity_wait_expired",
             Decision::AffinityImbalance => "affinity_imbalance",
+            Decision::AffinityIdle => "affinity_idle",
+            Decision::AffinityInteractive => "affinity_interactive",
             Decision::LeastLoaded => "least_loaded",
             Decision::RoundRobin => "round_robin",
         }
@@ -109,6 +132,9 @@ impl Registry {
                 continue;
             }
             let Some((id, route, batch_waits)) = self.next_head(heartbeat_timeout) else {
+                if self.release_hold_to_idle(heartbeat_timeout) {
+                    continue;
+                }
                 break;
             };
             match self.place(id, &route, config, now, heartbeat_timeout) {
@@ -145,6 +171,37 @@ impl Registry {
                 l.hold_expired = true;
             });
         }
+    }
+
+    /// Work conservation: when no ready job is left for a free worker, the oldest held job that a
+    /// free worker serves goes back to the ready index, marked to go to a non-holder. Whether any
+    /// worker is free is checked first, so a saturated farm pays nothing for its holds.
+    fn release_hold_to_idle(&mut self, timeout: Duration) -> bool {
+        if !self.workers.values().any(WorkerRecord::has_slot) {
+            return false;
+        }
+        // A job whose holder is free waits only for its coalescing window: not released.
+        let found = self.holds.iter().map(|&(_, id)| id).find(|id| {
+            let job = &self.jobs[id];
+            let Some(route) = job.route() else {
+                return false;
+            };
+            let key = job.group_key();
+            let holder_free = self
+                .workers
+                .values()
+                .any(|w| w.can_take(&route, timeout) && key.as_deref().is_some_and(|k| w.holds(k)));
+            !holder_free && self.workers.values().any(|w| w.can_take(&route, timeout))
+        });
+        let Some(id) = found else {
+            return false;
+        };
+        self.set_local(id, |l| {
+            l.hold_until = None;
+            l.hold_expired = true;
+            l.idle_release = true;
+        });
+        true
     }
 
     /// The next job by priority among routes that a worker with a free slot serves, and whether
@@ -215,7 +272,7 @@ impl Registry {
                 }
                 return Some(Dispatch {
                     worker: w.id.clone(),
-                    jobs: group.iter().take(max).map(|(_, id)| *id).collect(),
+                    jobs: companions(group, group.first()?.0).take(max).collect(),
                     decision: Decision::AffinityHit,
                 });
             }
@@ -286,9 +343,18 @@ impl Registry {
                         .iter()
                         .any(|w| !self.overloaded(w, route, config, timeout));
                     let hot = group_len >= config.spill_after as usize;
+                    let interactive = job.rank().0 == 0;
+                    let free_holder = holders
+                        .iter()
+                        .filter(|w| interactive && w.can_take(route, timeout))
+                        .min_by_key(|w| (w.load(), w.id.clone()));
                     if holders.is_empty() {
                         (fallback, Decision::AffinityMiss)
-                    } else if balanced && !hot && !job.local.hold_expired {
+                    } else if let Some(w) = free_holder {
+                        // Its group's coalescing window is still open; interactive work does not
+                        // wait for it.
+                        (w.id.clone(), Decision::AffinityHit)
+                    } else if balanced && !hot && !interactive && !job.local.hold_expired {
                         let since = self.waiting_since.get(&id).copied().unwrap_or(now);
                         let until = since + Duration::from_millis(config.affinity_wait_ms);
                         return Placement::Hold(until.max(now + Duration::from_millis(1)));
@@ -302,6 +368,10 @@ impl Registry {
                             Decision::AffinityImbalance
                         } else if hot {
                             Decision::AffinitySpill
+                        } else if interactive {
+                            Decision::AffinityInteractive
+                        } else if job.local.idle_release {
+                            Decision::AffinityIdle
                         } else {
                             Decision::AffinityWaitExpired
                         };
@@ -316,10 +386,9 @@ impl Registry {
                     .max(1) as usize;
                 let mut jobs = vec![id];
                 if let Some(group) = self.groups.get(&key) {
+                    let lead_rank = self.jobs[&id].rank().0;
                     jobs.extend(
-                        group
-                            .iter()
-                            .map(|(_, j)| *j)
+                        companions(group, lead_rank)
                             .filter(|j| *j != id)
                             .take(max - 1),
                     );
