@@ -284,13 +284,9 @@ impl Worker {
                 }
             })
         };
-        let started = Instant::now();
-        self.metrics.busy.set(1);
+        self.metrics.engine_busy(Instant::now());
         let results = self.engine.run_batch(jobs, progress_tx).await;
-        self.metrics.busy.set(0);
-        self.metrics
-            .busy_seconds_total
-            .inc_by(started.elapsed().as_secs_f64());
+        self.metrics.engine_idle(Instant::now());
         self.set_running(Vec::new());
         if let Err(e) = forwarder.await {
             tracing::warn!(jobs = ids.len(), error = %e, "progress forwarder failed");

@@ -12,6 +12,9 @@ use prometheus::{
     register_int_counter_with_registry, register_int_gauge_vec_with_registry,
     register_int_gauge_with_registry,
 };
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
 use vnfarm_proto::{FailureKind, WorkerState};
 
 #[derive(Clone)]
@@ -34,8 +37,12 @@ pub struct Metrics {
     /// updated with each heartbeat.
     pub gpu_memory_bytes: IntGaugeVec,
     /// 1 while jobs are on the engine; `rate(vnfarm_worker_busy_seconds_total)` is the busy ratio.
-    pub busy: IntGauge,
-    pub busy_seconds_total: Counter,
+    /// Both are kept by [`Metrics::engine_busy`], [`Metrics::engine_idle`] and
+    /// [`Metrics::account_busy`].
+    busy: IntGauge,
+    busy_seconds_total: Counter,
+    /// Since when the engine's busy time has not been counted, while it is busy.
+    busy_since: Arc<Mutex<Option<Instant>>>,
     pub amqp_connected: IntGauge,
     pub amqp_reconnects_total: IntCounter,
     /// Storage errors, by operation.
@@ -239,6 +246,7 @@ impl Metrics {
                 r
             )
             .unwrap(),
+            busy_since: Arc::default(),
             registry,
         };
         metrics.initialise_labels();
@@ -263,6 +271,37 @@ impl Metrics {
                 .with_label_values(&[failure.as_str()]);
         }
         self.set_state(WorkerState::Warming);
+    }
+
+    /// Jobs went on the engine at `now`.
+    pub fn engine_busy(&self, now: Instant) {
+        self.account_busy(now);
+        *self.busy_since() = Some(now);
+        self.busy.set(1);
+    }
+
+    /// The engine finished its jobs at `now`.
+    pub fn engine_idle(&self, now: Instant) {
+        self.account_busy(now);
+        *self.busy_since() = None;
+        self.busy.set(0);
+    }
+
+    /// Counts the busy time up to `now`. Called at every heartbeat as well as when a run ends, so
+    /// the counter advances during a long job and its rate is right over windows shorter than a job
+    /// (an SDXL generate on a Strix Halo takes half a minute, a scrape window may be 15 s).
+    pub fn account_busy(&self, now: Instant) {
+        let mut since = self.busy_since();
+        if let Some(from) = since.as_mut() {
+            self.busy_seconds_total
+                .inc_by(now.saturating_duration_since(*from).as_secs_f64());
+            *from = now.max(*from);
+        }
+    }
+
+    fn busy_since(&self) -> std::sync::MutexGuard<'_, Option<Instant>> {
+        // Only an `Instant` is kept under the lock: nothing can leave it half-written.
+        self.busy_since.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Sets `worker_state`: 1 for `state`, 0 for the others.
@@ -419,6 +458,35 @@ mod tests {
         ] {
             assert!(text.contains(line), "{line} missing from\n{text}");
         }
+    }
+
+    #[test]
+    fn busy_time_advances_while_the_engine_runs_and_stops_when_it_is_idle() {
+        let m = Metrics::new();
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + std::time::Duration::from_millis(ms);
+        m.account_busy(at(500));
+        assert_eq!(
+            m.busy_seconds_total.get(),
+            0.0,
+            "idle time is not busy time"
+        );
+        m.engine_busy(at(1_000));
+        assert_eq!(m.busy.get(), 1);
+        m.account_busy(at(3_000));
+        assert!(
+            (m.busy_seconds_total.get() - 2.0).abs() < 1e-9,
+            "counted mid-run"
+        );
+        m.account_busy(at(3_500));
+        m.engine_idle(at(4_000));
+        assert!(
+            (m.busy_seconds_total.get() - 3.0).abs() < 1e-9,
+            "each second once"
+        );
+        assert_eq!(m.busy.get(), 0);
+        m.account_busy(at(9_000));
+        assert!((m.busy_seconds_total.get() - 3.0).abs() < 1e-9);
     }
 
     #[test]
