@@ -579,7 +579,7 @@ const FED: &[&str] = &[
 ];
 
 /// The farm's workload: see the module's note.
-async fn workload(farm: &mut Farm, worker_metrics: &str) -> anyhow::Result<()> {
+async fn workload(farm: &mut Farm, worker_metrics: &[String]) -> anyhow::Result<()> {
     // A pipeline: a generate, three edits of its base (one encode, then the cache), an upscale.
     let (status, body) = farm
         .submit(&json!({"schema_version": 1, "job": {"kind": "pipeline",
@@ -657,20 +657,19 @@ async fn workload(farm: &mut Farm, worker_metrics: &str) -> anyhow::Result<()> {
         .send()
         .await?;
     ensure!(output.status() == 503, "{}", output.status());
+    // Whichever worker took the job counts the errors.
     wait_for("a worker to count a storage error", FINISH, || async {
-        let text = farm
-            .http
-            .get(worker_metrics)
-            .send()
-            .await
-            .ok()?
-            .text()
-            .await
-            .ok()?;
-        text.lines()
-            .filter(|l| l.starts_with("vnfarm_storage_errors_total{"))
-            .any(|l| l.rsplit(' ').next().is_some_and(|v| v != "0"))
-            .then_some(())
+        for url in worker_metrics {
+            let text = farm.http.get(url).send().await.ok()?.text().await.ok()?;
+            let counted = text
+                .lines()
+                .filter(|l| l.starts_with("vnfarm_storage_errors_total{"))
+                .any(|l| l.rsplit(' ').next().is_some_and(|v| v != "0"));
+            if counted {
+                return Some(());
+            }
+        }
+        None
     })
     .await?;
     farm.own_s3.as_mut().expect("the farm's own S3").restart()?;
@@ -717,7 +716,10 @@ async fn every_dashboard_and_alert_expression_returns_series_from_a_real_farm() 
     .await
     .map_err(|e| e.context(prometheus.log()))?;
 
-    let worker_metrics = format!("http://{}/metrics", targets[0]);
+    let worker_metrics: Vec<String> = targets
+        .iter()
+        .map(|t| format!("http://{t}/metrics"))
+        .collect();
     if let Err(e) = workload(&mut farm, &worker_metrics).await {
         let logs = farm.keep_logs();
         return Err(e.context(format!(
