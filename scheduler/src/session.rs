@@ -1,9 +1,10 @@
 //! One broker session of a scheduler: declare the topology, load the latest snapshot (first session
 //! only), replay the event stream up to a marker of our own (so the registry is current before any
-//! decision), then, concurrently: read the stream, read heartbeats, and stand by for or exercise
-//! leadership ([`crate::leader`]). Each of these awaits on its own, so none holds up the others: a
-//! slow publish of the dispatcher does not delay the reading of events or heartbeats. The session
-//! ends at shutdown or when any part of it loses the broker.
+//! decision), then, concurrently: read the stream, read heartbeats, read the shared queues' depths
+//! (for the metrics), and stand by for or exercise leadership ([`crate::leader`]). Each of these
+//! awaits on its own, so none holds up the others: a slow publish of the dispatcher does not delay
+//! the reading of events or heartbeats. The session ends at shutdown or when any part of it loses
+//! the broker.
 
 use std::time::Duration;
 
