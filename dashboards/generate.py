@@ -3,12 +3,14 @@
 
 The JSON files are what Grafana loads and what the e2e test `observability` checks; this script is
 how they are made, so that every panel has the same shape (datasource variable, unit,
-description, grid position). Edit it and run `python3 dashboards/generate.py`; commit both.
+description, grid position). Edit it and run `python3 dashboards/generate.py`; commit both (the
+e2e test `observability` fails while they differ).
 Standard library only.
 """
 
 import json
 import pathlib
+import sys
 
 DS = {"type": "prometheus", "uid": "${datasource}"}
 RATE = "$__rate_interval"
@@ -431,9 +433,11 @@ def scheduling():
 
 
 def main():
+    # `--out DIR` writes elsewhere (the e2e test compares that with the committed files).
+    out = pathlib.Path(sys.argv[2]) if sys.argv[1:2] == ["--out"] else HERE
     for name, board in [("overview", overview()), ("jobs", jobs()), ("workers", workers()),
                         ("scheduling", scheduling())]:
-        path = HERE / f"vnfarm-{name}.json"
+        path = out / f"vnfarm-{name}.json"
         path.write_text(json.dumps(board, indent=2, ensure_ascii=False) + "\n")
         print(path)
 

@@ -462,7 +462,7 @@ fn check_dashboard(file: &str, d: &Value) -> Vec<String> {
     problems
 }
 
-/// Runs a command to completion; its output on failure.
+/// Runs a command to completion; its output, or an error with it.
 fn run(program: &str, args: &[&str]) -> anyhow::Result<String> {
     let out = Command::new(program)
         .args(args)
@@ -513,6 +513,19 @@ fn the_dashboards_have_the_structure_grafana_needs() -> anyhow::Result<()> {
     }
     assert_eq!(files, 4, "overview, jobs, workers, scheduling");
     assert!(problems.is_empty(), "{}", problems.join("\n"));
+    // The committed files are what their generator writes (nobody edited one by hand).
+    let generated = tempfile::tempdir()?;
+    let out = generated.path().display().to_string();
+    let script = repo("dashboards/generate.py").display().to_string();
+    run("python3", &[&script, "--out", &out])?;
+    for entry in std::fs::read_dir(generated.path())? {
+        let path = entry?.path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        assert!(
+            std::fs::read(&path)? == std::fs::read(repo("dashboards").join(&name))?,
+            "dashboards/{name} differs from what dashboards/generate.py writes: run it and commit"
+        );
+    }
     // The check itself catches what it is for.
     let broken = json!({"schemaVersion": 39, "uid": "u", "title": "t", "description": "d",
         "templating": {"list": []},
