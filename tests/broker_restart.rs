@@ -70,5 +70,28 @@ async fn a_broker_restart_mid_job_loses_nothing() -> anyhow::Result<()> {
     let after = submit(&farm, "after the restart", 5).await?;
     let job = farm.wait_finished(&after, FINISH).await?;
     assert_eq!(job["state"], "completed", "{job}");
+
+    // The scheduler's metrics show the lost session and the connection back (what the dashboards
+    // and the VnfarmAmqpDisconnected alert read).
+    let metrics = farm
+        .http
+        .get(farm.url("/metrics"))
+        .send()
+        .await?
+        .text()
+        .await?;
+    let value = |name: &str| {
+        metrics.lines().find_map(|line| {
+            line.strip_prefix(name)?
+                .strip_prefix(' ')?
+                .parse::<f64>()
+                .ok()
+        })
+    };
+    assert!(
+        value("vnfarm_amqp_reconnects_total").is_some_and(|n| n >= 1.0),
+        "{metrics}"
+    );
+    assert_eq!(value("vnfarm_amqp_connected"), Some(1.0), "{metrics}");
     Ok(())
 }

@@ -172,7 +172,10 @@ async fn archived_job(s: &Scheduler, id: JobId) -> Response {
     let bytes = match s.storage.get(&key).await {
         Ok(bytes) => bytes,
         Err(StorageError::NotFound { .. }) => return not_found(),
-        Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, ".", e.to_string()),
+        Err(e) => {
+            s.metrics.storage_error("get", &e);
+            return error(StatusCode::SERVICE_UNAVAILABLE, ".", e.to_string());
+        }
     };
     let Ok(manifest) = serde_json::from_slice::<Manifest>(&bytes) else {
         return not_found();
@@ -402,7 +405,10 @@ async fn output(State(s): State<Scheduler>, Path((id, n)): Path<(String, u32)>) 
         Err(StorageError::NotFound { key }) => {
             error(StatusCode::NOT_FOUND, "n", format!("{key} not found"))
         }
-        Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, ".", e.to_string()),
+        Err(e) => {
+            s.metrics.storage_error("get", &e);
+            error(StatusCode::SERVICE_UNAVAILABLE, ".", e.to_string())
+        }
     }
 }
 

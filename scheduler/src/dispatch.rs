@@ -224,7 +224,9 @@ impl Scheduler {
                 "malformed",
                 None,
             );
-            return self.dead_letter(body, headers).await;
+            return self
+                .dead_letter(body, FailureKind::Malformed, headers)
+                .await;
         };
         // A batch comes back whole; its jobs were dispatched together and go back one by one.
         for job in msg.jobs() {
@@ -277,7 +279,8 @@ impl Scheduler {
                 Some(&id_text),
             );
             let body = serde_json::to_vec(msg).expect("work messages serialize to JSON");
-            self.dead_letter(&body, headers).await?;
+            self.dead_letter(&body, FailureKind::DeliveryLimit, headers)
+                .await?;
             return self
                 .publish_event(
                     id,

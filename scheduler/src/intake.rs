@@ -191,7 +191,10 @@ impl Scheduler {
         self.storage
             .put(&key, Bytes::from(bytes), &content_type)
             .await
-            .map_err(|e| AcceptError::Unavailable(e.to_string()))?;
+            .map_err(|e| {
+                self.metrics.storage_error("put", &e);
+                AcceptError::Unavailable(e.to_string())
+            })?;
         *input = ImageRef::Stored(key);
         Ok(())
     }
@@ -256,6 +259,7 @@ impl Scheduler {
             let id_text = job_id.to_string();
             self.dead_letter(
                 &delivery.data,
+                failure,
                 dead_letter_headers(&message, failure.as_str(), Some(&id_text)),
             )
             .await?;

@@ -1,4 +1,9 @@
 //! The scheduler's Prometheus metrics (DESIGN §8), registered into one explicit registry.
+//!
+//! Every label takes values from a closed set (job kinds, outcomes, states, models, priorities,
+//! policy decisions, failure kinds, the three shared queues, storage operations). Label values an
+//! alert or a dashboard's `rate()` depends on are created at zero here, so a first failure shows
+//! as an increase rather than as a series appearing out of nowhere.
 
 use prometheus::{
     Histogram, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Registry,
@@ -6,6 +11,7 @@ use prometheus::{
     register_int_counter_vec_with_registry, register_int_counter_with_registry,
     register_int_gauge_vec_with_registry, register_int_gauge_with_registry,
 };
+use vnfarm_proto::FailureKind;
 
 #[derive(Clone)]
 pub struct Metrics {
@@ -42,7 +48,38 @@ pub struct Metrics {
     pub malformed_messages_total: IntCounter,
     pub events_applied_total: IntCounter,
     pub sse_clients: IntGauge,
+    /// Messages this scheduler sent to the dead-letter exchange, by failure kind (submissions
+    /// rejected on the intake queue, jobs past their dispatches or the delivery limit).
+    pub dead_letters_total: IntCounterVec,
+    /// Messages in the shared queues (`intake`, `redispatch`, `dead`), as the broker counts them;
+    /// `dead` includes what workers and the broker itself dead-lettered.
+    pub queue_messages: IntGaugeVec,
+    /// Workers advertising each model, by state (as `workers`).
+    pub model_workers: IntGaugeVec,
+    /// Storage operations that failed (a missing object is an answer, not an error), by operation.
+    pub storage_errors_total: IntCounterVec,
 }
+
+/// Job kinds as `JobRecord::kind` names them.
+pub const KINDS: [&str; 4] = ["generate", "edit", "upscale", "pipeline"];
+/// Outcomes of `jobs_finished_total`.
+pub const OUTCOMES: [&str; 3] = ["completed", "failed", "cancelled"];
+/// Worker states as `WorkerRecord::state_name` names them.
+pub const WORKER_STATES: [&str; 4] = ["ready", "warming", "draining", "gone"];
+/// Reasons of `requeues_total`.
+pub const REQUEUE_REASONS: [&str; 3] = ["expired", "given_back", "delivery_limit"];
+/// Failure kinds of the messages a scheduler dead-letters itself.
+pub const DEAD_LETTER_FAILURES: [FailureKind; 3] = [
+    FailureKind::Malformed,
+    FailureKind::InvalidSpec,
+    FailureKind::DeliveryLimit,
+];
+/// Labels of `queue_messages`.
+pub const QUEUES: [&str; 3] = ["intake", "redispatch", "dead"];
+/// Outcomes of `snapshots_total` (see `snapshot.rs`).
+pub const SNAPSHOT_OUTCOMES: [&str; 3] = ["written", "failed", "too_large"];
+/// Operations of `storage_errors_total`.
+pub const STORAGE_OPS: [&str; 2] = ["get", "put"];
 
 impl Metrics {
     pub fn new() -> Self {
@@ -53,7 +90,7 @@ impl Metrics {
         // Each metric is created and registered in one step. Names and labels are static, valid and
         // distinct, so neither can fail.
         let r = &registry;
-        Self {
+        let metrics = Self {
             jobs_submitted_total: register_int_counter_vec_with_registry!(
                 "jobs_submitted_total",
                 "Jobs accepted, by kind",
@@ -181,7 +218,67 @@ impl Metrics {
                 r
             )
             .unwrap(),
+            dead_letters_total: register_int_counter_vec_with_registry!(
+                "dead_letters_total",
+                "Messages this scheduler dead-lettered, by failure kind",
+                &["failure"],
+                r
+            )
+            .unwrap(),
+            queue_messages: register_int_gauge_vec_with_registry!(
+                "queue_messages",
+                "Messages in the shared broker queues (intake, redispatch, dead)",
+                &["queue"],
+                r
+            )
+            .unwrap(),
+            model_workers: register_int_gauge_vec_with_registry!(
+                "model_workers",
+                "Workers advertising a model, by state",
+                &["model", "state"],
+                r
+            )
+            .unwrap(),
+            storage_errors_total: register_int_counter_vec_with_registry!(
+                "storage_errors_total",
+                "Storage operations that failed, by operation",
+                &["op"],
+                r
+            )
+            .unwrap(),
             registry,
+        };
+        metrics.initialise_labels();
+        metrics
+    }
+
+    /// Creates at zero the series alerts and rates rely on (see the module's note).
+    fn initialise_labels(&self) {
+        for kind in KINDS {
+            self.jobs_submitted_total.with_label_values(&[kind]);
+            for outcome in OUTCOMES {
+                self.jobs_finished_total.with_label_values(&[kind, outcome]);
+            }
+        }
+        for failure in DEAD_LETTER_FAILURES {
+            self.dead_letters_total
+                .with_label_values(&[failure.as_str()]);
+        }
+        for reason in REQUEUE_REASONS {
+            self.requeues_total.with_label_values(&[reason]);
+        }
+        for op in STORAGE_OPS {
+            self.storage_errors_total.with_label_values(&[op]);
+        }
+        for outcome in SNAPSHOT_OUTCOMES {
+            self.snapshots_total.with_label_values(&[outcome]);
+        }
+    }
+
+    /// Counts a failed storage operation (`NotFound` is an answer, not a failure).
+    pub fn storage_error(&self, op: &'static str, error: &vnfarm_storage::StorageError) {
+        if !matches!(error, vnfarm_storage::StorageError::NotFound { .. }) {
+            self.storage_errors_total.with_label_values(&[op]).inc();
         }
     }
 
@@ -193,5 +290,152 @@ impl Metrics {
 impl Default for Metrics {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use prometheus::proto::MetricType;
+
+    use super::*;
+
+    /// Every family the scheduler exports: name, type, label names. The README's metrics section
+    /// and the dashboards rely on these.
+    const FAMILIES: &[(&str, MetricType, &[&str])] = &[
+        (
+            "vnfarm_jobs_submitted_total",
+            MetricType::COUNTER,
+            &["kind"],
+        ),
+        (
+            "vnfarm_jobs_finished_total",
+            MetricType::COUNTER,
+            &["kind", "outcome"],
+        ),
+        (
+            "vnfarm_queue_wait_seconds",
+            MetricType::HISTOGRAM,
+            &["kind"],
+        ),
+        ("vnfarm_job_run_seconds", MetricType::HISTOGRAM, &["kind"]),
+        ("vnfarm_jobs", MetricType::GAUGE, &["state"]),
+        (
+            "vnfarm_backlog_jobs",
+            MetricType::GAUGE,
+            &["model", "priority"],
+        ),
+        ("vnfarm_registry_jobs", MetricType::GAUGE, &[]),
+        ("vnfarm_scheduler_active", MetricType::GAUGE, &[]),
+        ("vnfarm_snapshots_total", MetricType::COUNTER, &["outcome"]),
+        ("vnfarm_snapshot_bytes", MetricType::GAUGE, &[]),
+        ("vnfarm_workers", MetricType::GAUGE, &["state"]),
+        (
+            "vnfarm_model_workers",
+            MetricType::GAUGE,
+            &["model", "state"],
+        ),
+        (
+            "vnfarm_dispatches_total",
+            MetricType::COUNTER,
+            &["decision"],
+        ),
+        ("vnfarm_dispatch_batch_jobs", MetricType::HISTOGRAM, &[]),
+        ("vnfarm_requeues_total", MetricType::COUNTER, &["reason"]),
+        ("vnfarm_amqp_connected", MetricType::GAUGE, &[]),
+        ("vnfarm_amqp_reconnects_total", MetricType::COUNTER, &[]),
+        ("vnfarm_malformed_messages_total", MetricType::COUNTER, &[]),
+        ("vnfarm_events_applied_total", MetricType::COUNTER, &[]),
+        ("vnfarm_sse_clients", MetricType::GAUGE, &[]),
+        (
+            "vnfarm_dead_letters_total",
+            MetricType::COUNTER,
+            &["failure"],
+        ),
+        ("vnfarm_queue_messages", MetricType::GAUGE, &["queue"]),
+        ("vnfarm_storage_errors_total", MetricType::COUNTER, &["op"]),
+    ];
+
+    /// One sample in each family that has no series until something happens.
+    fn touch_all(m: &Metrics) {
+        m.queue_wait_seconds
+            .with_label_values(&["edit"])
+            .observe(0.2);
+        m.job_run_seconds.with_label_values(&["edit"]).observe(1.5);
+        m.jobs.with_label_values(&["queued"]).set(3);
+        m.backlog
+            .with_label_values(&["qwen-edit", "interactive"])
+            .set(2);
+        m.snapshots_total.with_label_values(&["written"]).inc();
+        m.workers.with_label_values(&["ready"]).set(2);
+        m.model_workers.with_label_values(&["sdxl", "ready"]).set(1);
+        m.dispatches_total
+            .with_label_values(&["affinity_hit"])
+            .inc();
+        m.dispatch_batch_jobs.observe(4.0);
+        m.queue_messages.with_label_values(&["dead"]).set(1);
+    }
+
+    #[test]
+    fn the_registry_renders_every_family_with_its_type_and_labels() {
+        let m = Metrics::new();
+        touch_all(&m);
+        let families = m.registry.gather();
+        let gathered: Vec<&str> = families.iter().map(|f| f.name()).collect();
+        for (name, kind, labels) in FAMILIES {
+            let family = families
+                .iter()
+                .find(|f| f.name() == *name)
+                .unwrap_or_else(|| panic!("{name} is not exported; exported: {gathered:?}"));
+            assert_eq!(family.get_field_type(), *kind, "{name}");
+            assert!(!family.help().is_empty(), "{name} has no help");
+            for metric in family.get_metric() {
+                let names: Vec<&str> = metric.get_label().iter().map(|l| l.name()).collect();
+                assert_eq!(names, *labels, "{name}");
+            }
+        }
+        for name in &gathered {
+            assert!(
+                FAMILIES.iter().any(|(n, ..)| n == name),
+                "{name} is exported but not listed here (nor, probably, in the README)"
+            );
+        }
+        let text = m.render();
+        for (name, kind, _) in FAMILIES {
+            let kind = format!("{kind:?}").to_lowercase();
+            assert!(text.contains(&format!("# TYPE {name} {kind}\n")), "{text}");
+        }
+        assert!(
+            text.contains("vnfarm_dispatches_total{decision=\"affinity_hit\"} 1"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn alerted_series_exist_at_zero_from_the_start() {
+        let text = Metrics::new().render();
+        for line in [
+            "vnfarm_jobs_finished_total{kind=\"edit\",outcome=\"failed\"} 0",
+            "vnfarm_dead_letters_total{failure=\"delivery_limit\"} 0",
+            "vnfarm_requeues_total{reason=\"given_back\"} 0",
+            "vnfarm_storage_errors_total{op=\"put\"} 0",
+            "vnfarm_amqp_reconnects_total 0",
+        ] {
+            assert!(text.contains(line), "{line} missing from\n{text}");
+        }
+    }
+
+    #[test]
+    fn a_missing_object_is_not_a_storage_error() {
+        let m = Metrics::new();
+        let missing = vnfarm_storage::StorageError::NotFound { key: "k".into() };
+        m.storage_error("get", &missing);
+        assert_eq!(m.storage_errors_total.with_label_values(&["get"]).get(), 0);
+        let down = vnfarm_storage::StorageError::Unavailable {
+            op: "get",
+            key: "k".into(),
+            message: "connection refused".into(),
+        };
+        m.storage_error("get", &down);
+        assert_eq!(m.storage_errors_total.with_label_values(&["get"]).get(), 1);
     }
 }

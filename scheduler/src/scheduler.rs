@@ -6,7 +6,7 @@
 //! The registry sits behind a `std::sync::Mutex` that is never held across an `.await`: decisions
 //! are taken under the lock, then published without it.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
@@ -18,11 +18,13 @@ use vnfarm_bus::publisher::json_properties;
 use vnfarm_bus::{PublishError, Publisher};
 use vnfarm_proto::event::SequencedEvent;
 use vnfarm_proto::topology::CANCEL_ROUTING_KEY;
-use vnfarm_proto::{CancelRequest, Event, EventKind, ImageRef, JobId, ModelFamily, Priority};
+use vnfarm_proto::{
+    CancelRequest, Event, EventKind, FailureKind, ImageRef, JobId, ModelFamily, Priority,
+};
 use vnfarm_storage::Storage;
 
 use crate::config::Config;
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, WORKER_STATES};
 use crate::registry::{CancelRefusal, JobState, Registry};
 
 #[derive(Clone)]
@@ -310,9 +312,11 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Sends `body` to the dead-letter exchange; `failure` is the one its headers name.
     pub(crate) async fn dead_letter(
         &self,
         body: &[u8],
+        failure: FailureKind,
         headers: lapin::types::FieldTable,
     ) -> Result<(), PublishError> {
         let props = BasicProperties::default()
@@ -320,7 +324,12 @@ impl Scheduler {
             .with_headers(headers);
         self.publisher()?
             .publish(&self.topology.dead_exchange(), "", body, props)
-            .await
+            .await?;
+        self.metrics
+            .dead_letters_total
+            .with_label_values(&[failure.as_str()])
+            .inc();
+        Ok(())
     }
 
     /// Refreshes the gauges derived from the registry. O(models × priorities + workers).
@@ -345,17 +354,26 @@ impl Scheduler {
                     .set(reg.backlog(model, priority) as i64);
             }
         }
-        let mut counts = std::collections::HashMap::from([
-            ("ready", 0),
-            ("warming", 0),
-            ("draining", 0),
-            ("gone", 0),
-        ]);
+        let mut counts: HashMap<&str, i64> = WORKER_STATES.iter().map(|s| (*s, 0)).collect();
+        let mut by_model: HashMap<(ModelFamily, &str), i64> = HashMap::new();
         for w in reg.workers() {
-            *counts.entry(w.state_name(timeout)).or_default() += 1;
+            let state = w.state_name(timeout);
+            *counts.entry(state).or_default() += 1;
+            for model in w.last_heartbeat().map_or(&[][..], |(_, hb)| &hb.models) {
+                *by_model.entry((*model, state)).or_default() += 1;
+            }
         }
         for (state, n) in counts {
             self.metrics.workers.with_label_values(&[state]).set(n);
+        }
+        for model in ModelFamily::ALL {
+            for state in WORKER_STATES {
+                let n = by_model.get(&(model, state)).copied().unwrap_or(0);
+                self.metrics
+                    .model_workers
+                    .with_label_values(&[model.as_str(), state])
+                    .set(n);
+            }
         }
     }
 }

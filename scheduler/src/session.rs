@@ -1,15 +1,16 @@
 //! One broker session of a scheduler: declare the topology, load the latest snapshot (first session
 //! only), replay the event stream up to a marker of our own (so the registry is current before any
-//! decision), then, concurrently: read the stream, read heartbeats, and stand by for or exercise
-//! leadership ([`crate::leader`]). Each of these awaits on its own, so none holds up the others: a
-//! slow publish of the dispatcher does not delay the reading of events or heartbeats. The session
-//! ends at shutdown or when any part of it loses the broker.
+//! decision), then, concurrently: read the stream, read heartbeats, read the shared queues' depths
+//! (for the metrics), and stand by for or exercise leadership ([`crate::leader`]). Each of these
+//! awaits on its own, so none holds up the others: a slow publish of the dispatcher does not delay
+//! the reading of events or heartbeats. The session ends at shutdown or when any part of it loses
+//! the broker.
 
 use std::time::Duration;
 
 use futures::StreamExt;
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{Connection, Consumer};
 use tokio_util::sync::CancellationToken;
@@ -21,6 +22,9 @@ use vnfarm_proto::topology::{HEARTBEAT_ROUTING_PATTERN, MARKER_ROUTING_PREFIX};
 use vnfarm_proto::{Event, Heartbeat, JobId, decode_json};
 
 use crate::scheduler::Scheduler;
+
+/// How often the depths of the shared queues are read.
+const QUEUE_DEPTH_INTERVAL: Duration = Duration::from_secs(2);
 
 /// Stream deliveries are acknowledged in batches (the stream's credit); well under the prefetch.
 const STREAM_ACK_BATCH: u64 = 200;
@@ -131,6 +135,7 @@ impl Scheduler {
             r = self.read_stream(&mut stream) => r.map(|()| SessionEnd::Lost("event stream ended".into())),
             r = self.read_heartbeats(&mut heartbeats) => r.map(|()| SessionEnd::Lost("heartbeat consumer ended".into())),
             r = self.lead(connection, &stop) => r.map(|()| SessionEnd::Shutdown),
+            r = self.watch_queues(connection) => r.map(|()| SessionEnd::Lost("queue watcher ended".into())),
             () = self.housekeeping() => unreachable!("housekeeping runs until dropped"),
         }
     }
@@ -183,6 +188,37 @@ impl Scheduler {
                 self.registry().drop_follow_ups();
             }
             self.update_gauges();
+        }
+    }
+
+    /// The depth of the shared queues, for `vnfarm_queue_messages`: a passive declare of each
+    /// every [`QUEUE_DEPTH_INTERVAL`]. The dead-letter queue's depth counts what the broker
+    /// dead-lettered on its own (intake past the delivery limit), which no process hears of.
+    /// Returns only when the broker fails (a queue that vanished closes the channel, and the next
+    /// session declares it again).
+    async fn watch_queues(&self, connection: &Connection) -> anyhow::Result<()> {
+        let channel = connection.create_channel().await?;
+        let queues = [
+            ("intake", self.topology.intake_queue()),
+            ("redispatch", self.topology.redispatch_queue()),
+            ("dead", self.topology.dead_queue()),
+        ];
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        let mut tick = tokio::time::interval(QUEUE_DEPTH_INTERVAL);
+        loop {
+            tick.tick().await;
+            for (label, name) in &queues {
+                let queue = channel
+                    .queue_declare(name.as_str().into(), passive, FieldTable::default())
+                    .await?;
+                self.metrics
+                    .queue_messages
+                    .with_label_values(&[label])
+                    .set(i64::from(queue.message_count()));
+            }
         }
     }
 

@@ -284,13 +284,9 @@ impl Worker {
                 }
             })
         };
-        let started = Instant::now();
-        self.metrics.busy.set(1);
+        self.metrics.engine_busy(Instant::now());
         let results = self.engine.run_batch(jobs, progress_tx).await;
-        self.metrics.busy.set(0);
-        self.metrics
-            .busy_seconds_total
-            .inc_by(started.elapsed().as_secs_f64());
+        self.metrics.engine_idle(Instant::now());
         self.set_running(Vec::new());
         if let Err(e) = forwarder.await {
             tracing::warn!(jobs = ids.len(), error = %e, "progress forwarder failed");
@@ -311,6 +307,7 @@ impl Worker {
         for (stage, seconds) in &output.timings.0 {
             timings.add(stage, *seconds);
         }
+        self.observe_denoise_steps(&job.task, &output);
 
         // PNG encoding is CPU work: off the async runtime.
         let started = Instant::now();
@@ -376,6 +373,30 @@ impl Worker {
             manifest: key,
             timings,
         })
+    }
+
+    /// `denoise_step_seconds`: the job's `denoise` time over its steps, by model and the
+    /// resolution class of its first output. Upscales do not denoise.
+    fn observe_denoise_steps(&self, task: &Task, output: &EngineOutput) {
+        let steps = match task {
+            Task::Generate(g) => g.steps,
+            Task::Edit(e) => e.steps,
+            Task::Upscale(_) => return,
+        };
+        let (Some(seconds), Some(image)) = (output.timings.0.get("denoise"), output.images.first())
+        else {
+            return;
+        };
+        if steps == 0 {
+            return;
+        }
+        self.metrics
+            .denoise_step_seconds
+            .with_label_values(&[
+                task.model().as_str(),
+                crate::metrics::resolution(image.width(), image.height()),
+            ])
+            .observe(seconds / f64::from(steps));
     }
 
     /// Downloads (or decodes inline) one input image, with the sha256 of its bytes.

@@ -518,6 +518,10 @@ impl Worker {
             tracing::warn!(job_ids = ?job_ids, error = %e, "could not dead-letter the message; it stays unsettled");
             return Err(broker(e));
         }
+        self.metrics
+            .dead_letters_total
+            .with_label_values(&[failure.as_str()])
+            .inc();
         for &job_id in job_ids {
             let event = EventKind::Failed {
                 failure,

@@ -62,6 +62,15 @@ pub async fn serve(
         .await
         .context("opening storage")?;
     let worker = Worker::new(config, storage, engine, metrics);
+    worker
+        .metrics
+        .info
+        .with_label_values(&[
+            worker.id.as_str(),
+            worker.engine.name(),
+            env!("CARGO_PKG_VERSION"),
+        ])
+        .set(1);
     let loaded = {
         let worker = worker.clone();
         let shutdown = shutdown.clone();

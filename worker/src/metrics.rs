@@ -1,4 +1,9 @@
 //! The worker's Prometheus metrics (DESIGN §8), registered into one explicit registry.
+//!
+//! Every label takes values from a closed set (job kinds, outcomes, stages, models, resolution
+//! classes, cache results, failure kinds, storage operations, worker states); `vnfarm_worker_info`
+//! carries this worker's id, one series per process. Label values an alert or a dashboard's
+//! `rate()` depends on are created at zero here, so a first failure shows as an increase.
 
 use prometheus::{
     Counter, Histogram, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Registry,
@@ -7,6 +12,10 @@ use prometheus::{
     register_int_counter_with_registry, register_int_gauge_vec_with_registry,
     register_int_gauge_with_registry,
 };
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use vnfarm_proto::{FailureKind, WorkerState};
 
 #[derive(Clone)]
 pub struct Metrics {
@@ -28,14 +37,85 @@ pub struct Metrics {
     /// updated with each heartbeat.
     pub gpu_memory_bytes: IntGaugeVec,
     /// 1 while jobs are on the engine; `rate(vnfarm_worker_busy_seconds_total)` is the busy ratio.
-    pub busy: IntGauge,
-    pub busy_seconds_total: Counter,
+    /// Both are kept by [`Metrics::engine_busy`], [`Metrics::engine_idle`] and
+    /// [`Metrics::account_busy`].
+    busy: IntGauge,
+    busy_seconds_total: Counter,
+    /// Since when the engine's busy time has not been counted, while it is busy.
+    busy_since: Arc<Mutex<Option<Instant>>>,
     pub amqp_connected: IntGauge,
     pub amqp_reconnects_total: IntCounter,
     /// Storage errors, by operation.
     pub storage_errors_total: IntCounterVec,
     /// Messages that could not be decoded or were too large.
     pub malformed_messages_total: IntCounter,
+    /// Seconds per denoising step of a job (its `denoise` stage over its steps; in a batch, the
+    /// job's share), by model and the output's [`resolution`] class.
+    pub denoise_step_seconds: HistogramVec,
+    /// Jobs (or undecodable messages) this worker sent to the dead-letter exchange, by failure kind.
+    pub dead_letters_total: IntCounterVec,
+    /// 1 for the state the worker heartbeats (`warming`, `ready`, `draining`), 0 for the others.
+    pub state: IntGaugeVec,
+    /// 1, labelled with the worker's id, engine and version (to name an `instance` on dashboards).
+    pub info: IntGaugeVec,
+}
+
+/// Job kinds (`Task::kind_name`).
+pub const KINDS: [&str; 3] = ["generate", "edit", "upscale"];
+/// Outcomes of `worker_jobs_total`.
+pub const OUTCOMES: [&str; 5] = [
+    "completed",
+    "already_completed",
+    "failed",
+    "cancelled",
+    "requeued",
+];
+/// States of `worker_state`.
+pub const STATES: [WorkerState; 3] = [
+    WorkerState::Warming,
+    WorkerState::Ready,
+    WorkerState::Draining,
+];
+/// Failure kinds a worker dead-letters (`JobError::disposition`).
+pub const DEAD_LETTER_FAILURES: [FailureKind; 6] = [
+    FailureKind::Malformed,
+    FailureKind::InvalidSpec,
+    FailureKind::BadInput,
+    FailureKind::DeadlineExceeded,
+    FailureKind::Engine,
+    FailureKind::NoWorker,
+];
+
+/// The label of a worker state.
+pub fn state_name(state: WorkerState) -> &'static str {
+    match state {
+        WorkerState::Warming => "warming",
+        WorkerState::Ready => "ready",
+        WorkerState::Draining => "draining",
+    }
+}
+
+/// The resolution class of an output of `width`×`height`, for `denoise_step_seconds`: its area
+/// in megapixels, rounded to the nearest of 0.25, 0.5, 1, 2 and 4 on a log scale (the boundaries
+/// are the geometric means of neighbours), `8mp` above. SDXL's and Qwen's 1024², 832×1216 and
+/// 1280×720 are all `1mp`; a step's cost follows the pixel count, not the aspect ratio, so the
+/// class keeps the label bounded without mixing step costs that differ.
+pub fn resolution(width: u32, height: u32) -> &'static str {
+    const CLASSES: [(f64, &str); 5] = [
+        (0.25, "0.25mp"),
+        (0.5, "0.5mp"),
+        (1.0, "1mp"),
+        (2.0, "2mp"),
+        (4.0, "4mp"),
+    ];
+    let megapixels = f64::from(width) * f64::from(height) / (1u64 << 20) as f64;
+    for (class, label) in CLASSES {
+        // The geometric mean of `class` and the next class up (twice as large).
+        if megapixels <= class * std::f64::consts::SQRT_2 {
+            return label;
+        }
+    }
+    "8mp"
 }
 
 impl Metrics {
@@ -47,7 +127,7 @@ impl Metrics {
         // Each metric is created and registered in one step. Names and labels are static, valid and
         // distinct, so neither can fail.
         let r = &registry;
-        Self {
+        let metrics = Self {
             jobs_total: register_int_counter_vec_with_registry!(
                 "worker_jobs_total",
                 "Jobs finished by this worker",
@@ -135,7 +215,101 @@ impl Metrics {
                 r
             )
             .unwrap(),
+            denoise_step_seconds: register_histogram_vec_with_registry!(
+                "worker_denoise_step_seconds",
+                "Seconds per denoising step of a job, by model and output resolution class",
+                &["model", "resolution"],
+                vec![
+                    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0
+                ],
+                r
+            )
+            .unwrap(),
+            dead_letters_total: register_int_counter_vec_with_registry!(
+                "dead_letters_total",
+                "Messages this worker dead-lettered, by failure kind",
+                &["failure"],
+                r
+            )
+            .unwrap(),
+            state: register_int_gauge_vec_with_registry!(
+                "worker_state",
+                "1 for the state the worker is in (warming, ready, draining)",
+                &["state"],
+                r
+            )
+            .unwrap(),
+            info: register_int_gauge_vec_with_registry!(
+                "worker_info",
+                "1, labelled with the worker's id, engine and version",
+                &["worker", "engine", "version"],
+                r
+            )
+            .unwrap(),
+            busy_since: Arc::default(),
             registry,
+        };
+        metrics.initialise_labels();
+        metrics
+    }
+
+    /// Creates at zero the series alerts and rates rely on (see the module's note).
+    fn initialise_labels(&self) {
+        for kind in KINDS {
+            for outcome in OUTCOMES {
+                self.jobs_total.with_label_values(&[kind, outcome]);
+            }
+        }
+        for result in ["hit", "miss"] {
+            self.encode_cache_total.with_label_values(&[result]);
+        }
+        for op in ["get", "put"] {
+            self.storage_errors_total.with_label_values(&[op]);
+        }
+        for failure in DEAD_LETTER_FAILURES {
+            self.dead_letters_total
+                .with_label_values(&[failure.as_str()]);
+        }
+        self.set_state(WorkerState::Warming);
+    }
+
+    /// Jobs went on the engine at `now`.
+    pub fn engine_busy(&self, now: Instant) {
+        self.account_busy(now);
+        *self.busy_since() = Some(now);
+        self.busy.set(1);
+    }
+
+    /// The engine finished its jobs at `now`.
+    pub fn engine_idle(&self, now: Instant) {
+        self.account_busy(now);
+        *self.busy_since() = None;
+        self.busy.set(0);
+    }
+
+    /// Counts the busy time up to `now`. Called at every heartbeat as well as when a run ends, so
+    /// the counter advances during a long job and its rate is right over windows shorter than a job
+    /// (an SDXL generate on a Strix Halo takes half a minute, a scrape window may be 15 s).
+    pub fn account_busy(&self, now: Instant) {
+        let mut since = self.busy_since();
+        if let Some(from) = since.as_mut() {
+            self.busy_seconds_total
+                .inc_by(now.saturating_duration_since(*from).as_secs_f64());
+            *from = now.max(*from);
+        }
+    }
+
+    fn busy_since(&self) -> std::sync::MutexGuard<'_, Option<Instant>> {
+        // Only an `Instant` is kept under the lock: nothing can leave it half-written.
+        self.busy_since.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Sets `worker_state`: 1 for `state`, 0 for the others.
+    pub fn set_state(&self, state: WorkerState) {
+        for s in STATES {
+            self.state
+                .with_label_values(&[state_name(s)])
+                .set(i64::from(s == state));
         }
     }
 
@@ -152,30 +326,197 @@ impl Default for Metrics {
 
 #[cfg(test)]
 mod tests {
-    #[test]
-    fn renders_prefixed_names() {
-        let m = super::Metrics::new();
-        m.jobs_total
-            .with_label_values(&["generate", "completed"])
-            .inc();
-        let text = m.render();
-        assert!(
-            text.contains("vnfarm_worker_jobs_total{kind=\"generate\",outcome=\"completed\"} 1"),
-            "{text}"
-        );
-        assert!(text.contains("vnfarm_amqp_connected 0"));
-        m.encode_cache_total.with_label_values(&["hit"]).inc_by(3);
+    use prometheus::proto::MetricType;
+
+    use super::*;
+
+    /// Every family a worker exports: name, type, label names. The README's metrics section and
+    /// the dashboards rely on these.
+    const FAMILIES: &[(&str, MetricType, &[&str])] = &[
+        (
+            "vnfarm_worker_jobs_total",
+            MetricType::COUNTER,
+            &["kind", "outcome"],
+        ),
+        (
+            "vnfarm_worker_stage_seconds",
+            MetricType::HISTOGRAM,
+            &["kind", "stage"],
+        ),
+        (
+            "vnfarm_worker_job_seconds",
+            MetricType::HISTOGRAM,
+            &["kind"],
+        ),
+        (
+            "vnfarm_worker_model_load_seconds",
+            MetricType::HISTOGRAM,
+            &[],
+        ),
+        (
+            "vnfarm_worker_denoise_step_seconds",
+            MetricType::HISTOGRAM,
+            &["model", "resolution"],
+        ),
+        (
+            "vnfarm_worker_encode_cache_total",
+            MetricType::COUNTER,
+            &["result"],
+        ),
+        ("vnfarm_worker_batch_jobs", MetricType::HISTOGRAM, &[]),
+        (
+            "vnfarm_worker_gpu_memory_bytes",
+            MetricType::GAUGE,
+            &["kind"],
+        ),
+        ("vnfarm_worker_busy", MetricType::GAUGE, &[]),
+        ("vnfarm_worker_busy_seconds_total", MetricType::COUNTER, &[]),
+        ("vnfarm_worker_state", MetricType::GAUGE, &["state"]),
+        (
+            "vnfarm_worker_info",
+            MetricType::GAUGE,
+            &["engine", "version", "worker"],
+        ),
+        ("vnfarm_amqp_connected", MetricType::GAUGE, &[]),
+        ("vnfarm_amqp_reconnects_total", MetricType::COUNTER, &[]),
+        ("vnfarm_storage_errors_total", MetricType::COUNTER, &["op"]),
+        ("vnfarm_malformed_messages_total", MetricType::COUNTER, &[]),
+        (
+            "vnfarm_dead_letters_total",
+            MetricType::COUNTER,
+            &["failure"],
+        ),
+    ];
+
+    /// One sample in each family that has no series until something happens.
+    fn touch_all(m: &Metrics) {
+        m.stage_seconds
+            .with_label_values(&["edit", "denoise"])
+            .observe(0.4);
+        m.job_seconds.with_label_values(&["edit"]).observe(0.5);
+        m.model_load_seconds.observe(12.0);
+        m.denoise_step_seconds
+            .with_label_values(&["qwen-edit", resolution(1024, 1024)])
+            .observe(0.1);
         m.batch_jobs.observe(4.0);
         m.gpu_memory_bytes.with_label_values(&["free"]).set(1 << 30);
+        m.info
+            .with_label_values(&["box-1", "test-pattern", "0.1.0"])
+            .set(1);
+    }
+
+    #[test]
+    fn the_registry_renders_every_family_with_its_type_and_labels() {
+        let m = Metrics::new();
+        touch_all(&m);
+        let families = m.registry.gather();
+        let gathered: Vec<&str> = families.iter().map(|f| f.name()).collect();
+        for (name, kind, labels) in FAMILIES {
+            let family = families
+                .iter()
+                .find(|f| f.name() == *name)
+                .unwrap_or_else(|| panic!("{name} is not exported; exported: {gathered:?}"));
+            assert_eq!(family.get_field_type(), *kind, "{name}");
+            assert!(!family.help().is_empty(), "{name} has no help");
+            for metric in family.get_metric() {
+                // The text format sorts a series' labels by name.
+                let names: Vec<&str> = metric.get_label().iter().map(|l| l.name()).collect();
+                assert_eq!(names, *labels, "{name}");
+            }
+        }
+        for name in &gathered {
+            assert!(
+                FAMILIES.iter().any(|(n, ..)| n == name),
+                "{name} is exported but not listed here (nor, probably, in the README)"
+            );
+        }
         let text = m.render();
-        assert!(
-            text.contains("vnfarm_worker_encode_cache_total{result=\"hit\"} 3"),
-            "{text}"
+        for (name, kind, _) in FAMILIES {
+            let kind = format!("{kind:?}").to_lowercase();
+            assert!(text.contains(&format!("# TYPE {name} {kind}\n")), "{text}");
+        }
+        for line in [
+            "vnfarm_worker_denoise_step_seconds_count{model=\"qwen-edit\",resolution=\"1mp\"} 1",
+            "vnfarm_worker_gpu_memory_bytes{kind=\"free\"} 1073741824",
+            "vnfarm_worker_batch_jobs_count 1",
+        ] {
+            assert!(text.contains(line), "{line} missing from\n{text}");
+        }
+    }
+
+    #[test]
+    fn alerted_series_exist_at_zero_from_the_start() {
+        let text = Metrics::new().render();
+        for line in [
+            "vnfarm_worker_jobs_total{kind=\"generate\",outcome=\"failed\"} 0",
+            "vnfarm_worker_encode_cache_total{result=\"miss\"} 0",
+            "vnfarm_dead_letters_total{failure=\"bad_input\"} 0",
+            "vnfarm_storage_errors_total{op=\"put\"} 0",
+            "vnfarm_worker_state{state=\"warming\"} 1",
+            "vnfarm_worker_state{state=\"ready\"} 0",
+            "vnfarm_amqp_connected 0",
+        ] {
+            assert!(text.contains(line), "{line} missing from\n{text}");
+        }
+    }
+
+    #[test]
+    fn busy_time_advances_while_the_engine_runs_and_stops_when_it_is_idle() {
+        let m = Metrics::new();
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + std::time::Duration::from_millis(ms);
+        m.account_busy(at(500));
+        assert_eq!(
+            m.busy_seconds_total.get(),
+            0.0,
+            "idle time is not busy time"
         );
-        assert!(text.contains("vnfarm_worker_batch_jobs_count 1"), "{text}");
+        m.engine_busy(at(1_000));
+        assert_eq!(m.busy.get(), 1);
+        m.account_busy(at(3_000));
         assert!(
-            text.contains("vnfarm_worker_gpu_memory_bytes{kind=\"free\"} 1073741824"),
-            "{text}"
+            (m.busy_seconds_total.get() - 2.0).abs() < 1e-9,
+            "counted mid-run"
         );
+        m.account_busy(at(3_500));
+        m.engine_idle(at(4_000));
+        assert!(
+            (m.busy_seconds_total.get() - 3.0).abs() < 1e-9,
+            "each second once"
+        );
+        assert_eq!(m.busy.get(), 0);
+        m.account_busy(at(9_000));
+        assert!((m.busy_seconds_total.get() - 3.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn one_state_at_a_time() {
+        let m = Metrics::new();
+        m.set_state(WorkerState::Ready);
+        m.set_state(WorkerState::Draining);
+        let on: Vec<&str> = STATES
+            .into_iter()
+            .map(state_name)
+            .filter(|s| m.state.with_label_values(&[s]).get() == 1)
+            .collect();
+        assert_eq!(on, ["draining"]);
+    }
+
+    #[test]
+    fn resolutions_fall_into_a_few_classes() {
+        for (w, h, class) in [
+            (64, 64, "0.25mp"),
+            (512, 512, "0.25mp"),
+            (768, 768, "0.5mp"),
+            (1024, 1024, "1mp"),
+            (832, 1216, "1mp"),
+            (1280, 720, "1mp"),
+            (1536, 1536, "2mp"),
+            (2048, 2048, "4mp"),
+            (4096, 4096, "8mp"),
+            (8192, 8192, "8mp"),
+        ] {
+            assert_eq!(resolution(w, h), class, "{w}x{h}");
+        }
     }
 }

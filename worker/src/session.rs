@@ -183,6 +183,8 @@ impl Worker {
 
     pub(crate) async fn heartbeat(&self, publisher: &Publisher) -> Result<(), PublishError> {
         let beat = self.describe().await;
+        self.metrics.set_state(beat.state);
+        self.metrics.account_busy(std::time::Instant::now());
         if let Some(memory) = &beat.gpu_memory {
             let gauge = &self.metrics.gpu_memory_bytes;
             gauge

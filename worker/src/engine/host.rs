@@ -10,8 +10,8 @@ use std::thread;
 use vnfarm_proto::{GpuMemory, ModelFamily};
 
 use super::{
-    AdvertisedKeys, Engine, EngineConfig, EngineError, EngineJob, EngineOutput, GpuMemoryProbe,
-    Progress,
+    AdvertisedKeys, Engine, EngineConfig, EngineError, EngineJob, EngineKind, EngineOutput,
+    GpuMemoryProbe, Progress,
 };
 
 struct Request {
@@ -28,6 +28,8 @@ pub struct EngineHost {
     checkpoints: Vec<String>,
     cache_keys: AdvertisedKeys,
     gpu: Option<GpuMemoryProbe>,
+    /// The test-pattern engine's simulated GPU, reported instead of a device's.
+    simulated_gpu: Option<GpuMemory>,
 }
 
 /// The engine's loading, on its thread: resolves once it is warm (or failed to load).
@@ -55,6 +57,10 @@ impl EngineHost {
             checkpoints: config.checkpoints(),
             cache_keys: cache_keys.clone(),
             gpu: config.gpu().map(GpuMemoryProbe::new),
+            simulated_gpu: match config.kind() {
+                EngineKind::TestPattern => config.test_pattern.gpu_memory(),
+                EngineKind::Tch => None,
+            },
         };
         thread::Builder::new()
             .name("engine".into())
@@ -118,7 +124,10 @@ impl EngineHost {
 
     /// The GPU's memory now, when the engines run on one.
     pub fn gpu_memory(&self) -> Option<GpuMemory> {
-        self.gpu.as_ref().and_then(GpuMemoryProbe::read)
+        self.gpu
+            .as_ref()
+            .and_then(GpuMemoryProbe::read)
+            .or(self.simulated_gpu)
     }
 
     /// Runs a batch on the engine thread: one result per job, in order. Progress arrives tagged

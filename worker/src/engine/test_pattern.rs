@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use image::{DynamicImage, Rgb, RgbImage};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
-use vnfarm_proto::{EditSpec, JobId, LoraRef, Sampler, StageTimings, Task};
+use vnfarm_proto::{EditSpec, GpuMemory, JobId, LoraRef, Sampler, StageTimings, Task};
 
 use super::{
     AdvertisedKeys, CacheLookup, CancelReason, EncodeCache, EngineError, EngineJob, EngineOutput,
@@ -61,6 +61,13 @@ pub struct TestPatternConfig {
     /// device failure would (the job is given back, the worker exits with an error).
     #[serde(default)]
     pub device_failure_prompt: Option<String>,
+    /// A GPU of this many MiB it claims to run on, with `gpu_memory_used_mib` of it in use:
+    /// heartbeats and `vnfarm_worker_gpu_memory_bytes` report it as a real engine reports its
+    /// device (for tests of the metrics, dashboards and alerts). Unset: no GPU, as before.
+    #[serde(default)]
+    pub gpu_memory_mib: Option<u64>,
+    #[serde(default)]
+    pub gpu_memory_used_mib: u64,
 }
 
 fn default_step_ms() -> u64 {
@@ -91,11 +98,23 @@ impl Default for TestPatternConfig {
             load_ms: 0,
             checkpoints: Vec::new(),
             device_failure_prompt: None,
+            gpu_memory_mib: None,
+            gpu_memory_used_mib: 0,
         }
     }
 }
 
 impl TestPatternConfig {
+    /// The simulated GPU's memory (`gpu_memory_mib`), if it claims one.
+    pub fn gpu_memory(&self) -> Option<GpuMemory> {
+        let total = self.gpu_memory_mib? << 20;
+        Some(GpuMemory {
+            total_bytes: total,
+            free_bytes: total - (self.gpu_memory_used_mib << 20),
+            reserved_bytes: None,
+        })
+    }
+
     pub fn validate(&self) -> Result<(), String> {
         for (name, ms) in [
             ("step_ms", self.step_ms),
@@ -113,6 +132,17 @@ impl TestPatternConfig {
         }
         if !(0.0..=1.0).contains(&self.batch_step_cost) {
             return Err("engine.test_pattern.batch_step_cost: must be within 0..=1".into());
+        }
+        match self.gpu_memory_mib {
+            Some(total) if total > 1 << 24 => {
+                return Err("engine.test_pattern.gpu_memory_mib: at most 16777216 (16 TiB)".into());
+            }
+            Some(total) if self.gpu_memory_used_mib > total => {
+                return Err(
+                    "engine.test_pattern.gpu_memory_used_mib: more than gpu_memory_mib".into(),
+                );
+            }
+            Some(_) | None => {}
         }
         if self.checkpoints.iter().any(|c| c.trim().is_empty()) {
             return Err("engine.test_pattern.checkpoints: names must not be empty".into());
@@ -856,6 +886,35 @@ mod tests {
             results
                 .iter()
                 .all(|r| matches!(r, Err(EngineError::DeviceLost(_))))
+        );
+    }
+
+    #[test]
+    fn a_simulated_gpu_is_reported_only_when_configured() {
+        assert_eq!(TestPatternConfig::default().gpu_memory(), None);
+        let config = TestPatternConfig {
+            gpu_memory_mib: Some(24_576),
+            gpu_memory_used_mib: 8_192,
+            ..TestPatternConfig::default()
+        };
+        assert_eq!(config.validate(), Ok(()));
+        assert_eq!(
+            config.gpu_memory(),
+            Some(GpuMemory {
+                total_bytes: 24_576 << 20,
+                free_bytes: 16_384 << 20,
+                reserved_bytes: None,
+            })
+        );
+        let overfull = TestPatternConfig {
+            gpu_memory_used_mib: 30_000,
+            ..config
+        };
+        assert!(
+            overfull
+                .validate()
+                .unwrap_err()
+                .contains("gpu_memory_used_mib")
         );
     }
 }
