@@ -57,7 +57,11 @@ pub struct Config {
 pub struct DispatchConfig {
     #[serde(default)]
     pub policy: Policy,
-    /// Most jobs in one batch message (a worker's own `max_batch` may lower it).
+    /// Most jobs in one batch message (a worker's own `max_batch` may lower it). Default 1: a
+    /// message's jobs end together, which only pays where the engine gains from denoising them in
+    /// one forward; neither measured profile (H200, Strix Halo) does for Qwen edits, and one job
+    /// per message to the holder keeps the encode-once benefit through the worker's encode cache
+    /// (docs/performance.md, fleet attempt 2). Raise it for engines with a batch gain.
     #[serde(default = "default_max_batch")]
     pub max_batch: u32,
     /// How long an edit waits for the busy worker that holds its input's encodings before any
@@ -83,13 +87,13 @@ pub struct DispatchConfig {
 #[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum Policy {
-    /// Edits go to the worker holding their input's encodings, batched; compatible generates
-    /// batch; otherwise the least-loaded worker. Not yet the default: on the fleet benchmark it
-    /// encodes each input about once but has not yet shown throughput and interactive latency at
-    /// least as good as `least_loaded` (docs/performance.md).
-    Affinity,
-    /// One job per message to the least-loaded worker (the dispatch before affinity; the default).
+    /// Edits go to the worker holding their input's encodings (batched up to `max_batch`);
+    /// compatible generates batch; otherwise the least-loaded worker. The default: on the fleet
+    /// benchmark, with one job per message, it matches or beats `least_loaded` on throughput,
+    /// encodes and latency by priority on both profiles (docs/performance.md, fleet attempt 2).
     #[default]
+    Affinity,
+    /// One job per message to the least-loaded worker (the dispatch before affinity; a baseline).
     LeastLoaded,
     /// One job per message to the next worker in turn (a baseline).
     RoundRobin,
@@ -120,7 +124,7 @@ impl Default for DispatchConfig {
 }
 
 fn default_max_batch() -> u32 {
-    8
+    1
 }
 fn default_affinity_wait_ms() -> u64 {
     3_000
