@@ -20,11 +20,12 @@ use vnfarm_models::sdxl::pipeline::{
     ComponentConfigs, GenerateRequest, ModelSource, PipelineConfig, SdxlPipeline,
 };
 use vnfarm_models::sdxl::vae::{Tiling, VaeConfig};
-use vnfarm_proto::{GenerateSpec, StageTimings, Task};
+use vnfarm_proto::{GenerateSpec, ModelFileRole, StageTimings, Task};
 
 use super::device::{Dtype, engine_error, open_device, parse_device, warm_up_sizes};
 use super::{
-    EngineError, EngineJob, EngineOutput, Progress, all_cancelled, groups, together_or_alone,
+    EngineError, EngineJob, EngineOutput, Progress, UsedFile, all_cancelled, groups,
+    together_or_alone, weight_files,
 };
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
@@ -115,6 +116,18 @@ impl SdxlConfig {
             .unwrap_or_default()
     }
 
+    /// The checkpoint file, or the weight files of the diffusers folder.
+    pub fn files(&self) -> Vec<UsedFile> {
+        if self.checkpoint.is_dir() {
+            weight_files(&self.checkpoint)
+        } else {
+            vec![UsedFile::named_by_file(
+                &self.checkpoint,
+                ModelFileRole::Checkpoint,
+            )]
+        }
+    }
+
     pub fn validate(&self) -> Result<(), String> {
         if self.name().trim().is_empty() {
             return Err("engine.sdxl.name: the checkpoint needs a name (set `name`)".into());
@@ -144,6 +157,7 @@ pub struct SdxlEngine {
     pipeline: SdxlPipeline,
     max_batch: usize,
     name: String,
+    files: Vec<UsedFile>,
 }
 
 impl SdxlEngine {
@@ -204,7 +218,13 @@ impl SdxlEngine {
             pipeline,
             max_batch: config.max_batch as usize,
             name: config.name(),
+            files: config.files(),
         })
+    }
+
+    /// The files every image is made from.
+    pub fn files(&self) -> Vec<UsedFile> {
+        self.files.clone()
     }
 
     /// Runs a batch: compatible jobs share UNet forwards, the others run one after another. One
@@ -287,6 +307,7 @@ impl SdxlEngine {
                 seeds: image_seeds(spec),
                 timings: StageTimings::default(),
                 encode_cache: None,
+                files: Vec::new(),
             })
             .collect();
         for forward in &forwards {
