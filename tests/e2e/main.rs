@@ -6,6 +6,7 @@ mod esrgan;
 mod failures;
 mod fleet;
 mod intake;
+mod logs;
 mod observability;
 mod outages;
 mod pipeline;
