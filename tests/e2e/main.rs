@@ -11,6 +11,7 @@ mod observability;
 mod outages;
 mod pipeline;
 mod processes;
+mod provenance;
 mod qwen;
 mod redelivery;
 mod sdxl;
