@@ -141,10 +141,10 @@ impl FileHashes {
     /// The file's hash as it is now: from the cache when its size and mtime are unchanged, else
     /// once the thread has hashed it (after the files asked for before it).
     pub async fn hash(&self, path: &Path) -> Result<Hashed, String> {
-        if let Ok((canonical, size, mtime_ns)) = stamp(path) {
-            if let Some(hit) = self.shared.cached(&canonical, size, mtime_ns) {
-                return Ok(hit);
-            }
+        if let Ok((canonical, size, mtime_ns)) = stamp(path)
+            && let Some(hit) = self.shared.cached(&canonical, size, mtime_ns)
+        {
+            return Ok(hit);
         }
         let (reply, answer) = tokio::sync::oneshot::channel();
         self.tx
@@ -229,10 +229,10 @@ impl Shared {
                 .insert(canonical.to_string_lossy().into_owned(), entry);
             serde_json::to_vec_pretty(&*known).expect("the hash cache serializes to JSON")
         };
-        if let Some(file) = &self.file {
-            if let Err(e) = persist(file, &persisted) {
-                tracing::warn!(path = %file.display(), error = %e, "cannot save the model hash cache");
-            }
+        if let Some(file) = &self.file
+            && let Err(e) = persist(file, &persisted)
+        {
+            tracing::warn!(path = %file.display(), error = %e, "cannot save the model hash cache");
         }
         Ok(Hashed {
             path: canonical,
