@@ -563,3 +563,42 @@ fn edit_request(spec: &EditSpec) -> Result<EditRequest, EngineError> {
         size: spec.width.zip(spec.height),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_edit_is_made_from_the_three_files_and_the_load_time_loras() {
+        let config: QwenEditEngineConfig = serde_json::from_str(
+            r#"{"transformer": "/m/qwen_image_edit_2509_fp8_e4m3fn.safetensors",
+                "text_encoder": "/m/qwen_2.5_vl_7b_fp8_scaled.safetensors",
+                "vae": "/m/qwen_image_vae.safetensors",
+                "loras": [{"path": "/m/loras/Qwen-Image-Lightning-4steps.safetensors"}]}"#,
+        )
+        .expect("a valid config");
+        let files: Vec<(String, ModelFileRole)> = config
+            .files()
+            .into_iter()
+            .map(|f| (f.name, f.role))
+            .collect();
+        assert_eq!(
+            files,
+            [
+                (
+                    "qwen_image_edit_2509_fp8_e4m3fn.safetensors".into(),
+                    ModelFileRole::Transformer
+                ),
+                (
+                    "qwen_2.5_vl_7b_fp8_scaled.safetensors".into(),
+                    ModelFileRole::TextEncoder
+                ),
+                ("qwen_image_vae.safetensors".into(), ModelFileRole::Vae),
+                (
+                    "Qwen-Image-Lightning-4steps.safetensors".into(),
+                    ModelFileRole::Lora
+                ),
+            ]
+        );
+    }
+}

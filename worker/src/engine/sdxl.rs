@@ -465,9 +465,8 @@ mod tests {
         assert_eq!(image_seeds(&b), [Some(200), Some(201), Some(202)]);
     }
 
-    #[test]
-    fn a_checkpoint_is_named_by_its_file_or_folder() {
-        let config = |path: &str, name: Option<&str>| SdxlConfig {
+    fn config(path: impl Into<PathBuf>, name: Option<&str>) -> SdxlConfig {
+        SdxlConfig {
             checkpoint: path.into(),
             name: name.map(Into::into),
             config_dir: None,
@@ -481,7 +480,11 @@ mod tests {
             vae_tile_threshold: None,
             warm_up: Vec::new(),
             max_batch: 4,
-        };
+        }
+    }
+
+    #[test]
+    fn a_checkpoint_is_named_by_its_file_or_folder() {
         assert_eq!(
             config("/models/sdxl/novaAnimeXL_ilV190.safetensors", None).name(),
             "novaAnimeXL_ilV190"
@@ -491,5 +494,50 @@ mod tests {
             "stable-diffusion-xl-base-1.0"
         );
         assert_eq!(config("/models/x.safetensors", Some("nova")).name(), "nova");
+    }
+
+    #[test]
+    fn a_job_is_made_from_the_checkpoint_file_or_the_weights_of_the_folder() {
+        let dir = std::env::temp_dir().join(format!(
+            "vnfarm-sdxl-files-{}-{}",
+            std::process::id(),
+            vnfarm_proto::JobId::new()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let single = dir.join("nova.safetensors");
+        std::fs::write(&single, b"w").unwrap();
+        assert_eq!(
+            config(&single, None).files(),
+            [UsedFile {
+                name: "nova.safetensors".into(),
+                path: single,
+                role: ModelFileRole::Checkpoint,
+            }]
+        );
+        let folder = dir.join("sdxl-base");
+        for file in [
+            "model_index.json",
+            "unet/diffusion_pytorch_model.fp16.safetensors",
+            "unet/config.json",
+            "vae/diffusion_pytorch_model.safetensors",
+            "text_encoder/model.safetensors",
+            "tokenizer/vocab.json",
+        ] {
+            let path = folder.join(file);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(path, b"{}").unwrap();
+        }
+        let files = config(&folder, None).files();
+        let names: Vec<&str> = files.iter().map(|f| f.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "text_encoder/model.safetensors",
+                "unet/diffusion_pytorch_model.fp16.safetensors",
+                "vae/diffusion_pytorch_model.safetensors",
+            ]
+        );
+        assert!(files.iter().all(|f| f.role == ModelFileRole::Component));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
