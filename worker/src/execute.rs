@@ -556,7 +556,10 @@ fn manifest_of(job_id: JobId, bytes: &[u8]) -> Result<Manifest, String> {
 /// sites parse): the prompt; `Negative prompt: …` when there is one; then one line of `key: value`
 /// fields, a value holding a comma, colon or line break written as a JSON string (A1111's
 /// `quote`). The model is named by its checkpoint file (first 10 hex digits of its sha256 and the
-/// file's stem), LoRAs by name and hash, as A1111 does. Other tasks: their JSON and the job.
+/// file's stem). LoRAs are named with the first 10 hex digits of their file's sha256: A1111 itself
+/// writes 12 digits of a different hash (the sha256 of a safetensors file's data after its header,
+/// "AutoV3"), so tools that look LoRAs up by that hash will not find ours; no generate uses a LoRA
+/// yet, so no image carries the field today. Other tasks: their JSON and the job.
 fn parameters_text(job_id: JobId, task: &Task, files: &[ModelFile]) -> String {
     let Task::Generate(g) = task else {
         return format!(
