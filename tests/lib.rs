@@ -481,6 +481,11 @@ impl Farm {
         env.push(("VNFARM_WORKER_ID".into(), id.into()));
         env.push(("VNFARM_LISTEN".into(), format!("127.0.0.1:{}", free_port())));
         env.push(("VNFARM_HEARTBEAT_INTERVAL_MS".into(), "300".into()));
+        // The farm's own, not the default beside the test's working directory.
+        env.push((
+            "VNFARM_HASH_CACHE_DIR".into(),
+            self.logs.path().join("hash-cache").display().to_string(),
+        ));
         env.push((
             "VNFARM_ENGINE__TEST_PATTERN__STEP_MS".into(),
             options.step_ms.to_string(),

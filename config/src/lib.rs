@@ -103,11 +103,13 @@ pub fn load_validated<T: DeserializeOwned + Validate>(
     Ok(config)
 }
 
-/// `VNFARM_` variables that are not configuration keys: the config file path, the command line's
-/// settings, and the test harness's. A user may export them in the same shell as a binary's settings.
+/// `VNFARM_` variables that are not configuration keys: the config file path, the log format (see
+/// [`process`]), the command line's settings, and the test harness's. A user may export them in the same shell as a binary's settings.
 fn is_reserved(key: &str) -> bool {
-    matches!(key, "VNFARM_CONFIG" | "VNFARM_URL" | "VNFARM_TOKEN")
-        || key.starts_with("VNFARM_TEST_")
+    matches!(
+        key,
+        "VNFARM_CONFIG" | "VNFARM_URL" | "VNFARM_TOKEN" | process::LOG_FORMAT_VAR
+    ) || key.starts_with("VNFARM_TEST_")
 }
 
 /// An environment value is read as a TOML value when it is one (`3`, `true`, `["a", "b"]`), else as a string.
@@ -180,6 +182,7 @@ mod tests {
             ("VNFARM_INNER__TAGS", "[\"x\"]"),
             ("OTHER", "1"),
             ("VNFARM_URL", "http://x"),
+            ("VNFARM_LOG_FORMAT", "json"),
         ];
         let got: Demo = load(Some(&path), env(&vars)).unwrap();
         assert_eq!(
@@ -214,5 +217,15 @@ mod tests {
         );
         let e = load::<Demo>(None, env(&[])).unwrap_err();
         assert!(e.to_string().contains("missing field `name`"), "{e}");
+    }
+
+    #[test]
+    fn the_log_format_is_text_or_json() {
+        use process::LogFormat;
+        assert_eq!(LogFormat::parse(None).unwrap(), LogFormat::Text);
+        assert_eq!(LogFormat::parse(Some("text")).unwrap(), LogFormat::Text);
+        assert_eq!(LogFormat::parse(Some("json")).unwrap(), LogFormat::Json);
+        let e = LogFormat::parse(Some("yaml")).unwrap_err();
+        assert!(e.to_string().starts_with("VNFARM_LOG_FORMAT: "), "{e}");
     }
 }

@@ -24,7 +24,7 @@ pub mod work;
 pub use decode::{DecodeError, decode_json};
 pub use event::{Event, EventKind, FailureKind, SequencedEvent, StageTimings};
 pub use ids::{JobId, WorkerId};
-pub use manifest::Manifest;
+pub use manifest::{Manifest, ModelFile, ModelFileRole};
 pub use spec::{
     EditSpec, GenerateSpec, ImageRef, JobSpec, LoraRef, ModelFamily, PipelineImage, PipelineSpec,
     Priority, Sampler, Submission, UpscaleSpec, ValidationError,

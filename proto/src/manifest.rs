@@ -15,7 +15,8 @@ pub struct Manifest {
     pub outputs: Vec<ManifestOutput>,
     pub worker: WorkerId,
     pub attempt: u32,
-    /// The engine that ran the job and the files (name → sha256) it loaded.
+    /// The engine that ran the job, and every model and LoRA file that made its images (empty for
+    /// the test-pattern engine, which loads none, unless it is configured to claim some).
     pub engine: String,
     pub model_files: Vec<ModelFile>,
     pub timings: StageTimings,
@@ -32,10 +33,39 @@ pub struct ManifestOutput {
     pub sha256: String,
 }
 
+/// A file a job's images were made from. `size`, `path` and `role` came with provenance (step 5):
+/// manifests written before decode with `size` 0 and no path or role.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ModelFile {
+    /// The name the job or the configuration knows it by: a LoRA's name, else the file's name.
     pub name: String,
+    /// Hex sha256 of the file's bytes, as they were when the image was made.
     pub sha256: String,
+    /// Bytes.
+    #[serde(default)]
+    pub size: u64,
+    /// Where the worker read it (canonical).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role: Option<ModelFileRole>,
+}
+
+/// What a model file is to the image.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ModelFileRole {
+    /// A single-file checkpoint (SDXL), or a file the test-pattern engine claims.
+    Checkpoint,
+    /// A weight file of a diffusers folder.
+    Component,
+    Transformer,
+    TextEncoder,
+    Vae,
+    /// A LoRA, fused at load or applied for the job.
+    Lora,
+    /// An upscaler's network (Real-ESRGAN).
+    Upscaler,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

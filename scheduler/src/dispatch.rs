@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use lapin::BasicProperties;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 use vnfarm_bus::PublishError;
 use vnfarm_bus::publisher::json_properties;
 use vnfarm_proto::{BatchedJob, EventKind, FailureKind, JobId, JobSpec, Task, WorkMessage};
@@ -80,7 +81,20 @@ impl Scheduler {
                 return Ok(None);
             }
             let message = WorkMessage::of(jobs).expect("a planned dispatch has a job");
-            match self.send(d, &message).await {
+            // One span per message: its first job (the message's id) and, for a batch, them all.
+            let span = tracing::info_span!(
+                "dispatch",
+                job_id = %d.jobs[0],
+                job_ids = tracing::field::Empty,
+                worker = %d.worker
+            );
+            if d.jobs.len() > 1 {
+                span.record("job_ids", tracing::field::debug(&d.jobs));
+            }
+            let sent = self.send(d, &message).instrument(span.clone()).await;
+            // No await below while the span is entered.
+            let _in_span = span.enter();
+            match sent {
                 Ok(()) => {
                     self.metrics
                         .dispatches_total
@@ -231,7 +245,10 @@ impl Scheduler {
         // A batch comes back whole; its jobs were dispatched together and go back one by one.
         for job in msg.jobs() {
             let single = WorkMessage::of(vec![job]).expect("one job");
-            self.returned_job(&single, props, reason).await?;
+            let span = tracing::info_span!("job", job_id = %single.job_id);
+            self.returned_job(&single, props, reason)
+                .instrument(span)
+                .await?;
         }
         Ok(())
     }

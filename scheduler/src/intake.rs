@@ -16,6 +16,7 @@ use bytes::Bytes;
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
 use sha2::{Digest, Sha256};
+use tracing::Instrument;
 use vnfarm_bus::headers::dead_letter_headers;
 use vnfarm_proto::spec::{MAX_INLINE_IMAGE_BYTES, MAX_INPUT_SIDE, PipelineImage};
 use vnfarm_proto::topology::input_key;
@@ -63,6 +64,20 @@ impl Scheduler {
         if let Some(known) = self.known(key.as_deref(), submission.job_id) {
             return Ok(Submitted::Known(known));
         }
+        // The id first, so that every line logged about the job carries it (its `job` span).
+        let id = *submission.job_id.get_or_insert_with(JobId::new);
+        self.accept_new(id, submission, key)
+            .instrument(tracing::info_span!("job", job_id = %id))
+            .await
+    }
+
+    /// [`Scheduler::accept`] of a job it did not know, once named `id`.
+    async fn accept_new(
+        &self,
+        id: JobId,
+        mut submission: Submission,
+        key: Option<String>,
+    ) -> Result<Submitted, AcceptError> {
         match &mut submission.job {
             JobSpec::Edit(edit) => {
                 for input in edit.images_mut() {
@@ -80,7 +95,6 @@ impl Scheduler {
             }
             JobSpec::Generate(g) => self.default_checkpoint(g),
         }
-        let id = *submission.job_id.get_or_insert_with(JobId::new);
         let kind = submission.job.kind_name();
         let children: Vec<JobId> = (0..pipeline_size(&submission))
             .map(|_| JobId::new())
@@ -210,6 +224,15 @@ impl Scheduler {
             .message_id()
             .as_ref()
             .and_then(|m| m.as_str().parse::<JobId>().ok());
+        // The message id names the job until the submission is read (which may name another).
+        let span = tracing::info_span!("intake", job_id = tracing::field::Empty);
+        if let Some(id) = id_hint {
+            span.record("job_id", tracing::field::display(id));
+        }
+        self.intake(delivery, id_hint).instrument(span).await
+    }
+
+    async fn intake(&self, delivery: Delivery, id_hint: Option<JobId>) -> anyhow::Result<()> {
         let parsed = if delivery.data.len() > MAX_MESSAGE_BYTES {
             Err((
                 FailureKind::Malformed,

@@ -2,7 +2,8 @@
 //! with the tiny random-weight RRDBNet of `worker/models/fixtures/esrgan` on the CPU (fp32):
 //! uploaded RGBA, grey and 16-bit images come back in their own layout and equal Real-ESRGAN's
 //! `enhance` for the same weights (`make_esrgan_fixtures.py`); a pipeline's upscale step runs on
-//! the SDXL base it follows; progress counts tiles; a cancel stops between tiles.
+//! the SDXL base it follows; progress counts tiles; a cancel stops between tiles; the manifest names
+//! the network's file by its sha256 and size.
 
 use std::path::{Path, PathBuf};
 
@@ -194,6 +195,25 @@ async fn upscales_keep_alpha_grey_and_16_bits_and_match_realesrgan() -> anyhow::
     assert!(
         out.as_bytes() == local.as_bytes(),
         "the worker's output is the library's"
+    );
+
+    // Provenance through the real engine: the manifest names the network's file by its bytes.
+    let model = fixtures().join("esrgan/tiny_x4.pth");
+    let bytes = std::fs::read(&model)?;
+    // `results/<job>/0.png` → `results/<job>/manifest.json`.
+    let output = job["outputs"][0].as_str().expect("an output");
+    let manifest_key = output.replace("0.png", "manifest.json");
+    let manifest: Value = serde_json::from_slice(&farm.storage.get(&manifest_key).await?)?;
+    assert_eq!(
+        manifest["model_files"],
+        json!([{
+            "name": "tiny_x4.pth",
+            "sha256": hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&bytes)),
+            "size": bytes.len(),
+            "path": model.canonicalize()?.display().to_string(),
+            "role": "upscaler",
+        }]),
+        "{manifest}"
     );
     Ok(())
 }

@@ -1,7 +1,7 @@
 //! The worker's typed configuration, validated before any I/O.
 
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 use vnfarm_bus::AmqpConfig;
@@ -44,6 +44,10 @@ pub struct Config {
     /// requeued.
     #[serde(default = "default_storage_attempts")]
     pub storage_attempts: u32,
+    /// Where the sha256 of model files persists (`model-hashes.json`), so that a restarted worker
+    /// does not hash its checkpoints again.
+    #[serde(default = "default_hash_cache_dir")]
+    pub hash_cache_dir: PathBuf,
 }
 
 fn default_worker_id() -> String {
@@ -78,6 +82,9 @@ fn default_grace_s() -> u64 {
 }
 fn default_storage_attempts() -> u32 {
     5
+}
+fn default_hash_cache_dir() -> PathBuf {
+    "vnfarm-cache".into()
 }
 
 impl Config {

@@ -13,16 +13,18 @@ use chrono::Utc;
 use futures::future::join_all;
 use sha2::{Digest, Sha256};
 use vnfarm_bus::Publisher;
-use vnfarm_proto::manifest::{ManifestOutput, Versions};
+use vnfarm_proto::manifest::{ManifestOutput, ModelFile, ModelFileRole, Versions};
 use vnfarm_proto::spec::MAX_UPSCALE_OUTPUT_SIDE;
 use vnfarm_proto::topology::{manifest_key, output_key};
 use vnfarm_proto::{
-    BatchedJob, EventKind, ImageRef, JobId, Manifest, SCHEMA_VERSION, StageTimings, Task,
+    BatchedJob, EventKind, ImageRef, JobId, Manifest, SCHEMA_VERSION, Sampler, StageTimings, Task,
     decode_json,
 };
 use vnfarm_storage::StorageError;
 
-use crate::engine::{CancelReason, EngineError, EngineJob, EngineOutput, InputImage, Progress};
+use crate::engine::{
+    CancelReason, EngineError, EngineJob, EngineOutput, InputImage, Progress, UsedFile,
+};
 use crate::image_io::{decode_input_as_stored, encode_png, flatten_to_rgb8};
 use crate::job::JobError;
 use crate::worker::Worker;
@@ -309,9 +311,12 @@ impl Worker {
         }
         self.observe_denoise_steps(&job.task, &output);
 
+        // Provenance first: the PNG's parameters name the model by its hash.
+        let model_files = self.model_files(job_id, &output.files).await?;
+
         // PNG encoding is CPU work: off the async runtime.
         let started = Instant::now();
-        let parameters = parameters_text(job_id, &job.task);
+        let parameters = parameters_text(job_id, &job.task, &model_files);
         let images = output.images;
         let encoded = tokio::task::spawn_blocking(move || {
             images
@@ -355,7 +360,7 @@ impl Worker {
             worker: self.id.clone(),
             attempt,
             engine: self.engine.name().to_owned(),
-            model_files: Vec::new(),
+            model_files,
             timings: timings.clone(),
             versions: Versions {
                 vnfarm: env!("CARGO_PKG_VERSION").to_owned(),
@@ -373,6 +378,41 @@ impl Worker {
             manifest: key,
             timings,
         })
+    }
+
+    /// The manifest's record of the files the images were made from: each with its sha256 and
+    /// size as the file is now, awaited from the hashing thread (at once when it was hashed
+    /// before). A file that cannot be read any more cannot be vouched for: the job fails and is
+    /// tried again, here or elsewhere.
+    async fn model_files(
+        &self,
+        job_id: JobId,
+        files: &[UsedFile],
+    ) -> Result<Vec<ModelFile>, JobError> {
+        let started = Instant::now();
+        let hashed = join_all(files.iter().map(|f| self.hashes.hash(&f.path))).await;
+        let seconds = started.elapsed().as_secs_f64();
+        if seconds > 1.0 {
+            tracing::info!(job_id = %job_id, seconds, "waited for model files to be hashed");
+        }
+        files
+            .iter()
+            .zip(hashed)
+            .map(|(file, hashed)| {
+                let hashed = hashed.map_err(|e| {
+                    JobError::Engine(EngineError::Failed(format!(
+                        "cannot hash a model file for the manifest: {e}"
+                    )))
+                })?;
+                Ok(ModelFile {
+                    name: file.name.clone(),
+                    sha256: hashed.sha256,
+                    size: hashed.size,
+                    path: Some(hashed.path.to_string_lossy().into_owned()),
+                    role: Some(file.role),
+                })
+            })
+            .collect()
     }
 
     /// `denoise_step_seconds`: the job's `denoise` time over its steps, by model and the
@@ -511,24 +551,94 @@ fn manifest_of(job_id: JobId, bytes: &[u8]) -> Result<Manifest, String> {
     Ok(manifest)
 }
 
-/// Generation parameters for the PNG text chunk: A1111's layout for generates, JSON otherwise.
-fn parameters_text(job_id: JobId, task: &Task) -> String {
-    match task {
-        Task::Generate(g) => format!(
-            "{}\nNegative prompt: {}\nSteps: {}, Sampler: {:?}, CFG scale: {}, Seed: {}, Size: {}x{}, vnfarm job: {job_id}",
-            g.prompt,
-            g.negative_prompt,
-            g.steps,
-            g.sampler,
-            g.cfg,
-            g.seed.unwrap_or_default(),
-            g.width,
-            g.height
-        ),
-        other => format!(
+/// Generation parameters for the PNG `parameters` text chunk. A generate's are in the layout
+/// AUTOMATIC1111's stable-diffusion-webui writes (its "infotext", which image browsers and model
+/// sites parse): the prompt; `Negative prompt: …` when there is one; then one line of `key: value`
+/// fields, a value holding a comma, colon or line break written as a JSON string (A1111's
+/// `quote`). The model is named by its checkpoint file (first 10 hex digits of its sha256 and the
+/// file's stem). LoRAs are named with the first 10 hex digits of their file's sha256: A1111 itself
+/// writes 12 digits of a different hash (the sha256 of a safetensors file's data after its header,
+/// "AutoV3"), so tools that look LoRAs up by that hash will not find ours; no generate uses a LoRA
+/// yet, so no image carries the field today. Other tasks: their JSON and the job.
+fn parameters_text(job_id: JobId, task: &Task, files: &[ModelFile]) -> String {
+    let Task::Generate(g) = task else {
+        return format!(
             "{}\nvnfarm job: {job_id}",
-            serde_json::to_string(other).expect("tasks serialize to JSON")
-        ),
+            serde_json::to_string(task).expect("tasks serialize to JSON")
+        );
+    };
+    let (sampler, schedule) = a1111_sampler(g.sampler);
+    let mut fields: Vec<(&str, String)> = vec![
+        ("Steps", g.steps.to_string()),
+        ("Sampler", sampler.to_owned()),
+    ];
+    if let Some(schedule) = schedule {
+        fields.push(("Schedule type", schedule.to_owned()));
+    }
+    // Python prints a whole float with `.0`.
+    let cfg = if g.cfg.fract() == 0.0 {
+        format!("{:.1}", g.cfg)
+    } else {
+        g.cfg.to_string()
+    };
+    fields.push(("CFG scale", cfg));
+    fields.push(("Seed", g.seed.unwrap_or_default().to_string()));
+    fields.push(("Size", format!("{}x{}", g.width, g.height)));
+    let role = |f: &&ModelFile, role| f.role == Some(role);
+    if let Some(model) = files.iter().find(|f| role(f, ModelFileRole::Checkpoint)) {
+        let stem = std::path::Path::new(&model.name)
+            .file_stem()
+            .map_or_else(|| model.name.clone(), |s| s.to_string_lossy().into_owned());
+        fields.push(("Model hash", short_hash(&model.sha256).to_owned()));
+        fields.push(("Model", stem));
+    }
+    let loras: Vec<String> = files
+        .iter()
+        .filter(|f| role(f, ModelFileRole::Lora))
+        .map(|f| format!("{}: {}", f.name, short_hash(&f.sha256)))
+        .collect();
+    if !loras.is_empty() {
+        fields.push(("Lora hashes", loras.join(", ")));
+    }
+    fields.push(("Version", format!("vnfarm {}", env!("CARGO_PKG_VERSION"))));
+    fields.push(("vnfarm job", job_id.to_string()));
+
+    let line = fields
+        .iter()
+        .map(|(key, value)| format!("{key}: {}", a1111_quote(value)))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let mut text = g.prompt.clone();
+    if !g.negative_prompt.is_empty() {
+        text.push_str("\nNegative prompt: ");
+        text.push_str(&g.negative_prompt);
+    }
+    text.push('\n');
+    text.push_str(&line);
+    text
+}
+
+/// A1111's sampler name and schedule type for ours (its `Schedule type` is left out where the
+/// sampler uses its own default, which A1111 reads as `Automatic`).
+fn a1111_sampler(sampler: Sampler) -> (&'static str, Option<&'static str>) {
+    match sampler {
+        Sampler::Euler => ("Euler", None),
+        Sampler::EulerAncestral => ("Euler a", None),
+        Sampler::DpmppTwoMKarras => ("DPM++ 2M", Some("Karras")),
+    }
+}
+
+/// A1111's short hash: the first 10 hex digits of the sha256.
+fn short_hash(sha256: &str) -> &str {
+    sha256.get(..10).unwrap_or(sha256)
+}
+
+/// A1111's `quote`: a value with a comma, colon or line break as a JSON string, others as they are.
+fn a1111_quote(value: &str) -> String {
+    if value.contains([',', ':', '\n']) {
+        serde_json::to_string(value).expect("strings serialize to JSON")
+    } else {
+        value.to_owned()
     }
 }
 
@@ -576,6 +686,86 @@ pub(crate) mod tests {
         let truncated = manifest_of(id, &bytes[..bytes.len() / 2]);
         assert!(truncated.is_err(), "{truncated:?}");
         assert!(manifest_of(id, b"").is_err());
+    }
+
+    fn file(name: &str, role: ModelFileRole, sha256: &str) -> ModelFile {
+        ModelFile {
+            name: name.into(),
+            sha256: sha256.into(),
+            size: 1,
+            path: Some(format!("/models/{name}")),
+            role: Some(role),
+        }
+    }
+
+    #[test]
+    fn generates_carry_a1111_parameters_for_every_sampler() {
+        let job = JobId::new();
+        let version = env!("CARGO_PKG_VERSION");
+        let checkpoint = file(
+            "animagine-xl-4.0.safetensors",
+            ModelFileRole::Checkpoint,
+            &format!("6327eca98b{}", "0".repeat(54)),
+        );
+        for (sampler, a1111) in [
+            ("euler", "Sampler: Euler"),
+            ("euler_ancestral", "Sampler: Euler a"),
+            (
+                "dpmpp_two_m_karras",
+                "Sampler: DPM++ 2M, Schedule type: Karras",
+            ),
+        ] {
+            let task: Task = decode_json(
+                format!(
+                    r#"{{"kind": "generate", "prompt": "1girl, (masterpiece:1.2)",
+                        "negative_prompt": "lowres, bad hands", "steps": 28, "cfg": 4.5,
+                        "sampler": "{sampler}", "seed": 123, "width": 832, "height": 1216}}"#
+                )
+                .as_bytes(),
+            )
+            .expect("a valid task");
+            assert_eq!(
+                parameters_text(job, &task, std::slice::from_ref(&checkpoint)),
+                format!(
+                    "1girl, (masterpiece:1.2)\nNegative prompt: lowres, bad hands\n\
+                     Steps: 28, {a1111}, CFG scale: 4.5, Seed: 123, Size: 832x1216, \
+                     Model hash: 6327eca98b, Model: animagine-xl-4.0, \
+                     Version: vnfarm {version}, vnfarm job: {job}"
+                ),
+                "{sampler}"
+            );
+        }
+    }
+
+    #[test]
+    fn lora_hashes_are_quoted_and_a_missing_negative_prompt_or_model_is_left_out() {
+        let job = JobId::new();
+        let version = env!("CARGO_PKG_VERSION");
+        let task: Task =
+            decode_json(br#"{"kind": "generate", "prompt": "a lighthouse", "cfg": 7, "seed": 5}"#)
+                .expect("a valid task");
+        let files = [
+            file(
+                "base.safetensors",
+                ModelFileRole::Checkpoint,
+                &"ab".repeat(32),
+            ),
+            file("ink style", ModelFileRole::Lora, &"cd".repeat(32)),
+            file("detail", ModelFileRole::Lora, &"ef".repeat(32)),
+        ];
+        assert_eq!(
+            parameters_text(job, &task, &files),
+            format!(
+                "a lighthouse\nSteps: 20, Sampler: Euler, CFG scale: 7.0, Seed: 5, \
+                 Size: 1024x1024, Model hash: ababababab, Model: base, \
+                 Lora hashes: \"ink style: cdcdcdcdcd, detail: efefefefef\", \
+                 Version: vnfarm {version}, vnfarm job: {job}"
+            )
+        );
+        // The test-pattern engine loads no file: no model is named.
+        let line = parameters_text(job, &task, &[]);
+        assert!(!line.contains("Model"), "{line}");
+        assert!(line.ends_with(&format!("vnfarm job: {job}")), "{line}");
     }
 
     #[test]

@@ -11,6 +11,7 @@
 //!   and the classification of every failure.
 //! - [`execute`]: running a message's jobs: skipped, started, inputs, the engine, outputs stored.
 //! - [`image_io`]: decoding inputs within limits, encoding PNG outputs with their parameters.
+//! - [`provenance`]: the sha256 of the model files, hashed once in the background, for manifests.
 //! - [`metrics`], [`http`]: Prometheus metrics and the `/metrics` and `/healthz` endpoints.
 //!
 //! [`run`] is the whole worker; `main` only parses configuration and handles signals.
@@ -22,6 +23,7 @@ pub mod http;
 pub mod image_io;
 pub mod job;
 pub mod metrics;
+pub mod provenance;
 pub mod session;
 pub mod worker;
 
@@ -35,6 +37,7 @@ use vnfarm_storage::Storage;
 pub use config::Config;
 use engine::EngineHost;
 use metrics::Metrics;
+use provenance::FileHashes;
 use worker::Worker;
 
 /// Runs the worker until `shutdown` is cancelled: the job in hand finishes (or, past the drain grace
@@ -61,7 +64,11 @@ pub async fn serve(
     let storage = Storage::open(&config.storage)
         .await
         .context("opening storage")?;
-    let worker = Worker::new(config, storage, engine, metrics);
+    // Hashing the model files takes as long as reading them: in the background, from now on.
+    let hashes =
+        FileHashes::start(Some(&config.hash_cache_dir)).context("starting model hashing")?;
+    hashes.prefetch(config.engine.files().into_iter().map(|f| f.path));
+    let worker = Worker::new(config, storage, engine, hashes, metrics);
     worker
         .metrics
         .info

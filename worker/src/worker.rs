@@ -13,6 +13,7 @@ use vnfarm_storage::Storage;
 use crate::config::Config;
 use crate::engine::{Cancel, CancelReason, EngineHost};
 use crate::metrics::Metrics;
+use crate::provenance::FileHashes;
 
 /// How many cancelled job ids a worker remembers (to skip them if they arrive later).
 const CANCELLED_MEMORY: usize = 10_000;
@@ -26,6 +27,8 @@ pub struct Inner {
     pub topology: Topology,
     pub storage: Storage,
     pub engine: EngineHost,
+    /// The sha256 of the model files, for manifests.
+    pub hashes: FileHashes,
     pub metrics: Metrics,
     status: Mutex<Status>,
     /// Cancelled once the engine is loaded and warm: the worker takes jobs from then on.
@@ -54,7 +57,13 @@ impl Deref for Worker {
 }
 
 impl Worker {
-    pub fn new(config: Config, storage: Storage, engine: EngineHost, metrics: Metrics) -> Self {
+    pub fn new(
+        config: Config,
+        storage: Storage,
+        engine: EngineHost,
+        hashes: FileHashes,
+        metrics: Metrics,
+    ) -> Self {
         let id = config.worker_id();
         let topology = config.amqp.topology();
         let status = Status {
@@ -70,6 +79,7 @@ impl Worker {
             topology,
             storage,
             engine,
+            hashes,
             metrics,
             status: Mutex::new(status),
             ready: tokio_util::sync::CancellationToken::new(),

@@ -16,10 +16,10 @@ use vnfarm_models::esrgan::rrdbnet::MemoryFormat;
 use vnfarm_models::esrgan::tiling::{Blend, TileSettings};
 use vnfarm_models::esrgan::upscaler::{UpscaleOptions, Upscaler};
 use vnfarm_proto::spec::{MAX_UPSCALE_TILE, MIN_UPSCALE_TILE};
-use vnfarm_proto::{StageTimings, Task};
+use vnfarm_proto::{ModelFileRole, StageTimings, Task};
 
 use super::device::{Dtype, engine_error, open_device, parse_device};
-use super::{Cancel, EngineError, EngineJob, EngineOutput, Progress};
+use super::{Cancel, EngineError, EngineJob, EngineOutput, Progress, UsedFile};
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -79,6 +79,14 @@ fn default_max_batch() -> u32 {
 }
 
 impl EsrganConfig {
+    /// The network's weights.
+    pub fn files(&self) -> Vec<UsedFile> {
+        vec![UsedFile::named_by_file(
+            &self.model,
+            ModelFileRole::Upscaler,
+        )]
+    }
+
     pub fn validate(&self) -> Result<(), String> {
         parse_device(&self.device).map_err(|e| format!("engine.esrgan.device: {e}"))?;
         if !(MIN_UPSCALE_TILE..=MAX_UPSCALE_TILE).contains(&self.tile) {
@@ -153,6 +161,11 @@ impl EsrganEngine {
         })
     }
 
+    /// The files every upscale is made from.
+    pub fn files(&self) -> Vec<UsedFile> {
+        self.config.files()
+    }
+
     pub fn run(
         &mut self,
         job: EngineJob,
@@ -201,6 +214,7 @@ impl EsrganEngine {
             seeds: vec![None],
             timings,
             encode_cache: None,
+            files: Vec::new(),
         })
     }
 }

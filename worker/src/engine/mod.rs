@@ -22,12 +22,13 @@ pub mod qwen_edit;
 pub mod sdxl;
 pub mod test_pattern;
 
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
 
 use image::{DynamicImage, RgbImage};
 use serde::Deserialize;
-use vnfarm_proto::{JobId, ModelFamily, StageTimings, Task};
+use vnfarm_proto::{JobId, ModelFamily, ModelFileRole, StageTimings, Task};
 
 pub use encode_cache::{AdvertisedKeys, CacheLookup, EncodeCache};
 pub use esrgan::{EsrganConfig, EsrganEngine};
@@ -110,6 +111,20 @@ impl EngineConfig {
         match self.kind() {
             EngineKind::TestPattern => self.test_pattern.checkpoints.clone(),
             EngineKind::Tch => self.sdxl.iter().map(SdxlConfig::name).collect(),
+        }
+    }
+
+    /// Every file the configured engines load (what the worker starts hashing at once); jobs may
+    /// add their LoRAs.
+    pub fn files(&self) -> Vec<UsedFile> {
+        match self.kind() {
+            EngineKind::TestPattern => self.test_pattern.files(),
+            EngineKind::Tch => {
+                let sdxl = self.sdxl.iter().flat_map(SdxlConfig::files);
+                let qwen = self.qwen_edit.iter().flat_map(QwenEditEngineConfig::files);
+                let esrgan = self.esrgan.iter().flat_map(EsrganConfig::files);
+                sdxl.chain(qwen).chain(esrgan).collect()
+            }
         }
     }
 
@@ -214,6 +229,74 @@ pub struct EngineOutput {
     pub timings: StageTimings,
     /// For a job that encodes inputs (an edit): whether the encodings were in the cache.
     pub encode_cache: Option<CacheLookup>,
+    /// The model and LoRA files that made the images ([`Engine::files`]; the engines leave it
+    /// empty and [`Engine::run_batch`] fills it in).
+    pub files: Vec<UsedFile>,
+}
+
+/// A file a job's images were made from, as the engine read it (hashed later, for the manifest).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UsedFile {
+    /// A LoRA's name as the job names it; else the file's name.
+    pub name: String,
+    pub path: PathBuf,
+    pub role: ModelFileRole,
+}
+
+impl UsedFile {
+    /// A file known by its own name.
+    pub fn named_by_file(path: &Path, role: ModelFileRole) -> Self {
+        Self {
+            name: path
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            path: path.to_owned(),
+            role,
+        }
+    }
+}
+
+/// The weight files of a diffusers folder (every `.safetensors`, `.bin`, `.pth`, `.ckpt` or `.sft`
+/// under it, sorted), as `Component`s. A folder that holds a component twice (a full and an
+/// `fp16` variant) lists both: the manifest names what the folder held, which pins it down.
+pub fn weight_files(dir: &Path) -> Vec<UsedFile> {
+    let mut found = Vec::new();
+    let mut pending = vec![dir.to_owned()];
+    while let Some(dir) = pending.pop() {
+        // An unreadable folder fails the load itself; here it only lists nothing.
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                pending.push(path);
+            } else if path.extension().is_some_and(|e| {
+                ["safetensors", "bin", "pth", "ckpt", "sft"]
+                    .iter()
+                    .any(|w| e == *w)
+            }) {
+                found.push(path);
+            }
+        }
+    }
+    found.sort();
+    found
+        .into_iter()
+        .map(|path| {
+            let name = path
+                .strip_prefix(dir)
+                .unwrap_or(&path)
+                .to_string_lossy()
+                .into_owned();
+            UsedFile {
+                name,
+                path,
+                role: ModelFileRole::Component,
+            }
+        })
+        .collect()
 }
 
 #[derive(Debug, Clone, thiserror::Error)]
@@ -426,7 +509,10 @@ impl Engine {
         progress: &mut dyn FnMut(usize, Progress),
     ) -> Vec<Result<EngineOutput, EngineError>> {
         let (sdxl, qwen_edit, esrgan) = match self {
-            Engine::TestPattern(e) => return e.run_batch(jobs, progress),
+            Engine::TestPattern(e) => {
+                let results = e.run_batch(jobs, progress);
+                return self.with_files(jobs, results);
+            }
             Engine::Tch {
                 sdxl,
                 qwen_edit,
@@ -471,12 +557,46 @@ impl Engine {
                 results[i] = Some(answer);
             }
         }
-        results
+        let results = results
             .into_iter()
             .map(|r| {
                 r.unwrap_or_else(|| Err(EngineError::Failed("the engine skipped the job".into())))
             })
-            .collect()
+            .collect();
+        self.with_files(jobs, results)
+    }
+
+    /// The files a job's images are made from: what the engine of its family loaded, and the
+    /// job's own LoRAs.
+    pub fn files(&self, task: &Task) -> Vec<UsedFile> {
+        match self {
+            Engine::TestPattern(e) => e.files(),
+            Engine::Tch {
+                sdxl,
+                qwen_edit,
+                esrgan,
+            } => match task {
+                Task::Generate(_) => sdxl.as_ref().map(|e| e.files()).unwrap_or_default(),
+                Task::Edit(_) => qwen_edit
+                    .as_ref()
+                    .map(|e| e.files(task))
+                    .unwrap_or_default(),
+                Task::Upscale(_) => esrgan.as_ref().map(|e| e.files()).unwrap_or_default(),
+            },
+        }
+    }
+
+    fn with_files(
+        &self,
+        jobs: &[&EngineJob],
+        mut results: Vec<Result<EngineOutput, EngineError>>,
+    ) -> Vec<Result<EngineOutput, EngineError>> {
+        for (job, result) in jobs.iter().zip(&mut results) {
+            if let Ok(output) = result {
+                output.files = self.files(&job.task);
+            }
+        }
+        results
     }
 }
 
@@ -505,6 +625,7 @@ pub(crate) mod tests {
             seeds: Vec::new(),
             timings: StageTimings::default(),
             encode_cache: None,
+            files: Vec::new(),
         }
     }
 

@@ -27,12 +27,12 @@ use vnfarm_models::qwen_image::pipeline::{
 };
 use vnfarm_models::qwen2_5_vl::rope::PositionMode;
 use vnfarm_models::schedulers::FlowMatchConfig;
-use vnfarm_proto::{EditSpec, LoraRef, StageTimings, Task};
+use vnfarm_proto::{EditSpec, LoraRef, ModelFileRole, StageTimings, Task};
 
 use super::device::{Dtype, engine_error, open_device, parse_device, warm_up_sizes};
 use super::{
     AdvertisedKeys, CacheLookup, EncodeCache, EngineError, EngineJob, EngineOutput, Progress,
-    all_cancelled, content_key, groups, together_or_alone,
+    UsedFile, all_cancelled, content_key, groups, together_or_alone, weight_files,
 };
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
@@ -139,6 +139,27 @@ fn default_vae_area() -> u64 {
 }
 
 impl QwenEditEngineConfig {
+    /// The model's weight files and the LoRAs fused at load.
+    pub fn files(&self) -> Vec<UsedFile> {
+        let mut files = match &self.model_dir {
+            Some(dir) => weight_files(dir),
+            None => [
+                (&self.transformer, ModelFileRole::Transformer),
+                (&self.text_encoder, ModelFileRole::TextEncoder),
+                (&self.vae, ModelFileRole::Vae),
+            ]
+            .into_iter()
+            .filter_map(|(path, role)| path.as_ref().map(|p| UsedFile::named_by_file(p, role)))
+            .collect(),
+        };
+        files.extend(
+            self.loras
+                .iter()
+                .map(|l| UsedFile::named_by_file(&l.path, ModelFileRole::Lora)),
+        );
+        files
+    }
+
     pub fn validate(&self) -> Result<(), String> {
         parse_device(&self.device).map_err(|e| format!("engine.qwen_edit.device: {e}"))?;
         let files = [&self.transformer, &self.text_encoder, &self.vae];
@@ -192,6 +213,8 @@ impl QwenEditEngineConfig {
 
 pub struct QwenEditEngine {
     pipeline: QwenEditPipeline,
+    /// What the pipeline loaded (the model and the load-time LoRAs).
+    files: Vec<UsedFile>,
     cache: EncodeCache<EncodedInputs>,
     lora_dir: Option<PathBuf>,
     max_batch: usize,
@@ -260,10 +283,27 @@ impl QwenEditEngine {
         })?;
         Ok(Self {
             pipeline,
+            files: config.files(),
             cache: EncodeCache::new((config.encode_cache_mib as usize) << 20, cache_keys),
             lora_dir: config.lora_dir.clone(),
             max_batch: config.max_batch as usize,
         })
+    }
+
+    /// The files an edit is made from: the loaded ones, then the job's LoRAs (by the job's names).
+    pub fn files(&self, task: &Task) -> Vec<UsedFile> {
+        let mut files = self.files.clone();
+        if let Task::Edit(e) = task {
+            // A job whose LoRAs are not found fails before it makes an image: nothing to list.
+            if let Ok(specs) = self.lora_files(&e.loras) {
+                files.extend(e.loras.iter().zip(specs).map(|(l, spec)| UsedFile {
+                    name: l.name.clone(),
+                    path: spec.path,
+                    role: ModelFileRole::Lora,
+                }));
+            }
+        }
+        files
     }
 
     /// The job's LoRA files: `<lora_dir>/<name>`, or with `.safetensors` appended.
@@ -479,6 +519,7 @@ impl QwenEditEngine {
                                 seeds: vec![Some(r.seed)],
                                 timings,
                                 encode_cache: None,
+                                files: Vec::new(),
                             }
                         })
                         .collect())
@@ -521,4 +562,43 @@ fn edit_request(spec: &EditSpec) -> Result<EditRequest, EngineError> {
         cfg: f64::from(spec.cfg),
         size: spec.width.zip(spec.height),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_edit_is_made_from_the_three_files_and_the_load_time_loras() {
+        let config: QwenEditEngineConfig = serde_json::from_str(
+            r#"{"transformer": "/m/qwen_image_edit_2509_fp8_e4m3fn.safetensors",
+                "text_encoder": "/m/qwen_2.5_vl_7b_fp8_scaled.safetensors",
+                "vae": "/m/qwen_image_vae.safetensors",
+                "loras": [{"path": "/m/loras/Qwen-Image-Lightning-4steps.safetensors"}]}"#,
+        )
+        .expect("a valid config");
+        let files: Vec<(String, ModelFileRole)> = config
+            .files()
+            .into_iter()
+            .map(|f| (f.name, f.role))
+            .collect();
+        assert_eq!(
+            files,
+            [
+                (
+                    "qwen_image_edit_2509_fp8_e4m3fn.safetensors".into(),
+                    ModelFileRole::Transformer
+                ),
+                (
+                    "qwen_2.5_vl_7b_fp8_scaled.safetensors".into(),
+                    ModelFileRole::TextEncoder
+                ),
+                ("qwen_image_vae.safetensors".into(), ModelFileRole::Vae),
+                (
+                    "Qwen-Image-Lightning-4steps.safetensors".into(),
+                    ModelFileRole::Lora
+                ),
+            ]
+        );
+    }
 }

@@ -20,11 +20,12 @@ use vnfarm_models::sdxl::pipeline::{
     ComponentConfigs, GenerateRequest, ModelSource, PipelineConfig, SdxlPipeline,
 };
 use vnfarm_models::sdxl::vae::{Tiling, VaeConfig};
-use vnfarm_proto::{GenerateSpec, StageTimings, Task};
+use vnfarm_proto::{GenerateSpec, ModelFileRole, StageTimings, Task};
 
 use super::device::{Dtype, engine_error, open_device, parse_device, warm_up_sizes};
 use super::{
-    EngineError, EngineJob, EngineOutput, Progress, all_cancelled, groups, together_or_alone,
+    EngineError, EngineJob, EngineOutput, Progress, UsedFile, all_cancelled, groups,
+    together_or_alone, weight_files,
 };
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
@@ -115,6 +116,18 @@ impl SdxlConfig {
             .unwrap_or_default()
     }
 
+    /// The checkpoint file, or the weight files of the diffusers folder.
+    pub fn files(&self) -> Vec<UsedFile> {
+        if self.checkpoint.is_dir() {
+            weight_files(&self.checkpoint)
+        } else {
+            vec![UsedFile::named_by_file(
+                &self.checkpoint,
+                ModelFileRole::Checkpoint,
+            )]
+        }
+    }
+
     pub fn validate(&self) -> Result<(), String> {
         if self.name().trim().is_empty() {
             return Err("engine.sdxl.name: the checkpoint needs a name (set `name`)".into());
@@ -144,6 +157,7 @@ pub struct SdxlEngine {
     pipeline: SdxlPipeline,
     max_batch: usize,
     name: String,
+    files: Vec<UsedFile>,
 }
 
 impl SdxlEngine {
@@ -204,7 +218,13 @@ impl SdxlEngine {
             pipeline,
             max_batch: config.max_batch as usize,
             name: config.name(),
+            files: config.files(),
         })
+    }
+
+    /// The files every image is made from.
+    pub fn files(&self) -> Vec<UsedFile> {
+        self.files.clone()
     }
 
     /// Runs a batch: compatible jobs share UNet forwards, the others run one after another. One
@@ -287,6 +307,7 @@ impl SdxlEngine {
                 seeds: image_seeds(spec),
                 timings: StageTimings::default(),
                 encode_cache: None,
+                files: Vec::new(),
             })
             .collect();
         for forward in &forwards {
@@ -444,9 +465,8 @@ mod tests {
         assert_eq!(image_seeds(&b), [Some(200), Some(201), Some(202)]);
     }
 
-    #[test]
-    fn a_checkpoint_is_named_by_its_file_or_folder() {
-        let config = |path: &str, name: Option<&str>| SdxlConfig {
+    fn config(path: impl Into<PathBuf>, name: Option<&str>) -> SdxlConfig {
+        SdxlConfig {
             checkpoint: path.into(),
             name: name.map(Into::into),
             config_dir: None,
@@ -460,7 +480,11 @@ mod tests {
             vae_tile_threshold: None,
             warm_up: Vec::new(),
             max_batch: 4,
-        };
+        }
+    }
+
+    #[test]
+    fn a_checkpoint_is_named_by_its_file_or_folder() {
         assert_eq!(
             config("/models/sdxl/novaAnimeXL_ilV190.safetensors", None).name(),
             "novaAnimeXL_ilV190"
@@ -470,5 +494,50 @@ mod tests {
             "stable-diffusion-xl-base-1.0"
         );
         assert_eq!(config("/models/x.safetensors", Some("nova")).name(), "nova");
+    }
+
+    #[test]
+    fn a_job_is_made_from_the_checkpoint_file_or_the_weights_of_the_folder() {
+        let dir = std::env::temp_dir().join(format!(
+            "vnfarm-sdxl-files-{}-{}",
+            std::process::id(),
+            vnfarm_proto::JobId::new()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let single = dir.join("nova.safetensors");
+        std::fs::write(&single, b"w").unwrap();
+        assert_eq!(
+            config(&single, None).files(),
+            [UsedFile {
+                name: "nova.safetensors".into(),
+                path: single,
+                role: ModelFileRole::Checkpoint,
+            }]
+        );
+        let folder = dir.join("sdxl-base");
+        for file in [
+            "model_index.json",
+            "unet/diffusion_pytorch_model.fp16.safetensors",
+            "unet/config.json",
+            "vae/diffusion_pytorch_model.safetensors",
+            "text_encoder/model.safetensors",
+            "tokenizer/vocab.json",
+        ] {
+            let path = folder.join(file);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(path, b"{}").unwrap();
+        }
+        let files = config(&folder, None).files();
+        let names: Vec<&str> = files.iter().map(|f| f.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "text_encoder/model.safetensors",
+                "unet/diffusion_pytorch_model.fp16.safetensors",
+                "vae/diffusion_pytorch_model.safetensors",
+            ]
+        );
+        assert!(files.iter().all(|f| f.role == ModelFileRole::Component));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -18,11 +18,15 @@ use std::time::{Duration, Instant};
 use image::{DynamicImage, Rgb, RgbImage};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
-use vnfarm_proto::{EditSpec, GpuMemory, JobId, LoraRef, Sampler, StageTimings, Task};
+use std::path::PathBuf;
+
+use vnfarm_proto::{
+    EditSpec, GpuMemory, JobId, LoraRef, ModelFileRole, Sampler, StageTimings, Task,
+};
 
 use super::{
     AdvertisedKeys, CacheLookup, CancelReason, EncodeCache, EngineError, EngineJob, EngineOutput,
-    Progress, all_cancelled, content_key, groups,
+    Progress, UsedFile, all_cancelled, content_key, groups,
 };
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
@@ -57,6 +61,11 @@ pub struct TestPatternConfig {
     /// fails as it would on an SDXL worker.
     #[serde(default)]
     pub checkpoints: Vec<String>,
+    /// Files it claims every image is made from, as checkpoints: their real sha256 and size go
+    /// into manifests, so tests can check provenance end to end. Unset: none (it loads no file,
+    /// and its manifests say so).
+    #[serde(default)]
+    pub model_files: Vec<PathBuf>,
     /// Fault injection for tests of the job system: a generate with exactly this prompt fails as a
     /// device failure would (the job is given back, the worker exits with an error).
     #[serde(default)]
@@ -97,6 +106,7 @@ impl Default for TestPatternConfig {
             batch_step_cost: default_batch_step_cost(),
             load_ms: 0,
             checkpoints: Vec::new(),
+            model_files: Vec::new(),
             device_failure_prompt: None,
             gpu_memory_mib: None,
             gpu_memory_used_mib: 0,
@@ -113,6 +123,14 @@ impl TestPatternConfig {
             free_bytes: total - (self.gpu_memory_used_mib << 20),
             reserved_bytes: None,
         })
+    }
+
+    /// The files it claims (`model_files`).
+    pub fn files(&self) -> Vec<UsedFile> {
+        self.model_files
+            .iter()
+            .map(|p| UsedFile::named_by_file(p, ModelFileRole::Checkpoint))
+            .collect()
     }
 
     pub fn validate(&self) -> Result<(), String> {
@@ -302,6 +320,11 @@ impl TestPatternEngine {
         Self { config, cache }
     }
 
+    /// The files every image is claimed to be made from.
+    pub fn files(&self) -> Vec<UsedFile> {
+        self.config.files()
+    }
+
     /// The engine as the worker loads it: after `load_ms` of simulated loading.
     pub fn load(config: TestPatternConfig, cache_keys: AdvertisedKeys) -> Self {
         std::thread::sleep(Duration::from_millis(config.load_ms));
@@ -348,6 +371,7 @@ impl TestPatternEngine {
                     seeds: run.seeds,
                     timings: run.timings,
                     encode_cache: run.encode_cache,
+                    files: Vec::new(),
                 }),
             })
             .collect()

@@ -1,0 +1,319 @@
+//! The sha256 of the model files a worker reads, for its manifests. Hashing a 20 GB checkpoint takes
+//! a minute, so it never stands between a worker and its first heartbeat: one background thread
+//! hashes each file once, in the order asked, and the results are kept in memory and in
+//! `<cache_dir>/model-hashes.json`, so a restarted worker does not hash again.
+//!
+//! A result is keyed by the file's canonical path, size and modification time: a file replaced or
+//! rewritten since (another size or mtime) is hashed anew. Callers that need a hash await it
+//! ([`FileHashes::hash`]); the worker asks for its configured files at start ([`FileHashes::prefetch`])
+//! so that usually the first job finds them done.
+
+use std::collections::HashMap;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::UNIX_EPOCH;
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+/// The name of the persisted cache in its folder.
+pub const CACHE_FILE: &str = "model-hashes.json";
+
+/// A file as it was hashed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Hashed {
+    /// Canonical.
+    pub path: PathBuf,
+    pub size: u64,
+    /// Hex.
+    pub sha256: String,
+}
+
+/// The hashing service: cheap to clone; the thread ends when the last clone is dropped.
+#[derive(Clone)]
+pub struct FileHashes {
+    shared: Arc<Shared>,
+    tx: std::sync::mpsc::Sender<Request>,
+}
+
+struct Shared {
+    known: Mutex<Cache>,
+    /// Where the cache persists; `None` keeps it in memory only.
+    file: Option<PathBuf>,
+    /// Files hashed (not answered from the cache) since start.
+    computed: AtomicU64,
+}
+
+struct Request {
+    path: PathBuf,
+    /// `None` for a prefetch.
+    reply: Option<tokio::sync::oneshot::Sender<Result<Hashed, String>>>,
+}
+
+/// The persisted form: canonical path → what was hashed.
+#[derive(Default, Serialize, Deserialize)]
+struct Cache {
+    files: HashMap<String, Entry>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct Entry {
+    size: u64,
+    /// Modification time, nanoseconds since the Unix epoch.
+    mtime_ns: u64,
+    sha256: String,
+}
+
+/// A file's canonical path, size and mtime: what a cached hash is valid for.
+fn stamp(path: &Path) -> Result<(PathBuf, u64, u64), String> {
+    let canonical = path
+        .canonicalize()
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    let meta = std::fs::metadata(&canonical).map_err(|e| format!("{}: {e}", path.display()))?;
+    if !meta.is_file() {
+        return Err(format!("{}: not a file", path.display()));
+    }
+    let mtime_ns = meta
+        .modified()
+        .ok()
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
+    Ok((canonical, meta.len(), mtime_ns))
+}
+
+impl FileHashes {
+    /// Starts the hashing thread; `cache_dir` (created if missing) holds the persisted cache. An
+    /// unreadable cache is logged and started afresh: it only saves time.
+    pub fn start(cache_dir: Option<&Path>) -> anyhow::Result<Self> {
+        let file = cache_dir.map(|dir| dir.join(CACHE_FILE));
+        let known = match &file {
+            Some(path) => match std::fs::read(path) {
+                Ok(bytes) => serde_json::from_slice(&bytes).unwrap_or_else(|e| {
+                    tracing::warn!(path = %path.display(), error = %e, "model hash cache is unreadable; starting afresh");
+                    Cache::default()
+                }),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Cache::default(),
+                Err(e) => {
+                    tracing::warn!(path = %path.display(), error = %e, "model hash cache is unreadable; starting afresh");
+                    Cache::default()
+                }
+            },
+            None => Cache::default(),
+        };
+        let shared = Arc::new(Shared {
+            known: Mutex::new(known),
+            file,
+            computed: AtomicU64::new(0),
+        });
+        let (tx, rx) = std::sync::mpsc::channel::<Request>();
+        let thread = shared.clone();
+        std::thread::Builder::new()
+            .name("model-hashes".into())
+            .spawn(move || {
+                // Ends when every sender (every clone of the service) is gone.
+                while let Ok(Request { path, reply }) = rx.recv() {
+                    let result = thread.hash_now(&path);
+                    match reply {
+                        // Nobody waits any more (the job's future was dropped): nothing to do.
+                        Some(reply) => drop(reply.send(result)),
+                        None => {
+                            if let Err(e) = result {
+                                tracing::warn!(error = %e, "cannot hash a configured model file");
+                            }
+                        }
+                    }
+                }
+            })?;
+        Ok(Self { shared, tx })
+    }
+
+    /// Starts hashing `paths` in the background (those not hashed already).
+    pub fn prefetch(&self, paths: impl IntoIterator<Item = PathBuf>) {
+        for path in paths {
+            // The thread outlives every sender; a failed send means it panicked, and then every
+            // `hash` reports it.
+            let _ = self.tx.send(Request { path, reply: None });
+        }
+    }
+
+    /// The file's hash as it is now: from the cache when its size and mtime are unchanged, else
+    /// once the thread has hashed it (after the files asked for before it).
+    pub async fn hash(&self, path: &Path) -> Result<Hashed, String> {
+        if let Ok((canonical, size, mtime_ns)) = stamp(path)
+            && let Some(hit) = self.shared.cached(&canonical, size, mtime_ns)
+        {
+            return Ok(hit);
+        }
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        self.tx
+            .send(Request {
+                path: path.to_owned(),
+                reply: Some(reply),
+            })
+            .map_err(|_| "the model hashing thread is gone".to_string())?;
+        answer
+            .await
+            .map_err(|_| "the model hashing thread is gone".to_string())?
+    }
+
+    /// Files hashed since start (not answered from the cache).
+    pub fn computed(&self) -> u64 {
+        self.shared.computed.load(Ordering::Relaxed)
+    }
+}
+
+impl Shared {
+    fn known(&self) -> std::sync::MutexGuard<'_, Cache> {
+        // Plain data: a panic elsewhere cannot leave it half-written.
+        self.known.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn cached(&self, canonical: &Path, size: u64, mtime_ns: u64) -> Option<Hashed> {
+        let known = self.known();
+        let entry = known.files.get(&*canonical.to_string_lossy())?;
+        (entry.size == size && entry.mtime_ns == mtime_ns).then(|| Hashed {
+            path: canonical.to_owned(),
+            size,
+            sha256: entry.sha256.clone(),
+        })
+    }
+
+    /// On the hashing thread: from the cache (a request queued behind one for the same file), else
+    /// read through, remembered and persisted.
+    fn hash_now(&self, path: &Path) -> Result<Hashed, String> {
+        let (canonical, size, mtime_ns) = stamp(path)?;
+        if let Some(hit) = self.cached(&canonical, size, mtime_ns) {
+            return Ok(hit);
+        }
+        let started = std::time::Instant::now();
+        let mut file =
+            std::fs::File::open(&canonical).map_err(|e| format!("{}: {e}", path.display()))?;
+        let mut hasher = Sha256::new();
+        let mut buf = vec![0u8; 8 << 20];
+        let mut read = 0u64;
+        loop {
+            let n = file
+                .read(&mut buf)
+                .map_err(|e| format!("{}: {e}", path.display()))?;
+            if n == 0 {
+                break;
+            }
+            hasher.update(&buf[..n]);
+            read += n as u64;
+        }
+        if read != size || stamp(&canonical)? != (canonical.clone(), size, mtime_ns) {
+            return Err(format!(
+                "{}: the file changed while it was hashed",
+                path.display()
+            ));
+        }
+        let sha256 = hex::encode(hasher.finalize());
+        self.computed.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(
+            path = %canonical.display(),
+            bytes = size,
+            seconds = started.elapsed().as_secs_f64(),
+            "model file hashed"
+        );
+        let entry = Entry {
+            size,
+            mtime_ns,
+            sha256: sha256.clone(),
+        };
+        let persisted = {
+            let mut known = self.known();
+            known
+                .files
+                .insert(canonical.to_string_lossy().into_owned(), entry);
+            serde_json::to_vec_pretty(&*known).expect("the hash cache serializes to JSON")
+        };
+        if let Some(file) = &self.file
+            && let Err(e) = persist(file, &persisted)
+        {
+            tracing::warn!(path = %file.display(), error = %e, "cannot save the model hash cache");
+        }
+        Ok(Hashed {
+            path: canonical,
+            size,
+            sha256,
+        })
+    }
+}
+
+/// Write-then-rename, so a reader never sees half a cache.
+fn persist(file: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    if let Some(dir) = file.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let tmp = file.with_extension(format!("json.{}.tmp", std::process::id()));
+    std::fs::write(&tmp, bytes)?;
+    std::fs::rename(&tmp, file)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dir(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!(
+            "vnfarm-provenance-{name}-{}-{}",
+            std::process::id(),
+            vnfarm_proto::JobId::new()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    fn sha(bytes: &[u8]) -> String {
+        hex::encode(Sha256::digest(bytes))
+    }
+
+    #[tokio::test]
+    async fn a_file_is_hashed_once_until_it_changes_and_the_cache_survives_a_restart() {
+        let root = dir("cache");
+        let cache = root.join("cache");
+        let model = root.join("model.safetensors");
+        std::fs::write(&model, b"weights v1").unwrap();
+
+        let hashes = FileHashes::start(Some(&cache)).unwrap();
+        let first = hashes.hash(&model).await.unwrap();
+        assert_eq!(first.sha256, sha(b"weights v1"));
+        assert_eq!(first.size, 10);
+        assert_eq!(first.path, model.canonicalize().unwrap());
+        let again = hashes.hash(&model).await.unwrap();
+        assert_eq!(again, first);
+        assert_eq!(hashes.computed(), 1, "a second lookup does not hash again");
+
+        // Another size (and mtime): hashed anew.
+        std::fs::write(&model, b"weights version 2").unwrap();
+        let changed = hashes.hash(&model).await.unwrap();
+        assert_eq!(changed.sha256, sha(b"weights version 2"));
+        assert_eq!(changed.size, 17);
+        assert_eq!(hashes.computed(), 2);
+        drop(hashes);
+
+        // A restarted worker reads the persisted cache and hashes nothing.
+        assert!(cache.join(CACHE_FILE).is_file());
+        let restarted = FileHashes::start(Some(&cache)).unwrap();
+        assert_eq!(restarted.hash(&model).await.unwrap(), changed);
+        assert_eq!(restarted.computed(), 0);
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_prefetched_file_is_hashed_once_and_a_missing_file_is_an_error() {
+        let root = dir("prefetch");
+        let lora = root.join("style.safetensors");
+        std::fs::write(&lora, b"lora").unwrap();
+        let hashes = FileHashes::start(None).unwrap();
+        hashes.prefetch([lora.clone(), lora.clone()]);
+        // Queued behind the prefetches: answered once they are done.
+        assert_eq!(hashes.hash(&lora).await.unwrap().sha256, sha(b"lora"));
+        assert_eq!(hashes.computed(), 1);
+        let missing = hashes.hash(&root.join("gone.safetensors")).await;
+        assert!(missing.unwrap_err().contains("gone.safetensors"));
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+}
