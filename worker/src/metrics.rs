@@ -409,32 +409,7 @@ mod tests {
     fn the_registry_renders_every_family_with_its_type_and_labels() {
         let m = Metrics::new();
         touch_all(&m);
-        let families = m.registry.gather();
-        let gathered: Vec<&str> = families.iter().map(|f| f.name()).collect();
-        for (name, kind, labels) in FAMILIES {
-            let family = families
-                .iter()
-                .find(|f| f.name() == *name)
-                .unwrap_or_else(|| panic!("{name} is not exported; exported: {gathered:?}"));
-            assert_eq!(family.get_field_type(), *kind, "{name}");
-            assert!(!family.help().is_empty(), "{name} has no help");
-            for metric in family.get_metric() {
-                // The text format sorts a series' labels by name.
-                let names: Vec<&str> = metric.get_label().iter().map(|l| l.name()).collect();
-                assert_eq!(names, *labels, "{name}");
-            }
-        }
-        for name in &gathered {
-            assert!(
-                FAMILIES.iter().any(|(n, ..)| n == name),
-                "{name} is exported but not listed here (nor, probably, in the README)"
-            );
-        }
-        let text = m.render();
-        for (name, kind, _) in FAMILIES {
-            let kind = format!("{kind:?}").to_lowercase();
-            assert!(text.contains(&format!("# TYPE {name} {kind}\n")), "{text}");
-        }
+        let text = vnfarm_config::process::check_metric_families(&m.registry, FAMILIES);
         for line in [
             "vnfarm_worker_denoise_step_seconds_count{model=\"qwen-edit\",resolution=\"1mp\"} 1",
             "vnfarm_worker_gpu_memory_bytes{kind=\"free\"} 1073741824",
