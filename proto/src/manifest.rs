@@ -49,6 +49,11 @@ pub struct ModelFile {
     pub path: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub role: Option<ModelFileRole>,
+    /// For a safetensors file: hex sha256 of its tensor data, the bytes after its header. A1111
+    /// names LoRAs by its first 12 digits (civitai's "AutoV3"), so a renamed or re-headed copy
+    /// keeps its hash.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_sha256: Option<String>,
 }
 
 /// What a model file is to the image.

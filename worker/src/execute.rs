@@ -410,6 +410,7 @@ impl Worker {
                     size: hashed.size,
                     path: Some(hashed.path.to_string_lossy().into_owned()),
                     role: Some(file.role),
+                    data_sha256: hashed.data_sha256,
                 })
             })
             .collect()
@@ -556,10 +557,9 @@ fn manifest_of(job_id: JobId, bytes: &[u8]) -> Result<Manifest, String> {
 /// sites parse): the prompt; `Negative prompt: …` when there is one; then one line of `key: value`
 /// fields, a value holding a comma, colon or line break written as a JSON string (A1111's
 /// `quote`). The model is named by its checkpoint file (first 10 hex digits of its sha256 and the
-/// file's stem). LoRAs are named with the first 10 hex digits of their file's sha256: A1111 itself
-/// writes 12 digits of a different hash (the sha256 of a safetensors file's data after its header,
-/// "AutoV3"), so tools that look LoRAs up by that hash will not find ours; no generate uses a LoRA
-/// yet, so no image carries the field today. Other tasks: their JSON and the job.
+/// file's stem). LoRAs are named as A1111 names them: 12 hex digits of the sha256 of a safetensors
+/// file's data after its header ("AutoV3"; a file of another format by 10 digits of its sha256). No
+/// generate uses a LoRA yet, so no image carries the field today. Other tasks: their JSON and the job.
 fn parameters_text(job_id: JobId, task: &Task, files: &[ModelFile]) -> String {
     let Task::Generate(g) = task else {
         return format!(
@@ -595,7 +595,12 @@ fn parameters_text(job_id: JobId, task: &Task, files: &[ModelFile]) -> String {
     let loras: Vec<String> = files
         .iter()
         .filter(|f| role(f, ModelFileRole::Lora))
-        .map(|f| format!("{}: {}", f.name, short_hash(&f.sha256)))
+        // A1111 names a LoRA by 12 digits of its data hash (AutoV3); a file that is not
+        // safetensors has none, and is named by its file hash as checkpoints are.
+        .map(|f| match &f.data_sha256 {
+            Some(data) => format!("{}: {}", f.name, data.get(..12).unwrap_or(data)),
+            None => format!("{}: {}", f.name, short_hash(&f.sha256)),
+        })
         .collect();
     if !loras.is_empty() {
         fields.push(("Lora hashes", loras.join(", ")));
@@ -695,6 +700,7 @@ pub(crate) mod tests {
             size: 1,
             path: Some(format!("/models/{name}")),
             role: Some(role),
+            data_sha256: None,
         }
     }
 
@@ -750,7 +756,11 @@ pub(crate) mod tests {
                 ModelFileRole::Checkpoint,
                 &"ab".repeat(32),
             ),
-            file("ink style", ModelFileRole::Lora, &"cd".repeat(32)),
+            // A safetensors LoRA is named by its data hash (12 digits), a `.pt` one by its file's.
+            ModelFile {
+                data_sha256: Some("0123456789ab".repeat(5) + "cdef"),
+                ..file("ink style", ModelFileRole::Lora, &"cd".repeat(32))
+            },
             file("detail", ModelFileRole::Lora, &"ef".repeat(32)),
         ];
         assert_eq!(
@@ -758,7 +768,7 @@ pub(crate) mod tests {
             format!(
                 "a lighthouse\nSteps: 20, Sampler: Euler, CFG scale: 7.0, Seed: 5, \
                  Size: 1024x1024, Model hash: ababababab, Model: base, \
-                 Lora hashes: \"ink style: cdcdcdcdcd, detail: efefefefef\", \
+                 Lora hashes: \"ink style: 0123456789ab, detail: efefefefef\", \
                  Version: vnfarm {version}, vnfarm job: {job}"
             )
         );

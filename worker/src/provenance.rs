@@ -29,6 +29,8 @@ pub struct Hashed {
     pub size: u64,
     /// Hex.
     pub sha256: String,
+    /// A safetensors file's tensor data (after the header), hex: A1111's LoRA hash.
+    pub data_sha256: Option<String>,
 }
 
 /// The hashing service: cheap to clone; the thread ends when the last clone is dropped.
@@ -64,6 +66,8 @@ struct Entry {
     /// Modification time, nanoseconds since the Unix epoch.
     mtime_ns: u64,
     sha256: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    data_sha256: Option<String>,
 }
 
 /// A file's canonical path, size and mtime: what a cached hash is valid for.
@@ -177,6 +181,7 @@ impl Shared {
             path: canonical.to_owned(),
             size,
             sha256: entry.sha256.clone(),
+            data_sha256: entry.data_sha256.clone(),
         })
     }
 
@@ -191,6 +196,9 @@ impl Shared {
         let mut file =
             std::fs::File::open(&canonical).map_err(|e| format!("{}: {e}", path.display()))?;
         let mut hasher = Sha256::new();
+        // One read for both hashes: the data hash starts after the 8-byte header length and the
+        // header; `None` until the length is read, and for files that are not safetensors.
+        let mut data = is_safetensors(&canonical).then(|| (Sha256::new(), None::<u64>));
         let mut buf = vec![0u8; 8 << 20];
         let mut read = 0u64;
         loop {
@@ -201,8 +209,26 @@ impl Shared {
                 break;
             }
             hasher.update(&buf[..n]);
+            if let Some((data_hasher, start)) = &mut data {
+                if start.is_none() && read == 0 && n >= 8 {
+                    let len = u64::from_le_bytes(buf[..8].try_into().expect("8 bytes"));
+                    *start = Some(8u64.saturating_add(len));
+                }
+                if let Some(start) = *start {
+                    let from = start.saturating_sub(read).min(n as u64) as usize;
+                    data_hasher.update(&buf[from..n]);
+                }
+            }
             read += n as u64;
         }
+        // A file named .safetensors whose header length runs past its end has no data hash (its
+        // loader refuses it; its file hash still names it).
+        let data_sha256 = match data {
+            Some((data_hasher, Some(start))) if start <= read => {
+                Some(hex::encode(data_hasher.finalize()))
+            }
+            _ => None,
+        };
         if read != size || stamp(&canonical)? != (canonical.clone(), size, mtime_ns) {
             return Err(format!(
                 "{}: the file changed while it was hashed",
@@ -221,6 +247,7 @@ impl Shared {
             size,
             mtime_ns,
             sha256: sha256.clone(),
+            data_sha256: data_sha256.clone(),
         };
         let persisted = {
             let mut known = self.known();
@@ -238,8 +265,13 @@ impl Shared {
             path: canonical,
             size,
             sha256,
+            data_sha256,
         })
     }
+}
+
+fn is_safetensors(path: &Path) -> bool {
+    path.extension().is_some_and(|e| e == "safetensors")
 }
 
 /// Write-then-rename, so a reader never sees half a cache.
@@ -299,6 +331,29 @@ mod tests {
         let restarted = FileHashes::start(Some(&cache)).unwrap();
         assert_eq!(restarted.hash(&model).await.unwrap(), changed);
         assert_eq!(restarted.computed(), 0);
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_safetensors_file_also_gets_the_hash_of_its_data_after_the_header() {
+        let root = dir("data-hash");
+        let header = br#"{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#;
+        let data = [1u8, 2, 3, 4, 5, 6, 7, 8];
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(header);
+        bytes.extend_from_slice(&data);
+        let lora = root.join("style.safetensors");
+        std::fs::write(&lora, &bytes).unwrap();
+        let other = root.join("style.pt");
+        std::fs::write(&other, &bytes).unwrap();
+        let hashes = FileHashes::start(None).unwrap();
+        let hashed = hashes.hash(&lora).await.unwrap();
+        assert_eq!(hashed.sha256, sha(&bytes));
+        assert_eq!(hashed.data_sha256, Some(sha(&data)));
+        assert_eq!(hashes.hash(&other).await.unwrap().data_sha256, None);
+        // A .safetensors file too short for its header has no data hash.
+        std::fs::write(&lora, b"weights v1").unwrap();
+        assert_eq!(hashes.hash(&lora).await.unwrap().data_sha256, None);
         std::fs::remove_dir_all(&root).unwrap();
     }
 
