@@ -73,13 +73,7 @@ async fn a_broker_restart_mid_job_loses_nothing() -> anyhow::Result<()> {
 
     // The scheduler's metrics show the lost session and the connection back (what the dashboards
     // and the VnfarmAmqpDisconnected alert read).
-    let metrics = farm
-        .http
-        .get(farm.url("/metrics"))
-        .send()
-        .await?
-        .text()
-        .await?;
+    let metrics = farm.scheduler_metrics().await?;
     let value = |name: &str| {
         metrics.lines().find_map(|line| {
             line.strip_prefix(name)?

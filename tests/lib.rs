@@ -608,6 +608,19 @@ impl Farm {
         Ok(())
     }
 
+    /// The (first) scheduler's `/metrics` text.
+    pub async fn scheduler_metrics(&self) -> anyhow::Result<String> {
+        Ok(self
+            .http
+            .get(self.url("/metrics"))
+            .timeout(Duration::from_secs(10))
+            .send()
+            .await?
+            .error_for_status()?
+            .text()
+            .await?)
+    }
+
     pub async fn job(&self, id: &str) -> anyhow::Result<Value> {
         self.get_json(&format!("/v1/jobs/{id}")).await
     }

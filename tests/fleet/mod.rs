@@ -190,13 +190,7 @@ pub async fn run_policy(
     )
     .await
     .with_context(|| farm.worker_logs())?;
-    let metrics = farm
-        .http
-        .get(farm.url("/metrics"))
-        .send()
-        .await?
-        .text()
-        .await?;
+    let metrics = farm.scheduler_metrics().await?;
     let log = crate::stream::read_all(&farm).await?;
     if log.undecodable > 0 {
         bail!(

@@ -12,15 +12,7 @@ const POLL: Duration = Duration::from_millis(20);
 /// A metric of the first scheduler's `/metrics`, summed over the series whose labels include every
 /// `name="value"` of `labels` (0 when there is none).
 pub async fn metric(farm: &Farm, name: &str, labels: &[(&str, &str)]) -> anyhow::Result<f64> {
-    let text = farm
-        .http
-        .get(farm.url("/metrics"))
-        .timeout(Duration::from_secs(10))
-        .send()
-        .await?
-        .error_for_status()?
-        .text()
-        .await?;
+    let text = farm.scheduler_metrics().await?;
     let mut sum = 0.0;
     for line in text.lines().filter(|l| !l.starts_with('#')) {
         let Some((series, value)) = line.rsplit_once(' ') else {
