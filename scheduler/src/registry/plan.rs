@@ -187,11 +187,15 @@ impl Registry {
                 return false;
             };
             let key = job.group_key();
-            let holder_free = self
+            let free: Vec<&WorkerRecord> = self
                 .workers
                 .values()
-                .any(|w| w.can_take(&route, timeout) && key.as_deref().is_some_and(|k| w.holds(k)));
-            !holder_free && self.workers.values().any(|w| w.can_take(&route, timeout))
+                .filter(|w| w.can_take(&route, timeout))
+                .collect();
+            !free.is_empty()
+                && !free
+                    .iter()
+                    .any(|w| key.as_deref().is_some_and(|k| w.holds(k)))
         });
         let Some(id) = found else {
             return false;
