@@ -227,6 +227,17 @@ pub async fn subscribe_private(
     routing_key: &str,
     consumer_tag: &str,
 ) -> Result<lapin::Consumer, lapin::Error> {
+    subscribe_private_keys(connection, exchange, &[routing_key], consumer_tag).await
+}
+
+/// [`subscribe_private`] to several routing keys on one queue (a delivery's `routing_key` says
+/// which).
+pub async fn subscribe_private_keys(
+    connection: &lapin::Connection,
+    exchange: &str,
+    routing_keys: &[&str],
+    consumer_tag: &str,
+) -> Result<lapin::Consumer, lapin::Error> {
     let channel = connection.create_channel().await?;
     let private = QueueDeclareOptions {
         exclusive: true,
@@ -236,15 +247,17 @@ pub async fn subscribe_private(
     let queue = channel
         .queue_declare("".into(), private, FieldTable::default())
         .await?;
-    channel
-        .queue_bind(
-            queue.name().clone(),
-            exchange.into(),
-            routing_key.into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await?;
+    for routing_key in routing_keys {
+        channel
+            .queue_bind(
+                queue.name().clone(),
+                exchange.into(),
+                (*routing_key).into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+    }
     let no_ack = lapin::options::BasicConsumeOptions {
         no_ack: true,
         ..Default::default()

@@ -71,7 +71,8 @@ pub enum EventKind {
         batch: Option<JobId>,
     },
     /// Back in the scheduler's backlog, to be dispatched again (its message came back from a worker
-    /// queue: the worker died or stalled).
+    /// queue: the worker died or stalled, or gave it back; `reason` is [`YIELDED_REASON`] for a job
+    /// the scheduler asked back unstarted, which does not count as a dispatch).
     Requeued {
         reason: String,
     },
@@ -103,6 +104,10 @@ pub enum EventKind {
         reason: String,
     },
 }
+
+/// The `requeued` reason of a job its worker gave back unstarted because the scheduler asked (a
+/// yield, to make room for interactive work).
+pub const YIELDED_REASON: &str = "yielded unstarted, to make room for interactive work";
 
 impl EventKind {
     pub fn name(&self) -> &'static str {

@@ -29,7 +29,9 @@ pub use spec::{
     EditSpec, GenerateSpec, ImageRef, JobSpec, LoraRef, ModelFamily, PipelineImage, PipelineSpec,
     Priority, Sampler, Submission, UpscaleSpec, ValidationError,
 };
-pub use work::{BatchedJob, CancelRequest, GpuMemory, Heartbeat, Task, WorkMessage, WorkerState};
+pub use work::{
+    BatchedJob, CancelRequest, GpuMemory, Heartbeat, Task, WorkMessage, WorkerState, YieldRequest,
+};
 
 /// The schema version this build reads and writes. Messages with any other version are rejected.
 pub const SCHEMA_VERSION: u32 = 1;

@@ -80,6 +80,9 @@ impl Topology {
 
 pub const HEARTBEAT_ROUTING_PATTERN: &str = "worker.*.heartbeat";
 pub const CANCEL_ROUTING_KEY: &str = "control.cancel";
+/// [`crate::YieldRequest`]s: the active scheduler asks a worker for the unstarted jobs of its
+/// message back, to make room for interactive work.
+pub const YIELD_ROUTING_KEY: &str = "control.yield";
 /// Binding of the event stream: job events and scheduler markers.
 pub const JOB_EVENTS_PATTERN: &str = "job.#";
 pub const MARKER_ROUTING_PREFIX: &str = "marker";
@@ -92,6 +95,9 @@ pub fn heartbeat_routing_key(worker: &WorkerId) -> String {
 pub const HEADER_REASON: &str = "x-vnfarm-reason";
 pub const HEADER_FAILURE: &str = "x-vnfarm-failure";
 pub const HEADER_JOB_ID: &str = "x-vnfarm-job-id";
+/// On a job a worker gives back because the scheduler asked for it (a yield): not a failure, and
+/// not counted against the job's dispatches.
+pub const HEADER_YIELDED: &str = "x-vnfarm-yielded";
 
 /// Key of output image `n` of a job. Derived from the job id alone, so a re-run overwrites.
 pub fn output_key(job: JobId, n: u32) -> String {

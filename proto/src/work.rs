@@ -174,6 +174,16 @@ pub struct CancelRequest {
     pub job_id: JobId,
 }
 
+/// Published on `control.yield`: the worker gives back the jobs of its message named here that have
+/// not started on its engine (the one running finishes), so that it frees up for interactive work
+/// sooner. Other workers ignore it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct YieldRequest {
+    pub worker: WorkerId,
+    pub jobs: Vec<JobId>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

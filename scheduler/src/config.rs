@@ -57,11 +57,11 @@ pub struct Config {
 pub struct DispatchConfig {
     #[serde(default)]
     pub policy: Policy,
-    /// Most jobs in one batch message (a worker's own `max_batch` may lower it). Default 1: a
-    /// message's jobs end together, which only pays where the engine gains from denoising them in
-    /// one forward; neither measured profile (H200, Strix Halo) does for Qwen edits, and one job
-    /// per message to the holder keeps the encode-once benefit through the worker's encode cache
-    /// (docs/performance.md, fleet attempt 2). Raise it for engines with a batch gain.
+    /// Most jobs in one batch message (a worker's own `max_batch` may lower it); 1 sends one job
+    /// per message. Default 8: each job of a message is reported when its own run ends, and a
+    /// message of batch work gives its unstarted jobs back when interactive work needs the worker
+    /// (a yield), so batch messages keep an input's edits on one worker without holding up
+    /// interactive arrivals (docs/performance.md, fleet attempts 4 and 5).
     #[serde(default = "default_max_batch")]
     pub max_batch: u32,
     /// How long an edit waits for the busy worker that holds its input's encodings before any
@@ -124,7 +124,7 @@ impl Default for DispatchConfig {
 }
 
 fn default_max_batch() -> u32 {
-    1
+    8
 }
 fn default_affinity_wait_ms() -> u64 {
     3_000

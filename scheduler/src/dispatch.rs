@@ -14,12 +14,17 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 use vnfarm_bus::PublishError;
 use vnfarm_bus::publisher::json_properties;
-use vnfarm_proto::{BatchedJob, EventKind, FailureKind, JobId, JobSpec, Task, WorkMessage};
+use vnfarm_proto::topology::YIELD_ROUTING_KEY;
+use vnfarm_proto::{
+    BatchedJob, EventKind, FailureKind, JobId, JobSpec, Task, WorkMessage, YieldRequest,
+};
 
 use crate::registry::Dispatch;
 
 /// The reason of a returned message that carries no death record: its worker gave it back.
 pub(crate) const GIVEN_BACK: &str = "given_back";
+/// The reason of a job its worker gave back unstarted because this scheduler asked (a yield).
+pub(crate) const YIELDED: &str = "yielded";
 use crate::scheduler::Scheduler;
 
 impl Scheduler {
@@ -117,6 +122,25 @@ impl Scheduler {
                     return Err(e);
                 }
             }
+        }
+        for y in &plan.yields {
+            let request = YieldRequest {
+                worker: y.worker.clone(),
+                jobs: y.jobs.clone(),
+            };
+            let props = json_properties().with_delivery_mode(1);
+            // Advisory: a worker that misses it finishes its message as planned. A failed publish
+            // means the session is lost, like a failed dispatch.
+            self.publisher()?
+                .broadcast_json(
+                    &self.topology.events_exchange(),
+                    YIELD_ROUTING_KEY,
+                    &request,
+                    props,
+                )
+                .await?;
+            self.metrics.yields_total.inc();
+            tracing::info!(worker = %y.worker, jobs = y.jobs.len(), "asked a worker for the unstarted jobs of its message back, for interactive work");
         }
         Ok(plan.wake_at)
     }
@@ -264,11 +288,14 @@ impl Scheduler {
     ) -> Result<(), PublishError> {
         let id = msg.job_id;
         let expired = reason == "expired" || reason == GIVEN_BACK;
+        // Asked back by this scheduler: no failure, and no step towards `max_dispatches`.
+        let yielded = reason == YIELDED;
         self.metrics
             .requeues_total
             .with_label_values(&[match reason {
                 "expired" => "expired",
                 GIVEN_BACK => "given_back",
+                YIELDED => "yielded",
                 _ => "delivery_limit",
             }])
             .inc();
@@ -284,7 +311,7 @@ impl Scheduler {
             return Ok(());
         }
         let count = vnfarm_bus::headers::delivery_count(props);
-        if !expired || dispatches >= self.config.max_dispatches {
+        if !yielded && (!expired || dispatches >= self.config.max_dispatches) {
             let message = format!(
                 "gave up after {dispatches} dispatches and {count} deliveries (last: {reason})"
             );
@@ -309,13 +336,13 @@ impl Scheduler {
                 )
                 .await;
         }
-        tracing::warn!(job_id = %id, reason, "job came back from its worker; dispatching it again");
-        self.publish_event(
-            id,
-            EventKind::Requeued {
-                reason: format!("returned from a worker queue ({reason})"),
-            },
-        )
-        .await
+        let reason = if yielded {
+            tracing::info!(job_id = %id, "job given back unstarted, as asked; dispatching it again");
+            vnfarm_proto::event::YIELDED_REASON.to_owned()
+        } else {
+            tracing::warn!(job_id = %id, reason, "job came back from its worker; dispatching it again");
+            format!("returned from a worker queue ({reason})")
+        };
+        self.publish_event(id, EventKind::Requeued { reason }).await
     }
 }

@@ -140,8 +140,18 @@ impl Scheduler {
             .await?;
         while let Some(d) = returned.next().await {
             let d = d?;
-            let reason =
-                death_reason(&d.properties).unwrap_or_else(|| crate::dispatch::GIVEN_BACK.into());
+            let yielded = vnfarm_bus::headers::string_header(
+                &d.properties,
+                vnfarm_proto::topology::HEADER_YIELDED,
+            )
+            .is_some();
+            let reason = death_reason(&d.properties).unwrap_or_else(|| {
+                if yielded {
+                    crate::dispatch::YIELDED.into()
+                } else {
+                    crate::dispatch::GIVEN_BACK.into()
+                }
+            });
             self.returned(&d.data, &d.properties, &reason).await?;
             d.acker.ack(BasicAckOptions::default()).await?;
         }

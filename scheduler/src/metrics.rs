@@ -41,6 +41,7 @@ pub struct Metrics {
     pub dispatches_total: IntCounterVec,
     /// Jobs per dispatched message.
     pub dispatch_batch_jobs: Histogram,
+    pub yields_total: IntCounter,
     /// Jobs that came back from a worker queue, by reason.
     pub requeues_total: IntCounterVec,
     pub amqp_connected: IntGauge,
@@ -67,7 +68,7 @@ pub const OUTCOMES: [&str; 3] = ["completed", "failed", "cancelled"];
 /// Worker states as `WorkerRecord::state_name` names them.
 pub const WORKER_STATES: [&str; 4] = ["ready", "warming", "draining", "gone"];
 /// Reasons of `requeues_total`.
-pub const REQUEUE_REASONS: [&str; 3] = ["expired", "given_back", "delivery_limit"];
+pub const REQUEUE_REASONS: [&str; 4] = ["expired", "given_back", "yielded", "delivery_limit"];
 /// Failure kinds of the messages a scheduler dead-letters itself.
 pub const DEAD_LETTER_FAILURES: [FailureKind; 3] = [
     FailureKind::Malformed,
@@ -178,6 +179,12 @@ impl Metrics {
                 "dispatch_batch_jobs",
                 "Jobs per dispatched message",
                 vec![1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0, 64.0],
+                r
+            )
+            .unwrap(),
+            yields_total: register_int_counter_with_registry!(
+                "yield_requests_total",
+                "Workers asked for the unstarted jobs of a batch message back, for interactive work",
                 r
             )
             .unwrap(),
@@ -341,6 +348,7 @@ mod tests {
         ),
         ("vnfarm_dispatch_batch_jobs", MetricType::HISTOGRAM, &[]),
         ("vnfarm_requeues_total", MetricType::COUNTER, &["reason"]),
+        ("vnfarm_yield_requests_total", MetricType::COUNTER, &[]),
         ("vnfarm_amqp_connected", MetricType::GAUGE, &[]),
         ("vnfarm_amqp_reconnects_total", MetricType::COUNTER, &[]),
         ("vnfarm_malformed_messages_total", MetricType::COUNTER, &[]),

@@ -38,7 +38,7 @@ use vnfarm_proto::{
 mod plan;
 mod workers;
 
-pub use plan::{Decision, Dispatch, Plan};
+pub use plan::{Decision, Dispatch, Plan, Yield};
 pub use workers::{Route, WorkerRecord};
 
 /// How many recent events are kept for clients resuming the all-events stream.
@@ -759,7 +759,11 @@ impl Registry {
                 job.batch = *batch;
                 assign = worker.clone().map(|w| (w, batch.unwrap_or(id)));
             }
-            EventKind::Requeued { .. } => {
+            EventKind::Requeued { reason } => {
+                if reason == vnfarm_proto::event::YIELDED_REASON {
+                    // Asked back by the scheduler: that dispatch does not count towards the limit.
+                    job.dispatches = job.dispatches.saturating_sub(1);
+                }
                 job.state = JobState::Queued;
                 job.local.dispatch_pending = false;
                 job.worker = None;
@@ -1579,6 +1583,98 @@ mod tests {
             "{plan:?}"
         );
         assert_eq!(r.job(batch).unwrap().state, JobState::Queued);
+    }
+
+    #[test]
+    fn interactive_work_with_no_free_worker_asks_a_batch_message_back_once() {
+        let mut r = Registry::default();
+        let mut s = Stream::new();
+        r.heartbeat(batching_worker("a", 1, 8));
+        let base = s.queue(&mut r, generate());
+        let plan = r.plan_dispatch(&affinity(), later(0), T);
+        s.dispatched(&mut r, &plan.dispatches[0]);
+        s.completed_on(&mut r, base, "a");
+        // a takes five edits of its image in one message; b one generate.
+        let edits: Vec<JobId> = (0..5).map(|_| s.queue(&mut r, edit_of(base))).collect();
+        let plan = r.plan_dispatch(&affinity(), later(100), T);
+        assert_eq!(plan.dispatches[0].jobs, edits, "{plan:?}");
+        s.dispatched(&mut r, &plan.dispatches[0]);
+        r.heartbeat(batching_worker("b", 1, 8));
+        s.queue(&mut r, generate());
+        let plan = r.plan_dispatch(&affinity(), later(100), T);
+        s.dispatched(&mut r, &plan.dispatches[0]);
+        assert!(
+            plan.yields.is_empty(),
+            "no interactive work waits: {plan:?}"
+        );
+
+        let interactive = s.queue(
+            &mut r,
+            Submission {
+                priority: Priority::Interactive,
+                ..generate()
+            },
+        );
+        let plan = r.plan_dispatch(&affinity(), later(100), T);
+        assert!(plan.dispatches.is_empty(), "{plan:?}");
+        assert_eq!(
+            plan.yields,
+            vec![Yield {
+                worker: wid("a"),
+                jobs: edits
+                    .iter()
+                    .copied()
+                    .collect::<std::collections::BTreeSet<_>>()
+                    .into_iter()
+                    .collect(),
+            }],
+            "a's message has jobs to give back; b's single job has none"
+        );
+        let again = r.plan_dispatch(&affinity(), later(100), T);
+        assert!(
+            again.yields.is_empty(),
+            "one yield per waiting job: {again:?}"
+        );
+        // With the least-loaded policy (one job per message) there is nothing to ask back.
+        let plain = DispatchConfig {
+            max_batch: 1,
+            ..affinity()
+        };
+        assert!(r.plan_dispatch(&plain, later(100), T).yields.is_empty());
+
+        // a finishes the edit on its engine and gives the rest back: the interactive job goes to
+        // a first, the edits wait for it (their holder), and the yield did not count as a dispatch.
+        s.completed_on(&mut r, edits[0], "a");
+        for &e in &edits[1..] {
+            r.apply(s.ev(
+                e,
+                EventKind::Requeued {
+                    reason: vnfarm_proto::event::YIELDED_REASON.into(),
+                },
+            ));
+            assert_eq!(r.job(e).unwrap().dispatches(), 0);
+        }
+        let plan = r.plan_dispatch(&affinity(), later(200), T);
+        assert_eq!(plan.dispatches.len(), 1, "{plan:?}");
+        assert_eq!(
+            (
+                plan.dispatches[0].worker.as_str(),
+                plan.dispatches[0].jobs.as_slice()
+            ),
+            ("a", &[interactive][..])
+        );
+        s.dispatched(&mut r, &plan.dispatches[0]);
+        s.completed_on(&mut r, interactive, "a");
+        let plan = r.plan_dispatch(&affinity(), later(300), T);
+        assert_eq!(
+            (
+                plan.dispatches[0].worker.as_str(),
+                plan.dispatches[0].decision,
+                plan.dispatches[0].jobs.len()
+            ),
+            ("a", Decision::AffinityHit, 4),
+            "{plan:?}"
+        );
     }
 
     #[test]

@@ -13,13 +13,13 @@ use lapin::types::{AMQPValue, FieldTable};
 use vnfarm_bus::publisher::json_properties;
 use vnfarm_bus::{AmqpConfig, Publisher};
 use vnfarm_proto::topology::{
-    CANCEL_ROUTING_KEY, HEADER_JOB_ID, HEADER_REASON, Topology, heartbeat_routing_key,
-    manifest_key, output_key,
+    CANCEL_ROUTING_KEY, HEADER_JOB_ID, HEADER_REASON, HEADER_YIELDED, Topology, YIELD_ROUTING_KEY,
+    heartbeat_routing_key, manifest_key, output_key,
 };
 use vnfarm_proto::{
     BatchedJob, CancelRequest, EditSpec, Event, EventKind, FailureKind, GenerateSpec, Heartbeat,
     ImageRef, JobId, Manifest, Priority, Sampler, Task, WorkMessage, WorkerId, WorkerState,
-    decode_json,
+    YieldRequest, decode_json,
 };
 use vnfarm_tests::{Farm, WorkerOptions, wait_for};
 
@@ -663,10 +663,12 @@ async fn shutdown_gives_each_job_of_a_batch_back_alone() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A device failure in a batch is nobody's fault: each job gets a retryable `failed` and goes back to
-/// the scheduler alone, and the worker exits with an error for its supervisor to restart it.
+/// A device failure in a batch is nobody's fault: the job it hit and every job after it get a
+/// retryable `failed` and go back to the scheduler alone (the device may be unusable, so nothing
+/// more runs here), a job that finished before it is kept, and the worker exits with an error for
+/// its supervisor to restart it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_device_failure_gives_every_job_of_the_batch_back_to_be_retried() -> anyhow::Result<()> {
+async fn a_device_failure_gives_the_rest_of_the_batch_back_to_be_retried() -> anyhow::Result<()> {
     let options = test_pattern(
         5,
         &[("VNFARM_ENGINE__TEST_PATTERN__DEVICE_FAILURE_PROMPT", "boom")],
@@ -676,7 +678,7 @@ async fn a_device_failure_gives_every_job_of_the_batch_back_to_be_retried() -> a
     let ids: Vec<JobId> = batch.iter().map(|j| j.job_id).collect();
     bench.send(&batch).await?;
     let returned = bench
-        .drain_queue(&bench.topology.redispatch_queue(), 3)
+        .drain_queue(&bench.topology.redispatch_queue(), 2)
         .await?;
     let mut back = Vec::new();
     for delivery in &returned {
@@ -685,18 +687,24 @@ async fn a_device_failure_gives_every_job_of_the_batch_back_to_be_retried() -> a
         back.push(message.job_id);
     }
     back.sort();
-    let mut expected = ids.clone();
+    let mut expected = ids[1..].to_vec();
     expected.sort();
     assert_eq!(back, expected);
+    bench.wait_final(&ids[..1]).await?;
+    assert!(
+        bench.completed(ids[0]).is_some(),
+        "the job that ran before the failure is kept: {:?}",
+        bench.names_of(ids[0])
+    );
     bench
         .wait_events(|seen| {
-            ids.iter().all(|id| {
+            ids[1..].iter().all(|id| {
                 seen.iter()
                     .any(|e| e.job_id == *id && e.kind.name() == "failed")
             })
         })
         .await?;
-    for &id in &ids {
+    for &id in &ids[1..] {
         let failed = bench.seen.iter().find_map(|e| match &e.kind {
             EventKind::Failed {
                 failure, retryable, ..
@@ -715,6 +723,111 @@ async fn a_device_failure_gives_every_job_of_the_batch_back_to_be_retried() -> a
         !status.success(),
         "a device failure ends the worker with an error"
     );
+    Ok(())
+}
+
+/// Without a batch gain each job of a message runs alone and is reported as soon as it is done:
+/// the first edit completes while the last has not begun.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_job_of_a_batch_is_reported_when_it_is_done() -> anyhow::Result<()> {
+    let mut bench = Bench::start("batch-stream", test_pattern(50, &[])).await?;
+    put_png(&bench.farm, "inputs/base.png").await?;
+    let batch = [
+        edit("inputs/base.png", "smile", 5),
+        edit("inputs/base.png", "frown", 5),
+        edit("inputs/base.png", "wave", 5),
+    ];
+    let ids: Vec<JobId> = batch.iter().map(|j| j.job_id).collect();
+    bench.send(&batch).await?;
+    bench.wait_final(&ids).await?;
+    let at = |id: JobId, name: &str| {
+        bench
+            .seen
+            .iter()
+            .position(|e| e.job_id == id && e.kind.name() == name)
+            .unwrap_or_else(|| panic!("no {name} for {id}: {:?}", bench.names()))
+    };
+    assert!(
+        at(ids[0], "completed") < at(ids[2], "progress"),
+        "the first job is reported before the last one steps: {:?}",
+        bench.names()
+    );
+    let encoders = ids.iter().filter(|id| bench.encoded(**id)).count();
+    assert_eq!(
+        encoders, 1,
+        "one encode for the message, kept between its jobs"
+    );
+    Ok(())
+}
+
+/// The scheduler asks for a batch message's jobs back (a yield, for interactive work): the job on
+/// the engine finishes and is reported; the others go back to the scheduler unstarted, alone, marked
+/// as yielded, with no event of their own. A yield naming another worker is ignored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_yield_gives_back_the_unstarted_jobs_of_a_batch() -> anyhow::Result<()> {
+    let mut bench = Bench::start("batch-yield", test_pattern(60, &[])).await?;
+    put_png(&bench.farm, "inputs/base.png").await?;
+    let batch: Vec<BatchedJob> = ["a", "b", "c", "d"]
+        .iter()
+        .map(|i| edit("inputs/base.png", i, 5))
+        .collect();
+    let ids: Vec<JobId> = batch.iter().map(|j| j.job_id).collect();
+    bench.send(&batch).await?;
+    bench
+        .wait_events(|seen| {
+            seen.iter()
+                .any(|e| e.job_id == ids[0] && e.kind.name() == "progress")
+        })
+        .await?;
+    let ask = |worker: WorkerId| YieldRequest {
+        worker,
+        jobs: ids.clone(),
+    };
+    for request in [
+        ask("someone-else".parse().map_err(anyhow::Error::msg)?),
+        ask(bench.worker.clone()),
+    ] {
+        bench
+            .publisher
+            .broadcast_json(
+                &bench.topology.events_exchange(),
+                YIELD_ROUTING_KEY,
+                &request,
+                json_properties(),
+            )
+            .await?;
+    }
+    let returned = bench
+        .drain_queue(&bench.topology.redispatch_queue(), 3)
+        .await?;
+    let mut back = Vec::new();
+    for delivery in &returned {
+        let message: WorkMessage = decode_json(&delivery.data)?;
+        assert!(message.batch.is_empty(), "given back alone");
+        assert_eq!(
+            string_header(delivery, HEADER_YIELDED).as_deref(),
+            Some("true")
+        );
+        back.push(message.job_id);
+    }
+    back.sort();
+    let mut expected = ids[1..].to_vec();
+    expected.sort();
+    assert_eq!(back, expected);
+    bench.wait_final(&ids[..1]).await?;
+    assert!(bench.completed(ids[0]).is_some(), "{:?}", bench.names());
+    for &id in &ids[1..] {
+        let names = bench.names_of(id);
+        assert!(
+            !names
+                .iter()
+                .any(|n| ["progress", "failed", "completed"].contains(n)),
+            "{names:?}"
+        );
+        assert!(bench.farm.storage.get(&manifest_key(id)).await.is_err());
+    }
+    let beat = bench.heartbeat(|hb| hb.in_flight == 0).await?;
+    assert!(beat.running.is_empty(), "the worker is free again");
     Ok(())
 }
 

@@ -114,12 +114,12 @@ pub struct Variant {
 /// message: same-input edits still go to the holder, one after another), then the baselines.
 pub const VARIANTS: [Variant; 4] = [
     Variant {
-        name: "affinity, max_batch 8",
+        name: "affinity, max_batch 8 (default)",
         policy: "affinity",
         max_batch: 8,
     },
     Variant {
-        name: "affinity, max_batch 1 (default)",
+        name: "affinity, max_batch 1",
         policy: "affinity",
         max_batch: 1,
     },

@@ -4,7 +4,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write;
 
-use vnfarm_proto::{JobId, Priority, SequencedEvent};
+use vnfarm_proto::event::YIELDED_REASON;
+use vnfarm_proto::{EventKind, JobId, Priority, SequencedEvent};
 
 use super::{JobTimes, RunConfig, jobs_of};
 
@@ -32,6 +33,13 @@ pub struct PolicyReport {
     pub latency: BTreeMap<&'static str, (f64, f64)>,
     /// Mean over workers of the time they ran jobs over the makespan.
     pub busy_fraction: f64,
+    /// Jobs given back unstarted because the scheduler asked (yields for interactive work).
+    pub yielded: usize,
+    /// Encodes of an input set after its first, by the encoding job: interactive, given back by a
+    /// yield before, or other (work conservation, spills, expired holds, evictions).
+    pub repeat_encodes: BTreeMap<&'static str, usize>,
+    /// Messages by the policy's decision (`vnfarm_dispatches_total`).
+    pub decisions: BTreeMap<String, f64>,
 }
 
 impl PolicyReport {
@@ -76,6 +84,45 @@ pub fn measure(
         .filter_map(|j| j.affinity_key.as_deref())
         .collect();
     let encodes = edits.iter().filter(|j| j.encoded).count();
+    let yielded_jobs: BTreeSet<JobId> = events
+        .iter()
+        .filter(
+            |e| matches!(&e.event.kind, EventKind::Requeued { reason } if reason == YIELDED_REASON),
+        )
+        .map(|e| e.event.job_id)
+        .collect();
+    let mut encoders: Vec<(&JobId, &JobTimes)> = jobs
+        .iter()
+        .filter(|(_, j)| j.kind == "edit" && j.encoded)
+        .collect();
+    encoders.sort_by_key(|(_, j)| j.started);
+    let mut first_encoded = BTreeSet::new();
+    let mut repeat_encodes: BTreeMap<&'static str, usize> = BTreeMap::new();
+    for (id, j) in encoders {
+        let Some(key) = j.affinity_key.as_deref() else {
+            continue;
+        };
+        if first_encoded.insert(key) {
+            continue;
+        }
+        let cause = if j.priority == Some(Priority::Interactive) {
+            "interactive"
+        } else if yielded_jobs.contains(id) {
+            "yielded"
+        } else {
+            "other"
+        };
+        *repeat_encodes.entry(cause).or_default() += 1;
+    }
+    let decisions: BTreeMap<String, f64> = metrics
+        .lines()
+        .filter(|l| l.starts_with("vnfarm_dispatches_total{"))
+        .filter_map(|l| {
+            let decision = l.split("decision=\"").nth(1)?.split('"').next()?;
+            let value = l.rsplit(' ').next()?.parse::<f64>().ok()?;
+            (value > 0.0).then(|| (decision.to_owned(), value))
+        })
+        .collect();
     let completed_edits = edits.iter().filter(|j| j.completed).count();
     let mut latency = BTreeMap::new();
     for (name, priority) in [
@@ -163,6 +210,9 @@ pub fn measure(
         throughput_jobs_per_s: jobs.len() as f64 / makespan_s,
         latency,
         busy_fraction: busy / (makespan_s * workers as f64),
+        yielded: yielded_jobs.len(),
+        repeat_encodes,
+        decisions,
     })
 }
 
@@ -184,11 +234,11 @@ pub fn render(config: &RunConfig, reports: &[PolicyReport]) -> String {
     );
     let _ = writeln!(
         out,
-        "| policy | jobs | completed | edits / inputs | encodes per input | cache hits | affinity hits | batch mean (max) | makespan s | jobs/s | ÷ least_loaded | interactive p50 / p99 s | batch p50 / p99 s | busy |"
+        "| policy | jobs | completed | edits / inputs | encodes per input | cache hits | affinity hits | batch mean (max) | makespan s | jobs/s | ÷ least_loaded | interactive p50 / p99 s | batch p50 / p99 s | busy | yielded |"
     );
     let _ = writeln!(
         out,
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     );
     let base = reports
         .iter()
@@ -199,7 +249,7 @@ pub fn render(config: &RunConfig, reports: &[PolicyReport]) -> String {
         let (bp50, bp99) = r.latency["batch"];
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} / {} | {:.2} | {:.0} % | {} | {:.2} ({}) | {:.2} | {:.2} | {} | {:.2} / {:.2} | {:.2} / {:.2} | {:.0} % |",
+            "| {} | {} | {} | {} / {} | {:.2} | {:.0} % | {} | {:.2} ({}) | {:.2} | {:.2} | {} | {:.2} / {:.2} | {:.2} / {:.2} | {:.0} % | {} |",
             r.policy,
             r.jobs,
             r.completed,
@@ -221,7 +271,16 @@ pub fn render(config: &RunConfig, reports: &[PolicyReport]) -> String {
             ip99,
             bp50,
             bp99,
-            100.0 * r.busy_fraction
+            100.0 * r.busy_fraction,
+            r.yielded
+        );
+    }
+    let _ = writeln!(out);
+    for r in reports {
+        let _ = writeln!(
+            out,
+            "{}: repeat encodes {:?}; messages by decision {:?}",
+            r.policy, r.repeat_encodes, r.decisions
         );
     }
     out

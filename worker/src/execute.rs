@@ -1,7 +1,9 @@
 //! Running the jobs of one work message up to the point where each can be settled: jobs cancelled
 //! or finished before are skipped, the others get `started`, their inputs (one fetch for an input
-//! several of them share), one run on the engine together (progress per job), and each its own
-//! outputs and manifest in storage. How each job ended is a [`JobEnd`]; [`crate::job`] settles it.
+//! several of them share), the engine (progress per job; each job answered when its run ends), and
+//! each its own outputs and manifest in storage. How each job ended is a [`JobEnd`], sent as soon as
+//! it is known; [`crate::job`] settles it then, so a job of a batch message is reported done while
+//! the engine runs the rest.
 //!
 //! A job finished before is one whose manifest is stored: see [`Worker::finished_before`].
 
@@ -10,7 +12,9 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use chrono::Utc;
+use futures::StreamExt;
 use futures::future::join_all;
+use futures::stream::FuturesUnordered;
 use sha2::{Digest, Sha256};
 use vnfarm_bus::Publisher;
 use vnfarm_proto::manifest::{ManifestOutput, ModelFile, ModelFileRole, Versions};
@@ -23,7 +27,8 @@ use vnfarm_proto::{
 use vnfarm_storage::StorageError;
 
 use crate::engine::{
-    CancelReason, EngineError, EngineJob, EngineOutput, InputImage, Progress, UsedFile,
+    Answer, Cancel, CancelReason, EngineError, EngineJob, EngineOutput, InputImage, Progress,
+    UsedFile,
 };
 use crate::image_io::{decode_input_as_stored, encode_png, flatten_to_rgb8};
 use crate::job::JobError;
@@ -50,34 +55,43 @@ pub(crate) enum Ended {
 pub(crate) type JobEnd = Result<Ended, JobError>;
 
 impl Worker {
-    /// Runs the jobs of a message (one, or a batch): one end per job, in order. They are the jobs
-    /// in hand until each is settled.
+    /// Runs the jobs of a message (one, or a batch), sending each job's end, tagged with its index,
+    /// as soon as it has one: a job skipped or failing to start at once, a job on the engine when
+    /// its run ends and its outputs are stored. Every job gets exactly one end; the channel closes
+    /// after the last. They are the jobs in hand until each is settled.
     pub(crate) async fn execute(
         &self,
         publisher: &Publisher,
         jobs: &[BatchedJob],
         attempt: u32,
-    ) -> Vec<JobEnd> {
+        ends: tokio::sync::mpsc::UnboundedSender<(usize, JobEnd)>,
+    ) {
+        // The receiver is gone only when settling failed (the broker is lost): the message is
+        // redelivered, and these ends are not needed.
+        let end = |i: usize, end: JobEnd| {
+            let _ = ends.send((i, end));
+        };
         let ids: Vec<JobId> = jobs.iter().map(|j| j.job_id).collect();
         let cancels = self.take_in_hand(&ids);
-        let mut ends: Vec<Option<JobEnd>> = join_all(jobs.iter().map(|job| self.skip(job))).await;
+        let skipped: Vec<Option<JobEnd>> = join_all(jobs.iter().map(|job| self.skip(job))).await;
 
         let mut timings: Vec<StageTimings> = jobs.iter().map(|_| StageTimings::default()).collect();
         let mut fetched = HashMap::new();
         let mut engine_jobs = Vec::new();
         let mut on_engine = Vec::new();
-        for (i, job) in jobs.iter().enumerate() {
-            if ends[i].is_some() {
+        for ((i, job), skipped) in jobs.iter().enumerate().zip(skipped) {
+            if let Some(skipped) = skipped {
+                end(i, skipped);
                 continue;
             }
             let started = self
                 .start(publisher, job, attempt, &mut fetched, &mut timings[i])
                 .await;
             match (started, cancels[i].requested()) {
-                (Err(e), _) => ends[i] = Some(Err(e)),
+                (Err(e), _) => end(i, Err(e)),
                 // Cancelled (or interrupted) while starting: the engine need not see it.
                 (Ok(_), Some(reason)) => {
-                    ends[i] = Some(Err(JobError::Engine(EngineError::Cancelled(reason))));
+                    end(i, Err(JobError::Engine(EngineError::Cancelled(reason))));
                 }
                 (Ok(inputs), None) => {
                     on_engine.push(i);
@@ -90,49 +104,81 @@ impl Worker {
                 }
             }
         }
+        if engine_jobs.is_empty() {
+            return;
+        }
 
-        let results = self.run_on_engine(publisher, engine_jobs).await;
-        let stored = join_all(on_engine.iter().zip(results).map(|(&i, result)| {
-            let timings = std::mem::take(&mut timings[i]);
+        // Each result is stored as it comes, while the engine runs the next jobs.
+        let n = on_engine.len();
+        let (mut answers, forwarder) = self.run_on_engine(publisher, engine_jobs);
+        let mut answered = vec![false; n];
+        let mut stores = FuturesUnordered::new();
+        let finish = |k: usize, result: Result<EngineOutput, EngineError>, timings| {
+            let i = on_engine[k];
             let cancel = cancels[i].clone();
             async move {
-                let output = match result {
-                    // A job cancelled while it ran with others: its result is discarded.
-                    Ok(_) if cancel.requested() == Some(CancelReason::User) => {
-                        return (
-                            i,
-                            Err(JobError::Engine(EngineError::Cancelled(CancelReason::User))),
-                        );
-                    }
-                    Ok(output) => output,
-                    Err(e) => return (i, Err(JobError::Engine(e))),
-                };
-                if let Some(lookup) = output.encode_cache {
-                    self.metrics
-                        .encode_cache_total
-                        .with_label_values(&[lookup.as_str()])
-                        .inc();
-                }
-                match self.store(&jobs[i], attempt, output, timings).await {
-                    Ok(done) => (i, Ok(Ended::Completed(done))),
-                    Err(e) => (i, Err(e)),
-                }
+                (
+                    i,
+                    self.finish(&jobs[i], attempt, result, timings, cancel)
+                        .await,
+                )
             }
-        }))
-        .await;
-        for (i, end) in stored {
-            ends[i] = Some(end);
+        };
+        loop {
+            tokio::select! {
+                answer = answers.recv() => {
+                    let Some((k, result)) = answer else { break };
+                    if k >= n || std::mem::replace(&mut answered[k], true) {
+                        tracing::error!(index = k, "the engine answered a job twice or out of range");
+                        continue;
+                    }
+                    self.off_engine(ids[on_engine[k]]);
+                    let job_timings = std::mem::take(&mut timings[on_engine[k]]);
+                    stores.push(finish(k, result, job_timings));
+                }
+                Some((i, stored)) = stores.next(), if !stores.is_empty() => end(i, stored),
+            }
         }
-        ends.into_iter()
-            .map(|end| {
-                // Every job is skipped, fails to start, or runs on the engine and is stored.
-                end.unwrap_or_else(|| {
-                    Err(JobError::Engine(EngineError::Failed(
-                        "the job was never run".into(),
-                    )))
-                })
-            })
-            .collect()
+        self.engine_done(forwarder).await;
+        for k in (0..n).filter(|&k| !answered[k]) {
+            let dropped = Err(EngineError::Failed(
+                "the engine thread dropped the job".into(),
+            ));
+            let job_timings = std::mem::take(&mut timings[on_engine[k]]);
+            stores.push(finish(k, dropped, job_timings));
+        }
+        while let Some((i, stored)) = stores.next().await {
+            end(i, stored);
+        }
+    }
+
+    /// A job's engine result to its end: stored (unless it was cancelled meanwhile), or the
+    /// engine's error.
+    async fn finish(
+        &self,
+        job: &BatchedJob,
+        attempt: u32,
+        result: Result<EngineOutput, EngineError>,
+        timings: StageTimings,
+        cancel: Cancel,
+    ) -> JobEnd {
+        let output = match result {
+            // A job cancelled while it ran with others: its result is discarded.
+            Ok(_) if cancel.requested() == Some(CancelReason::User) => {
+                return Err(JobError::Engine(EngineError::Cancelled(CancelReason::User)));
+            }
+            Ok(output) => output,
+            Err(e) => return Err(JobError::Engine(e)),
+        };
+        if let Some(lookup) = output.encode_cache {
+            self.metrics
+                .encode_cache_total
+                .with_label_values(&[lookup.as_str()])
+                .inc();
+        }
+        self.store(job, attempt, output, timings)
+            .await
+            .map(Ended::Completed)
     }
 
     /// Whether the job ends before it starts: cancelled before it came, or finished by an earlier
@@ -245,19 +291,20 @@ impl Worker {
         Ok(inputs)
     }
 
-    /// Runs the jobs on the engine together; they are `running` meanwhile. Progress events go out
-    /// from their own task, so the engine never waits on the broker. Progress is advisory: after a
-    /// failed publish (logged in `publish_event`) the rest of this message's progress is dropped
-    /// rather than sent into a broken channel, and the jobs go on; their final events, which must
-    /// arrive, meet the same broker and end the session if it is gone.
-    async fn run_on_engine(
+    /// Starts the jobs on the engine; they are `running` until each is answered. Progress events
+    /// go out from their own task, so the engine never waits on the broker. Progress is advisory:
+    /// after a failed publish (logged in `publish_event`) the rest of this message's progress is
+    /// dropped rather than sent into a broken channel, and the jobs go on; their final events,
+    /// which must arrive, meet the same broker and end the session if it is gone. Call
+    /// [`Worker::engine_done`] with the forwarder when the answers' channel closes.
+    fn run_on_engine(
         &self,
         publisher: &Publisher,
         jobs: Vec<EngineJob>,
-    ) -> Vec<Result<EngineOutput, EngineError>> {
-        if jobs.is_empty() {
-            return Vec::new();
-        }
+    ) -> (
+        tokio::sync::mpsc::UnboundedReceiver<Answer>,
+        tokio::task::JoinHandle<()>,
+    ) {
         let ids: Vec<JobId> = jobs.iter().map(|j| j.job_id).collect();
         self.set_running(ids.clone());
         let (progress_tx, mut progress_rx) =
@@ -265,7 +312,6 @@ impl Worker {
         let forwarder = {
             let publisher = publisher.clone();
             let this = self.clone();
-            let ids = ids.clone();
             tokio::spawn(async move {
                 while let Some((i, p)) = progress_rx.recv().await {
                     let Some(&job_id) = ids.get(i) else {
@@ -287,13 +333,16 @@ impl Worker {
             })
         };
         self.metrics.engine_busy(Instant::now());
-        let results = self.engine.run_batch(jobs, progress_tx).await;
+        (self.engine.run_batch(jobs, progress_tx), forwarder)
+    }
+
+    /// The engine has answered every job of the message: idle, and its progress events are out.
+    async fn engine_done(&self, forwarder: tokio::task::JoinHandle<()>) {
         self.metrics.engine_idle(Instant::now());
         self.set_running(Vec::new());
         if let Err(e) = forwarder.await {
-            tracing::warn!(jobs = ids.len(), error = %e, "progress forwarder failed");
+            tracing::warn!(error = %e, "progress forwarder failed");
         }
-        results
     }
 
     /// Stores a job's outputs, then its manifest (last: see [`Worker::finished_before`]).

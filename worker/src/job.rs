@@ -24,7 +24,9 @@ use tracing::Instrument;
 use vnfarm_bus::headers::{dead_letter_headers, delivery_count};
 use vnfarm_bus::publisher::json_properties;
 use vnfarm_bus::{PublishError, Publisher};
-use vnfarm_proto::topology::{HEADER_FAILURE, HEADER_JOB_ID, HEADER_REASON, manifest_key};
+use vnfarm_proto::topology::{
+    HEADER_FAILURE, HEADER_JOB_ID, HEADER_REASON, HEADER_YIELDED, manifest_key,
+};
 use vnfarm_proto::{
     BatchedJob, Event, EventKind, FailureKind, JobId, MAX_MESSAGE_BYTES, Manifest, SCHEMA_VERSION,
     WorkMessage, decode_json,
@@ -98,6 +100,15 @@ pub enum JobError {
     Broker(#[from] PublishError),
 }
 
+/// Why a job goes back to the scheduler unfinished.
+enum GiveBackReason {
+    /// A transient failure, to be retried.
+    Failed(FailureKind, String),
+    Shutdown,
+    /// The scheduler asked for it back before it started.
+    Yielded,
+}
+
 /// What happens to a job after a failure.
 #[derive(Debug, PartialEq, Eq)]
 enum Disposition {
@@ -108,6 +119,9 @@ enum Disposition {
     Cancelled,
     /// Shutdown interrupted it: back to the queue without an event.
     GiveBack,
+    /// The scheduler asked for it back before it started (to make room for interactive work): to
+    /// the scheduler without an event, not counted as a failure.
+    Yield,
     /// The broker connection is gone: nothing can be settled; the broker redelivers.
     Abandon,
 }
@@ -132,6 +146,7 @@ impl JobError {
             JobError::Engine(EngineError::Cancelled(CancelReason::Shutdown)) => {
                 Disposition::GiveBack
             }
+            JobError::Engine(EngineError::Yielded) => Disposition::Yield,
             JobError::Engine(EngineError::OutOfMemory(_)) => {
                 Disposition::Retry(FailureKind::OutOfMemory)
             }
@@ -205,12 +220,14 @@ impl Worker {
         };
         let jobs: Vec<BatchedJob> = msg.jobs().collect();
         self.metrics.batch_jobs.observe(jobs.len() as f64);
+        let (ends, mut ended) = tokio::sync::mpsc::unbounded_channel();
         let settled = if jobs.len() == 1 {
             let job = &jobs[0];
             let span = tracing::info_span!("job", job_id = %job.job_id, kind = job.task.kind_name(), attempt);
             async {
-                let end = self.execute(publisher, &jobs, attempt).await;
-                let end = end.into_iter().next().unwrap_or_else(|| {
+                let ((), end) =
+                    tokio::join!(self.execute(publisher, &jobs, attempt, ends), ended.recv());
+                let end = end.map(|(_, end)| end).unwrap_or_else(|| {
                     Err(JobError::Engine(EngineError::Failed(
                         "no end for the job".into(),
                     )))
@@ -224,9 +241,12 @@ impl Worker {
             let span =
                 tracing::info_span!("batch", first = %msg.job_id, jobs = jobs.len(), attempt);
             async {
-                let ends = self.execute(publisher, &jobs, attempt).await;
-                self.settle_batch(publisher, pending, &jobs, ends, started)
-                    .await
+                let ((), settled) = tokio::join!(
+                    self.execute(publisher, &jobs, attempt, ends),
+                    self.settle_batch(publisher, &jobs, ended, started)
+                );
+                settled?;
+                pending.ack().await
             }
             .instrument(span)
             .await
@@ -284,6 +304,12 @@ impl Worker {
                 tracing::info!(job_id = %job_id, kind, "shutdown interrupted the job; giving it back");
                 pending.requeue().await
             }
+            Disposition::Yield => {
+                tracing::info!(job_id = %job_id, kind, "giving the job back unstarted, as the scheduler asked");
+                self.give_back(publisher, job, GiveBackReason::Yielded)
+                    .await?;
+                pending.ack().await
+            }
             Disposition::Abandon => {
                 tracing::warn!(job_id = %job_id, error = %error, "broker lost mid-job; it will be redelivered");
                 Err(Lost(error.to_string()))
@@ -291,33 +317,48 @@ impl Worker {
         }
     }
 
-    /// Settles each job of a batch message on its own, then acks the message. A job to try again
-    /// goes back to the scheduler alone; one that failed for good is dead-lettered alone.
+    /// Settles each job of a batch message on its own as its end arrives (the caller acks the
+    /// message after the last). A job to try again goes back to the scheduler alone, after the
+    /// others; one that failed for good is dead-lettered alone.
     async fn settle_batch(
         &self,
         publisher: &Publisher,
-        pending: Pending,
         jobs: &[BatchedJob],
-        ends: Vec<JobEnd>,
+        mut ends: tokio::sync::mpsc::UnboundedReceiver<(usize, JobEnd)>,
         started: Instant,
     ) -> Result<(), Lost> {
-        let (retries, others): (Vec<_>, Vec<_>) = jobs.iter().zip(ends).partition(
-            |(_, end)| matches!(end, Err(e) if matches!(e.disposition(), Disposition::Retry(_))),
-        );
-        for (job, end) in others {
-            self.settle_member(publisher, job, end, started).await?;
-            self.settled(job.job_id);
+        let mut retries = Vec::new();
+        let mut seen = vec![false; jobs.len()];
+        while let Some((i, end)) = ends.recv().await {
+            seen[i] = true;
+            if matches!(&end, Err(e) if matches!(e.disposition(), Disposition::Retry(_))) {
+                retries.push((i, end));
+                continue;
+            }
+            self.settle_member(publisher, &jobs[i], end, started)
+                .await?;
+            self.settled(jobs[i].job_id);
+        }
+        for (i, job) in jobs.iter().enumerate().filter(|(i, _)| !seen[*i]) {
+            // `execute` ends every job; should one be missed, it fails with a reason, not silently.
+            tracing::error!(job_id = %job.job_id, "no end for a job of the batch");
+            let missing = Err(JobError::Engine(EngineError::Failed(
+                "no end for the job".into(),
+            )));
+            self.settle_member(publisher, job, missing, started).await?;
+            self.settled(jobs[i].job_id);
         }
         if !retries.is_empty() {
             // Back off once before giving jobs back, so a broken dependency is not hammered (the
             // others are reported first: they do not wait for it).
             tokio::time::sleep(RETRY_BACKOFF).await;
         }
-        for (job, end) in retries {
-            self.settle_member(publisher, job, end, started).await?;
-            self.settled(job.job_id);
+        for (i, end) in retries {
+            self.settle_member(publisher, &jobs[i], end, started)
+                .await?;
+            self.settled(jobs[i].job_id);
         }
-        pending.ack().await
+        Ok(())
     }
 
     async fn settle_member(
@@ -348,8 +389,12 @@ impl Worker {
                 tracing::warn!(job_id = %job_id, failure = failure.as_str(), error = %error, "job of a batch failed; giving it back to be retried");
                 self.publish_failed(publisher, job_id, failure, &error, true)
                     .await?;
-                self.give_back(publisher, job, Some(failure), &error.to_string())
-                    .await
+                self.give_back(
+                    publisher,
+                    job,
+                    GiveBackReason::Failed(failure, error.to_string()),
+                )
+                .await
             }
             Disposition::Cancelled => {
                 self.report_cancelled(publisher, job_id, "cancelled while running")
@@ -357,7 +402,12 @@ impl Worker {
             }
             Disposition::GiveBack => {
                 tracing::info!(job_id = %job_id, "shutdown interrupted a job of a batch; giving it back");
-                self.give_back(publisher, job, None, "the worker shut down")
+                self.give_back(publisher, job, GiveBackReason::Shutdown)
+                    .await
+            }
+            Disposition::Yield => {
+                tracing::info!(job_id = %job_id, "giving a job of the batch back unstarted, as the scheduler asked");
+                self.give_back(publisher, job, GiveBackReason::Yielded)
                     .await
             }
             Disposition::Abandon => {
@@ -464,8 +514,8 @@ impl Worker {
             Disposition::DeadLetter(_) => "failed",
             Disposition::Retry(_) | Disposition::GiveBack => "requeued",
             Disposition::Cancelled => "cancelled",
-            // Nothing is settled: the message comes back.
-            Disposition::Abandon => return,
+            // Nothing is settled: the message comes back. A yield is no outcome: the job runs later.
+            Disposition::Abandon | Disposition::Yield => return,
         };
         self.metrics
             .jobs_total
@@ -542,21 +592,29 @@ impl Worker {
         &self,
         publisher: &Publisher,
         job: &BatchedJob,
-        failure: Option<FailureKind>,
-        reason: &str,
+        why: GiveBackReason,
     ) -> Result<(), Lost> {
         let id = job.job_id.to_string();
         let mut headers = FieldTable::default();
         let mut put = |name: &str, value: String| {
             headers.insert(name.into(), AMQPValue::LongString(LongString::from(value)));
         };
+        let reason = match &why {
+            GiveBackReason::Failed(_, error) => error.as_str(),
+            GiveBackReason::Shutdown => "the worker shut down",
+            GiveBackReason::Yielded => "yielded unstarted, as the scheduler asked",
+        };
         put(
             HEADER_REASON,
             format!("given back by worker {}: {reason}", self.id),
         );
         put(HEADER_JOB_ID, id.clone());
-        if let Some(failure) = failure {
-            put(HEADER_FAILURE, failure.as_str().to_owned());
+        match why {
+            GiveBackReason::Failed(failure, _) => {
+                put(HEADER_FAILURE, failure.as_str().to_owned());
+            }
+            GiveBackReason::Yielded => put(HEADER_YIELDED, "true".to_owned()),
+            GiveBackReason::Shutdown => {}
         }
         let props = json_properties()
             .with_message_id(id.into())

@@ -1,4 +1,5 @@
-//! One broker session (run by [`vnfarm_bus::run_sessions`]): declare, consume the cancel fan-out,
+//! One broker session (run by [`vnfarm_bus::run_sessions`]): declare, consume the control fan-out
+//! (cancels, yields),
 //! heartbeat (from the start, so a worker still loading its engine is seen `warming`), consume the
 //! worker's queue once the engine is ready, and handle deliveries one at a time until shutdown or
 //! until the connection, a channel or a consumer fails. A helper task that fails reports it to the
@@ -13,8 +14,8 @@ use lapin::types::FieldTable;
 use tokio_util::sync::CancellationToken;
 use vnfarm_bus::publisher::json_properties;
 use vnfarm_bus::{PublishError, Publisher, SessionEnd, topology};
-use vnfarm_proto::topology::{CANCEL_ROUTING_KEY, heartbeat_routing_key};
-use vnfarm_proto::{CancelRequest, Heartbeat, decode_json};
+use vnfarm_proto::topology::{CANCEL_ROUTING_KEY, YIELD_ROUTING_KEY, heartbeat_routing_key};
+use vnfarm_proto::{CancelRequest, Heartbeat, YieldRequest, decode_json};
 
 use crate::worker::Worker;
 
@@ -42,12 +43,13 @@ impl Worker {
         topology::declare_core(&channel, &self.config.amqp).await?;
         let queue = topology::declare_worker_queue(&channel, &self.config.amqp, &self.id).await?;
 
-        // Cancellations fan out to every worker through a private, auto-deleted queue.
-        let mut cancels = vnfarm_bus::topology::subscribe_private(
+        // Cancellations and yield requests fan out to every worker through a private,
+        // auto-deleted queue.
+        let mut cancels = vnfarm_bus::topology::subscribe_private_keys(
             connection,
             &self.topology.events_exchange(),
-            CANCEL_ROUTING_KEY,
-            "cancels",
+            &[CANCEL_ROUTING_KEY, YIELD_ROUTING_KEY],
+            "control",
         )
         .await?;
         let session_done = CancellationToken::new();
@@ -68,6 +70,23 @@ impl Worker {
                         Some(Err(e)) => break format!("cancel consumer failed: {e}"),
                         None => break "cancel consumer cancelled by the broker".to_owned(),
                     };
+                    if delivery.routing_key.as_str() == YIELD_ROUTING_KEY {
+                        match decode_json::<YieldRequest>(&delivery.data) {
+                            Ok(req) if req.worker == this.id => {
+                                let in_hand = this.yield_jobs(&req.jobs);
+                                tracing::info!(
+                                    jobs = req.jobs.len(),
+                                    in_hand,
+                                    "the scheduler asks for unstarted jobs back"
+                                );
+                            }
+                            Ok(_) => {}
+                            Err(e) => {
+                                tracing::warn!(error = %e, "ignoring a malformed yield request")
+                            }
+                        }
+                        continue;
+                    }
                     match decode_json::<CancelRequest>(&delivery.data) {
                         Ok(req) => {
                             tracing::info!(job_id = %req.job_id, "cancel requested");

@@ -160,6 +160,26 @@ impl Worker {
         self.status().running = running;
     }
 
+    /// The engine has answered this job.
+    pub(crate) fn off_engine(&self, job_id: JobId) {
+        self.status().running.retain(|id| *id != job_id);
+    }
+
+    /// The scheduler asks for these jobs back, should they not have started on the engine (to make
+    /// room for interactive work): the engine host gives back those whose run has not begun. Jobs
+    /// not in hand here are not this worker's: ignored. Returns how many are in hand.
+    pub fn yield_jobs(&self, jobs: &[JobId]) -> usize {
+        let status = self.status();
+        let mut asked = 0;
+        for (id, cancel) in &status.in_hand {
+            if jobs.contains(id) {
+                cancel.request_yield();
+                asked += 1;
+            }
+        }
+        asked
+    }
+
     /// Records a cancellation; stops the job if it is in hand here.
     pub fn cancel(&self, job_id: JobId) {
         let mut status = self.status();

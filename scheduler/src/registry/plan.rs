@@ -93,11 +93,20 @@ impl Decision {
     }
 }
 
+/// A worker asked for the unstarted jobs of one of its messages back.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Yield {
+    pub worker: WorkerId,
+    /// The message's jobs still on the worker; it keeps the one its engine runs.
+    pub jobs: Vec<JobId>,
+}
+
 /// What a plan decided, and when planning again may decide more (a hold expires, a coalescing
 /// window closes) even if nothing else happens.
 #[derive(Debug, Default)]
 pub struct Plan {
     pub dispatches: Vec<Dispatch>,
+    pub yields: Vec<Yield>,
     pub wake_at: Option<Instant>,
 }
 
@@ -154,10 +163,78 @@ impl Registry {
                 }
             }
         }
+        if config.policy == Policy::Affinity && config.max_batch > 1 {
+            plan.yields = self.plan_yields(heartbeat_timeout);
+        }
         if let Some(&(until, _)) = self.holds.first() {
             plan.wake(until);
         }
         plan
+    }
+
+    /// Interactive work that no free worker can take: a busy worker of its route, in a message of
+    /// batch work with unstarted jobs left, is asked to give those back, so that it frees up after
+    /// the job its engine runs rather than after the whole message (the jobs given back wait for
+    /// it as their input's holder, and keep their encoding). A worker holding the input of a waiting
+    /// interactive edit goes first, then the message with the fewest jobs left (as few as possible
+    /// move); at most one yield is outstanding per waiting interactive job.
+    fn plan_yields(&mut self, timeout: Duration) -> Vec<Yield> {
+        let mut yields = Vec::new();
+        for (route, ready) in &self.ready {
+            let waiting = ready.iter().take_while(|(rank, _)| *rank == 0).count();
+            if waiting == 0 || self.workers.values().any(|w| w.can_take(route, timeout)) {
+                continue;
+            }
+            let serving: Vec<&WorkerRecord> = self
+                .workers
+                .values()
+                .filter(|w| w.serves(route, timeout))
+                .collect();
+            let outstanding: usize = serving.iter().map(|w| w.yields.len()).sum();
+            // The inputs the waiting interactive edits need: a worker that holds one frees up
+            // for it with its encoding at hand.
+            let wanted_keys: Vec<String> = ready
+                .iter()
+                .take_while(|(rank, _)| *rank == 0)
+                .filter_map(|(_, id)| self.jobs[id].group_key())
+                .collect();
+            let holds_wanted = |w: &WorkerRecord| wanted_keys.iter().any(|k| w.holds(k));
+            let mut candidates: Vec<(usize, &WorkerRecord, Vec<JobId>)> = serving
+                .iter()
+                .flat_map(|w| {
+                    w.messages
+                        .keys()
+                        .filter(|lead| !w.yields.contains(lead))
+                        .map(move |&lead| (lead, w))
+                })
+                .filter_map(|(lead, w)| {
+                    let jobs: Vec<JobId> = w.jobs_of(lead).collect();
+                    let batch_work = jobs
+                        .iter()
+                        .all(|j| self.jobs.get(j).is_some_and(|job| job.rank().0 > 0));
+                    (jobs.len() >= 2 && batch_work).then_some((jobs.len(), *w, jobs))
+                })
+                .collect();
+            candidates.sort_by(|a, b| {
+                (holds_wanted(b.1), a.0)
+                    .cmp(&(holds_wanted(a.1), b.0))
+                    .then_with(|| a.1.id.cmp(&b.1.id))
+            });
+            yields.extend(
+                candidates
+                    .into_iter()
+                    .take(waiting.saturating_sub(outstanding))
+                    .map(|(_, w, jobs)| Yield {
+                        worker: w.id.clone(),
+                        jobs,
+                    }),
+            );
+        }
+        for y in &yields {
+            let lead = self.workers[&y.worker].assigned[&y.jobs[0]];
+            self.worker_mut(&y.worker).yields.insert(lead);
+        }
+        yields
     }
 
     /// Held jobs whose wait is over go back to the ready index, not to be held again.

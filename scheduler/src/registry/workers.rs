@@ -3,7 +3,7 @@
 //! (each holds one of the worker's slots), and the affinity keys of the inputs whose encodings it
 //! holds.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use vnfarm_proto::{Heartbeat, JobId, ModelFamily, WorkerId, WorkerState};
@@ -41,6 +41,9 @@ pub struct WorkerRecord {
     /// Affinity keys of what it holds, with when each was last confirmed by a heartbeat or a
     /// dispatch.
     pub(super) keys: HashMap<String, Instant>,
+    /// Messages on it (by their first job) whose unstarted jobs this scheduler asked back (a
+    /// yield), until the message's last job leaves it.
+    pub(super) yields: HashSet<JobId>,
 }
 
 impl WorkerRecord {
@@ -51,6 +54,7 @@ impl WorkerRecord {
             assigned: BTreeMap::new(),
             messages: HashMap::new(),
             keys: HashMap::new(),
+            yields: HashSet::new(),
         }
     }
 
@@ -110,6 +114,14 @@ impl WorkerRecord {
             .map_or(1, |(_, hb)| hb.max_batch.max(1))
     }
 
+    /// The jobs still on it of the message that `lead` names.
+    pub(super) fn jobs_of(&self, lead: JobId) -> impl Iterator<Item = JobId> + '_ {
+        self.assigned
+            .iter()
+            .filter(move |(_, m)| **m == lead)
+            .map(|(job, _)| *job)
+    }
+
     pub(super) fn holds(&self, key: &str) -> bool {
         self.keys.contains_key(key)
     }
@@ -133,6 +145,7 @@ impl WorkerRecord {
             *n -= 1;
             if *n == 0 {
                 self.messages.remove(&message);
+                self.yields.remove(&message);
             }
         }
     }
@@ -140,6 +153,7 @@ impl WorkerRecord {
     pub(super) fn clear_assignments(&mut self) {
         self.assigned.clear();
         self.messages.clear();
+        self.yields.clear();
     }
 
     /// Takes a heartbeat: its encode-cache keys are confirmed now, keys it no longer lists are

@@ -1,6 +1,11 @@
 //! The engine thread and the channel to it. The engine loads on that thread while the worker already
 //! runs (its heartbeats say `warming`); batches sent before it is ready wait in the channel.
 //!
+//! A message's jobs run in the engine's runs ([`Engine::runs`]), one run after another, and each
+//! job's result goes back as soon as its run ends, so the worker stores and reports it while the
+//! next run denoises. Before each run, jobs the scheduler asked back (a yield) are answered
+//! [`EngineError::Yielded`] unrun. After a device failure the rest of the message does not run here.
+//!
 //! A panic inside an engine fails only the batch it ran (each of its jobs is tried once more alone,
 //! so a panic one job provokes fails that job alone): the engines keep no state a half-run job
 //! could corrupt (the weights are only read), so the thread goes on serving.
@@ -14,10 +19,13 @@ use super::{
     GpuMemoryProbe, Progress,
 };
 
+/// A job's result, tagged with its index in the message.
+pub type Answer = (usize, Result<EngineOutput, EngineError>);
+
 struct Request {
     jobs: Vec<EngineJob>,
     progress: tokio::sync::mpsc::UnboundedSender<(usize, Progress)>,
-    reply: tokio::sync::oneshot::Sender<Vec<Result<EngineOutput, EngineError>>>,
+    answers: tokio::sync::mpsc::UnboundedSender<Answer>,
 }
 
 /// The engine thread and the channel to it.
@@ -85,7 +93,7 @@ impl EngineHost {
                 while let Ok(Request {
                     jobs,
                     progress,
-                    reply,
+                    answers,
                 }) = rx.recv()
                 {
                     let mut report = |i: usize, p: Progress| {
@@ -93,12 +101,12 @@ impl EngineHost {
                         // which logged why; the jobs go on.
                         let _ = progress.send((i, p));
                     };
-                    let results = serve(&mut engine, &served, &jobs, &mut report);
-                    if reply.send(results).is_err() {
-                        // The message's future was dropped (the worker is exiting); it was not
-                        // acked, so the broker redelivers it.
-                        tracing::debug!("engine results dropped: nobody is waiting for them");
-                    }
+                    let mut answer = |i: usize, result| {
+                        // The receiver is gone only when the message's future was dropped (the
+                        // worker is exiting); it was not acked, so the broker redelivers it.
+                        let _ = answers.send((i, result));
+                    };
+                    serve(&mut engine, &served, &jobs, &mut report, &mut answer);
                 }
             })?;
         Ok((host, EngineLoading(ready_rx)))
@@ -130,68 +138,95 @@ impl EngineHost {
             .or(self.simulated_gpu)
     }
 
-    /// Runs a batch on the engine thread: one result per job, in order. Progress arrives tagged
-    /// with the job's index.
-    pub async fn run_batch(
+    /// Runs a message's jobs on the engine thread. Each job's result arrives, tagged with its index,
+    /// as soon as the engine has it; the channel closes after the last. A job the channel closes
+    /// without answering was dropped by a dead engine thread. Progress arrives tagged likewise.
+    pub fn run_batch(
         &self,
         jobs: Vec<EngineJob>,
         progress: tokio::sync::mpsc::UnboundedSender<(usize, Progress)>,
-    ) -> Vec<Result<EngineOutput, EngineError>> {
+    ) -> tokio::sync::mpsc::UnboundedReceiver<Answer> {
         let n = jobs.len();
-        let failed = |why: &str| {
-            (0..n)
-                .map(|_| Err(EngineError::Failed(why.to_owned())))
-                .collect()
-        };
-        let (reply, rx) = tokio::sync::oneshot::channel();
-        if self
-            .tx
-            .send(Request {
-                jobs,
-                progress,
-                reply,
-            })
-            .is_err()
-        {
-            return failed("engine thread has stopped");
+        let (answers, rx) = tokio::sync::mpsc::unbounded_channel();
+        if let Err(refused) = self.tx.send(Request {
+            jobs,
+            progress,
+            answers,
+        }) {
+            for i in 0..n {
+                let stopped = EngineError::Failed("engine thread has stopped".into());
+                let _ = refused.0.answers.send((i, Err(stopped)));
+            }
         }
-        rx.await
-            .unwrap_or_else(|_| failed("engine thread dropped the jobs"))
+        rx
     }
 }
 
-/// Runs a batch's jobs of the families this worker serves; the others fail as unsupported.
+/// Runs a message's jobs of the families this worker serves (the others fail as unsupported), run
+/// by run, answering each job when its run ends.
 fn serve(
     engine: &mut Engine,
     served: &[ModelFamily],
     jobs: &[EngineJob],
     progress: &mut dyn FnMut(usize, Progress),
-) -> Vec<Result<EngineOutput, EngineError>> {
-    let mut results: Vec<Option<Result<EngineOutput, EngineError>>> =
-        jobs.iter().map(|_| None).collect();
+    answer: &mut dyn FnMut(usize, Result<EngineOutput, EngineError>),
+) {
     let mut runnable = Vec::new();
     for (i, job) in jobs.iter().enumerate() {
         let model = job.task.model();
         if served.contains(&model) {
             runnable.push(i);
         } else {
-            results[i] = Some(Err(EngineError::Unsupported(model)));
+            answer(i, Err(EngineError::Unsupported(model)));
         }
     }
     let members: Vec<&EngineJob> = runnable.iter().map(|&i| &jobs[i]).collect();
-    if members.is_empty() {
-        return results.into_iter().flatten().collect();
+    let mut lost: Option<EngineError> = None;
+    for run in engine.runs(&members) {
+        let run: Vec<usize> = run.into_iter().map(|k| runnable[k]).collect();
+        if let Some(lost) = &lost {
+            // The device may be unusable: the rest go to another worker.
+            for i in run {
+                answer(i, Err(lost.clone()));
+            }
+            continue;
+        }
+        let (yielded, run): (Vec<usize>, Vec<usize>) = run
+            .into_iter()
+            .partition(|&i| jobs[i].cancel.yield_requested());
+        for i in yielded {
+            answer(i, Err(EngineError::Yielded));
+        }
+        if run.is_empty() {
+            continue;
+        }
+        for (i, result) in run_together(engine, jobs, &run, progress) {
+            if let Err(e @ EngineError::DeviceLost(_)) = &result {
+                lost = Some(e.clone());
+            }
+            answer(i, result);
+        }
     }
-    let together = guarded(|| engine.run_batch(&members, &mut |k, p| progress(runnable[k], p)));
+}
+
+/// Runs `run` (indices into `jobs`) on the engine together; after a panic, each job once more
+/// alone, so a panic one job provokes fails that job alone.
+fn run_together(
+    engine: &mut Engine,
+    jobs: &[EngineJob],
+    run: &[usize],
+    progress: &mut dyn FnMut(usize, Progress),
+) -> Vec<(usize, Result<EngineOutput, EngineError>)> {
+    let members: Vec<&EngineJob> = run.iter().map(|&i| &jobs[i]).collect();
+    let together = guarded(|| engine.run_batch(&members, &mut |k, p| progress(run[k], p)));
     let answers = match together {
         Ok(answers) => answers,
         Err(panicked) if members.len() > 1 => {
             tracing::warn!(
                 jobs = members.len(),
-                "running the panicked batch's jobs one by one"
+                "running the panicked run's jobs one by one"
             );
-            runnable
-                .iter()
+            run.iter()
                 .map(|&i| {
                     guarded(|| engine.run_batch(&[&jobs[i]], &mut |_, p| progress(i, p)))
                         .map_or_else(|e| Some(Err(e)), |mut r| r.pop())
@@ -201,12 +236,14 @@ fn serve(
         }
         Err(panicked) => vec![Err(panicked)],
     };
-    for (&i, answer) in runnable.iter().zip(answers) {
-        results[i] = Some(answer);
-    }
-    results
-        .into_iter()
-        .map(|r| r.unwrap_or_else(|| Err(EngineError::Failed("the engine skipped the job".into()))))
+    let mut answers = answers.into_iter();
+    run.iter()
+        .map(|&i| {
+            let answer = answers
+                .next()
+                .unwrap_or_else(|| Err(EngineError::Failed("the engine skipped the job".into())));
+            (i, answer)
+        })
         .collect()
 }
 
@@ -228,6 +265,128 @@ fn guarded<T>(run: impl FnOnce() -> T) -> Result<T, EngineError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::tests::edit;
+    use crate::engine::{AdvertisedKeys, CancelReason, TestPatternConfig, TestPatternEngine};
+    use std::time::{Duration, Instant};
+
+    /// A test-pattern engine whose edit steps take `step_ms` with no batch gain.
+    fn engine(step_ms: u64, batch_step_cost: f64) -> Engine {
+        Engine::TestPattern(TestPatternEngine::new(
+            TestPatternConfig {
+                step_ms,
+                encode_ms: 0,
+                decode_ms: 0,
+                batch_step_cost,
+                ..TestPatternConfig::default()
+            },
+            AdvertisedKeys::default(),
+        ))
+    }
+
+    /// Serves `jobs`, returning each answer's index, whether it succeeded, and when it came.
+    fn answers(engine: &mut Engine, jobs: &[EngineJob]) -> Vec<(usize, bool, Instant)> {
+        let mut got = Vec::new();
+        serve(
+            engine,
+            &[ModelFamily::QwenEdit],
+            jobs,
+            &mut |_, _| {},
+            &mut |i, r| got.push((i, r.is_ok(), Instant::now())),
+        );
+        got
+    }
+
+    #[test]
+    fn without_a_batch_gain_each_job_is_answered_when_it_is_done() {
+        let jobs: Vec<EngineJob> = (0..3)
+            .map(|k| edit("inputs/a.png", &k.to_string()))
+            .collect();
+        let started = Instant::now();
+        let got = answers(&mut engine(10, 1.0), &jobs);
+        let order: Vec<usize> = got.iter().map(|(i, _, _)| *i).collect();
+        assert_eq!(order, [0, 1, 2]);
+        assert!(got.iter().all(|(_, ok, _)| *ok));
+        // Four steps of 10 ms each: the first answer comes after one job's steps, not three.
+        let first = got[0].2 - started;
+        let last = got[2].2 - started;
+        assert!(
+            first < Duration::from_millis(80) && last >= Duration::from_millis(120),
+            "first {first:?}, last {last:?}"
+        );
+    }
+
+    #[test]
+    fn with_a_batch_gain_the_group_runs_together() {
+        let jobs: Vec<EngineJob> = (0..3)
+            .map(|k| edit("inputs/a.png", &k.to_string()))
+            .collect();
+        let got = answers(&mut engine(10, 0.5), &jobs);
+        assert_eq!(got.len(), 3);
+        let spread = got[2].2 - got[0].2;
+        assert!(
+            spread < Duration::from_millis(20),
+            "answered together: {spread:?}"
+        );
+    }
+
+    #[test]
+    fn jobs_asked_back_before_their_run_are_given_back_unrun() {
+        let jobs: Vec<EngineJob> = (0..3)
+            .map(|k| edit("inputs/a.png", &k.to_string()))
+            .collect();
+        // The yield arrives while the first job runs: the first finishes, the others go back.
+        jobs[1].cancel.request_yield();
+        jobs[2].cancel.request_yield();
+        let mut got = Vec::new();
+        serve(
+            &mut engine(0, 1.0),
+            &[ModelFamily::QwenEdit],
+            &jobs,
+            &mut |_, _| {},
+            &mut |i, r| got.push((i, r)),
+        );
+        assert!(got[0].1.is_ok(), "{:?}", got[0].1);
+        for (i, r) in &got[1..] {
+            assert!(matches!(r, Err(EngineError::Yielded)), "job {i}: {r:?}");
+        }
+        // A cancel wins over a yield: the job is settled as cancelled.
+        let jobs: Vec<EngineJob> = (0..2)
+            .map(|k| edit("inputs/a.png", &k.to_string()))
+            .collect();
+        jobs[1].cancel.request_yield();
+        jobs[1].cancel.request(CancelReason::User);
+        let mut got = Vec::new();
+        serve(
+            &mut engine(0, 1.0),
+            &[ModelFamily::QwenEdit],
+            &jobs,
+            &mut |_, _| {},
+            &mut |i, r| got.push((i, r)),
+        );
+        assert!(
+            matches!(got[1].1, Err(EngineError::Cancelled(CancelReason::User))),
+            "{:?}",
+            got[1].1
+        );
+    }
+
+    #[test]
+    fn jobs_of_unserved_families_fail_and_the_others_run() {
+        let jobs = vec![edit("inputs/a.png", "smile"), edit("inputs/b.png", "frown")];
+        let mut got = Vec::new();
+        serve(
+            &mut engine(0, 1.0),
+            &[ModelFamily::Sdxl],
+            &jobs,
+            &mut |_, _| {},
+            &mut |i, r| got.push((i, r)),
+        );
+        assert_eq!(got.len(), 2);
+        assert!(
+            got.iter()
+                .all(|(_, r)| matches!(r, Err(EngineError::Unsupported(_))))
+        );
+    }
 
     #[test]
     fn a_panic_fails_alone() {

@@ -33,7 +33,7 @@ use vnfarm_proto::{JobId, ModelFamily, ModelFileRole, StageTimings, Task};
 pub use encode_cache::{AdvertisedKeys, CacheLookup, EncodeCache};
 pub use esrgan::{EsrganConfig, EsrganEngine};
 pub use gpu_memory::GpuMemoryProbe;
-pub use host::{EngineHost, EngineLoading};
+pub use host::{Answer, EngineHost, EngineLoading};
 pub use qwen_edit::{QwenEditEngine, QwenEditEngineConfig};
 pub use sdxl::{SdxlConfig, SdxlEngine};
 pub use test_pattern::{TestPatternConfig, TestPatternEngine};
@@ -319,6 +319,10 @@ pub enum EngineError {
     /// A generate named an SDXL checkpoint this worker does not hold.
     #[error("this worker does not hold the SDXL checkpoint `{0}`")]
     NoCheckpoint(String),
+    /// Not started: the scheduler asked for it back (a yield, to make room for interactive work),
+    /// so it goes back to the scheduler unrun.
+    #[error("given back unstarted: the scheduler asked for it back")]
+    Yielded,
 }
 
 impl EngineError {
@@ -333,7 +337,8 @@ impl EngineError {
             EngineError::Cancelled(_)
             | EngineError::DeviceLost(_)
             | EngineError::Unsupported(_)
-            | EngineError::NoCheckpoint(_) => false,
+            | EngineError::NoCheckpoint(_)
+            | EngineError::Yielded => false,
         }
     }
 }
@@ -347,9 +352,15 @@ pub enum CancelReason {
     Shutdown,
 }
 
-/// A cancellation flag shared between the async side and the engine thread.
+/// A cancellation flag shared between the async side and the engine thread, with a separate flag
+/// for a yield: the scheduler asked for the job back if it has not started yet. Engines never see
+/// a yield (a job on the engine runs to its end); the engine host checks it between the runs of a
+/// message.
 #[derive(Clone, Debug, Default)]
 pub struct Cancel(Arc<AtomicU8>);
+
+/// The bit of [`Cancel`] that records a yield request; the low bits hold the cancel reason.
+const YIELD_BIT: u8 = 0x10;
 
 impl Cancel {
     pub fn request(&self, reason: CancelReason) {
@@ -360,15 +371,27 @@ impl Cancel {
         // Keep the first reason: a user cancel is not turned into a requeue.
         let _ = self
             .0
-            .compare_exchange(0, code, Ordering::SeqCst, Ordering::SeqCst);
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |now| {
+                (now & !YIELD_BIT == 0).then_some(now | code)
+            });
     }
 
     pub fn requested(&self) -> Option<CancelReason> {
-        match self.0.load(Ordering::SeqCst) {
+        match self.0.load(Ordering::SeqCst) & !YIELD_BIT {
             0 => None,
             1 => Some(CancelReason::User),
             _ => Some(CancelReason::Shutdown),
         }
+    }
+
+    /// The scheduler asks for the job back, should it not have started.
+    pub fn request_yield(&self) {
+        self.0.fetch_or(YIELD_BIT, Ordering::SeqCst);
+    }
+
+    /// A yield was asked for and no cancel (which wins: it settles the job for good).
+    pub fn yield_requested(&self) -> bool {
+        self.0.load(Ordering::SeqCst) == YIELD_BIT
     }
 
     /// `Err(Cancelled)` when cancellation was requested; engines call it between steps.
@@ -566,6 +589,32 @@ impl Engine {
         self.with_files(jobs, results)
     }
 
+    /// How a message's jobs run: in runs, one after another, each run's jobs together (they
+    /// finish together). Jobs share a run only where running them together gains something: a
+    /// step of several jobs costs less than their steps one after another. Where it gains nothing,
+    /// each job is a run of its own, so it is reported as soon as it is done and the host can give
+    /// the unstarted rest back between runs; edits of one input still encode it once (the encode
+    /// cache keeps it from one run to the next).
+    fn runs(&self, jobs: &[&EngineJob]) -> Vec<Vec<usize>> {
+        let (sdxl, qwen_edit) = match self {
+            Engine::TestPattern(e) => return e.runs(jobs),
+            Engine::Tch {
+                sdxl, qwen_edit, ..
+            } => (sdxl, qwen_edit),
+        };
+        let mut runs = Vec::new();
+        for family in groups(jobs, |j| j.task.model()) {
+            // The engines' own forward sizes: a run is at most one forward's worth of jobs.
+            let together = match jobs[family[0]].task.model() {
+                ModelFamily::Sdxl => sdxl.as_ref().map_or(1, |e| e.max_batch()),
+                ModelFamily::QwenEdit => qwen_edit.as_ref().map_or(1, |e| e.max_batch()),
+                ModelFamily::Esrgan => 1,
+            };
+            runs.extend(family.chunks(together.max(1)).map(<[usize]>::to_vec));
+        }
+        runs
+    }
+
     /// The files a job's images are made from: what the engine of its family loaded, and the
     /// job's own LoRAs.
     pub fn files(&self, task: &Task) -> Vec<UsedFile> {
@@ -617,6 +666,48 @@ pub(crate) mod tests {
             inputs: Vec::new(),
             cancel: Cancel::default(),
         }
+    }
+
+    /// An edit of the stored image `input` (a blank 32×32 image with `input`'s hash as its sha256).
+    pub(crate) fn edit(input: &str, instruction: &str) -> EngineJob {
+        use sha2::{Digest, Sha256};
+        let mut job = job(Task::Edit(vnfarm_proto::EditSpec {
+            input: Some(vnfarm_proto::ImageRef::Stored(input.into())),
+            inputs: Vec::new(),
+            instruction: instruction.into(),
+            width: None,
+            height: None,
+            steps: 4,
+            cfg: 1.0,
+            seed: Some(3),
+            loras: Vec::new(),
+        }));
+        job.inputs.push(InputImage {
+            image: image::RgbImage::new(32, 32),
+            stored: None,
+            sha256: hex::encode(Sha256::digest(input.as_bytes())),
+        });
+        job
+    }
+
+    #[test]
+    fn a_yield_is_no_cancel_and_a_cancel_overrides_it() {
+        let c = Cancel::default();
+        c.request_yield();
+        assert!(c.yield_requested());
+        assert_eq!(c.requested(), None, "engines never see a yield");
+        assert!(c.check().is_ok());
+        c.request(CancelReason::User);
+        assert_eq!(c.requested(), Some(CancelReason::User));
+        assert!(
+            !c.yield_requested(),
+            "a cancelled job is settled as cancelled, not given back"
+        );
+        let c = Cancel::default();
+        c.request(CancelReason::Shutdown);
+        c.request_yield();
+        assert_eq!(c.requested(), Some(CancelReason::Shutdown));
+        assert!(!c.yield_requested());
     }
 
     fn output() -> EngineOutput {

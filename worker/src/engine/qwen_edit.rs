@@ -221,6 +221,11 @@ pub struct QwenEditEngine {
 }
 
 impl QwenEditEngine {
+    /// The most edits in one transformer forward.
+    pub fn max_batch(&self) -> usize {
+        self.max_batch
+    }
+
     /// Loads the model onto the device and warms up at every configured size. Any failure (a
     /// missing or corrupt file, a missing or misshapen tensor, no device) is an error naming it.
     pub fn load(config: &QwenEditEngineConfig, cache_keys: AdvertisedKeys) -> anyhow::Result<Self> {

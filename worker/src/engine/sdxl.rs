@@ -161,6 +161,11 @@ pub struct SdxlEngine {
 }
 
 impl SdxlEngine {
+    /// The most images in one UNet forward.
+    pub fn max_batch(&self) -> usize {
+        self.max_batch
+    }
+
     /// Loads the checkpoint onto the device and warms up at every configured size. Any failure
     /// (missing file, missing or misshapen tensor, no device) is an error naming what is wrong.
     pub fn load(config: &SdxlConfig) -> anyhow::Result<Self> {

@@ -9,7 +9,8 @@
 //! recently used first out) and paid only on a miss; and compatible jobs denoise together, a step
 //! of `n` jobs costing `step_ms × (1 + (n − 1) × batch_step_cost)`, split evenly across their
 //! timings. Only the job that encoded reports an `encode` timing, so encodes can be counted from
-//! `completed` events.
+//! `completed` events. Without a batch gain (`batch_step_cost` 1) the jobs of a message run one
+//! after another ([`TestPatternEngine::runs`]), as a real engine with nothing to gain would.
 //!
 //! It is a fixture, never a stand-in for a model.
 
@@ -331,6 +332,16 @@ impl TestPatternEngine {
         Self::new(config, cache_keys)
     }
 
+    /// How a message's jobs run (see `Engine::runs`): each group of compatible jobs together when
+    /// a batch step gains something (`batch_step_cost` < 1), else each job alone.
+    pub fn runs(&self, jobs: &[&EngineJob]) -> Vec<Vec<usize>> {
+        let together = groups(jobs, Shape::of);
+        if self.config.batch_step_cost < 1.0 {
+            return together;
+        }
+        together.into_iter().flatten().map(|i| vec![i]).collect()
+    }
+
     /// Runs a batch: compatible jobs together, the groups one after another. One result per job.
     pub fn run_batch(
         &mut self,
@@ -595,9 +606,8 @@ impl TestPatternEngine {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::InputImage;
-    use crate::engine::tests::job;
-    use vnfarm_proto::{GenerateSpec, ImageRef};
+    use crate::engine::tests::{edit, job};
+    use vnfarm_proto::GenerateSpec;
 
     fn generate(seed: u64, prompt: &str) -> Task {
         Task::Generate(GenerateSpec {
@@ -612,26 +622,6 @@ mod tests {
             count: 2,
             checkpoint: None,
         })
-    }
-
-    fn edit(input: &str, instruction: &str) -> EngineJob {
-        let mut job = job(Task::Edit(EditSpec {
-            input: Some(ImageRef::Stored(input.into())),
-            inputs: Vec::new(),
-            instruction: instruction.into(),
-            width: None,
-            height: None,
-            steps: 4,
-            cfg: 1.0,
-            seed: Some(3),
-            loras: Vec::new(),
-        }));
-        job.inputs.push(InputImage {
-            image: RgbImage::new(32, 32),
-            stored: None,
-            sha256: hex::encode(Sha256::digest(input.as_bytes())),
-        });
-        job
     }
 
     fn engine(config: TestPatternConfig) -> (TestPatternEngine, AdvertisedKeys) {
