@@ -131,8 +131,11 @@ impl SubmitCommand {
 /// The submission a `submit` command stands for. Reads `@file` inputs and the job file.
 pub fn build(cmd: &SubmitCommand) -> anyhow::Result<Submission> {
     let job = match cmd {
-        SubmitCommand::Generate { base, count, .. } => JobSpec::Generate(GenerateSpec {
+        SubmitCommand::Generate {
+            base, count, loras, ..
+        } => JobSpec::Generate(GenerateSpec {
             count: *count,
+            loras: loras.clone(),
             ..generate_spec(base)
         }),
         SubmitCommand::Edit { edit, .. } => {
@@ -161,7 +164,10 @@ pub fn build(cmd: &SubmitCommand) -> anyhow::Result<Submission> {
             tile_overlap: upscale.params.tile_overlap,
         }),
         SubmitCommand::Pipeline { pipeline: p, .. } => JobSpec::Pipeline(PipelineSpec {
-            base: generate_spec(&p.base),
+            base: GenerateSpec {
+                loras: p.base_loras.clone(),
+                ..generate_spec(&p.base)
+            },
             edits: p
                 .edits
                 .iter()
@@ -220,6 +226,7 @@ fn generate_spec(base: &BaseArgs) -> GenerateSpec {
         seed: base.seed,
         count: 1,
         checkpoint: base.checkpoint.clone(),
+        loras: Vec::new(),
     }
 }
 

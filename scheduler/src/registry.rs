@@ -1279,6 +1279,7 @@ mod tests {
                 seed: Some(1),
                 count: 1,
                 checkpoint: None,
+                loras: Vec::new(),
             }),
         }
     }

@@ -320,6 +320,7 @@ fn generate(prompt: &str) -> BatchedJob {
         seed: Some(5),
         count: 1,
         checkpoint: None,
+        loras: Vec::new(),
     }))
 }
 

@@ -611,6 +611,7 @@ mod tests {
             seed: Some(seed),
             count: 2,
             checkpoint: None,
+            loras: Vec::new(),
         })
     }
 
