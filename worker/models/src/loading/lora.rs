@@ -13,7 +13,10 @@
 //!   `base_model.model.` (denoiser); `text_encoder.` / `text_encoder_2.` (SDXL's text encoders);
 //! - kohya: `lora_unet_<module with . as _>` (+ `.alpha`), `lora_te1_` / `lora_te_` / `lora_te2_`
 //!   for text encoders, ComfyUI's `lycoris_` for the denoiser. Module names contain `_`, so a flat
-//!   name is resolved by flattening each of the target's module names and looking it up;
+//!   name is resolved by flattening each of the target's module names and looking it up. A target
+//!   may give aliases ([`LoraTarget::lora_aliases`]): SDXL's UNet gives the sgm/ldm names
+//!   sd-scripts trains it under (`lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q`; the
+//!   mapping diffusers undoes in `_maybe_map_sgm_blocks_to_diffusers` and `_convert_unet_lora_key`);
 //! - LyCORIS LoCon on convs: down `[r, in, kh, kw]`, up `[out, r, 1, 1]`.
 //!
 //! LoHa, LoKr, Tucker (`lora_mid`), DoRA, full diffs and LoRA biases are errors naming the key.
