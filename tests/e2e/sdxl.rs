@@ -306,8 +306,9 @@ async fn generate_jobs_with_loras_match_diffusers_and_leave_the_base_as_it_was()
         async move {
             let (status, body) = farm.submit(&submission).await?;
             anyhow::ensure!(status == 201, "{body}");
-            farm.wait_finished(body["job_id"].as_str().unwrap(), FINISH)
-                .await
+            let id = body["job_id"].as_str().unwrap().to_owned();
+            let job = farm.wait_finished(&id, FINISH).await?;
+            anyhow::Ok((id, job))
         }
     };
     let lora_job = loras.submission("e2e_kohya");
@@ -322,7 +323,7 @@ async fn generate_jobs_with_loras_match_diffusers_and_leave_the_base_as_it_was()
         } else {
             "w_dpmpp"
         };
-        let job = run(submission).await?;
+        let (id, job) = run(submission).await?;
         assert_eq!(job["state"], "completed", "{job}\n{}", farm.worker_logs());
         let pngs = output_pngs(&farm, &job).await?;
         let mae = reference.mae(case, 0, &pngs[0]);
@@ -333,7 +334,7 @@ async fn generate_jobs_with_loras_match_diffusers_and_leave_the_base_as_it_was()
             let text = parameters(&pngs[0]);
             assert!(text.contains("horse <lora:kohya:0.8>\n"), "{text}");
             assert!(text.contains("Lora hashes: \"kohya: "), "{text}");
-            let id: vnfarm_proto::JobId = job["job_id"].as_str().unwrap().parse()?;
+            let id: vnfarm_proto::JobId = id.parse()?;
             let manifest: vnfarm_proto::Manifest = vnfarm_proto::decode_json(
                 &farm
                     .storage
@@ -354,13 +355,13 @@ async fn generate_jobs_with_loras_match_diffusers_and_leave_the_base_as_it_was()
     for (lora, names) in [("nope", "LoRA `nope` is not in"), ("unsupported", "hada_w1_a")] {
         let mut submission = base.submission("w_dpmpp");
         submission["job"]["loras"] = json!([{"name": lora}]);
-        let job = run(submission).await?;
+        let (_, job) = run(submission).await?;
         assert_eq!(job["state"], "failed", "{job}");
         let message = job["failure"]["message"].as_str().unwrap_or_default();
         assert!(message.contains(names), "{lora}: {job}");
     }
     // The worker still serves, from the base weights.
-    let job = run(base.submission("w_dpmpp")).await?;
+    let (_, job) = run(base.submission("w_dpmpp")).await?;
     assert_eq!(job["state"], "completed", "{job}");
     let mae = base.mae("w_dpmpp", 0, &output_pngs(&farm, &job).await?[0]);
     assert!(mae <= 1.0, "after the failures: {mae:.3}/255");

@@ -237,7 +237,7 @@ pub struct EngineOutput {
 }
 
 /// A file a job's images were made from, as the engine read it (hashed later, for the manifest).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct UsedFile {
     /// A LoRA's name as the job names it; else the file's name.
     pub name: String,
