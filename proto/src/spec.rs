@@ -917,7 +917,10 @@ mod tests {
         let ink = serde_json::json!([{"name": "ink", "weight": 0.8}]);
         assert_eq!(key(ink.clone()), key(ink.clone()));
         assert_ne!(key(ink.clone()), key(serde_json::json!([])));
-        assert_ne!(key(ink), key(serde_json::json!([{"name": "ink", "weight": 0.7}])));
+        assert_ne!(
+            key(ink),
+            key(serde_json::json!([{"name": "ink", "weight": 0.7}]))
+        );
         assert_ne!(
             key(serde_json::json!([{"name": "a"}, {"name": "b"}])),
             key(serde_json::json!([{"name": "b"}, {"name": "a"}]))

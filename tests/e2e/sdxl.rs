@@ -312,7 +312,10 @@ async fn generate_jobs_with_loras_match_diffusers_and_leave_the_base_as_it_was()
         }
     };
     let lora_job = loras.submission("e2e_kohya");
-    assert_eq!(lora_job["job"]["loras"], json!([{"name": "kohya", "weight": 0.8}]));
+    assert_eq!(
+        lora_job["job"]["loras"],
+        json!([{"name": "kohya", "weight": 0.8}])
+    );
     for (name, reference, submission) in [
         ("with the kohya LoRA", &loras, lora_job.clone()),
         ("without a LoRA", &base, base.submission("w_dpmpp")),
@@ -347,12 +350,18 @@ async fn generate_jobs_with_loras_match_diffusers_and_leave_the_base_as_it_was()
                 .find(|f| f.role == Some(vnfarm_proto::manifest::ModelFileRole::Lora))
                 .expect("the LoRA in the manifest");
             assert_eq!((lora.name.as_str(), lora.strength), ("kohya", Some(0.8)));
-            let hash = lora.data_sha256.as_deref().expect("a safetensors data hash");
+            let hash = lora
+                .data_sha256
+                .as_deref()
+                .expect("a safetensors data hash");
             assert!(text.contains(&format!("kohya: {}", &hash[..12])), "{text}");
         }
     }
 
-    for (lora, names) in [("nope", "LoRA `nope` is not in"), ("unsupported", "hada_w1_a")] {
+    for (lora, names) in [
+        ("nope", "LoRA `nope` is not in"),
+        ("unsupported", "hada_w1_a"),
+    ] {
         let mut submission = base.submission("w_dpmpp");
         submission["job"]["loras"] = json!([{"name": lora}]);
         let (_, job) = run(submission).await?;

@@ -617,7 +617,11 @@ fn parameters_text(job_id: JobId, task: &Task, files: &[ModelFile]) -> String {
         .join(", ");
     let mut text = g.prompt.clone();
     for lora in &g.loras {
-        text.push_str(&format!(" <lora:{}:{}>", lora_name(&lora.name), lora.weight));
+        text.push_str(&format!(
+            " <lora:{}:{}>",
+            lora_name(&lora.name),
+            lora.weight
+        ));
     }
     if !g.negative_prompt.is_empty() {
         text.push_str("\nNegative prompt: ");

@@ -7,8 +7,11 @@
 //! encoders.
 //!
 //! ```sh
-//! lora_bench [--rank 128] [--iters 5] [--dtype bf16|fp32] [--cpu] [--dir DIR]
+//! lora_bench [--rank 128] [--iters 5] [--dtype bf16|fp32] [--cpu] [--dir DIR] [--tables FILE]
 //! ```
+//!
+//! `--tables`: the shape tables (default: this crate's fixture, by its path at build time; give the
+//! repository's copy when the binary runs elsewhere).
 //!
 //! Times, through `JobLoras::set` as the worker's engine calls it (`SdxlPipeline::set_loras`):
 //! `apply` (base → set A: open the file, fuse, keep the originals), `same` (set A again: nothing to
@@ -37,6 +40,7 @@ struct Opts {
     kind: Kind,
     device: Device,
     dir: PathBuf,
+    tables: PathBuf,
 }
 
 fn parse() -> anyhow::Result<Opts> {
@@ -46,10 +50,15 @@ fn parse() -> anyhow::Result<Opts> {
         kind: Kind::BFloat16,
         device: Device::Cuda(0),
         dir: std::env::temp_dir().join("vnfarm-lora-bench"),
+        tables: Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("fixtures/sdxl/reference/sdxl_base_tables.json"),
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
-        let mut value = || args.next().ok_or_else(|| anyhow::anyhow!("{a} needs a value"));
+        let mut value = || {
+            args.next()
+                .ok_or_else(|| anyhow::anyhow!("{a} needs a value"))
+        };
         match a.as_str() {
             "--rank" => o.rank = value()?.parse()?,
             "--iters" => o.iters = value()?.parse()?,
@@ -63,6 +72,7 @@ fn parse() -> anyhow::Result<Opts> {
             }
             "--cpu" => o.device = Device::Cpu,
             "--dir" => o.dir = PathBuf::from(value()?),
+            "--tables" => o.tables = PathBuf::from(value()?),
             other => anyhow::bail!("unknown argument {other}"),
         }
     }
@@ -77,9 +87,7 @@ fn sync(device: Device) {
 
 /// The real-size components, patchable weights random, everything else placeholders.
 fn models(o: &Opts) -> anyhow::Result<(UNet2DConditionModel, ClipTextModel, ClipTextModel)> {
-    let tables = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("fixtures/sdxl/reference/sdxl_base_tables.json");
-    let t: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(tables)?)?;
+    let t: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&o.tables)?)?;
     let store = |k: &str| -> Arc<WeightStore> {
         let table: HashMap<String, Vec<i64>> = t["shapes"][k]
             .as_object()
@@ -142,17 +150,26 @@ fn write_lora(
         .collect();
     let mut tensors: Vec<(String, Tensor)> = Vec::new();
     let attention = [
-        ".to_q", ".to_k", ".to_v", ".to_out.0", ".ff.net.0.proj", ".ff.net.2",
+        ".to_q",
+        ".to_k",
+        ".to_v",
+        ".to_out.0",
+        ".ff.net.0.proj",
+        ".ff.net.2",
     ];
-    let text = [
-        ".q_proj", ".k_proj", ".v_proj", ".out_proj", ".fc1", ".fc2",
-    ];
+    let text = [".q_proj", ".k_proj", ".v_proj", ".out_proj", ".fc1", ".fc2"];
     let mut add = |flat: String, out: i64, inp: i64| {
         let r = o.rank;
-        let down = Tensor::randn([r, inp], (Kind::Float, Device::Cpu)) * (1.0 / (inp as f64).sqrt());
-        let up = Tensor::randn([out, r], (Kind::Float, Device::Cpu)) * 0.01;
-        tensors.push((format!("{flat}.lora_down.weight"), down.to_kind(Kind::Half)));
-        tensors.push((format!("{flat}.lora_up.weight"), up.to_kind(Kind::Half)));
+        // Drawn on the device (fast), stored on the host in fp16 as sd-scripts saves.
+        let draw = |shape: [i64; 2], scale: f64| {
+            (Tensor::randn(shape, (Kind::Float, o.device)) * scale)
+                .to_kind(Kind::Half)
+                .to_device(Device::Cpu)
+        };
+        let down = draw([r, inp], 1.0 / (inp as f64).sqrt());
+        let up = draw([out, r], 0.01);
+        tensors.push((format!("{flat}.lora_down.weight"), down));
+        tensors.push((format!("{flat}.lora_up.weight"), up));
         tensors.push((
             format!("{flat}.alpha"),
             Tensor::scalar_tensor(r as f64 / 2.0, (Kind::Half, Device::Cpu)),

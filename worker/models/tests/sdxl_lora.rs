@@ -101,7 +101,9 @@ fn fused_weights_match_diffusers_in_every_key_style() {
             let Some(name) = key.strip_prefix(&format!("{tag}.")) else {
                 continue;
             };
-            let have = got.get(name).unwrap_or_else(|| panic!("{tag}: no weight {name}"));
+            let have = got
+                .get(name)
+                .unwrap_or_else(|| panic!("{tag}: no weight {name}"));
             let e = rel_err(have, want);
             assert!(e <= TOL, "{tag} {name}: relative error {e:.3e} > {TOL:.0e}");
             compared += 1;
@@ -145,7 +147,10 @@ fn restoring_gives_back_the_loaded_weights_bit_for_bit() {
             .iter()
             .filter(|(k, v)| k.starts_with("text_encoder") && !v.equal(&base[*k]))
             .count();
-        assert_eq!(te_changed, 0, "{kind:?}: the text encoders are back to the base");
+        assert_eq!(
+            te_changed, 0,
+            "{kind:?}: the text encoders are back to the base"
+        );
         // No LoRA: every weight is the loaded one, bit for bit, in its dtype.
         let switch = p.set_loras(&[]).expect("base");
         assert!(switch.restored && !switch.applied);
@@ -170,7 +175,12 @@ fn images_with_loras_match_diffusers() {
             .as_array()
             .expect("loras")
             .iter()
-            .map(|l| lora(l[0].as_str().expect("style"), l[1].as_f64().expect("strength")))
+            .map(|l| {
+                lora(
+                    l[0].as_str().expect("style"),
+                    l[1].as_f64().expect("strength"),
+                )
+            })
             .collect();
         assert_eq!(case[2], "euler", "{name}: the cases here use Euler");
         let req = GenerateRequest {
@@ -230,7 +240,10 @@ fn unusable_files_are_errors_naming_the_key_and_leave_the_base() {
     let cases = [
         (fixtures().join("lora/unsupported.safetensors"), "hada_w1_a"),
         (nomatch, "input_blocks_11_1_proj_in"),
-        (misfit, "lora_unet_input_blocks_4_1_proj_in.lora_down.weight"),
+        (
+            misfit,
+            "lora_unet_input_blocks_4_1_proj_in.lora_down.weight",
+        ),
         (dir.join("missing.safetensors"), "missing.safetensors"),
     ];
     // A good set first: a bad one must restore it and leave the base.
@@ -251,7 +264,12 @@ fn unusable_files_are_errors_naming_the_key_and_leave_the_base() {
             .iter()
             .filter(|(k, v)| v.equal(&base[*k]))
             .count();
-        assert_eq!(same, base.len(), "{}: the base weights are back", path.display());
+        assert_eq!(
+            same,
+            base.len(),
+            "{}: the base weights are back",
+            path.display()
+        );
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }

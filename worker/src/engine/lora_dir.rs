@@ -96,7 +96,11 @@ mod tests {
             weight,
         };
         let specs = loras
-            .resolve(&[named("ink", 0.5), named("old.pt", 1.0), named("ink.safetensors", -1.0)])
+            .resolve(&[
+                named("ink", 0.5),
+                named("old.pt", 1.0),
+                named("ink.safetensors", -1.0),
+            ])
             .unwrap();
         let found: Vec<(PathBuf, f64)> = specs.into_iter().map(|s| (s.path, s.strength)).collect();
         assert_eq!(
@@ -108,7 +112,10 @@ mod tests {
             ]
         );
         let files = loras.used_files(&[named("ink", 0.5)]);
-        assert_eq!((files[0].name.as_str(), files[0].strength), ("ink", Some(0.5)));
+        assert_eq!(
+            (files[0].name.as_str(), files[0].strength),
+            ("ink", Some(0.5))
+        );
 
         let missing = loras.resolve(&[named("ink", 1.0), named("nope", 1.0)]);
         assert!(

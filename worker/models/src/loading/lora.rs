@@ -467,8 +467,10 @@ pub fn apply(
     targets: &mut [TargetRef<'_>],
 ) -> Result<AppliedLoras, LoraError> {
     let components: Vec<Component> = targets.iter().map(|t| t.component).collect();
-    let aliases: Vec<Vec<(String, String)>> =
-        targets.iter_mut().map(|t| t.target.lora_aliases()).collect();
+    let aliases: Vec<Vec<(String, String)>> = targets
+        .iter_mut()
+        .map(|t| t.target.lora_aliases())
+        .collect();
     let mut modules: Vec<Vec<(String, LoraModule<'_>)>> = targets
         .iter_mut()
         .map(|t| t.target.lora_modules())

@@ -417,7 +417,11 @@ fn ldm_module_name(name: &str, per: usize, up_attention: &[bool]) -> Option<Stri
             let (b, kind, l) = (int(1)?, *parts.get(2)?, int(3)?);
             let rest = *parts.get(4)?;
             match kind {
-                "resnets" => Some(format!("input_blocks.{}.0.{}", b * per + l + 1, resnet(rest)?)),
+                "resnets" => Some(format!(
+                    "input_blocks.{}.0.{}",
+                    b * per + l + 1,
+                    resnet(rest)?
+                )),
                 "attentions" => Some(format!("input_blocks.{}.1.{rest}", b * per + l + 1)),
                 "downsamplers" => Some(format!("input_blocks.{}.0.op", b * per + per)),
                 _ => None,
