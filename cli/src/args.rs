@@ -36,7 +36,7 @@ pub struct Cli {
 pub enum Command {
     /// Submit a job, print its id and (unless --no-watch) watch it.
     #[command(subcommand)]
-    Submit(SubmitCommand),
+    Submit(Box<SubmitCommand>),
     /// Follow a job until it finishes; exit 0 when it completed, 1 when it failed or was cancelled.
     Watch { job_id: JobId },
     /// List jobs, newest first.
