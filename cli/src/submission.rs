@@ -333,6 +333,18 @@ mod tests {
         .unwrap();
         assert_eq!(json["job"]["sampler"], "euler_ancestral");
         assert_eq!(json["job"]["kind"], "generate");
+        let sub = submission(&[
+            "generate", "--prompt", "p", "--lora", "ink:0.8", "--lora", "detail",
+        ]);
+        let JobSpec::Generate(g) = sub.job else {
+            panic!("not a generate")
+        };
+        let loras: Vec<(&str, f32)> = g
+            .loras
+            .iter()
+            .map(|l| (l.name.as_str(), l.weight))
+            .collect();
+        assert_eq!(loras, [("ink", 0.8), ("detail", 1.0)]);
     }
 
     #[test]
@@ -351,6 +363,8 @@ mod tests {
             "make her angry",
             "--lora",
             "lightning:0.5",
+            "--base-lora",
+            "ink:0.8",
             "--upscale",
             "base",
             "--upscale",
@@ -360,7 +374,7 @@ mod tests {
         ]);
         let expected = decoded(
             serde_json::json!({"schema_version": 1, "job": {"kind": "pipeline",
-            "base": {"prompt": "a girl", "width": 832, "seed": 5},
+            "base": {"prompt": "a girl", "width": 832, "seed": 5, "loras": [{"name": "ink", "weight": 0.8}]},
             "edits": [
                 {"instruction": "make her smile", "loras": [{"name": "lightning", "weight": 0.5}]},
                 {"instruction": "make her angry", "loras": [{"name": "lightning", "weight": 0.5}]}],
