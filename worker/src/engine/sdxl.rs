@@ -27,7 +27,7 @@ use vnfarm_models::sdxl::pipeline::{
     ComponentConfigs, GenerateRequest, ModelSource, PipelineConfig, SdxlPipeline,
 };
 use vnfarm_models::sdxl::vae::{Tiling, VaeConfig};
-use vnfarm_proto::{GenerateSpec, ModelFileRole, StageTimings, Task};
+use vnfarm_proto::{GenerateSpec, LoraRef, ModelFileRole, StageTimings, Task};
 
 use super::device::{Dtype, engine_error, open_device, parse_device, warm_up_sizes};
 use super::{
@@ -267,16 +267,7 @@ impl SdxlEngine {
             }
         }
         let members: Vec<&EngineJob> = runnable.iter().map(|&i| jobs[i]).collect();
-        for group in groups(&members, |job| match &job.task {
-            Task::Generate(g) => Some((
-                (g.width, g.height),
-                g.steps,
-                g.sampler,
-                g.cfg > 1.0,
-                g.loras.clone(),
-            )),
-            Task::Edit(_) | Task::Upscale(_) => None,
-        }) {
+        for group in groups(&members, forward_key) {
             let lora_seconds = match self.switch_loras(&loras[group[0]]) {
                 Ok(seconds) => seconds,
                 Err(e) => {
@@ -421,6 +412,23 @@ impl SdxlEngine {
     }
 }
 
+/// What generates must share to run in one forward: size, steps, sampler, guidance on or off, and
+/// the LoRA set (names and weights, in order: the weights the forward runs with).
+type ForwardKey = ((u32, u32), u32, vnfarm_proto::Sampler, bool, Vec<LoraRef>);
+
+fn forward_key(job: &EngineJob) -> Option<ForwardKey> {
+    match &job.task {
+        Task::Generate(g) => Some((
+            (g.width, g.height),
+            g.steps,
+            g.sampler,
+            g.cfg > 1.0,
+            g.loras.clone(),
+        )),
+        Task::Edit(_) | Task::Upscale(_) => None,
+    }
+}
+
 /// The seed of each of a job's images: `seed + n` for image `n`.
 fn image_seeds(spec: &GenerateSpec) -> Vec<Option<u64>> {
     let seed = spec.seed.unwrap_or_default();
@@ -536,6 +544,34 @@ mod tests {
             [vec![(0, 200, 3), (1, 200, 1)], vec![(1, 201, 2)]]
         );
         assert_eq!(image_seeds(&b), [Some(200), Some(201), Some(202)]);
+    }
+
+    #[test]
+    fn only_generates_with_the_same_lora_set_share_forwards() {
+        let with = |loras: &[(&str, f32)]| {
+            let mut g = spec(1, 5);
+            g.loras = loras
+                .iter()
+                .map(|(name, weight)| LoraRef {
+                    name: (*name).into(),
+                    weight: *weight,
+                })
+                .collect();
+            crate::engine::tests::job(Task::Generate(g))
+        };
+        let jobs = [
+            with(&[("ink", 0.8)]),
+            with(&[]),
+            with(&[("ink", 0.8)]),
+            with(&[("ink", 0.5)]),
+            with(&[("ink", 0.8), ("detail", 1.0)]),
+            with(&[]),
+        ];
+        let refs: Vec<&EngineJob> = jobs.iter().collect();
+        assert_eq!(
+            groups(&refs, forward_key),
+            [vec![0, 2], vec![1, 5], vec![3], vec![4]]
+        );
     }
 
     fn config(path: impl Into<PathBuf>, name: Option<&str>) -> SdxlConfig {
