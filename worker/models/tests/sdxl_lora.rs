@@ -169,7 +169,7 @@ fn images_with_loras_match_diffusers() {
     for case in meta["cases"].as_array().expect("cases") {
         let name = text(&case[0]);
         if name.starts_with("e2e_") {
-            continue; // the worker's end-to-end case (tests/e2e/sdxl_lora.rs)
+            continue; // the worker's end-to-end case (tests/e2e/sdxl.rs)
         }
         let specs: Vec<LoraSpec> = case[1]
             .as_array()
