@@ -36,7 +36,7 @@ pub struct Cli {
 pub enum Command {
     /// Submit a job, print its id and (unless --no-watch) watch it.
     #[command(subcommand)]
-    Submit(SubmitCommand),
+    Submit(Box<SubmitCommand>),
     /// Follow a job until it finishes; exit 0 when it completed, 1 when it failed or was cancelled.
     Watch { job_id: JobId },
     /// List jobs, newest first.
@@ -65,6 +65,10 @@ pub enum SubmitCommand {
         /// Images to make; image n uses seed + n.
         #[arg(long, default_value_t = 1)]
         count: u32,
+        /// A LoRA from the worker's LoRA folder, as name[:weight] (weight 1 when omitted);
+        /// repeatable.
+        #[arg(long = "lora", value_parser = parse_lora)]
+        loras: Vec<LoraRef>,
         #[command(flatten)]
         options: SubmitOptions,
     },
@@ -204,6 +208,9 @@ pub struct PipelineArgs {
     /// A LoRA fused into every edit, as name[:weight]; repeatable.
     #[arg(long = "lora", value_parser = parse_lora)]
     pub loras: Vec<LoraRef>,
+    /// A LoRA fused into the base generate (SDXL), as name[:weight]; repeatable.
+    #[arg(long = "base-lora", value_parser = parse_lora)]
+    pub base_loras: Vec<LoraRef>,
     /// An image to upscale: `base` or `edit:N`; repeatable.
     #[arg(long = "upscale", value_parser = parse_pipeline_image)]
     pub upscales: Vec<PipelineImage>,

@@ -131,8 +131,11 @@ impl SubmitCommand {
 /// The submission a `submit` command stands for. Reads `@file` inputs and the job file.
 pub fn build(cmd: &SubmitCommand) -> anyhow::Result<Submission> {
     let job = match cmd {
-        SubmitCommand::Generate { base, count, .. } => JobSpec::Generate(GenerateSpec {
+        SubmitCommand::Generate {
+            base, count, loras, ..
+        } => JobSpec::Generate(GenerateSpec {
             count: *count,
+            loras: loras.clone(),
             ..generate_spec(base)
         }),
         SubmitCommand::Edit { edit, .. } => {
@@ -161,7 +164,10 @@ pub fn build(cmd: &SubmitCommand) -> anyhow::Result<Submission> {
             tile_overlap: upscale.params.tile_overlap,
         }),
         SubmitCommand::Pipeline { pipeline: p, .. } => JobSpec::Pipeline(PipelineSpec {
-            base: generate_spec(&p.base),
+            base: GenerateSpec {
+                loras: p.base_loras.clone(),
+                ..generate_spec(&p.base)
+            },
             edits: p
                 .edits
                 .iter()
@@ -220,6 +226,7 @@ fn generate_spec(base: &BaseArgs) -> GenerateSpec {
         seed: base.seed,
         count: 1,
         checkpoint: base.checkpoint.clone(),
+        loras: Vec::new(),
     }
 }
 
@@ -326,6 +333,18 @@ mod tests {
         .unwrap();
         assert_eq!(json["job"]["sampler"], "euler_ancestral");
         assert_eq!(json["job"]["kind"], "generate");
+        let sub = submission(&[
+            "generate", "--prompt", "p", "--lora", "ink:0.8", "--lora", "detail",
+        ]);
+        let JobSpec::Generate(g) = sub.job else {
+            panic!("not a generate")
+        };
+        let loras: Vec<(&str, f32)> = g
+            .loras
+            .iter()
+            .map(|l| (l.name.as_str(), l.weight))
+            .collect();
+        assert_eq!(loras, [("ink", 0.8), ("detail", 1.0)]);
     }
 
     #[test]
@@ -344,6 +363,8 @@ mod tests {
             "make her angry",
             "--lora",
             "lightning:0.5",
+            "--base-lora",
+            "ink:0.8",
             "--upscale",
             "base",
             "--upscale",
@@ -353,7 +374,7 @@ mod tests {
         ]);
         let expected = decoded(
             serde_json::json!({"schema_version": 1, "job": {"kind": "pipeline",
-            "base": {"prompt": "a girl", "width": 832, "seed": 5},
+            "base": {"prompt": "a girl", "width": 832, "seed": 5, "loras": [{"name": "ink", "weight": 0.8}]},
             "edits": [
                 {"instruction": "make her smile", "loras": [{"name": "lightning", "weight": 0.5}]},
                 {"instruction": "make her angry", "loras": [{"name": "lightning", "weight": 0.5}]}],

@@ -54,6 +54,9 @@ pub struct ModelFile {
     /// keeps its hash.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub data_sha256: Option<String>,
+    /// A LoRA's strength: the job's weight, or the configured one for a LoRA fused at load.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub strength: Option<f32>,
 }
 
 /// What a model file is to the image.

@@ -158,6 +158,10 @@ pub struct GenerateSpec {
     /// when the scheduler has none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpoint: Option<String>,
+    /// LoRAs from the worker's LoRA directory (`engine.sdxl.lora_dir`), fused into the UNet and
+    /// both text encoders at their weights for this job (A1111's `<lora:name:weight>`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub loras: Vec<LoraRef>,
 }
 
 /// A Qwen-Image-Edit-2509 instruction edit of one to three input images. Give `input` (one image)
@@ -384,17 +388,28 @@ fn check_loras(field: &str, loras: &[LoraRef]) -> Result<(), ValidationError> {
 
 impl GenerateSpec {
     /// Generates with the same key can share one forward pass (`SdxlPipeline::generate_batch`):
-    /// same checkpoint, size, steps, sampler and whether guidance runs.
+    /// same checkpoint, size, steps, sampler, whether guidance runs, and LoRA set (names and
+    /// weights, in order: the weights the forward runs with).
     pub fn batch_key(&self) -> String {
+        let loras: Vec<String> = self
+            .loras
+            .iter()
+            .map(|l| format!("{}@{}", l.name, l.weight))
+            .collect();
         format!(
-            "{}:{}:{}x{}:{}:{:?}:{}",
+            "{}:{}:{}x{}:{}:{:?}:{}:{}",
             ModelFamily::Sdxl.as_str(),
             self.checkpoint.as_deref().unwrap_or("-"),
             self.width,
             self.height,
             self.steps,
             self.sampler,
-            if self.cfg > 1.0 { "cfg" } else { "nocfg" }
+            if self.cfg > 1.0 { "cfg" } else { "nocfg" },
+            if loras.is_empty() {
+                "-".to_string()
+            } else {
+                loras.join("+")
+            }
         )
     }
 
@@ -428,7 +443,7 @@ impl GenerateSpec {
         {
             return Err(err(format!("{at}.seed"), "seed + count overflows"));
         }
-        Ok(())
+        check_loras(&format!("{at}.loras"), &self.loras)
     }
 }
 
@@ -730,7 +745,8 @@ mod tests {
         let subs = [
             serde_json::json!({"schema_version": 1, "job": {"kind": "generate", "prompt": "(a cat:1.2) BREAK hat",
                 "negative_prompt": "blurry", "width": 1280, "height": 720, "steps": 30, "cfg": 5.0,
-                "sampler": "dpmpp_two_m_karras", "seed": 42, "count": 4}}),
+                "sampler": "dpmpp_two_m_karras", "seed": 42, "count": 4,
+                "loras": [{"name": "ink_style", "weight": 0.8}, {"name": "detail.safetensors"}]}}),
             serde_json::json!({"schema_version": 1, "priority": "interactive", "idempotency_key": "k1",
                 "job": {"kind": "edit", "input": {"job_output": {"job": job_id, "index": 0}},
                 "instruction": "make her smile", "loras": [{"name": "lightning.safetensors", "weight": 1.0}]}}),
@@ -867,6 +883,16 @@ mod tests {
                 "instruction": "x", "loras": [{"name": "../x", "weight": 1}]}}),
                 "job.loras[0].name",
             ),
+            (
+                serde_json::json!({"schema_version": 1, "job": {"kind": "generate", "prompt": "x",
+                "loras": [{"name": "a"}, {"name": ".hidden"}]}}),
+                "job.loras[1].name",
+            ),
+            (
+                serde_json::json!({"schema_version": 1, "job": {"kind": "pipeline", "base": {"prompt": "x",
+                "loras": [{"name": "a", "weight": 5}]}}}),
+                "job.base.loras[0].weight",
+            ),
         ];
         for (json, field) in cases {
             let message = decode_and_validate(json.clone()).expect_err(&json.to_string());
@@ -875,6 +901,30 @@ mod tests {
                 "{json} gave {message:?}, expected field {field}"
             );
         }
+    }
+
+    #[test]
+    fn generates_batch_only_with_the_same_lora_set() {
+        let key = |loras: serde_json::Value| {
+            let sub = decode_and_validate(serde_json::json!({"schema_version": 1,
+                "job": {"kind": "generate", "prompt": "x", "loras": loras}}))
+            .unwrap();
+            let JobSpec::Generate(g) = sub.job else {
+                panic!("not a generate")
+            };
+            g.batch_key()
+        };
+        let ink = serde_json::json!([{"name": "ink", "weight": 0.8}]);
+        assert_eq!(key(ink.clone()), key(ink.clone()));
+        assert_ne!(key(ink.clone()), key(serde_json::json!([])));
+        assert_ne!(
+            key(ink),
+            key(serde_json::json!([{"name": "ink", "weight": 0.7}]))
+        );
+        assert_ne!(
+            key(serde_json::json!([{"name": "a"}, {"name": "b"}])),
+            key(serde_json::json!([{"name": "b"}, {"name": "a"}]))
+        );
     }
 
     #[test]

@@ -1283,6 +1283,7 @@ mod tests {
                 seed: Some(1),
                 count: 1,
                 checkpoint: None,
+                loras: Vec::new(),
             }),
         }
     }

@@ -320,6 +320,7 @@ fn generate(prompt: &str) -> BatchedJob {
         seed: Some(5),
         count: 1,
         checkpoint: None,
+        loras: Vec::new(),
     }))
 }
 
@@ -934,6 +935,7 @@ async fn the_models_run_batches_and_each_image_is_the_one_it_gets_alone() -> any
             seed: Some(seed),
             count,
             checkpoint: checkpoint.map(Into::into),
+            loras: Vec::new(),
         }))
     };
     let alone = generate("a lighthouse", 7, 2, None);

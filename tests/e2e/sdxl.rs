@@ -1,6 +1,8 @@
 //! The SDXL engine inside the worker, end to end: generate jobs through the scheduler on the tiny
 //! random-weight SDXL checkpoint of the model crate's parity fixtures (single-file ldm format, the
-//! studio's), with the images in S3 compared to diffusers' images for the same seeds.
+//! studio's), with the images in S3 compared to diffusers' images for the same seeds; and per-job
+//! LoRAs from the worker's LoRA folder (`make_sdxl_lora_fixtures.py`), fused and restored between
+//! jobs.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -51,20 +53,54 @@ struct Reference {
 
 impl Reference {
     fn open() -> Self {
-        let file = SafetensorsFile::open(fixtures().join("reference/pipeline.safetensors"))
-            .expect("pipeline reference");
+        Self::open_file("reference/pipeline.safetensors")
+    }
+
+    /// diffusers' images with LoRAs fused (`make_sdxl_lora_fixtures.py`, `CASES`).
+    fn loras() -> Self {
+        Self::open_file("reference/lora.safetensors")
+    }
+
+    fn open_file(name: &str) -> Self {
+        let file = SafetensorsFile::open(fixtures().join(name)).expect("pipeline reference");
         let meta = serde_json::from_str(&file.metadata()["fixture"]).expect("fixture metadata");
         Self { file, meta }
     }
 
-    /// The submission of case `name`: `[name, sampler, prediction, seed, steps, count, h, w, cfg]`.
+    /// The submission of case `name`: `[name, sampler, prediction, seed, steps, count, h, w, cfg]`,
+    /// or in the LoRA reference `[name, [[lora, weight]…], sampler, seed, …]`.
     fn submission(&self, name: &str) -> Value {
-        let case = self.meta["worker_cases"]
+        let with_loras = self.meta.get("worker_cases").is_none();
+        let cases = if with_loras {
+            &self.meta["cases"]
+        } else {
+            &self.meta["worker_cases"]
+        };
+        let case = cases
             .as_array()
             .unwrap()
             .iter()
             .find(|c| c[0] == name)
             .unwrap_or_else(|| panic!("case {name}"));
+        if !with_loras {
+            return self.generate(case);
+        }
+        // The LoRA cases carry their set where the base cases carry the sampler, then the
+        // sampler where they carry the prediction type (always epsilon here).
+        let mut fields = case.as_array().unwrap().clone();
+        let set = fields.remove(1);
+        fields.insert(2, json!("epsilon"));
+        let mut submission = self.generate(&Value::Array(fields));
+        submission["job"]["loras"] = set
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|l| json!({"name": l[0], "weight": l[1]}))
+            .collect();
+        submission
+    }
+
+    fn generate(&self, case: &Value) -> Value {
         let sampler = match case[1].as_str().unwrap() {
             "euler" => "euler",
             "euler_a" => "euler_ancestral",
@@ -228,5 +264,115 @@ async fn a_worker_with_a_broken_checkpoint_exits_naming_the_file() -> anyhow::Re
     );
     let workers = farm.get_json("/v1/workers").await?;
     assert_eq!(workers["workers"], json!([]), "it never registered");
+    Ok(())
+}
+
+/// The worker's PNG `parameters` text of a stored image.
+fn parameters(png: &[u8]) -> String {
+    let reader = png::Decoder::new(std::io::Cursor::new(png))
+        .read_info()
+        .expect("a PNG");
+    reader
+        .info()
+        .utf8_text
+        .iter()
+        .find(|t| t.keyword == "parameters")
+        .expect("a parameters chunk")
+        .get_text()
+        .expect("UTF-8 parameters")
+}
+
+/// A generate with a LoRA matches diffusers with it fused; the next job without one matches the
+/// base again (the weights were restored); a LoRA that is not in the folder, or a file the loader
+/// cannot use, fails the job with an error naming it, and the worker goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generate_jobs_with_loras_match_diffusers_and_leave_the_base_as_it_was()
+-> anyhow::Result<()> {
+    let base = Reference::open();
+    let loras = Reference::loras();
+    let mut farm = Farm::new("sdxl-lora").await?;
+    farm.start_scheduler().await?;
+    let checkpoint = fixtures().join("sdxl_tiny_ldm.safetensors");
+    let mut worker = sdxl_worker(&checkpoint, 4);
+    worker.extra_env.push((
+        "VNFARM_ENGINE__SDXL__LORA_DIR".into(),
+        fixtures().join("lora").display().to_string(),
+    ));
+    farm.start_worker("sdxl-l", worker).await?;
+
+    // One job at a time, so that each runs with the weights the previous one left.
+    let run = |submission: Value| {
+        let farm = &farm;
+        async move {
+            let (status, body) = farm.submit(&submission).await?;
+            anyhow::ensure!(status == 201, "{body}");
+            let id = body["job_id"].as_str().unwrap().to_owned();
+            let job = farm.wait_finished(&id, FINISH).await?;
+            anyhow::Ok((id, job))
+        }
+    };
+    let lora_job = loras.submission("e2e_kohya");
+    assert_eq!(
+        lora_job["job"]["loras"],
+        json!([{"name": "kohya", "weight": 0.8}])
+    );
+    for (name, reference, submission) in [
+        ("with the kohya LoRA", &loras, lora_job.clone()),
+        ("without a LoRA", &base, base.submission("w_dpmpp")),
+        ("with the LoRA again", &loras, lora_job),
+    ] {
+        let case = if submission["job"].get("loras").is_some() {
+            "e2e_kohya"
+        } else {
+            "w_dpmpp"
+        };
+        let (id, job) = run(submission).await?;
+        assert_eq!(job["state"], "completed", "{job}\n{}", farm.worker_logs());
+        let pngs = output_pngs(&farm, &job).await?;
+        let mae = reference.mae(case, 0, &pngs[0]);
+        println!("{name}: mean abs difference {mae:.4}/255 from diffusers");
+        assert!(mae <= 1.0, "{name}: {mae:.3}/255 from diffusers");
+        if case == "e2e_kohya" {
+            // A1111's infotext: the LoRA and its weight in the prompt, its hash in `Lora hashes`.
+            let text = parameters(&pngs[0]);
+            assert!(text.contains("horse <lora:kohya:0.8>\n"), "{text}");
+            assert!(text.contains("Lora hashes: \"kohya: "), "{text}");
+            let id: vnfarm_proto::JobId = id.parse()?;
+            let manifest: vnfarm_proto::Manifest = vnfarm_proto::decode_json(
+                &farm
+                    .storage
+                    .get(&vnfarm_proto::topology::manifest_key(id))
+                    .await?,
+            )?;
+            let lora = manifest
+                .model_files
+                .iter()
+                .find(|f| f.role == Some(vnfarm_proto::manifest::ModelFileRole::Lora))
+                .expect("the LoRA in the manifest");
+            assert_eq!((lora.name.as_str(), lora.strength), ("kohya", Some(0.8)));
+            let hash = lora
+                .data_sha256
+                .as_deref()
+                .expect("a safetensors data hash");
+            assert!(text.contains(&format!("kohya: {}", &hash[..12])), "{text}");
+        }
+    }
+
+    for (lora, names) in [
+        ("nope", "LoRA `nope` is not in"),
+        ("unsupported", "hada_w1_a"),
+    ] {
+        let mut submission = base.submission("w_dpmpp");
+        submission["job"]["loras"] = json!([{"name": lora}]);
+        let (_, job) = run(submission).await?;
+        assert_eq!(job["state"], "failed", "{job}");
+        let message = job["failure"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains(names), "{lora}: {job}");
+    }
+    // The worker still serves, from the base weights.
+    let (_, job) = run(base.submission("w_dpmpp")).await?;
+    assert_eq!(job["state"], "completed", "{job}");
+    let mae = base.mae("w_dpmpp", 0, &output_pngs(&farm, &job).await?[0]);
+    assert!(mae <= 1.0, "after the failures: {mae:.3}/255");
     Ok(())
 }

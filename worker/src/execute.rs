@@ -460,6 +460,7 @@ impl Worker {
                     path: Some(hashed.path.to_string_lossy().into_owned()),
                     role: Some(file.role),
                     data_sha256: hashed.data_sha256,
+                    strength: file.strength,
                 })
             })
             .collect()
@@ -607,8 +608,9 @@ fn manifest_of(job_id: JobId, bytes: &[u8]) -> Result<Manifest, String> {
 /// fields, a value holding a comma, colon or line break written as a JSON string (A1111's
 /// `quote`). The model is named by its checkpoint file (first 10 hex digits of its sha256 and the
 /// file's stem). LoRAs are named as A1111 names them: 12 hex digits of the sha256 of a safetensors
-/// file's data after its header ("AutoV3"; a file of another format by 10 digits of its sha256). No
-/// generate uses a LoRA yet, so no image carries the field today. Other tasks: their JSON and the job.
+/// file's data after its header ("AutoV3"; a file of another format by 10 digits of its sha256), and
+/// with their strengths as A1111 writes them into the prompt: `<lora:name:weight>`, appended to it.
+/// Other tasks: their JSON and the job.
 fn parameters_text(job_id: JobId, task: &Task, files: &[ModelFile]) -> String {
     let Task::Generate(g) = task else {
         return format!(
@@ -647,8 +649,8 @@ fn parameters_text(job_id: JobId, task: &Task, files: &[ModelFile]) -> String {
         // A1111 names a LoRA by 12 digits of its data hash (AutoV3); a file that is not
         // safetensors has none, and is named by its file hash as checkpoints are.
         .map(|f| match &f.data_sha256 {
-            Some(data) => format!("{}: {}", f.name, data.get(..12).unwrap_or(data)),
-            None => format!("{}: {}", f.name, short_hash(&f.sha256)),
+            Some(data) => format!("{}: {}", lora_name(&f.name), data.get(..12).unwrap_or(data)),
+            None => format!("{}: {}", lora_name(&f.name), short_hash(&f.sha256)),
         })
         .collect();
     if !loras.is_empty() {
@@ -663,6 +665,13 @@ fn parameters_text(job_id: JobId, task: &Task, files: &[ModelFile]) -> String {
         .collect::<Vec<_>>()
         .join(", ");
     let mut text = g.prompt.clone();
+    for lora in &g.loras {
+        text.push_str(&format!(
+            " <lora:{}:{}>",
+            lora_name(&lora.name),
+            lora.weight
+        ));
+    }
     if !g.negative_prompt.is_empty() {
         text.push_str("\nNegative prompt: ");
         text.push_str(&g.negative_prompt);
@@ -680,6 +689,11 @@ fn a1111_sampler(sampler: Sampler) -> (&'static str, Option<&'static str>) {
         Sampler::EulerAncestral => ("Euler a", None),
         Sampler::DpmppTwoMKarras => ("DPM++ 2M", Some("Karras")),
     }
+}
+
+/// A LoRA as A1111 names it in `<lora:…>` and `Lora hashes`: its file name without `.safetensors`.
+fn lora_name(name: &str) -> &str {
+    name.strip_suffix(".safetensors").unwrap_or(name)
 }
 
 /// A1111's short hash: the first 10 hex digits of the sha256.
@@ -750,6 +764,7 @@ pub(crate) mod tests {
             path: Some(format!("/models/{name}")),
             role: Some(role),
             data_sha256: None,
+            strength: None,
         }
     }
 
@@ -796,9 +811,11 @@ pub(crate) mod tests {
     fn lora_hashes_are_quoted_and_a_missing_negative_prompt_or_model_is_left_out() {
         let job = JobId::new();
         let version = env!("CARGO_PKG_VERSION");
-        let task: Task =
-            decode_json(br#"{"kind": "generate", "prompt": "a lighthouse", "cfg": 7, "seed": 5}"#)
-                .expect("a valid task");
+        let task: Task = decode_json(
+            br#"{"kind": "generate", "prompt": "a lighthouse", "cfg": 7, "seed": 5,
+                 "loras": [{"name": "ink_style", "weight": 0.8}, {"name": "detail.pt"}]}"#,
+        )
+        .expect("a valid task");
         let files = [
             file(
                 "base.safetensors",
@@ -808,19 +825,21 @@ pub(crate) mod tests {
             // A safetensors LoRA is named by its data hash (12 digits), a `.pt` one by its file's.
             ModelFile {
                 data_sha256: Some("0123456789ab".repeat(5) + "cdef"),
-                ..file("ink style", ModelFileRole::Lora, &"cd".repeat(32))
+                ..file("ink_style", ModelFileRole::Lora, &"cd".repeat(32))
             },
-            file("detail", ModelFileRole::Lora, &"ef".repeat(32)),
+            file("detail.pt", ModelFileRole::Lora, &"ef".repeat(32)),
         ];
         assert_eq!(
             parameters_text(job, &task, &files),
             format!(
-                "a lighthouse\nSteps: 20, Sampler: Euler, CFG scale: 7.0, Seed: 5, \
-                 Size: 1024x1024, Model hash: ababababab, Model: base, \
-                 Lora hashes: \"ink style: 0123456789ab, detail: efefefefef\", \
+                "a lighthouse <lora:ink_style:0.8> <lora:detail.pt:1>\nSteps: 20, Sampler: Euler, \
+                 CFG scale: 7.0, Seed: 5, Size: 1024x1024, Model hash: ababababab, Model: base, \
+                 Lora hashes: \"ink_style: 0123456789ab, detail.pt: efefefefef\", \
                  Version: vnfarm {version}, vnfarm job: {job}"
             )
         );
+        // A1111 names a LoRA file without its `.safetensors`.
+        assert_eq!(lora_name("ink.safetensors"), "ink");
         // The test-pattern engine loads no file: no model is named.
         let line = parameters_text(job, &task, &[]);
         assert!(!line.contains("Model"), "{line}");

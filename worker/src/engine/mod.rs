@@ -18,6 +18,7 @@ pub mod encode_cache;
 pub mod esrgan;
 pub mod gpu_memory;
 pub mod host;
+pub mod lora_dir;
 pub mod qwen_edit;
 pub mod sdxl;
 pub mod test_pattern;
@@ -34,6 +35,7 @@ pub use encode_cache::{AdvertisedKeys, CacheLookup, EncodeCache};
 pub use esrgan::{EsrganConfig, EsrganEngine};
 pub use gpu_memory::GpuMemoryProbe;
 pub use host::{Answer, EngineHost, EngineLoading};
+pub use lora_dir::LoraDir;
 pub use qwen_edit::{QwenEditEngine, QwenEditEngineConfig};
 pub use sdxl::{SdxlConfig, SdxlEngine};
 pub use test_pattern::{TestPatternConfig, TestPatternEngine};
@@ -235,12 +237,14 @@ pub struct EngineOutput {
 }
 
 /// A file a job's images were made from, as the engine read it (hashed later, for the manifest).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct UsedFile {
     /// A LoRA's name as the job names it; else the file's name.
     pub name: String,
     pub path: PathBuf,
     pub role: ModelFileRole,
+    /// A LoRA's strength (the job's weight, or the configured one for a LoRA fused at load).
+    pub strength: Option<f32>,
 }
 
 impl UsedFile {
@@ -253,6 +257,7 @@ impl UsedFile {
                 .unwrap_or_default(),
             path: path.to_owned(),
             role,
+            strength: None,
         }
     }
 }
@@ -294,6 +299,7 @@ pub fn weight_files(dir: &Path) -> Vec<UsedFile> {
                 name,
                 path,
                 role: ModelFileRole::Component,
+                strength: None,
             }
         })
         .collect()
@@ -625,7 +631,7 @@ impl Engine {
                 qwen_edit,
                 esrgan,
             } => match task {
-                Task::Generate(_) => sdxl.as_ref().map(|e| e.files()).unwrap_or_default(),
+                Task::Generate(_) => sdxl.as_ref().map(|e| e.files(task)).unwrap_or_default(),
                 Task::Edit(_) => qwen_edit
                     .as_ref()
                     .map(|e| e.files(task))

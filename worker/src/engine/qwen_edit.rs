@@ -27,12 +27,12 @@ use vnfarm_models::qwen_image::pipeline::{
 };
 use vnfarm_models::qwen2_5_vl::rope::PositionMode;
 use vnfarm_models::schedulers::FlowMatchConfig;
-use vnfarm_proto::{EditSpec, LoraRef, ModelFileRole, StageTimings, Task};
+use vnfarm_proto::{EditSpec, ModelFileRole, StageTimings, Task};
 
 use super::device::{Dtype, engine_error, open_device, parse_device, warm_up_sizes};
 use super::{
-    AdvertisedKeys, CacheLookup, EncodeCache, EngineError, EngineJob, EngineOutput, Progress,
-    UsedFile, all_cancelled, content_key, groups, together_or_alone, weight_files,
+    AdvertisedKeys, CacheLookup, EncodeCache, EngineError, EngineJob, EngineOutput, LoraDir,
+    Progress, UsedFile, all_cancelled, content_key, groups, together_or_alone, weight_files,
 };
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
@@ -152,11 +152,10 @@ impl QwenEditEngineConfig {
             .filter_map(|(path, role)| path.as_ref().map(|p| UsedFile::named_by_file(p, role)))
             .collect(),
         };
-        files.extend(
-            self.loras
-                .iter()
-                .map(|l| UsedFile::named_by_file(&l.path, ModelFileRole::Lora)),
-        );
+        files.extend(self.loras.iter().map(|l| UsedFile {
+            strength: Some(l.strength),
+            ..UsedFile::named_by_file(&l.path, ModelFileRole::Lora)
+        }));
         files
     }
 
@@ -216,7 +215,7 @@ pub struct QwenEditEngine {
     /// What the pipeline loaded (the model and the load-time LoRAs).
     files: Vec<UsedFile>,
     cache: EncodeCache<EncodedInputs>,
-    lora_dir: Option<PathBuf>,
+    lora_dir: LoraDir,
     max_batch: usize,
 }
 
@@ -290,7 +289,7 @@ impl QwenEditEngine {
             pipeline,
             files: config.files(),
             cache: EncodeCache::new((config.encode_cache_mib as usize) << 20, cache_keys),
-            lora_dir: config.lora_dir.clone(),
+            lora_dir: LoraDir::new(config.lora_dir.clone(), "engine.qwen_edit.lora_dir"),
             max_batch: config.max_batch as usize,
         })
     }
@@ -299,50 +298,9 @@ impl QwenEditEngine {
     pub fn files(&self, task: &Task) -> Vec<UsedFile> {
         let mut files = self.files.clone();
         if let Task::Edit(e) = task {
-            // A job whose LoRAs are not found fails before it makes an image: nothing to list.
-            if let Ok(specs) = self.lora_files(&e.loras) {
-                files.extend(e.loras.iter().zip(specs).map(|(l, spec)| UsedFile {
-                    name: l.name.clone(),
-                    path: spec.path,
-                    role: ModelFileRole::Lora,
-                }));
-            }
+            files.extend(self.lora_dir.used_files(&e.loras));
         }
         files
-    }
-
-    /// The job's LoRA files: `<lora_dir>/<name>`, or with `.safetensors` appended.
-    fn lora_files(&self, loras: &[LoraRef]) -> Result<Vec<LoraSpec>, EngineError> {
-        if loras.is_empty() {
-            return Ok(Vec::new());
-        }
-        let dir = self.lora_dir.as_ref().ok_or_else(|| {
-            EngineError::InvalidInput(
-                "the job names LoRAs but this worker has no engine.qwen_edit.lora_dir".into(),
-            )
-        })?;
-        loras
-            .iter()
-            .map(|l| {
-                let plain = dir.join(&l.name);
-                let path = if plain.is_file() {
-                    plain
-                } else {
-                    dir.join(format!("{}.safetensors", l.name))
-                };
-                if !path.is_file() {
-                    return Err(EngineError::InvalidInput(format!(
-                        "LoRA `{}` is not in {}",
-                        l.name,
-                        dir.display()
-                    )));
-                }
-                Ok(LoraSpec {
-                    path,
-                    strength: f64::from(l.weight),
-                })
-            })
-            .collect()
     }
 
     /// Runs a batch: edits of the same inputs and LoRA set share one encoding and run in
@@ -396,7 +354,7 @@ impl QwenEditEngine {
         };
         Ok(Prepared {
             request: edit_request(spec)?,
-            loras: self.lora_files(&spec.loras)?,
+            loras: self.lora_dir.resolve(&spec.loras)?,
         })
     }
 

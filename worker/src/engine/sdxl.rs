@@ -2,17 +2,24 @@
 //! worker's life.
 //!
 //! A job's images are denoised together, at most `max_batch` per UNet forward; the compatible jobs of
-//! a batch message (same size, steps, sampler, guidance on or off) share those forwards through
+//! a batch message (same size, steps, sampler, guidance on or off, LoRA set) share those forwards through
 //! `generate_batch`, and the others run one after another. Image `n` of a job uses seed `seed + n`
 //! whatever the batching, so an image can always be reproduced alone. Progress is reported per job
 //! after every denoising step; before every step the forward stops if all of its jobs were
 //! cancelled (a job cancelled alone rides along and its images are discarded).
+//!
+//! A job's `loras` (files in `lora_dir`) are fused into the UNet and both text encoders before its
+//! group runs, so only jobs with the same set share forwards. The next group with another set gets
+//! the base weights back bit for bit first; consecutive jobs with the same set pay nothing
+//! (`SdxlPipeline::set_loras`, `docs/performance.md` for the cost of a switch).
 
 use std::path::PathBuf;
 use std::time::Instant;
 
 use serde::Deserialize;
 
+use vnfarm_models::error::GenerateError;
+use vnfarm_models::loading::lora::LoraSpec;
 use vnfarm_models::nn::AttentionImpl;
 use vnfarm_models::schedulers::PredictionType;
 use vnfarm_models::schedulers::Sampler;
@@ -20,11 +27,11 @@ use vnfarm_models::sdxl::pipeline::{
     ComponentConfigs, GenerateRequest, ModelSource, PipelineConfig, SdxlPipeline,
 };
 use vnfarm_models::sdxl::vae::{Tiling, VaeConfig};
-use vnfarm_proto::{GenerateSpec, ModelFileRole, StageTimings, Task};
+use vnfarm_proto::{GenerateSpec, LoraRef, ModelFileRole, StageTimings, Task};
 
 use super::device::{Dtype, engine_error, open_device, parse_device, warm_up_sizes};
 use super::{
-    EngineError, EngineJob, EngineOutput, Progress, UsedFile, all_cancelled, groups,
+    EngineError, EngineJob, EngineOutput, LoraDir, Progress, UsedFile, all_cancelled, groups,
     together_or_alone, weight_files,
 };
 
@@ -76,6 +83,10 @@ pub struct SdxlConfig {
     /// several forwards.
     #[serde(default = "default_max_batch")]
     pub max_batch: u32,
+    /// Where jobs' `loras` are looked up: `<lora_dir>/<name>` or `<lora_dir>/<name>.safetensors`
+    /// (kohya, diffusers/PEFT or LyCORIS LoCon files).
+    #[serde(default)]
+    pub lora_dir: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
@@ -158,6 +169,7 @@ pub struct SdxlEngine {
     max_batch: usize,
     name: String,
     files: Vec<UsedFile>,
+    lora_dir: LoraDir,
 }
 
 impl SdxlEngine {
@@ -224,35 +236,62 @@ impl SdxlEngine {
             max_batch: config.max_batch as usize,
             name: config.name(),
             files: config.files(),
+            lora_dir: LoraDir::new(config.lora_dir.clone(), "engine.sdxl.lora_dir"),
         })
     }
 
-    /// The files every image is made from.
-    pub fn files(&self) -> Vec<UsedFile> {
-        self.files.clone()
+    /// The files a generate's images are made from: the checkpoint's, then the job's LoRAs (by
+    /// the job's names, with their weights).
+    pub fn files(&self, task: &Task) -> Vec<UsedFile> {
+        let mut files = self.files.clone();
+        if let Task::Generate(g) = task {
+            files.extend(self.lora_dir.used_files(&g.loras));
+        }
+        files
     }
 
-    /// Runs a batch: compatible jobs share UNet forwards, the others run one after another. One
-    /// result per job.
+    /// Runs a batch: compatible jobs (same shape and LoRA set) share UNet forwards, the others run
+    /// one after another; each group's LoRA set is fused before it runs (nothing to do when it is
+    /// the set already fused). One result per job.
     pub fn run_batch(
         &mut self,
         jobs: &[&EngineJob],
         progress: &mut dyn FnMut(usize, Progress),
     ) -> Vec<Result<EngineOutput, EngineError>> {
-        let mut results: Vec<Option<Result<EngineOutput, EngineError>>> = jobs
-            .iter()
-            .map(|job| self.refuse(job).err().map(Err))
-            .collect();
-        let runnable: Vec<usize> = (0..jobs.len()).filter(|&i| results[i].is_none()).collect();
+        let mut results: Vec<Option<Result<EngineOutput, EngineError>>> =
+            jobs.iter().map(|_| None).collect();
+        let mut runnable = Vec::new();
+        let mut loras = Vec::new();
+        for (i, job) in jobs.iter().enumerate() {
+            match self.prepare(job) {
+                Ok(specs) => {
+                    runnable.push(i);
+                    loras.push(specs);
+                }
+                Err(e) => results[i] = Some(Err(e)),
+            }
+        }
         let members: Vec<&EngineJob> = runnable.iter().map(|&i| jobs[i]).collect();
-        for group in groups(&members, |job| match &job.task {
-            Task::Generate(g) => Some(((g.width, g.height), g.steps, g.sampler, g.cfg > 1.0)),
-            Task::Edit(_) | Task::Upscale(_) => None,
-        }) {
+        for group in groups(&members, forward_key) {
+            let lora_seconds = match self.switch_loras(&loras[group[0]]) {
+                Ok(seconds) => seconds,
+                Err(e) => {
+                    let cancelled = all_cancelled(group.iter().map(|&k| &members[k].cancel));
+                    let e = engine_error(e, cancelled);
+                    for &k in &group {
+                        results[runnable[k]] = Some(Err(e.clone()));
+                    }
+                    continue;
+                }
+            };
             let answers = together_or_alone(&members, &group, |together| {
                 self.generate(&members, together, &mut |k, p| progress(runnable[k], p))
             });
-            for (k, answer) in answers {
+            let share = 1.0 / group.len() as f64;
+            for (k, mut answer) in answers {
+                if let (Ok(out), Some(seconds)) = (&mut answer, lora_seconds) {
+                    out.timings.add("lora", seconds * share);
+                }
                 results[runnable[k]] = Some(answer);
             }
         }
@@ -264,8 +303,29 @@ impl SdxlEngine {
             .collect()
     }
 
-    /// Why this engine cannot run the job at all, if it cannot.
-    fn refuse(&self, job: &EngineJob) -> Result<(), EngineError> {
+    /// Makes the pipeline carry `specs`; the seconds it took when the set changed.
+    fn switch_loras(&mut self, specs: &[LoraSpec]) -> Result<Option<f64>, GenerateError> {
+        let started = Instant::now();
+        let switch = self.pipeline.set_loras(specs)?;
+        if !switch.changed() {
+            return Ok(None);
+        }
+        let seconds = started.elapsed().as_secs_f64();
+        let names: Vec<String> = specs
+            .iter()
+            .map(|s| format!("{}:{}", s.path.display(), s.strength))
+            .collect();
+        tracing::info!(
+            loras = %names.join(", "),
+            restored = switch.restored,
+            seconds,
+            "SDXL LoRA set switched"
+        );
+        Ok(Some(seconds))
+    }
+
+    /// Why this engine cannot run the job at all, if it cannot; else the job's LoRA files.
+    fn prepare(&self, job: &EngineJob) -> Result<Vec<LoraSpec>, EngineError> {
         let Task::Generate(spec) = &job.task else {
             return Err(EngineError::Unsupported(job.task.model()));
         };
@@ -275,9 +335,12 @@ impl SdxlEngine {
             ));
         }
         match &spec.checkpoint {
-            Some(name) if *name != self.name => Err(EngineError::NoCheckpoint(name.clone())),
-            Some(_) | None => Ok(()),
+            Some(name) if *name != self.name => {
+                return Err(EngineError::NoCheckpoint(name.clone()));
+            }
+            Some(_) | None => {}
         }
+        self.lora_dir.resolve(&spec.loras)
     }
 
     /// Generates the images of `together` (indices into `jobs`, compatible generates) in forwards of
@@ -351,6 +414,23 @@ impl SdxlEngine {
             }
         }
         Ok(outputs)
+    }
+}
+
+/// What generates must share to run in one forward: size, steps, sampler, guidance on or off, and
+/// the LoRA set (names and weights, in order: the weights the forward runs with).
+type ForwardKey = ((u32, u32), u32, vnfarm_proto::Sampler, bool, Vec<LoraRef>);
+
+fn forward_key(job: &EngineJob) -> Option<ForwardKey> {
+    match &job.task {
+        Task::Generate(g) => Some((
+            (g.width, g.height),
+            g.steps,
+            g.sampler,
+            g.cfg > 1.0,
+            g.loras.clone(),
+        )),
+        Task::Edit(_) | Task::Upscale(_) => None,
     }
 }
 
@@ -428,6 +508,7 @@ mod tests {
             seed: Some(seed),
             count,
             checkpoint: None,
+            loras: Vec::new(),
         }
     }
 
@@ -470,6 +551,34 @@ mod tests {
         assert_eq!(image_seeds(&b), [Some(200), Some(201), Some(202)]);
     }
 
+    #[test]
+    fn only_generates_with_the_same_lora_set_share_forwards() {
+        let with = |loras: &[(&str, f32)]| {
+            let mut g = spec(1, 5);
+            g.loras = loras
+                .iter()
+                .map(|(name, weight)| LoraRef {
+                    name: (*name).into(),
+                    weight: *weight,
+                })
+                .collect();
+            crate::engine::tests::job(Task::Generate(g))
+        };
+        let jobs = [
+            with(&[("ink", 0.8)]),
+            with(&[]),
+            with(&[("ink", 0.8)]),
+            with(&[("ink", 0.5)]),
+            with(&[("ink", 0.8), ("detail", 1.0)]),
+            with(&[]),
+        ];
+        let refs: Vec<&EngineJob> = jobs.iter().collect();
+        assert_eq!(
+            groups(&refs, forward_key),
+            [vec![0, 2], vec![1, 5], vec![3], vec![4]]
+        );
+    }
+
     fn config(path: impl Into<PathBuf>, name: Option<&str>) -> SdxlConfig {
         SdxlConfig {
             checkpoint: path.into(),
@@ -485,6 +594,7 @@ mod tests {
             vae_tile_threshold: None,
             warm_up: Vec::new(),
             max_batch: 4,
+            lora_dir: None,
         }
     }
 
@@ -517,6 +627,7 @@ mod tests {
                 name: "nova.safetensors".into(),
                 path: single,
                 role: ModelFileRole::Checkpoint,
+                strength: None,
             }]
         );
         let folder = dir.join("sdxl-base");

@@ -621,6 +621,7 @@ mod tests {
             seed: Some(seed),
             count: 2,
             checkpoint: None,
+            loras: Vec::new(),
         })
     }
 

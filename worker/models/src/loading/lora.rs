@@ -13,7 +13,10 @@
 //!   `base_model.model.` (denoiser); `text_encoder.` / `text_encoder_2.` (SDXL's text encoders);
 //! - kohya: `lora_unet_<module with . as _>` (+ `.alpha`), `lora_te1_` / `lora_te_` / `lora_te2_`
 //!   for text encoders, ComfyUI's `lycoris_` for the denoiser. Module names contain `_`, so a flat
-//!   name is resolved by flattening each of the target's module names and looking it up;
+//!   name is resolved by flattening each of the target's module names and looking it up. A target
+//!   may give aliases ([`LoraTarget::lora_aliases`]): SDXL's UNet gives the sgm/ldm names
+//!   sd-scripts trains it under (`lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q`; the
+//!   mapping diffusers undoes in `_maybe_map_sgm_blocks_to_diffusers` and `_convert_unet_lora_key`);
 //! - LyCORIS LoCon on convs: down `[r, in, kh, kw]`, up `[out, r, 1, 1]`.
 //!
 //! LoHa, LoKr, Tucker (`lora_mid`), DoRA, full diffs and LoRA biases are errors naming the key.
@@ -114,6 +117,15 @@ pub enum LoraModule<'a> {
 /// (`transformer_blocks.0.attn.to_q`, the weight key without `.weight`).
 pub trait LoraTarget {
     fn lora_modules(&mut self) -> Vec<(String, LoraModule<'_>)>;
+
+    /// Other names LoRA files use for the target's modules, as `(alias, module name)`: SDXL's
+    /// sgm/ldm UNet names that kohya's sd-scripts trains under
+    /// (`input_blocks.4.1.transformer_blocks.0.attn1.to_q`), or a text encoder's names without
+    /// the `text_model.` level that transformers 5 dropped. Looked up like module names (dotted
+    /// and flattened), after them.
+    fn lora_aliases(&mut self) -> Vec<(String, String)> {
+        Vec::new()
+    }
 }
 
 impl<'a> From<&'a mut Linear> for LoraModule<'a> {
@@ -455,20 +467,43 @@ pub fn apply(
     targets: &mut [TargetRef<'_>],
 ) -> Result<AppliedLoras, LoraError> {
     let components: Vec<Component> = targets.iter().map(|t| t.component).collect();
+    let aliases: Vec<Vec<(String, String)>> = targets
+        .iter_mut()
+        .map(|t| t.target.lora_aliases())
+        .collect();
     let mut modules: Vec<Vec<(String, LoraModule<'_>)>> = targets
         .iter_mut()
         .map(|t| t.target.lora_modules())
         .collect();
     // Name tables per component: dotted names, and flattened names for kohya (a flattened name
-    // that two modules share is recorded as ambiguous).
-    let mut dotted: HashMap<(Component, &str), Slot> = HashMap::new();
+    // that two modules share is recorded as ambiguous). Aliases fill in names no module has.
+    let mut dotted: HashMap<(Component, String), Slot> = HashMap::new();
     let mut flat: HashMap<(Component, String), Vec<Slot>> = HashMap::new();
     for (ti, (&component, list)) in components.iter().zip(&modules).enumerate() {
         for (mi, (name, _)) in list.iter().enumerate() {
-            dotted.insert((component, name.as_str()), (ti, mi));
+            dotted.insert((component, name.clone()), (ti, mi));
             flat.entry((component, name.replace('.', "_")))
                 .or_default()
                 .push((ti, mi));
+        }
+    }
+    for (ti, (&component, list)) in components.iter().zip(&aliases).enumerate() {
+        let index: HashMap<&str, usize> = modules[ti]
+            .iter()
+            .enumerate()
+            .map(|(mi, (name, _))| (name.as_str(), mi))
+            .collect();
+        for (alias, name) in list {
+            let Some(&mi) = index.get(name.as_str()) else {
+                continue;
+            };
+            dotted.entry((component, alias.clone())).or_insert((ti, mi));
+            let slots = flat
+                .entry((component, alias.replace('.', "_")))
+                .or_default();
+            if !slots.contains(&(ti, mi)) {
+                slots.push((ti, mi));
+            }
         }
     }
     let total_modules: usize = modules.iter().map(Vec::len).sum();
@@ -482,7 +517,7 @@ pub fn apply(
         let mut unmatched = Vec::new();
         for pair in &file.pairs {
             let slot = match &pair.name {
-                ModuleName::Dotted(n) => dotted.get(&(pair.component, n.as_str())).copied(),
+                ModuleName::Dotted(n) => dotted.get(&(pair.component, n.clone())).copied(),
                 ModuleName::Flat(n) => match flat.get(&(pair.component, n.clone())) {
                     None => None,
                     Some(slots) if slots.len() == 1 => Some(slots[0]),
@@ -750,5 +785,107 @@ impl AppliedLoras {
             }
         }
         Ok(())
+    }
+}
+
+/// Opens `specs` and fuses them into `targets` (see [`apply`]).
+pub fn apply_specs(
+    specs: &[LoraSpec],
+    targets: &mut [TargetRef<'_>],
+) -> Result<AppliedLoras, LoraError> {
+    let files = specs
+        .iter()
+        .map(|s| LoraFile::open(&s.path))
+        .collect::<Result<Vec<_>, _>>()?;
+    let pairs: Vec<(&LoraFile, f64)> = files
+        .iter()
+        .zip(specs)
+        .map(|(f, s)| (f, s.strength))
+        .collect();
+    apply(&pairs, targets)
+}
+
+/// What [`JobLoras::set`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LoraSwitch {
+    /// The previous job's set was removed (its weights put back bit for bit).
+    pub restored: bool,
+    /// The requested set was fused.
+    pub applied: bool,
+}
+
+impl LoraSwitch {
+    /// Whether anything changed (the same set twice in a row changes nothing).
+    pub fn changed(&self) -> bool {
+        self.restored || self.applied
+    }
+}
+
+/// The LoRA set a model carries for its current job, on top of whatever it was loaded with.
+#[derive(Debug, Default)]
+pub struct JobLoras {
+    applied: Option<AppliedLoras>,
+}
+
+impl JobLoras {
+    /// What is fused now, if anything.
+    pub fn report(&self) -> Option<&LoraReport> {
+        self.applied.as_ref().map(AppliedLoras::report)
+    }
+
+    /// Makes `targets` carry exactly `specs` (none: the base). The same set as now (same files,
+    /// unchanged on disk, same strengths, same order) costs nothing; another set first puts the
+    /// base back bit for bit, then fuses the new one. An error while fusing leaves the base.
+    pub fn set(
+        &mut self,
+        specs: &[LoraSpec],
+        targets: &mut [TargetRef<'_>],
+    ) -> Result<LoraSwitch, LoraError> {
+        let same = match &self.applied {
+            Some(applied) => applied.is_same_set(specs),
+            None => specs.is_empty(),
+        };
+        let mut switch = LoraSwitch::default();
+        if same {
+            return Ok(switch);
+        }
+        let _guard = tch::no_grad_guard();
+        if let Some(applied) = self.applied.take() {
+            applied.restore(targets)?;
+            switch.restored = true;
+        }
+        if !specs.is_empty() {
+            self.applied = Some(apply_specs(specs, targets)?);
+            switch.applied = true;
+        }
+        Ok(switch)
+    }
+}
+
+/// A job's LoRAs that cannot be fused are the job's fault; a failed restore or a libtorch failure
+/// is the model's or the device's.
+impl From<LoraError> for crate::error::GenerateError {
+    fn from(e: LoraError) -> Self {
+        if e.is_in_the_files() {
+            Self::InvalidRequest(e.to_string())
+        } else {
+            Self::Backend(format!("switching LoRAs: {e}"))
+        }
+    }
+}
+
+impl LoraError {
+    /// Whether the error is the job's LoRA files' (unreadable, unsupported, not fitting the
+    /// model) rather than the model's or the device's.
+    pub fn is_in_the_files(&self) -> bool {
+        match self {
+            LoraError::Load(_)
+            | LoraError::Unsupported { .. }
+            | LoraError::Incomplete { .. }
+            | LoraError::Shape { .. }
+            | LoraError::NoMatch { .. }
+            | LoraError::Ambiguous { .. } => true,
+            LoraError::RestoreMissing { .. } | LoraError::Torch { .. } => false,
+        }
     }
 }

@@ -43,8 +43,8 @@ pub fn timestep_features(
 /// `TimestepEmbedding`: `linear_2(silu(linear_1(x)))`.
 #[derive(Debug)]
 pub struct TimestepEmbedding {
-    linear_1: Linear,
-    linear_2: Linear,
+    pub linear_1: Linear,
+    pub linear_2: Linear,
 }
 
 impl TimestepEmbedding {

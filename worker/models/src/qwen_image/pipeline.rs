@@ -28,7 +28,7 @@ use crate::imageops::resample::{Filter, resize};
 use crate::imageops::{rgb8_to_tensor, tensor_to_rgb8};
 use crate::loading::diffusers::{open, read_config};
 use crate::loading::lora::{
-    self, AppliedLoras, Component, LoraError, LoraFile, LoraModule, LoraSpec, LoraTarget, TargetRef,
+    self, AppliedLoras, Component, JobLoras, LoraError, LoraModule, LoraSpec, LoraTarget, TargetRef,
 };
 use crate::loading::weights::{Fp8Mode, WeightStore, Weights};
 use crate::nn::AttentionImpl;
@@ -181,7 +181,7 @@ pub struct QwenEditPipeline {
     vae_dtype: Kind,
     config: QwenEditConfig,
     /// LoRAs applied for the current job on top of the load-time ones, with what restores them.
-    job_loras: Option<AppliedLoras>,
+    job_loras: JobLoras,
 }
 
 /// The transformer's Linear layers by diffusers module name, for LoRA fusing.
@@ -222,17 +222,8 @@ fn apply_loras(
     transformer: &mut QwenImageTransformer2DModel,
     specs: &[LoraSpec],
 ) -> Result<AppliedLoras, LoraError> {
-    let files = specs
-        .iter()
-        .map(|s| LoraFile::open(&s.path))
-        .collect::<Result<Vec<_>, _>>()?;
-    let pairs: Vec<(&LoraFile, f64)> = files
-        .iter()
-        .zip(specs)
-        .map(|(f, s)| (f, s.strength))
-        .collect();
-    lora::apply(
-        &pairs,
+    lora::apply_specs(
+        specs,
         &mut [TargetRef {
             component: Component::Denoiser,
             target: transformer,
@@ -378,7 +369,7 @@ impl QwenEditPipeline {
             dtype: config.dtype,
             vae_dtype: config.vae_dtype,
             config: config.clone(),
-            job_loras: None,
+            job_loras: JobLoras::default(),
         })
     }
 
@@ -395,27 +386,15 @@ impl QwenEditPipeline {
     /// loaded). The previous job's extra LoRAs are removed bit for bit first; the same set twice in
     /// a row costs nothing.
     pub fn set_job_loras(&mut self, loras: &[LoraSpec]) -> Result<(), GenerateError> {
-        let same = match &self.job_loras {
-            Some(applied) => applied.is_same_set(loras),
-            None => loras.is_empty(),
-        };
-        if same {
-            return Ok(());
-        }
-        let _guard = tch::no_grad_guard();
-        if let Some(applied) = self.job_loras.take() {
-            applied
-                .restore(&mut [TargetRef {
+        self.job_loras
+            .set(
+                loras,
+                &mut [TargetRef {
                     component: Component::Denoiser,
                     target: &mut self.transformer,
-                }])
-                .map_err(|e| GenerateError::Backend(format!("restoring the base weights: {e}")))?;
-        }
-        if !loras.is_empty() {
-            let applied = apply_loras(&mut self.transformer, loras)
-                .map_err(|e| GenerateError::InvalidRequest(e.to_string()))?;
-            self.job_loras = Some(applied);
-        }
+                }],
+            )
+            .map_err(GenerateError::from)?;
         Ok(())
     }
 

@@ -7,6 +7,7 @@
 use tch::Tensor;
 
 use crate::error::LoadError;
+use crate::loading::lora::LoraModule;
 use crate::loading::weights::Weights;
 use crate::nn::{AttentionImpl, Conv2d, GroupNorm, LayerNorm, Linear, attention};
 
@@ -195,5 +196,33 @@ impl Transformer2DModel {
             Proj::Conv(conv) => conv.forward(&s.reshape([b, h, w, c]).permute([0, 3, 1, 2])),
         };
         out + x
+    }
+}
+
+/// The modules LoRAs patch, by diffusers name under `prefix` (`….attentions.0.`).
+impl Transformer2DModel {
+    pub fn lora_modules<'a>(&'a mut self, prefix: &str, out: &mut Vec<(String, LoraModule<'a>)>) {
+        let proj = |name: &str, p: &'a mut Proj| {
+            let m = match p {
+                Proj::Linear(l) => LoraModule::Linear(l),
+                Proj::Conv(c) => LoraModule::Conv2d(c),
+            };
+            (format!("{prefix}{name}"), m)
+        };
+        out.push(proj("proj_in", &mut self.proj_in));
+        out.push(proj("proj_out", &mut self.proj_out));
+        for (i, b) in self.transformer_blocks.iter_mut().enumerate() {
+            let p = format!("{prefix}transformer_blocks.{i}");
+            for (name, a) in [("attn1", &mut b.attn1), ("attn2", &mut b.attn2)] {
+                out.extend([
+                    (format!("{p}.{name}.to_q"), (&mut a.to_q).into()),
+                    (format!("{p}.{name}.to_k"), (&mut a.to_k).into()),
+                    (format!("{p}.{name}.to_v"), (&mut a.to_v).into()),
+                    (format!("{p}.{name}.to_out.0"), (&mut a.to_out).into()),
+                ]);
+            }
+            out.push((format!("{p}.ff.net.0.proj"), (&mut b.ff.proj).into()));
+            out.push((format!("{p}.ff.net.2"), (&mut b.ff.out).into()));
+        }
     }
 }

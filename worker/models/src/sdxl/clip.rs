@@ -9,6 +9,7 @@
 use tch::{Kind, Tensor};
 
 use crate::error::LoadError;
+use crate::loading::lora::{LoraModule, LoraTarget};
 use crate::loading::weights::Weights;
 use crate::nn::{AttentionImpl, LayerNorm, Linear, attention};
 
@@ -335,5 +336,40 @@ impl ClipTextModel {
             pooled,
             text_embeds,
         }
+    }
+}
+
+/// The encoder layers' attention and MLP Linears (and the projection) by transformers name, for
+/// LoRA fusing. transformers 5 writes CLIPTextModel's names without `text_model.` (diffusers'
+/// own LoRA files follow it): those are aliases.
+impl LoraTarget for ClipTextModel {
+    fn lora_modules(&mut self) -> Vec<(String, LoraModule<'_>)> {
+        let mut out: Vec<(String, LoraModule<'_>)> = Vec::new();
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            let p = format!("text_model.encoder.layers.{i}");
+            let a = &mut l.self_attn;
+            out.extend([
+                (format!("{p}.self_attn.q_proj"), (&mut a.q_proj).into()),
+                (format!("{p}.self_attn.k_proj"), (&mut a.k_proj).into()),
+                (format!("{p}.self_attn.v_proj"), (&mut a.v_proj).into()),
+                (format!("{p}.self_attn.out_proj"), (&mut a.out_proj).into()),
+                (format!("{p}.mlp.fc1"), (&mut l.mlp.fc1).into()),
+                (format!("{p}.mlp.fc2"), (&mut l.mlp.fc2).into()),
+            ]);
+        }
+        if let Some(p) = &mut self.text_projection {
+            out.push(("text_projection".into(), p.into()));
+        }
+        out
+    }
+
+    fn lora_aliases(&mut self) -> Vec<(String, String)> {
+        self.lora_modules()
+            .into_iter()
+            .filter_map(|(name, _)| {
+                let short = name.strip_prefix("text_model.")?.to_string();
+                Some((short, name))
+            })
+            .collect()
     }
 }

@@ -16,6 +16,7 @@ use tch::{Device, Kind, Tensor};
 use crate::error::{GenerateError, LoadError, contain_backend_panics};
 use crate::imageops::tensor_to_rgb8;
 use crate::loading::diffusers::{component_store, open, read_config};
+use crate::loading::lora::{Component, JobLoras, LoraReport, LoraSpec, LoraSwitch, TargetRef};
 use crate::loading::weights::{WeightStore, Weights};
 use crate::nn::AttentionImpl;
 use crate::noise;
@@ -191,6 +192,8 @@ pub struct SdxlPipeline {
     vae_dtype: Kind,
     tiling: Tiling,
     info: LoadedInfo,
+    /// The LoRAs fused for the current job, with what restores the base.
+    loras: JobLoras,
 }
 
 /// Tokenizers 1 and 2 from `dir/tokenizer{,_2}` (see [`ClipTokenizer::from_dir`]), else the bundled
@@ -201,6 +204,28 @@ fn tokenizers(dir: Option<&Path>) -> Result<(ClipTokenizer, ClipTokenizer), Load
         _ => ClipTokenizer::bundled(pad),
     };
     Ok((one("tokenizer", "<|endoftext|>")?, one("tokenizer_2", "!")?))
+}
+
+/// The components LoRAs patch, by the component a LoRA key names.
+fn lora_targets<'a>(
+    unet: &'a mut UNet2DConditionModel,
+    clip_l: &'a mut ClipTextModel,
+    clip_g: &'a mut ClipTextModel,
+) -> [TargetRef<'a>; 3] {
+    [
+        TargetRef {
+            component: Component::Denoiser,
+            target: unet,
+        },
+        TargetRef {
+            component: Component::TextEncoder,
+            target: clip_l,
+        },
+        TargetRef {
+            component: Component::TextEncoder2,
+            target: clip_g,
+        },
+    ]
 }
 
 impl SdxlPipeline {
@@ -314,7 +339,30 @@ impl SdxlPipeline {
                 prediction_type,
                 flags,
             },
+            loras: JobLoras::default(),
         })
+    }
+
+    /// Makes the UNet and both text encoders carry exactly `loras` (none: the weights as loaded).
+    /// The same set as the previous call (same files unchanged on disk, strengths, order) costs
+    /// nothing; another set puts the loaded weights back bit for bit first, then fuses the new
+    /// one in fp32 (`W += strength · alpha/rank · up @ down`). A file that cannot be used (key
+    /// styles: `loading::lora`) is [`GenerateError::InvalidRequest`] naming the file and the key,
+    /// and leaves the base weights.
+    pub fn set_loras(&mut self, loras: &[LoraSpec]) -> Result<LoraSwitch, GenerateError> {
+        let mut targets = lora_targets(&mut self.unet, &mut self.clip_l, &mut self.clip_g);
+        Ok(self.loras.set(loras, &mut targets)?)
+    }
+
+    /// What the current LoRA set fused, per file (`None`: no LoRA).
+    pub fn lora_report(&self) -> Option<&LoraReport> {
+        self.loras.report()
+    }
+
+    /// The components LoRAs patch: the UNet (`lora_unet_`, `unet.`), CLIP-L (`lora_te1_`,
+    /// `text_encoder.`) and bigG (`lora_te2_`, `text_encoder_2.`).
+    pub fn lora_targets(&mut self) -> [TargetRef<'_>; 3] {
+        lora_targets(&mut self.unet, &mut self.clip_l, &mut self.clip_g)
     }
 
     /// What the loader detected (prediction type and checkpoint flags).

@@ -4,6 +4,7 @@
 use tch::Tensor;
 
 use crate::error::LoadError;
+use crate::loading::lora::LoraModule;
 use crate::loading::weights::Weights;
 use crate::nn::{Conv2d, GroupNorm, Linear};
 
@@ -111,5 +112,31 @@ impl Upsample2D {
             x.upsample_nearest2d(out, None, None)
         };
         self.conv.forward(&up)
+    }
+}
+
+/// The modules LoRAs patch (LyCORIS LoCon's convolutions), by diffusers name under `prefix`.
+impl ResnetBlock2D {
+    pub fn lora_modules<'a>(&'a mut self, prefix: &str, out: &mut Vec<(String, LoraModule<'a>)>) {
+        out.push((format!("{prefix}conv1"), (&mut self.conv1).into()));
+        out.push((format!("{prefix}conv2"), (&mut self.conv2).into()));
+        if let Some(l) = &mut self.time_emb_proj {
+            out.push((format!("{prefix}time_emb_proj"), l.into()));
+        }
+        if let Some(c) = &mut self.conv_shortcut {
+            out.push((format!("{prefix}conv_shortcut"), c.into()));
+        }
+    }
+}
+
+impl Downsample2D {
+    pub fn lora_modules<'a>(&'a mut self, prefix: &str, out: &mut Vec<(String, LoraModule<'a>)>) {
+        out.push((format!("{prefix}conv"), (&mut self.conv).into()));
+    }
+}
+
+impl Upsample2D {
+    pub fn lora_modules<'a>(&'a mut self, prefix: &str, out: &mut Vec<(String, LoraModule<'a>)>) {
+        out.push((format!("{prefix}conv"), (&mut self.conv).into()));
     }
 }

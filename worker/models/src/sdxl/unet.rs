@@ -9,6 +9,7 @@
 use tch::{Kind, Tensor};
 
 use crate::error::LoadError;
+use crate::loading::lora::{LoraModule, LoraTarget};
 use crate::loading::weights::Weights;
 use crate::nn::embeddings::{TimestepEmbedding, timestep_features};
 use crate::nn::{AttentionImpl, Conv2d, GroupNorm};
@@ -334,5 +335,171 @@ impl UNet2DConditionModel {
         }
         self.conv_out
             .forward(&self.conv_norm_out.forward(&h).silu())
+    }
+}
+
+/// Every Linear and Conv2d of the UNet by diffusers module name, for LoRA fusing; kohya's
+/// sd-scripts trains SDXL on the sgm UNet, so its files name modules the ldm way, given here as
+/// aliases.
+impl LoraTarget for UNet2DConditionModel {
+    fn lora_modules(&mut self) -> Vec<(String, LoraModule<'_>)> {
+        let mut out: Vec<(String, LoraModule<'_>)> = vec![
+            ("conv_in".into(), (&mut self.conv_in).into()),
+            (
+                "time_embedding.linear_1".into(),
+                (&mut self.time_embedding.linear_1).into(),
+            ),
+            (
+                "time_embedding.linear_2".into(),
+                (&mut self.time_embedding.linear_2).into(),
+            ),
+            (
+                "add_embedding.linear_1".into(),
+                (&mut self.add_embedding.linear_1).into(),
+            ),
+            (
+                "add_embedding.linear_2".into(),
+                (&mut self.add_embedding.linear_2).into(),
+            ),
+            ("conv_out".into(), (&mut self.conv_out).into()),
+        ];
+        for (i, b) in self.down_blocks.iter_mut().enumerate() {
+            b.lora_modules(&format!("down_blocks.{i}."), &mut out);
+        }
+        self.mid_block.lora_modules("mid_block.", &mut out);
+        for (i, b) in self.up_blocks.iter_mut().enumerate() {
+            b.lora_modules(&format!("up_blocks.{i}."), &mut out);
+        }
+        out
+    }
+
+    fn lora_aliases(&mut self) -> Vec<(String, String)> {
+        let per = self.config.layers_per_block as usize + 1;
+        let up_attention: Vec<bool> = self.up_blocks.iter().map(|b| b.has_attention()).collect();
+        self.lora_modules()
+            .into_iter()
+            .filter_map(|(name, _)| {
+                ldm_module_name(&name, per, &up_attention).map(|ldm| (ldm, name))
+            })
+            .collect()
+    }
+}
+
+/// The sgm/ldm name of a UNet module (diffusers name without `.weight`), `per` resnets per up
+/// block (`layers_per_block + 1`): the inverse of [`crate::sdxl::ldm::unet_key`] for modules.
+fn ldm_module_name(name: &str, per: usize, up_attention: &[bool]) -> Option<String> {
+    let resnet = |rest: &str| -> Option<String> {
+        let ldm = match rest {
+            "conv1" => "in_layers.2",
+            "conv2" => "out_layers.3",
+            "time_emb_proj" => "emb_layers.1",
+            "conv_shortcut" => "skip_connection",
+            _ => return None,
+        };
+        Some(ldm.to_string())
+    };
+    let top = match name {
+        "conv_in" => Some("input_blocks.0.0"),
+        "time_embedding.linear_1" => Some("time_embed.0"),
+        "time_embedding.linear_2" => Some("time_embed.2"),
+        "add_embedding.linear_1" => Some("label_emb.0.0"),
+        "add_embedding.linear_2" => Some("label_emb.0.2"),
+        "conv_out" => Some("out.2"),
+        _ => None,
+    };
+    if let Some(top) = top {
+        return Some(top.to_string());
+    }
+    let parts: Vec<&str> = name.splitn(5, '.').collect();
+    let int = |i: usize| parts.get(i).and_then(|p| p.parse::<usize>().ok());
+    match parts.first().copied()? {
+        "down_blocks" => {
+            let (b, kind, l) = (int(1)?, *parts.get(2)?, int(3)?);
+            let rest = *parts.get(4)?;
+            match kind {
+                "resnets" => Some(format!(
+                    "input_blocks.{}.0.{}",
+                    b * per + l + 1,
+                    resnet(rest)?
+                )),
+                "attentions" => Some(format!("input_blocks.{}.1.{rest}", b * per + l + 1)),
+                "downsamplers" => Some(format!("input_blocks.{}.0.op", b * per + per)),
+                _ => None,
+            }
+        }
+        "mid_block" => {
+            let parts: Vec<&str> = name.splitn(4, '.').collect();
+            let i: usize = parts.get(2)?.parse().ok()?;
+            let rest = *parts.get(3)?;
+            match *parts.get(1)? {
+                "resnets" => Some(format!("middle_block.{}.{}", 2 * i, resnet(rest)?)),
+                "attentions" => Some(format!("middle_block.1.{rest}")),
+                _ => None,
+            }
+        }
+        "up_blocks" => {
+            let (b, kind, l) = (int(1)?, *parts.get(2)?, int(3)?);
+            let rest = *parts.get(4)?;
+            match kind {
+                "resnets" => Some(format!("output_blocks.{}.0.{}", b * per + l, resnet(rest)?)),
+                "attentions" => Some(format!("output_blocks.{}.1.{rest}", b * per + l)),
+                "upsamplers" => Some(format!(
+                    "output_blocks.{}.{}.conv",
+                    b * per + per - 1,
+                    if *up_attention.get(b)? { 2 } else { 1 }
+                )),
+                _ => None,
+            }
+        }
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sdxl::ldm::unet_key;
+
+    /// Every module's ldm alias maps back onto it through the single-file key map.
+    #[test]
+    fn ldm_module_names_invert_the_single_file_key_map() {
+        let c = UNetConfig::sdxl_base();
+        let per = c.layers_per_block as usize + 1;
+        // SDXL base: up blocks 0 and 1 have cross-attention, up block 2 none.
+        let up_attention = [true, true, false];
+        let names = [
+            "conv_in",
+            "time_embedding.linear_2",
+            "add_embedding.linear_1",
+            "conv_out",
+            "down_blocks.0.resnets.1.conv2",
+            "down_blocks.0.downsamplers.0.conv",
+            "down_blocks.1.resnets.0.conv_shortcut",
+            "down_blocks.2.attentions.1.transformer_blocks.9.attn2.to_k",
+            "down_blocks.1.attentions.0.proj_in",
+            "mid_block.resnets.1.time_emb_proj",
+            "mid_block.attentions.0.transformer_blocks.3.ff.net.0.proj",
+            "up_blocks.0.resnets.2.conv1",
+            "up_blocks.0.attentions.2.transformer_blocks.0.attn1.to_out.0",
+            "up_blocks.0.upsamplers.0.conv",
+            "up_blocks.1.upsamplers.0.conv",
+            "up_blocks.2.resnets.0.conv_shortcut",
+        ];
+        for name in names {
+            let ldm = ldm_module_name(name, per, &up_attention).expect(name);
+            assert_eq!(
+                unet_key(&format!("{ldm}.weight"), c.layers_per_block as usize),
+                Some(format!("{name}.weight")),
+                "{name} -> {ldm}"
+            );
+        }
+        assert_eq!(
+            ldm_module_name("up_blocks.1.upsamplers.0.conv", per, &up_attention).as_deref(),
+            Some("output_blocks.5.2.conv")
+        );
+        assert_eq!(
+            ldm_module_name("down_blocks.2.attentions.1.proj_out", per, &up_attention).as_deref(),
+            Some("input_blocks.8.1.proj_out")
+        );
     }
 }

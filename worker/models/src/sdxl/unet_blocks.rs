@@ -6,6 +6,7 @@
 use tch::Tensor;
 
 use crate::error::LoadError;
+use crate::loading::lora::LoraModule;
 use crate::loading::weights::Weights;
 use crate::nn::AttentionImpl;
 use crate::sdxl::attention::{Transformer2DConfig, Transformer2DModel};
@@ -258,5 +259,49 @@ impl UpBlock {
             h = up.forward(&h, upsample_size);
         }
         h
+    }
+}
+
+/// Resnets and attentions of one block under `prefix` (`down_blocks.1.`).
+fn block_lora_modules<'a>(
+    prefix: &str,
+    resnets: &'a mut [ResnetBlock2D],
+    attentions: &'a mut [Transformer2DModel],
+    out: &mut Vec<(String, LoraModule<'a>)>,
+) {
+    for (i, r) in resnets.iter_mut().enumerate() {
+        r.lora_modules(&format!("{prefix}resnets.{i}."), out);
+    }
+    for (i, a) in attentions.iter_mut().enumerate() {
+        a.lora_modules(&format!("{prefix}attentions.{i}."), out);
+    }
+}
+
+impl DownBlock {
+    pub fn lora_modules<'a>(&'a mut self, prefix: &str, out: &mut Vec<(String, LoraModule<'a>)>) {
+        block_lora_modules(prefix, &mut self.resnets, &mut self.attentions, out);
+        if let Some(d) = &mut self.downsampler {
+            d.lora_modules(&format!("{prefix}downsamplers.0."), out);
+        }
+    }
+}
+
+impl MidBlock {
+    pub fn lora_modules<'a>(&'a mut self, prefix: &str, out: &mut Vec<(String, LoraModule<'a>)>) {
+        block_lora_modules(prefix, &mut self.resnets, &mut self.attentions, out);
+    }
+}
+
+impl UpBlock {
+    /// Whether the block has cross-attention (its upsampler's ldm index depends on it).
+    pub fn has_attention(&self) -> bool {
+        !self.attentions.is_empty()
+    }
+
+    pub fn lora_modules<'a>(&'a mut self, prefix: &str, out: &mut Vec<(String, LoraModule<'a>)>) {
+        block_lora_modules(prefix, &mut self.resnets, &mut self.attentions, out);
+        if let Some(u) = &mut self.upsampler {
+            u.lora_modules(&format!("{prefix}upsamplers.0."), out);
+        }
     }
 }
