@@ -142,7 +142,13 @@ pub fn thumbnail(bytes: &[u8]) -> Result<Vec<u8>, String> {
     limits.max_image_height = Some(4 * vnfarm_proto::spec::MAX_UPSCALE_OUTPUT_SIDE);
     reader.limits(limits);
     let image = reader.decode().map_err(|e| e.to_string())?;
-    let small = image.thumbnail(THUMBNAIL_SIDE, THUMBNAIL_SIDE).into_rgb8();
+    // `thumbnail` would also enlarge a small image; a small one is only re-encoded.
+    let small = if image.width() > THUMBNAIL_SIDE || image.height() > THUMBNAIL_SIDE {
+        image.thumbnail(THUMBNAIL_SIDE, THUMBNAIL_SIDE)
+    } else {
+        image
+    }
+    .into_rgb8();
     let mut out = Cursor::new(Vec::new());
     image::codecs::jpeg::JpegEncoder::new_with_quality(&mut out, 85)
         .encode_image(&small)

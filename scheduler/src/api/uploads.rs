@@ -22,8 +22,6 @@ use crate::intake::InputError;
 pub struct Upload {
     /// What an edit's `input`/`inputs` or an upscale's `input` takes: `{"stored": "inputs/..."}`.
     pub image: ImageRef,
-    /// `inputs/<sha256>.<ext>`.
-    pub key: String,
     /// Hex sha256 of the bytes.
     pub sha256: String,
     pub format: InputFormat,
@@ -31,6 +29,7 @@ pub struct Upload {
     pub height: u32,
     /// Size of the file in bytes.
     pub bytes: usize,
+    /// `key` (`inputs/<sha256>.<ext>`) and where a browser fetches it.
     #[serde(flatten)]
     pub links: ImageLinks,
 }
@@ -105,8 +104,7 @@ pub async fn upload(
     Ok((
         StatusCode::CREATED,
         Json(Upload {
-            image: ImageRef::Stored(stored.key.clone()),
-            key: stored.key,
+            image: ImageRef::Stored(stored.key),
             sha256: stored.sha256,
             format: stored.image.format,
             width: stored.image.width,
