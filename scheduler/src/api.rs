@@ -247,6 +247,7 @@ pub fn operations(config: &Config) -> Vec<Operation> {
             .error(400, "`id` or `n` is invalid")
             .error(404, "no such image"),
         Operation::new(M::POST, "/v1/uploads", "upload", "images", "Store an input image", post(uploads::upload))
+            .without_registry()
             .describe("The image as the raw body (`image/png`, `image/jpeg`, `image/webp`, `application/octet-stream`) or as the `file` field of a form. It is decoded whole within the size and pixel limits (a decompression bomb is refused from its header) and stored under `inputs/` by its sha256. Give the answer's `image` as an edit's or upscale's input.")
             .body(Content::Binary("image/png"), upload_body_limit(config))
             .body(Content::Binary("image/jpeg"), upload_body_limit(config))

@@ -152,6 +152,28 @@ impl Conformance {
         Ok(())
     }
 
+    /// Checks that an accepted JSON request body is one the document describes.
+    fn check_request(&mut self, method: &str, template: &str, sent: &Value) -> anyhow::Result<()> {
+        let method = method.to_ascii_lowercase();
+        let schema = self.doc["paths"][template][&method]["requestBody"]["content"]
+            ["application/json"]["schema"]
+            .clone();
+        ensure!(
+            schema.is_object(),
+            "{method} {template} took a JSON body the document does not describe"
+        );
+        let root = json!({ "components": self.doc["components"], "allOf": [schema] });
+        let validator = jsonschema::validator_for(&root)
+            .map_err(|e| anyhow::anyhow!("the document's schema does not compile: {e}"))?;
+        let errors: Vec<String> = validator.iter_errors(sent).map(|e| e.to_string()).collect();
+        ensure!(
+            errors.is_empty(),
+            "{method} {template} accepted a body the document refuses:\n{}\n{sent:#}",
+            errors.join("\n")
+        );
+        Ok(())
+    }
+
     /// Sends `request`, checks the answer, and returns its status and JSON body (Null if none).
     async fn call(
         &mut self,
@@ -161,6 +183,12 @@ impl Conformance {
         let (client, request) = request.build_split();
         let request = request?;
         let method = request.method().as_str().to_owned();
+        let sent: Option<Value> = request
+            .headers()
+            .get(reqwest::header::CONTENT_TYPE)
+            .filter(|v| v.as_bytes().starts_with(b"application/json"))
+            .and_then(|_| request.body()?.as_bytes())
+            .and_then(|b| serde_json::from_slice(b).ok());
         let response = client.execute(request).await?;
         let status = response.status().as_u16();
         let media = response
@@ -176,6 +204,10 @@ impl Conformance {
             None
         };
         self.check(&method, template, status, &media, body.as_ref())?;
+        // A request the API accepted must be one the document describes.
+        if let Some(sent) = sent.filter(|_| (200..300).contains(&status)) {
+            self.check_request(&method, template, &sent)?;
+        }
         Ok((status, body.unwrap_or(Value::Null)))
     }
 }
@@ -255,6 +287,37 @@ async fn the_api_answers_as_its_document_says() -> anyhow::Result<()> {
     );
     let mut c = Conformance::new(served);
     let h = &farm.http;
+
+    // The checks can fail: answers the document does not describe are caught.
+    let wrong = [
+        ("post", "/v1/jobs", 201, json!({"job_id": 5})),
+        (
+            "post",
+            "/v1/jobs",
+            201,
+            json!({"job_id": "01a23149-0cac-738b-894d-923026fb42cd", "extra": 1}),
+        ),
+        (
+            "post",
+            "/v1/jobs",
+            422,
+            json!({"error": {"field": "job.width"}}),
+        ),
+        ("get", "/v1/workers", 200, json!({"workers": [{"id": "x"}]})),
+    ];
+    for (method, template, status, body) in wrong {
+        ensure!(
+            c.check(method, template, status, "application/json", Some(&body))
+                .is_err(),
+            "{method} {template} {status} {body} passed"
+        );
+    }
+    ensure!(
+        c.check("post", "/v1/jobs", 204, "application/json", None)
+            .is_err()
+    );
+    ensure!(c.check("get", "/v1/jobs", 200, "text/html", None).is_err());
+    c.called.clear();
 
     // Token: only health and the page go without it; errors are the one shape.
     let (status, body) = c.call(anonymous.get(url("/v1/jobs")), "/v1/jobs").await?;

@@ -170,3 +170,136 @@ pub async fn thumbnail(
     )
         .into_response())
 }
+
+/// The local-directory mode, through the router: signed URLs stream the file, thumbnails are made
+/// and kept, uploads land under `inputs/`. (The S3 mode is the e2e test `web`, against s3s-fs.)
+#[cfg(test)]
+mod tests {
+    use axum::body::Body;
+    use axum::http::{Request, StatusCode, header};
+    use tokio_util::sync::CancellationToken;
+    use tower::ServiceExt;
+    use vnfarm_storage::{Storage, StorageConfig};
+
+    use crate::api::error::ErrorBody;
+    use crate::api::router;
+    use crate::metrics::Metrics;
+    use crate::{Config, Scheduler};
+
+    fn png(width: u32, height: u32) -> Vec<u8> {
+        let img = image::RgbImage::from_fn(width, height, |x, y| image::Rgb([x as u8, y as u8, 9]));
+        let mut out = std::io::Cursor::new(Vec::new());
+        img.write_to(&mut out, image::ImageFormat::Png).unwrap();
+        out.into_inner()
+    }
+
+    async fn get(app: &axum::Router, uri: &str) -> (StatusCode, String, bytes::Bytes) {
+        let response = app
+            .clone()
+            .oneshot(Request::get(uri).body(Body::empty()).unwrap())
+            .await
+            .unwrap();
+        let status = response.status();
+        let media = response
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .map(|v| v.to_str().unwrap().to_owned())
+            .unwrap_or_default();
+        let body = axum::body::to_bytes(response.into_body(), usize::MAX)
+            .await
+            .unwrap();
+        (status, media, body)
+    }
+
+    #[tokio::test]
+    async fn local_storage_is_reachable_by_signed_urls() {
+        let dir = tempfile::tempdir().unwrap();
+        let storage = Storage::open(&StorageConfig::Local {
+            root: dir.path().to_path_buf(),
+        })
+        .await
+        .unwrap();
+        let config = Config::load(
+            None,
+            [("VNFARM_API_TOKEN".to_owned(), "0123456789abcdef".to_owned())],
+        )
+        .unwrap();
+        let scheduler = Scheduler::new(
+            config,
+            storage.clone(),
+            Metrics::new(),
+            CancellationToken::new(),
+        );
+        let app = router(scheduler);
+        let image = png(640, 400);
+        storage
+            .put(
+                "results/j/0.png",
+                bytes::Bytes::from(image.clone()),
+                "image/png",
+            )
+            .await
+            .unwrap();
+        let signer = super::super::auth::UrlSigner::new(
+            Some("0123456789abcdef"),
+            std::time::Duration::from_secs(60),
+        );
+        let (status, media, body) = get(&app, &signer.sign("/v1/files/results/j/0.png")).await;
+        assert_eq!((status, media.as_str()), (StatusCode::OK, "image/png"));
+        assert_eq!(body.as_ref(), image.as_slice());
+        let (status, media, body) = get(&app, &signer.sign("/v1/thumbnails/results/j/0.png")).await;
+        assert_eq!((status, media.as_str()), (StatusCode::OK, "image/jpeg"));
+        let thumb = image::load_from_memory(&body).unwrap();
+        assert_eq!((thumb.width(), thumb.height()), (320, 200));
+        assert!(
+            dir.path().join("thumbnails/results/j/0.png.jpg").exists(),
+            "kept"
+        );
+        // Another object's signature, a missing object, a key outside results/ and inputs/.
+        let forged = signer
+            .sign("/v1/files/results/j/0.png")
+            .replace("/0.png", "/1.png");
+        let (status, _, body) = get(&app, &forged).await;
+        assert_eq!(status, StatusCode::FORBIDDEN);
+        let error: ErrorBody = serde_json::from_slice(&body).unwrap();
+        assert_eq!(error.error.field, "signature");
+        let (status, _, _) = get(&app, &signer.sign("/v1/files/results/j/1.png")).await;
+        assert_eq!(status, StatusCode::NOT_FOUND);
+        let (status, _, _) = get(&app, &signer.sign("/v1/files/snapshots/x.png")).await;
+        assert_eq!(status, StatusCode::NOT_FOUND);
+
+        // An upload with the token lands under inputs/ and is served by its signed URL.
+        let request = |token: &str| {
+            Request::post("/v1/uploads")
+                .header(header::AUTHORIZATION, format!("Bearer {token}"))
+                .header(header::CONTENT_TYPE, "image/png")
+                .body(Body::from(png(64, 48)))
+                .unwrap()
+        };
+        let refused = app
+            .clone()
+            .oneshot(request("fedcba9876543210"))
+            .await
+            .unwrap();
+        assert_eq!(refused.status(), StatusCode::UNAUTHORIZED);
+        let response = app
+            .clone()
+            .oneshot(request("0123456789abcdef"))
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::CREATED);
+        let body = axum::body::to_bytes(response.into_body(), usize::MAX)
+            .await
+            .unwrap();
+        let upload: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        let key = upload["key"].as_str().unwrap();
+        assert!(
+            key.starts_with("inputs/") && key.ends_with(".png"),
+            "{upload}"
+        );
+        assert!(dir.path().join(key).exists());
+        let (status, _, body) = get(&app, upload["url"].as_str().unwrap()).await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(image::load_from_memory(&body).unwrap().width(), 64);
+    }
+}
