@@ -267,8 +267,10 @@ function fillCard(card, job) {
   card.dataset.state = job.state;
   card.dataset.kind = job.kind;
   $(".job-title", card).textContent = kindTitle(job);
-  $(".state", card).textContent = job.state;
-  $(".state", card).className = `state state-${job.state}`;
+  // A pipeline stays `queued` in the API until its last job ends; the artist sees it running.
+  const shown = displayState(job);
+  $(".state", card).textContent = shown;
+  $(".state", card).className = `state state-${shown}`;
   const p = progressOf(job);
   const bar = $("progress", card);
   bar.value = p.value;
@@ -284,6 +286,12 @@ function fillCard(card, job) {
   $(".compare-button", card).hidden = edits.length < 2;
   fillChildren(card, job, members);
   fillGallery(card, members);
+}
+
+function displayState(job) {
+  if (job.kind !== "pipeline" || FINAL.has(job.state)) return job.state;
+  const children = (job.children || []).map((c) => state.jobs.get(c)).filter(Boolean);
+  return children.some((c) => c.state !== "queued") ? "running" : job.state;
 }
 
 function describe(job) {
@@ -417,7 +425,13 @@ function fillGallery(card, members) {
       $("#form-edit textarea[name=instruction]").focus();
     });
     actions.append(edit);
-    fig.append(a, caption, actions);
+    const params = document.createElement("details");
+    const summary = document.createElement("summary");
+    summary.textContent = "Parameters";
+    const pre = document.createElement("pre");
+    pre.textContent = JSON.stringify({ job: m.id, image: n, image_seed: seed, ...(spec || {}) }, null, 1);
+    params.append(summary, pre);
+    fig.append(a, caption, actions, params);
     gallery.appendChild(fig);
   }
 }

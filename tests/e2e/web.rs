@@ -472,9 +472,22 @@ async fn the_api_answers_as_its_document_says() -> anyhow::Result<()> {
         "text/event-stream",
         None,
     )?;
-    for ev in sse_data(all, 3).await? {
-        c.check("get", "/v1/events", 200, "text/event-stream", Some(&ev))?;
+    let first = sse_data(all, 3).await?;
+    for ev in &first {
+        c.check("get", "/v1/events", 200, "text/event-stream", Some(ev))?;
     }
+    // A client that lost the stream after the second event resumes at the third.
+    let resumed = h
+        .get(url("/v1/events"))
+        .header("last-event-id", first[1]["seq"].to_string())
+        .send()
+        .await?;
+    let next = sse_data(resumed, 1).await?;
+    ensure!(
+        next.first().map(|e| &e["seq"]) == Some(&first[2]["seq"]),
+        "resumed at {next:?}, not at {}",
+        first[2]
+    );
     let (status, body) = c
         .call(h.get(url("/v1/events?after=x")), "/v1/events")
         .await?;
@@ -819,7 +832,7 @@ impl Drop for Browser {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_page_runs_a_pipeline_from_submit_to_compare() -> anyhow::Result<()> {
-    // Slow enough steps that progress shows between events (a 20-step base takes about 2 s).
+    // Slow enough steps that progress shows between events (the 40-step base takes about 4 s).
     let mut farm = farm("web-page", &["page-1", "page-2"], 100).await?;
     let mut b = Browser::start("page").await?;
     let result = drive_page(&mut farm, &mut b).await;
@@ -908,6 +921,7 @@ async fn drive_page(farm: &mut Farm, b: &mut Browser) -> anyhow::Result<()> {
     b.fill("#form-pipeline input[name=width]", "512").await?;
     b.fill("#form-pipeline input[name=height]", "512").await?;
     b.fill("#form-pipeline input[name=seed]", "4242").await?;
+    b.fill("#form-pipeline input[name=steps]", "40").await?;
     b.fill(
         "#form-pipeline textarea[name=variants]",
         "make her smile\nmake her angry\nmake her cry",
