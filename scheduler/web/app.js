@@ -20,6 +20,7 @@ const state = {
   editInputs: [],
   selected: new Map(),
   fetching: new Set(),
+  fleetTimer: null,
   tokenWaiters: [],
 };
 
@@ -151,7 +152,18 @@ function handleBlock(block) {
   onEvent(ev);
 }
 
+/// The fleet is read again shortly after events (a job started or ended somewhere), at most a few
+/// times a second, and every few seconds anyway.
+function fleetSoon() {
+  if (state.fleetTimer) return;
+  state.fleetTimer = setTimeout(() => {
+    state.fleetTimer = null;
+    refreshFleet();
+  }, 300);
+}
+
 function onEvent(ev) {
+  if (ev.event !== "progress") fleetSoon();
   const job = state.jobs.get(ev.job_id);
   if (job && ev.event === "progress") {
     job.progress = { step: ev.step, total: ev.total };
