@@ -5,7 +5,7 @@
 
 use std::convert::Infallible;
 
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -18,7 +18,7 @@ use vnfarm_proto::event::SequencedEvent;
 
 use super::Api;
 use super::error::ApiError;
-use super::extract::Query;
+use super::extract::{Path, Query};
 use super::jobs::parse_id;
 use crate::scheduler::Scheduler;
 

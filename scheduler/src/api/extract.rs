@@ -1,5 +1,5 @@
-//! Extractors whose rejections are [`ApiError`]s naming the field: query strings decoded strictly
-//! (unknown parameters refused), request bodies within their route's size limit.
+//! Extractors whose rejections are [`ApiError`]s naming the field: path parameters, query strings
+//! decoded strictly (unknown parameters refused), request bodies within their route's size limit.
 
 use axum::body::Bytes;
 use axum::extract::{FromRequest, FromRequestParts, Request};
@@ -8,6 +8,22 @@ use axum::http::request::Parts;
 use serde::de::DeserializeOwned;
 
 use super::error::ApiError;
+
+/// Path parameters decoded as `T` (handlers parse ids themselves, to name the parameter); a path
+/// that does not decode at all (bad percent-encoding) is refused naming `path`.
+#[derive(Debug)]
+pub struct Path<T>(pub T);
+
+impl<T: DeserializeOwned + Send, S: Send + Sync> FromRequestParts<S> for Path<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        axum::extract::Path::<T>::from_request_parts(parts, state)
+            .await
+            .map(|p| Path(p.0))
+            .map_err(|e| ApiError::new(e.status(), "path", e.body_text()))
+    }
+}
 
 /// A query string decoded as `T`; the error names the parameter.
 #[derive(Debug)]

@@ -7,7 +7,7 @@
 //! streamed by the scheduler. Thumbnails (JPEG, at most 320 px a side) are made on first request
 //! on a blocking thread and kept in storage under `thumbnails/`.
 
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
@@ -18,7 +18,7 @@ use vnfarm_storage::StorageError;
 use super::Api;
 use super::auth::Signed;
 use super::error::ApiError;
-use super::extract::Query;
+use super::extract::{Path, Query};
 use crate::images;
 
 /// Where a browser fetches one image.

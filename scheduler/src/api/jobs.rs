@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use axum::Json;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use chrono::{DateTime, Utc};
@@ -16,7 +16,7 @@ use vnfarm_storage::StorageError;
 
 use super::Api;
 use super::error::ApiError;
-use super::extract::{Body, Query};
+use super::extract::{Body, Path, Query};
 use super::files::ImageLinks;
 use crate::intake::AcceptError;
 use crate::registry::{JobState, JobView};
