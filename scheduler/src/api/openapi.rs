@@ -60,7 +60,7 @@ pub fn document(operations: &[Operation]) -> Value {
         );
         let mut parameters = Vec::new();
         for p in &op.path_params {
-            parameters.push(param(p, "path", true, &mut requests));
+            parameters.push(path_param(p, &mut requests));
         }
         if let Some(query) = op.query {
             let schema = query(&mut requests);
@@ -211,11 +211,11 @@ fn openapi_path(path: &str) -> String {
     path.replace("{*", "{")
 }
 
-fn param(p: &Param, place: &str, required: bool, g: &mut SchemaGenerator) -> Value {
+fn path_param(p: &Param, g: &mut SchemaGenerator) -> Value {
     json!({
         "name": p.name,
-        "in": place,
-        "required": required,
+        "in": "path",
+        "required": true,
         "description": p.description,
         "schema": (p.schema)(g),
     })
@@ -242,7 +242,8 @@ fn media(c: &Content, g: &mut SchemaGenerator) -> (&'static str, Value) {
                 "properties": {"file": {"type": "string", "contentMediaType": "application/octet-stream"}},
             }}),
         ),
-        Content::Redirect => unreachable!("a redirect has no body"),
+        // A redirect has no body: `document` describes it by its `Location` header instead.
+        Content::Redirect => ("", json!({})),
     }
 }
 
