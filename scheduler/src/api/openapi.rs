@@ -9,8 +9,8 @@
 //! requests. `scheduler/openapi.json` is this document, committed; a unit test keeps the two
 //! equal and the e2e test `web::the_api_answers_as_its_document_says` checks real answers against it.
 //!
-//! (aide builds the same thing from axum handlers, but has no release on schemars 1 yet; utoipa
-//! would need a second derive on every proto type.)
+//! (aide builds the same thing from axum handlers, but only its 0.16 pre-releases use schemars 1,
+//! which the proto types derive; utoipa would need a second derive, `ToSchema`, on every proto type.)
 
 use std::collections::BTreeMap;
 
