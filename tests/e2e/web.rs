@@ -846,7 +846,8 @@ async fn the_page_runs_a_pipeline_from_submit_to_compare() -> anyhow::Result<()>
 }
 
 async fn drive_page(farm: &mut Farm, b: &mut Browser) -> anyhow::Result<()> {
-    let t = Duration::from_secs(20);
+    // For what the page shows on its own; jobs get `FINISH`.
+    let t = Duration::from_secs(30);
     b.client.goto(&farm.url("/")).await?;
 
     // The API wants a token: the page asks for it once.
