@@ -309,6 +309,7 @@ impl Farm {
             access_key_id: Some(S3_KEY.into()),
             secret_access_key: Some(S3_SECRET.into()),
             create_bucket: true,
+            public_endpoint: None,
         }
     }
 

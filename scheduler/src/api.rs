@@ -1,450 +1,407 @@
-//! The HTTP API (for the web front end and the `vnfarm` command line).
+//! The HTTP API (for the web page, the studio's front end and the `vnfarm` command line), and the
+//! page itself.
 //!
 //! | method and path | what |
 //! | --- | --- |
 //! | `POST /v1/jobs` | submit a [`Submission`]; 201 with `{"job_id"}` (200 for an idempotent repeat) |
-//! | `GET /v1/jobs?state=&kind=&limit=` | list jobs, newest first |
+//! | `GET /v1/jobs?state=&kind=&limit=&all=` | list jobs, newest first, with signed image links |
 //! | `GET /v1/jobs/{id}` | one job |
 //! | `POST /v1/jobs/{id}/cancel` | cancel a job or a pipeline |
 //! | `GET /v1/jobs/{id}/events` | Server-Sent Events of one job (history, then live; ends after a final event) |
 //! | `GET /v1/events` | Server-Sent Events of every job (live; `Last-Event-ID` resumes) |
 //! | `GET /v1/jobs/{id}/outputs/{n}` | output image `n` (PNG) |
+//! | `POST /v1/uploads` | store an input image (raw body or multipart), verified by decoding |
+//! | `GET /v1/files/{key}`, `GET /v1/thumbnails/{key}` | an image or its thumbnail, by signed URL |
 //! | `GET /v1/workers` | known workers and their last heartbeat |
-//! | `GET /v1/schema` | JSON Schema of a submission |
+//! | `GET /v1/schema`, `GET /v1/openapi.json` | JSON Schema of a submission; this API's OpenAPI document |
 //! | `GET /metrics`, `GET /healthz` | Prometheus metrics; readiness |
+//! | `GET /`, `GET /ui/app.js`, `GET /ui/app.css` | the web page |
 //!
-//! Errors are JSON: `{"error": {"field": "job.width", "message": "..."}}`. When a token is configured,
-//! `/v1/*` requires `Authorization: Bearer <token>`.
+//! The router is built from [`operations`], the same table the OpenAPI document is generated from
+//! ([`openapi`]), so a route cannot exist without its description. Every error has one shape
+//! ([`error`]). With a token configured every route but `/healthz`, the page and signed URLs needs
+//! it ([`auth`]). Bodies are bounded per route (a submission `MAX_MESSAGE_BYTES`, an upload
+//! `upload_max_bytes`, anything else 64 KiB). CORS answers the origins in `cors_origins`.
 
-use std::convert::Infallible;
+pub mod auth;
+pub mod error;
+pub mod events;
+pub mod extract;
+pub mod files;
+pub mod fleet;
+pub mod jobs;
+pub mod openapi;
+pub mod page;
+pub mod uploads;
+
+use std::sync::Arc;
 use std::time::Duration;
 
-use axum::body::Bytes;
-use axum::extract::{Path, Query, Request, State};
-use axum::http::{HeaderMap, StatusCode, header};
-use axum::middleware::{self, Next};
-use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{HeaderName, HeaderValue, Method, StatusCode, header};
+use axum::middleware;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{MethodRouter, get, post};
 use axum::{Json, Router};
-use futures::Stream;
-use serde::Deserialize;
-use serde_json::json;
-use tokio::sync::broadcast::error::RecvError;
-use vnfarm_proto::event::SequencedEvent;
-use vnfarm_proto::topology::{manifest_key, output_key};
-use vnfarm_proto::{JobId, MAX_MESSAGE_BYTES, Manifest, Submission, decode_json};
-use vnfarm_storage::StorageError;
+use tower_http::cors::{AllowOrigin, CorsLayer};
+use vnfarm_proto::{JobId, MAX_MESSAGE_BYTES, SequencedEvent, Submission};
 
-use crate::intake::AcceptError;
-use crate::registry::JobState;
-use crate::scheduler::{CancelError, Scheduler};
+use crate::config::Config;
+use crate::scheduler::Scheduler;
+use auth::{Signed, UrlSigner};
+use openapi::{SchemaFn, schema};
+
+/// What every handler gets: the scheduler and the URL signer.
+#[derive(Clone)]
+pub struct Api {
+    pub scheduler: Scheduler,
+    pub signer: Arc<UrlSigner>,
+}
+
+/// Who may call an operation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access {
+    /// The bearer token, when one is configured.
+    Token,
+    /// Anyone (health, the page).
+    Public,
+    /// Whoever holds a URL signed by the scheduler.
+    Signed,
+}
+
+/// What a request or response carries.
+#[derive(Clone, Copy)]
+pub enum Content {
+    Json(SchemaFn),
+    /// Server-Sent Events whose `data` is JSON of this schema.
+    EventStream(SchemaFn),
+    /// Bytes of this media type.
+    Binary(&'static str),
+    /// A `multipart/form-data` form with the image in `file`.
+    Multipart,
+    /// No body; `Location` says where to go.
+    Redirect,
+}
+
+/// A path parameter.
+#[derive(Clone, Copy)]
+pub struct Param {
+    pub name: &'static str,
+    pub description: &'static str,
+    pub schema: SchemaFn,
+}
+
+/// One route: its handler and its description.
+pub struct Operation {
+    pub method: Method,
+    pub path: &'static str,
+    pub id: &'static str,
+    pub tag: &'static str,
+    pub summary: &'static str,
+    pub description: &'static str,
+    pub access: Access,
+    /// Answers 503 until the scheduler has replayed its event stream.
+    pub needs_registry: bool,
+    pub path_params: Vec<Param>,
+    pub query: Option<SchemaFn>,
+    pub headers: Vec<(&'static str, &'static str)>,
+    pub body: Vec<Content>,
+    pub body_limit: usize,
+    pub responses: Vec<(u16, &'static str, Content)>,
+    pub errors: Vec<(u16, &'static str)>,
+    pub handler: MethodRouter<Api>,
+}
+
+/// Largest body of a route that takes none worth speaking of.
+const SMALL_BODY: usize = 64 * 1024;
+
+impl Operation {
+    fn new(
+        method: Method,
+        path: &'static str,
+        id: &'static str,
+        tag: &'static str,
+        summary: &'static str,
+        handler: MethodRouter<Api>,
+    ) -> Self {
+        Self {
+            method,
+            path,
+            id,
+            tag,
+            summary,
+            description: "",
+            access: Access::Token,
+            needs_registry: true,
+            path_params: Vec::new(),
+            query: None,
+            headers: Vec::new(),
+            body: Vec::new(),
+            body_limit: SMALL_BODY,
+            responses: Vec::new(),
+            errors: Vec::new(),
+            handler,
+        }
+    }
+    fn describe(mut self, description: &'static str) -> Self {
+        self.description = description;
+        self
+    }
+    fn access(mut self, access: Access) -> Self {
+        self.access = access;
+        self.needs_registry = false;
+        self
+    }
+    fn without_registry(mut self) -> Self {
+        self.needs_registry = false;
+        self
+    }
+    fn param(mut self, name: &'static str, description: &'static str, schema: SchemaFn) -> Self {
+        self.path_params.push(Param {
+            name,
+            description,
+            schema,
+        });
+        self
+    }
+    fn query(mut self, schema: SchemaFn) -> Self {
+        self.query = Some(schema);
+        self
+    }
+    fn header(mut self, name: &'static str, description: &'static str) -> Self {
+        self.headers.push((name, description));
+        self
+    }
+    fn body(mut self, content: Content, limit: usize) -> Self {
+        self.body.push(content);
+        self.body_limit = limit;
+        self
+    }
+    fn answers(mut self, status: u16, description: &'static str, content: Content) -> Self {
+        self.responses.push((status, description, content));
+        self
+    }
+    fn error(mut self, status: u16, description: &'static str) -> Self {
+        self.errors.push((status, description));
+        self
+    }
+}
+
+/// The largest upload body: the image and a form's framing.
+fn upload_body_limit(config: &Config) -> usize {
+    config.upload_max_bytes + 64 * 1024
+}
+
+/// Every route of the scheduler, described.
+pub fn operations(config: &Config) -> Vec<Operation> {
+    use Method as M;
+    let job_id = ("id", "a job id (UUID)", schema::<JobId> as SchemaFn);
+    let key = (
+        "key",
+        "an image's key in storage (`results/<job>/<n>.png`, `inputs/<sha256>.<ext>`)",
+        schema::<String> as SchemaFn,
+    );
+    vec![
+        Operation::new(M::POST, "/v1/jobs", "submit", "jobs", "Submit a job or a pipeline", post(jobs::submit))
+            .describe("The body is a `Submission`, decoded strictly (unknown fields and schema versions are refused) and validated; a refusal names the field. A repeat of an idempotency key or job id answers 200 with the first job's id.")
+            .body(Content::Json(schema::<Submission>), MAX_MESSAGE_BYTES)
+            .answers(201, "accepted; `Location` names the job", Content::Json(schema::<jobs::Submitted>))
+            .answers(200, "a repeat of a known idempotency key or job id", Content::Json(schema::<jobs::Submitted>))
+            .error(413, "the body exceeds the submission limit (field `body`)")
+            .error(422, "the submission does not decode or breaks a rule (field: its path)"),
+        Operation::new(M::GET, "/v1/jobs", "list_jobs", "jobs", "List jobs, newest first", get(jobs::list_jobs))
+            .query(schema::<jobs::ListQuery>)
+            .answers(200, "the jobs", Content::Json(schema::<jobs::JobList<'static>>))
+            .error(400, "a query parameter is unknown or invalid (field: its name)"),
+        Operation::new(M::GET, "/v1/jobs/{id}", "get_job", "jobs", "One job", get(jobs::get_job))
+            .describe("A job the registry holds, or a completed one past its retention answered from its manifest (`archived`).")
+            .param(job_id.0, job_id.1, job_id.2)
+            .answers(200, "the job", Content::Json(schema::<jobs::JobResource<'static>>))
+            .error(400, "`id` is not a job id")
+            .error(404, "no such job"),
+        Operation::new(M::POST, "/v1/jobs/{id}/cancel", "cancel_job", "jobs", "Cancel a job or a pipeline", post(jobs::cancel))
+            .describe("Queued jobs are cancelled at once; running ones stop between steps. Watch the job's events for `cancelled`.")
+            .param(job_id.0, job_id.1, job_id.2)
+            .answers(202, "the cancel is on its way", Content::Json(schema::<jobs::CancelRequested>))
+            .error(400, "`id` is not a job id")
+            .error(404, "no such job")
+            .error(409, "the job already finished"),
+        Operation::new(M::GET, "/v1/jobs/{id}/events", "job_events", "events", "Server-Sent Events of one job", get(events::job_events))
+            .describe("Its history after the resume point, then live events until its final one. Each event's `id` is its sequence number and its `event` its kind.")
+            .param(job_id.0, job_id.1, job_id.2)
+            .query(schema::<events::StreamQuery>)
+            .header("Last-Event-ID", "resume after this sequence number (as `after`)")
+            .answers(200, "the event stream", Content::EventStream(schema::<SequencedEvent>))
+            .error(400, "`id` or a query parameter is invalid")
+            .error(404, "no such job"),
+        Operation::new(M::GET, "/v1/events", "events", "events", "Server-Sent Events of every job", get(events::all_events))
+            .describe("Live events of every job; with a resume point (`Last-Event-ID` or `after`), the recent history after it first, so a client that lost its connection misses nothing.")
+            .query(schema::<events::StreamQuery>)
+            .header("Last-Event-ID", "resume after this sequence number (as `after`)")
+            .answers(200, "the event stream", Content::EventStream(schema::<SequencedEvent>))
+            .error(400, "a query parameter is invalid"),
+        Operation::new(M::GET, "/v1/jobs/{id}/outputs/{n}", "job_output", "images", "Output image `n` of a job", get(jobs::output))
+            .param(job_id.0, job_id.1, job_id.2)
+            .param("n", "the image's index", schema::<u32>)
+            .answers(200, "the PNG", Content::Binary("image/png"))
+            .error(400, "`id` or `n` is invalid")
+            .error(404, "no such image"),
+        Operation::new(M::POST, "/v1/uploads", "upload", "images", "Store an input image", post(uploads::upload))
+            .without_registry()
+            .describe("The image as the raw body (`image/png`, `image/jpeg`, `image/webp`, `application/octet-stream`) or as the `file` field of a form. It is decoded whole within the size and pixel limits (a decompression bomb is refused from its header) and stored under `inputs/` by its sha256. Give the answer's `image` as an edit's or upscale's input.")
+            .body(Content::Binary("image/png"), upload_body_limit(config))
+            .body(Content::Binary("image/jpeg"), upload_body_limit(config))
+            .body(Content::Binary("image/webp"), upload_body_limit(config))
+            .body(Content::Binary("application/octet-stream"), upload_body_limit(config))
+            .body(Content::Multipart, upload_body_limit(config))
+            .answers(201, "stored", Content::Json(schema::<uploads::Upload>))
+            .error(400, "the form has no `file`, or the image is empty")
+            .error(413, "the body exceeds `upload_max_bytes` (field `body`)")
+            .error(415, "not an image body or a form (field `content-type`)")
+            .error(422, "not a PNG, JPEG or WebP image within the limits, or it does not decode (field `file`)"),
+        Operation::new(M::GET, "/v1/files/{*key}", "file", "images", "An image, by signed URL", get(files::file))
+            .describe("The `url` of an image in a job or upload. With S3 storage it redirects to a presigned URL of the bucket; with a local directory the scheduler sends the image.")
+            .access(Access::Signed)
+            .param(key.0, key.1, key.2)
+            .query(schema::<Signed>)
+            .answers(200, "the image (local storage)", Content::Binary("image/png"))
+            .answers(302, "a presigned URL of the bucket (S3 storage)", Content::Redirect)
+            .error(400, "a query parameter is missing or invalid")
+            .error(404, "no such image")
+            .error(503, "storage is unavailable"),
+        Operation::new(M::GET, "/v1/thumbnails/{*key}", "thumbnail", "images", "A thumbnail, by signed URL", get(files::thumbnail))
+            .describe("A JPEG of at most 320 pixels a side, made on first request and kept under `thumbnails/`.")
+            .access(Access::Signed)
+            .param(key.0, key.1, key.2)
+            .query(schema::<Signed>)
+            .answers(200, "the thumbnail", Content::Binary("image/jpeg"))
+            .error(400, "a query parameter is missing or invalid")
+            .error(404, "no such image")
+            .error(422, "the stored object does not decode")
+            .error(503, "storage is unavailable"),
+        Operation::new(M::GET, "/v1/workers", "workers", "fleet", "The workers and their last heartbeat", get(fleet::workers))
+            .answers(200, "the fleet", Content::Json(schema::<fleet::Fleet>)),
+        Operation::new(M::GET, "/v1/schema", "submission_schema", "meta", "JSON Schema of a submission", get(submission_schema))
+            .without_registry()
+            .answers(200, "the schema", Content::Json(schema::<serde_json::Value>)),
+        Operation::new(M::GET, "/v1/openapi.json", "openapi", "meta", "This document", get(openapi_json))
+            .without_registry()
+            .answers(200, "the OpenAPI document", Content::Json(schema::<serde_json::Value>)),
+        Operation::new(M::GET, "/metrics", "metrics", "meta", "Prometheus metrics", get(metrics))
+            .without_registry()
+            .answers(200, "the text exposition format", Content::Binary("text/plain")),
+        Operation::new(M::GET, "/healthz", "health", "meta", "Readiness", get(healthz))
+            .describe("200 once the scheduler has replayed its event stream and holds a broker connection; 503 until then. Needs no token.")
+            .access(Access::Public)
+            .answers(200, "ready", Content::Json(schema::<Health>))
+            .answers(503, "not ready", Content::Json(schema::<Health>)),
+        Operation::new(M::GET, "/", "page", "page", "The web page", get(page::index))
+            .access(Access::Public)
+            .answers(200, "HTML", Content::Binary("text/html")),
+        Operation::new(M::GET, "/ui/app.js", "page_script", "page", "The page's script", get(page::script))
+            .access(Access::Public)
+            .answers(200, "JavaScript", Content::Binary("text/javascript")),
+        Operation::new(M::GET, "/ui/app.css", "page_style", "page", "The page's style sheet", get(page::style))
+            .access(Access::Public)
+            .answers(200, "CSS", Content::Binary("text/css")),
+    ]
+}
+
+/// The OpenAPI document of the default configuration (limits do not appear in it).
+pub fn openapi_document() -> serde_json::Value {
+    let config = Config::load(None, Vec::new()).expect("the default configuration is valid");
+    openapi::document(&operations(&config))
+}
 
 pub fn router(scheduler: Scheduler) -> Router {
-    let v1 = Router::new()
-        .route("/jobs", post(submit).get(list_jobs))
-        .route("/jobs/{id}", get(get_job))
-        .route("/jobs/{id}/cancel", post(cancel))
-        .route("/jobs/{id}/events", get(job_events))
-        .route("/jobs/{id}/outputs/{n}", get(output))
-        .route("/events", get(all_events))
-        .route("/workers", get(workers))
-        .route("/schema", get(schema))
-        .layer(middleware::from_fn_with_state(scheduler.clone(), gate))
-        .layer(axum::extract::DefaultBodyLimit::max(MAX_MESSAGE_BYTES));
-    Router::new()
-        .nest("/v1", v1)
-        .route("/metrics", get(metrics))
-        .route("/healthz", get(healthz))
-        .with_state(scheduler)
+    let config = scheduler.config.clone();
+    let signer = UrlSigner::new(
+        config.api_token.as_deref(),
+        Duration::from_secs(config.url_ttl_s),
+    );
+    let api = Api {
+        scheduler,
+        signer: Arc::new(signer),
+    };
+    let (mut replayed, mut gated, mut open) = (Router::new(), Router::new(), Router::new());
+    for op in operations(&config) {
+        let handler = op.handler.layer(DefaultBodyLimit::max(op.body_limit));
+        match (op.access, op.needs_registry) {
+            (Access::Token, true) => replayed = replayed.route(op.path, handler),
+            (Access::Token, false) => gated = gated.route(op.path, handler),
+            (Access::Public | Access::Signed, _) => open = open.route(op.path, handler),
+        }
+    }
+    let replayed = replayed.route_layer(middleware::from_fn_with_state(api.clone(), auth::ready));
+    let gated = gated
+        .merge(replayed)
+        .route_layer(middleware::from_fn_with_state(api.clone(), auth::gate));
+    let app = gated
+        .merge(open)
+        .fallback(error::no_route)
+        .method_not_allowed_fallback(error::wrong_method)
+        .layer(DefaultBodyLimit::max(SMALL_BODY))
+        .with_state(api);
+    match cors(&config) {
+        Some(cors) => app.layer(cors),
+        None => app,
+    }
 }
 
-fn error(status: StatusCode, field: &str, message: impl Into<String>) -> Response {
-    (
-        status,
-        Json(json!({"error": {"field": field, "message": message.into()}})),
+/// CORS for the studio's own front end: its origins may call the API from a browser with the
+/// token (no cookies are involved, so no credentials mode).
+fn cors(config: &Config) -> Option<CorsLayer> {
+    if config.cors_origins.is_empty() {
+        return None;
+    }
+    let origins: Vec<HeaderValue> = config
+        .cors_origins
+        .iter()
+        .map(|o| HeaderValue::from_str(o).expect("origins are validated with the configuration"))
+        .collect();
+    Some(
+        CorsLayer::new()
+            .allow_origin(AllowOrigin::list(origins))
+            .allow_methods([Method::GET, Method::POST])
+            .allow_headers([
+                header::AUTHORIZATION,
+                header::CONTENT_TYPE,
+                HeaderName::from_static("last-event-id"),
+            ])
+            .expose_headers([header::LOCATION])
+            .max_age(Duration::from_secs(3600)),
     )
-        .into_response()
 }
 
-/// Token check, and 503 until the event stream has been replayed.
-async fn gate(State(s): State<Scheduler>, request: Request, next: Next) -> Response {
-    if let Some(token) = &s.config.api_token {
-        let expected = format!("Bearer {token}");
-        let given = request
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok());
-        if given != Some(expected.as_str()) {
-            return error(
-                StatusCode::UNAUTHORIZED,
-                "authorization",
-                "a valid bearer token is required",
-            );
-        }
-    }
-    if !s.is_ready() {
-        return error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            ".",
-            "the scheduler is replaying its event stream; retry shortly",
-        );
-    }
-    next.run(request).await
+async fn submission_schema() -> Json<serde_json::Value> {
+    Json(vnfarm_proto::submission_schema())
 }
 
-async fn submit(State(s): State<Scheduler>, body: Bytes) -> Response {
-    let submission: Submission = match decode_json(&body) {
-        Ok(sub) => sub,
-        Err(e) => return error(StatusCode::UNPROCESSABLE_ENTITY, &e.field, e.message),
-    };
-    match s.accept(submission).await {
-        Ok(submitted) => {
-            let Some(accepted) = s.accepted(submitted.clone(), Duration::from_secs(10)).await
-            else {
-                return error(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    ".",
-                    format!(
-                        "{submitted:?} was queued but is not visible yet; retry with the same idempotency key"
-                    ),
-                );
-            };
-            let (id, created) = (accepted.job_id, accepted.created);
-            let status = if created {
-                StatusCode::CREATED
-            } else {
-                StatusCode::OK
-            };
-            (
-                status,
-                [(header::LOCATION, format!("/v1/jobs/{id}"))],
-                Json(json!({"job_id": id})),
-            )
-                .into_response()
-        }
-        Err(AcceptError::Invalid(e)) => {
-            error(StatusCode::UNPROCESSABLE_ENTITY, &e.field, e.message)
-        }
-        Err(AcceptError::Unavailable(m)) => error(StatusCode::SERVICE_UNAVAILABLE, ".", m),
-    }
+async fn openapi_json(State(api): State<Api>) -> Json<serde_json::Value> {
+    Json(openapi::document(&operations(&api.scheduler.config)))
 }
 
-// The error is returned straight to axum as the response; boxing it would gain nothing.
-#[allow(clippy::result_large_err)]
-fn parse_id(id: &str) -> Result<JobId, Response> {
-    id.parse().map_err(|_| {
-        error(
-            StatusCode::BAD_REQUEST,
-            "id",
-            format!("{id:?} is not a job id"),
-        )
-    })
-}
-
-async fn get_job(State(s): State<Scheduler>, Path(id): Path<String>) -> Response {
-    let id = match parse_id(&id) {
-        Ok(id) => id,
-        Err(r) => return r,
-    };
-    {
-        let reg = s.registry();
-        if let Some(job) = reg.job(id) {
-            return Json(reg.view(job, s.heartbeat_timeout())).into_response();
-        }
-    }
-    archived_job(&s, id).await
-}
-
-/// A job the registry no longer holds (finished before the retention horizon): answered from its
-/// manifest in storage when it completed; a failed or cancelled one that old is not known any more.
-async fn archived_job(s: &Scheduler, id: JobId) -> Response {
-    let not_found = || {
-        error(
-            StatusCode::NOT_FOUND,
-            "id",
-            format!(
-                "job {id} not found (finished jobs past the retention are answered only when they completed)"
-            ),
-        )
-    };
-    let key = manifest_key(id);
-    let bytes = match s.storage.get(&key).await {
-        Ok(bytes) => bytes,
-        Err(StorageError::NotFound { .. }) => return not_found(),
-        Err(e) => {
-            s.metrics.storage_error("get", &e);
-            return error(StatusCode::SERVICE_UNAVAILABLE, ".", e.to_string());
-        }
-    };
-    let Ok(manifest) = serde_json::from_slice::<Manifest>(&bytes) else {
-        return not_found();
-    };
-    Json(json!({
-        "id": id,
-        "kind": manifest.task.kind_name(),
-        "state": "completed",
-        "archived": true,
-        "worker": manifest.worker,
-        "attempts": manifest.attempt,
-        "outputs": manifest.outputs.iter().map(|o| &o.key).collect::<Vec<_>>(),
-        "manifest": key,
-        "updated_at": manifest.finished_at,
-        "task": manifest.task,
-    }))
-    .into_response()
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ListQuery {
-    state: Option<String>,
-    kind: Option<String>,
-    limit: Option<usize>,
-    /// Include jobs that belong to a pipeline (default: only top-level jobs).
-    #[serde(default)]
-    all: bool,
-}
-
-async fn list_jobs(State(s): State<Scheduler>, Query(q): Query<ListQuery>) -> Response {
-    let state = match q.state.as_deref().map(|st| JobState::parse(st).ok_or(st)) {
-        Some(Err(st)) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                "state",
-                format!("unknown state {st:?}"),
-            );
-        }
-        Some(Ok(st)) => Some(st),
-        None => None,
-    };
-    let limit = q.limit.unwrap_or(100).min(1000);
-    let timeout = s.heartbeat_timeout();
-    let reg = s.registry();
-    let jobs: Vec<_> = reg
-        .jobs_newest_first()
-        .filter(|j| q.all || j.parent().is_none())
-        .filter(|j| state.is_none_or(|st| j.state() == st))
-        .filter(|j| q.kind.as_deref().is_none_or(|k| j.kind() == k))
-        .take(limit)
-        .map(|j| reg.view(j, timeout))
-        .collect();
-    Json(json!({"jobs": jobs})).into_response()
-}
-
-async fn cancel(State(s): State<Scheduler>, Path(id): Path<String>) -> Response {
-    let id = match parse_id(&id) {
-        Ok(id) => id,
-        Err(r) => return r,
-    };
-    match s.cancel(id).await {
-        Ok(()) => (
-            StatusCode::ACCEPTED,
-            Json(json!({"job_id": id, "cancel": "requested"})),
-        )
-            .into_response(),
-        Err(e @ CancelError::NotFound(_)) => error(StatusCode::NOT_FOUND, "id", e.to_string()),
-        Err(e @ CancelError::Finished(..)) => error(StatusCode::CONFLICT, "id", e.to_string()),
-        Err(e @ CancelError::Unavailable(_)) => {
-            error(StatusCode::SERVICE_UNAVAILABLE, ".", e.to_string())
-        }
-    }
-}
-
-fn sse_event(ev: &SequencedEvent) -> SseEvent {
-    SseEvent::default()
-        .id(ev.seq.to_string())
-        .event(ev.event.kind.name())
-        .data(serde_json::to_string(ev).expect("events serialize to JSON"))
-}
-
-fn resume_from(headers: &HeaderMap, after: Option<u64>) -> Option<u64> {
-    after.or_else(|| {
-        headers
-            .get("last-event-id")
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse().ok())
-    })
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct StreamQuery {
-    /// Resume after this sequence number (same as the `Last-Event-ID` header).
-    after: Option<u64>,
-}
-
-/// One job's events: its history after the resume point, then live events until a final one.
-async fn job_events(
-    State(s): State<Scheduler>,
-    Path(id): Path<String>,
-    Query(q): Query<StreamQuery>,
-    headers: HeaderMap,
-) -> Response {
-    let id = match parse_id(&id) {
-        Ok(id) => id,
-        Err(r) => return r,
-    };
-    let after = resume_from(&headers, q.after);
-    // Subscribe before reading the history, so nothing falls between the two.
-    let live = s.events.subscribe();
-    let (history, finished) = {
-        let reg = s.registry();
-        let Some(job) = reg.job(id) else {
-            return error(StatusCode::NOT_FOUND, "id", format!("job {id} not found"));
-        };
-        let history: Vec<SequencedEvent> = job
-            .events()
-            .into_iter()
-            .filter(|e| after.is_none_or(|a| e.seq > a))
-            .collect();
-        (history, job.state().is_terminal())
-    };
-    let scope = if finished {
-        Scope::Finished
-    } else {
-        Scope::Job(id)
-    };
-    event_stream(&s, live, history, after, scope)
-}
-
-/// Every job's events, live; with a resume point, the recent history after it first.
-async fn all_events(
-    State(s): State<Scheduler>,
-    Query(q): Query<StreamQuery>,
-    headers: HeaderMap,
-) -> Response {
-    let after = resume_from(&headers, q.after);
-    let live = s.events.subscribe();
-    let history: Vec<SequencedEvent> = match after {
-        Some(a) => s.registry().recent_after(a),
-        None => Vec::new(),
-    };
-    event_stream(&s, live, history, after, Scope::All)
-}
-
-/// Which live events a stream carries after its history.
-#[derive(Clone, Copy)]
-enum Scope {
-    /// Every job's, until the client leaves.
-    All,
-    /// One running job's, until its final event.
-    Job(JobId),
-    /// None: the job was already final, the history is everything.
-    Finished,
-}
-
-/// Server-Sent Events: `history`, then the live events of `scope`, never one at or before the last
-/// sequence number sent. Ends when the client leaves, the scheduler shuts down, a job's stream has
-/// sent the job's final event, or the client lags behind the broadcast (it resumes with
-/// Last-Event-ID).
-fn event_stream(
-    s: &Scheduler,
-    mut live: tokio::sync::broadcast::Receiver<SequencedEvent>,
-    history: Vec<SequencedEvent>,
-    after: Option<u64>,
-    scope: Scope,
-) -> Response {
-    let metrics = s.metrics.clone();
-    let shutdown = s.shutdown.clone();
-    let stream = async_stream(move |tx| async move {
-        metrics.sse_clients.inc();
-        let mut last = after;
-        let mut open = true;
-        for ev in &history {
-            last = Some(ev.seq);
-            open = tx.send(sse_event(ev)).await.is_ok();
-            if !open {
-                break;
-            }
-        }
-        while open && !matches!(scope, Scope::Finished) {
-            let next = tokio::select! { _ = shutdown.cancelled() => break, n = live.recv() => n };
-            let ev = match next {
-                Ok(ev) => ev,
-                Err(RecvError::Lagged(_)) | Err(RecvError::Closed) => break,
-            };
-            let ends_job = match scope {
-                Scope::Job(id) if ev.event.job_id != id => continue,
-                Scope::Job(_) => ev.event.kind.is_terminal(),
-                Scope::All | Scope::Finished => false,
-            };
-            if last.is_some_and(|l| ev.seq <= l) {
-                continue;
-            }
-            last = Some(ev.seq);
-            open = tx.send(sse_event(&ev)).await.is_ok() && !ends_job;
-        }
-        metrics.sse_clients.dec();
-    });
-    Sse::new(stream)
-        .keep_alive(KeepAlive::default())
-        .into_response()
-}
-
-/// A stream fed by a task through a small channel.
-fn async_stream<F, Fut>(f: F) -> impl Stream<Item = Result<SseEvent, Infallible>>
-where
-    F: FnOnce(tokio::sync::mpsc::Sender<SseEvent>) -> Fut,
-    Fut: std::future::Future<Output = ()> + Send + 'static,
-{
-    let (tx, rx) = tokio::sync::mpsc::channel(64);
-    tokio::spawn(f(tx));
-    futures::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|ev| (Ok(ev), rx))
-    })
-}
-
-async fn output(State(s): State<Scheduler>, Path((id, n)): Path<(String, u32)>) -> Response {
-    let id = match parse_id(&id) {
-        Ok(id) => id,
-        Err(r) => return r,
-    };
-    match s.storage.get(&output_key(id, n)).await {
-        Ok(bytes) => ([(header::CONTENT_TYPE, "image/png")], bytes).into_response(),
-        Err(StorageError::NotFound { key }) => {
-            error(StatusCode::NOT_FOUND, "n", format!("{key} not found"))
-        }
-        Err(e) => {
-            s.metrics.storage_error("get", &e);
-            error(StatusCode::SERVICE_UNAVAILABLE, ".", e.to_string())
-        }
-    }
-}
-
-async fn workers(State(s): State<Scheduler>) -> Response {
-    let timeout = s.heartbeat_timeout();
-    let reg = s.registry();
-    let workers: Vec<_> = reg
-        .workers()
-        .map(|w| {
-            json!({
-                "id": w.id(),
-                "alive": w.alive(timeout),
-                "state": w.state_name(timeout),
-                "assigned": w.assigned().collect::<Vec<_>>(),
-                "heartbeat": w.last_heartbeat().map(|(_, hb)| hb),
-                "seconds_since_heartbeat": w.last_heartbeat().map(|(at, _)| at.elapsed().as_secs_f64()),
-            })
-        })
-        .collect();
-    Json(json!({"workers": workers})).into_response()
-}
-
-async fn schema() -> Response {
-    Json(vnfarm_proto::submission_schema()).into_response()
-}
-
-async fn metrics(State(s): State<Scheduler>) -> Response {
-    s.update_gauges();
+async fn metrics(State(api): State<Api>) -> Response {
+    api.scheduler.update_gauges();
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        s.metrics.render(),
+        api.scheduler.metrics.render(),
     )
         .into_response()
 }
 
-async fn healthz(State(s): State<Scheduler>) -> Response {
+/// `GET /healthz`.
+#[derive(Debug, serde::Serialize, schemars::JsonSchema)]
+pub struct Health {
+    /// The event stream has been replayed.
+    pub ready: bool,
+    pub amqp_connected: bool,
+    /// `active` (holds the leader token) or `standby`.
+    pub role: &'static str,
+}
+
+async fn healthz(State(api): State<Api>) -> (StatusCode, Json<Health>) {
+    let s = &api.scheduler;
     let ready = s.is_ready();
     let connected = s.metrics.amqp_connected.get() == 1;
     let status = if ready && connected {
@@ -455,7 +412,10 @@ async fn healthz(State(s): State<Scheduler>) -> Response {
     let role = if s.is_active() { "active" } else { "standby" };
     (
         status,
-        Json(json!({"ready": ready, "amqp_connected": connected, "role": role})),
+        Json(Health {
+            ready,
+            amqp_connected: connected,
+            role,
+        }),
     )
-        .into_response()
 }

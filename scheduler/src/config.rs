@@ -49,6 +49,18 @@ pub struct Config {
     pub default_checkpoint: Option<String>,
     #[serde(default)]
     pub dispatch: DispatchConfig,
+    /// Origins (`https://studio.example:8443`) whose pages may call the API from a browser (CORS).
+    #[serde(default)]
+    pub cors_origins: Vec<String>,
+    /// Largest input image `POST /v1/uploads` takes, in bytes.
+    #[serde(default = "default_upload_max_bytes")]
+    pub upload_max_bytes: usize,
+    /// Most pixels (width × height) of an input image, checked from its header before decoding.
+    #[serde(default = "default_upload_max_pixels")]
+    pub upload_max_pixels: u64,
+    /// How long the image URLs in the API's answers stay valid (signed URLs, presigned S3 URLs).
+    #[serde(default = "default_url_ttl_s")]
+    pub url_ttl_s: u64,
 }
 
 /// How jobs are matched to workers (DESIGN §5).
@@ -189,6 +201,33 @@ fn default_retain_age_s() -> u64 {
 fn default_snapshot_every_events() -> u64 {
     5_000
 }
+fn default_upload_max_bytes() -> usize {
+    32 * 1024 * 1024
+}
+fn default_upload_max_pixels() -> u64 {
+    4096 * 4096
+}
+fn default_url_ttl_s() -> u64 {
+    3600
+}
+
+/// An origin as a browser sends it: scheme, host, optional port; no path.
+fn check_origin(origin: &str) -> Result<(), String> {
+    let rest = origin
+        .strip_prefix("https://")
+        .or_else(|| origin.strip_prefix("http://"))
+        .ok_or_else(|| format!("cors_origins: {origin:?} must start with http:// or https://"))?;
+    let host_ok = !rest.is_empty()
+        && rest
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | ':' | '[' | ']'));
+    if !host_ok {
+        return Err(format!(
+            "cors_origins: {origin:?} must be scheme://host[:port], with no path or trailing slash"
+        ));
+    }
+    Ok(())
+}
 
 impl Config {
     pub fn load(
@@ -245,6 +284,19 @@ impl vnfarm_config::Validate for Config {
                     .into(),
             );
         }
+        for origin in &self.cors_origins {
+            check_origin(origin)?;
+        }
+        if !(1024..=256 * 1024 * 1024).contains(&self.upload_max_bytes) {
+            return Err("upload_max_bytes: must be 1024..=268435456".into());
+        }
+        let most = u64::from(vnfarm_proto::spec::MAX_INPUT_SIDE).pow(2);
+        if !(1..=most).contains(&self.upload_max_pixels) {
+            return Err(format!("upload_max_pixels: must be 1..={most}"));
+        }
+        if !(60..=7 * 24 * 3600).contains(&self.url_ttl_s) {
+            return Err("url_ttl_s: must be 60..=604800".into());
+        }
         self.dispatch.validate()
     }
 }
@@ -277,6 +329,23 @@ mod tests {
             ]),
         )
         .unwrap();
+    }
+
+    #[test]
+    fn cors_origins_are_origins() {
+        let ok = Config::load(
+            None,
+            env(&[("VNFARM_CORS_ORIGINS", r#"["https://studio.example:8443"]"#)]),
+        );
+        assert_eq!(ok.unwrap().cors_origins, ["https://studio.example:8443"]);
+        for bad in [
+            r#"["studio.example"]"#,
+            r#"["https://studio.example/"]"#,
+            r#"["*"]"#,
+        ] {
+            let e = Config::load(None, env(&[("VNFARM_CORS_ORIGINS", bad)])).unwrap_err();
+            assert!(e.to_string().starts_with("cors_origins"), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -25,6 +25,7 @@ use vnfarm_proto::{
     SCHEMA_VERSION, Submission, UpscaleSpec, ValidationError, decode_json,
 };
 
+use crate::images::{self, InputLimits, VerifiedImage};
 use crate::scheduler::Scheduler;
 
 /// Why a submission was not accepted.
@@ -168,7 +169,7 @@ impl Scheduler {
     }
 
     /// Replaces an inline image by a stored one under `inputs/` (content-addressed), after checking
-    /// that it is an image of an accepted format and size.
+    /// that it is a whole image of an accepted format and size.
     async fn store_inline(&self, input: &mut ImageRef) -> Result<(), AcceptError> {
         let Some(decoded) = input.inline_bytes() else {
             return Ok(());
@@ -180,37 +181,57 @@ impl Scheduler {
             })
         };
         let bytes = decoded.map_err(|e| invalid(format!("not valid base64: {e}")))?;
-        if bytes.len() > MAX_INLINE_IMAGE_BYTES {
-            return Err(invalid("image is larger than 8 MiB".into()));
-        }
-        let reader = image::ImageReader::new(std::io::Cursor::new(&bytes))
-            .with_guessed_format()
-            .map_err(|e| invalid(e.to_string()))?;
-        let ext = match reader.format() {
-            Some(image::ImageFormat::Png) => "png",
-            Some(image::ImageFormat::Jpeg) => "jpg",
-            Some(image::ImageFormat::WebP) => "webp",
-            _ => return Err(invalid("not a PNG, JPEG or WebP image".into())),
+        let limits = InputLimits {
+            max_bytes: MAX_INLINE_IMAGE_BYTES,
+            ..self.input_limits()
         };
-        let (w, h) = reader
-            .into_dimensions()
-            .map_err(|e| invalid(format!("cannot read the image header: {e}")))?;
-        if w > MAX_INPUT_SIDE || h > MAX_INPUT_SIDE {
-            return Err(invalid(format!(
-                "image is {w}x{h}; at most {MAX_INPUT_SIDE} pixels a side"
-            )));
+        match self.store_input(Bytes::from(bytes), limits).await {
+            Ok(stored) => {
+                *input = ImageRef::Stored(stored.key);
+                Ok(())
+            }
+            Err(InputError::Invalid(message)) => Err(invalid(message)),
+            Err(InputError::Unavailable(message)) => Err(AcceptError::Unavailable(message)),
         }
-        let key = input_key(&hex::encode(Sha256::digest(&bytes)), ext);
-        let content_type = format!("image/{}", if ext == "jpg" { "jpeg" } else { ext });
+    }
+
+    /// The bounds of an input image (uploads; inline inputs also keep the 8 MiB message bound).
+    pub fn input_limits(&self) -> InputLimits {
+        InputLimits {
+            max_bytes: self.config.upload_max_bytes,
+            max_side: MAX_INPUT_SIDE,
+            max_pixels: self.config.upload_max_pixels,
+        }
+    }
+
+    /// Verifies an input image by decoding it (on a blocking thread) and stores it under `inputs/`
+    /// by the sha256 of its bytes, so the same image uploaded twice is one object.
+    pub async fn store_input(
+        &self,
+        bytes: Bytes,
+        limits: InputLimits,
+    ) -> Result<StoredInput, InputError> {
+        let checked = bytes.clone();
+        let image = tokio::task::spawn_blocking(move || images::verify(&checked, limits))
+            .await
+            .map_err(|e| InputError::Unavailable(format!("the image check failed: {e}")))?
+            .map_err(InputError::Invalid)?;
+        let sha256 = hex::encode(Sha256::digest(&bytes));
+        let key = input_key(&sha256, image.format.extension());
+        let size = bytes.len();
         self.storage
-            .put(&key, Bytes::from(bytes), &content_type)
+            .put(&key, bytes, image.format.content_type())
             .await
             .map_err(|e| {
                 self.metrics.storage_error("put", &e);
-                AcceptError::Unavailable(e.to_string())
+                InputError::Unavailable(e.to_string())
             })?;
-        *input = ImageRef::Stored(key);
-        Ok(())
+        Ok(StoredInput {
+            key,
+            sha256,
+            size,
+            image,
+        })
     }
 
     /// A submission from a producer on the intake queue, handled in a task of its own so that a
@@ -299,6 +320,28 @@ impl Scheduler {
         delivery.acker.ack(BasicAckOptions::default()).await?;
         Ok(())
     }
+}
+
+/// An input image in storage.
+#[derive(Clone, Debug)]
+pub struct StoredInput {
+    /// `inputs/<sha256>.<ext>`.
+    pub key: String,
+    pub sha256: String,
+    /// Bytes.
+    pub size: usize,
+    pub image: VerifiedImage,
+}
+
+/// Why an input image was not stored.
+#[derive(Debug, thiserror::Error)]
+pub enum InputError {
+    /// Not an image the farm accepts; the message says why.
+    #[error("{0}")]
+    Invalid(String),
+    /// Storage is unavailable; the client may retry.
+    #[error("unavailable: {0}")]
+    Unavailable(String),
 }
 
 /// A published submission, before its event is read back.

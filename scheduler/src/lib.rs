@@ -14,7 +14,9 @@
 //! - [`snapshot`]: registry snapshots, so a restart replays only recent events.
 //! - [`scheduler`]: shared state and what every scheduler does: publish, apply, cancel, gauges.
 //! - [`session`]: one broker connection's life: load, replay, then read and lead concurrently.
-//! - [`api`]: the HTTP API and Server-Sent Events.
+//! - [`api`]: the HTTP API, Server-Sent Events, uploads, signed image URLs, the OpenAPI document
+//!   and the web page (`web/`).
+//! - [`images`]: input images verified by decoding within limits; thumbnails.
 //! - [`metrics`]: Prometheus metrics.
 //!
 //! Durable state lives in RabbitMQ only: the event stream is the job history and the backlog, the
@@ -25,6 +27,7 @@
 pub mod api;
 pub mod config;
 pub mod dispatch;
+pub mod images;
 pub mod intake;
 pub mod leader;
 pub mod metrics;

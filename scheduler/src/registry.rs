@@ -46,7 +46,7 @@ const RECENT_EVENTS: usize = 20_000;
 /// Interactive jobs dispatched in a row, at most, while a batch job could go (starvation freedom).
 pub const INTERACTIVE_BURST: u32 = 4;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum JobState {
     Queued,
@@ -94,13 +94,13 @@ impl JobState {
     }
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct Failure {
     pub kind: FailureKind,
     pub message: String,
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct Progress {
     pub step: u32,
     pub total: u32,
@@ -337,7 +337,7 @@ impl JobRecord {
 }
 
 /// A job as the HTTP API shows it.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, schemars::JsonSchema)]
 pub struct JobView<'a> {
     pub id: JobId,
     pub kind: &'static str,

@@ -42,6 +42,11 @@ pub enum StorageConfig {
         /// Create the bucket at start when it does not exist.
         #[serde(default)]
         create_bucket: bool,
+        /// The endpoint browsers reach the bucket at, for presigned URLs, when it differs from
+        /// `endpoint` (a MinIO behind an internal name). A presigned URL signs its host, so it is
+        /// signed for this one. Omitted: `endpoint`.
+        #[serde(default)]
+        public_endpoint: Option<String>,
     },
     Local {
         root: PathBuf,
@@ -62,6 +67,7 @@ impl StorageConfig {
             StorageConfig::S3 {
                 bucket,
                 endpoint,
+                public_endpoint,
                 access_key_id,
                 secret_access_key,
                 ..
@@ -69,12 +75,13 @@ impl StorageConfig {
                 if bucket.len() < 3 || bucket.len() > 63 {
                     return Err(format!("{at}.bucket: must be 3-63 characters"));
                 }
-                if let Some(e) = endpoint
-                    && !(e.starts_with("http://") || e.starts_with("https://"))
+                for (name, value) in [("endpoint", endpoint), ("public_endpoint", public_endpoint)]
                 {
-                    return Err(format!(
-                        "{at}.endpoint: must start with http:// or https://"
-                    ));
+                    if let Some(e) = value
+                        && !(e.starts_with("http://") || e.starts_with("https://"))
+                    {
+                        return Err(format!("{at}.{name}: must start with http:// or https://"));
+                    }
                 }
                 if access_key_id.is_some() != secret_access_key.is_some() {
                     return Err(format!(
@@ -136,6 +143,21 @@ impl Storage {
         match self {
             Storage::S3(s) => s.get(key).await,
             Storage::Local(l) => l.get(key).await,
+        }
+    }
+
+    /// Where a browser can fetch `key` until `expires_in` has passed, without the farm's
+    /// credentials: a presigned GET URL of the bucket, or `None` for a local directory (the
+    /// scheduler serves those itself, see its API).
+    pub async fn presigned_get(
+        &self,
+        key: &str,
+        expires_in: std::time::Duration,
+    ) -> Result<Option<String>, StorageError> {
+        check_key(key)?;
+        match self {
+            Storage::S3(s) => s.presigned_get(key, expires_in).await.map(Some),
+            Storage::Local(_) => Ok(None),
         }
     }
 

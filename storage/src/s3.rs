@@ -11,6 +11,8 @@ use crate::{StorageConfig, StorageError};
 #[derive(Clone, Debug)]
 pub struct S3Store {
     client: Client,
+    /// Signs URLs for browsers: `client` itself, or one for the public endpoint.
+    presigner: Client,
     bucket: String,
 }
 
@@ -48,6 +50,7 @@ impl S3Store {
             access_key_id,
             secret_access_key,
             create_bucket,
+            public_endpoint,
         } = config
         else {
             unreachable!("S3Store::open is only called with an S3 config");
@@ -70,8 +73,19 @@ impl S3Store {
         let s3_config = aws_sdk_s3::config::Builder::from(&shared)
             .force_path_style(*path_style)
             .build();
+        let client = Client::from_conf(s3_config);
+        let presigner = match public_endpoint {
+            Some(public) => Client::from_conf(
+                aws_sdk_s3::config::Builder::from(&shared)
+                    .endpoint_url(public)
+                    .force_path_style(*path_style)
+                    .build(),
+            ),
+            None => client.clone(),
+        };
         let store = Self {
-            client: Client::from_conf(s3_config),
+            client,
+            presigner,
             bucket: bucket.clone(),
         };
         if *create_bucket {
@@ -160,6 +174,31 @@ impl S3Store {
                 message: e.to_string(),
             })?;
         Ok(data.into_bytes())
+    }
+
+    /// A presigned GET URL of `key` (SigV4 query authentication; no request is made).
+    pub async fn presigned_get(
+        &self,
+        key: &str,
+        expires_in: std::time::Duration,
+    ) -> Result<String, StorageError> {
+        let config =
+            aws_sdk_s3::presigning::PresigningConfig::expires_in(expires_in).map_err(|e| {
+                StorageError::Unavailable {
+                    op: "presign",
+                    key: key.to_owned(),
+                    message: e.to_string(),
+                }
+            })?;
+        let request = self
+            .presigner
+            .get_object()
+            .bucket(&self.bucket)
+            .key(key)
+            .presigned(config)
+            .await
+            .map_err(|e| unavailable("presign", key, e))?;
+        Ok(request.uri().to_owned())
     }
 
     pub async fn list(&self, prefix: &str) -> Result<Vec<String>, StorageError> {

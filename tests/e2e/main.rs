@@ -15,6 +15,7 @@ mod provenance;
 mod qwen;
 mod redelivery;
 mod sdxl;
+mod web;
 
 use std::time::Duration;
 

@@ -1,0 +1,260 @@
+//! Jobs as resources: submit, list, read, cancel, and a job's images (the original route for
+//! command-line clients, and signed links for browsers).
+
+use std::time::Duration;
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use chrono::{DateTime, Utc};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use vnfarm_proto::topology::{manifest_key, output_key};
+use vnfarm_proto::{JobId, Manifest, Submission, Task, WorkerId, decode_json};
+use vnfarm_storage::StorageError;
+
+use super::Api;
+use super::error::ApiError;
+use super::extract::{Body, Path, Query};
+use super::files::ImageLinks;
+use crate::intake::AcceptError;
+use crate::registry::{JobState, JobView};
+use crate::scheduler::CancelError;
+
+/// The answer to an accepted submission.
+#[derive(Debug, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Submitted {
+    pub job_id: JobId,
+}
+
+/// A job the registry holds, with links to its images.
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct Job<'a> {
+    #[serde(flatten)]
+    pub view: JobView<'a>,
+    /// One per output, in order: signed URLs a browser may fetch without the token.
+    pub images: Vec<ImageLinks>,
+}
+
+/// A completed job past the registry's retention, answered from its manifest in storage.
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct ArchivedJob {
+    pub id: JobId,
+    pub kind: &'static str,
+    pub state: JobState,
+    /// Always true: only a manifest is left of this job.
+    pub archived: bool,
+    pub worker: WorkerId,
+    pub attempts: u32,
+    pub outputs: Vec<String>,
+    pub manifest: String,
+    pub updated_at: DateTime<Utc>,
+    pub task: Task,
+    pub images: Vec<ImageLinks>,
+}
+
+/// `GET /v1/jobs/{id}`: a job the registry holds, or an archived one.
+#[derive(Debug, Serialize, JsonSchema)]
+#[serde(untagged)]
+pub enum JobResource<'a> {
+    Live(Job<'a>),
+    Archived(ArchivedJob),
+}
+
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct JobList<'a> {
+    /// Newest first.
+    pub jobs: Vec<Job<'a>>,
+}
+
+/// The answer to a cancel request: the job stops between steps and reports `cancelled`.
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct CancelRequested {
+    pub job_id: JobId,
+    /// Always `requested`.
+    pub cancel: &'static str,
+}
+
+/// `GET /v1/jobs` parameters.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ListQuery {
+    /// Only jobs in this state (`queued`, `dispatched`, `running`, `retrying`, `completed`,
+    /// `failed`, `cancelled`).
+    pub state: Option<String>,
+    /// Only jobs of this kind (`generate`, `edit`, `upscale`, `pipeline`).
+    pub kind: Option<String>,
+    /// At most this many (default 100, at most 1000).
+    pub limit: Option<usize>,
+    /// Include the jobs of pipelines (default: only top-level jobs).
+    #[serde(default)]
+    pub all: bool,
+}
+
+/// A job id from the path, or 400 naming `id`.
+pub fn parse_id(id: &str) -> Result<JobId, ApiError> {
+    id.parse()
+        .map_err(|_| ApiError::bad_request("id", format!("{id:?} is not a job id")))
+}
+
+pub async fn submit(State(api): State<Api>, Body(body): Body) -> Result<Response, ApiError> {
+    let s = &api.scheduler;
+    let submission: Submission =
+        decode_json(&body).map_err(|e| ApiError::invalid(e.field, e.message))?;
+    let submitted = match s.accept(submission).await {
+        Ok(submitted) => submitted,
+        Err(AcceptError::Invalid(e)) => return Err(ApiError::invalid(e.field, e.message)),
+        Err(AcceptError::Unavailable(m)) => return Err(ApiError::unavailable(m)),
+    };
+    let Some(accepted) = s.accepted(submitted.clone(), Duration::from_secs(10)).await else {
+        return Err(ApiError::unavailable(format!(
+            "{submitted:?} was queued but is not visible yet; retry with the same idempotency key"
+        )));
+    };
+    let id = accepted.job_id;
+    let status = if accepted.created {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    Ok((
+        status,
+        [(header::LOCATION, format!("/v1/jobs/{id}"))],
+        Json(Submitted { job_id: id }),
+    )
+        .into_response())
+}
+
+pub async fn get_job(State(api): State<Api>, Path(id): Path<String>) -> Result<Response, ApiError> {
+    let id = parse_id(&id)?;
+    {
+        let reg = api.scheduler.registry();
+        if let Some(job) = reg.job(id) {
+            let view = reg.view(job, api.scheduler.heartbeat_timeout());
+            let images = api.image_links(view.outputs);
+            return Ok(Json(JobResource::Live(Job { view, images })).into_response());
+        }
+    }
+    archived_job(&api, id)
+        .await
+        .map(|a| Json(JobResource::Archived(a)).into_response())
+}
+
+/// A job the registry no longer holds (finished before the retention horizon): answered from its
+/// manifest in storage when it completed; a failed or cancelled one that old is not known any more.
+async fn archived_job(api: &Api, id: JobId) -> Result<ArchivedJob, ApiError> {
+    let not_found = || {
+        ApiError::not_found(
+            "id",
+            format!(
+                "job {id} not found (finished jobs past the retention are answered only when they completed)"
+            ),
+        )
+    };
+    let key = manifest_key(id);
+    let bytes = match api.scheduler.storage.get(&key).await {
+        Ok(bytes) => bytes,
+        Err(StorageError::NotFound { .. }) => return Err(not_found()),
+        Err(e) => {
+            api.scheduler.metrics.storage_error("get", &e);
+            return Err(ApiError::unavailable(e.to_string()));
+        }
+    };
+    let manifest = serde_json::from_slice::<Manifest>(&bytes).map_err(|_| not_found())?;
+    let outputs: Vec<String> = manifest.outputs.iter().map(|o| o.key.clone()).collect();
+    Ok(ArchivedJob {
+        id,
+        kind: manifest.task.kind_name(),
+        state: JobState::Completed,
+        archived: true,
+        worker: manifest.worker,
+        attempts: manifest.attempt,
+        images: api.image_links(&outputs),
+        outputs,
+        manifest: key,
+        updated_at: manifest.finished_at,
+        task: manifest.task,
+    })
+}
+
+pub async fn list_jobs(
+    State(api): State<Api>,
+    Query(q): Query<ListQuery>,
+) -> Result<Response, ApiError> {
+    let state = match q.state.as_deref() {
+        Some(st) => Some(
+            JobState::parse(st)
+                .ok_or_else(|| ApiError::bad_request("state", format!("unknown state {st:?}")))?,
+        ),
+        None => None,
+    };
+    const KINDS: [&str; 4] = ["generate", "edit", "upscale", "pipeline"];
+    if let Some(kind) = q.kind.as_deref()
+        && !KINDS.contains(&kind)
+    {
+        return Err(ApiError::bad_request(
+            "kind",
+            format!("unknown kind {kind:?}; one of {}", KINDS.join(", ")),
+        ));
+    }
+    let limit = q.limit.unwrap_or(100).min(1000);
+    let timeout = api.scheduler.heartbeat_timeout();
+    let reg = api.scheduler.registry();
+    let jobs: Vec<Job<'_>> = reg
+        .jobs_newest_first()
+        .filter(|j| q.all || j.parent().is_none())
+        .filter(|j| state.is_none_or(|st| j.state() == st))
+        .filter(|j| q.kind.as_deref().is_none_or(|k| j.kind() == k))
+        .take(limit)
+        .map(|j| {
+            let view = reg.view(j, timeout);
+            let images = api.image_links(view.outputs);
+            Job { view, images }
+        })
+        .collect();
+    Ok(Json(JobList { jobs }).into_response())
+}
+
+pub async fn cancel(
+    State(api): State<Api>,
+    Path(id): Path<String>,
+) -> Result<(StatusCode, Json<CancelRequested>), ApiError> {
+    let id = parse_id(&id)?;
+    match api.scheduler.cancel(id).await {
+        Ok(()) => Ok((
+            StatusCode::ACCEPTED,
+            Json(CancelRequested {
+                job_id: id,
+                cancel: "requested",
+            }),
+        )),
+        Err(e @ CancelError::NotFound(_)) => Err(ApiError::not_found("id", e.to_string())),
+        Err(e @ CancelError::Finished(..)) => {
+            Err(ApiError::new(StatusCode::CONFLICT, "id", e.to_string()))
+        }
+        Err(e @ CancelError::Unavailable(_)) => Err(ApiError::unavailable(e.to_string())),
+    }
+}
+
+/// Output image `n` of a job (PNG), for clients that send the token.
+pub async fn output(
+    State(api): State<Api>,
+    Path((id, n)): Path<(String, String)>,
+) -> Result<Response, ApiError> {
+    let id = parse_id(&id)?;
+    let n: u32 = n
+        .parse()
+        .map_err(|_| ApiError::bad_request("n", format!("{n:?} is not an image index")))?;
+    match api.scheduler.storage.get(&output_key(id, n)).await {
+        Ok(bytes) => Ok(([(header::CONTENT_TYPE, "image/png")], bytes).into_response()),
+        Err(StorageError::NotFound { key }) => {
+            Err(ApiError::not_found("n", format!("{key} not found")))
+        }
+        Err(e) => {
+            api.scheduler.metrics.storage_error("get", &e);
+            Err(ApiError::unavailable(e.to_string()))
+        }
+    }
+}
