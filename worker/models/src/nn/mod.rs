@@ -150,6 +150,14 @@ pub fn channels_last(x: &Tensor) -> Tensor {
     x.permute([0, 2, 3, 1]).contiguous().permute([0, 3, 1, 2])
 }
 
+/// Per-(sample, group) statistics of a [`GroupNorm`] input: mean and biased variance (as
+/// `torch.nn.GroupNorm` normalises with), fp32, `[N, G]`.
+#[derive(Debug)]
+pub struct GroupStats {
+    pub mean: Tensor,
+    pub var: Tensor,
+}
+
 /// `torch.nn.GroupNorm` with affine parameters.
 #[derive(Debug)]
 pub struct GroupNorm {
@@ -177,6 +185,31 @@ impl GroupNorm {
             self.eps,
             true,
         )
+    }
+
+    /// The statistics [`GroupNorm::forward`] normalises `x` (`[N, C, H, W]`) with, in fp32.
+    pub fn stats(&self, x: &Tensor) -> GroupStats {
+        let (n, c, h, w) = x.size4().expect("GroupNorm input is [N, C, H, W]");
+        let (var, mean) = x
+            .to_kind(Kind::Float)
+            .reshape([n, self.groups, (c / self.groups) * h * w])
+            .var_mean_correction(&[2][..], 0, false);
+        GroupStats { mean, var }
+    }
+
+    /// Normalises `x` with given statistics (for instance those of a whole image while `x` is a
+    /// tile of it): `(x − mean) / sqrt(var + eps) · weight + bias`, one fp32 `addcmul` per
+    /// element (per-channel scale and shift in fp32, as libtorch's kernel computes), rounded to
+    /// `x`'s dtype once.
+    pub fn forward_with(&self, x: &Tensor, stats: &GroupStats) -> Tensor {
+        let (n, c, _, _) = x.size4().expect("GroupNorm input is [N, C, H, W]");
+        let g = self.groups;
+        let rstd = (&stats.var + self.eps).rsqrt().view([n, g, 1]);
+        let scale = rstd * self.weight.to_kind(Kind::Float).view([1, g, c / g]);
+        let shift = self.bias.to_kind(Kind::Float).view([1, g, c / g])
+            - stats.mean.view([n, g, 1]) * &scale;
+        let (scale, shift) = (scale.view([n, c, 1, 1]), shift.view([n, c, 1, 1]));
+        shift.addcmul(x, &scale).to_kind(x.kind())
     }
 }
 
