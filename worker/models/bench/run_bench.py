@@ -75,6 +75,7 @@ COMPONENT_VARIANTS = {
     "c_base": [],
     "c_base_again": ["--unet-only"],
     "c_vae": ["--vae-only"],
+    "c_vae_nchw": ["--vae-only", "--vae-memory-format", "contiguous"],
 }
 # Our pipeline runs: binary ("bin" = --bin, "base" = --base-bin), extra `bench pipeline` arguments,
 # environment. Runs 1 and 2 of docs/performance.md also measured variants of intermediate versions
@@ -460,6 +461,7 @@ def main():
     ap.add_argument("--skip-components", action="store_true")
     ap.add_argument("--component-variants", default="c_base", help="our `bench components` runs (COMPONENT_VARIANTS)")
     ap.add_argument("--skip-write", action="store_true", help="reuse the weights already in --work")
+    ap.add_argument("--skip-pipeline", action="store_true", help="components only")
     ap.add_argument("--gen-2048", action="store_true", help="diffusers also runs a 2048x2048 generate")
     ap.add_argument("--tiny", action="store_true", help="diffusers' tiny SDXL test configs (smoke test)")
     ap.add_argument("--cpu", action="store_true", help="run everything on the CPU in fp32 (smoke test)")
@@ -515,8 +517,11 @@ def main():
         for cv in [v for v in a.component_variants.split(",") if v]:
             ours(f"components_{cv}", ["components", f"{a.work}/unet/diffusion_pytorch_model.safetensors",
                                       f"{a.work}/vae/diffusion_pytorch_model.safetensors", *COMPONENT_VARIANTS[cv]], {})
-    diffusers("pipeline", ["--save", os.path.join(imgs, "diffusers")])
     variants = [v for v in a.variants.split(",") if v]
+    if a.skip_pipeline:
+        variants = []
+    else:
+        diffusers("pipeline", ["--save", os.path.join(imgs, "diffusers")])
     for v in variants:
         which, args, extra_env = VARIANTS[v]
         ours(f"pipeline_{v}", ["pipeline", a.work, "--iters", str(a.iters), "--save", os.path.join(imgs, v), *args],

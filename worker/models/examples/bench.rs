@@ -5,7 +5,7 @@
 //!
 //! ```sh
 //! bench components <unet .safetensors> <vae .safetensors> [--loader L] [--vae-only|--unet-only]
-//!                  [--vae-budget-mib N]
+//!                  [--vae-budget-mib N] [--vae-memory-format channels_last|contiguous]
 //! bench pipeline <diffusers folder> [--loader L] [--tiling never|auto] [--cases a,b]
 //!                [--iters N] [--save DIR] [--load-only] [--sequential-load] [--vae-budget-mib N]
 //! bench read <file>...
@@ -37,7 +37,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use tch::{Cuda, Device, Kind, Tensor};
 use vnfarm_models::loading::safetensors::{self, LoadPath, SafetensorsFile};
 use vnfarm_models::loading::weights::{WeightStore, Weights};
-use vnfarm_models::nn::AttentionImpl;
+use vnfarm_models::nn::{AttentionImpl, MemoryFormat};
 use vnfarm_models::schedulers::Sampler;
 use vnfarm_models::sdxl::pipeline::{GenerateRequest, ModelSource, PipelineConfig, SdxlPipeline};
 use vnfarm_models::sdxl::unet::{AddedCond, UNet2DConditionModel, UNetConfig};
@@ -112,6 +112,7 @@ struct Opts {
     sequential_load: bool,
     cases: Option<Vec<String>>,
     vae_budget_mib: Option<i64>,
+    vae_memory_format: MemoryFormat,
     vae_only: bool,
     unet_only: bool,
 }
@@ -127,6 +128,7 @@ fn parse_opts(args: &[String]) -> anyhow::Result<(Vec<String>, Opts)> {
         sequential_load: false,
         cases: None,
         vae_budget_mib: None,
+        vae_memory_format: MemoryFormat::ChannelsLast,
         vae_only: false,
         unet_only: false,
     };
@@ -155,6 +157,13 @@ fn parse_opts(args: &[String]) -> anyhow::Result<(Vec<String>, Opts)> {
             "--cpu" => CPU.store(true, std::sync::atomic::Ordering::Relaxed),
             "--vae-budget-mib" => o.vae_budget_mib = Some(val()?.parse()?),
             "--vae-only" => o.vae_only = true,
+            "--vae-memory-format" => {
+                o.vae_memory_format = match val()?.as_str() {
+                    "channels_last" => MemoryFormat::ChannelsLast,
+                    "contiguous" => MemoryFormat::Contiguous,
+                    other => anyhow::bail!("unknown memory format {other}"),
+                }
+            }
             "--unet-only" => o.unet_only = true,
             _ if a.starts_with("--") => anyhow::bail!("unknown option {a}"),
             _ => pos.push(a.clone()),
@@ -204,11 +213,12 @@ fn init_cuda(opts: &Opts) -> anyhow::Result<()> {
         sync();
     }
     println!(
-        "{{\"name\": \"config\", \"loader\": \"{}\", \"tiling\": \"{:?}\", \"alloc_conf\": \"{}\", \"vae_budget_mib\": {:?}}}",
+        "{{\"name\": \"config\", \"loader\": \"{}\", \"tiling\": \"{:?}\", \"alloc_conf\": \"{}\", \"vae_budget_mib\": {:?}, \"vae_memory_format\": \"{:?}\"}}",
         opts.loader,
         opts.tiling,
         std::env::var("PYTORCH_CUDA_ALLOC_CONF").unwrap_or_default(),
         opts.vae_budget_mib,
+        opts.vae_memory_format,
     );
     Ok(())
 }
@@ -377,6 +387,7 @@ fn components(unet_path: &str, vae_path: &str, opts: &Opts) -> anyhow::Result<()
     let t = Instant::now();
     let mut vae_cfg = VaeConfig::sdxl();
     vae_cfg.memory_budget_mib = opts.vae_budget_mib.unwrap_or(2048);
+    vae_cfg.memory_format = opts.vae_memory_format;
     let vae = AutoencoderKL::new(&weights(vae_path)?, &vae_cfg, imp)?;
     sync();
     println!(
@@ -416,10 +427,16 @@ fn unet_cases(w: &Weights, imp: AttentionImpl) -> anyhow::Result<()> {
         now()
     );
     // 0 math, 1 flash, 2 memory-efficient, 3 cuDNN (at::SDPBackend).
-    for (heads, lq, lk) in [(10, 4096, 4096), (10, 4096, 154), (20, 1024, 1024), (20, 1024, 154)] {
+    for (heads, lq, lk) in [
+        (10, 4096, 4096),
+        (10, 4096, 154),
+        (20, 1024, 1024),
+        (20, 1024, 154),
+    ] {
         let q = Tensor::randn([2, heads, lq, 64], (dt, dev));
         let k = Tensor::randn([2, heads, lk, 64], (dt, dev));
-        let choice = Tensor::internal_fused_sdp_choice(&q, &k, &k, None::<Tensor>, 0.0, false, None, false);
+        let choice =
+            Tensor::internal_fused_sdp_choice(&q, &k, &k, None::<Tensor>, 0.0, false, None, false);
         println!("{{\"name\": \"sdp_choice_h{heads}_q{lq}_k{lk}\", \"backend\": {choice}}}");
     }
 

@@ -274,8 +274,13 @@ fn seam_free_tiled_decode_equals_untiled_with_exact_statistics() {
         diff.mean(Kind::Float).double_value(&[]) / range,
         diff.max().double_value(&[]) / range,
     );
-    println!("seam-free tiled decode, 2x subsample: error mean {mean:.3e}, max {max:.3e} of max|untiled|");
-    assert!(mean < 0.05 && max < 0.25, "statistics from a subsample drift: {mean}, {max}");
+    println!(
+        "seam-free tiled decode, 2x subsample: error mean {mean:.3e}, max {max:.3e} of max|untiled|"
+    );
+    assert!(
+        mean < 0.05 && max < 0.25,
+        "statistics from a subsample drift: {mean}, {max}"
+    );
     // Under `Auto`, a budget of 0 tiles everything, the default budget nothing.
     let mut cfg = VaeConfig::tiny();
     cfg.memory_budget_mib = 0;

@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use serde::Deserialize;
 
-use vnfarm_models::nn::AttentionImpl;
+use vnfarm_models::nn::{AttentionImpl, MemoryFormat};
 use vnfarm_models::schedulers::PredictionType;
 use vnfarm_models::schedulers::Sampler;
 use vnfarm_models::sdxl::pipeline::{
@@ -73,6 +73,11 @@ pub struct SdxlConfig {
     /// what sets it on a ROCm box, where decode time, not memory, decides.
     #[serde(default)]
     pub vae_memory_budget_mib: Option<u32>,
+    /// Memory order of the VAE's activations: `channels_last` (default; diffusers' decoder runs
+    /// NHWC after its mid block, and NHWC GroupNorm keeps it so) or `contiguous` (NCHW
+    /// throughout: the ROCm-safe choice unless `PYTORCH_MIOPEN_SUGGEST_NHWC=1` is set).
+    #[serde(default)]
+    pub vae_memory_format: Option<MemoryFormat>,
     /// `[width, height]` sizes run once (one step and a decode) before the worker takes jobs.
     #[serde(default = "default_warm_up")]
     pub warm_up: Vec<[u32; 2]>,
@@ -196,9 +201,14 @@ impl SdxlEngine {
         if let Some(dir) = config_dir.or(checkpoint.is_dir().then_some(checkpoint)) {
             pc.components = ComponentConfigs::default().fill_from_dir(dir)?;
         }
-        if let Some(mib) = config.vae_memory_budget_mib {
+        if config.vae_memory_budget_mib.is_some() || config.vae_memory_format.is_some() {
             let mut vae = pc.components.vae.take().unwrap_or_else(VaeConfig::sdxl);
-            vae.memory_budget_mib = i64::from(mib);
+            if let Some(mib) = config.vae_memory_budget_mib {
+                vae.memory_budget_mib = i64::from(mib);
+            }
+            if let Some(format) = config.vae_memory_format {
+                vae.memory_format = format;
+            }
             pc.components.vae = Some(vae);
         }
         pc.tokenizer_dir = config.tokenizer_dir.clone().or_else(|| {
@@ -482,6 +492,7 @@ mod tests {
             prediction_type: None,
             vae_tiling: VaeTiling::Auto,
             vae_memory_budget_mib: None,
+            vae_memory_format: None,
             warm_up: Vec::new(),
             max_batch: 4,
         }

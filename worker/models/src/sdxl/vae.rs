@@ -15,7 +15,10 @@ use tch::{Kind, Tensor};
 
 use crate::error::LoadError;
 use crate::loading::weights::Weights;
-use crate::nn::{AttentionImpl, Conv2d, GroupNorm, GroupStats, Linear, attention};
+use crate::nn::{
+    AttentionImpl, Conv2d, GroupNorm, GroupStats, Linear, MemoryFormat, attention, channels_last,
+    is_channels_last,
+};
 use crate::sdxl::resnet::{Downsample2D, ResnetBlock2D, Upsample2D};
 
 /// Whether a call tiles (shared with the Qwen-Image VAE; re-exported so SDXL callers keep
@@ -40,6 +43,20 @@ pub struct VaeConfig {
     /// Working memory (MiB, weights excluded) one image's decode or encode may take under
     /// `Tiling::Auto`: untiled when [`VaeConfig::decode_bytes`] fits, tiled beyond.
     pub memory_budget_mib: i64,
+    /// Memory order of the decoder after its mid block and of the encoder's input. Channels-last
+    /// is what diffusers' decoder runs in after the mid-block attention (its output is a
+    /// transposed view); `contiguous` makes both NCHW throughout (for backends whose NHWC
+    /// convolutions are slow, e.g. MIOpen without `PYTORCH_MIOPEN_SUGGEST_NHWC=1`).
+    pub memory_format: MemoryFormat,
+}
+
+/// `x` in `format`'s memory order (a no-op when it already is).
+fn in_layout(x: Tensor, format: MemoryFormat) -> Tensor {
+    match format {
+        MemoryFormat::ChannelsLast if is_channels_last(&x) => x,
+        MemoryFormat::ChannelsLast => channels_last(&x),
+        MemoryFormat::Contiguous => x.contiguous(),
+    }
 }
 
 /// The default of [`VaeConfig::memory_budget_mib`]: 2048² decodes untiled in bf16 (about 10 GiB,
@@ -52,7 +69,7 @@ pub const DEFAULT_MEMORY_BUDGET_MIB: i64 = 12 * 1024;
 /// `torch.cuda.max_memory_allocated` of diffusers' decode at 1024² to 2048² (docs/performance.md).
 const DECODE_ACTIVATIONS: f64 = 5.0;
 /// The same for an encode, in activations of the first down block's width (128 for SDXL).
-const ENCODE_ACTIVATIONS: f64 = 8.0;
+const ENCODE_ACTIVATIONS: f64 = 6.5;
 /// Largest `softmax(q kᵀ)` block the `matmul` attention of the VAE's mid block materialises at
 /// once (queries are processed in chunks beyond it): 65536 tokens (2048²) would need 8 GiB whole.
 const MATMUL_ATTENTION_CHUNK_BYTES: i64 = 512 << 20;
@@ -72,6 +89,7 @@ impl VaeConfig {
             tile_sample_size: 1024,
             tile_overlap_factor: 0.25,
             memory_budget_mib: DEFAULT_MEMORY_BUDGET_MIB,
+            memory_format: MemoryFormat::ChannelsLast,
         }
     }
 
@@ -89,6 +107,7 @@ impl VaeConfig {
             tile_sample_size: 128,
             tile_overlap_factor: 0.25,
             memory_budget_mib: DEFAULT_MEMORY_BUDGET_MIB,
+            memory_format: MemoryFormat::ChannelsLast,
         }
     }
 
@@ -117,6 +136,7 @@ impl VaeConfig {
             tile_sample_size: sample,
             tile_overlap_factor: 0.25,
             memory_budget_mib: DEFAULT_MEMORY_BUDGET_MIB,
+            memory_format: MemoryFormat::ChannelsLast,
         })
     }
 
@@ -129,7 +149,8 @@ impl VaeConfig {
     /// in `kind`.
     pub fn decode_bytes(&self, height: i64, width: i64, kind: Kind) -> i64 {
         let width_channels = self.block_out_channels[1.min(self.block_out_channels.len() - 1)];
-        let per_pixel = DECODE_ACTIVATIONS * width_channels as f64 * kind.elt_size_in_bytes() as f64;
+        let per_pixel =
+            DECODE_ACTIVATIONS * width_channels as f64 * kind.elt_size_in_bytes() as f64;
         (per_pixel * (height * width) as f64) as i64
     }
 
@@ -227,8 +248,8 @@ impl VaeAttention {
         let scores = l * l * x.kind().elt_size_in_bytes() as i64;
         let o = if self.imp == AttentionImpl::Matmul && scores > MATMUL_ATTENTION_CHUNK_BYTES {
             // Row blocks of the score matrix one at a time (softmax is per query row).
-            let rows = (MATMUL_ATTENTION_CHUNK_BYTES / (l * x.kind().elt_size_in_bytes() as i64))
-                .max(1);
+            let rows =
+                (MATMUL_ATTENTION_CHUNK_BYTES / (l * x.kind().elt_size_in_bytes() as i64)).max(1);
             let parts: Vec<Tensor> = q
                 .split(rows, 2)
                 .iter()
@@ -325,8 +346,8 @@ impl Encoder {
         })
     }
 
-    fn forward(&self, x: &Tensor) -> Tensor {
-        let mut h = self.conv_in.forward(x);
+    fn forward(&self, x: &Tensor, format: MemoryFormat) -> Tensor {
+        let mut h = self.conv_in.forward(&in_layout(x.shallow_clone(), format));
         for block in &self.down_blocks {
             for r in &block.resnets {
                 h = r.forward(&h, None);
@@ -389,8 +410,10 @@ impl Decoder {
         })
     }
 
-    fn forward(&self, z: &Tensor) -> Tensor {
-        self.up(&self.latent_part(z), &mut |norm, t| norm.forward(t))
+    fn forward(&self, z: &Tensor, format: MemoryFormat) -> Tensor {
+        self.up(&in_layout(self.latent_part(z), format), &mut |norm, t| {
+            norm.forward(t)
+        })
     }
 
     /// `conv_in` and the mid block: everything at the latent's size (attention included).
@@ -410,10 +433,8 @@ impl Decoder {
             for r in &block.resnets {
                 h = r.forward(&h, None);
             }
-            if i < split {
-                if let Some(u) = &block.up {
-                    h = u.forward(&h, None);
-                }
+            if let (true, Some(u)) = (i < split, &block.up) {
+                h = u.forward(&h, None);
             }
         }
         h
@@ -513,10 +534,14 @@ impl AutoencoderKL {
                 (c.tile_sample_size as f64 * (1.0 - c.tile_overlap_factor)) as i64,
                 (self.tile_latent_size() as f64 * c.tile_overlap_factor) as i64,
                 self.tile_latent_size(),
-                |t| self.quant_conv.forward(&self.encoder.forward(t)),
+                |t| {
+                    self.quant_conv
+                        .forward(&self.encoder.forward(t, c.memory_format))
+                },
             )
         } else {
-            self.quant_conv.forward(&self.encoder.forward(x))
+            self.quant_conv
+                .forward(&self.encoder.forward(x, c.memory_format))
         };
         let parts = moments.chunk(2, 1);
         DiagonalGaussian {
@@ -534,10 +559,12 @@ impl AutoencoderKL {
         let c = &self.config;
         let f = c.scale_factor();
         match tiling {
-            Tiling::Never => self.decoder.forward(&self.post_quant_conv.forward(z)),
-            Tiling::Auto if c.decode_bytes(h * f, w * f, z.kind()) <= c.budget_bytes() => {
-                self.decoder.forward(&self.post_quant_conv.forward(z))
-            }
+            Tiling::Never => self
+                .decoder
+                .forward(&self.post_quant_conv.forward(z), c.memory_format),
+            Tiling::Auto if c.decode_bytes(h * f, w * f, z.kind()) <= c.budget_bytes() => self
+                .decoder
+                .forward(&self.post_quant_conv.forward(z), c.memory_format),
             Tiling::Auto => self.decode_tiled(z, self.tiled_plan(h, w, z.kind())),
             Tiling::Always => {
                 let tl = self.tile_latent_size();
@@ -547,7 +574,10 @@ impl AutoencoderKL {
                     (tl as f64 * (1.0 - c.tile_overlap_factor)) as i64,
                     (c.tile_sample_size as f64 * c.tile_overlap_factor) as i64,
                     c.tile_sample_size,
-                    |t| self.decoder.forward(&self.post_quant_conv.forward(t)),
+                    |t| {
+                        self.decoder
+                            .forward(&self.post_quant_conv.forward(t), c.memory_format)
+                    },
                 )
             }
         }
@@ -599,7 +629,10 @@ impl AutoencoderKL {
         let split = c.tiling_block();
         let g = c.scale_factor() >> split;
         let head = self.decoder.up_head(
-            &self.decoder.latent_part(&self.post_quant_conv.forward(z)),
+            &in_layout(
+                self.decoder.latent_part(&self.post_quant_conv.forward(z)),
+                c.memory_format,
+            ),
             split,
         );
         let (hs, ws) = (head.size()[2], head.size()[3]);
@@ -617,18 +650,22 @@ impl AutoencoderKL {
         let out = Tensor::empty([b, c.out_channels, hs * g, ws * g], (z.kind(), z.device()));
         for t in tile_grid(hs, ws, plan) {
             let mut next = stats.iter();
-            let decoded = self.decoder.up_tail(&t.input(&head), split, &mut |norm, x| {
-                let st = next
-                    .next()
-                    .expect("a tile passes the same GroupNorms as the statistics pass");
-                norm.forward_with(x, st)
-            });
+            let decoded = self
+                .decoder
+                .up_tail(&t.input(&head), split, &mut |norm, x| {
+                    let st = next
+                        .next()
+                        .expect("a tile passes the same GroupNorms as the statistics pass");
+                    norm.forward_with(x, st)
+                });
             out.narrow(2, t.core_at.0 * g, t.core.0 * g)
                 .narrow(3, t.core_at.1 * g, t.core.1 * g)
                 .copy_(
-                    &decoded
-                        .narrow(2, t.core_offset.0 * g, t.core.0 * g)
-                        .narrow(3, t.core_offset.1 * g, t.core.1 * g),
+                    &decoded.narrow(2, t.core_offset.0 * g, t.core.0 * g).narrow(
+                        3,
+                        t.core_offset.1 * g,
+                        t.core.1 * g,
+                    ),
                 );
         }
         out
@@ -661,7 +698,10 @@ fn tile_grid(h: i64, w: i64, plan: TiledDecode) -> Vec<Tile> {
     for i in (0..h).step_by(core as usize) {
         for j in (0..w).step_by(core as usize) {
             let (i0, j0) = ((i - plan.margin).max(0), (j - plan.margin).max(0));
-            let (i1, j1) = ((i + core + plan.margin).min(h), (j + core + plan.margin).min(w));
+            let (i1, j1) = (
+                (i + core + plan.margin).min(h),
+                (j + core + plan.margin).min(w),
+            );
             tiles.push(Tile {
                 start: (i0, j0),
                 rows: (i1 - i0, j1 - j0),
