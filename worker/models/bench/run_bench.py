@@ -58,8 +58,24 @@ ALL_GEN = {**GEN_CASES, **GEN_2048}
 UNET_CASES = {"unet_cfg_1024": (2, 128, 128), "unet_cfg_1280x720": (2, 90, 160), "unet_b8_1024": (8, 128, 128)}
 VAE_CASES = {
     "vae_decode_1024": (128, 128, False),
+    "vae_decode_1216x832_untiled": (104, 152, False),
+    "vae_decode_1216x832_difftiled": (104, 152, True),
     "vae_decode_1920x1080_untiled": (135, 240, False),
-    "vae_decode_1920x1080_tiled": (135, 240, True),
+    "vae_decode_1920x1080_difftiled": (135, 240, True),
+    "vae_decode_2048_untiled": (256, 256, False),
+    "vae_decode_2048_difftiled": (256, 256, True),
+}
+# Our seam-free tiled decode (no diffusers counterpart), reported beside the cases above.
+OURS_VAE_EXTRA = [f"vae_decode_{s}_{v}" for s in ["1216x832", "1920x1080", "2048"]
+                  for v in ["seamfree"]] + ["vae_decode_1920x1080_seamfree_exact_stats"]
+# `bench components` runs of ours (`--component-variants`): extra arguments. The kernels campaign's
+# variants (channels-last, cuDNN benchmark mode, the memory-efficient SDPA kernel; docs/performance.md)
+# are gone with the code they measured.
+COMPONENT_VARIANTS = {
+    "c_base": [],
+    "c_base_again": ["--unet-only"],
+    "c_vae": ["--vae-only"],
+    "c_vae_nchw": ["--vae-only", "--vae-memory-format", "contiguous"],
 }
 # Our pipeline runs: binary ("bin" = --bin, "base" = --base-bin), extra `bench pipeline` arguments,
 # environment. Runs 1 and 2 of docs/performance.md also measured variants of intermediate versions
@@ -91,6 +107,12 @@ VARIANTS = {
     "load_parallel_again": ("bin", ["--load-only"], {}),
     "load_sequential": ("bin", ["--load-only", "--sequential-load"], {}),
     "load_sequential_again": ("bin", ["--load-only", "--sequential-load"], {}),
+    # 1024² alone (2026-12-01 runs).
+    "k_default": ("bin", ["--cases", "gen_1024"], {}),
+    # 2048² with the VAE budget rule (the default budget decodes it untiled) and with a 2 GiB budget
+    # (the seam-free tiled decode).
+    "gen2048_budget": ("bin", ["--cases", "gen_2048", "--tiling", "auto"], {}),
+    "gen2048_budget2g": ("bin", ["--cases", "gen_2048", "--tiling", "auto", "--vae-budget-mib", "2048"], {}),
 }
 
 SDXL_UNET = dict(sample_size=128, in_channels=4, out_channels=4, flip_sin_to_cos=True, freq_shift=0,
@@ -261,6 +283,7 @@ def components_diffusers(a, dev, dt, sync, peak_gib, reset_peak):
     def bench(name, fn, warm, iters):
         t0 = time.time()
         reset_peak()
+        before = torch.cuda.memory_allocated() / 2**30
         for _ in range(warm):
             fn()
         sync()
@@ -274,7 +297,7 @@ def components_diffusers(a, dev, dt, sync, peak_gib, reset_peak):
             ts.append(s.elapsed_time(e))
         ts.sort()
         emit({"name": name, "ms_median": ts[len(ts) // 2], "ms_min": ts[0], "ms_max": ts[-1], "iters": iters,
-              "t0": t0, "t1": time.time(), "peak_alloc_gib": peak_gib()})
+              "t0": t0, "t1": time.time(), "peak_alloc_gib": peak_gib(), "work_gib": peak_gib() - before})
 
     t0 = time.time()
     unet = UNet2DConditionModel.from_pretrained(f"{a.work}/unet", torch_dtype=dt).to(dev).eval()
@@ -295,14 +318,25 @@ def components_diffusers(a, dev, dt, sync, peak_gib, reset_peak):
     vae = AutoencoderKL.from_pretrained(f"{a.work}/vae", torch_dtype=dt).to(dev).eval()
     sync()
     emit({"name": "vae_load", "s": time.time() - t0, "t0": t0, "t1": time.time()})
+    def rgb8(x):
+        return ((x.float() / 2 + 0.5).clamp(0, 1) * 255).round()
+
     with torch.no_grad():
+        untiled = {}
         for name, (h, w, tiled) in VAE_CASES.items():
             if tiled:
                 vae.enable_tiling()
             else:
                 vae.disable_tiling()
+            torch.manual_seed(1)
             z = torch.randn(1, 4, h, w, device=dev, dtype=dt)
+            if not tiled:
+                untiled[(h, w)] = rgb8(vae.decode(z).sample)
+            elif (h, w) in untiled:  # diffusers' own tiled vs untiled (seams)
+                d = (rgb8(vae.decode(z).sample) - untiled[(h, w)]).abs()
+                emit({"name": f"{name}_vs_untiled", "mae": d.mean().item(), "max": d.max().item()})
             bench(name, lambda: vae.decode(z).sample, 2, 5)
+        untiled.clear()
         vae.disable_tiling()
         x = torch.randn(1, 3, 1024, 1024, device=dev, dtype=dt)
         bench("vae_encode_1024", lambda: vae.encode(x).latent_dist.mean, 2, 5)
@@ -425,7 +459,9 @@ def main():
     ap.add_argument("--variants", default="base,after")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--skip-components", action="store_true")
+    ap.add_argument("--component-variants", default="c_base", help="our `bench components` runs (COMPONENT_VARIANTS)")
     ap.add_argument("--skip-write", action="store_true", help="reuse the weights already in --work")
+    ap.add_argument("--skip-pipeline", action="store_true", help="components only")
     ap.add_argument("--gen-2048", action="store_true", help="diffusers also runs a 2048x2048 generate")
     ap.add_argument("--tiny", action="store_true", help="diffusers' tiny SDXL test configs (smoke test)")
     ap.add_argument("--cpu", action="store_true", help="run everything on the CPU in fp32 (smoke test)")
@@ -478,10 +514,14 @@ def main():
 
     if not a.skip_components and not a.cpu:
         diffusers("components")
-        ours("components", ["components", f"{a.work}/unet/diffusion_pytorch_model.safetensors",
-                            f"{a.work}/vae/diffusion_pytorch_model.safetensors"], {})
-    diffusers("pipeline", ["--save", os.path.join(imgs, "diffusers")])
+        for cv in [v for v in a.component_variants.split(",") if v]:
+            ours(f"components_{cv}", ["components", f"{a.work}/unet/diffusion_pytorch_model.safetensors",
+                                      f"{a.work}/vae/diffusion_pytorch_model.safetensors", *COMPONENT_VARIANTS[cv]], {})
     variants = [v for v in a.variants.split(",") if v]
+    if a.skip_pipeline:
+        variants = []
+    else:
+        diffusers("pipeline", ["--save", os.path.join(imgs, "diffusers")])
     for v in variants:
         which, args, extra_env = VARIANTS[v]
         ours(f"pipeline_{v}", ["pipeline", a.work, "--iters", str(a.iters), "--save", os.path.join(imgs, v), *args],
@@ -591,22 +631,48 @@ def make_tables(res, variants, a):
             f"`{v}` " + ", ".join(f"{c} {m['mae']:.2f} ({m['max']:.0f})" for c, m in cs.items())
             for v, cs in res["image_mae"].items())]
 
-    if "diffusers_components" in res and "ours_components" in res:
-        dc, oc = res["diffusers_components"]["rows"], res["ours_components"]["rows"]
-        lines += ["", "| component | diffusers | ours | ours ÷ diffusers | GPU memory in case, diffusers / ours (MiB) |",
-                  "| --- | ---: | ---: | ---: | ---: |"]
+    cvs = [v for v in a.component_variants.split(",") if f"ours_components_{v}" in res]
+    if "diffusers_components" in res and cvs:
+        dc = res["diffusers_components"]["rows"]
+        ocs = {v: res[f"ours_components_{v}"]["rows"] for v in cvs}
+        lines += ["", "Components, median ms (ours ÷ diffusers); GPU memory: nvidia-ml peak over idle in the case's window (MiB), "
+                  "diffusers' `max_memory_allocated` − allocated before the case (GiB)", "",
+                  "| component | diffusers | " + " | ".join(f"`{v}`" for v in cvs) + " | memory: diffusers smi / work GiB; ours (first) smi |",
+                  "| --- | ---: |" + " ---: |" * len(cvs) + " ---: |"]
         for name in ["unet_load", "vae_load"]:
-            ds, os_ = num(dc, name, "s"), num(oc, name, "s")
-            lines.append(f"| {name} (s) | {f(ds, 3)} | {f(os_, 3)} | {ratio(os_, ds)} | "
-                         f"{num(dc, name, 'smi_peak_mib')} / {num(oc, name, 'smi_peak_mib')} |")
-        for name in list(UNET_CASES) + list(VAE_CASES) + ["vae_encode_1024"]:
-            x, y = dc.get(name), oc.get(name)
-            g = lambda r: f"{r['ms_median']:.1f} [{r['ms_min']:.1f}–{r['ms_max']:.1f}]" if r else "n/a"
-            lines.append(f"| {name} median ms [min–max] | {g(x)} | {g(y)} | "
-                         f"{ratio(y['ms_median'] if y else None, x['ms_median'] if x else None)} | "
-                         f"{num(dc, name, 'smi_peak_mib')} / {num(oc, name, 'smi_peak_mib')} |")
-        dm, om = res["diffusers_components"]["mem"]["peak_mib"], res["ours_components"]["mem"]["peak_mib"]
-        lines.append(f"| process GPU memory peak over idle (MiB) | {dm} | {om} | {ratio(om, dm)} | |")
+            ds = num(dc, name, "s")
+            cells = [f"{f(num(ocs[v], name, 's'), 3)} ({ratio(num(ocs[v], name, 's'), ds)})" for v in cvs]
+            lines.append(f"| {name} (s) | {f(ds, 3)} | " + " | ".join(cells) + " | |")
+        for name in list(UNET_CASES) + list(VAE_CASES) + OURS_VAE_EXTRA + ["vae_encode_1024"]:
+            x = dc.get(name)
+            d = x["ms_median"] if x else None
+            cells = []
+            for v in cvs:
+                y = ocs[v].get(name)
+                cells.append(f"{y['ms_median']:.1f} ({ratio(y['ms_median'], d)})" if y else "–")
+            first = ocs[cvs[0]]
+            lines.append(f"| {name} | {f(d, 1)} | " + " | ".join(cells) +
+                         f" | {num(dc, name, 'smi_peak_mib')} / {f(num(dc, name, 'work_gib'), 2)}; {num(first, name, 'smi_peak_mib')} |")
+        diffs = []
+        for name in list(VAE_CASES) + OURS_VAE_EXTRA:
+            for side, rows in [("diffusers", dc)] + [(f"`{v}`", ocs[v]) for v in cvs]:
+                r = rows.get(f"{name}_vs_untiled")
+                if r:
+                    diffs.append(f"{name} {side} {r['mae']:.3f} ({r['max']:.0f})")
+        if diffs:
+            lines += ["", "Tiled vs untiled decode, RGB8, mean (max) in 1/255: " + "; ".join(diffs)]
+        plans = [f"{k[len('vae_plan_'):]}: estimate {r['decode_bytes_estimate'] / 2**30:.2f} GiB, core {r['core']}, margin {r['margin']}, "
+                 f"stats stride {r['stats_stride']} (budget {r['budget_mib']} MiB)"
+                 for k, r in ocs[cvs[0]].items() if k.startswith("vae_plan_")]
+        if plans:
+            lines += ["", "Seam-free plans (latent px): " + "; ".join(plans)]
+        sdp = [f"{k}={r['backend']}" for k, r in ocs[cvs[0]].items() if k.startswith("sdp_choice")]
+        if sdp:
+            lines += ["", "SDPA backend libtorch picks (0 math, 1 flash, 2 efficient, 3 cuDNN): " + ", ".join(sdp)]
+        dm = res["diffusers_components"]["mem"]["peak_mib"]
+        lines.append("")
+        lines.append(f"Process GPU memory peak over idle (MiB): diffusers {dm}; " +
+                     ", ".join(f"`{v}` {res[f'ours_components_{v}']['mem']['peak_mib']}" for v in cvs))
     return "\n".join(lines)
 
 

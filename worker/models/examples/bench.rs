@@ -4,13 +4,17 @@
 //! which also times diffusers on the same weights and GPU:
 //!
 //! ```sh
-//! bench components <unet .safetensors> <vae .safetensors> [--loader L]
+//! bench components <unet .safetensors> <vae .safetensors> [--loader L] [--vae-only|--unet-only]
+//!                  [--vae-budget-mib N] [--vae-memory-format channels_last|contiguous]
 //! bench pipeline <diffusers folder> [--loader L] [--tiling never|auto] [--cases a,b]
-//!                [--iters N] [--save DIR] [--load-only] [--sequential-load]
+//!                [--iters N] [--save DIR] [--load-only] [--sequential-load] [--vae-budget-mib N]
 //! bench read <file>...
 //! ```
 //!
-//! - `components`: UNet and VAE load, UNet forward (CFG batch 2, batch 8), VAE decode/encode.
+//! - `components`: UNet and VAE load, UNet forward (CFG batch 2, batch 8), VAE decode/encode; the
+//!   VAE decode untiled, seam-free tiled (`decode_tiled` planned for a 2048 MiB budget, and with
+//!   exact statistics at 1920×1080) and diffusers-tiled at 1216×832, 1920×1080 and 2048², each
+//!   tiled image compared with the untiled one as RGB8 (`mae`, `max` in 1/255).
 //! - `pipeline`: `SdxlPipeline::load` of the whole folder, then `generate` (Euler, 20 steps, cfg 4.5,
 //!   prompt + negative prompt): 1024² first call and steady state, 1920×1080, 4 images at 1024².
 //!   `--save DIR` writes the first image of some cases as raw RGB8 (`<case>.rgb`, with its size in
@@ -33,11 +37,11 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use tch::{Cuda, Device, Kind, Tensor};
 use vnfarm_models::loading::safetensors::{self, LoadPath, SafetensorsFile};
 use vnfarm_models::loading::weights::{WeightStore, Weights};
-use vnfarm_models::nn::AttentionImpl;
+use vnfarm_models::nn::{AttentionImpl, MemoryFormat};
 use vnfarm_models::schedulers::Sampler;
 use vnfarm_models::sdxl::pipeline::{GenerateRequest, ModelSource, PipelineConfig, SdxlPipeline};
 use vnfarm_models::sdxl::unet::{AddedCond, UNet2DConditionModel, UNetConfig};
-use vnfarm_models::sdxl::vae::{AutoencoderKL, Tiling, VaeConfig};
+use vnfarm_models::sdxl::vae::{AutoencoderKL, TiledDecode, Tiling, VaeConfig};
 use vnfarm_models::text::clip_tokenizer::ClipTokenizer;
 
 /// Prompts of both sides (`run_bench.py` uses the same strings).
@@ -107,6 +111,10 @@ struct Opts {
     load_only: bool,
     sequential_load: bool,
     cases: Option<Vec<String>>,
+    vae_budget_mib: Option<i64>,
+    vae_memory_format: MemoryFormat,
+    vae_only: bool,
+    unet_only: bool,
 }
 
 fn parse_opts(args: &[String]) -> anyhow::Result<(Vec<String>, Opts)> {
@@ -119,6 +127,10 @@ fn parse_opts(args: &[String]) -> anyhow::Result<(Vec<String>, Opts)> {
         load_only: false,
         sequential_load: false,
         cases: None,
+        vae_budget_mib: None,
+        vae_memory_format: MemoryFormat::ChannelsLast,
+        vae_only: false,
+        unet_only: false,
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -143,6 +155,16 @@ fn parse_opts(args: &[String]) -> anyhow::Result<(Vec<String>, Opts)> {
             "--sequential-load" => o.sequential_load = true,
             "--cases" => o.cases = Some(val()?.split(',').map(str::to_string).collect()),
             "--cpu" => CPU.store(true, std::sync::atomic::Ordering::Relaxed),
+            "--vae-budget-mib" => o.vae_budget_mib = Some(val()?.parse()?),
+            "--vae-only" => o.vae_only = true,
+            "--vae-memory-format" => {
+                o.vae_memory_format = match val()?.as_str() {
+                    "channels_last" => MemoryFormat::ChannelsLast,
+                    "contiguous" => MemoryFormat::Contiguous,
+                    other => anyhow::bail!("unknown memory format {other}"),
+                }
+            }
+            "--unet-only" => o.unet_only = true,
             _ if a.starts_with("--") => anyhow::bail!("unknown option {a}"),
             _ => pos.push(a.clone()),
         }
@@ -191,10 +213,12 @@ fn init_cuda(opts: &Opts) -> anyhow::Result<()> {
         sync();
     }
     println!(
-        "{{\"name\": \"config\", \"loader\": \"{}\", \"tiling\": \"{:?}\", \"alloc_conf\": \"{}\"}}",
+        "{{\"name\": \"config\", \"loader\": \"{}\", \"tiling\": \"{:?}\", \"alloc_conf\": \"{}\", \"vae_budget_mib\": {:?}, \"vae_memory_format\": \"{:?}\"}}",
         opts.loader,
         opts.tiling,
-        std::env::var("PYTORCH_CUDA_ALLOC_CONF").unwrap_or_default()
+        std::env::var("PYTORCH_CUDA_ALLOC_CONF").unwrap_or_default(),
+        opts.vae_budget_mib,
+        opts.vae_memory_format,
     );
     Ok(())
 }
@@ -239,6 +263,12 @@ fn pipeline(dir: &Path, opts: &Opts) -> anyhow::Result<()> {
     cfg.attention = AttentionImpl::Sdpa;
     cfg.vae_tiling = opts.tiling;
     cfg.parallel_load = !opts.sequential_load;
+    if let Some(mib) = opts.vae_budget_mib {
+        let mut vae = VaeConfig::from_json(&std::fs::read_to_string(dir.join("vae/config.json"))?)
+            .map_err(anyhow::Error::msg)?;
+        vae.memory_budget_mib = mib;
+        cfg.components.vae = Some(vae);
+    }
     // What the tokenizers alone cost to parse (part of the load below).
     let t = Instant::now();
     for (sub, pad) in [("tokenizer", "<|endoftext|>"), ("tokenizer_2", "!")] {
@@ -343,20 +373,72 @@ fn components(unet_path: &str, vae_path: &str, opts: &Opts) -> anyhow::Result<()
     let dt = Kind::BFloat16;
     let imp = AttentionImpl::Sdpa;
     let _guard = tch::no_grad_guard();
+    let weights =
+        |path: &str| -> anyhow::Result<Weights> { Ok(Weights::new(store(path)?, dev, dt)) };
+
+    if !opts.vae_only {
+        unet_cases(&weights(unet_path)?, imp)?;
+    }
+    if opts.unet_only {
+        return Ok(());
+    }
 
     let t0 = now();
     let t = Instant::now();
-    let unet = UNet2DConditionModel::new(
-        &Weights::new(store(unet_path)?, dev, dt),
-        &UNetConfig::sdxl_base(),
-        imp,
-    )?;
+    let mut vae_cfg = VaeConfig::sdxl();
+    vae_cfg.memory_budget_mib = opts.vae_budget_mib.unwrap_or(2048);
+    vae_cfg.memory_format = opts.vae_memory_format;
+    let vae = AutoencoderKL::new(&weights(vae_path)?, &vae_cfg, imp)?;
+    sync();
+    println!(
+        "{{\"name\": \"vae_load\", \"s\": {:.3}, \"t0\": {t0:.3}, \"t1\": {:.3}}}",
+        t.elapsed().as_secs_f64(),
+        now()
+    );
+    bench("vae_decode_1024", 2, 5, || {
+        vae.decode(&Tensor::randn([1, 4, 128, 128], (dt, dev)), Tiling::Never)
+    });
+    // Increasing sizes, so that each case's window of the sampled GPU memory shows its own peak.
+    for (size, h, w) in [
+        ("1216x832", 104, 152),
+        ("1920x1080", 135, 240),
+        ("2048", 256, 256),
+    ] {
+        vae_tiling_cases(&vae, size, h, w, dt, dev);
+    }
+    let x = Tensor::randn([1, 3, 1024, 1024], (dt, dev));
+    bench("vae_encode_1024", 2, 5, || {
+        vae.encode(&x, Tiling::Never).mean
+    });
+    Ok(())
+}
+
+/// UNet load and forwards (CFG batch 2 at 1024² and 1280×720, batch 8 at 1024²), with the SDPA
+/// backend libtorch picks for each attention shape.
+fn unet_cases(w: &Weights, imp: AttentionImpl) -> anyhow::Result<()> {
+    let (dev, dt) = (w.device, w.kind);
+    let t0 = now();
+    let t = Instant::now();
+    let unet = UNet2DConditionModel::new(w, &UNetConfig::sdxl_base(), imp)?;
     sync();
     println!(
         "{{\"name\": \"unet_load\", \"s\": {:.3}, \"t0\": {t0:.3}, \"t1\": {:.3}}}",
         t.elapsed().as_secs_f64(),
         now()
     );
+    // 0 math, 1 flash, 2 memory-efficient, 3 cuDNN (at::SDPBackend).
+    for (heads, lq, lk) in [
+        (10, 4096, 4096),
+        (10, 4096, 154),
+        (20, 1024, 1024),
+        (20, 1024, 154),
+    ] {
+        let q = Tensor::randn([2, heads, lq, 64], (dt, dev));
+        let k = Tensor::randn([2, heads, lk, 64], (dt, dev));
+        let choice =
+            Tensor::internal_fused_sdp_choice(&q, &k, &k, None::<Tensor>, 0.0, false, None, false);
+        println!("{{\"name\": \"sdp_choice_h{heads}_q{lq}_k{lk}\", \"backend\": {choice}}}");
+    }
 
     tch::manual_seed(0);
     let unet_inputs = |b: i64, h: i64, w: i64| {
@@ -381,31 +463,61 @@ fn components(unet_path: &str, vae_path: &str, opts: &Opts) -> anyhow::Result<()
     }
     drop(unet);
     sync();
-
-    let t0 = now();
-    let t = Instant::now();
-    let vae = AutoencoderKL::new(
-        &Weights::new(store(vae_path)?, dev, dt),
-        &VaeConfig::sdxl(),
-        imp,
-    )?;
-    sync();
-    println!(
-        "{{\"name\": \"vae_load\", \"s\": {:.3}, \"t0\": {t0:.3}, \"t1\": {:.3}}}",
-        t.elapsed().as_secs_f64(),
-        now()
-    );
-    for (name, h, w, tiling) in [
-        ("vae_decode_1024", 128, 128, Tiling::Never),
-        ("vae_decode_1920x1080_untiled", 135, 240, Tiling::Never),
-        ("vae_decode_1920x1080_tiled", 135, 240, Tiling::Always),
-    ] {
-        let z = Tensor::randn([1, 4, h, w], (dt, dev));
-        bench(name, 2, 5, || vae.decode(&z, tiling));
-    }
-    let x = Tensor::randn([1, 3, 1024, 1024], (dt, dev));
-    bench("vae_encode_1024", 2, 5, || {
-        vae.encode(&x, Tiling::Never).mean
-    });
     Ok(())
+}
+
+/// RGB8 of a decoded `[1, 3, H, W]` image, as the pipeline quantises it.
+fn rgb8(x: &Tensor) -> Tensor {
+    ((x.to_kind(Kind::Float) / 2.0 + 0.5).clamp(0.0, 1.0) * 255.0).round()
+}
+
+/// One size: untiled, seam-free tiled (as `Tiling::Auto` plans it for the VAE's budget; with exact
+/// statistics too at 1920×1080), diffusers-tiled; each tiled image vs the untiled one.
+fn vae_tiling_cases(vae: &AutoencoderKL, size: &str, h: i64, w: i64, dt: Kind, dev: Device) {
+    tch::manual_seed(1);
+    let z = &Tensor::randn([1, 4, h, w], (dt, dev));
+    let c = vae.config();
+    let f = c.scale_factor();
+    let plan = vae.tiled_plan(h, w, dt);
+    println!(
+        "{{\"name\": \"vae_plan_{size}\", \"decode_bytes_estimate\": {}, \"budget_mib\": {}, \"core\": {}, \"margin\": {}, \"stats_stride\": {}}}",
+        c.decode_bytes(h * f, w * f, dt),
+        c.memory_budget_mib,
+        plan.core,
+        plan.margin,
+        plan.stats_stride
+    );
+    let untiled = rgb8(&vae.decode(z, Tiling::Never));
+    bench(&format!("vae_decode_{size}_untiled"), 2, 5, || {
+        vae.decode(z, Tiling::Never)
+    });
+    let mut variants: Vec<(String, Box<dyn Fn() -> Tensor + '_>)> = vec![
+        (
+            format!("vae_decode_{size}_seamfree"),
+            Box::new(move || vae.decode_tiled(z, plan)),
+        ),
+        (
+            format!("vae_decode_{size}_difftiled"),
+            Box::new(move || vae.decode(z, Tiling::Always)),
+        ),
+    ];
+    if size == "1920x1080" {
+        let exact = TiledDecode {
+            stats_stride: 1,
+            ..plan
+        };
+        variants.push((
+            format!("vae_decode_{size}_seamfree_exact_stats"),
+            Box::new(move || vae.decode_tiled(z, exact)),
+        ));
+    }
+    for (name, f) in &variants {
+        let d = (rgb8(&f()) - &untiled).abs();
+        println!(
+            "{{\"name\": \"{name}_vs_untiled\", \"mae\": {:.4}, \"max\": {:.1}}}",
+            d.mean(Kind::Float).double_value(&[]),
+            d.max().double_value(&[])
+        );
+        bench(name, 2, 5, f);
+    }
 }

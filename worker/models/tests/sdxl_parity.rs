@@ -23,7 +23,7 @@ use vnfarm_models::sdxl::pipeline::{
     ComponentConfigs, GenerateRequest, ModelSource, PipelineConfig, SdxlPipeline,
 };
 use vnfarm_models::sdxl::unet::{AddedCond, UNet2DConditionModel, UNetConfig};
-use vnfarm_models::sdxl::vae::{AutoencoderKL, Tiling, VaeConfig};
+use vnfarm_models::sdxl::vae::{AutoencoderKL, TiledDecode, Tiling, VaeConfig};
 use vnfarm_models::text::clip_tokenizer::ClipTokenizer;
 
 mod support;
@@ -169,7 +169,6 @@ fn tiny_vae(format: &str, tile: i64) -> AutoencoderKL {
     let [_, v, ..] = stores(format);
     let mut cfg = VaeConfig::tiny();
     cfg.tile_sample_size = tile;
-    cfg.tiling_threshold = tile;
     AutoencoderKL::new(&weights(v), &cfg, AttentionImpl::Sdpa).expect("load vae")
 }
 
@@ -200,20 +199,20 @@ fn vae_matches_diffusers() {
         );
         check(
             &format!("{format} vae decode 40x40 latent"),
-            &vae.decode(&r["z_big"], Tiling::Auto),
+            &vae.decode(&r["z_big"], Tiling::Never),
             &r["decoded_big"],
             TOL,
         );
         // Tiled with 32 px tiles, as diffusers' tiled_decode / tiled_encode.
         let tiled = tiny_vae(format, 32);
-        let dec = tiled.decode(&r["z_big"], Tiling::Auto);
+        let dec = tiled.decode(&r["z_big"], Tiling::Always);
         check(
             &format!("{format} vae tiled decode vs diffusers tiled"),
             &dec,
             &r["decoded_big_tiled"],
             TOL,
         );
-        let enc = tiled.encode(&r["image_big"], Tiling::Auto);
+        let enc = tiled.encode(&r["image_big"], Tiling::Always);
         check(
             &format!("{format} vae tiled encode vs diffusers tiled"),
             &enc.mean,
@@ -241,6 +240,59 @@ fn vae_tiled_decode_is_close_to_untiled() {
     assert!(
         mae / range <= 0.1,
         "tiled decode drifts from untiled: {mae} / {range}"
+    );
+}
+
+#[test]
+fn seam_free_tiled_decode_equals_untiled_with_exact_statistics() {
+    // With statistics of the whole image (stride 1) and the receptive-field margin, every tile's
+    // core is what the untiled decode computes there; 10x10 latent pixels per tile on a 40x40
+    // latent, so 16 tiles, 8 of them touching no image border.
+    let _g = tch::no_grad_guard();
+    let (r, _) = reference("vae.safetensors");
+    let z = &r["z_big"];
+    let vae = tiny_vae("diffusers", 128);
+    let margin = vae.config().tiled_receptive_radius();
+    let plan = |stats_stride| TiledDecode {
+        core: 10,
+        margin,
+        stats_stride,
+    };
+    let untiled = vae.decode(z, Tiling::Never);
+    check(
+        "seam-free tiled decode, exact statistics",
+        &vae.decode_tiled(z, plan(1)),
+        &untiled,
+        TOL,
+    );
+    // Statistics from every second latent pixel: the estimate's error, stated here (random
+    // latents and weights have no spatial structure, the hard case for a subsample).
+    let approx = vae.decode_tiled(z, plan(2));
+    let diff = (&approx - &untiled).abs();
+    let range = untiled.abs().max().double_value(&[]);
+    let (mean, max) = (
+        diff.mean(Kind::Float).double_value(&[]) / range,
+        diff.max().double_value(&[]) / range,
+    );
+    println!(
+        "seam-free tiled decode, 2x subsample: error mean {mean:.3e}, max {max:.3e} of max|untiled|"
+    );
+    assert!(
+        mean < 0.05 && max < 0.25,
+        "statistics from a subsample drift: {mean}, {max}"
+    );
+    // Under `Auto`, a budget of 0 tiles everything, the default budget nothing.
+    let mut cfg = VaeConfig::tiny();
+    cfg.memory_budget_mib = 0;
+    let [_, v, ..] = stores("diffusers");
+    let tight = AutoencoderKL::new(&weights(v), &cfg, AttentionImpl::Sdpa).expect("load vae");
+    let plan0 = tight.tiled_plan(40, 40, Kind::Float);
+    assert_eq!((plan0.core, plan0.stats_stride), (16, 8), "{plan0:?}");
+    check(
+        "auto under the default budget is untiled",
+        &vae.decode(z, Tiling::Auto),
+        &untiled,
+        0.0,
     );
 }
 

@@ -20,7 +20,7 @@ use serde::Deserialize;
 
 use vnfarm_models::error::GenerateError;
 use vnfarm_models::loading::lora::LoraSpec;
-use vnfarm_models::nn::AttentionImpl;
+use vnfarm_models::nn::{AttentionImpl, MemoryFormat};
 use vnfarm_models::schedulers::PredictionType;
 use vnfarm_models::schedulers::Sampler;
 use vnfarm_models::sdxl::pipeline::{
@@ -70,12 +70,21 @@ pub struct SdxlConfig {
     /// Overrides the checkpoint's own flag (`v_pred` key) and the scheduler config.
     #[serde(default)]
     pub prediction_type: Option<PredictionType>,
-    /// `auto` tiles the VAE when a side exceeds `vae_tile_threshold` pixels.
+    /// `auto` decodes untiled while the estimated working memory of one image's decode fits
+    /// `vae_memory_budget_mib`, and with the seam-free tiled decode (whole-image GroupNorm
+    /// statistics) beyond it; `always` is diffusers' tiled decode; `never`.
     #[serde(default)]
     pub vae_tiling: VaeTiling,
-    /// Pixels; the VAE's own default (1024 for SDXL) when unset.
+    /// MiB of working memory (weights excluded) one image's VAE decode may take under `auto`.
+    /// Unset: 12288 (2048² decodes untiled in bf16, about 10 GiB). See docs/performance.md for
+    /// what sets it on a ROCm box, where decode time, not memory, decides.
     #[serde(default)]
-    pub vae_tile_threshold: Option<u32>,
+    pub vae_memory_budget_mib: Option<u32>,
+    /// Memory order of the VAE's activations: `channels_last` (default; diffusers' decoder runs
+    /// NHWC after its mid block, and NHWC GroupNorm keeps it so) or `contiguous` (NCHW
+    /// throughout: the ROCm-safe choice unless `PYTORCH_MIOPEN_SUGGEST_NHWC=1` is set).
+    #[serde(default)]
+    pub vae_memory_format: Option<MemoryFormat>,
     /// `[width, height]` sizes run once (one step and a decode) before the worker takes jobs.
     #[serde(default = "default_warm_up")]
     pub warm_up: Vec<[u32; 2]>,
@@ -209,9 +218,14 @@ impl SdxlEngine {
         if let Some(dir) = config_dir.or(checkpoint.is_dir().then_some(checkpoint)) {
             pc.components = ComponentConfigs::default().fill_from_dir(dir)?;
         }
-        if let Some(px) = config.vae_tile_threshold {
+        if config.vae_memory_budget_mib.is_some() || config.vae_memory_format.is_some() {
             let mut vae = pc.components.vae.take().unwrap_or_else(VaeConfig::sdxl);
-            vae.tiling_threshold = i64::from(px);
+            if let Some(mib) = config.vae_memory_budget_mib {
+                vae.memory_budget_mib = i64::from(mib);
+            }
+            if let Some(format) = config.vae_memory_format {
+                vae.memory_format = format;
+            }
             pc.components.vae = Some(vae);
         }
         pc.tokenizer_dir = config.tokenizer_dir.clone().or_else(|| {
@@ -591,7 +605,8 @@ mod tests {
             attention: AttentionImpl::default(),
             prediction_type: None,
             vae_tiling: VaeTiling::Auto,
-            vae_tile_threshold: None,
+            vae_memory_budget_mib: None,
+            vae_memory_format: None,
             warm_up: Vec::new(),
             max_batch: 4,
             lora_dir: None,

@@ -14,16 +14,8 @@ use crate::esrgan::config::RrdbConfig;
 use crate::loading::weights::Weights;
 use crate::nn::{Conv2d, channels_last};
 
-/// Memory order of the network's weights and activations.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum MemoryFormat {
-    /// NCHW, as BasicSR runs.
-    #[default]
-    Contiguous,
-    /// NHWC (`torch.channels_last`): the layout tensor-core convolution kernels want.
-    ChannelsLast,
-}
+/// Memory order of the network's weights and activations (shared with the SDXL VAE).
+pub use crate::nn::MemoryFormat;
 
 /// "Empirically, we use 0.2 to scale the residual for better performance" (BasicSR).
 const RESIDUAL_SCALE: f64 = 0.2;

@@ -12,7 +12,9 @@ use tch::Tensor;
 /// `qwen_image::vae::QwenVae::with_tiling`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Tiling {
-    /// Tile when a side exceeds the model's `tiling_threshold` pixels.
+    /// The model decides: the SDXL VAE tiles when its estimated working memory exceeds its
+    /// `memory_budget_mib` (seam-free tiles), the Qwen VAE when a side exceeds its
+    /// `tiling_threshold` pixels.
     Auto,
     /// Tile whatever the size (the Qwen VAE still skips inputs that fit in one tile, as
     /// diffusers' `enable_tiling()` does).

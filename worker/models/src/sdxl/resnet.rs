@@ -49,11 +49,22 @@ impl ResnetBlock2D {
     /// Peak memory as diffusers': each activation is freed as soon as the next one exists (SiLU in
     /// place on the fresh norm output, `h` dropped before `conv2`).
     pub fn forward(&self, x: &Tensor, temb: Option<&Tensor>) -> Tensor {
-        let mut h = self.conv1.forward(&self.norm1.forward(x).silu_());
+        self.forward_normed(x, temb, &mut |norm, t| norm.forward(t))
+    }
+
+    /// [`ResnetBlock2D::forward`] with each of its two GroupNorms applied by `norm` (the VAE's
+    /// tiled decode normalises tiles with whole-image statistics this way).
+    pub fn forward_normed(
+        &self,
+        x: &Tensor,
+        temb: Option<&Tensor>,
+        norm: &mut dyn FnMut(&GroupNorm, &Tensor) -> Tensor,
+    ) -> Tensor {
+        let mut h = self.conv1.forward(&norm(&self.norm1, x).silu_());
         if let (Some(proj), Some(temb)) = (&self.time_emb_proj, temb) {
             h += proj.forward(&temb.silu()).unsqueeze(-1).unsqueeze(-1);
         }
-        let a = self.norm2.forward(&h).silu_();
+        let a = norm(&self.norm2, &h).silu_();
         drop(h);
         let h = self.conv2.forward(&a);
         drop(a);
