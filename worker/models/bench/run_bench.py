@@ -8,7 +8,7 @@ device call):
 
 1. `write`: a subprocess builds diffusers' `StableDiffusionXLPipeline` from the real SDXL base configs
    (UNet, VAE, CLIP ViT-L, OpenCLIP bigG) with random weights (seed 0), bf16, CLIP tokenizers rebuilt
-   from our bundled `tokenizer/clip/tokenizer.json` (pad `<|endoftext|>` and `!`), an Euler scheduler,
+   from our bundled `tokenizer/clip/tokenizer.json.gz` (pad `<|endoftext|>` and `!`), an Euler scheduler,
    and `save_pretrained`s it into `--work` (a diffusers folder both engines load).
 2. `read`: the time to read every weight file of that folder from the page cache, twice, in Python
    (`readinto` a 64 MiB buffer) and with our binary (`bench read`, `read` into a 64 MiB buffer): the
@@ -42,7 +42,7 @@ import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-BUNDLED_TOKENIZER = os.path.join(HERE, "..", "tokenizer", "clip", "tokenizer.json")
+BUNDLED_TOKENIZER = os.path.join(HERE, "..", "tokenizer", "clip", "tokenizer.json.gz")
 
 # Same strings as examples/bench.rs.
 PROMPT = ("a photograph of an astronaut riding a horse on the surface of the moon, "
@@ -188,7 +188,9 @@ def diffusers_side(a):
 def make_tokenizer(pad):
     from transformers import CLIPTokenizer
 
-    tj = json.load(open(BUNDLED_TOKENIZER, encoding="utf-8"))
+    import gzip
+
+    tj = json.load(gzip.open(BUNDLED_TOKENIZER, "rt", encoding="utf-8"))
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in tj["model"]["merges"]]
     return CLIPTokenizer(vocab=tj["model"]["vocab"], merges=merges, pad_token=pad, model_max_length=77)
 

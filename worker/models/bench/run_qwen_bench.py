@@ -354,6 +354,22 @@ def make_tokenizer_processor(a):
     from transformers import Qwen2VLProcessor
     from transformers.processing_utils import ProcessorMixin
 
+    if not os.path.exists(os.path.join(a.tokenizer, "tokenizer.json")) and os.path.exists(
+        os.path.join(a.tokenizer, "tokenizer.json.gz")
+    ):  # the bundled folder keeps it gzipped
+        import gzip
+        import shutil
+        import tempfile
+
+        unpacked = tempfile.mkdtemp(prefix="qwen2-tokenizer-")
+        for name in os.listdir(a.tokenizer):
+            src = os.path.join(a.tokenizer, name)
+            if name == "tokenizer.json.gz":
+                with gzip.open(src, "rb") as f, open(os.path.join(unpacked, "tokenizer.json"), "wb") as g:
+                    shutil.copyfileobj(f, g)
+            elif os.path.isfile(src):
+                shutil.copy(src, unpacked)
+        a.tokenizer = unpacked
     try:
         from transformers import AutoTokenizer
 

@@ -72,10 +72,18 @@ def main():
     out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)), "clip")
     tok = write_files(out)
     tok.backend_tokenizer.save(os.path.join(out, "tokenizer.json"))
-    # vocab.json and merges.txt are folded into tokenizer.json; keep only that file in the crate.
+    # vocab.json and merges.txt are folded into tokenizer.json; keep only that file in the crate,
+    # gzipped (no timestamp, so the bytes are reproducible).
     os.remove(os.path.join(out, "vocab.json"))
     os.remove(os.path.join(out, "merges.txt"))
-    print("wrote", os.path.join(out, "tokenizer.json"), "vocab size", tok.vocab_size)
+    import gzip
+
+    with open(os.path.join(out, "tokenizer.json"), "rb") as f:
+        data = f.read()
+    with open(os.path.join(out, "tokenizer.json.gz"), "wb") as f:
+        f.write(gzip.compress(data, compresslevel=9, mtime=0))
+    os.remove(os.path.join(out, "tokenizer.json"))
+    print("wrote", os.path.join(out, "tokenizer.json.gz"), "vocab size", tok.vocab_size)
 
 
 if __name__ == "__main__":

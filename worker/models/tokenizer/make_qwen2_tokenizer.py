@@ -229,6 +229,11 @@ def main() -> None:
     # Deterministic JSON: tokenizers' own serialisation (insertion-ordered), re-dumped with fixed formatting.
     data = json.loads(tok.to_str())
     (OUT_DIR / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False, indent=None, separators=(",", ":")) + "\n", encoding="utf-8")
+    # The crate keeps it gzipped (no timestamp: reproducible bytes); the plain file is removed after
+    # the verification below.
+    import gzip
+
+    (OUT_DIR / "tokenizer.json.gz").write_bytes(gzip.compress((OUT_DIR / "tokenizer.json").read_bytes(), compresslevel=9, mtime=0))
     config = {
         "tokenizer_class": "Qwen2Tokenizer",
         "add_bos_token": False,
@@ -273,7 +278,8 @@ def main() -> None:
         sys.exit(f"{failures} verification failure(s); nothing trustworthy was written")
     CASES_PATH.parent.mkdir(parents=True, exist_ok=True)
     CASES_PATH.write_text(json.dumps(cases, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
-    print(f"ok: {len(CORPUS)} texts identical to tiktoken; wrote {OUT_DIR / 'tokenizer.json'} and {CASES_PATH}")
+    (OUT_DIR / "tokenizer.json").unlink()
+    print(f"ok: {len(CORPUS)} texts identical to tiktoken; wrote {OUT_DIR / 'tokenizer.json.gz'} and {CASES_PATH}")
 
 
 if __name__ == "__main__":

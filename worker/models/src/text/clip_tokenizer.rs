@@ -11,7 +11,9 @@ use std::path::Path;
 use crate::error::LoadError;
 
 /// The bundled CLIP tokenizer (49408 tokens).
-const BUNDLED: &[u8] = include_bytes!("../../tokenizer/clip/tokenizer.json");
+/// Gzipped in the crate (the source tree travels to test machines, where size counts); unpacked
+/// on use.
+const BUNDLED_GZ: &[u8] = include_bytes!("../../tokenizer/clip/tokenizer.json.gz");
 
 /// A CLIP tokenizer with its special ids.
 pub struct ClipTokenizer {
@@ -58,11 +60,12 @@ impl ClipTokenizer {
     /// The bundled tokenizer padding with `pad` (`"<|endoftext|>"` for SDXL's tokenizer 1, `"!"`
     /// for tokenizer 2).
     pub fn bundled(pad: &str) -> Result<Self, LoadError> {
-        let origin = Path::new("<bundled tokenizer/clip/tokenizer.json>");
-        let inner = tokenizers::Tokenizer::from_bytes(BUNDLED).map_err(|e| LoadError::Format {
-            path: origin.to_path_buf(),
-            reason: e.to_string(),
-        })?;
+        let origin = Path::new("<bundled tokenizer/clip/tokenizer.json.gz>");
+        let inner = tokenizers::Tokenizer::from_bytes(crate::text::gunzip(BUNDLED_GZ, origin)?)
+            .map_err(|e| LoadError::Format {
+                path: origin.to_path_buf(),
+                reason: e.to_string(),
+            })?;
         Self::with_pad(inner, pad, origin)
     }
 
