@@ -76,9 +76,6 @@ COMPONENT_VARIANTS = {
     "c_base_again": ["--unet-only"],
     "c_vae": ["--vae-only"],
     "c_vae_nchw": ["--vae-only", "--vae-memory-format", "contiguous"],
-    # fp8 linear layers attempt: the UNet alone, bf16 and with the transformer blocks' Linears in fp8.
-    "c_unet": ["--unet-only"],
-    "c_fp8": ["--unet-only", "--fp8-linear"],
 }
 # Our pipeline runs: binary ("bin" = --bin, "base" = --base-bin), extra `bench pipeline` arguments,
 # environment. Runs 1 and 2 of docs/performance.md also measured variants of intermediate versions
@@ -116,8 +113,6 @@ VARIANTS = {
     # (the seam-free tiled decode).
     "gen2048_budget": ("bin", ["--cases", "gen_2048", "--tiling", "auto"], {}),
     "gen2048_budget2g": ("bin", ["--cases", "gen_2048", "--tiling", "auto", "--vae-budget-mib", "2048"], {}),
-    # The UNet transformer blocks' Linears multiplied in fp8 (`PipelineConfig::fp8_linear`).
-    "fp8": ("bin", ["--fp8-linear"], {}),
 }
 
 SDXL_UNET = dict(sample_size=128, in_channels=4, out_channels=4, flip_sin_to_cos=True, freq_shift=0,

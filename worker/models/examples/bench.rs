@@ -6,10 +6,8 @@
 //! ```sh
 //! bench components <unet .safetensors> <vae .safetensors> [--loader L] [--vae-only|--unet-only]
 //!                  [--vae-budget-mib N] [--vae-memory-format channels_last|contiguous]
-//!                  [--fp8-linear]
 //! bench pipeline <diffusers folder> [--loader L] [--tiling never|auto] [--cases a,b]
 //!                [--iters N] [--save DIR] [--load-only] [--sequential-load] [--vae-budget-mib N]
-//!                [--fp8-linear]
 //! bench read <file>...
 //! ```
 //!
@@ -25,9 +23,6 @@
 //!   baseline for load times).
 //! - `--loader staged|direct`: [`vnfarm_models::loading::safetensors::LoadPath`].
 //! - `--cases a,b`: only these `pipeline` cases, in this order (default: all).
-//! - `--fp8-linear`: the UNet transformer blocks' Linears multiplied in fp8
-//!   (`PipelineConfig::fp8_linear`); `components` also prints the UNet output's difference from
-//!   the bf16 one (`unet_fp8_vs_bf16_cfg_1024`, same weights and inputs).
 //! - `--cpu`: fp32 on the CPU at 64–96 px (`pipeline` only; smoke tests of the driver with tiny models).
 //!
 //! Prints one JSON object per line: `{"name": ..., "ms_median": ..., "ms_min": ..., "ms_max": ...}`
@@ -120,7 +115,6 @@ struct Opts {
     vae_memory_format: MemoryFormat,
     vae_only: bool,
     unet_only: bool,
-    fp8_linear: bool,
 }
 
 fn parse_opts(args: &[String]) -> anyhow::Result<(Vec<String>, Opts)> {
@@ -137,7 +131,6 @@ fn parse_opts(args: &[String]) -> anyhow::Result<(Vec<String>, Opts)> {
         vae_memory_format: MemoryFormat::ChannelsLast,
         vae_only: false,
         unet_only: false,
-        fp8_linear: false,
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -172,7 +165,6 @@ fn parse_opts(args: &[String]) -> anyhow::Result<(Vec<String>, Opts)> {
                 }
             }
             "--unet-only" => o.unet_only = true,
-            "--fp8-linear" => o.fp8_linear = true,
             _ if a.starts_with("--") => anyhow::bail!("unknown option {a}"),
             _ => pos.push(a.clone()),
         }
@@ -221,13 +213,12 @@ fn init_cuda(opts: &Opts) -> anyhow::Result<()> {
         sync();
     }
     println!(
-        "{{\"name\": \"config\", \"loader\": \"{}\", \"tiling\": \"{:?}\", \"alloc_conf\": \"{}\", \"vae_budget_mib\": {:?}, \"vae_memory_format\": \"{:?}\", \"fp8_linear\": {}}}",
+        "{{\"name\": \"config\", \"loader\": \"{}\", \"tiling\": \"{:?}\", \"alloc_conf\": \"{}\", \"vae_budget_mib\": {:?}, \"vae_memory_format\": \"{:?}\"}}",
         opts.loader,
         opts.tiling,
         std::env::var("PYTORCH_CUDA_ALLOC_CONF").unwrap_or_default(),
         opts.vae_budget_mib,
         opts.vae_memory_format,
-        opts.fp8_linear,
     );
     Ok(())
 }
@@ -272,7 +263,6 @@ fn pipeline(dir: &Path, opts: &Opts) -> anyhow::Result<()> {
     cfg.attention = AttentionImpl::Sdpa;
     cfg.vae_tiling = opts.tiling;
     cfg.parallel_load = !opts.sequential_load;
-    cfg.fp8_linear = opts.fp8_linear;
     if let Some(mib) = opts.vae_budget_mib {
         let mut vae = VaeConfig::from_json(&std::fs::read_to_string(dir.join("vae/config.json"))?)
             .map_err(anyhow::Error::msg)?;
@@ -387,7 +377,7 @@ fn components(unet_path: &str, vae_path: &str, opts: &Opts) -> anyhow::Result<()
         |path: &str| -> anyhow::Result<Weights> { Ok(Weights::new(store(path)?, dev, dt)) };
 
     if !opts.vae_only {
-        unet_cases(&weights(unet_path)?, imp, opts.fp8_linear)?;
+        unet_cases(&weights(unet_path)?, imp)?;
     }
     if opts.unet_only {
         return Ok(());
@@ -425,11 +415,11 @@ fn components(unet_path: &str, vae_path: &str, opts: &Opts) -> anyhow::Result<()
 
 /// UNet load and forwards (CFG batch 2 at 1024² and 1280×720, batch 8 at 1024²), with the SDPA
 /// backend libtorch picks for each attention shape.
-fn unet_cases(w: &Weights, imp: AttentionImpl, fp8_linear: bool) -> anyhow::Result<()> {
+fn unet_cases(w: &Weights, imp: AttentionImpl) -> anyhow::Result<()> {
     let (dev, dt) = (w.device, w.kind);
     let t0 = now();
     let t = Instant::now();
-    let mut unet = UNet2DConditionModel::new(w, &UNetConfig::sdxl_base(), imp)?;
+    let unet = UNet2DConditionModel::new(w, &UNetConfig::sdxl_base(), imp)?;
     sync();
     println!(
         "{{\"name\": \"unet_load\", \"s\": {:.3}, \"t0\": {t0:.3}, \"t1\": {:.3}}}",
@@ -459,28 +449,6 @@ fn unet_cases(w: &Weights, imp: AttentionImpl, fp8_linear: bool) -> anyhow::Resu
         let t = Tensor::from_slice(&vec![500f32; b as usize]).to_device(dev);
         (x, ctx, te, ids, t)
     };
-    if fp8_linear {
-        // The bf16 output first, then the same weights quantised: the fp8 path's own error.
-        let (x, ctx, te, ids, t) = unet_inputs(2, 128, 128);
-        let added = AddedCond {
-            text_embeds: &te,
-            time_ids: &ids,
-        };
-        let dense = unet.forward(&x, &t, &ctx, &added).to_kind(Kind::Float);
-        let clock = Instant::now();
-        unet.quantise_linears_to_fp8();
-        sync();
-        let quantise_s = clock.elapsed().as_secs_f64();
-        let fp8 = unet.forward(&x, &t, &ctx, &added).to_kind(Kind::Float);
-        let diff = (&fp8 - &dense).abs();
-        println!(
-            "{{\"name\": \"unet_fp8_vs_bf16_cfg_1024\", \"quantise_s\": {quantise_s:.3}, \"mean_abs\": {:.5}, \"max_abs\": {:.5}, \"ref_mean_abs\": {:.5}, \"rel_l2\": {:.5}}}",
-            diff.mean(Kind::Float).double_value(&[]),
-            diff.max().double_value(&[]),
-            dense.abs().mean(Kind::Float).double_value(&[]),
-            ((&fp8 - &dense).norm().double_value(&[]) / dense.norm().double_value(&[])),
-        );
-    }
     for (name, b, h, w) in [
         ("unet_cfg_1024", 2, 128, 128),
         ("unet_cfg_1280x720", 2, 90, 160),

@@ -85,11 +85,6 @@ pub struct SdxlConfig {
     /// throughout: the ROCm-safe choice unless `PYTORCH_MIOPEN_SUGGEST_NHWC=1` is set).
     #[serde(default)]
     pub vae_memory_format: Option<MemoryFormat>,
-    /// Multiply the UNet transformer blocks' attention and feed-forward Linears in fp8 (weights
-    /// quantised to float8_e4m3fn at load, activations per call). Needs fp8 tensor cores (sm_89+,
-    /// MI300); off by default.
-    #[serde(default)]
-    pub fp8_linear: bool,
     /// `[width, height]` sizes run once (one step and a decode) before the worker takes jobs.
     #[serde(default = "default_warm_up")]
     pub warm_up: Vec<[u32; 2]>,
@@ -211,7 +206,6 @@ impl SdxlEngine {
         pc.dtype = config.dtype.kind();
         pc.vae_dtype = config.vae_dtype.kind();
         pc.attention = config.attention;
-        pc.fp8_linear = config.fp8_linear;
         pc.prediction_type = config.prediction_type;
         pc.vae_tiling = match config.vae_tiling {
             VaeTiling::Auto => Tiling::Auto,
@@ -613,7 +607,6 @@ mod tests {
             vae_tiling: VaeTiling::Auto,
             vae_memory_budget_mib: None,
             vae_memory_format: None,
-            fp8_linear: false,
             warm_up: Vec::new(),
             max_batch: 4,
             lora_dir: None,

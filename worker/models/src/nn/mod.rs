@@ -4,9 +4,7 @@
 //!
 //! Layer semantics follow `torch.nn` exactly so that diffusers checkpoints load unchanged. A
 //! [`Linear`] may hold its weight in fp8 (see [`crate::loading::weights::Fp8Mode`]): it is then
-//! upcast to the activations' dtype, times its per-tensor scale, at every call; or, through
-//! [`Linear::forward_fp8`] on a GPU, multiplied in fp8 by `_scaled_mm` with the activations
-//! quantised per call ([`Fp8Input`]).
+//! upcast to the activations' dtype, times its per-tensor scale, at every call.
 
 pub mod embeddings;
 pub mod rope;
@@ -122,103 +120,6 @@ impl Linear {
             x.linear(&self.weight, self.bias.as_ref())
         }
     }
-
-    /// Replaces a dense weight by its float8_e4m3fn quantisation with a per-tensor scale
-    /// (`amax / 448`), the layout fp8-resident checkpoints load into, so that
-    /// [`Linear::forward_fp8`] multiplies it in fp8. Already-fp8 weights are left as they are.
-    pub fn quantise_to_fp8(&mut self) {
-        if is_fp8(self.weight.kind()) {
-            return;
-        }
-        let (q, scale) = quantise_fp8(&self.weight.to_kind(Kind::Float), Kind::Float8e4m3fn);
-        self.weight = q;
-        self.weight_scale = Some(scale);
-    }
-
-    /// [`Linear::forward`], except that an e4m3fn weight with a scale, on a CUDA device, is
-    /// multiplied in fp8 (`torch._scaled_mm`, fp32 accumulation, output in `x`'s dtype) with `x`
-    /// quantised per tensor. `x` is quantised at most once per `shared` slot, so layers that
-    /// read the same input (q, k, v) share one quantisation. Dense weights take
-    /// [`Linear::forward`] unchanged.
-    pub fn forward_fp8(&self, x: &Tensor, shared: &mut Option<Fp8Input>) -> Tensor {
-        let (Some(scale), Kind::Float8e4m3fn) = (&self.weight_scale, self.weight.kind()) else {
-            return self.forward(x);
-        };
-        if !x.device().is_cuda() {
-            return self.forward(x);
-        }
-        self.scaled_mm(x, scale, shared)
-    }
-
-    /// The fp8 product of [`Linear::forward_fp8`] on any device (the CPU's `_scaled_mm` serves
-    /// the unit test).
-    fn scaled_mm(&self, x: &Tensor, scale: &Tensor, shared: &mut Option<Fp8Input>) -> Tensor {
-        let input = shared.get_or_insert_with(|| Fp8Input::quantise(x));
-        let out_dim = self.weight.size()[0];
-        // `_scaled_mm` takes the second operand column-major: the `[out, in]` weight transposed.
-        let y = input.data.internal_scaled_mm(
-            &self.weight.tr(),
-            &input.scale,
-            scale,
-            self.bias.as_ref(),
-            None::<&Tensor>,
-            x.kind(),
-            false,
-        );
-        let mut shape = x.size();
-        *shape
-            .last_mut()
-            .expect("a Linear input has a feature dimension") = out_dim;
-        y.view(shape.as_slice())
-    }
-}
-
-/// Activations quantised for [`Linear::forward_fp8`]: `[rows, in]` float8_e4m3fn and the 0-d
-/// fp32 per-tensor scale (`amax / 448`, dynamic: measured on every call).
-#[derive(Debug)]
-pub struct Fp8Input {
-    data: Tensor,
-    scale: Tensor,
-}
-
-impl Fp8Input {
-    pub fn quantise(x: &Tensor) -> Self {
-        let features = *x
-            .size()
-            .last()
-            .expect("a Linear input has a feature dimension");
-        let x = x.reshape([-1, features]);
-        // amax as one reduction: the ∞-norm of the flattened input, accumulated in fp32.
-        let amax = x
-            .view([-1])
-            .linalg_norm(f64::INFINITY, None::<&[i64]>, false, Kind::Float)
-            .clamp_min(1e-12);
-        let scale = &amax / 448.0;
-        // Scale and cast in one kernel: the product is written straight into the fp8 output.
-        // |x| · 448 / amax ≤ 448 up to rounding, and e4m3fn rounds anything below 464 to 448.
-        let inverse = 448.0 / amax;
-        let data = x.empty_like().to_kind(Kind::Float8e4m3fn);
-        let data = x
-            .f_mul_out(&data, &inverse)
-            // A backend without fp8 stores in its elementwise kernels: scale, then cast.
-            .unwrap_or_else(|_| (&x * &inverse).to_kind(Kind::Float8e4m3fn));
-        Self { data, scale }
-    }
-}
-
-/// fp32 `w` to fp8 `kind` with a per-tensor scale `amax / fp8_max` (1 for an all-zero tensor),
-/// rounding to nearest. Returns (fp8 weight, 0-d fp32 scale), both on `w`'s device.
-pub fn quantise_fp8(w: &Tensor, kind: Kind) -> (Tensor, Tensor) {
-    let max = match kind {
-        Kind::Float8e4m3fn => 448.0,
-        Kind::Float8e4m3fnuz => 240.0,
-        _ => 57344.0, // e5m2, e5m2fnuz
-    };
-    let amax = w.abs().max();
-    let scale = (&amax / max).where_self(&amax.gt(0.0), &amax.ones_like());
-    // The clamp only catches the last-bit overshoot of `w / scale` at ±amax.
-    let q = (w / &scale).clamp(-max, max).to_kind(kind);
-    (q, scale)
 }
 
 /// `torch.nn.Conv2d` (square kernel, no dilation, one group).
@@ -415,49 +316,5 @@ impl RmsNorm {
         let variance = xf.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
         let normed = (xf * (variance + self.eps).rsqrt()).to_kind(kind);
         normed * &self.weight
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The fp8 product against the dense one on the same (bf16) weights: e4m3fn keeps 3 mantissa
-    /// bits, so each element carries up to 2⁻⁴ relative rounding in both operands.
-    #[test]
-    fn fp8_product_matches_the_dense_linear_within_fp8_rounding() {
-        tch::manual_seed(0);
-        let dense = Linear {
-            weight: Tensor::randn([48, 64], (Kind::Float, tch::Device::Cpu))
-                .to_kind(Kind::BFloat16),
-            weight_scale: None,
-            bias: Some(
-                Tensor::randn([48], (Kind::Float, tch::Device::Cpu)).to_kind(Kind::BFloat16),
-            ),
-        };
-        let x = (Tensor::randn([2, 16, 64], (Kind::Float, tch::Device::Cpu)) * 3.0)
-            .to_kind(Kind::BFloat16);
-        let want = dense.forward(&x).to_kind(Kind::Float);
-        let mut q = Linear {
-            weight: dense.weight.copy(),
-            weight_scale: None,
-            bias: dense.bias.as_ref().map(Tensor::copy),
-        };
-        q.quantise_to_fp8();
-        assert_eq!(q.weight.kind(), Kind::Float8e4m3fn);
-        let scale = q
-            .weight_scale
-            .as_ref()
-            .expect("quantised with a scale")
-            .copy();
-        // On the CPU `forward_fp8` takes the dense path: exactly `forward` on the dequantised weight.
-        let fallback = q.forward_fp8(&x, &mut None);
-        assert!(fallback.equal(&q.forward(&x)));
-        let got = q.scaled_mm(&x, &scale, &mut None);
-        assert_eq!(got.size(), vec![2, 16, 48]);
-        assert_eq!(got.kind(), Kind::BFloat16);
-        let rel = (got.to_kind(Kind::Float) - &want).norm().double_value(&[])
-            / want.norm().double_value(&[]);
-        assert!(rel < 0.05, "relative error {rel}");
     }
 }

@@ -47,19 +47,16 @@ impl CrossAttention {
         let (b, lq, _) = x.size3().expect("attention input is [B, L, D]");
         let lk = ctx.size()[1];
         let split = |t: Tensor, l: i64| t.view([b, l, self.heads, self.head_dim]).transpose(1, 2);
-        // One fp8 quantisation of each input when the projections are fp8 (`fp8_linear`).
-        let (mut xq, mut cq) = (None, None);
-        let q = split(self.to_q.forward_fp8(x, &mut xq), lq);
-        let shared = if context.is_some() { &mut cq } else { &mut xq };
-        let k = split(self.to_k.forward_fp8(ctx, shared), lk);
-        let v = split(self.to_v.forward_fp8(ctx, shared), lk);
+        let q = split(self.to_q.forward(x), lq);
+        let k = split(self.to_k.forward(ctx), lk);
+        let v = split(self.to_v.forward(ctx), lk);
         let scale = 1.0 / (self.head_dim as f64).sqrt();
         let o = attention(&q, &k, &v, None, scale, imp);
-        let o = o
-            .transpose(1, 2)
-            .contiguous()
-            .view([b, lq, self.heads * self.head_dim]);
-        self.to_out.forward_fp8(&o, &mut None)
+        self.to_out.forward(&o.transpose(1, 2).contiguous().view([
+            b,
+            lq,
+            self.heads * self.head_dim,
+        ]))
     }
 }
 
@@ -80,9 +77,8 @@ impl FeedForward {
     }
 
     fn forward(&self, x: &Tensor) -> Tensor {
-        let h = self.proj.forward_fp8(x, &mut None).chunk(2, -1);
-        self.out
-            .forward_fp8(&(&h[0] * h[1].gelu("none")), &mut None)
+        let h = self.proj.forward(x).chunk(2, -1);
+        self.out.forward(&(&h[0] * h[1].gelu("none")))
     }
 }
 

@@ -114,11 +114,6 @@ pub struct PipelineConfig {
     pub vae_tiling: Tiling,
     /// Load the UNet on a second thread while the other components load (default true).
     pub parallel_load: bool,
-    /// Multiply the UNet transformer blocks' attention and feed-forward Linears in fp8
-    /// (float8_e4m3fn weights quantised at load, activations per call, `torch._scaled_mm`; see
-    /// [`UNet2DConditionModel::quantise_linears_to_fp8`]). Needs fp8 tensor cores (sm_89+, MI300);
-    /// default false.
-    pub fp8_linear: bool,
 }
 
 impl PipelineConfig {
@@ -135,7 +130,6 @@ impl PipelineConfig {
             prediction_type: None,
             vae_tiling: Tiling::Auto,
             parallel_load: true,
-            fp8_linear: false,
         }
     }
 }
@@ -308,13 +302,7 @@ impl SdxlPipeline {
                 AutoencoderKL::new(&w(vae_s, vae_dt), &vae_cfg, imp)?,
             ))
         };
-        let unet = || {
-            let mut unet = UNet2DConditionModel::new(&w(unet_s, dt), &unet_cfg, imp)?;
-            if config.fp8_linear {
-                unet.quantise_linears_to_fp8();
-            }
-            Ok(unet)
-        };
+        let unet = || UNet2DConditionModel::new(&w(unet_s, dt), &unet_cfg, imp);
         let (unet, others) = if config.parallel_load {
             // The UNet (three quarters of the bytes) loads on a second thread while the rest
             // loads here: two reads from the page cache at once (docs/performance.md).

@@ -338,21 +338,6 @@ impl UNet2DConditionModel {
     }
 }
 
-impl UNet2DConditionModel {
-    /// Quantises the transformer blocks' attention projections (`attn1`, `attn2`: `to_q`, `to_k`,
-    /// `to_v`, `to_out.0`) and feed-forward Linears (`ff.net.0.proj`, `ff.net.2`) to
-    /// float8_e4m3fn with per-tensor scales; on a GPU their forward then multiplies in fp8
-    /// (`PipelineConfig::fp8_linear`, [`crate::nn::Linear::forward_fp8`]). `proj_in`/`proj_out`
-    /// and the embeddings stay dense. LoRAs fuse into these weights as into any fp8-resident ones.
-    pub fn quantise_linears_to_fp8(&mut self) {
-        for (name, module) in self.lora_modules() {
-            if let (true, LoraModule::Linear(l)) = (name.contains(".transformer_blocks."), module) {
-                l.quantise_to_fp8();
-            }
-        }
-    }
-}
-
 /// Every Linear and Conv2d of the UNet by diffusers module name, for LoRA fusing; kohya's
 /// sd-scripts trains SDXL on the sgm UNet, so its files name modules the ldm way, given here as
 /// aliases.
