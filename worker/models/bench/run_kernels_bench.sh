@@ -6,7 +6,7 @@
 #   site.tar.xz  diffusers 0.42.1 + importlib_metadata 10.2.0 as installed by pip, without the
 #                pipelines other than stable_diffusion{,_xl} and without modular_pipelines;
 #   run_bench.py this branch's driver (the device copies the main checkout).
-# The checkout leaves less than 2 MiB of the transfer limit, so a previous call on the same warm
+# When the checkout leaves too little of the transfer limit (it did on 2026-12-01), a previous call on the same warm
 # machine may have left the site already unpacked in /tmp/site and the first part of bench.xz in
 # /tmp/kb/bpart.0 (the carried folder then holds bench.part1, the rest).
 # The other arguments go to run_bench.py. Results land in $OUT.
