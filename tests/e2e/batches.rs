@@ -239,6 +239,30 @@ impl Bench {
         }
     }
 
+    /// Waits until exactly the jobs `expected` are given back to the scheduler, each alone in a
+    /// single-job message on the redispatch queue; `check` looks at each delivery.
+    async fn given_back(
+        &self,
+        expected: &[JobId],
+        check: impl Fn(&lapin::message::Delivery),
+    ) -> anyhow::Result<()> {
+        let returned = self
+            .drain_queue(&self.topology.redispatch_queue(), expected.len())
+            .await?;
+        let mut back = Vec::new();
+        for delivery in &returned {
+            let message: WorkMessage = decode_json(&delivery.data)?;
+            assert!(message.batch.is_empty(), "given back alone");
+            check(delivery);
+            back.push(message.job_id);
+        }
+        back.sort();
+        let mut expected = expected.to_vec();
+        expected.sort();
+        assert_eq!(back, expected);
+        Ok(())
+    }
+
     /// Takes every message now in `queue` (acking them), waiting until there are `n`.
     async fn drain_queue(
         &self,
@@ -334,6 +358,17 @@ async fn put_png(farm: &Farm, key: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Stores `inputs/base.png` and runs three edits of it (`steps` steps each) in one message, to their
+/// final events.
+async fn three_edits_of_base(bench: &mut Bench, steps: u32) -> anyhow::Result<Vec<JobId>> {
+    put_png(&bench.farm, "inputs/base.png").await?;
+    let batch = ["smile", "frown", "wave"].map(|i| edit("inputs/base.png", i, steps));
+    let ids: Vec<JobId> = batch.iter().map(|j| j.job_id).collect();
+    bench.send(&batch).await?;
+    bench.wait_final(&ids).await?;
+    Ok(ids)
+}
+
 fn string_header(delivery: &lapin::message::Delivery, name: &str) -> Option<String> {
     let headers = delivery.properties.headers().as_ref()?;
     match headers.inner().get(name)? {
@@ -348,15 +383,7 @@ fn string_header(delivery: &lapin::message::Delivery, name: &str) -> Option<Stri
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_runs_together_and_each_job_ends_on_its_own() -> anyhow::Result<()> {
     let mut bench = Bench::start("batch-own", test_pattern(5, &[])).await?;
-    put_png(&bench.farm, "inputs/base.png").await?;
-    let batch = [
-        edit("inputs/base.png", "smile", 4),
-        edit("inputs/base.png", "frown", 4),
-        edit("inputs/base.png", "wave", 4),
-    ];
-    let ids: Vec<JobId> = batch.iter().map(|j| j.job_id).collect();
-    bench.send(&batch).await?;
-    bench.wait_final(&ids).await?;
+    let ids = three_edits_of_base(&mut bench, 4).await?;
 
     for &id in &ids {
         let names = bench.names_of(id);
@@ -631,24 +658,15 @@ async fn shutdown_gives_each_job_of_a_batch_back_alone() -> anyhow::Result<()> {
     assert_eq!(beat.in_flight, 3);
     bench.farm.signal_worker("w1", libc::SIGTERM);
 
-    let returned = bench
-        .drain_queue(&bench.topology.redispatch_queue(), 3)
+    bench
+        .given_back(&ids, |delivery| {
+            assert!(
+                string_header(delivery, HEADER_REASON).is_some_and(|r| r.contains("shut down")),
+                "{:?}",
+                delivery.properties.headers()
+            );
+        })
         .await?;
-    let mut back: Vec<JobId> = Vec::new();
-    for delivery in &returned {
-        let message: WorkMessage = decode_json(&delivery.data)?;
-        assert!(message.batch.is_empty(), "given back alone");
-        assert!(
-            string_header(delivery, HEADER_REASON).is_some_and(|r| r.contains("shut down")),
-            "{:?}",
-            delivery.properties.headers()
-        );
-        back.push(message.job_id);
-    }
-    back.sort();
-    let mut expected = ids.clone();
-    expected.sort();
-    assert_eq!(back, expected);
     let status = bench.wait_exit().await?;
     assert!(status.success(), "{}", bench.farm.worker_logs());
     for id in ids {
@@ -678,19 +696,7 @@ async fn a_device_failure_gives_the_rest_of_the_batch_back_to_be_retried() -> an
     let batch = [generate("fine"), generate("boom"), generate("also fine")];
     let ids: Vec<JobId> = batch.iter().map(|j| j.job_id).collect();
     bench.send(&batch).await?;
-    let returned = bench
-        .drain_queue(&bench.topology.redispatch_queue(), 2)
-        .await?;
-    let mut back = Vec::new();
-    for delivery in &returned {
-        let message: WorkMessage = decode_json(&delivery.data)?;
-        assert!(message.batch.is_empty(), "given back alone");
-        back.push(message.job_id);
-    }
-    back.sort();
-    let mut expected = ids[1..].to_vec();
-    expected.sort();
-    assert_eq!(back, expected);
+    bench.given_back(&ids[1..], |_| {}).await?;
     bench.wait_final(&ids[..1]).await?;
     assert!(
         bench.completed(ids[0]).is_some(),
@@ -732,15 +738,7 @@ async fn a_device_failure_gives_the_rest_of_the_batch_back_to_be_retried() -> an
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_job_of_a_batch_is_reported_when_it_is_done() -> anyhow::Result<()> {
     let mut bench = Bench::start("batch-stream", test_pattern(50, &[])).await?;
-    put_png(&bench.farm, "inputs/base.png").await?;
-    let batch = [
-        edit("inputs/base.png", "smile", 5),
-        edit("inputs/base.png", "frown", 5),
-        edit("inputs/base.png", "wave", 5),
-    ];
-    let ids: Vec<JobId> = batch.iter().map(|j| j.job_id).collect();
-    bench.send(&batch).await?;
-    bench.wait_final(&ids).await?;
+    let ids = three_edits_of_base(&mut bench, 5).await?;
     let at = |id: JobId, name: &str| {
         bench
             .seen
@@ -798,23 +796,14 @@ async fn a_yield_gives_back_the_unstarted_jobs_of_a_batch() -> anyhow::Result<()
             )
             .await?;
     }
-    let returned = bench
-        .drain_queue(&bench.topology.redispatch_queue(), 3)
+    bench
+        .given_back(&ids[1..], |delivery| {
+            assert_eq!(
+                string_header(delivery, HEADER_YIELDED).as_deref(),
+                Some("true")
+            );
+        })
         .await?;
-    let mut back = Vec::new();
-    for delivery in &returned {
-        let message: WorkMessage = decode_json(&delivery.data)?;
-        assert!(message.batch.is_empty(), "given back alone");
-        assert_eq!(
-            string_header(delivery, HEADER_YIELDED).as_deref(),
-            Some("true")
-        );
-        back.push(message.job_id);
-    }
-    back.sort();
-    let mut expected = ids[1..].to_vec();
-    expected.sort();
-    assert_eq!(back, expected);
     bench.wait_final(&ids[..1]).await?;
     assert!(bench.completed(ids[0]).is_some(), "{:?}", bench.names());
     for &id in &ids[1..] {

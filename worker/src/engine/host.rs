@@ -283,24 +283,37 @@ mod tests {
         ))
     }
 
-    /// Serves `jobs`, returning each answer's index, whether it succeeded, and when it came.
-    fn answers(engine: &mut Engine, jobs: &[EngineJob]) -> Vec<(usize, bool, Instant)> {
+    /// Serves `jobs` as a worker of `served`, returning each answer with when it came, in order.
+    fn serve_all(
+        engine: &mut Engine,
+        served: &[ModelFamily],
+        jobs: &[EngineJob],
+    ) -> Vec<(usize, Result<EngineOutput, EngineError>, Instant)> {
         let mut got = Vec::new();
-        serve(
-            engine,
-            &[ModelFamily::QwenEdit],
-            jobs,
-            &mut |_, _| {},
-            &mut |i, r| got.push((i, r.is_ok(), Instant::now())),
-        );
+        serve(engine, served, jobs, &mut |_, _| {}, &mut |i, r| {
+            got.push((i, r, Instant::now()))
+        });
         got
+    }
+
+    /// Serves edits, returning each answer's index, whether it succeeded, and when it came.
+    fn answers(engine: &mut Engine, jobs: &[EngineJob]) -> Vec<(usize, bool, Instant)> {
+        serve_all(engine, &[ModelFamily::QwenEdit], jobs)
+            .into_iter()
+            .map(|(i, r, at)| (i, r.is_ok(), at))
+            .collect()
+    }
+
+    /// Edits of one input, distinct instructions.
+    fn edits(n: usize) -> Vec<EngineJob> {
+        (0..n)
+            .map(|k| edit("inputs/a.png", &k.to_string()))
+            .collect()
     }
 
     #[test]
     fn without_a_batch_gain_each_job_is_answered_when_it_is_done() {
-        let jobs: Vec<EngineJob> = (0..3)
-            .map(|k| edit("inputs/a.png", &k.to_string()))
-            .collect();
+        let jobs = edits(3);
         let started = Instant::now();
         let got = answers(&mut engine(10, 1.0), &jobs);
         let order: Vec<usize> = got.iter().map(|(i, _, _)| *i).collect();
@@ -317,9 +330,7 @@ mod tests {
 
     #[test]
     fn with_a_batch_gain_the_group_runs_together() {
-        let jobs: Vec<EngineJob> = (0..3)
-            .map(|k| edit("inputs/a.png", &k.to_string()))
-            .collect();
+        let jobs = edits(3);
         let got = answers(&mut engine(10, 0.5), &jobs);
         assert_eq!(got.len(), 3);
         let spread = got[2].2 - got[0].2;
@@ -331,38 +342,20 @@ mod tests {
 
     #[test]
     fn jobs_asked_back_before_their_run_are_given_back_unrun() {
-        let jobs: Vec<EngineJob> = (0..3)
-            .map(|k| edit("inputs/a.png", &k.to_string()))
-            .collect();
+        let jobs = edits(3);
         // The yield arrives while the first job runs: the first finishes, the others go back.
         jobs[1].cancel.request_yield();
         jobs[2].cancel.request_yield();
-        let mut got = Vec::new();
-        serve(
-            &mut engine(0, 1.0),
-            &[ModelFamily::QwenEdit],
-            &jobs,
-            &mut |_, _| {},
-            &mut |i, r| got.push((i, r)),
-        );
+        let got = serve_all(&mut engine(0, 1.0), &[ModelFamily::QwenEdit], &jobs);
         assert!(got[0].1.is_ok(), "{:?}", got[0].1);
-        for (i, r) in &got[1..] {
+        for (i, r, _) in &got[1..] {
             assert!(matches!(r, Err(EngineError::Yielded)), "job {i}: {r:?}");
         }
         // A cancel wins over a yield: the job is settled as cancelled.
-        let jobs: Vec<EngineJob> = (0..2)
-            .map(|k| edit("inputs/a.png", &k.to_string()))
-            .collect();
+        let jobs = edits(2);
         jobs[1].cancel.request_yield();
         jobs[1].cancel.request(CancelReason::User);
-        let mut got = Vec::new();
-        serve(
-            &mut engine(0, 1.0),
-            &[ModelFamily::QwenEdit],
-            &jobs,
-            &mut |_, _| {},
-            &mut |i, r| got.push((i, r)),
-        );
+        let got = serve_all(&mut engine(0, 1.0), &[ModelFamily::QwenEdit], &jobs);
         assert!(
             matches!(got[1].1, Err(EngineError::Cancelled(CancelReason::User))),
             "{:?}",
@@ -373,18 +366,11 @@ mod tests {
     #[test]
     fn jobs_of_unserved_families_fail_and_the_others_run() {
         let jobs = vec![edit("inputs/a.png", "smile"), edit("inputs/b.png", "frown")];
-        let mut got = Vec::new();
-        serve(
-            &mut engine(0, 1.0),
-            &[ModelFamily::Sdxl],
-            &jobs,
-            &mut |_, _| {},
-            &mut |i, r| got.push((i, r)),
-        );
+        let got = serve_all(&mut engine(0, 1.0), &[ModelFamily::Sdxl], &jobs);
         assert_eq!(got.len(), 2);
         assert!(
             got.iter()
-                .all(|(_, r)| matches!(r, Err(EngineError::Unsupported(_))))
+                .all(|(_, r, _)| matches!(r, Err(EngineError::Unsupported(_))))
         );
     }
 

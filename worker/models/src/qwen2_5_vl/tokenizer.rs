@@ -12,8 +12,7 @@ use std::path::Path;
 use crate::error::LoadError;
 
 /// The bundled Qwen2 tokenizer (151643 regular tokens + 22 added tokens).
-/// Gzipped in the crate (the source tree travels to test machines, where size counts); unpacked
-/// on use.
+/// Gzipped (see [`crate::text::bundled_tokenizer`]).
 const BUNDLED_GZ: &[u8] = include_bytes!("../../tokenizer/qwen2/tokenizer.json.gz");
 
 /// The padding token of Qwen2's tokenizer (`pad_token`).
@@ -49,11 +48,7 @@ impl QwenTokenizer {
     /// The bundled tokenizer.
     pub fn bundled() -> Result<Self, LoadError> {
         let origin = Path::new("<bundled tokenizer/qwen2/tokenizer.json.gz>");
-        let inner = tokenizers::Tokenizer::from_bytes(crate::text::gunzip(BUNDLED_GZ, origin)?)
-            .map_err(|e| LoadError::Format {
-                path: origin.to_path_buf(),
-                reason: e.to_string(),
-            })?;
+        let inner = crate::text::bundled_tokenizer(BUNDLED_GZ, origin)?;
         Self::with_inner(inner, origin)
     }
 

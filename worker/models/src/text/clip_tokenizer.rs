@@ -11,8 +11,7 @@ use std::path::Path;
 use crate::error::LoadError;
 
 /// The bundled CLIP tokenizer (49408 tokens).
-/// Gzipped in the crate (the source tree travels to test machines, where size counts); unpacked
-/// on use.
+/// Gzipped (see [`crate::text::bundled_tokenizer`]).
 const BUNDLED_GZ: &[u8] = include_bytes!("../../tokenizer/clip/tokenizer.json.gz");
 
 /// A CLIP tokenizer with its special ids.
@@ -61,11 +60,7 @@ impl ClipTokenizer {
     /// for tokenizer 2).
     pub fn bundled(pad: &str) -> Result<Self, LoadError> {
         let origin = Path::new("<bundled tokenizer/clip/tokenizer.json.gz>");
-        let inner = tokenizers::Tokenizer::from_bytes(crate::text::gunzip(BUNDLED_GZ, origin)?)
-            .map_err(|e| LoadError::Format {
-                path: origin.to_path_buf(),
-                reason: e.to_string(),
-            })?;
+        let inner = crate::text::bundled_tokenizer(BUNDLED_GZ, origin)?;
         Self::with_pad(inner, pad, origin)
     }
 

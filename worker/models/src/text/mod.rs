@@ -9,14 +9,19 @@ use std::path::Path;
 
 use crate::error::LoadError;
 
-/// A bundled file, gzipped in the crate, unpacked (`origin` names it in errors).
-pub(crate) fn gunzip(gz: &[u8], origin: &Path) -> Result<Vec<u8>, LoadError> {
-    let mut out = Vec::new();
+/// A tokenizer bundled gzipped in the crate (the source tree travels to test machines, where size
+/// counts), unpacked and parsed; `origin` names it in errors.
+pub(crate) fn bundled_tokenizer(
+    gz: &[u8],
+    origin: &Path,
+) -> Result<tokenizers::Tokenizer, LoadError> {
+    let format = |reason: String| LoadError::Format {
+        path: origin.to_path_buf(),
+        reason,
+    };
+    let mut json = Vec::new();
     flate2::read::GzDecoder::new(gz)
-        .read_to_end(&mut out)
-        .map_err(|e| LoadError::Format {
-            path: origin.to_path_buf(),
-            reason: format!("cannot unpack: {e}"),
-        })?;
-    Ok(out)
+        .read_to_end(&mut json)
+        .map_err(|e| format(format!("cannot unpack: {e}")))?;
+    tokenizers::Tokenizer::from_bytes(json).map_err(|e| format(e.to_string()))
 }
