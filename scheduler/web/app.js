@@ -535,6 +535,26 @@ function fields(form) {
   return out;
 }
 
+/// "name:0.8, other" → [{name: "name", weight: 0.8}, {name: "other"}] (the worker's LoRA folder
+/// names them; weight 1 when left out); a weight that is not a number goes as typed, for the API to
+/// name the field.
+function parseLoras(text) {
+  const items = (text || "")
+    .split(",")
+    .map((s) => s.trim())
+    .filter(Boolean);
+  if (!items.length) return undefined;
+  return items.map((item) => {
+    const at = item.lastIndexOf(":");
+    if (at < 0) return { name: item };
+    return withoutUndefined({ name: item.slice(0, at).trim(), weight: numberOr(item.slice(at + 1)) });
+  });
+}
+
+function lorasText(loras) {
+  return (loras || []).map((l) => `${l.name}:${l.weight}`).join(", ");
+}
+
 function withoutUndefined(obj) {
   return Object.fromEntries(Object.entries(obj).filter(([, v]) => v !== undefined && v !== ""));
 }
@@ -554,6 +574,7 @@ function submission(kind, form) {
       sampler: f.sampler,
       seed: f.seed,
       count: f.count,
+      loras: parseLoras(f.loras),
     });
   } else if (kind === "edit") {
     job = withoutUndefined({ kind, instruction: f.instruction, steps: f.steps, cfg: f.cfg, seed: f.seed });
@@ -577,6 +598,7 @@ function submission(kind, form) {
         height: f.height,
         steps: f.steps,
         seed: f.seed,
+        loras: parseLoras(f.loras),
       }),
       edits: variants.map((instruction) => ({ instruction })),
       upscales,
@@ -613,7 +635,8 @@ function fieldControl(form, field) {
   let best = null;
   for (const el of form.querySelectorAll("[data-field]")) {
     const f = el.dataset.field;
-    if ((field === f || field.startsWith(`${f}.`)) && (!best || f.length > best.dataset.field.length)) best = el;
+    const within = field === f || field.startsWith(`${f}.`) || field.startsWith(`${f}[`);
+    if (within && (!best || f.length > best.dataset.field.length)) best = el;
   }
   return best;
 }
@@ -683,6 +706,7 @@ function rerunWith(member, index) {
   if (spec.kind === "generate") {
     const form = $("#form-generate");
     for (const name of ["prompt", "negative_prompt", "width", "height", "steps", "cfg", "sampler"]) set(form, name, spec[name]);
+    set(form, "loras", lorasText(spec.loras));
     set(form, "seed", seed);
     set(form, "count", 1);
     selectTab("generate");

@@ -898,6 +898,29 @@ async fn drive_page(farm: &mut Farm, b: &mut Browser) -> anyhow::Result<()> {
     ensure!(marked == "true", "the width field is marked: {marked}");
     b.screenshot("validation-error").await?;
     b.fill("#form-generate input[name=width]", "256").await?;
+    // LoRAs typed as "name:weight": a weight out of range names the LoRA's own field.
+    b.fill("#form-generate input[name=loras]", "style:5")
+        .await?;
+    b.css("#form-generate button[type=submit]")
+        .await?
+        .click()
+        .await?;
+    let message = b
+        .until(
+            "the LoRA's validation error",
+            t,
+            "const e = document.querySelector('#form-error'); return !e.hidden && e.textContent.startsWith('job.loras') && e.textContent",
+        )
+        .await?;
+    ensure!(
+        message
+            .as_str()
+            .is_some_and(|m| m.starts_with("job.loras[0].weight:")),
+        "{message}"
+    );
+    let marked = b.js("return document.querySelector('#form-generate input[name=loras]').getAttribute('aria-invalid')").await?;
+    ensure!(marked == "true", "the LoRAs field is marked: {marked}");
+    b.fill("#form-generate input[name=loras]", "").await?;
 
     // A pipeline: a base, three variants, an upscale of the base; chosen from the keyboard.
     b.css("#tab-generate").await?.click().await?;
