@@ -25,6 +25,8 @@ use vnfarm_proto::{
     SCHEMA_VERSION, Submission, UpscaleSpec, ValidationError, decode_json,
 };
 
+use vnfarm_storage::StorageError;
+
 use crate::images::{self, InputLimits, VerifiedImage};
 use crate::scheduler::Scheduler;
 
@@ -96,6 +98,9 @@ impl Scheduler {
             }
             JobSpec::Generate(g) => self.default_checkpoint(g),
         }
+        for (field, key) in stored_inputs(&submission.job) {
+            self.check_stored(&field, key).await?;
+        }
         let kind = submission.job.kind_name();
         let children: Vec<JobId> = (0..pipeline_size(&submission))
             .map(|_| JobId::new())
@@ -164,6 +169,31 @@ impl Scheduler {
             }
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
                 return None;
+            }
+        }
+    }
+
+    /// A stored input must be there: one that is not is refused now, naming its field, rather than
+    /// failing on a worker. A store that cannot answer refuses nothing (the worker's download
+    /// retries).
+    async fn check_stored(&self, field: &str, key: &str) -> Result<(), AcceptError> {
+        let invalid = |message: String| {
+            AcceptError::Invalid(ValidationError {
+                field: field.to_owned(),
+                message,
+            })
+        };
+        match self.storage.exists(key).await {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(invalid(format!(
+                "no stored image `{key}` (upload it first: POST /v1/uploads)"
+            ))),
+            Err(StorageError::InvalidKey { reason, .. }) => {
+                Err(invalid(format!("`{key}` is not a storage key: {reason}")))
+            }
+            Err(e) => {
+                tracing::warn!(key, error = %e, "cannot check a stored input now; accepting the job");
+                Ok(())
             }
         }
     }
@@ -428,4 +458,38 @@ pub fn pipeline_jobs(submission: &Submission, ids: &[JobId]) -> Option<Vec<Submi
         })));
     }
     Some(out)
+}
+
+/// The stored images a job names, each with its field.
+fn stored_inputs(job: &JobSpec) -> Vec<(String, &str)> {
+    fn stored(r: &ImageRef) -> Option<&str> {
+        match r {
+            ImageRef::Stored(key) => Some(key.as_str()),
+            ImageRef::JobOutput { .. } | ImageRef::Inline(_) => None,
+        }
+    }
+    let mut found = Vec::new();
+    match job {
+        JobSpec::Edit(e) => {
+            found.extend(
+                e.input
+                    .as_ref()
+                    .and_then(stored)
+                    .map(|k| ("job.input".to_owned(), k)),
+            );
+            for (i, r) in e.inputs.iter().enumerate() {
+                found.extend(stored(r).map(|k| (format!("job.inputs[{i}]"), k)));
+            }
+        }
+        JobSpec::Upscale(u) => found.extend(stored(&u.input).map(|k| ("job.input".to_owned(), k))),
+        JobSpec::Pipeline(p) => {
+            for (i, edit) in p.edits.iter().enumerate() {
+                for (j, r) in edit.references.iter().enumerate() {
+                    found.extend(stored(r).map(|k| (format!("job.edits[{i}].references[{j}]"), k)));
+                }
+            }
+        }
+        JobSpec::Generate(_) => {}
+    }
+    found
 }

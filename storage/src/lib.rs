@@ -146,6 +146,15 @@ impl Storage {
         }
     }
 
+    /// Whether an object is stored under `key` (without reading it).
+    pub async fn exists(&self, key: &str) -> Result<bool, StorageError> {
+        check_key(key)?;
+        match self {
+            Storage::S3(s) => s.exists(key).await,
+            Storage::Local(l) => l.exists(key).await,
+        }
+    }
+
     /// Where a browser can fetch `key` until `expires_in` has passed, without the farm's
     /// credentials: a presigned GET URL of the bucket, or `None` for a local directory (the
     /// scheduler serves those itself, see its API).

@@ -58,6 +58,14 @@ impl LocalStore {
         }
     }
 
+    pub async fn exists(&self, key: &str) -> Result<bool, StorageError> {
+        match tokio::fs::metadata(self.root.join(key)).await {
+            Ok(meta) => Ok(meta.is_file()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(unavailable("head", key, e)),
+        }
+    }
+
     pub async fn list(&self, prefix: &str) -> Result<Vec<String>, StorageError> {
         let mut keys = Vec::new();
         let mut dirs = vec![self.root.clone()];

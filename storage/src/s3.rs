@@ -147,6 +147,21 @@ impl S3Store {
             .map_err(|e| unavailable("put", key, e))
     }
 
+    pub async fn exists(&self, key: &str) -> Result<bool, StorageError> {
+        match self
+            .client
+            .head_object()
+            .bucket(&self.bucket)
+            .key(key)
+            .send()
+            .await
+        {
+            Ok(_) => Ok(true),
+            Err(SdkError::ServiceError(se)) if se.err().is_not_found() => Ok(false),
+            Err(e) => Err(unavailable("head", key, e)),
+        }
+    }
+
     pub async fn get(&self, key: &str) -> Result<Bytes, StorageError> {
         let out = match self
             .client

@@ -46,6 +46,19 @@ async fn invalid_specs_over_http_get_4xx_naming_the_field() -> anyhow::Result<()
             json!({"schema_version": 1, "job": {"kind": "pipeline", "base": {"prompt": "x"}, "upscales": [{"of": {"edit": 2}}]}}),
             "job.upscales[0].of",
         ),
+        // Stored inputs that are not there are refused at once, naming the input.
+        (
+            json!({"schema_version": 1, "job": {"kind": "upscale", "input": {"stored": "inputs/missing.png"}}}),
+            "job.input",
+        ),
+        (
+            json!({"schema_version": 1, "job": {"kind": "edit", "inputs": [{"job_output": {"job": "01a23176-ac29-7059-960f-9bbf47f968ef", "index": 0}}, {"stored": "inputs/missing.png"}], "instruction": "x"}}),
+            "job.inputs[1]",
+        ),
+        (
+            json!({"schema_version": 1, "job": {"kind": "pipeline", "base": {"prompt": "x"}, "edits": [{"instruction": "a"}, {"instruction": "b", "references": [{"stored": "inputs/missing.png"}]}]}}),
+            "job.edits[1].references[0]",
+        ),
     ];
     for (body, field) in cases {
         let (status, reply) = farm.submit(&body).await?;
@@ -193,8 +206,15 @@ async fn malformed_and_oversized_messages_are_dead_lettered_with_a_failed_event(
         .await?;
     assert_eq!(job["state"], "completed", "{job}");
 
-    // A missing input is a permanent failure of that job only.
-    let (_, body) = farm.submit(&json!({"schema_version": 1, "job": {"kind": "upscale", "input": {"stored": "inputs/missing.png"}}})).await?;
+    // An input that is not an image is a permanent failure of that job only.
+    farm.storage
+        .put(
+            "inputs/garbage.png",
+            b"not an image".to_vec().into(),
+            "image/png",
+        )
+        .await?;
+    let (_, body) = farm.submit(&json!({"schema_version": 1, "job": {"kind": "upscale", "input": {"stored": "inputs/garbage.png"}}})).await?;
     let job = farm
         .wait_finished(body["job_id"].as_str().unwrap(), FINISH)
         .await?;

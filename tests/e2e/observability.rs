@@ -622,10 +622,17 @@ async fn workload(farm: &mut Farm, worker_metrics: &[String]) -> anyhow::Result<
         ensure!(job["state"] == "completed", "{job}");
     }
 
-    // A job that fails for good: its input does not exist. The worker dead-letters it.
+    // A job that fails for good: its input is not an image. The worker dead-letters it.
+    farm.storage
+        .put(
+            "inputs/garbage.png",
+            b"not an image".to_vec().into(),
+            "image/png",
+        )
+        .await?;
     let (status, body) = farm
         .submit(&json!({"schema_version": 1, "job": {"kind": "upscale",
-            "input": {"stored": "inputs/missing.png"}}}))
+            "input": {"stored": "inputs/garbage.png"}}}))
         .await?;
     ensure!(status == 201, "{body}");
     let job = farm
