@@ -35,8 +35,8 @@ use super::{INTERACTIVE_BURST, Registry, Route, WorkerRecord};
 use crate::config::{DispatchConfig, Policy};
 
 /// The jobs of a group that may share a message led by a job of `lead_rank`, in order: a message
-/// led by interactive work carries only interactive work (the engine ends a message's jobs
-/// together when it has no batch gain, so batch work would delay it).
+/// led by interactive work carries only interactive work (batch work behind it would keep the
+/// worker from the next interactive arrival, and such a message is never asked to yield).
 fn companions(
     group: &std::collections::BTreeSet<(u8, JobId)>,
     lead_rank: u8,
