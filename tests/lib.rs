@@ -702,14 +702,7 @@ impl Farm {
                 .await?
                 .ok_or_else(|| anyhow::anyhow!("event stream ended"))??;
             buffer.push_str(&String::from_utf8_lossy(&chunk));
-            while let Some(end) = buffer.find("\n\n") {
-                let block: String = buffer.drain(..end + 2).collect();
-                for line in block.lines() {
-                    if let Some(data) = line.strip_prefix("data:") {
-                        events.push(serde_json::from_str(data.trim())?);
-                    }
-                }
-            }
+            events.extend(take_sse_data(&mut buffer)?);
         }
         Ok(events)
     }
@@ -757,4 +750,42 @@ impl Drop for Farm {
         });
         let _ = cleanup.join();
     }
+}
+
+/// Takes the complete Server-Sent Events blocks off the front of `buffer` (what a stream sent so
+/// far) and returns the JSON of their `data:` lines; an incomplete block stays for the next chunk.
+pub fn take_sse_data(buffer: &mut String) -> anyhow::Result<Vec<Value>> {
+    let mut out = Vec::new();
+    while let Some(end) = buffer.find("\n\n") {
+        let block: String = buffer.drain(..end + 2).collect();
+        for line in block.lines() {
+            if let Some(data) = line.strip_prefix("data:") {
+                out.push(serde_json::from_str(data.trim())?);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Mean absolute difference, in 1/255 units, of a PNG and a float reference image `[H, W, 3]` in
+/// 0..1.
+pub fn png_mae(png: &[u8], want: &tch::Tensor) -> f64 {
+    let img = image::load_from_memory(png).expect("PNG").to_rgb8();
+    let (h, w) = (i64::from(img.height()), i64::from(img.width()));
+    assert_eq!(want.size(), [h, w, 3], "image size");
+    let got = tch::Tensor::from_slice(img.as_raw())
+        .to_kind(tch::Kind::Float)
+        .view([h, w, 3]);
+    (got - want * 255.0)
+        .abs()
+        .mean(tch::Kind::Double)
+        .double_value(&[])
+}
+
+/// Stores a file that is not an image under `key` (for jobs that must fail on their input).
+pub async fn put_undecodable(storage: &Storage, key: &str) -> anyhow::Result<()> {
+    storage
+        .put(key, b"not an image".to_vec().into(), "image/png")
+        .await?;
+    Ok(())
 }

@@ -449,15 +449,7 @@ async fn a_batch_runs_together_and_each_job_ends_on_its_own() -> anyhow::Result<
 async fn a_member_with_a_bad_input_is_dead_lettered_alone() -> anyhow::Result<()> {
     let mut bench = Bench::start("batch-bad", test_pattern(5, &[])).await?;
     put_png(&bench.farm, "inputs/good.png").await?;
-    bench
-        .farm
-        .storage
-        .put(
-            "inputs/garbage.png",
-            b"not an image at all".to_vec().into(),
-            "image/png",
-        )
-        .await?;
+    vnfarm_tests::put_undecodable(&bench.farm.storage, "inputs/garbage.png").await?;
     let batch = [
         edit("inputs/good.png", "a", 3),
         edit("inputs/garbage.png", "b", 3),

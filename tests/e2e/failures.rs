@@ -207,13 +207,7 @@ async fn malformed_and_oversized_messages_are_dead_lettered_with_a_failed_event(
     assert_eq!(job["state"], "completed", "{job}");
 
     // An input that is not an image is a permanent failure of that job only.
-    farm.storage
-        .put(
-            "inputs/garbage.png",
-            b"not an image".to_vec().into(),
-            "image/png",
-        )
-        .await?;
+    vnfarm_tests::put_undecodable(&farm.storage, "inputs/garbage.png").await?;
     let (_, body) = farm.submit(&json!({"schema_version": 1, "job": {"kind": "upscale", "input": {"stored": "inputs/garbage.png"}}})).await?;
     let job = farm
         .wait_finished(body["job_id"].as_str().unwrap(), FINISH)

@@ -623,13 +623,7 @@ async fn workload(farm: &mut Farm, worker_metrics: &[String]) -> anyhow::Result<
     }
 
     // A job that fails for good: its input is not an image. The worker dead-letters it.
-    farm.storage
-        .put(
-            "inputs/garbage.png",
-            b"not an image".to_vec().into(),
-            "image/png",
-        )
-        .await?;
+    vnfarm_tests::put_undecodable(&farm.storage, "inputs/garbage.png").await?;
     let (status, body) = farm
         .submit(&json!({"schema_version": 1, "job": {"kind": "upscale",
             "input": {"stored": "inputs/garbage.png"}}}))

@@ -79,19 +79,10 @@ fn farm_worker(condition_area: u64, vae_area: u64, scheduler: &str) -> WorkerOpt
 
 /// Mean absolute difference, in 1/255 units, of `png` and the float image `name` of `file`.
 fn mae(file: &SafetensorsFile, name: &str, png: &[u8]) -> f64 {
-    let img = image::load_from_memory(png).expect("PNG").to_rgb8();
     let want = file
         .load(name, Device::Cpu, Kind::Float)
         .expect("reference image");
-    let (h, w) = (img.height() as i64, img.width() as i64);
-    assert_eq!(want.size(), [h, w, 3], "{name}: image size");
-    let got = tch::Tensor::from_slice(img.as_raw())
-        .to_kind(Kind::Float)
-        .view([h, w, 3]);
-    (got - want * 255.0)
-        .abs()
-        .mean(Kind::Double)
-        .double_value(&[])
+    vnfarm_tests::png_mae(png, &want)
 }
 
 async fn png(farm: &Farm, job: &Value) -> anyhow::Result<Vec<u8>> {

@@ -118,21 +118,12 @@ impl Reference {
 
     /// Mean absolute difference, in 1/255 units, of `png` and reference image `index` of `name`.
     fn mae(&self, name: &str, index: i64, png: &[u8]) -> f64 {
-        let img = image::load_from_memory(png).expect("PNG").to_rgb8();
         let want = self
             .file
             .load(&format!("{name}.image"), Device::Cpu, Kind::Float)
             .expect("reference image")
             .get(index);
-        let (h, w) = (img.height() as i64, img.width() as i64);
-        assert_eq!(want.size(), [h, w, 3], "image size");
-        let got = tch::Tensor::from_slice(img.as_raw())
-            .to_kind(Kind::Float)
-            .view([h, w, 3]);
-        (got - want * 255.0)
-            .abs()
-            .mean(Kind::Double)
-            .double_value(&[])
+        vnfarm_tests::png_mae(png, &want)
     }
 }
 

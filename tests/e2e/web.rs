@@ -248,14 +248,7 @@ async fn sse_data(response: reqwest::Response, n: usize) -> anyhow::Result<Vec<V
             break;
         };
         buffer.push_str(&String::from_utf8_lossy(&chunk?));
-        while let Some(end) = buffer.find("\n\n") {
-            let block: String = buffer.drain(..end + 2).collect();
-            for line in block.lines() {
-                if let Some(data) = line.strip_prefix("data:") {
-                    out.push(serde_json::from_str(data.trim())?);
-                }
-            }
-        }
+        out.extend(vnfarm_tests::take_sse_data(&mut buffer)?);
     }
     Ok(out)
 }

@@ -196,8 +196,8 @@ fn images_with_loras_match_diffusers() {
         };
         p.set_loras(&specs).expect(&name);
         let images = p.generate(&req, &mut |_, _| {}, &|| false).expect(&name);
-        let mae = image_mae(&images[0], &r[&format!("{name}.image")].get(0));
-        let from_base = image_mae(&images[0], &r["base.image"].get(0));
+        let mae = support::image_mae(&images[0], &r[&format!("{name}.image")].get(0));
+        let from_base = support::image_mae(&images[0], &r["base.image"].get(0));
         println!("{name}: image MAE {mae:.4} / 255 (from the base image: {from_base:.1})");
         assert!(mae <= 1.0, "{name}: MAE {mae} / 255");
         if name != "base" {
@@ -272,17 +272,4 @@ fn unusable_files_are_errors_naming_the_key_and_leave_the_base() {
         );
     }
     std::fs::remove_dir_all(&dir).unwrap();
-}
-
-/// Mean absolute difference, in 1/255 units, of an RGB8 image and a float `[H, W, 3]` reference.
-fn image_mae(img: &image::RgbImage, want: &Tensor) -> f64 {
-    let (h, w) = (img.height() as i64, img.width() as i64);
-    assert_eq!(want.size(), [h, w, 3]);
-    let got = Tensor::from_slice(img.as_raw())
-        .to_kind(Kind::Float)
-        .view([h, w, 3]);
-    (got - want * 255.0)
-        .abs()
-        .mean(Kind::Double)
-        .double_value(&[])
 }

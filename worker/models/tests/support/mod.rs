@@ -54,3 +54,17 @@ pub fn load_reference(
         .collect();
     (tensors, f)
 }
+
+/// Mean absolute difference, in 1/255 units, of an RGB8 image and a float reference `[H, W, 3]`
+/// in 0..1.
+pub fn image_mae(img: &image::RgbImage, want: &Tensor) -> f64 {
+    let (h, w) = (i64::from(img.height()), i64::from(img.width()));
+    assert_eq!(want.size(), [h, w, 3]);
+    let got = Tensor::from_slice(img.as_raw())
+        .to_kind(Kind::Float)
+        .view([h, w, 3]);
+    (got - want * 255.0)
+        .abs()
+        .mean(Kind::Double)
+        .double_value(&[])
+}
