@@ -424,6 +424,49 @@ pub fn all_cancelled<'a>(cancels: impl IntoIterator<Item = &'a Cancel>) -> Optio
     reason
 }
 
+/// A batch's result slots (one per job, `None` until answered), with the jobs that can run and
+/// what `prepare` made of each; a job `prepare` refuses is answered with its error.
+pub(crate) struct Runnable<P> {
+    pub results: Vec<Option<Result<EngineOutput, EngineError>>>,
+    /// Indices into the batch of the jobs that can run, in order.
+    pub runnable: Vec<usize>,
+    /// What `prepare` made of each runnable job, in the same order.
+    pub prepared: Vec<P>,
+}
+
+impl<P> Runnable<P> {
+    pub fn of(
+        jobs: &[&EngineJob],
+        mut prepare: impl FnMut(&EngineJob) -> Result<P, EngineError>,
+    ) -> Self {
+        let mut out = Self {
+            results: jobs.iter().map(|_| None).collect(),
+            runnable: Vec::new(),
+            prepared: Vec::new(),
+        };
+        for (i, job) in jobs.iter().enumerate() {
+            match prepare(job) {
+                Ok(p) => {
+                    out.runnable.push(i);
+                    out.prepared.push(p);
+                }
+                Err(e) => out.results[i] = Some(Err(e)),
+            }
+        }
+        out
+    }
+}
+
+/// The results of a batch, a job left unanswered failing (a bug, said so, rather than a lost job).
+pub(crate) fn answered(
+    results: Vec<Option<Result<EngineOutput, EngineError>>>,
+) -> Vec<Result<EngineOutput, EngineError>> {
+    results
+        .into_iter()
+        .map(|r| r.unwrap_or_else(|| Err(EngineError::Failed("the engine skipped the job".into()))))
+        .collect()
+}
+
 /// Step progress reported by an engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Progress {
@@ -586,12 +629,7 @@ impl Engine {
                 results[i] = Some(answer);
             }
         }
-        let results = results
-            .into_iter()
-            .map(|r| {
-                r.unwrap_or_else(|| Err(EngineError::Failed("the engine skipped the job".into())))
-            })
-            .collect();
+        let results = answered(results);
         self.with_files(jobs, results)
     }
 

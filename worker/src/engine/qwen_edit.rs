@@ -32,7 +32,8 @@ use vnfarm_proto::{EditSpec, ModelFileRole, StageTimings, Task};
 use super::device::{Dtype, engine_error, open_device, parse_device, warm_up_sizes};
 use super::{
     AdvertisedKeys, CacheLookup, EncodeCache, EngineError, EngineJob, EngineOutput, LoraDir,
-    Progress, UsedFile, all_cancelled, content_key, groups, together_or_alone, weight_files,
+    Progress, Runnable, UsedFile, all_cancelled, answered, content_key, groups, together_or_alone,
+    weight_files,
 };
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
@@ -310,19 +311,11 @@ impl QwenEditEngine {
         jobs: &[&EngineJob],
         progress: &mut dyn FnMut(usize, Progress),
     ) -> Vec<Result<EngineOutput, EngineError>> {
-        let mut results: Vec<Option<Result<EngineOutput, EngineError>>> =
-            jobs.iter().map(|_| None).collect();
-        let mut runnable = Vec::new();
-        let mut prepared = Vec::new();
-        for (i, job) in jobs.iter().enumerate() {
-            match self.prepare(job) {
-                Ok(p) => {
-                    runnable.push(i);
-                    prepared.push(p);
-                }
-                Err(e) => results[i] = Some(Err(e)),
-            }
-        }
+        let Runnable {
+            mut results,
+            runnable,
+            prepared,
+        } = Runnable::of(jobs, |job| self.prepare(job));
         let members: Vec<&EngineJob> = runnable.iter().map(|&i| jobs[i]).collect();
         let by_inputs = groups(&members, |job| {
             let loras = match &job.task {
@@ -339,12 +332,7 @@ impl QwenEditEngine {
                 results[runnable[k]] = Some(answer);
             }
         }
-        results
-            .into_iter()
-            .map(|r| {
-                r.unwrap_or_else(|| Err(EngineError::Failed("the engine skipped the job".into())))
-            })
-            .collect()
+        answered(results)
     }
 
     /// A job's request and LoRA files, or why it cannot run.

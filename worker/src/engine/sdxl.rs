@@ -31,8 +31,8 @@ use vnfarm_proto::{GenerateSpec, LoraRef, ModelFileRole, StageTimings, Task};
 
 use super::device::{Dtype, engine_error, open_device, parse_device, warm_up_sizes};
 use super::{
-    EngineError, EngineJob, EngineOutput, LoraDir, Progress, UsedFile, all_cancelled, groups,
-    together_or_alone, weight_files,
+    EngineError, EngineJob, EngineOutput, LoraDir, Progress, Runnable, UsedFile, all_cancelled,
+    answered, groups, together_or_alone, weight_files,
 };
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
@@ -272,19 +272,11 @@ impl SdxlEngine {
         jobs: &[&EngineJob],
         progress: &mut dyn FnMut(usize, Progress),
     ) -> Vec<Result<EngineOutput, EngineError>> {
-        let mut results: Vec<Option<Result<EngineOutput, EngineError>>> =
-            jobs.iter().map(|_| None).collect();
-        let mut runnable = Vec::new();
-        let mut loras = Vec::new();
-        for (i, job) in jobs.iter().enumerate() {
-            match self.prepare(job) {
-                Ok(specs) => {
-                    runnable.push(i);
-                    loras.push(specs);
-                }
-                Err(e) => results[i] = Some(Err(e)),
-            }
-        }
+        let Runnable {
+            mut results,
+            runnable,
+            prepared: loras,
+        } = Runnable::of(jobs, |job| self.prepare(job));
         let members: Vec<&EngineJob> = runnable.iter().map(|&i| jobs[i]).collect();
         for group in groups(&members, forward_key) {
             let lora_seconds = match self.switch_loras(&loras[group[0]]) {
@@ -309,12 +301,7 @@ impl SdxlEngine {
                 results[runnable[k]] = Some(answer);
             }
         }
-        results
-            .into_iter()
-            .map(|r| {
-                r.unwrap_or_else(|| Err(EngineError::Failed("the engine skipped the job".into())))
-            })
-            .collect()
+        answered(results)
     }
 
     /// Makes the pipeline carry `specs`; the seconds it took when the set changed.
