@@ -295,6 +295,72 @@ fn job_loras_apply_and_restore_exactly() {
     );
 }
 
+/// Encodings shared through bytes (another worker's, case b: two inputs) are the same tensors, give
+/// the same image, and bytes that are damaged or made for another model are errors.
+#[test]
+fn encodings_round_trip_through_bytes() {
+    let reference = Reference::open();
+    let case = reference.case("b");
+    let pipe = QwenEditPipeline::load(&config(files_source(), case)).expect("load");
+    let encoded = pipe.encode_inputs(&inputs(case)).expect("encode");
+    let bytes = pipe.encodings_to_bytes(&encoded).expect("to bytes");
+    let back = pipe.encodings_from_bytes(&bytes).expect("from bytes");
+    assert!(back.image_latents.equal(&encoded.image_latents), "latents");
+    assert!(
+        back.features.features.equal(&encoded.features.features),
+        "features"
+    );
+    assert_eq!(back.latent_shapes, encoded.latent_shapes);
+    assert_eq!(back.features.grid_thw, encoded.features.grid_thw);
+    assert_eq!(
+        back.features.tokens_per_image,
+        encoded.features.tokens_per_image
+    );
+    assert_eq!(back.last_input_size, encoded.last_input_size);
+    let edit = |e| {
+        pipe.edit(e, &[request(case)], &mut |_, _| {}, &|| false)
+            .expect("edit")
+            .0
+            .remove(0)
+    };
+    assert_eq!(
+        edit(&back),
+        edit(&encoded),
+        "the same image from shared encodings"
+    );
+
+    let refused = |bytes: &[u8], why: &str| {
+        let e = pipe
+            .encodings_from_bytes(bytes)
+            .expect_err(&format!("{why}: accepted"));
+        println!("{why}: {e}");
+    };
+    refused(&bytes[..bytes.len() - 7], "truncated");
+    refused(&bytes[..100], "cut in the header");
+    refused(b"not encodings", "garbage");
+    let mut flipped = bytes.clone();
+    let last = flipped.len() - 1;
+    flipped[last] ^= 0x40;
+    refused(&flipped, "a bit flipped in the data");
+    // Another model: the same inputs encoded in bf16 are not this fp32 model's encodings.
+    let mut c = config(files_source(), case);
+    c.dtype = Kind::BFloat16;
+    let bf16 = QwenEditPipeline::load(&c).expect("load bf16");
+    let other = bf16
+        .encodings_to_bytes(&bf16.encode_inputs(&inputs(case)).expect("encode bf16"))
+        .expect("bf16 bytes");
+    refused(&other, "bf16 for an fp32 model");
+    // A format tag from elsewhere.
+    let tag = b"vnfarm.qwen_edit.encodings.v1";
+    let at = bytes
+        .windows(tag.len())
+        .position(|w| w == tag)
+        .expect("format tag in the header");
+    let mut foreign = bytes.clone();
+    foreign[at + tag.len() - 1] = b'9';
+    refused(&foreign, "another format");
+}
+
 #[test]
 fn bad_requests_are_errors() {
     let reference = Reference::open();

@@ -34,6 +34,7 @@ use crate::loading::weights::{Fp8Mode, WeightStore, Weights};
 use crate::nn::AttentionImpl;
 use crate::nn::tiling::Tiling;
 use crate::noise;
+use crate::qwen_image::encodings::{self, EncodingsError};
 use crate::qwen_image::keys::vae_weight_store;
 use crate::qwen_image::transformer::{
     QwenImageTransformer2DModel, QwenImageTransformerConfig, transformer_folder_store,
@@ -648,6 +649,29 @@ impl QwenEditPipeline {
         }
         times.decode += started.elapsed().as_secs_f64();
         Ok(images)
+    }
+
+    /// The encodings as bytes ([`encodings::to_bytes`]), to share with other workers.
+    pub fn encodings_to_bytes(&self, e: &EncodedInputs) -> Result<Vec<u8>, EncodingsError> {
+        encodings::to_bytes(e)
+    }
+
+    /// Encodings another worker of the same model made, read onto this pipeline's devices; bytes
+    /// that do not fit this model (dtype, sizes) or are damaged are an error.
+    pub fn encodings_from_bytes(&self, bytes: &[u8]) -> Result<EncodedInputs, EncodingsError> {
+        let language_model = self.text_encoder.language_model();
+        let expected = encodings::Expected {
+            latents_kind: self.dtype,
+            latents_device: self.device,
+            latent_channels: self.transformer.config().in_channels,
+            features_kind: language_model.kind(),
+            features_device: language_model.device(),
+            hidden: self.text_encoder.config.text.hidden_size,
+        };
+        contain_backend_panics(std::panic::AssertUnwindSafe(|| {
+            Ok(encodings::from_bytes(bytes, &expected))
+        }))
+        .unwrap_or_else(|e| Err(encodings::EncodingsError::backend(e.to_string())))
     }
 
     /// Runs one edit of a synthetic input at each output `(width, height)` (two steps: the
