@@ -10,6 +10,7 @@ use vnfarm_proto::{ModelFamily, WorkerId};
 use vnfarm_storage::StorageConfig;
 
 use crate::engine::EngineConfig;
+use crate::engine::shared_encodings::SharedEncodingsConfig;
 
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -23,6 +24,10 @@ pub struct Config {
     pub storage: StorageConfig,
     #[serde(default)]
     pub engine: EngineConfig,
+    /// Edit encodings published to and fetched from storage, so that the fleet encodes an input
+    /// about once (see `engine::shared_encodings`).
+    #[serde(default)]
+    pub shared_encodings: SharedEncodingsConfig,
     /// Address of `/metrics` and `/healthz`. Port 0 picks a free port.
     #[serde(default = "default_listen")]
     pub listen: SocketAddr,
@@ -110,6 +115,7 @@ impl vnfarm_config::Validate for Config {
         self.amqp.validate()?;
         self.storage.validate("storage")?;
         self.engine.validate()?;
+        self.shared_encodings.validate()?;
         if self.heartbeat_interval_ms < 100 {
             return Err("heartbeat_interval_ms: must be at least 100".into());
         }

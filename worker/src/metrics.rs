@@ -31,6 +31,9 @@ pub struct Metrics {
     /// Edits whose input encodings were in the engine's encode cache (`hit`) or were encoded for
     /// them (`miss`).
     pub encode_cache_total: IntCounterVec,
+    /// Shared encodings through storage, by `op` (`fetch`, `publish`) and `result` (`found`,
+    /// `missing`, `error`, `timeout`, `invalid`; `ok`, `error`).
+    pub shared_encodings_total: IntCounterVec,
     /// Jobs per work message (1 for a single job).
     pub batch_jobs: Histogram,
     /// The GPU's memory as its runtime reports it (`total`, `free`), when the engine runs on one;
@@ -159,8 +162,15 @@ impl Metrics {
             .unwrap(),
             encode_cache_total: register_int_counter_vec_with_registry!(
                 "worker_encode_cache_total",
-                "Edits whose input encodings were cached (hit) or encoded for them (miss)",
+                "Edits whose input encodings were cached (hit), fetched from shared storage (fetched) or encoded for them (miss)",
                 &["result"],
+                r
+            )
+            .unwrap(),
+            shared_encodings_total: register_int_counter_vec_with_registry!(
+                "worker_shared_encodings_total",
+                "Shared encodings fetched from or published to storage, by op and result",
+                &["op", "result"],
                 r
             )
             .unwrap(),
@@ -260,8 +270,19 @@ impl Metrics {
                 self.jobs_total.with_label_values(&[kind, outcome]);
             }
         }
-        for result in ["hit", "miss"] {
+        for result in ["hit", "miss", "fetched"] {
             self.encode_cache_total.with_label_values(&[result]);
+        }
+        for (op, result) in [
+            ("fetch", "found"),
+            ("fetch", "missing"),
+            ("fetch", "error"),
+            ("fetch", "timeout"),
+            ("fetch", "invalid"),
+            ("publish", "ok"),
+            ("publish", "error"),
+        ] {
+            self.shared_encodings_total.with_label_values(&[op, result]);
         }
         for op in ["get", "put"] {
             self.storage_errors_total.with_label_values(&[op]);
@@ -362,6 +383,11 @@ mod tests {
             "vnfarm_worker_encode_cache_total",
             MetricType::COUNTER,
             &["result"],
+        ),
+        (
+            "vnfarm_worker_shared_encodings_total",
+            MetricType::COUNTER,
+            &["op", "result"],
         ),
         ("vnfarm_worker_batch_jobs", MetricType::HISTOGRAM, &[]),
         (

@@ -21,6 +21,8 @@ pub enum CacheLookup {
     Hit,
     /// Encoded for this job (and kept for the next ones).
     Miss,
+    /// Not in this worker's cache; another worker's encodings, read from shared storage.
+    Fetched,
 }
 
 impl CacheLookup {
@@ -28,6 +30,7 @@ impl CacheLookup {
         match self {
             CacheLookup::Hit => "hit",
             CacheLookup::Miss => "miss",
+            CacheLookup::Fetched => "fetched",
         }
     }
 }

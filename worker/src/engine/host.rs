@@ -16,7 +16,7 @@ use vnfarm_proto::{GpuMemory, ModelFamily};
 
 use super::{
     AdvertisedKeys, Engine, EngineConfig, EngineError, EngineJob, EngineKind, EngineOutput,
-    GpuMemoryProbe, Progress,
+    GpuMemoryProbe, Progress, SharedEncodings,
 };
 
 /// A job's result, tagged with its index in the message.
@@ -54,7 +54,10 @@ impl EngineLoading {
 impl EngineHost {
     /// Starts the engine thread, which loads and warms up the engine; the host takes batches at
     /// once (they run once the engine is ready).
-    pub fn start(config: EngineConfig) -> anyhow::Result<(Self, EngineLoading)> {
+    pub fn start(
+        config: EngineConfig,
+        shared: Option<SharedEncodings>,
+    ) -> anyhow::Result<(Self, EngineLoading)> {
         let (tx, rx) = std::sync::mpsc::channel::<Request>();
         let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
         let cache_keys = AdvertisedKeys::default();
@@ -75,7 +78,7 @@ impl EngineHost {
             .spawn(move || {
                 let served = config.models();
                 // A failed send means nobody waits for the answer (the worker is exiting).
-                let mut engine = match Engine::load(&config, cache_keys) {
+                let mut engine = match Engine::load(&config, cache_keys, shared) {
                     Ok(engine) => {
                         if ready_tx.send(Ok(())).is_err() {
                             tracing::debug!("engine loaded, but nobody is waiting for it");
@@ -280,6 +283,7 @@ mod tests {
                 ..TestPatternConfig::default()
             },
             AdvertisedKeys::default(),
+            None,
         ))
     }
 

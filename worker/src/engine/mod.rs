@@ -21,6 +21,7 @@ pub mod host;
 pub mod lora_dir;
 pub mod qwen_edit;
 pub mod sdxl;
+pub mod shared_encodings;
 pub mod test_pattern;
 
 use std::path::{Path, PathBuf};
@@ -38,6 +39,7 @@ pub use host::{Answer, EngineHost, EngineLoading};
 pub use lora_dir::LoraDir;
 pub use qwen_edit::{QwenEditEngine, QwenEditEngineConfig};
 pub use sdxl::{SdxlConfig, SdxlEngine};
+pub use shared_encodings::{Fetched, SharedEncodings, SharedStore};
 pub use test_pattern::{TestPatternConfig, TestPatternEngine};
 
 #[derive(Clone, Debug, Default, Deserialize, PartialEq)]
@@ -547,12 +549,18 @@ pub enum Engine {
 
 impl Engine {
     /// Loads the configured engines; `cache_keys` receives the affinity keys of what their encode
-    /// caches hold.
-    pub fn load(config: &EngineConfig, cache_keys: AdvertisedKeys) -> anyhow::Result<Self> {
+    /// caches hold; `shared`, where set, is where the engines that encode inputs publish and fetch
+    /// encodings.
+    pub fn load(
+        config: &EngineConfig,
+        cache_keys: AdvertisedKeys,
+        shared: Option<SharedEncodings>,
+    ) -> anyhow::Result<Self> {
         match config.kind() {
             EngineKind::TestPattern => Ok(Engine::TestPattern(TestPatternEngine::load(
                 config.test_pattern.clone(),
                 cache_keys,
+                shared,
             ))),
             EngineKind::Tch => Ok(Engine::Tch {
                 sdxl: config
@@ -563,7 +571,7 @@ impl Engine {
                 qwen_edit: config
                     .qwen_edit
                     .as_ref()
-                    .map(|c| QwenEditEngine::load(c, cache_keys).map(Box::new))
+                    .map(|c| QwenEditEngine::load(c, cache_keys, shared).map(Box::new))
                     .transpose()?,
                 esrgan: config
                     .esrgan

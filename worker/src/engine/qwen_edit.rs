@@ -30,10 +30,11 @@ use vnfarm_models::schedulers::FlowMatchConfig;
 use vnfarm_proto::{EditSpec, ModelFileRole, StageTimings, Task};
 
 use super::device::{Dtype, engine_error, open_device, parse_device, warm_up_sizes};
+use super::shared_encodings::{file_sample, hex_sha256};
 use super::{
-    AdvertisedKeys, CacheLookup, EncodeCache, EngineError, EngineJob, EngineOutput, LoraDir,
-    Progress, Runnable, UsedFile, all_cancelled, answered, content_key, groups, together_or_alone,
-    weight_files,
+    AdvertisedKeys, CacheLookup, EncodeCache, EngineError, EngineJob, EngineOutput, Fetched,
+    LoraDir, Progress, Runnable, SharedEncodings, SharedStore, UsedFile, all_cancelled, answered,
+    content_key, groups, together_or_alone, weight_files,
 };
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
@@ -216,6 +217,8 @@ pub struct QwenEditEngine {
     /// What the pipeline loaded (the model and the load-time LoRAs).
     files: Vec<UsedFile>,
     cache: EncodeCache<EncodedInputs>,
+    /// The fleet's encodings of this model (see `shared_encodings`), when shared.
+    shared: Option<SharedStore>,
     lora_dir: LoraDir,
     max_batch: usize,
 }
@@ -228,8 +231,16 @@ impl QwenEditEngine {
 
     /// Loads the model onto the device and warms up at every configured size. Any failure (a
     /// missing or corrupt file, a missing or misshapen tensor, no device) is an error naming it.
-    pub fn load(config: &QwenEditEngineConfig, cache_keys: AdvertisedKeys) -> anyhow::Result<Self> {
+    pub fn load(
+        config: &QwenEditEngineConfig,
+        cache_keys: AdvertisedKeys,
+        shared: Option<SharedEncodings>,
+    ) -> anyhow::Result<Self> {
         let device = open_device(&config.device, "engine.qwen_edit.device")?;
+        let shared = match shared {
+            Some(s) => Some(s.for_model("qwen_edit", &encodings_fingerprint(config)?)),
+            None => None,
+        };
         let source = match (
             &config.model_dir,
             &config.transformer,
@@ -290,6 +301,7 @@ impl QwenEditEngine {
             pipeline,
             files: config.files(),
             cache: EncodeCache::new((config.encode_cache_mib as usize) << 20, cache_keys),
+            shared,
             lora_dir: LoraDir::new(config.lora_dir.clone(), "engine.qwen_edit.lora_dir"),
             max_batch: config.max_batch as usize,
         })
@@ -333,6 +345,34 @@ impl QwenEditEngine {
             }
         }
         answered(results)
+    }
+
+    /// Another worker's encodings of `key` from shared storage, if published there and usable by
+    /// this model.
+    fn fetch(&self, key: &str) -> Option<EncodedInputs> {
+        let shared = self.shared.as_ref()?;
+        let Fetched::Found(bytes) = shared.fetch(key) else {
+            return None;
+        };
+        match self.pipeline.encodings_from_bytes(&bytes) {
+            Ok(encoded) => Some(encoded),
+            Err(e) => {
+                shared.unusable(key, &e.to_string());
+                None
+            }
+        }
+    }
+
+    /// Publishes encodings just made (in the background; a failure only costs other workers an
+    /// encode).
+    fn publish(&self, key: &str, encoded: &EncodedInputs) {
+        let Some(shared) = &self.shared else {
+            return;
+        };
+        match self.pipeline.encodings_to_bytes(encoded) {
+            Ok(bytes) => shared.publish(key, bytes),
+            Err(e) => tracing::warn!(error = %e, "encodings not shared"),
+        }
     }
 
     /// A job's request and LoRA files, or why it cannot run.
@@ -387,10 +427,17 @@ impl QwenEditEngine {
                 return fail(EngineError::Cancelled(reason));
             }
             let started = Instant::now();
-            let images: Vec<_> = first.inputs.iter().map(|i| i.image.clone()).collect();
-            let encoded = match self.pipeline.encode_inputs(&images) {
-                Ok(encoded) => encoded,
-                Err(e) => return fail(engine_error(e, cancelled())),
+            let (encoded, lookup) = match self.fetch(&key) {
+                Some(encoded) => (encoded, CacheLookup::Fetched),
+                None => {
+                    let images: Vec<_> = first.inputs.iter().map(|i| i.image.clone()).collect();
+                    let encoded = match self.pipeline.encode_inputs(&images) {
+                        Ok(encoded) => encoded,
+                        Err(e) => return fail(engine_error(e, cancelled())),
+                    };
+                    self.publish(&key, &encoded);
+                    (encoded, CacheLookup::Miss)
+                }
             };
             let by = group
                 .iter()
@@ -404,7 +451,7 @@ impl QwenEditEngine {
                 bytes,
                 jobs[by].task.affinity_key().as_deref(),
             );
-            encoder = Some((by, started.elapsed().as_secs_f64()));
+            encoder = Some((by, lookup, started.elapsed().as_secs_f64()));
         }
         for &k in group {
             self.cache.get(&key, jobs[k].task.affinity_key().as_deref());
@@ -484,9 +531,13 @@ impl QwenEditEngine {
                     out.timings.add(stage, seconds * share);
                 }
                 out.encode_cache = Some(match encoder {
-                    Some((by, seconds)) if by == *k => {
-                        out.timings.add("encode", seconds);
-                        CacheLookup::Miss
+                    Some((by, lookup, seconds)) if by == *k => {
+                        let stage = match lookup {
+                            CacheLookup::Fetched => "fetch_encodings",
+                            CacheLookup::Hit | CacheLookup::Miss => "encode",
+                        };
+                        out.timings.add(stage, seconds);
+                        lookup
                     }
                     Some(_) | None => CacheLookup::Hit,
                 });
@@ -500,6 +551,43 @@ impl QwenEditEngine {
 struct Prepared {
     request: EditRequest,
     loras: Vec<LoraSpec>,
+}
+
+/// What this engine's encodings depend on, hashed: the layout, the dtypes, fp8 handling, the resize
+/// areas and the text encoder's and VAE's weights (by [`file_sample`]: size, first and last MiB).
+/// Workers with the same fingerprint can use each other's encodings.
+fn encodings_fingerprint(config: &QwenEditEngineConfig) -> anyhow::Result<String> {
+    let mut parts: Vec<Vec<u8>> = vec![
+        vnfarm_models::qwen_image::encodings::FORMAT.into(),
+        format!(
+            "{:?}/{:?}/{:?}/{}/{}",
+            config.dtype,
+            config.vae_dtype,
+            config.fp8,
+            config.condition_image_area,
+            config.vae_image_area
+        )
+        .into(),
+    ];
+    for file in config.files() {
+        // Single files by role; a diffusers folder's by subfolder (named, as the layout is fixed).
+        let encoder = match file.role {
+            ModelFileRole::TextEncoder | ModelFileRole::Vae => true,
+            ModelFileRole::Component => {
+                parts.push(file.name.clone().into());
+                file.name.starts_with("text_encoder/") || file.name.starts_with("vae/")
+            }
+            _ => false,
+        };
+        if encoder {
+            let sample = file_sample(&file.path).map_err(|e| {
+                anyhow::anyhow!("engine.qwen_edit: reading {}: {e}", file.path.display())
+            })?;
+            parts.push(sample.into());
+        }
+    }
+    let parts: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
+    Ok(hex_sha256(&parts)[..16].to_string())
 }
 
 fn edit_request(spec: &EditSpec) -> Result<EditRequest, EngineError> {

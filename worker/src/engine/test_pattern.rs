@@ -27,8 +27,9 @@ use vnfarm_proto::{
 
 use super::{
     AdvertisedKeys, CacheLookup, CancelReason, EncodeCache, EngineError, EngineJob, EngineOutput,
-    Progress, UsedFile, all_cancelled, content_key, groups,
+    Fetched, Progress, SharedEncodings, SharedStore, UsedFile, all_cancelled, content_key, groups,
 };
+use crate::engine::shared_encodings::hex_sha256;
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -49,6 +50,11 @@ pub struct TestPatternConfig {
     /// Input sets whose encodings it keeps, least recently used first out.
     #[serde(default = "default_cache_entries")]
     pub encode_cache_entries: usize,
+    /// Size of the encodings it publishes to shared storage and fetches from there (KiB); the
+    /// default is about what Qwen-Image-Edit's encodings of a 1024² input weigh in bf16 (VAE
+    /// latents 0.5 MiB, vision features 1.3 MiB). Fetches take the real storage's time.
+    #[serde(default = "default_encoding_kib")]
+    pub encoding_kib: u32,
     /// What each job beyond the first adds to a batch's denoising step, as a fraction of one job's
     /// step: 1 is no gain (n jobs take n times as long), 0 makes the extra jobs free. Set from
     /// measured profiles by the fleet benchmark.
@@ -92,6 +98,9 @@ fn default_decode_ms() -> u64 {
 fn default_cache_entries() -> usize {
     32
 }
+fn default_encoding_kib() -> u32 {
+    2048
+}
 fn default_batch_step_cost() -> f64 {
     1.0
 }
@@ -104,6 +113,7 @@ impl Default for TestPatternConfig {
             encode_ms: default_encode_ms(),
             decode_ms: default_decode_ms(),
             encode_cache_entries: default_cache_entries(),
+            encoding_kib: default_encoding_kib(),
             batch_step_cost: default_batch_step_cost(),
             load_ms: 0,
             checkpoints: Vec::new(),
@@ -149,6 +159,9 @@ impl TestPatternConfig {
         if !(1..=100_000).contains(&self.encode_cache_entries) {
             return Err("engine.test_pattern.encode_cache_entries: must be 1..=100000".into());
         }
+        if !(1..=65_536).contains(&self.encoding_kib) {
+            return Err("engine.test_pattern.encoding_kib: must be 1..=65536".into());
+        }
         if !(0.0..=1.0).contains(&self.batch_step_cost) {
             return Err("engine.test_pattern.batch_step_cost: must be within 0..=1".into());
         }
@@ -174,6 +187,8 @@ pub struct TestPatternEngine {
     config: TestPatternConfig,
     /// Keyed by the inputs' affinity key (their content key for inputs without one).
     cache: EncodeCache<()>,
+    /// Where encodings are published and fetched (`encoding_kib` of bytes derived from the key).
+    shared: Option<SharedStore>,
 }
 
 /// Jobs that denoise together: the same kind and shape, and for edits the same inputs (and LoRA
@@ -316,9 +331,19 @@ fn edited(input: &RgbImage, spec: &EditSpec, task: &Task) -> RgbImage {
 }
 
 impl TestPatternEngine {
-    pub fn new(config: TestPatternConfig, cache_keys: AdvertisedKeys) -> Self {
+    pub fn new(
+        config: TestPatternConfig,
+        cache_keys: AdvertisedKeys,
+        shared: Option<SharedEncodings>,
+    ) -> Self {
         let cache = EncodeCache::new(config.encode_cache_entries, cache_keys);
-        Self { config, cache }
+        let fingerprint = hex_sha256(&[b"test_pattern", &config.encoding_kib.to_le_bytes()]);
+        let shared = shared.map(|s| s.for_model("test_pattern", &fingerprint[..16]));
+        Self {
+            config,
+            cache,
+            shared,
+        }
     }
 
     /// The files every image is claimed to be made from.
@@ -327,9 +352,38 @@ impl TestPatternEngine {
     }
 
     /// The engine as the worker loads it: after `load_ms` of simulated loading.
-    pub fn load(config: TestPatternConfig, cache_keys: AdvertisedKeys) -> Self {
+    pub fn load(
+        config: TestPatternConfig,
+        cache_keys: AdvertisedKeys,
+        shared: Option<SharedEncodings>,
+    ) -> Self {
         std::thread::sleep(Duration::from_millis(config.load_ms));
-        Self::new(config, cache_keys)
+        Self::new(config, cache_keys, shared)
+    }
+
+    /// The simulated encodings of `key`: `encoding_kib` KiB that only that key gives.
+    fn encodings(&self, key: &str) -> Vec<u8> {
+        let seed: [u8; 32] = Sha256::digest(key.as_bytes()).into();
+        seed.iter()
+            .copied()
+            .cycle()
+            .take(self.config.encoding_kib as usize * 1024)
+            .collect()
+    }
+
+    /// The encodings of `key` from shared storage, if published there and intact.
+    fn fetch(&self, key: &str) -> bool {
+        let Some(shared) = &self.shared else {
+            return false;
+        };
+        match shared.fetch(key) {
+            Fetched::Found(bytes) if bytes[..] == self.encodings(key)[..] => true,
+            Fetched::Found(_) => {
+                shared.unusable(key, "not the bytes of this key");
+                false
+            }
+            Fetched::Missing | Fetched::Failed => false,
+        }
     }
 
     /// How a message's jobs run (see `Engine::runs`): each group of compatible jobs together when
@@ -504,8 +558,9 @@ impl TestPatternEngine {
         }
     }
 
-    /// The group's inputs (all the same) from the cache, or encoded once for all of them: the
-    /// encoding job (the first one not cancelled) reports the time and the miss, the others a hit.
+    /// The group's inputs (all the same) from the cache, else from shared storage, else encoded
+    /// once for all of them (and published): the first job not cancelled reports the time and the
+    /// miss (or the fetch), the others a hit.
     fn encode(
         &mut self,
         jobs: &[&EngineJob],
@@ -516,31 +571,42 @@ impl TestPatternEngine {
         let mut encoder = None;
         if !self.cache.contains(&key) {
             let started = Instant::now();
-            sleep_unless(self.config.encode_ms as f64, || {
-                all_cancelled(group.iter().map(|&i| &jobs[i].cancel))
-            })?;
+            let lookup = if self.fetch(&key) {
+                CacheLookup::Fetched
+            } else {
+                sleep_unless(self.config.encode_ms as f64, || {
+                    all_cancelled(group.iter().map(|&i| &jobs[i].cancel))
+                })?;
+                if let Some(shared) = &self.shared {
+                    shared.publish(&key, self.encodings(&key));
+                }
+                CacheLookup::Miss
+            };
             let first = group
                 .iter()
                 .copied()
                 .find(|&i| jobs[i].cancel.requested().is_none())
                 .unwrap_or(group[0]);
+            let stage = match lookup {
+                CacheLookup::Fetched => "fetch_encodings",
+                CacheLookup::Hit | CacheLookup::Miss => "encode",
+            };
             runs[first]
                 .timings
-                .add("encode", started.elapsed().as_secs_f64());
+                .add(stage, started.elapsed().as_secs_f64());
             self.cache.insert(
                 key.clone(),
                 (),
                 1,
                 jobs[first].task.affinity_key().as_deref(),
             );
-            encoder = Some(first);
+            encoder = Some((first, lookup));
         }
         for &i in group {
             self.cache.get(&key, jobs[i].task.affinity_key().as_deref());
-            runs[i].encode_cache = Some(if encoder == Some(i) {
-                CacheLookup::Miss
-            } else {
-                CacheLookup::Hit
+            runs[i].encode_cache = Some(match encoder {
+                Some((by, lookup)) if by == i => lookup,
+                Some(_) | None => CacheLookup::Hit,
             });
         }
         Ok(())
@@ -627,7 +693,7 @@ mod tests {
 
     fn engine(config: TestPatternConfig) -> (TestPatternEngine, AdvertisedKeys) {
         let keys = AdvertisedKeys::default();
-        (TestPatternEngine::new(config, keys.clone()), keys)
+        (TestPatternEngine::new(config, keys.clone(), None), keys)
     }
 
     fn instant() -> TestPatternConfig {

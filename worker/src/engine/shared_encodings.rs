@@ -1,0 +1,259 @@
+//! Encodings shared between workers through storage: the fleet's second tier behind each worker's
+//! encode cache.
+//!
+//! A worker that encodes an edit's inputs publishes the encodings (a few MiB: the VAE latents and
+//! the vision tower's features of a 1024² input) under
+//! `encodings/<model>/<fingerprint>/<sha256 of the cache key>`; a worker that misses in its own
+//! cache fetches them from there before it encodes. So an edit that runs away from its input's
+//! holder (the holder was busy past the affinity bound, a hot input spilled, a job was yielded or
+//! redelivered after a crash) costs a small read instead of an encode, and the fleet encodes each
+//! input about once.
+//!
+//! - **Fingerprint**: each engine hashes what determines its encodings (the encoder weights, by
+//!   sampled content, and the settings that change them), so workers of another model, dtype or
+//!   resize area never read each other's encodings.
+//! - **Never in the way**: a fetch is bounded (`fetch_timeout_ms`), a publish runs in the
+//!   background while the edit denoises; a missing, slow, unreachable or damaged object only means
+//!   the worker encodes itself (logged and counted), never a failed job.
+//! - **Lifetime**: objects are not deleted by the worker; the bucket's lifecycle rule expires the
+//!   `encodings/` prefix (deploy/README.md).
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use prometheus::IntCounterVec;
+use serde::Deserialize;
+use sha2::{Digest, Sha256};
+use vnfarm_storage::{Storage, StorageError};
+
+/// The worker's `[shared_encodings]` table.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct SharedEncodingsConfig {
+    /// Publish and fetch encodings through storage. Off, each worker encodes what its own cache
+    /// misses.
+    #[serde(default = "yes")]
+    pub enabled: bool,
+    /// The longest a fetch may take before the worker encodes the inputs itself.
+    #[serde(default = "default_fetch_timeout_ms")]
+    pub fetch_timeout_ms: u64,
+}
+
+fn yes() -> bool {
+    true
+}
+fn default_fetch_timeout_ms() -> u64 {
+    2_000
+}
+
+impl Default for SharedEncodingsConfig {
+    fn default() -> Self {
+        Self {
+            enabled: yes(),
+            fetch_timeout_ms: default_fetch_timeout_ms(),
+        }
+    }
+}
+
+impl SharedEncodingsConfig {
+    pub fn validate(&self) -> Result<(), String> {
+        if !(10..=60_000).contains(&self.fetch_timeout_ms) {
+            return Err("shared_encodings.fetch_timeout_ms: must be 10..=60000".into());
+        }
+        Ok(())
+    }
+}
+
+/// Storage and the runtime to reach it from the engine thread, before an engine names its model.
+#[derive(Clone)]
+pub struct SharedEncodings {
+    storage: Storage,
+    runtime: tokio::runtime::Handle,
+    fetch_timeout: Duration,
+    /// `vnfarm_worker_shared_encodings_total{op, result}`.
+    counter: IntCounterVec,
+}
+
+/// What a fetch found.
+#[derive(Debug)]
+pub enum Fetched {
+    Found(Bytes),
+    /// Nobody published these encodings (yet).
+    Missing,
+    /// Storage failed or was too slow; the reason is logged.
+    Failed,
+}
+
+impl SharedEncodings {
+    pub fn new(
+        config: &SharedEncodingsConfig,
+        storage: Storage,
+        runtime: tokio::runtime::Handle,
+        counter: IntCounterVec,
+    ) -> Option<Self> {
+        config.enabled.then(|| Self {
+            storage,
+            runtime,
+            fetch_timeout: Duration::from_millis(config.fetch_timeout_ms),
+            counter,
+        })
+    }
+
+    /// The store of one engine's encodings: `model` names the engine, `fingerprint` what its
+    /// encodings depend on.
+    pub fn for_model(&self, model: &str, fingerprint: &str) -> SharedStore {
+        SharedStore {
+            shared: self.clone(),
+            prefix: format!("encodings/{model}/{fingerprint}/"),
+        }
+    }
+}
+
+/// One engine's shared encodings (see the module's note).
+#[derive(Clone)]
+pub struct SharedStore {
+    shared: SharedEncodings,
+    prefix: String,
+}
+
+/// Hex sha256.
+pub fn hex_sha256(parts: &[&[u8]]) -> String {
+    let mut h = Sha256::new();
+    for p in parts {
+        h.update(p);
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+impl SharedStore {
+    fn object(&self, key: &str) -> String {
+        format!("{}{}", self.prefix, hex_sha256(&[key.as_bytes()]))
+    }
+
+    fn count(&self, op: &str, result: &str) {
+        self.shared.counter.with_label_values(&[op, result]).inc();
+    }
+
+    /// The encodings published under `key`, waiting at most the fetch timeout. Blocking: called
+    /// from the engine thread, never from the runtime's.
+    pub fn fetch(&self, key: &str) -> Fetched {
+        let object = self.object(key);
+        let storage = self.shared.storage.clone();
+        let read = {
+            let object = object.clone();
+            async move { storage.get(&object).await }
+        };
+        let found = self
+            .shared
+            .runtime
+            .block_on(tokio::time::timeout(self.shared.fetch_timeout, read));
+        match found {
+            Ok(Ok(bytes)) => {
+                self.count("fetch", "found");
+                Fetched::Found(bytes)
+            }
+            Ok(Err(StorageError::NotFound { .. })) => {
+                self.count("fetch", "missing");
+                Fetched::Missing
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(%object, error = %e, "fetching shared encodings failed; encoding here");
+                self.count("fetch", "error");
+                Fetched::Failed
+            }
+            Err(_) => {
+                tracing::warn!(
+                    %object,
+                    timeout_ms = self.shared.fetch_timeout.as_millis() as u64,
+                    "fetching shared encodings timed out; encoding here"
+                );
+                self.count("fetch", "timeout");
+                Fetched::Failed
+            }
+        }
+    }
+
+    /// Counts fetched bytes the engine could not use (damaged, or not this model's); it encodes and
+    /// publishes over them.
+    pub fn unusable(&self, key: &str, reason: &str) {
+        tracing::warn!(object = %self.object(key), reason, "shared encodings unusable; encoding here");
+        self.count("fetch", "invalid");
+    }
+
+    /// Publishes encodings in the background; a failure is logged and counted, nothing waits.
+    pub fn publish(&self, key: &str, bytes: Vec<u8>) {
+        let object = self.object(key);
+        let this = self.clone();
+        self.shared.runtime.spawn(async move {
+            let stored = this
+                .shared
+                .storage
+                .put(&object, Bytes::from(bytes), "application/octet-stream")
+                .await;
+            match stored {
+                Ok(()) => this.count("publish", "ok"),
+                Err(e) => {
+                    tracing::warn!(%object, error = %e, "publishing shared encodings failed");
+                    this.count("publish", "error");
+                }
+            }
+        });
+    }
+}
+
+/// What a file contributes to a fingerprint without reading it whole (encoder weights are GiBs):
+/// its size and the sha256 of its first and last MiB (the safetensors header, with every tensor's
+/// name, shape and offset, and the last tensors' values).
+pub fn file_sample(path: &std::path::Path) -> std::io::Result<String> {
+    use std::io::{Read, Seek, SeekFrom};
+    const SPAN: u64 = 1 << 20;
+    let mut file = std::fs::File::open(path)?;
+    let len = file.metadata()?.len();
+    let mut head = vec![0u8; SPAN.min(len) as usize];
+    file.read_exact(&mut head)?;
+    let tail_len = SPAN.min(len);
+    let mut tail = vec![0u8; tail_len as usize];
+    file.seek(SeekFrom::Start(len - tail_len))?;
+    file.read_exact(&mut tail)?;
+    Ok(format!(
+        "{len}:{}",
+        hex_sha256(&[head.as_slice(), tail.as_slice()])
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn file_samples_tell_contents_apart() {
+        let dir = tempfile::tempdir().unwrap();
+        let write = |name: &str, bytes: &[u8]| {
+            let p = dir.path().join(name);
+            std::fs::write(&p, bytes).unwrap();
+            p
+        };
+        let big: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
+        let mut tail_changed = big.clone();
+        *tail_changed.last_mut().unwrap() ^= 1;
+        let a = file_sample(&write("a", &big)).unwrap();
+        assert_eq!(
+            a,
+            file_sample(&write("a-copy", &big)).unwrap(),
+            "name-independent"
+        );
+        assert_ne!(a, file_sample(&write("b", &tail_changed)).unwrap());
+        assert_ne!(a, file_sample(&write("c", &big[..big.len() - 1])).unwrap());
+        let small = file_sample(&write("small", b"tiny")).unwrap();
+        assert!(small.starts_with("4:"), "{small}");
+    }
+
+    #[test]
+    fn fetch_timeout_is_validated() {
+        let mut c = SharedEncodingsConfig::default();
+        assert!(c.enabled);
+        c.validate().unwrap();
+        c.fetch_timeout_ms = 0;
+        assert!(c.validate().is_err());
+    }
+}
