@@ -67,6 +67,10 @@ pub const STRIX_HALO: Profile = Profile {
     batch_step_cost: 1.0,
 };
 
+/// KiB of a Qwen edit's encodings of a 1024² input in bf16 (VAE latents 0.5 MiB, vision features
+/// 1.3 MiB), what workers publish and fetch.
+const ENCODING_KIB: f64 = 2048.0;
+
 /// A profile's delays divided by `scale`, as whole milliseconds (at least 1).
 fn scaled(ms: f64, scale: f64) -> u64 {
     ((ms / scale).round() as u64).max(1)
@@ -101,37 +105,58 @@ impl RunConfig {
     }
 }
 
-/// A dispatch set-up the benchmark compares: a policy and its batch limit.
+/// A dispatch set-up the benchmark compares: a policy, its batch limit, and whether the workers
+/// share encodings through storage.
 #[derive(Clone, Copy, Debug)]
 pub struct Variant {
     /// How the report names it.
     pub name: &'static str,
     pub policy: &'static str,
     pub max_batch: u32,
+    /// `shared_encodings.enabled` of the workers (on by default).
+    pub shared_encodings: bool,
 }
 
 /// The affinity policy with coalescing (batch messages of up to 8 jobs) and without (one job per
-/// message: same-input edits still go to the holder, one after another), then the baselines.
-pub const VARIANTS: [Variant; 4] = [
+/// message: same-input edits still go to the holder, one after another), then the baselines; the
+/// default and least-loaded dispatch also with workers that do not share encodings (each encodes
+/// what its own cache misses, as before step 4b's shared tier).
+pub const VARIANTS: [Variant; 6] = [
     Variant {
         name: "affinity, max_batch 8 (default)",
         policy: "affinity",
         max_batch: 8,
+        shared_encodings: true,
+    },
+    Variant {
+        name: "affinity, max_batch 8, unshared",
+        policy: "affinity",
+        max_batch: 8,
+        shared_encodings: false,
     },
     Variant {
         name: "affinity, max_batch 1",
         policy: "affinity",
         max_batch: 1,
+        shared_encodings: true,
     },
     Variant {
         name: "least_loaded",
         policy: "least_loaded",
         max_batch: 1,
+        shared_encodings: true,
+    },
+    Variant {
+        name: "least_loaded, unshared",
+        policy: "least_loaded",
+        max_batch: 1,
+        shared_encodings: false,
     },
     Variant {
         name: "round_robin",
         policy: "round_robin",
         max_batch: 1,
+        shared_encodings: true,
     },
 ];
 
@@ -172,6 +197,18 @@ pub async fn run_policy(
                 env("ENCODE_MS", scaled(p.encode_ms, config.scale).to_string()),
                 env("DECODE_MS", scaled(p.decode_ms, config.scale).to_string()),
                 env("BATCH_STEP_COST", p.batch_step_cost.to_string()),
+                // Encodings shrink with the time scale (bandwidth time); the storage round trip
+                // itself is not scaled, which overcharges fetches.
+                env(
+                    "ENCODING_KIB",
+                    ((ENCODING_KIB / config.scale).round() as u64)
+                        .max(1)
+                        .to_string(),
+                ),
+                (
+                    "VNFARM_SHARED_ENCODINGS__ENABLED".into(),
+                    variant.shared_encodings.to_string(),
+                ),
                 ("VNFARM_PREFETCH".into(), "1".into()),
             ],
         };
@@ -198,7 +235,18 @@ pub async fn run_policy(
             log.undecodable
         );
     }
-    report::measure(variant.name, &log.events, &metrics, config.workers)
+    let report = report::measure(variant.name, &log.events, &metrics, config.workers)?;
+    if report.completed != report.jobs {
+        let logs = farm.keep_logs();
+        bail!(
+            "{}: {} of {} jobs completed (logs kept in {})",
+            variant.name,
+            report.completed,
+            report.jobs,
+            logs.display()
+        );
+    }
+    Ok(report)
 }
 
 /// How many of `ids` are in a terminal state, counting until the first that is not.
@@ -230,6 +278,8 @@ struct JobTimes {
     completed: bool,
     worker: Option<String>,
     encoded: bool,
+    /// Its input's encodings came from shared storage.
+    fetched: bool,
     batch: Option<JobId>,
 }
 
@@ -287,6 +337,7 @@ fn jobs_of(events: &[SequencedEvent]) -> BTreeMap<JobId, JobTimes> {
                     j.ended.get_or_insert(at);
                     j.completed = true;
                     j.encoded |= timings.0.get("encode").is_some_and(|s| *s > 0.0);
+                    j.fetched |= timings.0.contains_key("fetch_encodings");
                     if let Some(w) = worker {
                         j.worker = Some(w.to_string());
                     }

@@ -18,6 +18,8 @@ pub struct PolicyReport {
     pub edits: usize,
     pub distinct_inputs: usize,
     pub encodes: usize,
+    /// Edits whose input encodings another worker had published (read from storage).
+    pub fetches: usize,
     /// Edits that found their input already encoded on their worker.
     pub cache_hit_ratio: f64,
     /// The affinity policy's own count: messages sent to a worker holding the input, of all the
@@ -45,6 +47,10 @@ pub struct PolicyReport {
 impl PolicyReport {
     pub fn encodes_per_input(&self) -> f64 {
         self.encodes as f64 / self.distinct_inputs.max(1) as f64
+    }
+
+    pub fn fetches_per_input(&self) -> f64 {
+        self.fetches as f64 / self.distinct_inputs.max(1) as f64
     }
 }
 
@@ -84,6 +90,7 @@ pub fn measure(
         .filter_map(|j| j.affinity_key.as_deref())
         .collect();
     let encodes = edits.iter().filter(|j| j.encoded).count();
+    let fetches = edits.iter().filter(|j| j.fetched).count();
     let yielded_jobs: BTreeSet<JobId> = events
         .iter()
         .filter(
@@ -201,7 +208,8 @@ pub fn measure(
         edits: edits.len(),
         distinct_inputs: distinct.len(),
         encodes,
-        cache_hit_ratio: (completed_edits.saturating_sub(encodes)) as f64
+        fetches,
+        cache_hit_ratio: (completed_edits.saturating_sub(encodes + fetches)) as f64
             / completed_edits.max(1) as f64,
         affinity_hit_ratio: (placed > 0.0).then(|| hits / placed),
         batch_mean,
@@ -234,11 +242,11 @@ pub fn render(config: &RunConfig, reports: &[PolicyReport]) -> String {
     );
     let _ = writeln!(
         out,
-        "| policy | jobs | completed | edits / inputs | encodes per input | cache hits | affinity hits | batch mean (max) | makespan s | jobs/s | ÷ least_loaded | interactive p50 / p99 s | batch p50 / p99 s | busy | yielded |"
+        "| policy | jobs | completed | edits / inputs | encodes per input | fetches per input | cache hits | affinity hits | batch mean (max) | makespan s | jobs/s | ÷ least_loaded | interactive p50 / p99 s | batch p50 / p99 s | busy | yielded |"
     );
     let _ = writeln!(
         out,
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     );
     let base = reports
         .iter()
@@ -249,13 +257,14 @@ pub fn render(config: &RunConfig, reports: &[PolicyReport]) -> String {
         let (bp50, bp99) = r.latency["batch"];
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} / {} | {:.2} | {:.0} % | {} | {:.2} ({}) | {:.2} | {:.2} | {} | {:.2} / {:.2} | {:.2} / {:.2} | {:.0} % | {} |",
+            "| {} | {} | {} | {} / {} | {:.2} | {:.2} | {:.0} % | {} | {:.2} ({}) | {:.2} | {:.2} | {} | {:.2} / {:.2} | {:.2} / {:.2} | {:.0} % | {} |",
             r.policy,
             r.jobs,
             r.completed,
             r.edits,
             r.distinct_inputs,
             r.encodes_per_input(),
+            r.fetches_per_input(),
             100.0 * r.cache_hit_ratio,
             r.affinity_hit_ratio
                 .map_or("-".to_owned(), |h| format!("{:.0} %", 100.0 * h)),

@@ -139,14 +139,13 @@ impl SharedStore {
     pub fn fetch(&self, key: &str) -> Fetched {
         let object = self.object(key);
         let storage = self.shared.storage.clone();
+        let timeout = self.shared.fetch_timeout;
         let read = {
             let object = object.clone();
-            async move { storage.get(&object).await }
+            // The timer is made inside `block_on`, where the runtime's context is entered.
+            async move { tokio::time::timeout(timeout, storage.get(&object)).await }
         };
-        let found = self
-            .shared
-            .runtime
-            .block_on(tokio::time::timeout(self.shared.fetch_timeout, read));
+        let found = self.shared.runtime.block_on(read);
         match found {
             Ok(Ok(bytes)) => {
                 self.count("fetch", "found");
@@ -246,6 +245,52 @@ mod tests {
         assert_ne!(a, file_sample(&write("c", &big[..big.len() - 1])).unwrap());
         let small = file_sample(&write("small", b"tiny")).unwrap();
         assert!(small.starts_with("4:"), "{small}");
+    }
+
+    /// From a thread outside the runtime, as the engine's: nothing published is missing, what is
+    /// published is found byte for byte, and another model's prefix does not see it.
+    #[test]
+    fn published_encodings_are_fetched_from_the_engine_thread() {
+        let dir = tempfile::tempdir().unwrap();
+        let runtime = tokio::runtime::Runtime::new().unwrap();
+        let storage = runtime
+            .block_on(Storage::open(&vnfarm_storage::StorageConfig::Local {
+                root: dir.path().to_path_buf(),
+            }))
+            .unwrap();
+        let counter =
+            IntCounterVec::new(prometheus::Opts::new("shared", "test"), &["op", "result"]).unwrap();
+        let shared = SharedEncodings::new(
+            &SharedEncodingsConfig::default(),
+            storage,
+            runtime.handle().clone(),
+            counter.clone(),
+        )
+        .expect("enabled by default");
+        let store = shared.for_model("qwen_edit", "f1");
+        let other = shared.for_model("qwen_edit", "f2");
+        std::thread::spawn(move || {
+            assert!(matches!(store.fetch("k"), Fetched::Missing));
+            store.publish("k", vec![7; 5000]);
+            let deadline = std::time::Instant::now() + Duration::from_secs(5);
+            loop {
+                match store.fetch("k") {
+                    Fetched::Found(bytes) => {
+                        assert_eq!(&bytes[..], &[7; 5000][..]);
+                        break;
+                    }
+                    Fetched::Missing if std::time::Instant::now() < deadline => {
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                    other => panic!("not published: {other:?}"),
+                }
+            }
+            assert!(matches!(other.fetch("k"), Fetched::Missing));
+        })
+        .join()
+        .unwrap();
+        assert_eq!(counter.with_label_values(&["publish", "ok"]).get(), 1);
+        assert!(counter.with_label_values(&["fetch", "found"]).get() >= 1);
     }
 
     #[test]
