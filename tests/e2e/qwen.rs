@@ -2,7 +2,8 @@
 //! Qwen edits of it) through the scheduler, RabbitMQ and S3 on one worker holding both tiny
 //! random-weight models, with every image in storage compared to diffusers' images for the same
 //! parameters (`worker/models/fixtures/qwen/make_e2e_reference.py`); plus edits of uploaded
-//! images with two inputs, the encode cache in heartbeats, and cancellation between steps.
+//! images with two inputs, the encode cache in heartbeats, encodings shared between workers
+//! through storage, and cancellation between steps.
 
 use std::path::{Path, PathBuf};
 
@@ -170,6 +171,57 @@ async fn a_pipeline_runs_on_sdxl_then_qwen_edits_and_matches_diffusers() -> anyh
         encoded.iter().filter(|e| **e).count(),
         1,
         "exactly one edit paid the input encode: {encoded:?}"
+    );
+
+    // Shared encodings: the first worker published them; a second worker (the first is gone) runs
+    // the first edit again from them, without encoding, and makes the same image.
+    let published = farm.storage.list("encodings/qwen_edit/").await?;
+    assert_eq!(published.len(), 1, "one input set published: {published:?}");
+    farm.kill_worker("studio-1");
+    farm.start_worker(
+        "studio-2",
+        farm_worker(
+            areas["condition_image_area"].as_u64().unwrap(),
+            areas["vae_image_area"].as_u64().unwrap(),
+            "lightning",
+        ),
+    )
+    .await?;
+    let first_edit = &meta["submission"]["job"]["edits"][0];
+    let mut again = json!({"schema_version": 1, "job": {"kind": "edit",
+        "input": {"job_output": {"job": children[0], "index": 0}}}});
+    for (k, v) in first_edit.as_object().unwrap() {
+        again["job"][k] = v.clone();
+    }
+    // A pipeline's edits come out at its base's size; a lone edit names it.
+    let base_spec = &meta["submission"]["job"]["base"];
+    again["job"]["width"] = base_spec["width"].clone();
+    again["job"]["height"] = base_spec["height"].clone();
+    let (status, body) = farm.submit(&again).await?;
+    assert_eq!(status, 201, "{body}");
+    let rerun = farm
+        .wait_finished(body["job_id"].as_str().unwrap(), FINISH)
+        .await?;
+    assert_eq!(
+        rerun["state"],
+        "completed",
+        "{rerun}\n{}",
+        farm.worker_logs()
+    );
+    let key = format!("results/{}/manifest.json", body["job_id"].as_str().unwrap());
+    let manifest: Value = serde_json::from_slice(&farm.storage.get(&key).await?)?;
+    assert_eq!(manifest["worker"], "studio-2", "{manifest}");
+    let timings = &manifest["timings"];
+    assert!(
+        timings.get("fetch_encodings").is_some() && timings.get("encode").is_none(),
+        "fetched, not encoded: {timings}"
+    );
+    // The same pixels (the PNGs' parameters name their own jobs).
+    let first = farm.job(children[1].as_str().unwrap()).await?;
+    let pixels = |png: Vec<u8>| image::load_from_memory(&png).map(|i| i.to_rgb8().into_raw());
+    assert!(
+        pixels(png(&farm, &rerun).await?)? == pixels(png(&farm, &first).await?)?,
+        "the same image from another worker's encodings"
     );
     Ok(())
 }

@@ -278,8 +278,8 @@ struct JobTimes {
     completed: bool,
     worker: Option<String>,
     encoded: bool,
-    /// Its input's encodings came from shared storage.
-    fetched: bool,
+    /// Its input's encodings came from shared storage, in this many seconds.
+    fetched: Option<f64>,
     batch: Option<JobId>,
 }
 
@@ -337,7 +337,9 @@ fn jobs_of(events: &[SequencedEvent]) -> BTreeMap<JobId, JobTimes> {
                     j.ended.get_or_insert(at);
                     j.completed = true;
                     j.encoded |= timings.0.get("encode").is_some_and(|s| *s > 0.0);
-                    j.fetched |= timings.0.contains_key("fetch_encodings");
+                    if let Some(s) = timings.0.get("fetch_encodings") {
+                        j.fetched = Some(*s);
+                    }
                     if let Some(w) = worker {
                         j.worker = Some(w.to_string());
                     }

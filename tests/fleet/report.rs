@@ -20,6 +20,8 @@ pub struct PolicyReport {
     pub encodes: usize,
     /// Edits whose input encodings another worker had published (read from storage).
     pub fetches: usize,
+    /// Median and largest fetch, milliseconds of real time (not scaled like the profile's stages).
+    pub fetch_ms: Option<(f64, f64)>,
     /// Edits that found their input already encoded on their worker.
     pub cache_hit_ratio: f64,
     /// The affinity policy's own count: messages sent to a worker holding the input, of all the
@@ -90,7 +92,12 @@ pub fn measure(
         .filter_map(|j| j.affinity_key.as_deref())
         .collect();
     let encodes = edits.iter().filter(|j| j.encoded).count();
-    let fetches = edits.iter().filter(|j| j.fetched).count();
+    let mut fetch_ms: Vec<f64> = edits
+        .iter()
+        .filter_map(|j| j.fetched.map(|s| 1000.0 * s))
+        .collect();
+    fetch_ms.sort_by(f64::total_cmp);
+    let fetches = fetch_ms.len();
     let yielded_jobs: BTreeSet<JobId> = events
         .iter()
         .filter(
@@ -209,6 +216,9 @@ pub fn measure(
         distinct_inputs: distinct.len(),
         encodes,
         fetches,
+        fetch_ms: fetch_ms
+            .last()
+            .map(|&max| (percentile(&fetch_ms, 0.5), max)),
         cache_hit_ratio: (completed_edits.saturating_sub(encodes + fetches)) as f64
             / completed_edits.max(1) as f64,
         affinity_hit_ratio: (placed > 0.0).then(|| hits / placed),
@@ -288,8 +298,12 @@ pub fn render(config: &RunConfig, reports: &[PolicyReport]) -> String {
     for r in reports {
         let _ = writeln!(
             out,
-            "{}: repeat encodes {:?}; messages by decision {:?}",
-            r.policy, r.repeat_encodes, r.decisions
+            "{}: repeat encodes {:?}; fetch ms (real) p50 / max {}; messages by decision {:?}",
+            r.policy,
+            r.repeat_encodes,
+            r.fetch_ms
+                .map_or("-".to_owned(), |(p50, max)| format!("{p50:.1} / {max:.1}")),
+            r.decisions
         );
     }
     out
