@@ -117,6 +117,9 @@ VARIANTS = {
     "gen2048_budget2g": ("bin", ["--cases", "gen_2048", "--tiling", "auto", "--vae-budget-mib", "2048"], {}),
     # The UNet forward replayed from a CUDA graph (`PipelineConfig::cuda_graphs`).
     "graphs": ("bin", ["--cuda-graphs"], {}),
+    # One size alone in its own process (process peak = that case's), eager (k_default, x4only_after) and graphed.
+    "k_graphs": ("bin", ["--cases", "gen_1024", "--cuda-graphs"], {}),
+    "x4only_graphs": ("bin", ["--cases", "gen_1024_x4", "--cuda-graphs"], {}),
 }
 
 SDXL_UNET = dict(sample_size=128, in_channels=4, out_channels=4, flip_sin_to_cos=True, freq_shift=0,

@@ -96,9 +96,16 @@ char* vn_graph_new(int64_t device, void** out) {
 }
 
 void vn_graph_drop(void* g) {
-  // The destructor of at::cuda::CUDAGraph frees the graph and hands its memory pool back; it does
-  // not throw (libtorch logs failures there).
+  // The destructor of at::cuda::CUDAGraph frees the graph and marks its private memory pool free;
+  // it does not throw (libtorch logs failures there). The pool's memory stays reserved by the
+  // caching allocator until emptyCache (or an out-of-memory retry), invisible to other pools and
+  // counted by NVML as used: handed back to the device here. Callers drop a graph on a shape
+  // change or a weight swap, not per step.
   delete static_cast<VnGraph*>(g);
+  try {
+    c10::cuda::CUDACachingAllocator::emptyCache();
+  } catch (...) {
+  }
 }
 
 void vn_graph_error_free(char* e) { std::free(e); }

@@ -46,7 +46,8 @@ struct Captured {
 }
 
 /// A UNet forward through a CUDA graph, captured on first use and again whenever the inputs'
-/// shapes change (one graph is kept: its memory pool holds the forward's activations).
+/// shapes change (one graph is kept: its memory pool holds the forward's activations, and is
+/// handed back to the device when the graph is dropped).
 #[derive(Debug, Default)]
 pub struct GraphedUNet {
     captured: Option<Captured>,
