@@ -32,11 +32,17 @@ fn cuda_graph_paths() -> Result<ShimPaths, String> {
         .map(PathBuf::from)
         .map_err(|_| "torch-sys gave no libtorch lib directory".to_string())?;
     if !lib.join("libtorch_cuda.so").exists() {
-        return Err(format!("{} holds no libtorch_cuda.so (CPU or ROCm build)", lib.display()));
+        return Err(format!(
+            "{} holds no libtorch_cuda.so (CPU or ROCm build)",
+            lib.display()
+        ));
     }
     let include = lib.join("../include");
     if !include.join("ATen/cuda/CUDAGraph.h").exists() {
-        return Err(format!("no ATen/cuda/CUDAGraph.h under {}", include.display()));
+        return Err(format!(
+            "no ATen/cuda/CUDAGraph.h under {}",
+            include.display()
+        ));
     }
     // The CUDA runtime headers: an explicit folder, a toolkit, or the NVIDIA wheels beside a
     // PyTorch install (`site-packages/nvidia/cu13/include`, `nvidia/cuda_runtime/include` for CUDA 12).
@@ -92,7 +98,10 @@ fn build_shim(p: &ShimPaths) {
         .file("csrc/graph.cpp")
         .compile("vnfarm_cuda_graph");
     // After the static library, so that `--as-needed` keeps them for its references.
-    println!("cargo:rustc-link-search=native={}", p.libtorch_lib.display());
+    println!(
+        "cargo:rustc-link-search=native={}",
+        p.libtorch_lib.display()
+    );
     for lib in ["torch_cuda", "c10_cuda", "torch_cpu", "c10"] {
         println!("cargo:rustc-link-lib=dylib={lib}");
     }

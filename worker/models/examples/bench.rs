@@ -519,7 +519,11 @@ fn unet_graph_case(
         "{{\"name\": \"{name}_parity\", \"capture_s\": {capture_s:.3}, \"max_abs_diff_vs_eager\": {:.6e}, \"mean_abs_diff_vs_eager\": {:.6e}, \"mean_abs_eager\": {:.6e}, \"max_abs_diff_replay_vs_replay\": {:.6e}, \"captures\": {}}}",
         diff.max().double_value(&[]),
         diff.mean(Kind::Float).double_value(&[]),
-        eager.to_kind(Kind::Float).abs().mean(Kind::Float).double_value(&[]),
+        eager
+            .to_kind(Kind::Float)
+            .abs()
+            .mean(Kind::Float)
+            .double_value(&[]),
         replay_diff.max().double_value(&[]),
         graphed.captures(),
     );

@@ -70,7 +70,9 @@ impl CudaGraph {
     /// returned, whose tensors are the graph's outputs. A graph is captured once.
     pub fn capture<T>(&mut self, f: impl FnOnce() -> T) -> Result<T, GraphError> {
         if self.captured {
-            return Err(GraphError::Backend("this graph was captured already".into()));
+            return Err(GraphError::Backend(
+                "this graph was captured already".into(),
+            ));
         }
         self.raw.capture_begin()?;
         let out = catch_unwind(AssertUnwindSafe(f));
