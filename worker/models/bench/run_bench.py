@@ -70,10 +70,12 @@ OURS_VAE_EXTRA = [f"vae_decode_{s}_{v}" for s in ["1216x832", "1920x1080", "2048
                   for v in ["seamfree"]] + ["vae_decode_1920x1080_seamfree_exact_stats"]
 # `bench components` runs of ours (`--component-variants`): extra arguments. The kernels campaign's
 # variants (channels-last, cuDNN benchmark mode, the memory-efficient SDPA kernel; docs/performance.md)
-# are gone with the code they measured.
+# are gone with the code they measured. Every components run also times the UNet cases replayed from a
+# CUDA graph (`unet_graph_*`, with their parity against the eager forward).
 COMPONENT_VARIANTS = {
     "c_base": [],
     "c_base_again": ["--unet-only"],
+    "c_unet": ["--unet-only"],
     "c_vae": ["--vae-only"],
     "c_vae_nchw": ["--vae-only", "--vae-memory-format", "contiguous"],
 }
@@ -113,6 +115,11 @@ VARIANTS = {
     # (the seam-free tiled decode).
     "gen2048_budget": ("bin", ["--cases", "gen_2048", "--tiling", "auto"], {}),
     "gen2048_budget2g": ("bin", ["--cases", "gen_2048", "--tiling", "auto", "--vae-budget-mib", "2048"], {}),
+    # The UNet forward replayed from a CUDA graph (`PipelineConfig::cuda_graphs`).
+    "graphs": ("bin", ["--cuda-graphs"], {}),
+    # One size alone in its own process (process peak = that case's), eager (k_default, x4only_after) and graphed.
+    "k_graphs": ("bin", ["--cases", "gen_1024", "--cuda-graphs"], {}),
+    "x4only_graphs": ("bin", ["--cases", "gen_1024_x4", "--cuda-graphs"], {}),
 }
 
 SDXL_UNET = dict(sample_size=128, in_channels=4, out_channels=4, flip_sin_to_cos=True, freq_shift=0,
@@ -545,6 +552,15 @@ def main():
                             "mae": float(np.abs(x - y).mean()), "max": float(np.abs(x - y).max()),
                             "diffusers_mean": float(x.mean()), "ours_mean": float(y.mean()),
                             "diffusers_std": float(x.std()), "ours_std": float(y.std())}
+                # Against our eager run (`after`), for variants of the same engine.
+                e = results.get("ours_pipeline_after", {}).get("rows", {}).get(case, {})
+                if v != "after" and e.get("saved") and o.get("saved") and os.path.exists(e["saved"]) \
+                        and os.path.exists(o["saved"]):
+                    x = np.fromfile(e["saved"], dtype=np.uint8).astype(np.float64)
+                    y = np.fromfile(o["saved"], dtype=np.uint8).astype(np.float64)
+                    if x.shape == y.shape:
+                        results.setdefault("image_vs_after", {}).setdefault(v, {})[case] = {
+                            "mae": float(np.abs(x - y).mean()), "max": float(np.abs(x - y).max())}
     except Exception as ex:  # secondary measurement
         results["image_mae_error"] = repr(ex)
 
@@ -628,6 +644,10 @@ def make_tables(res, variants, a):
                 spread.append(f"{case} {name} {r['s_min']:.3f}–{r['s_max']:.3f} ({r['iters']})")
     if spread:
         lines += ["", "min–max (iterations): " + "; ".join(spread)]
+    if res.get("image_vs_after"):
+        lines += ["", "Image agreement with our eager run (`after`), first image, mean in 1/255 (max): " + "; ".join(
+            f"`{v}` " + ", ".join(f"{c} {m['mae']:.2f} ({m['max']:.0f})" for c, m in cs.items())
+            for v, cs in res["image_vs_after"].items())]
     if res.get("image_mae"):
         lines += ["", "Image agreement, first image, mean |ours − diffusers| in 1/255 (max): " + "; ".join(
             f"`{v}` " + ", ".join(f"{c} {m['mae']:.2f} ({m['max']:.0f})" for c, m in cs.items())
@@ -645,8 +665,10 @@ def make_tables(res, variants, a):
             ds = num(dc, name, "s")
             cells = [f"{f(num(ocs[v], name, 's'), 3)} ({ratio(num(ocs[v], name, 's'), ds)})" for v in cvs]
             lines.append(f"| {name} (s) | {f(ds, 3)} | " + " | ".join(cells) + " | |")
-        for name in list(UNET_CASES) + list(VAE_CASES) + OURS_VAE_EXTRA + ["vae_encode_1024"]:
-            x = dc.get(name)
+        graphed = [n.replace("unet_", "unet_graph_", 1) for n in UNET_CASES]
+        for name in list(UNET_CASES) + graphed + list(VAE_CASES) + OURS_VAE_EXTRA + ["vae_encode_1024"]:
+            # A graphed UNet case is compared with diffusers' eager forward of the same shapes.
+            x = dc.get(name) or dc.get(name.replace("unet_graph_", "unet_", 1))
             d = x["ms_median"] if x else None
             cells = []
             for v in cvs:
@@ -655,6 +677,13 @@ def make_tables(res, variants, a):
             first = ocs[cvs[0]]
             lines.append(f"| {name} | {f(d, 1)} | " + " | ".join(cells) +
                          f" | {num(dc, name, 'smi_peak_mib')} / {f(num(dc, name, 'work_gib'), 2)}; {num(first, name, 'smi_peak_mib')} |")
+        par = [f"{v} {n}: capture {r['capture_s']:.2f} s, max |graph − eager| {r['max_abs_diff_vs_eager']:.3g} "
+               f"(mean {r['mean_abs_diff_vs_eager']:.3g}, mean |eager| {r['mean_abs_eager']:.3g}), "
+               f"replay vs replay {r['max_abs_diff_replay_vs_replay']:.3g}"
+               for v in cvs for n in graphed for r in [ocs[v].get(f"{n}_parity")] if r]
+        errs = [f"{v} {n}: {ocs[v][n]['error']}" for v in cvs for n in graphed if ocs[v].get(n, {}).get("error")]
+        if par or errs:
+            lines += ["", "CUDA graph parity (same inputs and weights): " + "; ".join(par + errs)]
         diffs = []
         for name in list(VAE_CASES) + OURS_VAE_EXTRA:
             for side, rows in [("diffusers", dc)] + [(f"`{v}`", ocs[v]) for v in cvs]:

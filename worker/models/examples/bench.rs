@@ -8,10 +8,13 @@
 //!                  [--vae-budget-mib N] [--vae-memory-format channels_last|contiguous]
 //! bench pipeline <diffusers folder> [--loader L] [--tiling never|auto] [--cases a,b]
 //!                [--iters N] [--save DIR] [--load-only] [--sequential-load] [--vae-budget-mib N]
+//!                [--cuda-graphs]
 //! bench read <file>...
 //! ```
 //!
-//! - `components`: UNet and VAE load, UNet forward (CFG batch 2, batch 8), VAE decode/encode; the
+//! - `components`: UNet and VAE load, UNet forward (CFG batch 2, batch 8) eager and replayed from
+//!   a CUDA graph (`unet_graph_*`, with the capture's time and the largest difference from the
+//!   eager output on the same inputs), VAE decode/encode; the
 //!   VAE decode untiled, seam-free tiled (`decode_tiled` planned for a 2048 MiB budget, and with
 //!   exact statistics at 1920×1080) and diffusers-tiled at 1216×832, 1920×1080 and 2048², each
 //!   tiled image compared with the untiled one as RGB8 (`mae`, `max` in 1/255).
@@ -23,6 +26,8 @@
 //!   baseline for load times).
 //! - `--loader staged|direct`: [`vnfarm_models::loading::safetensors::LoadPath`].
 //! - `--cases a,b`: only these `pipeline` cases, in this order (default: all).
+//! - `--cuda-graphs`: `pipeline` with `PipelineConfig::cuda_graphs` (the UNet forward replayed from a
+//!   CUDA graph; the first call of each size captures it).
 //! - `--cpu`: fp32 on the CPU at 64–96 px (`pipeline` only; smoke tests of the driver with tiny models).
 //!
 //! Prints one JSON object per line: `{"name": ..., "ms_median": ..., "ms_min": ..., "ms_max": ...}`
@@ -37,10 +42,12 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use tch::{Cuda, Device, Kind, Tensor};
 use vnfarm_models::loading::safetensors::{self, LoadPath, SafetensorsFile};
 use vnfarm_models::loading::weights::{WeightStore, Weights};
+use vnfarm_models::nn::cuda_graph;
 use vnfarm_models::nn::{AttentionImpl, MemoryFormat};
 use vnfarm_models::schedulers::Sampler;
 use vnfarm_models::sdxl::pipeline::{GenerateRequest, ModelSource, PipelineConfig, SdxlPipeline};
 use vnfarm_models::sdxl::unet::{AddedCond, UNet2DConditionModel, UNetConfig};
+use vnfarm_models::sdxl::unet_graph::GraphedUNet;
 use vnfarm_models::sdxl::vae::{AutoencoderKL, TiledDecode, Tiling, VaeConfig};
 use vnfarm_models::text::clip_tokenizer::ClipTokenizer;
 
@@ -115,6 +122,7 @@ struct Opts {
     vae_memory_format: MemoryFormat,
     vae_only: bool,
     unet_only: bool,
+    cuda_graphs: bool,
 }
 
 fn parse_opts(args: &[String]) -> anyhow::Result<(Vec<String>, Opts)> {
@@ -131,6 +139,7 @@ fn parse_opts(args: &[String]) -> anyhow::Result<(Vec<String>, Opts)> {
         vae_memory_format: MemoryFormat::ChannelsLast,
         vae_only: false,
         unet_only: false,
+        cuda_graphs: false,
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -165,6 +174,7 @@ fn parse_opts(args: &[String]) -> anyhow::Result<(Vec<String>, Opts)> {
                 }
             }
             "--unet-only" => o.unet_only = true,
+            "--cuda-graphs" => o.cuda_graphs = true,
             _ if a.starts_with("--") => anyhow::bail!("unknown option {a}"),
             _ => pos.push(a.clone()),
         }
@@ -213,12 +223,14 @@ fn init_cuda(opts: &Opts) -> anyhow::Result<()> {
         sync();
     }
     println!(
-        "{{\"name\": \"config\", \"loader\": \"{}\", \"tiling\": \"{:?}\", \"alloc_conf\": \"{}\", \"vae_budget_mib\": {:?}, \"vae_memory_format\": \"{:?}\"}}",
+        "{{\"name\": \"config\", \"loader\": \"{}\", \"tiling\": \"{:?}\", \"alloc_conf\": \"{}\", \"vae_budget_mib\": {:?}, \"vae_memory_format\": \"{:?}\", \"cuda_graphs\": {}, \"cuda_graphs_built_in\": {}}}",
         opts.loader,
         opts.tiling,
         std::env::var("PYTORCH_CUDA_ALLOC_CONF").unwrap_or_default(),
         opts.vae_budget_mib,
         opts.vae_memory_format,
+        opts.cuda_graphs,
+        cuda_graph::built_in(),
     );
     Ok(())
 }
@@ -263,6 +275,7 @@ fn pipeline(dir: &Path, opts: &Opts) -> anyhow::Result<()> {
     cfg.attention = AttentionImpl::Sdpa;
     cfg.vae_tiling = opts.tiling;
     cfg.parallel_load = !opts.sequential_load;
+    cfg.cuda_graphs = opts.cuda_graphs;
     if let Some(mib) = opts.vae_budget_mib {
         let mut vae = VaeConfig::from_json(&std::fs::read_to_string(dir.join("vae/config.json"))?)
             .map_err(anyhow::Error::msg)?;
@@ -413,8 +426,8 @@ fn components(unet_path: &str, vae_path: &str, opts: &Opts) -> anyhow::Result<()
     Ok(())
 }
 
-/// UNet load and forwards (CFG batch 2 at 1024² and 1280×720, batch 8 at 1024²), with the SDPA
-/// backend libtorch picks for each attention shape.
+/// UNet load and forwards (CFG batch 2 at 1024² and 1280×720, batch 8 at 1024²), eager and
+/// replayed from a CUDA graph, with the SDPA backend libtorch picks for each attention shape.
 fn unet_cases(w: &Weights, imp: AttentionImpl) -> anyhow::Result<()> {
     let (dev, dt) = (w.device, w.kind);
     let t0 = now();
@@ -449,6 +462,7 @@ fn unet_cases(w: &Weights, imp: AttentionImpl) -> anyhow::Result<()> {
         let t = Tensor::from_slice(&vec![500f32; b as usize]).to_device(dev);
         (x, ctx, te, ids, t)
     };
+    let mut graphed = GraphedUNet::new();
     for (name, b, h, w) in [
         ("unet_cfg_1024", 2, 128, 128),
         ("unet_cfg_1280x720", 2, 90, 160),
@@ -460,10 +474,64 @@ fn unet_cases(w: &Weights, imp: AttentionImpl) -> anyhow::Result<()> {
             time_ids: &ids,
         };
         bench(name, 3, 10, || unet.forward(&x, &t, &ctx, &added));
+        unet_graph_case(&unet, &mut graphed, name, [&x, &t, &ctx, &te, &ids]);
     }
+    drop(graphed);
     drop(unet);
     sync();
     Ok(())
+}
+
+/// The `unet_*` case `name` replayed from a CUDA graph (`unet_graph_*`): the capture (warm-up
+/// included) timed once, the largest difference from the eager output on the same inputs, then
+/// the replays timed as the eager case is. A failure is printed and the run goes on.
+fn unet_graph_case(
+    unet: &UNet2DConditionModel,
+    graphed: &mut GraphedUNet,
+    name: &str,
+    [x, t, ctx, te, ids]: [&Tensor; 5],
+) {
+    let name = name.replacen("unet_", "unet_graph_", 1);
+    let added = AddedCond {
+        text_embeds: te,
+        time_ids: ids,
+    };
+    let t0 = now();
+    let started = Instant::now();
+    let first = graphed.forward(unet, x, t, ctx, &added);
+    sync();
+    let capture_s = started.elapsed().as_secs_f64();
+    let first = match first {
+        Ok(out) => out,
+        Err(e) => {
+            let e = e.to_string().replace('\\', "/").replace('"', "'");
+            println!("{{\"name\": \"{name}\", \"error\": \"{e}\", \"t0\": {t0:.3}}}");
+            return;
+        }
+    };
+    let eager = unet.forward(x, t, ctx, &added);
+    let diff = (eager.to_kind(Kind::Float) - first.to_kind(Kind::Float)).abs();
+    let again = graphed
+        .forward(unet, x, t, ctx, &added)
+        .expect("the graph replayed once already");
+    let replay_diff = (again.to_kind(Kind::Float) - first.to_kind(Kind::Float)).abs();
+    println!(
+        "{{\"name\": \"{name}_parity\", \"capture_s\": {capture_s:.3}, \"max_abs_diff_vs_eager\": {:.6e}, \"mean_abs_diff_vs_eager\": {:.6e}, \"mean_abs_eager\": {:.6e}, \"max_abs_diff_replay_vs_replay\": {:.6e}, \"captures\": {}}}",
+        diff.max().double_value(&[]),
+        diff.mean(Kind::Float).double_value(&[]),
+        eager
+            .to_kind(Kind::Float)
+            .abs()
+            .mean(Kind::Float)
+            .double_value(&[]),
+        replay_diff.max().double_value(&[]),
+        graphed.captures(),
+    );
+    bench(&name, 3, 10, || {
+        graphed
+            .forward(unet, x, t, ctx, &added)
+            .expect("the graph replayed for these shapes above")
+    });
 }
 
 /// RGB8 of a decoded `[1, 3, H, W]` image, as the pipeline quantises it.

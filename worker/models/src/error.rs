@@ -53,6 +53,10 @@ pub enum LoadError {
         describe: String,
         tensors: Vec<String>,
     },
+    /// `cuda_graphs` was asked for where graphs cannot be captured (no CUDA device, or a binary
+    /// built without the shim).
+    #[error("cuda_graphs: {0}")]
+    CudaGraphs(#[from] crate::nn::cuda_graph::GraphError),
     #[error("torch error while loading `{tensor}` from {path}: {source}")]
     Torch {
         path: PathBuf,

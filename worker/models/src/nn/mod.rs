@@ -6,6 +6,7 @@
 //! [`Linear`] may hold its weight in fp8 (see [`crate::loading::weights::Fp8Mode`]): it is then
 //! upcast to the activations' dtype, times its per-tensor scale, at every call.
 
+pub mod cuda_graph;
 pub mod embeddings;
 pub mod rope;
 pub mod tiling;

@@ -8,7 +8,7 @@
 //! [`GenerateError::Cancelled`].
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use image::RgbImage;
 use tch::{Device, Kind, Tensor};
@@ -19,12 +19,14 @@ use crate::loading::diffusers::{component_store, open, read_config};
 use crate::loading::lora::{Component, JobLoras, LoraReport, LoraSpec, LoraSwitch, TargetRef};
 use crate::loading::weights::{WeightStore, Weights};
 use crate::nn::AttentionImpl;
+use crate::nn::cuda_graph;
 use crate::noise;
 use crate::schedulers::{PredictionType, Sampler, Scheduler, SchedulerConfig};
 use crate::sdxl::clip::{ClipTextConfig, ClipTextModel};
 use crate::sdxl::conditioning::{EncoderPair, PromptEncoder};
 use crate::sdxl::ldm;
 use crate::sdxl::unet::{AddedCond, UNet2DConditionModel, UNetConfig};
+use crate::sdxl::unet_graph::GraphedUNet;
 use crate::sdxl::vae::{AutoencoderKL, Tiling, VaeConfig};
 use crate::text::clip_tokenizer::ClipTokenizer;
 
@@ -114,6 +116,12 @@ pub struct PipelineConfig {
     pub vae_tiling: Tiling,
     /// Load the UNet on a second thread while the other components load (default true).
     pub parallel_load: bool,
+    /// Replay the UNet forward from a CUDA graph captured per latent shape (default false):
+    /// removes the host's kernel-launch time from each step. CUDA devices and binaries built
+    /// against a CUDA libtorch only (`SdxlPipeline::load` refuses it elsewhere); a ROCm build has
+    /// to be checked for HIP graphs first (docs/performance.md, "CUDA graph capture"). Costs a
+    /// memory pool of its own per captured shape, which the VAE decode cannot reuse.
+    pub cuda_graphs: bool,
 }
 
 impl PipelineConfig {
@@ -130,6 +138,7 @@ impl PipelineConfig {
             prediction_type: None,
             vae_tiling: Tiling::Auto,
             parallel_load: true,
+            cuda_graphs: false,
         }
     }
 }
@@ -194,6 +203,9 @@ pub struct SdxlPipeline {
     info: LoadedInfo,
     /// The LoRAs fused for the current job, with what restores the base.
     loras: JobLoras,
+    /// The UNet forward's CUDA graph, when `PipelineConfig::cuda_graphs` is on. Behind a mutex
+    /// because generation takes `&self`; one generation runs at a time on the model thread.
+    unet_graph: Option<Mutex<GraphedUNet>>,
 }
 
 /// Tokenizers 1 and 2 from `dir/tokenizer{,_2}` (see [`ClipTokenizer::from_dir`]), else the bundled
@@ -234,6 +246,9 @@ impl SdxlPipeline {
         let _guard = tch::no_grad_guard();
         let c = &config.components;
         let (dev, dt, imp) = (config.device, config.dtype, config.attention);
+        if config.cuda_graphs {
+            cuda_graph::check_available(dev)?;
+        }
         let (unet_cfg, vae_cfg, l_cfg, g_cfg, mut sched, stores, flags, tok_dir) =
             match &config.source {
                 ModelSource::SingleFile(path) => {
@@ -340,6 +355,7 @@ impl SdxlPipeline {
                 flags,
             },
             loras: JobLoras::default(),
+            unet_graph: config.cuda_graphs.then(|| Mutex::new(GraphedUNet::new())),
         })
     }
 
@@ -351,7 +367,22 @@ impl SdxlPipeline {
     /// and leaves the base weights.
     pub fn set_loras(&mut self, loras: &[LoraSpec]) -> Result<LoraSwitch, GenerateError> {
         let mut targets = lora_targets(&mut self.unet, &mut self.clip_l, &mut self.clip_g);
-        Ok(self.loras.set(loras, &mut targets)?)
+        let switch = self.loras.set(loras, &mut targets);
+        if switch.as_ref().is_ok_and(|s| !s.changed()) {
+            return Ok(switch?);
+        }
+        // Fusing replaces the UNet's weight tensors; the graph reads the ones it was captured with.
+        self.invalidate_unet_graph();
+        Ok(switch?)
+    }
+
+    fn invalidate_unet_graph(&mut self) {
+        if let Some(graph) = &mut self.unet_graph {
+            graph
+                .get_mut()
+                .unwrap_or_else(PoisonError::into_inner)
+                .invalidate();
+        }
     }
 
     /// What the current LoRA set fused, per file (`None`: no LoRA).
@@ -360,8 +391,10 @@ impl SdxlPipeline {
     }
 
     /// The components LoRAs patch: the UNet (`lora_unet_`, `unet.`), CLIP-L (`lora_te1_`,
-    /// `text_encoder.`) and bigG (`lora_te2_`, `text_encoder_2.`).
+    /// `text_encoder.`) and bigG (`lora_te2_`, `text_encoder_2.`). Drops the UNet's CUDA graph:
+    /// the caller may replace weights through these.
     pub fn lora_targets(&mut self) -> [TargetRef<'_>; 3] {
+        self.invalidate_unet_graph();
         lora_targets(&mut self.unet, &mut self.clip_l, &mut self.clip_g)
     }
 
@@ -627,15 +660,18 @@ impl SdxlPipeline {
             };
             let input = scheduler.scale_model_input(&input, i);
             let t_tensor = Tensor::from_slice(&[t as f32]).to_device(self.device);
-            let out = self.unet.forward(
-                &input,
-                &t_tensor,
-                &context,
-                &AddedCond {
-                    text_embeds: &pooled,
-                    time_ids: &time_ids,
-                },
-            );
+            let added = AddedCond {
+                text_embeds: &pooled,
+                time_ids: &time_ids,
+            };
+            let out = match &self.unet_graph {
+                None => self.unet.forward(&input, &t_tensor, &context, &added),
+                Some(graph) => graph
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .forward(&self.unet, &input, &t_tensor, &context, &added)
+                    .map_err(|e| GenerateError::Backend(e.to_string()))?,
+            };
             let guided_out = if guided {
                 let parts = out.chunk(2, 0);
                 let delta = &parts[1] - &parts[0];
@@ -696,5 +732,24 @@ mod tests {
     fn pipeline_is_send() {
         fn assert_send<T: Send>() {}
         assert_send::<super::SdxlPipeline>();
+    }
+
+    /// CUDA graphs are refused at load, before any file is read, where they cannot be captured.
+    #[test]
+    fn cuda_graphs_on_the_cpu_are_refused_at_load() {
+        use super::*;
+        let mut config = PipelineConfig::new(
+            ModelSource::DiffusersFolder("/nonexistent".into()),
+            Device::Cpu,
+        );
+        config.cuda_graphs = true;
+        let err = SdxlPipeline::load(&config).expect_err("no graphs on the CPU");
+        assert!(
+            matches!(
+                err,
+                LoadError::CudaGraphs(cuda_graph::GraphError::NotCuda(Device::Cpu))
+            ),
+            "{err}"
+        );
     }
 }

@@ -1,0 +1,174 @@
+// CUDA graph capture and replay for vnfarm-models (src/nn/cuda_graph.rs), around
+// `at::cuda::CUDAGraph`, which tch's C API does not bind.
+//
+// A graph owns one side stream from libtorch's pool. Work runs on it between `enter` and `leave`
+// (the warm-up) and between `capture_begin` and `capture_end` (the capture): libtorch's ops, tch's
+// included, launch on the thread's current stream, so eager tch calls in between are what the graph
+// records. Capture needs a stream other than the default one, and the warm-up must run on the same
+// stream as the capture: cuBLAS workspaces and cuDNN plans are set up per stream on first use,
+// outside the graph's memory pool. The side stream first waits for the current stream's queued work;
+// on leaving, the previous stream is made current again and waits for the side stream, so eager work
+// that follows is ordered after what ran (or was captured) on it. `replay` launches the graph on the
+// current stream.
+//
+// Every function catches C++ exceptions and returns them as a malloc'd message (NULL on success),
+// freed with vn_graph_error_free: nothing unwinds into Rust.
+
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/core/Event.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <optional>
+#include <string>
+
+namespace {
+
+struct VnGraph {
+  explicit VnGraph(c10::DeviceIndex device)
+      : device(device), side(c10::cuda::getStreamFromPool(false, device)) {}
+  c10::DeviceIndex device;
+  c10::cuda::CUDAStream side;
+  // The stream that was current before `enter`; set while work runs on the side stream.
+  std::optional<c10::cuda::CUDAStream> previous;
+  // Created by the first `capture_begin`; a graph is captured once.
+  std::optional<at::cuda::CUDAGraph> graph;
+};
+
+char* message(const char* what) {
+  size_t n = std::strlen(what);
+  char* out = static_cast<char*>(std::malloc(n + 1));
+  if (out != nullptr) {
+    std::memcpy(out, what, n + 1);
+  }
+  return out;
+}
+
+template <typename F>
+char* guarded(F&& f) {
+  try {
+    f();
+    return nullptr;
+  } catch (const std::exception& e) {
+    return message(e.what());
+  } catch (...) {
+    return message("unknown C++ exception");
+  }
+}
+
+// `waiter` waits for the work queued on `on` so far.
+void wait_for(const c10::cuda::CUDAStream& waiter, const c10::cuda::CUDAStream& on) {
+  c10::Event event(c10::DeviceType::CUDA);
+  event.record(on.unwrap());
+  event.block(waiter.unwrap());
+}
+
+void enter(VnGraph* g) {
+  if (g->previous) {
+    throw std::runtime_error("already on the graph's side stream");
+  }
+  auto current = c10::cuda::getCurrentCUDAStream(g->device);
+  wait_for(g->side, current);
+  c10::cuda::setCurrentCUDAStream(g->side);
+  g->previous = current;
+}
+
+void leave(VnGraph* g) {
+  if (!g->previous) {
+    throw std::runtime_error("not on the graph's side stream");
+  }
+  auto previous = *g->previous;
+  g->previous.reset();
+  c10::cuda::setCurrentCUDAStream(previous);
+  wait_for(previous, g->side);
+}
+
+}  // namespace
+
+extern "C" {
+
+char* vn_graph_new(int64_t device, void** out) {
+  *out = nullptr;
+  return guarded([&] { *out = new VnGraph(static_cast<c10::DeviceIndex>(device)); });
+}
+
+void vn_graph_drop(void* g) {
+  // The destructor of at::cuda::CUDAGraph frees the graph and marks its private memory pool free;
+  // it does not throw (libtorch logs failures there). The pool's memory stays reserved by the
+  // caching allocator until emptyCache (or an out-of-memory retry), invisible to other pools and
+  // counted by NVML as used: handed back to the device here. Callers drop a graph on a shape
+  // change or a weight swap, not per step.
+  delete static_cast<VnGraph*>(g);
+  try {
+    c10::cuda::CUDACachingAllocator::emptyCache();
+  } catch (...) {
+  }
+}
+
+void vn_graph_error_free(char* e) { std::free(e); }
+
+char* vn_graph_enter(void* g) {
+  return guarded([&] { enter(static_cast<VnGraph*>(g)); });
+}
+
+char* vn_graph_leave(void* g) {
+  return guarded([&] { leave(static_cast<VnGraph*>(g)); });
+}
+
+char* vn_graph_capture_begin(void* raw) {
+  auto* g = static_cast<VnGraph*>(raw);
+  return guarded([&] {
+    if (g->graph) {
+      throw std::runtime_error("this graph was captured already");
+    }
+    // As torch.cuda.graph does: nothing of the eager work before may still be running.
+    c10::cuda::device_synchronize();
+    enter(g);
+    try {
+      g->graph.emplace();
+      g->graph->capture_begin();
+    } catch (...) {
+      g->graph.reset();
+      leave(g);
+      throw;
+    }
+  });
+}
+
+// Ends the capture and instantiates the graph. The side stream is left in every case, also when the
+// capture failed (an operation that is not allowed while capturing invalidates it), so that the
+// thread's eager work runs on its own stream again.
+char* vn_graph_capture_end(void* raw) {
+  auto* g = static_cast<VnGraph*>(raw);
+  char* err = guarded([&] {
+    if (!g->graph) {
+      throw std::runtime_error("capture_end without capture_begin");
+    }
+    g->graph->capture_end();
+  });
+  char* left = guarded([&] {
+    if (g->previous) {
+      leave(g);
+    }
+  });
+  if (err == nullptr) {
+    return left;
+  }
+  std::free(left);
+  return err;
+}
+
+char* vn_graph_replay(void* raw) {
+  auto* g = static_cast<VnGraph*>(raw);
+  return guarded([&] {
+    if (!g->graph) {
+      throw std::runtime_error("replay of a graph that was never captured");
+    }
+    g->graph->replay();
+  });
+}
+
+}  // extern "C"
