@@ -274,7 +274,7 @@ mod tests {
 
     /// A test-pattern engine whose edit steps take `step_ms` with no batch gain.
     fn engine(step_ms: u64, batch_step_cost: f64) -> Engine {
-        Engine::TestPattern(TestPatternEngine::new(
+        Engine::TestPattern(Box::new(TestPatternEngine::new(
             TestPatternConfig {
                 step_ms,
                 encode_ms: 0,
@@ -284,7 +284,7 @@ mod tests {
             },
             AdvertisedKeys::default(),
             None,
-        ))
+        )))
     }
 
     /// Serves `jobs` as a worker of `served`, returning each answer with when it came, in order.

@@ -538,7 +538,7 @@ pub fn together_or_alone(
 
 /// The closed set of engines.
 pub enum Engine {
-    TestPattern(TestPatternEngine),
+    TestPattern(Box<TestPatternEngine>),
     /// The models on libtorch; one per family as they are implemented.
     Tch {
         sdxl: Option<Box<SdxlEngine>>,
@@ -557,11 +557,11 @@ impl Engine {
         shared: Option<SharedEncodings>,
     ) -> anyhow::Result<Self> {
         match config.kind() {
-            EngineKind::TestPattern => Ok(Engine::TestPattern(TestPatternEngine::load(
+            EngineKind::TestPattern => Ok(Engine::TestPattern(Box::new(TestPatternEngine::load(
                 config.test_pattern.clone(),
                 cache_keys,
                 shared,
-            ))),
+            )))),
             EngineKind::Tch => Ok(Engine::Tch {
                 sdxl: config
                     .sdxl
