@@ -3,7 +3,9 @@
 //! `dispatch` span in the scheduler.
 
 use serde_json::{Value, json};
-use vnfarm_tests::{Farm, WorkerOptions};
+use std::time::Duration;
+
+use vnfarm_tests::{Farm, WorkerOptions, wait_for};
 
 use crate::FINISH;
 
@@ -42,17 +44,35 @@ async fn json_logs_carry_the_job_id_in_both_binaries() -> anyhow::Result<()> {
         ("logger.log", "job completed"),
         ("scheduler.log", "dispatched"),
     ] {
+        // The worker logs `job completed` just after it reports the job, so the line may come a
+        // moment after the job shows as completed.
+        let logged = wait_for(
+            &format!("a `{message}` line about {id} in {log}"),
+            Duration::from_secs(10),
+            || {
+                let text = farm.full_log(log);
+                let id = id.clone();
+                async move {
+                    let lines: Vec<Value> = text
+                        .lines()
+                        .filter_map(|l| serde_json::from_str(l).ok())
+                        .collect();
+                    lines
+                        .iter()
+                        .any(|l| l["message"] == message && about(l, &id))
+                        .then_some(())
+                }
+            },
+        )
+        .await;
         let text = farm.full_log(log);
-        let lines: Vec<Value> = text
-            .lines()
-            .map(|l| serde_json::from_str(l).map_err(|e| anyhow::anyhow!("{log}: {e}: {l}")))
-            .collect::<anyhow::Result<_>>()?;
         assert!(
-            lines
-                .iter()
-                .any(|l| l["message"] == message && about(l, &id)),
+            logged.is_ok(),
             "{log} has no `{message}` line about {id}:\n{text}"
         );
+        for l in text.lines() {
+            serde_json::from_str::<Value>(l).map_err(|e| anyhow::anyhow!("{log}: {e}: {l}"))?;
+        }
     }
     // The worker's lines while it ran the job are in its `job` span, whatever their own fields.
     let worker = farm.full_log("logger.log");

@@ -100,15 +100,12 @@ async fn a_pipeline_runs_on_sdxl_then_qwen_edits_and_matches_diffusers() -> anyh
     let areas = &meta["edit_pipeline"];
     let mut farm = Farm::new("qwen-pipeline").await?;
     farm.start_scheduler().await?;
-    farm.start_worker(
-        "studio-1",
-        farm_worker(
-            areas["condition_image_area"].as_u64().unwrap(),
-            areas["vae_image_area"].as_u64().unwrap(),
-            "lightning",
-        ),
-    )
-    .await?;
+    let options = farm_worker(
+        areas["condition_image_area"].as_u64().unwrap(),
+        areas["vae_image_area"].as_u64().unwrap(),
+        "lightning",
+    );
+    farm.start_worker("studio-1", options.clone()).await?;
     println!("worker ready {:?} after the start", started.elapsed());
     let workers = farm.get_json("/v1/workers").await?;
     assert_eq!(
@@ -178,15 +175,7 @@ async fn a_pipeline_runs_on_sdxl_then_qwen_edits_and_matches_diffusers() -> anyh
     let published = farm.storage.list("encodings/qwen_edit/").await?;
     assert_eq!(published.len(), 1, "one input set published: {published:?}");
     farm.kill_worker("studio-1");
-    farm.start_worker(
-        "studio-2",
-        farm_worker(
-            areas["condition_image_area"].as_u64().unwrap(),
-            areas["vae_image_area"].as_u64().unwrap(),
-            "lightning",
-        ),
-    )
-    .await?;
+    farm.start_worker("studio-2", options).await?;
     let first_edit = &meta["submission"]["job"]["edits"][0];
     let mut again = json!({"schema_version": 1, "job": {"kind": "edit",
         "input": {"job_output": {"job": children[0], "index": 0}}}});

@@ -59,18 +59,20 @@ pub async fn serve(
 ) -> anyhow::Result<()> {
     let metrics = Metrics::new();
     let started = Instant::now();
-    let storage = Storage::open(&config.storage)
-        .await
-        .context("opening storage")?;
     let shared = SharedEncodings::new(
         &config.shared_encodings,
-        storage.clone(),
         tokio::runtime::Handle::current(),
         metrics.shared_encodings_total.clone(),
     );
     // The engine loads on its own thread while the worker connects and heartbeats `warming`.
     let (engine, loading) =
-        EngineHost::start(config.engine.clone(), shared).context("starting the engine")?;
+        EngineHost::start(config.engine.clone(), shared.clone()).context("starting the engine")?;
+    let storage = Storage::open(&config.storage)
+        .await
+        .context("opening storage")?;
+    if let Some(shared) = &shared {
+        shared.attach(storage.clone());
+    }
     // Hashing the model files takes as long as reading them: in the background, from now on.
     let hashes =
         FileHashes::start(Some(&config.hash_cache_dir)).context("starting model hashing")?;

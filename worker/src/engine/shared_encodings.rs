@@ -18,6 +18,7 @@
 //! - **Lifetime**: objects are not deleted by the worker; the bucket's lifecycle rule expires the
 //!   `encodings/` prefix (deploy/README.md).
 
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -65,9 +66,11 @@ impl SharedEncodingsConfig {
 }
 
 /// Storage and the runtime to reach it from the engine thread, before an engine names its model.
+/// The engine starts loading before the worker has opened storage, which is attached afterwards
+/// ([`SharedEncodings::attach`]); jobs come only after that.
 #[derive(Clone)]
 pub struct SharedEncodings {
-    storage: Storage,
+    storage: Arc<OnceLock<Storage>>,
     runtime: tokio::runtime::Handle,
     fetch_timeout: Duration,
     /// `vnfarm_worker_shared_encodings_total{op, result}`.
@@ -87,16 +90,21 @@ pub enum Fetched {
 impl SharedEncodings {
     pub fn new(
         config: &SharedEncodingsConfig,
-        storage: Storage,
         runtime: tokio::runtime::Handle,
         counter: IntCounterVec,
     ) -> Option<Self> {
         config.enabled.then(|| Self {
-            storage,
+            storage: Arc::default(),
             runtime,
             fetch_timeout: Duration::from_millis(config.fetch_timeout_ms),
             counter,
         })
+    }
+
+    /// The worker's storage, once it is open.
+    pub fn attach(&self, storage: Storage) {
+        // A second call (none is made) would keep the first storage.
+        let _ = self.storage.set(storage);
     }
 
     /// The store of one engine's encodings: `model` names the engine, `fingerprint` what its
@@ -138,7 +146,11 @@ impl SharedStore {
     /// from the engine thread, never from the runtime's.
     pub fn fetch(&self, key: &str) -> Fetched {
         let object = self.object(key);
-        let storage = self.shared.storage.clone();
+        // Not attached yet: no job runs before the worker has opened storage, so this is only a
+        // formality.
+        let Some(storage) = self.shared.storage.get().cloned() else {
+            return Fetched::Missing;
+        };
         let timeout = self.shared.fetch_timeout;
         let read = {
             let object = object.clone();
@@ -182,11 +194,12 @@ impl SharedStore {
     /// Publishes encodings in the background; a failure is logged and counted, nothing waits.
     pub fn publish(&self, key: &str, bytes: Vec<u8>) {
         let object = self.object(key);
+        let Some(storage) = self.shared.storage.get().cloned() else {
+            return;
+        };
         let this = self.clone();
         self.shared.runtime.spawn(async move {
-            let stored = this
-                .shared
-                .storage
+            let stored = storage
                 .put(&object, Bytes::from(bytes), "application/octet-stream")
                 .await;
             match stored {
@@ -262,11 +275,11 @@ mod tests {
             IntCounterVec::new(prometheus::Opts::new("shared", "test"), &["op", "result"]).unwrap();
         let shared = SharedEncodings::new(
             &SharedEncodingsConfig::default(),
-            storage,
             runtime.handle().clone(),
             counter.clone(),
         )
         .expect("enabled by default");
+        shared.attach(storage);
         let store = shared.for_model("qwen_edit", "f1");
         let other = shared.for_model("qwen_edit", "f2");
         std::thread::spawn(move || {
