@@ -380,10 +380,16 @@ def scheduling():
             [(f'sum(rate(vnfarm_worker_encode_cache_total{{result="hit"}}[{RATE}])) '
               f"/ sum(rate(vnfarm_worker_encode_cache_total[{RATE}]))", "hit ratio")],
             field={"min": 0, "max": 1})
-    b.panel("timeseries", "Encode cache lookups", "Hits and misses per second, by worker "
+    b.panel("timeseries", "Encode cache lookups", "Hits, misses (encoded here) and fetches "
+            "(another worker's encodings, read from storage) per second, by worker "
             "(vnfarm_worker_encode_cache_total).", "ops",
             [(f"sum by (instance, result) (rate(vnfarm_worker_encode_cache_total[{RATE}]))",
               "{{instance}} {{result}}")])
+    b.panel("timeseries", "Shared encodings", "Encodings read from and published to storage per "
+            "second, by result: a fetch found, missing, error, timeout or invalid (the worker "
+            "encodes then), a publish ok or error (vnfarm_worker_shared_encodings_total).", "ops",
+            [(f"sum by (op, result) (rate(vnfarm_worker_shared_encodings_total[{RATE}]))",
+              "{{op}} {{result}}")])
     b.panel("timeseries", "Messages per worker", "Mean jobs per message as workers received "
             "them (vnfarm_worker_batch_jobs).", "short",
             [(f"sum by (instance) (rate(vnfarm_worker_batch_jobs_sum[{RATE}])) "

@@ -129,6 +129,10 @@ async fn a_scheduler_restarted_from_its_snapshot_knows_what_the_running_one_knew
     farm.scheduler_env = vec![
         ("VNFARM_SNAPSHOT_EVERY_EVENTS".into(), "100".into()),
         ("VNFARM_RETAIN_JOBS".into(), "12".into()),
+        // One job per message, so that jobs finish in the order they were submitted and the
+        // newest twelve finished are the last twelve submitted: the jobs of a batch message are
+        // each reported as they are stored, and two stores may finish in either order.
+        ("VNFARM_DISPATCH__MAX_BATCH".into(), "1".into()),
     ];
     farm.start_scheduler().await?;
     farm.start_worker(
