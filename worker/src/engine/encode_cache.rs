@@ -33,6 +33,15 @@ impl CacheLookup {
             CacheLookup::Fetched => "fetched",
         }
     }
+
+    /// The stage timing of the job that paid for its inputs' encodings: `encode`, or
+    /// `fetch_encodings` for encodings read from shared storage.
+    pub fn stage(self) -> &'static str {
+        match self {
+            CacheLookup::Fetched => "fetch_encodings",
+            CacheLookup::Hit | CacheLookup::Miss => "encode",
+        }
+    }
 }
 
 /// The affinity keys an engine's cache holds, least recently used first; shared between the engine

@@ -532,11 +532,7 @@ impl QwenEditEngine {
                 }
                 out.encode_cache = Some(match encoder {
                     Some((by, lookup, seconds)) if by == *k => {
-                        let stage = match lookup {
-                            CacheLookup::Fetched => "fetch_encodings",
-                            CacheLookup::Hit | CacheLookup::Miss => "encode",
-                        };
-                        out.timings.add(stage, seconds);
+                        out.timings.add(lookup.stage(), seconds);
                         lookup
                     }
                     Some(_) | None => CacheLookup::Hit,

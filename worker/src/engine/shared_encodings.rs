@@ -130,7 +130,7 @@ pub fn hex_sha256(parts: &[&[u8]]) -> String {
     for p in parts {
         h.update(p);
     }
-    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+    hex::encode(h.finalize())
 }
 
 impl SharedStore {

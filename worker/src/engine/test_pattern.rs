@@ -587,13 +587,9 @@ impl TestPatternEngine {
                 .copied()
                 .find(|&i| jobs[i].cancel.requested().is_none())
                 .unwrap_or(group[0]);
-            let stage = match lookup {
-                CacheLookup::Fetched => "fetch_encodings",
-                CacheLookup::Hit | CacheLookup::Miss => "encode",
-            };
             runs[first]
                 .timings
-                .add(stage, started.elapsed().as_secs_f64());
+                .add(lookup.stage(), started.elapsed().as_secs_f64());
             self.cache.insert(
                 key.clone(),
                 (),

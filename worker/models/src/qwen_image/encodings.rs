@@ -134,7 +134,7 @@ fn data_sha256(parts: &[&[u8]]) -> String {
     for p in parts {
         h.update(p);
     }
-    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+    hex::encode(h.finalize())
 }
 
 fn meta<T: serde::de::DeserializeOwned>(
