@@ -1,7 +1,9 @@
 //! Links this crate's programs to libtorch so that they find the GPU backend and start without
 //! `LD_LIBRARY_PATH` (see `vnfarm-build-support`), and builds the CUDA graph shim
 //! (`csrc/graph.cpp`, behind `src/nn/cuda_graph.rs`) when libtorch is a CUDA build whose headers and
-//! the CUDA runtime headers are at hand: it then sets `cfg(vnfarm_cuda_graphs)`. A CPU-only or ROCm
+//! the CUDA runtime headers are at hand: it then sets `cfg(vnfarm_cuda_graphs)`. The operator shim
+//! (`csrc/ops.cpp`, behind `src/nn/ops.rs`; plain ATen, no CUDA API) is built with it and sets
+//! `cfg(vnfarm_ops_shim)`. A CPU-only or ROCm
 //! libtorch compiles nothing here, and graph capture reports that it is not built in.
 
 use std::path::{Path, PathBuf};
@@ -9,7 +11,9 @@ use std::path::{Path, PathBuf};
 fn main() {
     vnfarm_build_support::link_libtorch();
     println!("cargo::rustc-check-cfg=cfg(vnfarm_cuda_graphs)");
+    println!("cargo::rustc-check-cfg=cfg(vnfarm_ops_shim)");
     println!("cargo:rerun-if-changed=csrc/graph.cpp");
+    println!("cargo:rerun-if-changed=csrc/ops.cpp");
     println!("cargo:rerun-if-env-changed=VNFARM_CUDA_INCLUDE");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
@@ -96,6 +100,7 @@ fn build_shim(p: &ShimPaths) {
         .flag("-DGLOG_USE_GLOG_EXPORT")
         .flag("-w")
         .file("csrc/graph.cpp")
+        .file("csrc/ops.cpp")
         .compile("vnfarm_cuda_graph");
     // After the static library, so that `--as-needed` keeps them for its references.
     println!(
@@ -106,4 +111,5 @@ fn build_shim(p: &ShimPaths) {
         println!("cargo:rustc-link-lib=dylib={lib}");
     }
     println!("cargo:rustc-cfg=vnfarm_cuda_graphs");
+    println!("cargo:rustc-cfg=vnfarm_ops_shim");
 }

@@ -76,6 +76,8 @@ COMPONENT_VARIANTS = {
     "c_base": [],
     "c_base_again": ["--unet-only"],
     "c_unet": ["--unet-only"],
+    # The feed-forward GELU in the matmul's epilogue (kernels attempt 8).
+    "c_gelu": ["--unet-only", "--ff-gelu-epilogue"],
     "c_vae": ["--vae-only"],
     "c_vae_nchw": ["--vae-only", "--vae-memory-format", "contiguous"],
 }
@@ -120,6 +122,9 @@ VARIANTS = {
     # One size alone in its own process (process peak = that case's), eager (k_default, x4only_after) and graphed.
     "k_graphs": ("bin", ["--cases", "gen_1024", "--cuda-graphs"], {}),
     "x4only_graphs": ("bin", ["--cases", "gen_1024_x4", "--cuda-graphs"], {}),
+    # The feed-forward GELU in the matmul's epilogue (kernels attempt 8), eager and graphed.
+    "gelu": ("bin", ["--ff-gelu-epilogue"], {}),
+    "gelu_graphs": ("bin", ["--ff-gelu-epilogue", "--cuda-graphs"], {}),
 }
 
 SDXL_UNET = dict(sample_size=128, in_channels=4, out_channels=4, flip_sin_to_cos=True, freq_shift=0,

@@ -9,6 +9,7 @@
 //! bench pipeline <diffusers folder> [--loader L] [--tiling never|auto] [--cases a,b]
 //!                [--iters N] [--save DIR] [--load-only] [--sequential-load] [--vae-budget-mib N]
 //!                [--cuda-graphs]
+//! (both take [--ff-gelu-epilogue])
 //! bench read <file>...
 //! ```
 //!
@@ -28,6 +29,8 @@
 //! - `--cases a,b`: only these `pipeline` cases, in this order (default: all).
 //! - `--cuda-graphs`: `pipeline` with `PipelineConfig::cuda_graphs` (the UNet forward replayed from a
 //!   CUDA graph; the first call of each size captures it).
+//! - `--ff-gelu-epilogue`: the UNet's feed-forward GELU in the matmul's epilogue
+//!   (`FfGelu::Epilogue`; components: the UNet cases, pipeline: `PipelineConfig::ff_gelu`).
 //! - `--cpu`: fp32 on the CPU at 64–96 px (`pipeline` only; smoke tests of the driver with tiny models).
 //!
 //! Prints one JSON object per line: `{"name": ..., "ms_median": ..., "ms_min": ..., "ms_max": ...}`
@@ -43,7 +46,7 @@ use tch::{Cuda, Device, Kind, Tensor};
 use vnfarm_models::loading::safetensors::{self, LoadPath, SafetensorsFile};
 use vnfarm_models::loading::weights::{WeightStore, Weights};
 use vnfarm_models::nn::cuda_graph;
-use vnfarm_models::nn::{AttentionImpl, MemoryFormat};
+use vnfarm_models::nn::{AttentionImpl, FfGelu, MemoryFormat};
 use vnfarm_models::schedulers::Sampler;
 use vnfarm_models::sdxl::pipeline::{GenerateRequest, ModelSource, PipelineConfig, SdxlPipeline};
 use vnfarm_models::sdxl::unet::{AddedCond, UNet2DConditionModel, UNetConfig};
@@ -123,6 +126,7 @@ struct Opts {
     vae_only: bool,
     unet_only: bool,
     cuda_graphs: bool,
+    ff_gelu: FfGelu,
 }
 
 fn parse_opts(args: &[String]) -> anyhow::Result<(Vec<String>, Opts)> {
@@ -140,6 +144,7 @@ fn parse_opts(args: &[String]) -> anyhow::Result<(Vec<String>, Opts)> {
         vae_only: false,
         unet_only: false,
         cuda_graphs: false,
+        ff_gelu: FfGelu::Separate,
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -175,6 +180,7 @@ fn parse_opts(args: &[String]) -> anyhow::Result<(Vec<String>, Opts)> {
             }
             "--unet-only" => o.unet_only = true,
             "--cuda-graphs" => o.cuda_graphs = true,
+            "--ff-gelu-epilogue" => o.ff_gelu = FfGelu::Epilogue,
             _ if a.starts_with("--") => anyhow::bail!("unknown option {a}"),
             _ => pos.push(a.clone()),
         }
@@ -276,6 +282,7 @@ fn pipeline(dir: &Path, opts: &Opts) -> anyhow::Result<()> {
     cfg.vae_tiling = opts.tiling;
     cfg.parallel_load = !opts.sequential_load;
     cfg.cuda_graphs = opts.cuda_graphs;
+    cfg.ff_gelu = opts.ff_gelu;
     if let Some(mib) = opts.vae_budget_mib {
         let mut vae = VaeConfig::from_json(&std::fs::read_to_string(dir.join("vae/config.json"))?)
             .map_err(anyhow::Error::msg)?;
@@ -390,7 +397,7 @@ fn components(unet_path: &str, vae_path: &str, opts: &Opts) -> anyhow::Result<()
         |path: &str| -> anyhow::Result<Weights> { Ok(Weights::new(store(path)?, dev, dt)) };
 
     if !opts.vae_only {
-        unet_cases(&weights(unet_path)?, imp)?;
+        unet_cases(&weights(unet_path)?, imp, opts.ff_gelu)?;
     }
     if opts.unet_only {
         return Ok(());
@@ -428,11 +435,12 @@ fn components(unet_path: &str, vae_path: &str, opts: &Opts) -> anyhow::Result<()
 
 /// UNet load and forwards (CFG batch 2 at 1024² and 1280×720, batch 8 at 1024²), eager and
 /// replayed from a CUDA graph, with the SDPA backend libtorch picks for each attention shape.
-fn unet_cases(w: &Weights, imp: AttentionImpl) -> anyhow::Result<()> {
+fn unet_cases(w: &Weights, imp: AttentionImpl, ff_gelu: FfGelu) -> anyhow::Result<()> {
     let (dev, dt) = (w.device, w.kind);
     let t0 = now();
     let t = Instant::now();
-    let unet = UNet2DConditionModel::new(w, &UNetConfig::sdxl_base(), imp)?;
+    let mut unet = UNet2DConditionModel::new(w, &UNetConfig::sdxl_base(), imp)?;
+    unet.set_ff_gelu(ff_gelu);
     sync();
     println!(
         "{{\"name\": \"unet_load\", \"s\": {:.3}, \"t0\": {t0:.3}, \"t1\": {:.3}}}",
@@ -474,6 +482,20 @@ fn unet_cases(w: &Weights, imp: AttentionImpl) -> anyhow::Result<()> {
             time_ids: &ids,
         };
         bench(name, 3, 10, || unet.forward(&x, &t, &ctx, &added));
+        if ff_gelu != FfGelu::Separate && b == 2 {
+            // What the epilogue's tanh GELU moves, against diffusers' erf GELU on the same inputs.
+            let out = unet.forward(&x, &t, &ctx, &added).to_kind(Kind::Float);
+            unet.set_ff_gelu(FfGelu::Separate);
+            let exact = unet.forward(&x, &t, &ctx, &added).to_kind(Kind::Float);
+            unet.set_ff_gelu(ff_gelu);
+            let diff = (&out - &exact).abs();
+            println!(
+                "{{\"name\": \"{name}_ff_gelu_vs_separate\", \"max_abs_diff\": {:.6e}, \"mean_abs_diff\": {:.6e}, \"mean_abs_separate\": {:.6e}}}",
+                diff.max().double_value(&[]),
+                diff.mean(Kind::Float).double_value(&[]),
+                exact.abs().mean(Kind::Float).double_value(&[]),
+            );
+        }
         unet_graph_case(&unet, &mut graphed, name, [&x, &t, &ctx, &te, &ids]);
     }
     drop(graphed);

@@ -57,6 +57,12 @@ pub enum LoadError {
     /// built without the shim).
     #[error("cuda_graphs: {0}")]
     CudaGraphs(#[from] crate::nn::cuda_graph::GraphError),
+    /// A setting this binary or device cannot honour.
+    #[error("{setting}: {reason}")]
+    Setting {
+        setting: &'static str,
+        reason: String,
+    },
     #[error("torch error while loading `{tensor}` from {path}: {source}")]
     Torch {
         path: PathBuf,

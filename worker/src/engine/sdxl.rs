@@ -20,7 +20,7 @@ use serde::Deserialize;
 
 use vnfarm_models::error::GenerateError;
 use vnfarm_models::loading::lora::LoraSpec;
-use vnfarm_models::nn::{AttentionImpl, MemoryFormat};
+use vnfarm_models::nn::{AttentionImpl, FfGelu, MemoryFormat};
 use vnfarm_models::schedulers::PredictionType;
 use vnfarm_models::schedulers::Sampler;
 use vnfarm_models::sdxl::pipeline::{
@@ -100,6 +100,13 @@ pub struct SdxlConfig {
     /// graphs are checked there.
     #[serde(default)]
     pub cuda_graphs: bool,
+    /// The UNet feed-forwards' GELU: `separate` (default: diffusers' erf GELU as its own kernel,
+    /// exact parity) or `epilogue` (in the matmul's epilogue through cuBLASLt, the tanh
+    /// approximation: UNet batch 8 −3 %, 4 images at 1024² −3 %, images 0.44/255 from `separate`
+    /// on the H200; docs/performance.md, kernels attempt 8). Needs a binary built against a CUDA
+    /// libtorch (the operator shim); a start-up error elsewhere. ROCm boxes keep `separate`.
+    #[serde(default)]
+    pub ff_gelu: FfGelu,
     /// Where jobs' `loras` are looked up: `<lora_dir>/<name>` or `<lora_dir>/<name>.safetensors`
     /// (kohya, diffusers/PEFT or LyCORIS LoCon files).
     #[serde(default)]
@@ -216,6 +223,7 @@ impl SdxlEngine {
         pc.attention = config.attention;
         pc.prediction_type = config.prediction_type;
         pc.cuda_graphs = config.cuda_graphs;
+        pc.ff_gelu = config.ff_gelu;
         pc.vae_tiling = match config.vae_tiling {
             VaeTiling::Auto => Tiling::Auto,
             VaeTiling::Always => Tiling::Always,
@@ -607,6 +615,7 @@ mod tests {
             max_batch: 4,
             lora_dir: None,
             cuda_graphs: false,
+            ff_gelu: FfGelu::Separate,
         }
     }
 

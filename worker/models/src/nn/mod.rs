@@ -8,6 +8,7 @@
 
 pub mod cuda_graph;
 pub mod embeddings;
+pub mod ops;
 pub mod rope;
 pub mod tiling;
 
@@ -43,6 +44,35 @@ pub enum AttentionImpl {
     Sdpa,
     /// Plain `softmax(q k^T * scale) v` with matmuls, for debugging and odd backends.
     Matmul,
+}
+
+/// How a feed-forward's GELU is computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FfGelu {
+    /// The model's own GELU as a kernel of its own after the matmul: what diffusers computes
+    /// (erf GELU in SDXL), so parity is exact.
+    #[default]
+    Separate,
+    /// GELU in the matmul's epilogue ([`ops::addmm_gelu`]: cuBLASLt on CUDA, where it is the tanh
+    /// approximation; the CPU computes erf GELU after the matmul), which saves a pass over the
+    /// widest activation of each block. For a model trained with erf GELU (SDXL) the output on
+    /// CUDA moves by the approximation's error (below 5e-4 per activation; measured in
+    /// docs/performance.md, kernels attempt 8). Needs the operator shim (`ops::BUILT_IN`).
+    Epilogue,
+}
+
+/// `gelu(x @ weight^T + bias)` over the last dim of `x`, the GELU in the matmul's epilogue
+/// ([`ops::addmm_gelu`]: tanh-approximated on CUDA, erf on the CPU); where the operator shim is
+/// not built in, the matmul and then erf GELU.
+pub fn linear_gelu_epilogue(x: &Tensor, weight: &Tensor, bias: &Tensor) -> Tensor {
+    let mut shape = x.size();
+    let x2 = x.reshape([-1, *shape.last().expect("linear input has a last dim")]);
+    let Some(y) = ops::addmm_gelu(bias, &x2, &weight.tr()) else {
+        return x.linear(weight, Some(bias)).gelu("none");
+    };
+    *shape.last_mut().expect("checked above") = weight.size()[0];
+    y.view(shape.as_slice())
 }
 
 /// Multi-head attention on `[B, H, L, D]` tensors with an optional additive mask broadcastable to

@@ -9,7 +9,10 @@ use tch::Tensor;
 use crate::error::LoadError;
 use crate::loading::lora::LoraModule;
 use crate::loading::weights::Weights;
-use crate::nn::{AttentionImpl, Conv2d, GroupNorm, LayerNorm, Linear, attention, is_fp8};
+use crate::nn::{
+    AttentionImpl, Conv2d, FfGelu, GroupNorm, LayerNorm, Linear, attention, is_fp8,
+    linear_gelu_epilogue,
+};
 
 /// diffusers `Attention` as used by `BasicTransformerBlock`: bias-free q/k/v, `to_out.0` with bias.
 #[derive(Debug)]
@@ -65,6 +68,7 @@ impl CrossAttention {
 struct FeedForward {
     proj: Linear,
     out: Linear,
+    gelu: FfGelu,
 }
 
 impl FeedForward {
@@ -73,6 +77,7 @@ impl FeedForward {
         Ok(Self {
             proj: Linear::new(&w.pp("net.0.proj"), dim, 2 * inner, true)?,
             out: Linear::new(&w.pp("net.2"), inner, dim, true)?,
+            gelu: FfGelu::Separate,
         })
     }
 
@@ -91,8 +96,12 @@ impl FeedForward {
         let inner = w.size()[0] / 2;
         let half = |t: &Tensor, n: i64| t.narrow(0, n * inner, inner);
         let mut h = x.linear(&half(&w, 0), self.proj.bias.as_ref().map(|b| half(b, 0)));
-        let mut gate = x.linear(&half(&w, 1), self.proj.bias.as_ref().map(|b| half(b, 1)));
-        let _ = gate.gelu_("none");
+        let gate = match (self.gelu, &self.proj.bias) {
+            (FfGelu::Epilogue, Some(b)) => linear_gelu_epilogue(x, &half(&w, 1), &half(b, 1)),
+            _ => x
+                .linear(&half(&w, 1), self.proj.bias.as_ref().map(|b| half(b, 1)))
+                .gelu_("none"),
+        };
         let _ = h.g_mul_(&gate);
         self.out.forward(&h)
     }
@@ -212,6 +221,16 @@ impl Transformer2DModel {
             Proj::Conv(conv) => conv.forward(&s.reshape([b, h, w, c]).permute([0, 3, 1, 2])),
         };
         out + x
+    }
+}
+
+impl Transformer2DModel {
+    /// How every feed-forward of this transformer computes its GELU (default: separately, as
+    /// diffusers).
+    pub fn set_ff_gelu(&mut self, gelu: FfGelu) {
+        for b in &mut self.transformer_blocks {
+            b.ff.gelu = gelu;
+        }
     }
 }
 

@@ -18,8 +18,8 @@ use crate::imageops::tensor_to_rgb8;
 use crate::loading::diffusers::{component_store, open, read_config};
 use crate::loading::lora::{Component, JobLoras, LoraReport, LoraSpec, LoraSwitch, TargetRef};
 use crate::loading::weights::{WeightStore, Weights};
-use crate::nn::AttentionImpl;
 use crate::nn::cuda_graph;
+use crate::nn::{AttentionImpl, FfGelu, ops};
 use crate::noise;
 use crate::schedulers::{PredictionType, Sampler, Scheduler, SchedulerConfig};
 use crate::sdxl::clip::{ClipTextConfig, ClipTextModel};
@@ -122,6 +122,9 @@ pub struct PipelineConfig {
     /// to be checked for HIP graphs first (docs/performance.md, "CUDA graph capture"). Costs a
     /// memory pool of its own per captured shape, which the VAE decode cannot reuse.
     pub cuda_graphs: bool,
+    /// The feed-forwards' GELU: `Separate` (default, diffusers' erf GELU, exact parity) or in the
+    /// matmul's epilogue (tanh approximation; docs/performance.md, kernels attempt 8).
+    pub ff_gelu: FfGelu,
 }
 
 impl PipelineConfig {
@@ -139,6 +142,7 @@ impl PipelineConfig {
             vae_tiling: Tiling::Auto,
             parallel_load: true,
             cuda_graphs: false,
+            ff_gelu: FfGelu::Separate,
         }
     }
 }
@@ -249,6 +253,14 @@ impl SdxlPipeline {
         if config.cuda_graphs {
             cuda_graph::check_available(dev)?;
         }
+        if config.ff_gelu == FfGelu::Epilogue && !ops::BUILT_IN {
+            return Err(LoadError::Setting {
+                setting: "ff_gelu = epilogue",
+                reason: "the operator shim (csrc/ops.cpp) is not built into this binary \
+                         (built against a CUDA libtorch only)"
+                    .into(),
+            });
+        }
         let (unet_cfg, vae_cfg, l_cfg, g_cfg, mut sched, stores, flags, tok_dir) =
             match &config.source {
                 ModelSource::SingleFile(path) => {
@@ -334,7 +346,8 @@ impl SdxlPipeline {
             (unet(), others)
         };
         let (clip_l, clip_g, vae) = others?;
-        let unet = unet?;
+        let mut unet = unet?;
+        unet.set_ff_gelu(config.ff_gelu);
         let (tok_l, tok_g) = toks
             .join()
             .unwrap_or_else(|panic| std::panic::resume_unwind(panic))?;

@@ -12,7 +12,7 @@ use crate::error::LoadError;
 use crate::loading::lora::{LoraModule, LoraTarget};
 use crate::loading::weights::Weights;
 use crate::nn::embeddings::{TimestepEmbedding, timestep_features};
-use crate::nn::{AttentionImpl, Conv2d, GroupNorm};
+use crate::nn::{AttentionImpl, Conv2d, FfGelu, GroupNorm};
 use crate::sdxl::unet_blocks::{BlockAttention, BlockCommon, DownBlock, MidBlock, UpBlock};
 
 /// `UNet2DConditionModel` config fields SDXL uses. `attention_heads` is diffusers'
@@ -335,6 +335,19 @@ impl UNet2DConditionModel {
         }
         self.conv_out
             .forward(&self.conv_norm_out.forward(&h).silu())
+    }
+}
+
+impl UNet2DConditionModel {
+    /// How every transformer block's feed-forward computes its GELU ([`FfGelu`]; default
+    /// `Separate`, diffusers' erf GELU).
+    pub fn set_ff_gelu(&mut self, gelu: FfGelu) {
+        let down = self.down_blocks.iter_mut().map(|b| b.attentions_mut());
+        let up = self.up_blocks.iter_mut().map(|b| b.attentions_mut());
+        let mid = std::iter::once(self.mid_block.attentions_mut());
+        for t in down.chain(mid).chain(up).flatten() {
+            t.set_ff_gelu(gelu);
+        }
     }
 }
 

@@ -278,6 +278,10 @@ fn block_lora_modules<'a>(
 }
 
 impl DownBlock {
+    pub fn attentions_mut(&mut self) -> &mut [Transformer2DModel] {
+        &mut self.attentions
+    }
+
     pub fn lora_modules<'a>(&'a mut self, prefix: &str, out: &mut Vec<(String, LoraModule<'a>)>) {
         block_lora_modules(prefix, &mut self.resnets, &mut self.attentions, out);
         if let Some(d) = &mut self.downsampler {
@@ -287,6 +291,10 @@ impl DownBlock {
 }
 
 impl MidBlock {
+    pub fn attentions_mut(&mut self) -> &mut [Transformer2DModel] {
+        &mut self.attentions
+    }
+
     pub fn lora_modules<'a>(&'a mut self, prefix: &str, out: &mut Vec<(String, LoraModule<'a>)>) {
         block_lora_modules(prefix, &mut self.resnets, &mut self.attentions, out);
     }
@@ -296,6 +304,10 @@ impl UpBlock {
     /// Whether the block has cross-attention (its upsampler's ldm index depends on it).
     pub fn has_attention(&self) -> bool {
         !self.attentions.is_empty()
+    }
+
+    pub fn attentions_mut(&mut self) -> &mut [Transformer2DModel] {
+        &mut self.attentions
     }
 
     pub fn lora_modules<'a>(&'a mut self, prefix: &str, out: &mut Vec<(String, LoraModule<'a>)>) {

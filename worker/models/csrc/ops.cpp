@@ -1,0 +1,49 @@
+// ATen operators that tch's C API binds wrongly or not at all, for vnfarm-models (src/nn/ops.rs).
+//
+// `vn_addmm_gelu`: `at::_addmm_activation(bias, mat1, mat2, 1, 1, /*use_gelu=*/true)`, GELU in the
+// matmul's epilogue (cuBLASLt where libtorch uses it, else the matmul and then the GELU). tch 0.24's
+// binding (`atg__addmm_activation`) passes `use_gelu` in the place of `beta`, so through tch the GELU
+// is never applied.
+//
+// Tensors cross as tch's handles (`at::Tensor*`, allocated with `new`, freed by tch with `delete`).
+// C++ exceptions come back as a malloc'd message (NULL on success), freed with vn_ops_error_free.
+
+#include <ATen/ATen.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <string>
+
+namespace {
+
+char* message(const char* what) {
+  char* out = static_cast<char*>(std::malloc(std::strlen(what) + 1));
+  if (out != nullptr) {
+    std::strcpy(out, what);
+  }
+  return out;
+}
+
+}  // namespace
+
+extern "C" {
+
+void vn_ops_error_free(char* e) { std::free(e); }
+
+char* vn_addmm_gelu(void* bias, void* mat1, void* mat2, void** out) {
+  *out = nullptr;
+  try {
+    auto* b = static_cast<at::Tensor*>(bias);
+    auto* m1 = static_cast<at::Tensor*>(mat1);
+    auto* m2 = static_cast<at::Tensor*>(mat2);
+    *out = new at::Tensor(at::_addmm_activation(*b, *m1, *m2, 1, 1, true));
+    return nullptr;
+  } catch (const std::exception& e) {
+    return message(e.what());
+  } catch (...) {
+    return message("unknown C++ exception");
+  }
+}
+
+}  // extern "C"
