@@ -103,8 +103,10 @@ pub struct SdxlConfig {
     /// The UNet feed-forwards' GELU: `separate` (default: diffusers' erf GELU as its own kernel,
     /// exact parity) or `epilogue` (in the matmul's epilogue through cuBLASLt, the tanh
     /// approximation: UNet batch 8 −3 %, 4 images at 1024² −3 %, images 0.44/255 from `separate`
-    /// on the H200; docs/performance.md, kernels attempt 8). Needs a binary built against a CUDA
-    /// libtorch (the operator shim); a start-up error elsewhere. ROCm boxes keep `separate`.
+    /// on the H200; docs/performance.md, kernels attempt 8). It pays where the GPU is the limit
+    /// (several images per forward, or with `cuda_graphs`); eager single-image steps, where the
+    /// host is, measured slower. Needs a binary built against a CUDA libtorch (the operator shim);
+    /// a start-up error elsewhere. ROCm boxes keep `separate`.
     #[serde(default)]
     pub ff_gelu: FfGelu,
     /// Where jobs' `loras` are looked up: `<lora_dir>/<name>` or `<lora_dir>/<name>.safetensors`
