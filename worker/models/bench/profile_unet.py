@@ -19,31 +19,14 @@ Writes DIR/profile_unet.json and prints it.
 import argparse
 import json
 import os
-import re
 from collections import defaultdict
 
 import torch
 from diffusers import UNet2DConditionModel
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from trace_breakdown import summarise  # this folder is on sys.path when run as a script
 
 DEV, DT = "cuda", torch.bfloat16
-
-# First match wins: cuDNN's attention kernels are named `…sdpa…flash_fprop…`, its convolutions
-# `…fprop_implicit_gemm…`, so attention goes before convolution and convolution before GEMM.
-CATEGORIES = [
-    ("attention", re.compile(r"flash|fmha|sdpa|attention|\bmha", re.I)),
-    ("conv", re.compile(r"conv|fprop|implicit_gemm|dgrad|wgrad", re.I)),
-    ("gemm", re.compile(r"gemm|nvjet|cutlass|cublas|matmul|xmma", re.I)),
-    ("norm", re.compile(r"norm|welford|rowwise_moments", re.I)),
-    ("elementwise", re.compile(r"elementwise|vectorized|unrolled|silu|gelu|mul|add|copy|cat|reduce", re.I)),
-]
-
-
-def category(name):
-    for cat, pattern in CATEGORIES:
-        if pattern.search(name):
-            return cat
-    return "other"
 
 
 def make_unet():
@@ -102,20 +85,13 @@ def breakdown(unet, args):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         f()
         torch.cuda.synchronize()
-    by_cat = defaultdict(float)
-    top = defaultdict(float)
+    kernels = defaultdict(float)
     for avg in prof.key_averages():
         if avg.device_type != torch.autograd.DeviceType.CUDA:
             continue
         us = getattr(avg, "self_device_time_total", 0) or getattr(avg, "self_cuda_time_total", 0)
-        by_cat[category(avg.key)] += us
-        top[avg.key] += us
-    total = sum(by_cat.values()) or 1.0
-    return {
-        "total_ms": total / 1000,
-        "share": {k: round(v / total, 4) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
-        "top_kernels_ms": {k[:120]: round(v / 1000, 3) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:25]},
-    }
+        kernels[avg.key] += us
+    return summarise(kernels)
 
 
 def main():

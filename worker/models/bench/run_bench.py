@@ -78,6 +78,10 @@ COMPONENT_VARIANTS = {
     "c_unet": ["--unet-only"],
     # The feed-forward GELU in the matmul's epilogue (kernels attempt 8).
     "c_gelu": ["--unet-only", "--ff-gelu-epilogue"],
+    # The same, with one batch-8 forward recorded by libtorch's profiler into OUT/trace_*.json
+    # (`trace_breakdown.py` sorts the kernels).
+    "c_unet_prof": ["--unet-only", "--profile-trace", "{out}/trace_c_unet.json"],
+    "c_gelu_prof": ["--unet-only", "--ff-gelu-epilogue", "--profile-trace", "{out}/trace_c_gelu.json"],
     "c_vae": ["--vae-only"],
     "c_vae_nchw": ["--vae-only", "--vae-memory-format", "contiguous"],
 }
@@ -530,7 +534,8 @@ def main():
         diffusers("components")
         for cv in [v for v in a.component_variants.split(",") if v]:
             ours(f"components_{cv}", ["components", f"{a.work}/unet/diffusion_pytorch_model.safetensors",
-                                      f"{a.work}/vae/diffusion_pytorch_model.safetensors", *COMPONENT_VARIANTS[cv]], {})
+                                      f"{a.work}/vae/diffusion_pytorch_model.safetensors",
+                                      *[x.format(out=a.out) for x in COMPONENT_VARIANTS[cv]]], {})
     variants = [v for v in a.variants.split(",") if v]
     if a.skip_pipeline:
         variants = []

@@ -5,14 +5,20 @@
 // binding (`atg__addmm_activation`) passes `use_gelu` in the place of `beta`, so through tch the GELU
 // is never applied.
 //
+// `vn_profile_start` / `vn_profile_stop`: libtorch's Kineto profiler (what torch.profiler drives),
+// which tch does not bind: CPU operators and, with `cuda`, GPU kernels, saved as a Chrome trace.
+//
 // Tensors cross as tch's handles (`at::Tensor*`, allocated with `new`, freed by tch with `delete`).
 // C++ exceptions come back as a malloc'd message (NULL on success), freed with vn_ops_error_free.
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
 
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <set>
+#include <stdexcept>
 #include <string>
 
 namespace {
@@ -30,6 +36,39 @@ char* message(const char* what) {
 extern "C" {
 
 void vn_ops_error_free(char* e) { std::free(e); }
+
+char* vn_profile_start(int cuda) {
+  try {
+    using torch::profiler::impl::ActivityType;
+    std::set<ActivityType> activities{ActivityType::CPU};
+    if (cuda != 0) {
+      activities.insert(ActivityType::CUDA);
+    }
+    torch::profiler::impl::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO);
+    torch::autograd::profiler::prepareProfiler(config, activities);
+    torch::autograd::profiler::enableProfiler(config, activities);
+    return nullptr;
+  } catch (const std::exception& e) {
+    return message(e.what());
+  } catch (...) {
+    return message("unknown C++ exception");
+  }
+}
+
+char* vn_profile_stop(const char* path) {
+  try {
+    auto result = torch::autograd::profiler::disableProfiler();
+    if (!result) {
+      throw std::runtime_error("the profiler was not running");
+    }
+    result->save(path);
+    return nullptr;
+  } catch (const std::exception& e) {
+    return message(e.what());
+  } catch (...) {
+    return message("unknown C++ exception");
+  }
+}
 
 char* vn_addmm_gelu(void* bias, void* mat1, void* mat2, void** out) {
   *out = nullptr;

@@ -29,6 +29,9 @@
 //! - `--cases a,b`: only these `pipeline` cases, in this order (default: all).
 //! - `--cuda-graphs`: `pipeline` with `PipelineConfig::cuda_graphs` (the UNet forward replayed from a
 //!   CUDA graph; the first call of each size captures it).
+//! - `--profile-trace PATH`: `components` also records one batch-8 UNet forward with libtorch's
+//!   profiler (GPU kernels included) into PATH as a Chrome trace (`profile_unet.py --trace` sorts
+//!   it into the categories of diffusers' profile).
 //! - `--ff-gelu-epilogue`: the UNet's feed-forward GELU in the matmul's epilogue
 //!   (`FfGelu::Epilogue`; components: the UNet cases, pipeline: `PipelineConfig::ff_gelu`).
 //! - `--cpu`: fp32 on the CPU at 64–96 px (`pipeline` only; smoke tests of the driver with tiny models).
@@ -46,7 +49,7 @@ use tch::{Cuda, Device, Kind, Tensor};
 use vnfarm_models::loading::safetensors::{self, LoadPath, SafetensorsFile};
 use vnfarm_models::loading::weights::{WeightStore, Weights};
 use vnfarm_models::nn::cuda_graph;
-use vnfarm_models::nn::{AttentionImpl, FfGelu, MemoryFormat};
+use vnfarm_models::nn::{AttentionImpl, FfGelu, MemoryFormat, ops};
 use vnfarm_models::schedulers::Sampler;
 use vnfarm_models::sdxl::pipeline::{GenerateRequest, ModelSource, PipelineConfig, SdxlPipeline};
 use vnfarm_models::sdxl::unet::{AddedCond, UNet2DConditionModel, UNetConfig};
@@ -127,6 +130,7 @@ struct Opts {
     unet_only: bool,
     cuda_graphs: bool,
     ff_gelu: FfGelu,
+    profile_trace: Option<PathBuf>,
 }
 
 fn parse_opts(args: &[String]) -> anyhow::Result<(Vec<String>, Opts)> {
@@ -145,6 +149,7 @@ fn parse_opts(args: &[String]) -> anyhow::Result<(Vec<String>, Opts)> {
         unet_only: false,
         cuda_graphs: false,
         ff_gelu: FfGelu::Separate,
+        profile_trace: None,
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -181,6 +186,7 @@ fn parse_opts(args: &[String]) -> anyhow::Result<(Vec<String>, Opts)> {
             "--unet-only" => o.unet_only = true,
             "--cuda-graphs" => o.cuda_graphs = true,
             "--ff-gelu-epilogue" => o.ff_gelu = FfGelu::Epilogue,
+            "--profile-trace" => o.profile_trace = Some(PathBuf::from(val()?)),
             _ if a.starts_with("--") => anyhow::bail!("unknown option {a}"),
             _ => pos.push(a.clone()),
         }
@@ -397,7 +403,7 @@ fn components(unet_path: &str, vae_path: &str, opts: &Opts) -> anyhow::Result<()
         |path: &str| -> anyhow::Result<Weights> { Ok(Weights::new(store(path)?, dev, dt)) };
 
     if !opts.vae_only {
-        unet_cases(&weights(unet_path)?, imp, opts.ff_gelu)?;
+        unet_cases(&weights(unet_path)?, imp, opts)?;
     }
     if opts.unet_only {
         return Ok(());
@@ -435,7 +441,8 @@ fn components(unet_path: &str, vae_path: &str, opts: &Opts) -> anyhow::Result<()
 
 /// UNet load and forwards (CFG batch 2 at 1024² and 1280×720, batch 8 at 1024²), eager and
 /// replayed from a CUDA graph, with the SDPA backend libtorch picks for each attention shape.
-fn unet_cases(w: &Weights, imp: AttentionImpl, ff_gelu: FfGelu) -> anyhow::Result<()> {
+fn unet_cases(w: &Weights, imp: AttentionImpl, opts: &Opts) -> anyhow::Result<()> {
+    let ff_gelu = opts.ff_gelu;
     let (dev, dt) = (w.device, w.kind);
     let t0 = now();
     let t = Instant::now();
@@ -494,6 +501,18 @@ fn unet_cases(w: &Weights, imp: AttentionImpl, ff_gelu: FfGelu) -> anyhow::Resul
                 diff.max().double_value(&[]),
                 diff.mean(Kind::Float).double_value(&[]),
                 exact.abs().mean(Kind::Float).double_value(&[]),
+            );
+        }
+        if let (Some(path), 8) = (&opts.profile_trace, b) {
+            // One forward after the timed ones, every kernel recorded.
+            sync();
+            ops::profile_start(dev.is_cuda()).map_err(anyhow::Error::msg)?;
+            let _ = unet.forward(&x, &t, &ctx, &added);
+            sync();
+            ops::profile_stop(path).map_err(anyhow::Error::msg)?;
+            println!(
+                "{{\"name\": \"{name}_profile\", \"trace\": \"{}\"}}",
+                path.display()
             );
         }
         unet_graph_case(&unet, &mut graphed, name, [&x, &t, &ctx, &te, &ids]);
