@@ -180,9 +180,17 @@ impl Conv2d {
     }
 
     pub fn forward(&self, x: &Tensor) -> Tensor {
+        self.forward_with_bias(x, self.bias.as_ref())
+    }
+
+    /// The convolution with `bias` in place of its own (`None`: none). libtorch adds a
+    /// convolution's bias after cuDNN / MIOpen as a pass of its own over the output, so a block
+    /// that adds another per-channel term right after (ResNet's time embedding, a shortcut) folds
+    /// the two into one pass this way.
+    pub fn forward_with_bias(&self, x: &Tensor, bias: Option<&Tensor>) -> Tensor {
         x.conv2d(
             &self.weight,
-            self.bias.as_ref(),
+            bias,
             [self.stride, self.stride],
             [self.padding, self.padding],
             [1, 1],

@@ -47,7 +47,9 @@ impl ResnetBlock2D {
     }
 
     /// Peak memory as diffusers': each activation is freed as soon as the next one exists (SiLU in
-    /// place on the fresh norm output, `h` dropped before `conv2`).
+    /// place on the fresh norm output, `h` dropped before `conv2`). Convolution biases are folded
+    /// into the per-channel term added right after them (the time embedding, the shortcut's bias),
+    /// which saves libtorch's separate bias pass: docs/performance.md, kernels attempt 9.
     pub fn forward(&self, x: &Tensor, temb: Option<&Tensor>) -> Tensor {
         self.forward_normed(x, temb, &mut |norm, t| norm.forward(t))
     }
@@ -60,17 +62,39 @@ impl ResnetBlock2D {
         temb: Option<&Tensor>,
         norm: &mut dyn FnMut(&GroupNorm, &Tensor) -> Tensor,
     ) -> Tensor {
-        let mut h = self.conv1.forward(&norm(&self.norm1, x).silu_());
-        if let (Some(proj), Some(temb)) = (&self.time_emb_proj, temb) {
-            h += proj.forward(&temb.silu()).unsqueeze(-1).unsqueeze(-1);
-        }
+        let a = norm(&self.norm1, x).silu_();
+        let h = match (&self.time_emb_proj, temb) {
+            (Some(proj), Some(temb)) => {
+                // conv1's bias rides on the time embedding: one pass over `h` adds both.
+                let mut t = proj.forward(&temb.silu());
+                if let Some(b) = &self.conv1.bias {
+                    t += b;
+                }
+                let mut h = self.conv1.forward_with_bias(&a, None);
+                h += t.unsqueeze(-1).unsqueeze(-1);
+                h
+            }
+            _ => self.conv1.forward(&a),
+        };
+        drop(a);
         let a = norm(&self.norm2, &h).silu_();
         drop(h);
-        let h = self.conv2.forward(&a);
-        drop(a);
         match &self.conv_shortcut {
-            Some(s) => s.forward(x) + h,
-            None => x + h,
+            Some(s) => {
+                // conv2's bias rides on the shortcut's.
+                let h = self.conv2.forward_with_bias(&a, None);
+                drop(a);
+                let bias = match (&s.bias, &self.conv2.bias) {
+                    (Some(b1), Some(b2)) => Some(b1 + b2),
+                    (b1, b2) => b1.as_ref().or(b2.as_ref()).map(Tensor::shallow_clone),
+                };
+                s.forward_with_bias(x, bias.as_ref()) + h
+            }
+            None => {
+                let h = self.conv2.forward(&a);
+                drop(a);
+                x + h
+            }
         }
     }
 }
