@@ -80,6 +80,10 @@ COMPONENT_VARIANTS = {
     "c_gelu": ["--unet-only", "--ff-gelu-epilogue"],
     # The same, with one batch-8 forward recorded by libtorch's profiler into OUT/trace_*.json
     # (`trace_breakdown.py` sorts the kernels).
+    # The UNet NHWC (kernels attempt 10), with and without the epilogue GELU.
+    "c_cl": ["--unet-only", "--unet-channels-last"],
+    "c_cl_gelu": ["--unet-only", "--unet-channels-last", "--ff-gelu-epilogue"],
+    "c_cl_prof": ["--unet-only", "--unet-channels-last", "--profile-trace", "{out}/trace_c_cl.json"],
     "c_unet_prof": ["--unet-only", "--profile-trace", "{out}/trace_c_unet.json"],
     "c_gelu_prof": ["--unet-only", "--ff-gelu-epilogue", "--profile-trace", "{out}/trace_c_gelu.json"],
     "c_vae": ["--vae-only"],
@@ -129,6 +133,9 @@ VARIANTS = {
     # The feed-forward GELU in the matmul's epilogue (kernels attempt 8), eager and graphed.
     "gelu": ("bin", ["--ff-gelu-epilogue"], {}),
     "gelu_graphs": ("bin", ["--ff-gelu-epilogue", "--cuda-graphs"], {}),
+    # The UNet NHWC (kernels attempt 10), eager and graphed.
+    "cl": ("bin", ["--unet-channels-last"], {}),
+    "cl_graphs": ("bin", ["--unet-channels-last", "--cuda-graphs"], {}),
 }
 
 SDXL_UNET = dict(sample_size=128, in_channels=4, out_channels=4, flip_sin_to_cos=True, freq_shift=0,

@@ -32,6 +32,7 @@
 //! - `--profile-trace PATH`: `components` also records one batch-8 UNet forward with libtorch's
 //!   profiler (GPU kernels included) into PATH as a Chrome trace (`profile_unet.py --trace` sorts
 //!   it into the categories of diffusers' profile).
+//! - `--unet-channels-last`: the UNet NHWC (`set_memory_format`; components and pipeline).
 //! - `--ff-gelu-epilogue`: the UNet's feed-forward GELU in the matmul's epilogue
 //!   (`FfGelu::Epilogue`; components: the UNet cases, pipeline: `PipelineConfig::ff_gelu`).
 //! - `--cpu`: fp32 on the CPU at 64–96 px (`pipeline` only; smoke tests of the driver with tiny models).
@@ -131,6 +132,7 @@ struct Opts {
     cuda_graphs: bool,
     ff_gelu: FfGelu,
     profile_trace: Option<PathBuf>,
+    unet_memory_format: MemoryFormat,
 }
 
 fn parse_opts(args: &[String]) -> anyhow::Result<(Vec<String>, Opts)> {
@@ -150,6 +152,7 @@ fn parse_opts(args: &[String]) -> anyhow::Result<(Vec<String>, Opts)> {
         cuda_graphs: false,
         ff_gelu: FfGelu::Separate,
         profile_trace: None,
+        unet_memory_format: MemoryFormat::Contiguous,
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -187,6 +190,7 @@ fn parse_opts(args: &[String]) -> anyhow::Result<(Vec<String>, Opts)> {
             "--cuda-graphs" => o.cuda_graphs = true,
             "--ff-gelu-epilogue" => o.ff_gelu = FfGelu::Epilogue,
             "--profile-trace" => o.profile_trace = Some(PathBuf::from(val()?)),
+            "--unet-channels-last" => o.unet_memory_format = MemoryFormat::ChannelsLast,
             _ if a.starts_with("--") => anyhow::bail!("unknown option {a}"),
             _ => pos.push(a.clone()),
         }
@@ -289,6 +293,7 @@ fn pipeline(dir: &Path, opts: &Opts) -> anyhow::Result<()> {
     cfg.parallel_load = !opts.sequential_load;
     cfg.cuda_graphs = opts.cuda_graphs;
     cfg.ff_gelu = opts.ff_gelu;
+    cfg.unet_memory_format = opts.unet_memory_format;
     if let Some(mib) = opts.vae_budget_mib {
         let mut vae = VaeConfig::from_json(&std::fs::read_to_string(dir.join("vae/config.json"))?)
             .map_err(anyhow::Error::msg)?;
@@ -448,6 +453,7 @@ fn unet_cases(w: &Weights, imp: AttentionImpl, opts: &Opts) -> anyhow::Result<()
     let t = Instant::now();
     let mut unet = UNet2DConditionModel::new(w, &UNetConfig::sdxl_base(), imp)?;
     unet.set_ff_gelu(ff_gelu);
+    unet.set_memory_format(opts.unet_memory_format);
     sync();
     println!(
         "{{\"name\": \"unet_load\", \"s\": {:.3}, \"t0\": {t0:.3}, \"t1\": {:.3}}}",

@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 use tch::{Device, Kind, Tensor};
 use vnfarm_models::error::GenerateError;
 use vnfarm_models::loading::lora::{Component, LoraModule, LoraSpec};
+use vnfarm_models::nn::{MemoryFormat, is_channels_last};
 use vnfarm_models::schedulers::Sampler;
 use vnfarm_models::sdxl::pipeline::{GenerateRequest, ModelSource, PipelineConfig, SdxlPipeline};
 
@@ -35,11 +36,17 @@ fn lora(style: &str, strength: f64) -> LoraSpec {
 
 /// The tiny SDXL from its diffusers folder, fp32 on the CPU (the references' precision), or `kind`.
 fn pipeline(kind: Kind) -> SdxlPipeline {
+    pipeline_in(kind, MemoryFormat::Contiguous)
+}
+
+/// [`pipeline`] with the UNet in `format`.
+fn pipeline_in(kind: Kind, format: MemoryFormat) -> SdxlPipeline {
     let mut c = PipelineConfig::new(
         ModelSource::DiffusersFolder(fixtures().join("sdxl_tiny")),
         Device::Cpu,
     );
     c.dtype = kind;
+    c.unet_memory_format = format;
     SdxlPipeline::load(&c).expect("load the tiny SDXL")
 }
 
@@ -160,12 +167,19 @@ fn restoring_gives_back_the_loaded_weights_bit_for_bit() {
     }
 }
 
-/// diffusers' images with each style fused, and the base's again after a restore.
+/// diffusers' images with each style fused, and the base's again after a restore; with the UNet
+/// NCHW and NHWC (fusing into NHWC convolution weights keeps them NHWC).
 #[test]
 fn images_with_loras_match_diffusers() {
+    for format in [MemoryFormat::Contiguous, MemoryFormat::ChannelsLast] {
+        images_with_loras_match_diffusers_in(format);
+    }
+}
+
+fn images_with_loras_match_diffusers_in(format: MemoryFormat) {
     let (r, meta) = reference();
     let text = |v: &serde_json::Value| v.as_str().expect("string").to_string();
-    let mut p = pipeline(Kind::Float);
+    let mut p = pipeline_in(Kind::Float, format);
     for case in meta["cases"].as_array().expect("cases") {
         let name = text(&case[0]);
         if name.starts_with("e2e_") {
@@ -195,10 +209,27 @@ fn images_with_loras_match_diffusers() {
             count: case[5].as_u64().expect("count") as usize,
         };
         p.set_loras(&specs).expect(&name);
+        if format == MemoryFormat::ChannelsLast {
+            let convs = weights(&mut p)
+                .into_iter()
+                .filter(|(k, w)| k.starts_with("unet.") && w.dim() == 4)
+                .collect::<Vec<_>>();
+            assert!(!convs.is_empty());
+            for (k, w) in convs {
+                // A 1x1 kernel's NCHW and NHWC memory orders are the same.
+                let one_by_one = w.size()[2..] == [1, 1];
+                assert!(
+                    is_channels_last(&w) || one_by_one,
+                    "{name}: {k} is not NHWC after fusing"
+                );
+            }
+        }
         let images = p.generate(&req, &mut |_, _| {}, &|| false).expect(&name);
         let mae = support::image_mae(&images[0], &r[&format!("{name}.image")].get(0));
         let from_base = support::image_mae(&images[0], &r["base.image"].get(0));
-        println!("{name}: image MAE {mae:.4} / 255 (from the base image: {from_base:.1})");
+        println!(
+            "{format:?} {name}: image MAE {mae:.4} / 255 (from the base image: {from_base:.1})"
+        );
         assert!(mae <= 1.0, "{name}: MAE {mae} / 255");
         if name != "base" {
             assert!(from_base > 5.0, "{name}: the LoRA must change the image");

@@ -13,7 +13,7 @@ use tch::{Device, Kind, Tensor};
 use vnfarm_models::error::{GenerateError, LoadError};
 use vnfarm_models::loading::safetensors::SafetensorsFile;
 use vnfarm_models::loading::weights::{WeightStore, Weights};
-use vnfarm_models::nn::{AttentionImpl, FfGelu};
+use vnfarm_models::nn::{AttentionImpl, FfGelu, MemoryFormat};
 use vnfarm_models::noise;
 use vnfarm_models::schedulers::PredictionType;
 use vnfarm_models::schedulers::{Sampler, Scheduler, SchedulerConfig};
@@ -186,6 +186,33 @@ fn unet_with_gelu_in_the_matmul_epilogue_matches_diffusers() {
         let out = unet.forward(k("sample"), k("timestep"), k("context"), &added);
         check(
             &format!("epilogue GELU unet case {case}"),
+            &out,
+            k("out"),
+            TOL,
+        );
+    }
+}
+
+/// The UNet run NHWC (`MemoryFormat::ChannelsLast`: weights and activations channels-last) matches
+/// diffusers as the NCHW one does, and gives an NCHW output.
+#[test]
+fn unet_in_channels_last_matches_diffusers() {
+    let _g = tch::no_grad_guard();
+    let (r, _) = reference("unet.safetensors");
+    let [u, ..] = stores("diffusers");
+    let mut unet = UNet2DConditionModel::new(&weights(u), &UNetConfig::tiny(), AttentionImpl::Sdpa)
+        .expect("load");
+    unet.set_memory_format(MemoryFormat::ChannelsLast);
+    for case in 0..2 {
+        let k = |n: &str| &r[&format!("{case}.{n}")];
+        let added = AddedCond {
+            text_embeds: k("text_embeds"),
+            time_ids: k("time_ids"),
+        };
+        let out = unet.forward(k("sample"), k("timestep"), k("context"), &added);
+        assert!(out.is_contiguous(), "case {case}: NCHW output");
+        check(
+            &format!("channels-last unet case {case}"),
             &out,
             k("out"),
             TOL,

@@ -109,6 +109,12 @@ pub struct SdxlConfig {
     /// a start-up error elsewhere. ROCm boxes keep `separate`.
     #[serde(default)]
     pub ff_gelu: FfGelu,
+    /// Memory order of the UNet's activations: `contiguous` (default, NCHW as diffusers) or
+    /// `channels_last` (NHWC convolutions without cuDNN's layout conversions; docs/performance.md,
+    /// kernels attempt 10). On ROCm MIOpen runs NHWC natively only with
+    /// `PYTORCH_MIOPEN_SUGGEST_NHWC=1`: compare both there before choosing.
+    #[serde(default)]
+    pub unet_memory_format: MemoryFormat,
     /// Where jobs' `loras` are looked up: `<lora_dir>/<name>` or `<lora_dir>/<name>.safetensors`
     /// (kohya, diffusers/PEFT or LyCORIS LoCon files).
     #[serde(default)]
@@ -226,6 +232,7 @@ impl SdxlEngine {
         pc.prediction_type = config.prediction_type;
         pc.cuda_graphs = config.cuda_graphs;
         pc.ff_gelu = config.ff_gelu;
+        pc.unet_memory_format = config.unet_memory_format;
         pc.vae_tiling = match config.vae_tiling {
             VaeTiling::Auto => Tiling::Auto,
             VaeTiling::Always => Tiling::Always,
@@ -618,6 +625,7 @@ mod tests {
             lora_dir: None,
             cuda_graphs: false,
             ff_gelu: FfGelu::Separate,
+            unet_memory_format: MemoryFormat::Contiguous,
         }
     }
 

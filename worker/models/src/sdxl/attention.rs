@@ -10,8 +10,8 @@ use crate::error::LoadError;
 use crate::loading::lora::LoraModule;
 use crate::loading::weights::Weights;
 use crate::nn::{
-    AttentionImpl, Conv2d, FfGelu, GroupNorm, LayerNorm, Linear, attention, is_fp8,
-    linear_gelu_epilogue,
+    AttentionImpl, Conv2d, FfGelu, GroupNorm, LayerNorm, Linear, attention, is_channels_last,
+    is_fp8, linear_gelu_epilogue,
 };
 
 /// diffusers `Attention` as used by `BasicTransformerBlock`: bias-free q/k/v, `to_out.0` with bias.
@@ -213,6 +213,10 @@ impl Transformer2DModel {
             s = block.forward(&s, context, self.attention);
         }
         let out = match &self.proj_out {
+            // An NHWC input gets an NHWC output: the permuted view already is one.
+            Proj::Linear(l) if is_channels_last(x) => {
+                l.forward(&s).reshape([b, h, w, c]).permute([0, 3, 1, 2])
+            }
             Proj::Linear(l) => l
                 .forward(&s)
                 .reshape([b, h, w, c])

@@ -19,7 +19,7 @@ use crate::loading::diffusers::{component_store, open, read_config};
 use crate::loading::lora::{Component, JobLoras, LoraReport, LoraSpec, LoraSwitch, TargetRef};
 use crate::loading::weights::{WeightStore, Weights};
 use crate::nn::cuda_graph;
-use crate::nn::{AttentionImpl, FfGelu, ops};
+use crate::nn::{AttentionImpl, FfGelu, MemoryFormat, ops};
 use crate::noise;
 use crate::schedulers::{PredictionType, Sampler, Scheduler, SchedulerConfig};
 use crate::sdxl::clip::{ClipTextConfig, ClipTextModel};
@@ -125,6 +125,9 @@ pub struct PipelineConfig {
     /// The feed-forwards' GELU: `Separate` (default, diffusers' erf GELU, exact parity) or in the
     /// matmul's epilogue (tanh approximation; docs/performance.md, kernels attempt 8).
     pub ff_gelu: FfGelu,
+    /// The UNet's activations NCHW (`Contiguous`, default) or NHWC (`ChannelsLast`; kernels
+    /// attempt 10 in docs/performance.md).
+    pub unet_memory_format: MemoryFormat,
 }
 
 impl PipelineConfig {
@@ -143,6 +146,7 @@ impl PipelineConfig {
             parallel_load: true,
             cuda_graphs: false,
             ff_gelu: FfGelu::Separate,
+            unet_memory_format: MemoryFormat::Contiguous,
         }
     }
 }
@@ -348,6 +352,7 @@ impl SdxlPipeline {
         let (clip_l, clip_g, vae) = others?;
         let mut unet = unet?;
         unet.set_ff_gelu(config.ff_gelu);
+        unet.set_memory_format(config.unet_memory_format);
         let (tok_l, tok_g) = toks
             .join()
             .unwrap_or_else(|panic| std::panic::resume_unwind(panic))?;
@@ -384,7 +389,10 @@ impl SdxlPipeline {
         if switch.as_ref().is_ok_and(|s| !s.changed()) {
             return Ok(switch?);
         }
-        // Fusing replaces the UNet's weight tensors; the graph reads the ones it was captured with.
+        // Fusing replaces the UNet's weight tensors: they take the UNet's memory order again, and
+        // the graph, which reads the ones it was captured with, is dropped.
+        let format = self.unet.memory_format();
+        self.unet.set_memory_format(format);
         self.invalidate_unet_graph();
         Ok(switch?)
     }

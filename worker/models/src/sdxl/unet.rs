@@ -12,7 +12,7 @@ use crate::error::LoadError;
 use crate::loading::lora::{LoraModule, LoraTarget};
 use crate::loading::weights::Weights;
 use crate::nn::embeddings::{TimestepEmbedding, timestep_features};
-use crate::nn::{AttentionImpl, Conv2d, FfGelu, GroupNorm};
+use crate::nn::{AttentionImpl, Conv2d, FfGelu, GroupNorm, MemoryFormat, channels_last};
 use crate::sdxl::unet_blocks::{BlockAttention, BlockCommon, DownBlock, MidBlock, UpBlock};
 
 /// `UNet2DConditionModel` config fields SDXL uses. `attention_heads` is diffusers'
@@ -186,6 +186,7 @@ pub struct UNet2DConditionModel {
     conv_norm_out: GroupNorm,
     conv_out: Conv2d,
     config: UNetConfig,
+    memory_format: MemoryFormat,
 }
 
 impl UNet2DConditionModel {
@@ -271,6 +272,7 @@ impl UNet2DConditionModel {
             )?,
             conv_out: Conv2d::new(&w.pp("conv_out"), boc[0], c.out_channels, 3, 1, 1)?,
             config: c.clone(),
+            memory_format: MemoryFormat::Contiguous,
         })
     }
 
@@ -315,7 +317,11 @@ impl UNet2DConditionModel {
             Tensor::cat(&[added.text_embeds.to_kind(Kind::Float), time_embeds], -1).to_kind(kind);
         let emb = emb + self.add_embedding.forward(&add);
 
-        let mut h = self.conv_in.forward(sample);
+        let sample = match self.memory_format {
+            MemoryFormat::ChannelsLast => channels_last(sample),
+            MemoryFormat::Contiguous => sample.shallow_clone(),
+        };
+        let mut h = self.conv_in.forward(&sample);
         let mut skips = vec![h.shallow_clone()];
         for block in &self.down_blocks {
             h = block.forward(&h, &emb, context, &mut skips);
@@ -335,10 +341,34 @@ impl UNet2DConditionModel {
         }
         self.conv_out
             .forward(&self.conv_norm_out.forward(&h).silu())
+            .contiguous()
     }
 }
 
 impl UNet2DConditionModel {
+    /// The memory order the UNet's activations run in (default `Contiguous`, NCHW as diffusers).
+    /// `ChannelsLast` stores every convolution weight NHWC and makes the input NHWC: cuDNN then
+    /// runs its NHWC kernels without converting each convolution's input and output, GroupNorm
+    /// takes its NHWC path and the spatial transformers' reshapes become views
+    /// (docs/performance.md, kernels attempt 10). The output is NCHW either way.
+    pub fn memory_format(&self) -> MemoryFormat {
+        self.memory_format
+    }
+
+    /// Sets the memory order [`UNet2DConditionModel::memory_format`] describes and puts every
+    /// convolution weight in it; weights already in it are left as they are.
+    pub fn set_memory_format(&mut self, format: MemoryFormat) {
+        self.memory_format = format;
+        for (_, module) in self.lora_modules() {
+            if let LoraModule::Conv2d(c) = module {
+                c.weight = match format {
+                    MemoryFormat::ChannelsLast => channels_last(&c.weight),
+                    MemoryFormat::Contiguous => c.weight.contiguous(),
+                };
+            }
+        }
+    }
+
     /// How every transformer block's feed-forward computes its GELU ([`FfGelu`]; default
     /// `Separate`, diffusers' erf GELU).
     pub fn set_ff_gelu(&mut self, gelu: FfGelu) {
