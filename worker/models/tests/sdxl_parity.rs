@@ -165,59 +165,53 @@ fn unet_matches_diffusers() {
     }
 }
 
+/// The tiny UNet from the diffusers-format files, set up by `setup`, on both reference cases: each
+/// output within `TOL` of diffusers', after `more` has checked it.
+fn configured_unet_matches_diffusers(
+    what: &str,
+    setup: impl FnOnce(&mut UNet2DConditionModel),
+    more: impl Fn(usize, &Tensor),
+) {
+    let _g = tch::no_grad_guard();
+    let (r, _) = reference("unet.safetensors");
+    let [u, ..] = stores("diffusers");
+    let mut unet = UNet2DConditionModel::new(&weights(u), &UNetConfig::tiny(), AttentionImpl::Sdpa)
+        .expect("load");
+    setup(&mut unet);
+    for case in 0..2 {
+        let k = |n: &str| &r[&format!("{case}.{n}")];
+        let added = AddedCond {
+            text_embeds: k("text_embeds"),
+            time_ids: k("time_ids"),
+        };
+        let out = unet.forward(k("sample"), k("timestep"), k("context"), &added);
+        more(case, &out);
+        check(&format!("{what} unet case {case}"), &out, k("out"), TOL);
+    }
+}
+
 /// The feed-forward GELU in the matmul's epilogue (`FfGelu::Epilogue`, through the operator shim):
 /// on the CPU the epilogue is the matmul and then erf GELU, so the UNet matches diffusers as
 /// tightly as the separate GELU. (On CUDA cuBLASLt's epilogue computes the tanh approximation; what
 /// that moves is measured in docs/performance.md, kernels attempt 8.)
 #[test]
 fn unet_with_gelu_in_the_matmul_epilogue_matches_diffusers() {
-    let _g = tch::no_grad_guard();
-    let (r, _) = reference("unet.safetensors");
-    let [u, ..] = stores("diffusers");
-    let mut unet = UNet2DConditionModel::new(&weights(u), &UNetConfig::tiny(), AttentionImpl::Sdpa)
-        .expect("load");
-    unet.set_ff_gelu(FfGelu::Epilogue);
-    for case in 0..2 {
-        let k = |n: &str| &r[&format!("{case}.{n}")];
-        let added = AddedCond {
-            text_embeds: k("text_embeds"),
-            time_ids: k("time_ids"),
-        };
-        let out = unet.forward(k("sample"), k("timestep"), k("context"), &added);
-        check(
-            &format!("epilogue GELU unet case {case}"),
-            &out,
-            k("out"),
-            TOL,
-        );
-    }
+    configured_unet_matches_diffusers(
+        "epilogue GELU",
+        |unet| unet.set_ff_gelu(FfGelu::Epilogue),
+        |_, _| {},
+    );
 }
 
 /// The UNet run NHWC (`MemoryFormat::ChannelsLast`: weights and activations channels-last) matches
 /// diffusers as the NCHW one does, and gives an NCHW output.
 #[test]
 fn unet_in_channels_last_matches_diffusers() {
-    let _g = tch::no_grad_guard();
-    let (r, _) = reference("unet.safetensors");
-    let [u, ..] = stores("diffusers");
-    let mut unet = UNet2DConditionModel::new(&weights(u), &UNetConfig::tiny(), AttentionImpl::Sdpa)
-        .expect("load");
-    unet.set_memory_format(MemoryFormat::ChannelsLast);
-    for case in 0..2 {
-        let k = |n: &str| &r[&format!("{case}.{n}")];
-        let added = AddedCond {
-            text_embeds: k("text_embeds"),
-            time_ids: k("time_ids"),
-        };
-        let out = unet.forward(k("sample"), k("timestep"), k("context"), &added);
-        assert!(out.is_contiguous(), "case {case}: NCHW output");
-        check(
-            &format!("channels-last unet case {case}"),
-            &out,
-            k("out"),
-            TOL,
-        );
-    }
+    configured_unet_matches_diffusers(
+        "channels-last",
+        |unet| unet.set_memory_format(MemoryFormat::ChannelsLast),
+        |case, out| assert!(out.is_contiguous(), "case {case}: NCHW output"),
+    );
 }
 
 fn tiny_vae(format: &str, tile: i64) -> AutoencoderKL {
