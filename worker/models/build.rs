@@ -2,8 +2,9 @@
 //! `LD_LIBRARY_PATH` (see `vnfarm-build-support`), and builds the CUDA graph shim
 //! (`csrc/graph.cpp`, behind `src/nn/cuda_graph.rs`) when libtorch is a CUDA build whose headers and
 //! the CUDA runtime headers are at hand: it then sets `cfg(vnfarm_cuda_graphs)`. The operator shim
-//! (`csrc/ops.cpp`, behind `src/nn/ops.rs`; plain ATen, no CUDA API) is built with it and sets
-//! `cfg(vnfarm_ops_shim)`. A CPU-only or ROCm
+//! (`csrc/ops.cpp`, behind `src/nn/ops.rs`; plain ATen, no CUDA API) and the run-time kernel
+//! compiler (`csrc/rtc.cpp`: NVRTC and the driver API through libtorch's stub, which needs `cuda.h`
+//! and `nvrtc.h` beside the runtime headers) are built with it and set `cfg(vnfarm_ops_shim)`. A CPU-only or ROCm
 //! libtorch compiles nothing here, and graph capture reports that it is not built in.
 
 use std::path::{Path, PathBuf};
@@ -14,6 +15,7 @@ fn main() {
     println!("cargo::rustc-check-cfg=cfg(vnfarm_ops_shim)");
     println!("cargo:rerun-if-changed=csrc/graph.cpp");
     println!("cargo:rerun-if-changed=csrc/ops.cpp");
+    println!("cargo:rerun-if-changed=csrc/rtc.cpp");
     println!("cargo:rerun-if-env-changed=VNFARM_CUDA_INCLUDE");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
@@ -101,6 +103,7 @@ fn build_shim(p: &ShimPaths) {
         .flag("-w")
         .file("csrc/graph.cpp")
         .file("csrc/ops.cpp")
+        .file("csrc/rtc.cpp")
         .compile("vnfarm_cuda_graph");
     // After the static library, so that `--as-needed` keeps them for its references.
     println!(

@@ -86,6 +86,14 @@ COMPONENT_VARIANTS = {
     "c_cl_prof": ["--unet-only", "--unet-channels-last", "--profile-trace", "{out}/trace_c_cl.json"],
     "c_unet_prof": ["--unet-only", "--profile-trace", "{out}/trace_c_unet.json"],
     "c_gelu_prof": ["--unet-only", "--ff-gelu-epilogue", "--profile-trace", "{out}/trace_c_gelu.json"],
+    # The fused normalisation kernels (kernels attempt 11): NCHW (only the residual add + LayerNorm
+    # pairs are fused), NHWC (the GroupNorms too; with the kernel check against fp32 first), NHWC
+    # with the epilogue GELU, and that one profiled.
+    "c_fused": ["--unet-only", "--norm-kernels-fused"],
+    "c_cl_fused": ["--unet-only", "--unet-channels-last", "--norm-kernels-fused", "--norms-check"],
+    "c_cl_gelu_fused": ["--unet-only", "--unet-channels-last", "--ff-gelu-epilogue", "--norm-kernels-fused"],
+    "c_cl_gelu_fused_prof": ["--unet-only", "--unet-channels-last", "--ff-gelu-epilogue", "--norm-kernels-fused",
+                             "--profile-trace", "{out}/trace_c_cl_gelu_fused.json"],
     "c_vae": ["--vae-only"],
     "c_vae_nchw": ["--vae-only", "--vae-memory-format", "contiguous"],
 }
@@ -136,6 +144,12 @@ VARIANTS = {
     # The UNet NHWC (kernels attempt 10), eager and graphed.
     "cl": ("bin", ["--unet-channels-last"], {}),
     "cl_graphs": ("bin", ["--unet-channels-last", "--cuda-graphs"], {}),
+    # The fused normalisation kernels on the NHWC UNet (kernels attempt 11), with the epilogue GELU,
+    # eager and graphed.
+    "cl_fused": ("bin", ["--unet-channels-last", "--norm-kernels-fused"], {}),
+    "cl_gelu_fused": ("bin", ["--unet-channels-last", "--ff-gelu-epilogue", "--norm-kernels-fused"], {}),
+    "cl_gelu_fused_graphs": ("bin", ["--unet-channels-last", "--ff-gelu-epilogue", "--norm-kernels-fused",
+                                     "--cuda-graphs"], {}),
 }
 
 SDXL_UNET = dict(sample_size=128, in_channels=4, out_channels=4, flip_sin_to_cos=True, freq_shift=0,

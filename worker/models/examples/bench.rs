@@ -33,6 +33,12 @@
 //!   profiler (GPU kernels included) into PATH as a Chrome trace (`profile_unet.py --trace` sorts
 //!   it into the categories of diffusers' profile).
 //! - `--unet-channels-last`: the UNet NHWC (`set_memory_format`; components and pipeline).
+//! - `--norm-kernels-fused`: the UNet's normalisations as our fused kernels (`NormKernels::Fused`;
+//!   components: the UNet cases, each also compared with libtorch's normalisations on the same
+//!   inputs; pipeline: `PipelineConfig::norm_kernels`).
+//! - `--norms-check`: `components` first checks each fused kernel against an fp32 reference at the
+//!   SDXL UNet's shapes (beside libtorch's bf16 operators, whose error it must not exceed by much;
+//!   the process fails otherwise) and times both.
 //! - `--ff-gelu-epilogue`: the UNet's feed-forward GELU in the matmul's epilogue
 //!   (`FfGelu::Epilogue`; components: the UNet cases, pipeline: `PipelineConfig::ff_gelu`).
 //! - `--cpu`: fp32 on the CPU at 64–96 px (`pipeline` only; smoke tests of the driver with tiny models).
@@ -50,7 +56,8 @@ use tch::{Cuda, Device, Kind, Tensor};
 use vnfarm_models::loading::safetensors::{self, LoadPath, SafetensorsFile};
 use vnfarm_models::loading::weights::{WeightStore, Weights};
 use vnfarm_models::nn::cuda_graph;
-use vnfarm_models::nn::{AttentionImpl, FfGelu, MemoryFormat, ops};
+use vnfarm_models::nn::fused::{self, NormKernels};
+use vnfarm_models::nn::{AttentionImpl, FfGelu, GroupNorm, LayerNorm, MemoryFormat, ops};
 use vnfarm_models::schedulers::Sampler;
 use vnfarm_models::sdxl::pipeline::{GenerateRequest, ModelSource, PipelineConfig, SdxlPipeline};
 use vnfarm_models::sdxl::unet::{AddedCond, UNet2DConditionModel, UNetConfig};
@@ -133,6 +140,8 @@ struct Opts {
     ff_gelu: FfGelu,
     profile_trace: Option<PathBuf>,
     unet_memory_format: MemoryFormat,
+    norm_kernels: NormKernels,
+    norms_check: bool,
 }
 
 fn parse_opts(args: &[String]) -> anyhow::Result<(Vec<String>, Opts)> {
@@ -153,6 +162,8 @@ fn parse_opts(args: &[String]) -> anyhow::Result<(Vec<String>, Opts)> {
         ff_gelu: FfGelu::Separate,
         profile_trace: None,
         unet_memory_format: MemoryFormat::Contiguous,
+        norm_kernels: NormKernels::Aten,
+        norms_check: false,
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -191,6 +202,8 @@ fn parse_opts(args: &[String]) -> anyhow::Result<(Vec<String>, Opts)> {
             "--ff-gelu-epilogue" => o.ff_gelu = FfGelu::Epilogue,
             "--profile-trace" => o.profile_trace = Some(PathBuf::from(val()?)),
             "--unet-channels-last" => o.unet_memory_format = MemoryFormat::ChannelsLast,
+            "--norm-kernels-fused" => o.norm_kernels = NormKernels::Fused,
+            "--norms-check" => o.norms_check = true,
             _ if a.starts_with("--") => anyhow::bail!("unknown option {a}"),
             _ => pos.push(a.clone()),
         }
@@ -294,6 +307,7 @@ fn pipeline(dir: &Path, opts: &Opts) -> anyhow::Result<()> {
     cfg.cuda_graphs = opts.cuda_graphs;
     cfg.ff_gelu = opts.ff_gelu;
     cfg.unet_memory_format = opts.unet_memory_format;
+    cfg.norm_kernels = opts.norm_kernels;
     if let Some(mib) = opts.vae_budget_mib {
         let mut vae = VaeConfig::from_json(&std::fs::read_to_string(dir.join("vae/config.json"))?)
             .map_err(anyhow::Error::msg)?;
@@ -407,6 +421,9 @@ fn components(unet_path: &str, vae_path: &str, opts: &Opts) -> anyhow::Result<()
     let weights =
         |path: &str| -> anyhow::Result<Weights> { Ok(Weights::new(store(path)?, dev, dt)) };
 
+    if opts.norms_check {
+        norms_check(dev)?;
+    }
     if !opts.vae_only {
         unet_cases(&weights(unet_path)?, imp, opts)?;
     }
@@ -454,6 +471,10 @@ fn unet_cases(w: &Weights, imp: AttentionImpl, opts: &Opts) -> anyhow::Result<()
     let mut unet = UNet2DConditionModel::new(w, &UNetConfig::sdxl_base(), imp)?;
     unet.set_ff_gelu(ff_gelu);
     unet.set_memory_format(opts.unet_memory_format);
+    if opts.norm_kernels == NormKernels::Fused {
+        fused::prepare(dev).map_err(anyhow::Error::msg)?;
+    }
+    unet.set_norm_kernels(opts.norm_kernels);
     sync();
     println!(
         "{{\"name\": \"unet_load\", \"s\": {:.3}, \"t0\": {t0:.3}, \"t1\": {:.3}}}",
@@ -507,6 +528,20 @@ fn unet_cases(w: &Weights, imp: AttentionImpl, opts: &Opts) -> anyhow::Result<()
                 diff.max().double_value(&[]),
                 diff.mean(Kind::Float).double_value(&[]),
                 exact.abs().mean(Kind::Float).double_value(&[]),
+            );
+        }
+        if opts.norm_kernels != NormKernels::Aten {
+            // What the fused normalisations move, against libtorch's on the same inputs.
+            let out = unet.forward(&x, &t, &ctx, &added).to_kind(Kind::Float);
+            unet.set_norm_kernels(NormKernels::Aten);
+            let reference = unet.forward(&x, &t, &ctx, &added).to_kind(Kind::Float);
+            unet.set_norm_kernels(opts.norm_kernels);
+            let diff = (&out - &reference).abs();
+            println!(
+                "{{\"name\": \"{name}_norms_vs_aten\", \"max_abs_diff\": {:.6e}, \"mean_abs_diff\": {:.6e}, \"mean_abs_aten\": {:.6e}}}",
+                diff.max().double_value(&[]),
+                diff.mean(Kind::Float).double_value(&[]),
+                reference.abs().mean(Kind::Float).double_value(&[]),
             );
         }
         if let (Some(path), 8) = (&opts.profile_trace, b) {
@@ -635,4 +670,126 @@ fn vae_tiling_cases(vae: &AutoencoderKL, size: &str, h: i64, w: i64, dt: Kind, d
         );
         bench(name, 2, 5, f);
     }
+}
+
+/// `--norms-check`: each fused normalisation kernel (`nn::fused`) against an fp32 reference at
+/// the SDXL UNet's shapes, beside libtorch's bf16 operators, and both timed (20 calls per timed
+/// iteration). Fails when a fused kernel's largest error exceeds twice libtorch's plus one bf16
+/// step at the output's scale, or when the residual sum differs from libtorch's add at all.
+fn norms_check(dev: Device) -> anyhow::Result<()> {
+    let dt = Kind::BFloat16;
+    fused::prepare(dev).map_err(anyhow::Error::msg)?;
+    let reps = 20;
+    let maxdiff = |a: &Tensor, b: &Tensor| {
+        (a.to_kind(Kind::Float) - b.to_kind(Kind::Float))
+            .abs()
+            .max()
+            .double_value(&[])
+    };
+    let mut failures = Vec::new();
+    tch::manual_seed(1);
+    // (name, batch, channels, side, time embedding added, SiLU): the UNet's GroupNorms.
+    for (name, n, c, side, with_add, silu) in [
+        ("gn_b8_320_128_temb_silu", 8, 320, 128, true, true),
+        ("gn_b8_640_64_temb_silu", 8, 640, 64, true, true),
+        ("gn_b8_1280_32_temb_silu", 8, 1280, 32, true, true),
+        ("gn_b8_2560_32_silu", 8, 2560, 32, false, true),
+        ("gn_b8_960_64_silu", 8, 960, 64, false, true),
+        ("gn_b8_640_64_plain", 8, 640, 64, false, false),
+        ("gn_b2_320_128_temb_silu", 2, 320, 128, true, true),
+    ] {
+        let x = channels_last_randn(n, c, side, dt, dev) * 3.0 + 0.5;
+        let t = with_add.then(|| Tensor::randn([n, c], (dt, dev)));
+        let norm = GroupNorm::from_parts(
+            Tensor::randn([c], (dt, dev)) * 0.5 + 1.0,
+            Tensor::randn([c], (dt, dev)) * 0.2,
+            32,
+            1e-5,
+        );
+        let aten = |x: &Tensor| fused::group_norm(&norm, x, t.as_ref(), silu, NormKernels::Aten);
+        let ours = |x: &Tensor| fused::group_norm(&norm, x, t.as_ref(), silu, NormKernels::Fused);
+        // fp32 reference: the input plus the term, normalised and activated in fp32.
+        let mut xf = x.to_kind(Kind::Float).contiguous();
+        if let Some(t) = &t {
+            xf += t.to_kind(Kind::Float).view([n, c, 1, 1]);
+        }
+        let reference = xf.group_norm(
+            32,
+            Some(&norm.weight.to_kind(Kind::Float)),
+            Some(&norm.bias.to_kind(Kind::Float)),
+            1e-5,
+            false,
+        );
+        let reference = if silu { reference.silu() } else { reference };
+        let (err_ours, err_aten) = (
+            maxdiff(&ours(&x), &reference),
+            maxdiff(&aten(&x), &reference),
+        );
+        let scale = reference.abs().max().double_value(&[]);
+        let ok = err_ours <= 2.0 * err_aten + scale / 128.0;
+        if !ok {
+            failures.push(name);
+        }
+        println!(
+            "{{\"name\": \"{name}_check\", \"max_err_fused\": {err_ours:.4e}, \"max_err_aten\": {err_aten:.4e}, \"max_abs_ref\": {scale:.3}, \"ok\": {ok}}}"
+        );
+        bench(&format!("{name}_aten_x{reps}"), 3, 10, || {
+            (0..reps).map(|_| aten(&x)).last().expect("reps > 0")
+        });
+        bench(&format!("{name}_fused_x{reps}"), 3, 10, || {
+            (0..reps).map(|_| ours(&x)).last().expect("reps > 0")
+        });
+    }
+    // (name, batch, tokens, channels): the transformer blocks' residual add + LayerNorm.
+    for (name, n, l, c) in [
+        ("addln_b8_4096_640", 8, 4096, 640),
+        ("addln_b8_1024_1280", 8, 1024, 1280),
+        ("addln_b2_4096_640", 2, 4096, 640),
+    ] {
+        let a = Tensor::randn([n, l, c], (dt, dev)) * 4.0;
+        let b = Tensor::randn([n, l, c], (dt, dev));
+        let norm = LayerNorm::from_parts(
+            Tensor::randn([c], (dt, dev)) * 0.5 + 1.0,
+            Tensor::randn([c], (dt, dev)) * 0.2,
+            1e-5,
+        );
+        let (s_aten, y_aten) = fused::add_layer_norm(&a, &b, &norm, NormKernels::Aten);
+        let (s_ours, y_ours) = fused::add_layer_norm(&a, &b, &norm, NormKernels::Fused);
+        let reference = s_aten.to_kind(Kind::Float).layer_norm(
+            [c],
+            Some(&norm.weight.to_kind(Kind::Float)),
+            Some(&norm.bias.to_kind(Kind::Float)),
+            1e-5,
+            false,
+        );
+        let sum_diff = maxdiff(&s_ours, &s_aten);
+        let (err_ours, err_aten) = (maxdiff(&y_ours, &reference), maxdiff(&y_aten, &reference));
+        let scale = reference.abs().max().double_value(&[]);
+        let ok = sum_diff == 0.0 && err_ours <= 2.0 * err_aten + scale / 128.0;
+        if !ok {
+            failures.push(name);
+        }
+        println!(
+            "{{\"name\": \"{name}_check\", \"sum_max_diff\": {sum_diff:.4e}, \"max_err_fused\": {err_ours:.4e}, \"max_err_aten\": {err_aten:.4e}, \"max_abs_ref\": {scale:.3}, \"ok\": {ok}}}"
+        );
+        bench(&format!("{name}_aten_x{reps}"), 3, 10, || {
+            (0..reps)
+                .map(|_| fused::add_layer_norm(&a, &b, &norm, NormKernels::Aten).1)
+                .last()
+                .expect("reps > 0")
+        });
+        bench(&format!("{name}_fused_x{reps}"), 3, 10, || {
+            (0..reps)
+                .map(|_| fused::add_layer_norm(&a, &b, &norm, NormKernels::Fused).1)
+                .last()
+                .expect("reps > 0")
+        });
+    }
+    anyhow::ensure!(failures.is_empty(), "fused norm kernels off: {failures:?}");
+    Ok(())
+}
+
+/// `randn([n, c, side, side])` laid out NHWC.
+fn channels_last_randn(n: i64, c: i64, side: i64, dt: Kind, dev: Device) -> Tensor {
+    Tensor::randn([n, side, side, c], (dt, dev)).permute([0, 3, 1, 2])
 }

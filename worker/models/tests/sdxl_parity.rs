@@ -13,6 +13,7 @@ use tch::{Device, Kind, Tensor};
 use vnfarm_models::error::{GenerateError, LoadError};
 use vnfarm_models::loading::safetensors::SafetensorsFile;
 use vnfarm_models::loading::weights::{WeightStore, Weights};
+use vnfarm_models::nn::fused::NormKernels;
 use vnfarm_models::nn::{AttentionImpl, FfGelu, MemoryFormat};
 use vnfarm_models::noise;
 use vnfarm_models::schedulers::PredictionType;
@@ -212,6 +213,25 @@ fn unet_in_channels_last_matches_diffusers() {
         |unet| unet.set_memory_format(MemoryFormat::ChannelsLast),
         |case, out| assert!(out.is_contiguous(), "case {case}: NCHW output"),
     );
+}
+
+/// The UNet with `NormKernels::Fused` in both layouts. The CPU has no fused kernels, so every
+/// normalisation takes libtorch's operators, but in the fused forwards' order: the time embedding
+/// added inside the second GroupNorm of each ResNet, each residual add paired with the LayerNorm
+/// after it (across blocks too). Those must match diffusers as the plain forward does; the
+/// kernels themselves are checked on the GPU (`bench components --norms-check`).
+#[test]
+fn unet_with_fused_norm_kernels_setting_matches_diffusers() {
+    for format in [MemoryFormat::Contiguous, MemoryFormat::ChannelsLast] {
+        configured_unet_matches_diffusers(
+            &format!("fused norms {format:?}"),
+            |unet| {
+                unet.set_memory_format(format);
+                unet.set_norm_kernels(NormKernels::Fused);
+            },
+            |_, _| {},
+        );
+    }
 }
 
 fn tiny_vae(format: &str, tile: i64) -> AutoencoderKL {

@@ -20,6 +20,7 @@ use serde::Deserialize;
 
 use vnfarm_models::error::GenerateError;
 use vnfarm_models::loading::lora::LoraSpec;
+use vnfarm_models::nn::fused::NormKernels;
 use vnfarm_models::nn::{AttentionImpl, FfGelu, MemoryFormat};
 use vnfarm_models::schedulers::PredictionType;
 use vnfarm_models::schedulers::Sampler;
@@ -115,6 +116,14 @@ pub struct SdxlConfig {
     /// `PYTORCH_MIOPEN_SUGGEST_NHWC=1`: compare both there before choosing.
     #[serde(default)]
     pub unet_memory_format: MemoryFormat,
+    /// The UNet's normalisations: `aten` (default, libtorch's GroupNorm, LayerNorm, adds and SiLU,
+    /// as diffusers) or `fused` (kernels of our own compiled at start-up with NVRTC: NHWC
+    /// GroupNorm with its SiLU and the time embedding in one pass, residual add + LayerNorm in
+    /// one; docs/performance.md, kernels attempt 11). The GroupNorms are fused only with
+    /// `unet_memory_format = "channels_last"`. Needs a binary built against a CUDA libtorch; a
+    /// start-up error elsewhere. ROCm boxes keep `aten`.
+    #[serde(default)]
+    pub norm_kernels: NormKernels,
     /// Where jobs' `loras` are looked up: `<lora_dir>/<name>` or `<lora_dir>/<name>.safetensors`
     /// (kohya, diffusers/PEFT or LyCORIS LoCon files).
     #[serde(default)]
@@ -233,6 +242,7 @@ impl SdxlEngine {
         pc.cuda_graphs = config.cuda_graphs;
         pc.ff_gelu = config.ff_gelu;
         pc.unet_memory_format = config.unet_memory_format;
+        pc.norm_kernels = config.norm_kernels;
         pc.vae_tiling = match config.vae_tiling {
             VaeTiling::Auto => Tiling::Auto,
             VaeTiling::Always => Tiling::Always,
@@ -626,6 +636,7 @@ mod tests {
             cuda_graphs: false,
             ff_gelu: FfGelu::Separate,
             unet_memory_format: MemoryFormat::Contiguous,
+            norm_kernels: NormKernels::Aten,
         }
     }
 

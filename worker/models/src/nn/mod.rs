@@ -8,6 +8,7 @@
 
 pub mod cuda_graph;
 pub mod embeddings;
+pub mod fused;
 pub mod ops;
 pub mod rope;
 pub mod tiling;
@@ -233,6 +234,16 @@ impl GroupNorm {
         })
     }
 
+    /// From its affine parameters (`[C]` each), for benches and tests.
+    pub fn from_parts(weight: Tensor, bias: Tensor, groups: i64, eps: f64) -> Self {
+        Self {
+            weight,
+            bias,
+            groups,
+            eps,
+        }
+    }
+
     /// libtorch's kernel for NCHW inputs. Its GPU kernel reads NCHW only: an NHWC input would be
     /// copied to NCHW and the output be NCHW, which the next NHWC convolution copies back. NHWC
     /// inputs on a GPU are therefore normalised here, staying NHWC: one `var_mean` (Welford in
@@ -319,6 +330,17 @@ impl LayerNorm {
             dim,
             eps,
         })
+    }
+
+    /// From its affine parameters (`[dim]` each), for benches and tests.
+    pub fn from_parts(weight: Tensor, bias: Tensor, eps: f64) -> Self {
+        let dim = weight.size()[0];
+        Self {
+            weight,
+            bias,
+            dim,
+            eps,
+        }
     }
 
     pub fn forward(&self, x: &Tensor) -> Tensor {

@@ -31,6 +31,44 @@ pub fn profile_stop(path: &Path) -> Result<(), String> {
     imp::profile_stop(path)
 }
 
+/// A kernel compiled at run time ([`rtc_build`]): its CUDA driver handle, for [`rtc_launch`].
+#[derive(Debug, Clone, Copy)]
+pub struct RtcFunction(pub(crate) usize);
+
+/// Compiles the CUDA C `source` with NVRTC for CUDA device `device` (libtorch's NVRTC stub, as its
+/// jiterator uses; `csrc/rtc.cpp`), loads it, and returns the `extern "C"` kernels named in
+/// `names`, in order. The compile log comes back as the error.
+pub fn rtc_build(
+    source: &str,
+    program: &str,
+    device: usize,
+    names: &[&str],
+) -> Result<Vec<RtcFunction>, String> {
+    imp::rtc_build(source, program, device, names)
+}
+
+/// Launches `f` on CUDA device `device`'s current stream (so that graph capture records it) with
+/// grid `(grid.0, grid.1)`, block `(block.0, block.1)` and `shared` bytes of dynamic shared
+/// memory. `args` holds a pointer to each argument's value, as `cuLaunchKernel` takes them.
+///
+/// # Safety
+/// `args` must match `f`'s parameter list in number, order and type, and every device pointer
+/// among them must point to memory of `device` that stays alive until the kernel has run (on
+/// the stream: tensors held by the caller until the launch is queued, as libtorch's own
+/// launches assume) and is large enough for what the kernel reads and writes at that shape.
+#[allow(unsafe_code)]
+pub unsafe fn rtc_launch(
+    f: RtcFunction,
+    device: usize,
+    grid: (u32, u32),
+    block: (u32, u32),
+    shared: u32,
+    args: &mut [*mut std::ffi::c_void],
+) -> Result<(), String> {
+    // SAFETY: forwarded to the caller's contract above.
+    unsafe { imp::rtc_launch(f, device, grid, block, shared, args) }
+}
+
 #[cfg(not(vnfarm_ops_shim))]
 mod imp {
     use std::path::Path;
@@ -48,6 +86,27 @@ mod imp {
     }
 
     pub fn profile_stop(_: &Path) -> Result<(), String> {
+        Err(NOT_BUILT.into())
+    }
+
+    pub fn rtc_build(
+        _: &str,
+        _: &str,
+        _: usize,
+        _: &[&str],
+    ) -> Result<Vec<super::RtcFunction>, String> {
+        Err(NOT_BUILT.into())
+    }
+
+    #[allow(unsafe_code)]
+    pub unsafe fn rtc_launch(
+        _: super::RtcFunction,
+        _: usize,
+        _: (u32, u32),
+        _: (u32, u32),
+        _: u32,
+        _: &mut [*mut std::ffi::c_void],
+    ) -> Result<(), String> {
         Err(NOT_BUILT.into())
     }
 }
@@ -70,6 +129,24 @@ mod imp {
             mat1: *mut c_void,
             mat2: *mut c_void,
             out: *mut *mut c_void,
+        ) -> *mut c_char;
+        fn vn_rtc_build(
+            source: *const c_char,
+            program: *const c_char,
+            device: i32,
+            names: *const *const c_char,
+            count: i32,
+            functions: *mut *mut c_void,
+        ) -> *mut c_char;
+        fn vn_rtc_launch(
+            function: *mut c_void,
+            device: i32,
+            grid_x: u32,
+            grid_y: u32,
+            block_x: u32,
+            block_y: u32,
+            shared_bytes: u32,
+            args: *mut *mut c_void,
         ) -> *mut c_char;
     }
 
@@ -110,6 +187,65 @@ mod imp {
             .map_err(|e| format!("trace path: {e}"))?;
         // SAFETY: `path` is a NUL-terminated string alive for the call.
         check(unsafe { vn_profile_stop(path.as_ptr()) })
+    }
+
+    pub fn rtc_build(
+        source: &str,
+        program: &str,
+        device: usize,
+        names: &[&str],
+    ) -> Result<Vec<super::RtcFunction>, String> {
+        let cstr = |s: &str| CString::new(s).map_err(|e| format!("{s:?}: {e}"));
+        let (source, program) = (cstr(source)?, cstr(program)?);
+        let names = names
+            .iter()
+            .map(|n| cstr(n))
+            .collect::<Result<Vec<_>, _>>()?;
+        let name_ptrs: Vec<*const c_char> = names.iter().map(|n| n.as_ptr()).collect();
+        let mut out = vec![std::ptr::null_mut::<c_void>(); names.len()];
+        let device = i32::try_from(device).map_err(|e| e.to_string())?;
+        let count = i32::try_from(names.len()).map_err(|e| e.to_string())?;
+        // SAFETY: every string is NUL-terminated and alive for the call; `name_ptrs` and `out`
+        // hold `count` entries each.
+        check(unsafe {
+            vn_rtc_build(
+                source.as_ptr(),
+                program.as_ptr(),
+                device,
+                name_ptrs.as_ptr(),
+                count,
+                out.as_mut_ptr(),
+            )
+        })?;
+        Ok(out
+            .into_iter()
+            .map(|f| super::RtcFunction(f as usize))
+            .collect())
+    }
+
+    pub unsafe fn rtc_launch(
+        f: super::RtcFunction,
+        device: usize,
+        grid: (u32, u32),
+        block: (u32, u32),
+        shared: u32,
+        args: &mut [*mut c_void],
+    ) -> Result<(), String> {
+        let device = i32::try_from(device).map_err(|e| e.to_string())?;
+        // SAFETY: `f` came from `vn_rtc_build`; the arguments are the caller's contract
+        // (`super::rtc_launch`).
+        check(unsafe {
+            vn_rtc_launch(
+                f.0 as *mut c_void,
+                device,
+                grid.0,
+                grid.1,
+                block.0,
+                block.1,
+                shared,
+                args.as_mut_ptr(),
+            )
+        })
     }
 }
 

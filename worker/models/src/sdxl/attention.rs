@@ -9,6 +9,7 @@ use tch::Tensor;
 use crate::error::LoadError;
 use crate::loading::lora::LoraModule;
 use crate::loading::weights::Weights;
+use crate::nn::fused::{self, NormKernels};
 use crate::nn::{
     AttentionImpl, Conv2d, FfGelu, GroupNorm, LayerNorm, Linear, attention, is_channels_last,
     is_fp8, linear_gelu_epilogue,
@@ -139,6 +140,32 @@ impl BasicTransformerBlock {
                 .forward(&self.norm2.forward(&x), Some(context), imp);
         &x + self.ff.forward(&self.norm3.forward(&x))
     }
+
+    /// [`BasicTransformerBlock::forward`] with each residual add and the LayerNorm after it as one
+    /// [`fused::add_layer_norm`]: `normed` is `norm1(x)`, and with `next` (the next block's
+    /// `norm1`) the last residual add is fused with it too, returning `(x', next(x'))`.
+    fn forward_fused(
+        &self,
+        x: &Tensor,
+        normed: &Tensor,
+        context: &Tensor,
+        imp: AttentionImpl,
+        next: Option<&LayerNorm>,
+    ) -> (Tensor, Option<Tensor>) {
+        let k = NormKernels::Fused;
+        let a = self.attn1.forward(normed, None, imp);
+        let (x, n2) = fused::add_layer_norm(x, &a, &self.norm2, k);
+        let a = self.attn2.forward(&n2, Some(context), imp);
+        let (x, n3) = fused::add_layer_norm(&x, &a, &self.norm3, k);
+        let f = self.ff.forward(&n3);
+        match next {
+            Some(norm) => {
+                let (x, n) = fused::add_layer_norm(&x, &f, norm, k);
+                (x, Some(n))
+            }
+            None => (x + f, None),
+        }
+    }
 }
 
 /// proj_in / proj_out: Linear for SDXL (`use_linear_projection`), 1x1 conv for SD1.x-style configs.
@@ -156,6 +183,7 @@ pub struct Transformer2DModel {
     transformer_blocks: Vec<BasicTransformerBlock>,
     proj_out: Proj,
     attention: AttentionImpl,
+    norm_kernels: NormKernels,
 }
 
 /// Sizes of one spatial transformer.
@@ -198,19 +226,34 @@ impl Transformer2DModel {
                 .collect::<Result<_, _>>()?,
             proj_out: proj("proj_out")?,
             attention,
+            norm_kernels: NormKernels::Aten,
         })
     }
 
     pub fn forward(&self, x: &Tensor, context: &Tensor) -> Tensor {
         let (b, c, h, w) = x.size4().expect("Transformer2DModel input is [B, C, H, W]");
-        let normed = self.norm.forward(x);
+        let normed = fused::group_norm(&self.norm, x, None, false, self.norm_kernels);
         let to_seq = |t: &Tensor| t.permute([0, 2, 3, 1]).reshape([b, h * w, c]);
         let mut s = match &self.proj_in {
             Proj::Linear(l) => l.forward(&to_seq(&normed)),
             Proj::Conv(conv) => to_seq(&conv.forward(&normed)),
         };
-        for block in &self.transformer_blocks {
-            s = block.forward(&s, context, self.attention);
+        drop(normed);
+        match self.norm_kernels {
+            NormKernels::Aten => {
+                for block in &self.transformer_blocks {
+                    s = block.forward(&s, context, self.attention);
+                }
+            }
+            NormKernels::Fused => {
+                let blocks = &self.transformer_blocks;
+                let mut normed = blocks.first().map(|b| b.norm1.forward(&s));
+                for (i, block) in blocks.iter().enumerate() {
+                    let next = blocks.get(i + 1).map(|b| &b.norm1);
+                    let n1 = normed.take().expect("norm1 of this block was computed");
+                    (s, normed) = block.forward_fused(&s, &n1, context, self.attention, next);
+                }
+            }
         }
         let out = match &self.proj_out {
             // An NHWC input gets an NHWC output: the permuted view already is one.
@@ -235,6 +278,12 @@ impl Transformer2DModel {
         for b in &mut self.transformer_blocks {
             b.ff.gelu = gelu;
         }
+    }
+
+    /// Which kernels run the input GroupNorm and the blocks' residual adds and LayerNorms
+    /// ([`NormKernels`], default libtorch's).
+    pub fn set_norm_kernels(&mut self, k: NormKernels) {
+        self.norm_kernels = k;
     }
 }
 

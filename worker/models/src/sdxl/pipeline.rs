@@ -19,6 +19,7 @@ use crate::loading::diffusers::{component_store, open, read_config};
 use crate::loading::lora::{Component, JobLoras, LoraReport, LoraSpec, LoraSwitch, TargetRef};
 use crate::loading::weights::{WeightStore, Weights};
 use crate::nn::cuda_graph;
+use crate::nn::fused::{self, NormKernels};
 use crate::nn::{AttentionImpl, FfGelu, MemoryFormat, ops};
 use crate::noise;
 use crate::schedulers::{PredictionType, Sampler, Scheduler, SchedulerConfig};
@@ -128,6 +129,10 @@ pub struct PipelineConfig {
     /// The UNet's activations NCHW (`Contiguous`, default) or NHWC (`ChannelsLast`; kernels
     /// attempt 10 in docs/performance.md).
     pub unet_memory_format: MemoryFormat,
+    /// The UNet's normalisations as libtorch's operators (`Aten`, default) or as fused kernels of
+    /// our own compiled at load (`Fused`; CUDA builds only, kernels attempt 11 in
+    /// docs/performance.md).
+    pub norm_kernels: NormKernels,
 }
 
 impl PipelineConfig {
@@ -147,6 +152,7 @@ impl PipelineConfig {
             cuda_graphs: false,
             ff_gelu: FfGelu::Separate,
             unet_memory_format: MemoryFormat::Contiguous,
+            norm_kernels: NormKernels::Aten,
         }
     }
 }
@@ -265,6 +271,21 @@ impl SdxlPipeline {
                     .into(),
             });
         }
+        if config.norm_kernels == NormKernels::Fused {
+            if !ops::BUILT_IN {
+                return Err(LoadError::Setting {
+                    setting: "norm_kernels = fused",
+                    reason: "the operator shim (csrc/ops.cpp, csrc/rtc.cpp) is not built into \
+                             this binary (built against a CUDA libtorch only)"
+                        .into(),
+                });
+            }
+            // Compiled now, so that a GPU or driver NVRTC cannot serve fails the load.
+            fused::prepare(dev).map_err(|reason| LoadError::Setting {
+                setting: "norm_kernels = fused",
+                reason,
+            })?;
+        }
         let (unet_cfg, vae_cfg, l_cfg, g_cfg, mut sched, stores, flags, tok_dir) =
             match &config.source {
                 ModelSource::SingleFile(path) => {
@@ -353,6 +374,7 @@ impl SdxlPipeline {
         let mut unet = unet?;
         unet.set_ff_gelu(config.ff_gelu);
         unet.set_memory_format(config.unet_memory_format);
+        unet.set_norm_kernels(config.norm_kernels);
         let (tok_l, tok_g) = toks
             .join()
             .unwrap_or_else(|panic| std::panic::resume_unwind(panic))?;

@@ -6,6 +6,7 @@ use tch::Tensor;
 use crate::error::LoadError;
 use crate::loading::lora::LoraModule;
 use crate::loading::weights::Weights;
+use crate::nn::fused::{self, NormKernels};
 use crate::nn::{Conv2d, GroupNorm, Linear};
 
 /// `ResnetBlock2D` with `time_embedding_norm="default"` and `output_scale_factor=1`.
@@ -17,6 +18,7 @@ pub struct ResnetBlock2D {
     norm2: GroupNorm,
     conv2: Conv2d,
     conv_shortcut: Option<Conv2d>,
+    norm_kernels: NormKernels,
 }
 
 impl ResnetBlock2D {
@@ -43,7 +45,13 @@ impl ResnetBlock2D {
             } else {
                 None
             },
+            norm_kernels: NormKernels::Aten,
         })
+    }
+
+    /// Which kernels run the two GroupNorms ([`NormKernels`], default libtorch's).
+    pub fn set_norm_kernels(&mut self, k: NormKernels) {
+        self.norm_kernels = k;
     }
 
     /// Peak memory as diffusers': each activation is freed as soon as the next one exists (SiLU in
@@ -51,7 +59,32 @@ impl ResnetBlock2D {
     /// into the per-channel term added right after them (the time embedding, the shortcut's bias),
     /// which saves libtorch's separate bias pass: docs/performance.md, kernels attempt 9.
     pub fn forward(&self, x: &Tensor, temb: Option<&Tensor>) -> Tensor {
+        if self.norm_kernels == NormKernels::Fused {
+            return self.forward_fused(x, temb);
+        }
         self.forward_normed(x, temb, &mut |norm, t| norm.forward(t))
+    }
+
+    /// [`ResnetBlock2D::forward`] with the fused GroupNorm kernels ([`fused::group_norm`]): each
+    /// GroupNorm applies its SiLU in the same pass, and the time embedding (with conv1's bias)
+    /// is added inside the second one instead of in a pass of its own over conv1's output.
+    fn forward_fused(&self, x: &Tensor, temb: Option<&Tensor>) -> Tensor {
+        let k = self.norm_kernels;
+        let a = fused::group_norm(&self.norm1, x, None, true, k);
+        let (h, t) = match (&self.time_emb_proj, temb) {
+            (Some(proj), Some(temb)) => {
+                let mut t = proj.forward(&temb.silu());
+                if let Some(b) = &self.conv1.bias {
+                    t += b;
+                }
+                (self.conv1.forward_with_bias(&a, None), Some(t))
+            }
+            _ => (self.conv1.forward(&a), None),
+        };
+        drop(a);
+        let a = fused::group_norm(&self.norm2, &h, t.as_ref(), true, k);
+        drop(h);
+        self.output(x, a)
     }
 
     /// [`ResnetBlock2D::forward`] with each of its two GroupNorms applied by `norm` (the VAE's
@@ -79,6 +112,11 @@ impl ResnetBlock2D {
         drop(a);
         let a = norm(&self.norm2, &h).silu_();
         drop(h);
+        self.output(x, a)
+    }
+
+    /// conv2 of the second activation `a`, plus the shortcut of the block's input `x`.
+    fn output(&self, x: &Tensor, a: Tensor) -> Tensor {
         match &self.conv_shortcut {
             Some(s) => {
                 // conv2's bias rides on the shortcut's.

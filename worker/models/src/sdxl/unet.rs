@@ -12,6 +12,7 @@ use crate::error::LoadError;
 use crate::loading::lora::{LoraModule, LoraTarget};
 use crate::loading::weights::Weights;
 use crate::nn::embeddings::{TimestepEmbedding, timestep_features};
+use crate::nn::fused::{self, NormKernels};
 use crate::nn::{AttentionImpl, Conv2d, FfGelu, GroupNorm, MemoryFormat, channels_last};
 use crate::sdxl::unet_blocks::{BlockAttention, BlockCommon, DownBlock, MidBlock, UpBlock};
 
@@ -187,6 +188,7 @@ pub struct UNet2DConditionModel {
     conv_out: Conv2d,
     config: UNetConfig,
     memory_format: MemoryFormat,
+    norm_kernels: NormKernels,
 }
 
 impl UNet2DConditionModel {
@@ -273,6 +275,7 @@ impl UNet2DConditionModel {
             conv_out: Conv2d::new(&w.pp("conv_out"), boc[0], c.out_channels, 3, 1, 1)?,
             config: c.clone(),
             memory_format: MemoryFormat::Contiguous,
+            norm_kernels: NormKernels::Aten,
         })
     }
 
@@ -339,9 +342,9 @@ impl UNet2DConditionModel {
             };
             h = block.forward(&h, &emb, context, &mut skips, upsample_size);
         }
-        self.conv_out
-            .forward(&self.conv_norm_out.forward(&h).silu())
-            .contiguous()
+        let a = fused::group_norm(&self.conv_norm_out, &h, None, true, self.norm_kernels);
+        drop(h);
+        self.conv_out.forward(&a).contiguous()
     }
 }
 
@@ -378,6 +381,45 @@ impl UNet2DConditionModel {
         for t in down.chain(mid).chain(up).flatten() {
             t.set_ff_gelu(gelu);
         }
+    }
+
+    /// Which kernels normalise the UNet's activations ([`NormKernels`]; default `Aten`,
+    /// libtorch's operators as diffusers). `Fused` runs the GroupNorms of NHWC activations and
+    /// the transformer blocks' residual-add + LayerNorm pairs as kernels of our own
+    /// ([`fused`]; docs/performance.md, kernels attempt 11): the GroupNorms only with
+    /// [`MemoryFormat::ChannelsLast`], the LayerNorms in either layout.
+    pub fn set_norm_kernels(&mut self, k: NormKernels) {
+        self.norm_kernels = k;
+        let attentions = self
+            .down_blocks
+            .iter_mut()
+            .flat_map(|b| b.attentions_mut().iter_mut())
+            .chain(self.mid_block.attentions_mut().iter_mut())
+            .chain(
+                self.up_blocks
+                    .iter_mut()
+                    .flat_map(|b| b.attentions_mut().iter_mut()),
+            );
+        for t in attentions {
+            t.set_norm_kernels(k);
+        }
+        let resnets = self
+            .down_blocks
+            .iter_mut()
+            .flat_map(|b| b.resnets_mut().iter_mut())
+            .chain(self.mid_block.resnets_mut().iter_mut())
+            .chain(
+                self.up_blocks
+                    .iter_mut()
+                    .flat_map(|b| b.resnets_mut().iter_mut()),
+            );
+        for r in resnets {
+            r.set_norm_kernels(k);
+        }
+    }
+
+    pub fn norm_kernels(&self) -> NormKernels {
+        self.norm_kernels
     }
 }
 

@@ -59,6 +59,10 @@ pub struct DownBlock {
 }
 
 impl DownBlock {
+    pub fn resnets_mut(&mut self) -> &mut [ResnetBlock2D] {
+        &mut self.resnets
+    }
+
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         w: &Weights,
@@ -136,6 +140,10 @@ pub struct MidBlock {
 }
 
 impl MidBlock {
+    pub fn resnets_mut(&mut self) -> &mut [ResnetBlock2D] {
+        &mut self.resnets
+    }
+
     pub fn new(
         w: &Weights,
         common: &BlockCommon,
@@ -301,6 +309,10 @@ impl MidBlock {
 }
 
 impl UpBlock {
+    pub fn resnets_mut(&mut self) -> &mut [ResnetBlock2D] {
+        &mut self.resnets
+    }
+
     /// Whether the block has cross-attention (its upsampler's ldm index depends on it).
     pub fn has_attention(&self) -> bool {
         !self.attentions.is_empty()

@@ -1,0 +1,306 @@
+//! Fused normalisation kernels of our own for the SDXL UNet (`kernels/norms.cu`), compiled at run
+//! time with NVRTC ([`ops::rtc_build`]) for the GPU they run on, chosen by [`NormKernels`]:
+//! - [`group_norm`]: GroupNorm of an NHWC activation, with an optional per-(sample, channel) term
+//!   added to its input first (a ResNet's time embedding) and an optional SiLU after, in three
+//!   launches (row-block sums, group statistics, one vectorised normalising pass) where libtorch
+//!   needs a statistics pass, a normalising pass and a SiLU pass, plus the add.
+//! - [`add_layer_norm`]: the residual add of a transformer block and the LayerNorm after it in
+//!   one pass that reads the two operands once and writes the sum and the normalised rows.
+//!
+//! Both compute in fp32 and round each output to bf16 once, so their results differ from
+//! libtorch's chain of bf16 kernels by rounding only. Any input they do not cover (not CUDA, not
+//! bf16, not NHWC, channels not a multiple of 8, LayerNorm rows wider than 1280) takes libtorch's
+//! operators, with the same semantics. docs/performance.md, kernels attempt 11.
+//!
+//! Only CUDA builds compile them (the operator shim); ROCm refuses the setting at load
+//! ([`NormKernels::Fused`]). The source needs no CUDA header and is written to be compiled by
+//! hiprtc as well, save for the 32-lane warp shuffles of `add_layer_norm` (AMD wavefronts are 64
+//! lanes on CDNA, 32 on RDNA such as the Radeon 8060S): that port is left to a ROCm box.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::Mutex;
+
+use tch::{Device, Kind, Tensor};
+
+use super::ops::{self, RtcFunction};
+use super::{GroupNorm, LayerNorm, is_channels_last};
+
+/// Which kernels normalise the UNet's activations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NormKernels {
+    /// libtorch's operators (GroupNorm, LayerNorm, add, SiLU), as diffusers runs them.
+    #[default]
+    Aten,
+    /// The fused kernels of this module where they apply (CUDA, bf16), libtorch's elsewhere.
+    /// Needs the operator shim ([`ops::BUILT_IN`]) and NVRTC on the GPU.
+    Fused,
+}
+
+const SOURCE: &str = include_str!("kernels/norms.cu");
+const NAMES: [&str; 4] = ["gn_partial", "gn_finalize", "gn_apply", "add_layer_norm"];
+/// Row width `add_layer_norm` holds in registers (`ADD_LN_MAXV` in the source × 256).
+const ADD_LN_MAX_CHANNELS: i64 = 1280;
+
+#[derive(Debug, Clone, Copy)]
+struct Kernels {
+    gn_partial: RtcFunction,
+    gn_finalize: RtcFunction,
+    gn_apply: RtcFunction,
+    add_layer_norm: RtcFunction,
+}
+
+/// Kernels compiled per CUDA device, once per process.
+static COMPILED: Mutex<Option<HashMap<usize, Kernels>>> = Mutex::new(None);
+
+fn kernels(device: usize) -> Result<Kernels, String> {
+    let mut guard = COMPILED.lock().unwrap_or_else(|e| e.into_inner());
+    let map = guard.get_or_insert_with(HashMap::new);
+    if let Some(k) = map.get(&device) {
+        return Ok(*k);
+    }
+    let f = ops::rtc_build(SOURCE, "vnfarm_norms.cu", device, &NAMES)?;
+    let k = Kernels {
+        gn_partial: f[0],
+        gn_finalize: f[1],
+        gn_apply: f[2],
+        add_layer_norm: f[3],
+    };
+    map.insert(device, k);
+    Ok(k)
+}
+
+/// Compiles the kernels for `device` now (a model load calls this, so that a GPU or driver NVRTC
+/// cannot serve is a load error with the compiler's log, not a failed job). Nothing to do on the
+/// CPU.
+pub fn prepare(device: Device) -> Result<(), String> {
+    match device {
+        Device::Cuda(i) => kernels(i).map(|_| ()),
+        _ => Ok(()),
+    }
+}
+
+fn cuda_index(x: &Tensor) -> Option<usize> {
+    match x.device() {
+        Device::Cuda(i) => Some(i),
+        _ => None,
+    }
+}
+
+/// A kernel argument: a pointer to the value.
+fn arg<T>(v: &mut T) -> *mut c_void {
+    (v as *mut T).cast()
+}
+
+fn launch(
+    f: RtcFunction,
+    device: usize,
+    grid: (u32, u32),
+    block: (u32, u32),
+    shared: u32,
+    args: &mut [*mut c_void],
+) {
+    // SAFETY: every caller passes the argument list of `f`'s signature in `kernels/norms.cu`,
+    // with device pointers of contiguous tensors of the sizes it indexes, held by the caller
+    // past this call (libtorch's caching allocator keeps freed memory for the stream's later
+    // work, as for its own kernels).
+    #[allow(unsafe_code)]
+    let r = unsafe { ops::rtc_launch(f, device, grid, block, shared, args) };
+    r.unwrap_or_else(|e| panic!("fused norm kernel: {e}"));
+}
+
+fn u32_of(v: i64) -> u32 {
+    u32::try_from(v).expect("launch size fits in u32")
+}
+
+/// How `gn_partial` splits an `[n, hw, c]` activation: `nb` blocks of `rows` rows per sample
+/// (about 1024 blocks over the batch, at least 8 rows each), `ty` rows in flight per block (blocks
+/// of `c / 8 × ty` threads, about 256). Public for the kernels' CPU emulation test.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GroupNormGrid {
+    pub nb: i64,
+    pub rows: i64,
+    pub ty: i64,
+}
+
+impl GroupNormGrid {
+    pub fn new(n: i64, c: i64, hw: i64) -> Self {
+        let nb = ((1024 + n - 1) / n).clamp(1, (hw + 7) / 8);
+        let rows = (hw + nb - 1) / nb;
+        Self {
+            nb: (hw + rows - 1) / rows,
+            rows,
+            ty: (256 / (c / 8)).max(1),
+        }
+    }
+}
+
+/// The kernels' CUDA C source (`kernels/norms.cu`).
+pub const SOURCE_TEXT: &str = SOURCE;
+
+/// `norm(x + add)`, then SiLU when `silu`: `x` `[N, C, H, W]`, `add` a per-(sample, channel)
+/// term `[N, C]` (or `None`). The fused kernels where `x` is an NHWC bf16 CUDA tensor,
+/// libtorch's operators otherwise.
+pub fn group_norm(
+    norm: &GroupNorm,
+    x: &Tensor,
+    add: Option<&Tensor>,
+    silu: bool,
+    kernels_choice: NormKernels,
+) -> Tensor {
+    let (n, c, h, w) = x.size4().expect("GroupNorm input is [N, C, H, W]");
+    let fused = kernels_choice == NormKernels::Fused
+        && x.kind() == Kind::BFloat16
+        && is_channels_last(x)
+        && x.stride() == [h * w * c, 1, w * c, c]
+        && c % 8 == 0
+        && c / 8 <= 1024
+        && c % norm.groups == 0;
+    let device = cuda_index(x).filter(|_| fused);
+    let Some(device) = device else {
+        let y = match add {
+            Some(t) => norm.forward(&(x + t.view([n, c, 1, 1]))),
+            None => norm.forward(x),
+        };
+        return if silu { y.silu() } else { y };
+    };
+    let k = kernels(device).unwrap_or_else(|e| panic!("fused norm kernels: {e}"));
+    let (g, hw) = (norm.groups, h * w);
+    let c8 = c / 8;
+    let GroupNormGrid { nb, rows, ty } = GroupNormGrid::new(n, c, hw);
+    let opts = (Kind::Float, x.device());
+    let part = Tensor::empty([n, nb, 2, c], opts);
+    let ss = Tensor::empty([n, 2, c], opts);
+    let add = add.map(|t| t.to_kind(Kind::Float).contiguous());
+    let (gamma, beta) = (
+        norm.weight.to_kind(Kind::BFloat16).contiguous(),
+        norm.bias.to_kind(Kind::BFloat16).contiguous(),
+    );
+    let y = x.empty_like();
+    let (mut px, mut ppart, mut pss, mut py) =
+        (x.data_ptr(), part.data_ptr(), ss.data_ptr(), y.data_ptr());
+    let mut padd = add.as_ref().map_or(std::ptr::null_mut(), |t| t.data_ptr());
+    let (mut pgamma, mut pbeta) = (gamma.data_ptr(), beta.data_ptr());
+    let (mut hw32, mut c32, mut g32, mut rows32, mut nb32) =
+        (hw as i32, c as i32, g as i32, rows as i32, nb as i32);
+    let mut eps = norm.eps as f32;
+    let shared = if ty > 1 { u32_of(c8 * ty * 16 * 4) } else { 0 };
+    launch(
+        k.gn_partial,
+        device,
+        (u32_of(nb), u32_of(n)),
+        (u32_of(c8), u32_of(ty)),
+        shared,
+        &mut [
+            arg(&mut px),
+            arg(&mut ppart),
+            arg(&mut hw32),
+            arg(&mut c32),
+            arg(&mut rows32),
+        ],
+    );
+    launch(
+        k.gn_finalize,
+        device,
+        (u32_of(n * g), 1),
+        (256, 1),
+        0,
+        &mut [
+            arg(&mut ppart),
+            arg(&mut padd),
+            arg(&mut pgamma),
+            arg(&mut pbeta),
+            arg(&mut pss),
+            arg(&mut nb32),
+            arg(&mut hw32),
+            arg(&mut c32),
+            arg(&mut g32),
+            arg(&mut rows32),
+            arg(&mut eps),
+        ],
+    );
+    let mut total8 = n * hw * c8;
+    let mut silu32 = i32::from(silu);
+    launch(
+        k.gn_apply,
+        device,
+        (u32_of((total8 + 255) / 256), 1),
+        (256, 1),
+        0,
+        &mut [
+            arg(&mut px),
+            arg(&mut pss),
+            arg(&mut py),
+            arg(&mut total8),
+            arg(&mut hw32),
+            arg(&mut c32),
+            arg(&mut silu32),
+        ],
+    );
+    y
+}
+
+/// `(a + b, norm(a + b))` over the last dim: a transformer block's residual add and the
+/// LayerNorm after it. One fused kernel where both are contiguous bf16 CUDA tensors of one shape
+/// with at most 1280 channels (a multiple of 8), libtorch's add and LayerNorm otherwise.
+pub fn add_layer_norm(
+    a: &Tensor,
+    b: &Tensor,
+    norm: &LayerNorm,
+    kernels_choice: NormKernels,
+) -> (Tensor, Tensor) {
+    let size = a.size();
+    let c = *size.last().expect("LayerNorm input has a last dim");
+    let fused = kernels_choice == NormKernels::Fused
+        && a.kind() == Kind::BFloat16
+        && b.kind() == Kind::BFloat16
+        && b.size() == size
+        && a.is_contiguous()
+        && b.is_contiguous()
+        && c == norm.dim
+        && c % 8 == 0
+        && c <= ADD_LN_MAX_CHANNELS
+        && a.device() == b.device();
+    let Some(device) = cuda_index(a).filter(|_| fused) else {
+        let s = a + b;
+        let y = norm.forward(&s);
+        return (s, y);
+    };
+    let k = kernels(device).unwrap_or_else(|e| panic!("fused norm kernels: {e}"));
+    let rows = a.numel() as i64 / c;
+    let (w, bias) = (
+        norm.weight.to_kind(Kind::BFloat16).contiguous(),
+        norm.bias.to_kind(Kind::BFloat16).contiguous(),
+    );
+    let (s, y) = (a.empty_like(), a.empty_like());
+    let (mut pa, mut pb, mut pw, mut pbias, mut ps, mut py) = (
+        a.data_ptr(),
+        b.data_ptr(),
+        w.data_ptr(),
+        bias.data_ptr(),
+        s.data_ptr(),
+        y.data_ptr(),
+    );
+    let (mut rows64, mut c32, mut eps) = (rows, c as i32, norm.eps as f32);
+    // Eight rows (warps) per block.
+    launch(
+        k.add_layer_norm,
+        device,
+        (u32_of((rows + 7) / 8), 1),
+        (256, 1),
+        0,
+        &mut [
+            arg(&mut pa),
+            arg(&mut pb),
+            arg(&mut pw),
+            arg(&mut pbias),
+            arg(&mut ps),
+            arg(&mut py),
+            arg(&mut rows64),
+            arg(&mut c32),
+            arg(&mut eps),
+        ],
+    );
+    (s, y)
+}

@@ -1,0 +1,175 @@
+// CPU emulation of src/nn/kernels/norms.cu for tests/fused_kernels_emulated.rs: the kernels'
+// source compiled as C++ (the test rewrites `extern __shared__` and `extern "C"` first), each CUDA
+// thread a std::thread, the blocks of a launch one after another, __syncthreads a barrier of the
+// block, warp shuffles an exchange through memory between two barriers of the warp. Each case
+// named on the command line runs against a double-precision reference; the exit status is the
+// number of cases off by more than bf16 rounding.
+//
+//   norms_emu gn N C HW G ADD SILU NB ROWS TY   (launch geometry as src/nn/fused.rs computes it)
+//   norms_emu ln ROWS C
+#include <barrier>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <random>
+#include <thread>
+#include <vector>
+#include <algorithm>
+#include <cstdlib>
+#include <string>
+struct uint4 { unsigned int x, y, z, w; };
+struct float4 { float x, y, z, w; };
+struct dim3 { unsigned x = 1, y = 1, z = 1; };
+thread_local dim3 threadIdx, blockIdx;
+dim3 blockDim, gridDim;
+std::barrier<>* g_block_barrier;
+std::vector<std::unique_ptr<std::barrier<>>> g_warp_barriers;
+float g_dyn_shared[1 << 16];
+float g_shfl[64][32];
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __restrict__
+#define __shared__ static
+inline void __syncthreads() { g_block_barrier->arrive_and_wait(); }
+inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+inline float __expf(float x) { return std::exp(x); }
+inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
+using std::min; using std::sqrt;
+inline float __shfl_xor_sync(unsigned, float v, int o) {
+  unsigned t = threadIdx.x + threadIdx.y * blockDim.x; unsigned w = t / 32, l = t % 32;
+  g_shfl[w][l] = v; g_warp_barriers[w]->arrive_and_wait();
+  float r = g_shfl[w][l ^ o]; g_warp_barriers[w]->arrive_and_wait(); return r;
+}
+#include NORMS_SOURCE
+
+template <class F> void launch(dim3 grid, dim3 block, F f) {
+  gridDim = grid; blockDim = block;
+  unsigned nt = block.x * block.y;
+  for (unsigned by = 0; by < grid.y; ++by) for (unsigned bx = 0; bx < grid.x; ++bx) {
+    std::barrier<> bar(nt); g_block_barrier = &bar;
+    g_warp_barriers.clear();
+    for (unsigned w = 0; w < (nt + 31) / 32; ++w) g_warp_barriers.emplace_back(new std::barrier<>(std::min(32u, nt - w * 32)));
+    std::vector<std::thread> ts;
+    for (unsigned ty = 0; ty < block.y; ++ty) for (unsigned tx = 0; tx < block.x; ++tx)
+      ts.emplace_back([=] { threadIdx.x = tx; threadIdx.y = ty; blockIdx.x = bx; blockIdx.y = by; f(); });
+    for (auto& t : ts) t.join();
+  }
+}
+unsigned short tobf(float f) { return f2bf(f); }
+float frombf(unsigned short h) { return bf2f(h); }
+
+
+static int gn_case(int N, int C, int HW, int G, bool with_add, bool silu, long nb, long rows, long ty) {
+  std::mt19937 rng(N * 7919 + C * 31 + HW);
+  std::normal_distribution<float> nd;
+  const int C8 = C / 8;
+  std::vector<unsigned short> x(N * HW * C), gamma(C), beta(C), y(N * HW * C);
+  std::vector<float> add(N * C);
+  for (auto& v : x) v = tobf(nd(rng) * 3 + 0.5f);
+  for (auto& v : gamma) v = tobf(nd(rng) * 0.5f + 1);
+  for (auto& v : beta) v = tobf(nd(rng) * 0.2f);
+  for (auto& v : add) v = frombf(tobf(nd(rng)));
+  std::vector<float> part(N * nb * 2 * C), ss(N * 2 * C);
+  const uint4* px = reinterpret_cast<const uint4*>(x.data());
+  launch({(unsigned)nb, (unsigned)N}, {(unsigned)C8, (unsigned)ty},
+         [&] { gn_partial(px, part.data(), HW, C, (int)rows); });
+  const float* padd = with_add ? add.data() : nullptr;
+  launch({(unsigned)(N * G), 1}, {256, 1}, [&] {
+    gn_finalize(part.data(), padd, gamma.data(), beta.data(), ss.data(), (int)nb, HW, C, G,
+                (int)rows, 1e-5f);
+  });
+  const long long total8 = (long long)N * HW * C8;
+  // A grid smaller than the work, so that the grid-stride loop runs.
+  launch({3, 1}, {64, 1}, [&] {
+    gn_apply(px, reinterpret_cast<const float4*>(ss.data()), reinterpret_cast<uint4*>(y.data()),
+             total8, HW, C, silu ? 1 : 0);
+  });
+  double maxerr = 0;
+  const int cpg = C / G;
+  for (int n = 0; n < N; ++n) {
+    for (int g = 0; g < G; ++g) {
+      auto in = [&](int r, int c) {
+        return (double)frombf(x[(n * HW + r) * C + c]) + (with_add ? add[n * C + c] : 0.0);
+      };
+      double s = 0, q = 0;
+      for (int r = 0; r < HW; ++r)
+        for (int c = g * cpg; c < (g + 1) * cpg; ++c) { s += in(r, c); q += in(r, c) * in(r, c); }
+      const double cnt = (double)HW * cpg, mean = s / cnt;
+      const double rstd = 1 / std::sqrt(q / cnt - mean * mean + 1e-5);
+      for (int r = 0; r < HW; ++r) {
+        for (int c = g * cpg; c < (g + 1) * cpg; ++c) {
+          double o = (in(r, c) - mean) * rstd * frombf(gamma[c]) + frombf(beta[c]);
+          if (silu) o = o / (1 + std::exp(-o));
+          const double got = frombf(y[(n * HW + r) * C + c]);
+          maxerr = std::max(maxerr, std::fabs(o - got) / std::max(1.0, std::fabs(o)));
+        }
+      }
+    }
+  }
+  const bool ok = maxerr <= 4.0e-3;  // one bf16 rounding of the output: 2^-8 relative
+  printf("gn N=%d C=%d HW=%d G=%d add=%d silu=%d nb=%ld rows=%ld ty=%ld: max rel err %.3e %s\n", N,
+         C, HW, G, with_add, silu, nb, rows, ty, maxerr, ok ? "ok" : "OFF");
+  return ok ? 0 : 1;
+}
+
+static int ln_case(long rows, int C) {
+  std::mt19937 rng(rows * 31 + C);
+  std::normal_distribution<float> nd;
+  std::vector<unsigned short> a(rows * C), b(rows * C), w(C), bias(C), s(rows * C), y(rows * C);
+  for (auto& v : a) v = tobf(nd(rng) * 4);
+  for (auto& v : b) v = tobf(nd(rng));
+  for (auto& v : w) v = tobf(nd(rng) * 0.5f + 1);
+  for (auto& v : bias) v = tobf(nd(rng) * 0.2f);
+  launch({(unsigned)((rows + 7) / 8), 1}, {256, 1}, [&] {
+    add_layer_norm(reinterpret_cast<const uint4*>(a.data()), reinterpret_cast<const uint4*>(b.data()),
+                   w.data(), bias.data(), reinterpret_cast<uint4*>(s.data()),
+                   reinterpret_cast<uint4*>(y.data()), rows, C, 1e-5f);
+  });
+  double maxerr = 0;
+  int sum_off = 0;
+  for (long r = 0; r < rows; ++r) {
+    std::vector<double> v(C);
+    double m = 0, q = 0;
+    for (int c = 0; c < C; ++c) {
+      // The residual sum as libtorch's bf16 add rounds it, bit for bit.
+      const unsigned short sb = tobf(frombf(a[r * C + c]) + frombf(b[r * C + c]));
+      sum_off += sb != s[r * C + c];
+      v[c] = frombf(sb);
+      m += v[c];
+    }
+    m /= C;
+    for (int c = 0; c < C; ++c) q += (v[c] - m) * (v[c] - m);
+    const double rstd = 1 / std::sqrt(q / C + 1e-5);
+    for (int c = 0; c < C; ++c) {
+      const double o = (v[c] - m) * rstd * frombf(w[c]) + frombf(bias[c]);
+      maxerr = std::max(maxerr, std::fabs(o - frombf(y[r * C + c])) / std::max(1.0, std::fabs(o)));
+    }
+  }
+  const bool ok = maxerr <= 4.0e-3 && sum_off == 0;
+  printf("ln rows=%ld C=%d: sums off %d, max rel err %.3e %s\n", rows, C, sum_off, maxerr,
+         ok ? "ok" : "OFF");
+  return ok ? 0 : 1;
+}
+
+int main(int argc, char** argv) {
+  int off = 0;
+  for (int i = 1; i < argc;) {
+    const std::string kind = argv[i];
+    if (kind == "gn" && i + 9 < argc) {
+      auto n = [&](int k) { return std::atol(argv[i + k]); };
+      off += gn_case(n(1), n(2), n(3), n(4), n(5) != 0, n(6) != 0, n(7), n(8), n(9));
+      i += 10;
+    } else if (kind == "ln" && i + 2 < argc) {
+      off += ln_case(std::atol(argv[i + 1]), std::atoi(argv[i + 2]));
+      i += 3;
+    } else {
+      fprintf(stderr, "bad case at argument %d\n", i);
+      return 100;
+    }
+  }
+  return off;
+}
