@@ -18,7 +18,8 @@ CATEGORIES = [
     ("attention", re.compile(r"flash|fmha|sdpa|attention|\bmha", re.I)),
     ("conv", re.compile(r"conv|fprop|implicit_gemm|dgrad|wgrad", re.I)),
     ("gemm", re.compile(r"gemm|nvjet|cutlass|cublas|matmul|xmma", re.I)),
-    ("norm", re.compile(r"norm|welford|rowwise_moments", re.I)),
+    # `gn_partial`, `gn_finalize`, `gn_apply`: our fused GroupNorm (src/nn/kernels/norms.cu).
+    ("norm", re.compile(r"norm|welford|rowwise_moments|^gn_", re.I)),
     ("elementwise", re.compile(r"elementwise|vectorized|unrolled|silu|gelu|mul|add|copy|cat|reduce", re.I)),
 ]
 

@@ -785,8 +785,47 @@ fn norms_check(dev: Device) -> anyhow::Result<()> {
                 .expect("reps > 0")
         });
     }
+    // (name, batch, channels, side): a ResNet's output, conv2 + shortcut + bias.
+    for (name, n, c, side) in [
+        ("biasres_b8_320_128", 8, 320, 128),
+        ("biasres_b8_1280_32", 8, 1280, 32),
+    ] {
+        let h = channels_last_randn(n, c, side, dt, dev);
+        let r = channels_last_randn(n, c, side, dt, dev) * 4.0;
+        let bias = Tensor::randn([c], (dt, dev)) * 0.5;
+        let reference = h.to_kind(Kind::Float)
+            + r.to_kind(Kind::Float)
+            + bias.to_kind(Kind::Float).view([1, c, 1, 1]);
+        let aten = fused::bias_residual(&h, &r, Some(&bias), NormKernels::Aten);
+        let ours = fused::bias_residual(&h, &r, Some(&bias), NormKernels::Fused);
+        let (err_ours, err_aten) = (maxdiff(&ours, &reference), maxdiff(&aten, &reference));
+        let scale = reference.abs().max().double_value(&[]);
+        let ok = err_ours <= 2.0 * err_aten + scale / 128.0 && is_nhwc(&ours);
+        if !ok {
+            failures.push(name);
+        }
+        println!(
+            "{{\"name\": \"{name}_check\", \"max_err_fused\": {err_ours:.4e}, \"max_err_aten\": {err_aten:.4e}, \"max_abs_ref\": {scale:.3}, \"ok\": {ok}}}"
+        );
+        bench(&format!("{name}_aten_x{reps}"), 3, 10, || {
+            (0..reps)
+                .map(|_| fused::bias_residual(&h, &r, Some(&bias), NormKernels::Aten))
+                .last()
+                .expect("reps > 0")
+        });
+        bench(&format!("{name}_fused_x{reps}"), 3, 10, || {
+            (0..reps)
+                .map(|_| fused::bias_residual(&h, &r, Some(&bias), NormKernels::Fused))
+                .last()
+                .expect("reps > 0")
+        });
+    }
     anyhow::ensure!(failures.is_empty(), "fused norm kernels off: {failures:?}");
     Ok(())
+}
+
+fn is_nhwc(x: &Tensor) -> bool {
+    vnfarm_models::nn::is_channels_last(x)
 }
 
 /// `randn([n, c, side, side])` laid out NHWC.

@@ -3,7 +3,7 @@
 //! thread as a thread of its own (barriers for `__syncthreads`, an exchange through memory for the
 //! warp shuffles) and checks the results against double-precision references. This covers the
 //! kernels' indexing, the groups that straddle 8-channel vectors, the time embedding folded into
-//! the statistics, the grid-stride loop and the bf16 rounding on every CI machine; the GPU run
+//! the statistics, the grid-stride loops and the bf16 rounding on every CI machine; the GPU run
 //! (`bench components --norms-check`, docs/performance.md) covers the real compiler and hardware.
 
 use std::path::PathBuf;
@@ -57,6 +57,10 @@ fn fused_norm_kernels_match_double_precision_references_in_emulation() {
     // per lane, and a row count that leaves the last block's warps partly idle.
     for (rows, c) in [(11, 64), (9, 640), (5, 1280), (11, 136)] {
         args.extend(["ln".to_string(), rows.to_string(), c.to_string()]);
+    }
+    // Bias + residual: a ragged grid-stride tail (the emulation launches 64 threads).
+    for (rows, c) in [(13, 64), (7, 320)] {
+        args.extend(["br".to_string(), rows.to_string(), c.to_string()]);
     }
     let run = Command::new(&exe)
         .args(&args)

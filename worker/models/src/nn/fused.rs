@@ -6,6 +6,8 @@
 //!   needs a statistics pass, a normalising pass and a SiLU pass, plus the add.
 //! - [`add_layer_norm`]: the residual add of a transformer block and the LayerNorm after it in
 //!   one pass that reads the two operands once and writes the sum and the normalised rows.
+//! - [`bias_residual`]: a ResNet's output, conv2 (without its bias) plus the shortcut plus the
+//!   bias, in one pass where libtorch needs an unvectorised bias pass and an add.
 //!
 //! Both compute in fp32 and round each output to bf16 once, so their results differ from
 //! libtorch's chain of bf16 kernels by rounding only. Any input they do not cover (not CUDA, not
@@ -39,7 +41,13 @@ pub enum NormKernels {
 }
 
 const SOURCE: &str = include_str!("kernels/norms.cu");
-const NAMES: [&str; 4] = ["gn_partial", "gn_finalize", "gn_apply", "add_layer_norm"];
+const NAMES: [&str; 5] = [
+    "gn_partial",
+    "gn_finalize",
+    "gn_apply",
+    "add_layer_norm",
+    "bias_residual",
+];
 /// Row width `add_layer_norm` holds in registers (`ADD_LN_MAXV` in the source × 256).
 const ADD_LN_MAX_CHANNELS: i64 = 1280;
 
@@ -49,6 +57,7 @@ struct Kernels {
     gn_finalize: RtcFunction,
     gn_apply: RtcFunction,
     add_layer_norm: RtcFunction,
+    bias_residual: RtcFunction,
 }
 
 /// Kernels compiled per CUDA device, once per process.
@@ -66,6 +75,7 @@ fn kernels(device: usize) -> Result<Kernels, String> {
         gn_finalize: f[1],
         gn_apply: f[2],
         add_layer_norm: f[3],
+        bias_residual: f[4],
     };
     map.insert(device, k);
     Ok(k)
@@ -114,6 +124,68 @@ fn u32_of(v: i64) -> u32 {
     u32::try_from(v).expect("launch size fits in u32")
 }
 
+/// Whether `x` is a bf16 CUDA tensor in dense NHWC order with a channel count the kernels take.
+fn nhwc_bf16(x: &Tensor) -> bool {
+    let Ok((_, c, h, w)) = x.size4() else {
+        return false;
+    };
+    x.kind() == Kind::BFloat16
+        && is_channels_last(x)
+        && x.stride() == [h * w * c, 1, w * c, c]
+        && c % 8 == 0
+        && c / 8 <= 1024
+}
+
+/// `h + r + bias` (`bias` `[C]` per channel, or `None`) for `[N, C, H, W]` activations: a
+/// ResNet's output. One fused pass where `h` and `r` are NHWC bf16 CUDA tensors of one shape,
+/// libtorch's adds otherwise.
+pub fn bias_residual(
+    h: &Tensor,
+    r: &Tensor,
+    bias: Option<&Tensor>,
+    kernels_choice: NormKernels,
+) -> Tensor {
+    let fused = kernels_choice == NormKernels::Fused
+        && nhwc_bf16(h)
+        && r.size() == h.size()
+        && r.stride() == h.stride()
+        && r.kind() == h.kind()
+        && r.device() == h.device()
+        && bias.is_some();
+    let device = cuda_index(h).filter(|_| fused);
+    let (Some(device), Some(bias)) = (device, bias) else {
+        let y = h + r;
+        return match bias {
+            Some(b) => y + b.view([1, -1, 1, 1]),
+            None => y,
+        };
+    };
+    let k = kernels(device).unwrap_or_else(|e| panic!("fused norm kernels: {e}"));
+    let c = h.size()[1];
+    let bias = bias.to_kind(Kind::BFloat16).contiguous();
+    let y = h.empty_like();
+    let (mut ph, mut pr, mut pb, mut py) =
+        (h.data_ptr(), r.data_ptr(), bias.data_ptr(), y.data_ptr());
+    let mut total8 = h.numel() as i64 / 8;
+    let mut c32 = c as i32;
+    launch(
+        k.bias_residual,
+        device,
+        (u32_of((total8 + 255) / 256), 1),
+        (256, 1),
+        0,
+        &mut [
+            arg(&mut ph),
+            arg(&mut pr),
+            arg(&mut pb),
+            arg(&mut py),
+            arg(&mut total8),
+            arg(&mut c32),
+        ],
+    );
+    y
+}
+
 /// How `gn_partial` splits an `[n, hw, c]` activation: `nb` blocks of `rows` rows per sample
 /// (about 1024 blocks over the batch, at least 8 rows each), `ty` rows in flight per block (blocks
 /// of `c / 8 × ty` threads, about 256). Public for the kernels' CPU emulation test.
@@ -150,13 +222,7 @@ pub fn group_norm(
     kernels_choice: NormKernels,
 ) -> Tensor {
     let (n, c, h, w) = x.size4().expect("GroupNorm input is [N, C, H, W]");
-    let fused = kernels_choice == NormKernels::Fused
-        && x.kind() == Kind::BFloat16
-        && is_channels_last(x)
-        && x.stride() == [h * w * c, 1, w * c, c]
-        && c % 8 == 0
-        && c / 8 <= 1024
-        && c % norm.groups == 0;
+    let fused = kernels_choice == NormKernels::Fused && nhwc_bf16(x) && c % norm.groups == 0;
     let device = cuda_index(x).filter(|_| fused);
     let Some(device) = device else {
         let y = match add {

@@ -65,9 +65,10 @@ impl ResnetBlock2D {
         self.forward_normed(x, temb, &mut |norm, t| norm.forward(t))
     }
 
-    /// [`ResnetBlock2D::forward`] with the fused GroupNorm kernels ([`fused::group_norm`]): each
-    /// GroupNorm applies its SiLU in the same pass, and the time embedding (with conv1's bias)
-    /// is added inside the second one instead of in a pass of its own over conv1's output.
+    /// [`ResnetBlock2D::forward`] with the fused kernels ([`fused`]): each GroupNorm applies its
+    /// SiLU in the same pass, the time embedding (with conv1's bias) is added inside the second
+    /// one instead of in a pass of its own over conv1's output, and conv2's bias (with the
+    /// shortcut's) is added with the residual in one pass.
     fn forward_fused(&self, x: &Tensor, temb: Option<&Tensor>) -> Tensor {
         let k = self.norm_kernels;
         let a = fused::group_norm(&self.norm1, x, None, true, k);
@@ -84,7 +85,20 @@ impl ResnetBlock2D {
         drop(a);
         let a = fused::group_norm(&self.norm2, &h, t.as_ref(), true, k);
         drop(h);
-        self.output(x, a)
+        // conv2 and the shortcut without their biases; both biases and the residual in one pass.
+        let h = self.conv2.forward_with_bias(&a, None);
+        drop(a);
+        let (r, bias) = match &self.conv_shortcut {
+            Some(s) => (
+                s.forward_with_bias(x, None),
+                self.shortcut_and_conv2_bias(s),
+            ),
+            None => (
+                x.shallow_clone(),
+                self.conv2.bias.as_ref().map(Tensor::shallow_clone),
+            ),
+        };
+        fused::bias_residual(&h, &r, bias.as_ref(), k)
     }
 
     /// [`ResnetBlock2D::forward`] with each of its two GroupNorms applied by `norm` (the VAE's
@@ -115,6 +129,14 @@ impl ResnetBlock2D {
         self.output(x, a)
     }
 
+    /// The shortcut's bias plus conv2's: the one per-channel term of the block's output.
+    fn shortcut_and_conv2_bias(&self, shortcut: &Conv2d) -> Option<Tensor> {
+        match (&shortcut.bias, &self.conv2.bias) {
+            (Some(b1), Some(b2)) => Some(b1 + b2),
+            (b1, b2) => b1.as_ref().or(b2.as_ref()).map(Tensor::shallow_clone),
+        }
+    }
+
     /// conv2 of the second activation `a`, plus the shortcut of the block's input `x`.
     fn output(&self, x: &Tensor, a: Tensor) -> Tensor {
         match &self.conv_shortcut {
@@ -122,10 +144,7 @@ impl ResnetBlock2D {
                 // conv2's bias rides on the shortcut's.
                 let h = self.conv2.forward_with_bias(&a, None);
                 drop(a);
-                let bias = match (&s.bias, &self.conv2.bias) {
-                    (Some(b1), Some(b2)) => Some(b1 + b2),
-                    (b1, b2) => b1.as_ref().or(b2.as_ref()).map(Tensor::shallow_clone),
-                };
+                let bias = self.shortcut_and_conv2_bias(s);
                 s.forward_with_bias(x, bias.as_ref()) + h
             }
             None => {

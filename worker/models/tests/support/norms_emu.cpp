@@ -7,6 +7,7 @@
 //
 //   norms_emu gn N C HW G ADD SILU NB ROWS TY   (launch geometry as src/nn/fused.rs computes it)
 //   norms_emu ln ROWS C
+//   norms_emu br ROWS C
 #include <barrier>
 #include <cmath>
 #include <cstdio>
@@ -155,6 +156,28 @@ static int ln_case(long rows, int C) {
   return ok ? 0 : 1;
 }
 
+static int br_case(long rows, int C) {
+  std::mt19937 rng(rows * 17 + C);
+  std::normal_distribution<float> nd;
+  std::vector<unsigned short> h(rows * C), r(rows * C), bias(C), y(rows * C);
+  for (auto& v : h) v = tobf(nd(rng) * 2);
+  for (auto& v : r) v = tobf(nd(rng) * 4);
+  for (auto& v : bias) v = tobf(nd(rng) * 0.5f);
+  const long long total8 = rows * C / 8;
+  launch({2, 1}, {32, 1}, [&] {
+    bias_residual(reinterpret_cast<const uint4*>(h.data()), reinterpret_cast<const uint4*>(r.data()),
+                  bias.data(), reinterpret_cast<uint4*>(y.data()), total8, C);
+  });
+  double maxerr = 0;
+  for (long i = 0; i < rows * C; ++i) {
+    const double o = (double)frombf(h[i]) + frombf(r[i]) + frombf(bias[i % C]);
+    maxerr = std::max(maxerr, std::fabs(o - frombf(y[i])) / std::max(1.0, std::fabs(o)));
+  }
+  const bool ok = maxerr <= 4.0e-3;
+  printf("br rows=%ld C=%d: max rel err %.3e %s\n", rows, C, maxerr, ok ? "ok" : "OFF");
+  return ok ? 0 : 1;
+}
+
 int main(int argc, char** argv) {
   int off = 0;
   for (int i = 1; i < argc;) {
@@ -163,6 +186,9 @@ int main(int argc, char** argv) {
       auto n = [&](int k) { return std::atol(argv[i + k]); };
       off += gn_case(n(1), n(2), n(3), n(4), n(5) != 0, n(6) != 0, n(7), n(8), n(9));
       i += 10;
+    } else if (kind == "br" && i + 2 < argc) {
+      off += br_case(std::atol(argv[i + 1]), std::atoi(argv[i + 2]));
+      i += 3;
     } else if (kind == "ln" && i + 2 < argc) {
       off += ln_case(std::atol(argv[i + 1]), std::atoi(argv[i + 2]));
       i += 3;

@@ -13,6 +13,9 @@
 //   normalises.
 // - add_layer_norm: s = a + b (the residual stream, rounded to bf16 as libtorch's add) and
 //   LayerNorm(s), one warp per row, the row held in registers.
+// - bias_residual: y = h + r + bias[c], a ResNet's output (conv2 without its bias, plus the
+//   shortcut) in one vectorised pass, where libtorch adds a convolution's bias in an unvectorised
+//   pass of its own and the residual in another.
 //
 // The ideas are the usual ones of NHWC GroupNorm kernels (two-pass sums then apply, as in
 // NVIDIA's TensorRT groupNormPlugin and apex's group_norm, Apache-2.0 / BSD) and of warp-per-row
@@ -202,6 +205,28 @@ extern "C" __global__ void gn_apply(const uint4* __restrict__ x, const float4* _
       f[k] = o;
     }
     y[i] = pack8(f);
+  }
+}
+
+// Grid-stride over the total8 vectors of [rows, C]: y = h + r + bias[c].
+extern "C" __global__ void bias_residual(const uint4* __restrict__ h, const uint4* __restrict__ r,
+                                         const bf16* __restrict__ bias, uint4* __restrict__ y,
+                                         long long total8, int C) {
+  const int C8 = C >> 3;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total8;
+       i += (long long)gridDim.x * blockDim.x) {
+    const int c0 = (int)(i % C8) * 8;
+    float fh[8], fr[8];
+    unpack8(h[i], fh);
+    unpack8(r[i], fr);
+    const uint4 bv = *reinterpret_cast<const uint4*>(bias + c0);
+    float fb[8];
+    unpack8(bv, fb);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      fh[k] += fr[k] + fb[k];
+    }
+    y[i] = pack8(fh);
   }
 }
 
