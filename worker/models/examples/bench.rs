@@ -734,10 +734,10 @@ fn norms_check(dev: Device) -> anyhow::Result<()> {
             "{{\"name\": \"{name}_check\", \"max_err_fused\": {err_ours:.4e}, \"max_err_aten\": {err_aten:.4e}, \"max_abs_ref\": {scale:.3}, \"ok\": {ok}}}"
         );
         bench(&format!("{name}_aten_x{reps}"), 3, 10, || {
-            (0..reps).map(|_| aten(&x)).last().expect("reps > 0")
+            repeated(reps, || aten(&x))
         });
         bench(&format!("{name}_fused_x{reps}"), 3, 10, || {
-            (0..reps).map(|_| ours(&x)).last().expect("reps > 0")
+            repeated(reps, || ours(&x))
         });
     }
     // (name, batch, tokens, channels): the transformer blocks' residual add + LayerNorm.
@@ -773,16 +773,14 @@ fn norms_check(dev: Device) -> anyhow::Result<()> {
             "{{\"name\": \"{name}_check\", \"sum_max_diff\": {sum_diff:.4e}, \"max_err_fused\": {err_ours:.4e}, \"max_err_aten\": {err_aten:.4e}, \"max_abs_ref\": {scale:.3}, \"ok\": {ok}}}"
         );
         bench(&format!("{name}_aten_x{reps}"), 3, 10, || {
-            (0..reps)
-                .map(|_| fused::add_layer_norm(&a, &b, &norm, NormKernels::Aten).1)
-                .last()
-                .expect("reps > 0")
+            repeated(reps, || {
+                fused::add_layer_norm(&a, &b, &norm, NormKernels::Aten).1
+            })
         });
         bench(&format!("{name}_fused_x{reps}"), 3, 10, || {
-            (0..reps)
-                .map(|_| fused::add_layer_norm(&a, &b, &norm, NormKernels::Fused).1)
-                .last()
-                .expect("reps > 0")
+            repeated(reps, || {
+                fused::add_layer_norm(&a, &b, &norm, NormKernels::Fused).1
+            })
         });
     }
     // (name, batch, channels, side): a ResNet's output, conv2 + shortcut + bias.
@@ -808,20 +806,27 @@ fn norms_check(dev: Device) -> anyhow::Result<()> {
             "{{\"name\": \"{name}_check\", \"max_err_fused\": {err_ours:.4e}, \"max_err_aten\": {err_aten:.4e}, \"max_abs_ref\": {scale:.3}, \"ok\": {ok}}}"
         );
         bench(&format!("{name}_aten_x{reps}"), 3, 10, || {
-            (0..reps)
-                .map(|_| fused::bias_residual(&h, &r, Some(&bias), NormKernels::Aten))
-                .last()
-                .expect("reps > 0")
+            repeated(reps, || {
+                fused::bias_residual(&h, &r, Some(&bias), NormKernels::Aten)
+            })
         });
         bench(&format!("{name}_fused_x{reps}"), 3, 10, || {
-            (0..reps)
-                .map(|_| fused::bias_residual(&h, &r, Some(&bias), NormKernels::Fused))
-                .last()
-                .expect("reps > 0")
+            repeated(reps, || {
+                fused::bias_residual(&h, &r, Some(&bias), NormKernels::Fused)
+            })
         });
     }
     anyhow::ensure!(failures.is_empty(), "fused norm kernels off: {failures:?}");
     Ok(())
+}
+
+/// `f` called `reps` times (at least once), the last result returned.
+fn repeated(reps: usize, mut f: impl FnMut() -> Tensor) -> Tensor {
+    let mut out = f();
+    for _ in 1..reps {
+        out = f();
+    }
+    out
 }
 
 fn is_nhwc(x: &Tensor) -> bool {

@@ -74,9 +74,14 @@ fn fused_norm_kernels_match_double_precision_references_in_emulation() {
         run.status.code(),
         String::from_utf8_lossy(&run.stderr)
     );
+    // Every case reported, and reported good.
+    let cases = args
+        .iter()
+        .filter(|a| ["gn", "ln", "br"].contains(&a.as_str()))
+        .count();
     assert_eq!(
         stdout.lines().filter(|l| l.ends_with(" ok")).count(),
-        9,
+        cases,
         "{stdout}"
     );
 }

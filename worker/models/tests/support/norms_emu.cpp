@@ -60,8 +60,25 @@ template <class F> void launch(dim3 grid, dim3 block, F f) {
     for (auto& t : ts) t.join();
   }
 }
-unsigned short tobf(float f) { return f2bf(f); }
-float frombf(unsigned short h) { return bf2f(h); }
+// The reference's own bf16 conversions, written apart from the kernels' f2bf / bf2f so that a
+// rounding fault in those shows: the nearer of the two bf16 neighbours, ties to the even one.
+unsigned short tobf(float f) {
+  unsigned u;
+  std::memcpy(&u, &f, 4);
+  const unsigned lo = u & 0xffff0000u, hi = lo + 0x10000u;
+  float flo, fhi;
+  std::memcpy(&flo, &lo, 4);
+  std::memcpy(&fhi, &hi, 4);
+  const double dlo = std::fabs((double)f - flo), dhi = std::fabs((double)fhi - f);
+  if (dlo != dhi) return (unsigned short)((dlo < dhi ? lo : hi) >> 16);
+  return (unsigned short)((((lo >> 16) & 1u) != 0 ? hi : lo) >> 16);
+}
+float frombf(unsigned short h) {
+  const unsigned u = (unsigned)h << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 
 
 static int gn_case(int N, int C, int HW, int G, bool with_add, bool silu, long nb, long rows, long ty) {
