@@ -384,37 +384,19 @@ impl UNet2DConditionModel {
     }
 
     /// Which kernels normalise the UNet's activations ([`NormKernels`]; default `Aten`,
-    /// libtorch's operators as diffusers). `Fused` runs the GroupNorms of NHWC activations and
-    /// the transformer blocks' residual-add + LayerNorm pairs as kernels of our own
-    /// ([`fused`]; docs/performance.md, kernels attempt 11): the GroupNorms only with
-    /// [`MemoryFormat::ChannelsLast`], the LayerNorms in either layout.
+    /// libtorch's operators as diffusers). `Fused` runs the GroupNorms (with their SiLU and the
+    /// time embedding), the ResNets' bias + residual and the transformer blocks' residual-add +
+    /// LayerNorm pairs as kernels of our own ([`fused`]; docs/performance.md, kernels attempt
+    /// 11): the first two only with [`MemoryFormat::ChannelsLast`], the LayerNorms in either
+    /// layout.
     pub fn set_norm_kernels(&mut self, k: NormKernels) {
         self.norm_kernels = k;
-        let attentions = self
-            .down_blocks
-            .iter_mut()
-            .flat_map(|b| b.attentions_mut().iter_mut())
-            .chain(self.mid_block.attentions_mut().iter_mut())
-            .chain(
-                self.up_blocks
-                    .iter_mut()
-                    .flat_map(|b| b.attentions_mut().iter_mut()),
-            );
-        for t in attentions {
-            t.set_norm_kernels(k);
+        for b in &mut self.down_blocks {
+            b.set_norm_kernels(k);
         }
-        let resnets = self
-            .down_blocks
-            .iter_mut()
-            .flat_map(|b| b.resnets_mut().iter_mut())
-            .chain(self.mid_block.resnets_mut().iter_mut())
-            .chain(
-                self.up_blocks
-                    .iter_mut()
-                    .flat_map(|b| b.resnets_mut().iter_mut()),
-            );
-        for r in resnets {
-            r.set_norm_kernels(k);
+        self.mid_block.set_norm_kernels(k);
+        for b in &mut self.up_blocks {
+            b.set_norm_kernels(k);
         }
     }
 

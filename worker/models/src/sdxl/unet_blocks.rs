@@ -9,6 +9,7 @@ use crate::error::LoadError;
 use crate::loading::lora::LoraModule;
 use crate::loading::weights::Weights;
 use crate::nn::AttentionImpl;
+use crate::nn::fused::NormKernels;
 use crate::sdxl::attention::{Transformer2DConfig, Transformer2DModel};
 use crate::sdxl::resnet::{Downsample2D, ResnetBlock2D, Upsample2D};
 
@@ -59,8 +60,9 @@ pub struct DownBlock {
 }
 
 impl DownBlock {
-    pub fn resnets_mut(&mut self) -> &mut [ResnetBlock2D] {
-        &mut self.resnets
+    /// Which kernels the block's ResNets and transformers normalise with.
+    pub fn set_norm_kernels(&mut self, k: NormKernels) {
+        set_norm_kernels(&mut self.resnets, &mut self.attentions, k);
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -140,8 +142,9 @@ pub struct MidBlock {
 }
 
 impl MidBlock {
-    pub fn resnets_mut(&mut self) -> &mut [ResnetBlock2D] {
-        &mut self.resnets
+    /// Which kernels the block's ResNets and transformers normalise with.
+    pub fn set_norm_kernels(&mut self, k: NormKernels) {
+        set_norm_kernels(&mut self.resnets, &mut self.attentions, k);
     }
 
     pub fn new(
@@ -270,6 +273,19 @@ impl UpBlock {
     }
 }
 
+fn set_norm_kernels(
+    resnets: &mut [ResnetBlock2D],
+    attentions: &mut [Transformer2DModel],
+    k: NormKernels,
+) {
+    for r in resnets {
+        r.set_norm_kernels(k);
+    }
+    for a in attentions {
+        a.set_norm_kernels(k);
+    }
+}
+
 /// Resnets and attentions of one block under `prefix` (`down_blocks.1.`).
 fn block_lora_modules<'a>(
     prefix: &str,
@@ -309,8 +325,9 @@ impl MidBlock {
 }
 
 impl UpBlock {
-    pub fn resnets_mut(&mut self) -> &mut [ResnetBlock2D] {
-        &mut self.resnets
+    /// Which kernels the block's ResNets and transformers normalise with.
+    pub fn set_norm_kernels(&mut self, k: NormKernels) {
+        set_norm_kernels(&mut self.resnets, &mut self.attentions, k);
     }
 
     /// Whether the block has cross-attention (its upsampler's ldm index depends on it).
