@@ -16,6 +16,7 @@ fn main() {
     println!("cargo:rerun-if-changed=csrc/graph.cpp");
     println!("cargo:rerun-if-changed=csrc/ops.cpp");
     println!("cargo:rerun-if-changed=csrc/rtc.cpp");
+    println!("cargo:rerun-if-changed=csrc/guarded.h");
     println!("cargo:rerun-if-env-changed=VNFARM_CUDA_INCLUDE");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");

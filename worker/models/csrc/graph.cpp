@@ -14,6 +14,8 @@
 // Every function catches C++ exceptions and returns them as a malloc'd message (NULL on success),
 // freed with vn_graph_error_free: nothing unwinds into Rust.
 
+#include "guarded.h"
+
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/core/Event.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -38,26 +40,7 @@ struct VnGraph {
   std::optional<at::cuda::CUDAGraph> graph;
 };
 
-char* message(const char* what) {
-  size_t n = std::strlen(what);
-  char* out = static_cast<char*>(std::malloc(n + 1));
-  if (out != nullptr) {
-    std::memcpy(out, what, n + 1);
-  }
-  return out;
-}
-
-template <typename F>
-char* guarded(F&& f) {
-  try {
-    f();
-    return nullptr;
-  } catch (const std::exception& e) {
-    return message(e.what());
-  } catch (...) {
-    return message("unknown C++ exception");
-  }
-}
+using vnfarm_shim::guarded;
 
 // `waiter` waits for the work queued on `on` so far.
 void wait_for(const c10::cuda::CUDAStream& waiter, const c10::cuda::CUDAStream& on) {

@@ -11,6 +11,8 @@
 // Tensors cross as tch's handles (`at::Tensor*`, allocated with `new`, freed by tch with `delete`).
 // C++ exceptions come back as a malloc'd message (NULL on success), freed with vn_ops_error_free.
 
+#include "guarded.h"
+
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 
@@ -21,24 +23,14 @@
 #include <stdexcept>
 #include <string>
 
-namespace {
-
-char* message(const char* what) {
-  char* out = static_cast<char*>(std::malloc(std::strlen(what) + 1));
-  if (out != nullptr) {
-    std::strcpy(out, what);
-  }
-  return out;
-}
-
-}  // namespace
+using vnfarm_shim::guarded;
 
 extern "C" {
 
 void vn_ops_error_free(char* e) { std::free(e); }
 
 char* vn_profile_start(int cuda) {
-  try {
+  return guarded([&] {
     using torch::profiler::impl::ActivityType;
     std::set<ActivityType> activities{ActivityType::CPU};
     if (cuda != 0) {
@@ -47,42 +39,27 @@ char* vn_profile_start(int cuda) {
     torch::profiler::impl::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO);
     torch::autograd::profiler::prepareProfiler(config, activities);
     torch::autograd::profiler::enableProfiler(config, activities);
-    return nullptr;
-  } catch (const std::exception& e) {
-    return message(e.what());
-  } catch (...) {
-    return message("unknown C++ exception");
-  }
+  });
 }
 
 char* vn_profile_stop(const char* path) {
-  try {
+  return guarded([&] {
     auto result = torch::autograd::profiler::disableProfiler();
     if (!result) {
       throw std::runtime_error("the profiler was not running");
     }
     result->save(path);
-    return nullptr;
-  } catch (const std::exception& e) {
-    return message(e.what());
-  } catch (...) {
-    return message("unknown C++ exception");
-  }
+  });
 }
 
 char* vn_addmm_gelu(void* bias, void* mat1, void* mat2, void** out) {
   *out = nullptr;
-  try {
+  return guarded([&] {
     auto* b = static_cast<at::Tensor*>(bias);
     auto* m1 = static_cast<at::Tensor*>(mat1);
     auto* m2 = static_cast<at::Tensor*>(mat2);
     *out = new at::Tensor(at::_addmm_activation(*b, *m1, *m2, 1, 1, true));
-    return nullptr;
-  } catch (const std::exception& e) {
-    return message(e.what());
-  } catch (...) {
-    return message("unknown C++ exception");
-  }
+  });
 }
 
 }  // extern "C"

@@ -8,7 +8,9 @@
 // are looked up by name in that library's dependency tree (dlsym), typed from the CUDA wheel's
 // own cuda.h and nvrtc.h. A program that never compiles a kernel never loads them.
 //
-// Errors come back as a malloc'd message (NULL on success), freed with vn_ops_error_free (ops.cpp).
+// Errors come back through `guarded` (guarded.h), freed with vn_ops_error_free (ops.cpp).
+
+#include "guarded.h"
 
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
@@ -25,13 +27,6 @@
 
 namespace {
 
-char* rtc_message(const std::string& what) {
-  char* out = static_cast<char*>(std::malloc(what.size() + 1));
-  if (out != nullptr) {
-    std::memcpy(out, what.c_str(), what.size() + 1);
-  }
-  return out;
-}
 
 // The NVRTC and driver entry points used here, resolved once.
 struct Api {
@@ -141,6 +136,8 @@ class DeviceScope {
 
 }  // namespace
 
+using vnfarm_shim::guarded;
+
 extern "C" {
 
 // Compiles `source` for `device`, loads it into the device's primary context and looks up the
@@ -148,7 +145,7 @@ extern "C" {
 // `functions`. Modules stay loaded for the life of the process.
 char* vn_rtc_build(const char* source, const char* program_name, int device, const char** names,
                    int count, void** functions) {
-  try {
+  return guarded([&] {
     const Api& a = api();
     DeviceScope scope(device);
     use_primary_context(a, device);
@@ -162,7 +159,7 @@ char* vn_rtc_build(const char* source, const char* program_name, int device, con
     nvrtcProgram prog;
     nvrtcResult r = a.nvrtcCreateProgram(&prog, source, program_name, 0, nullptr, nullptr);
     if (r != NVRTC_SUCCESS) {
-      return rtc_message(std::string("nvrtcCreateProgram: ") + a.nvrtcGetErrorString(r));
+      throw std::runtime_error(std::string("nvrtcCreateProgram: ") + a.nvrtcGetErrorString(r));
     }
     std::vector<const char*> opts = {arch.c_str(), "--std=c++17"};
     r = a.nvrtcCompileProgram(prog, static_cast<int>(opts.size()), opts.data());
@@ -172,8 +169,8 @@ char* vn_rtc_build(const char* source, const char* program_name, int device, con
       std::string log(n, '\0');
       a.nvrtcGetProgramLog(prog, log.data());
       a.nvrtcDestroyProgram(&prog);
-      return rtc_message(std::string("NVRTC could not compile ") + program_name + " for " + arch +
-                         ": " + a.nvrtcGetErrorString(r) + "\n" + log);
+      throw std::runtime_error(std::string("NVRTC could not compile ") + program_name + " for " +
+                               arch + ": " + a.nvrtcGetErrorString(r) + "\n" + log);
     }
     size_t size = 0;
     a.nvrtcGetCUBINSize(prog, &size);
@@ -187,19 +184,14 @@ char* vn_rtc_build(const char* source, const char* program_name, int device, con
       check(a, a.cuModuleGetFunction(&f, module, names[i]), names[i]);
       functions[i] = reinterpret_cast<void*>(f);
     }
-    return nullptr;
-  } catch (const std::exception& e) {
-    return rtc_message(e.what());
-  } catch (...) {
-    return rtc_message("unknown C++ exception");
-  }
+  });
 }
 
 // Launches `function` on `device`'s current stream with `args` (pointers to each argument's
 // value, as cuLaunchKernel takes them).
 char* vn_rtc_launch(void* function, int device, unsigned grid_x, unsigned grid_y, unsigned block_x,
                     unsigned block_y, unsigned shared_bytes, void** args) {
-  try {
+  return guarded([&] {
     const Api& a = api();
     DeviceScope scope(device);
     use_primary_context(a, device);
@@ -209,12 +201,7 @@ char* vn_rtc_launch(void* function, int device, unsigned grid_x, unsigned grid_y
           a.cuLaunchKernel(reinterpret_cast<CUfunction>(function), grid_x, grid_y, 1, block_x,
                            block_y, 1, shared_bytes, stream, args, nullptr),
           "cuLaunchKernel");
-    return nullptr;
-  } catch (const std::exception& e) {
-    return rtc_message(e.what());
-  } catch (...) {
-    return rtc_message("unknown C++ exception");
-  }
+  });
 }
 
 }  // extern "C"
