@@ -9,14 +9,14 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-use vnfarm_models::nn::fused::{GroupNormGrid, SOURCE_TEXT};
+use vnfarm_models::nn::fused::{GroupNormGrid, SOURCE};
 
 #[test]
 fn fused_norm_kernels_match_double_precision_references_in_emulation() {
     let dir = std::env::temp_dir().join(format!("vnfarm-norms-emu-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     // What CUDA C has and C++ lacks: dynamic shared memory, extern "C" kernels.
-    let source = SOURCE_TEXT
+    let source = SOURCE
         .replace("extern __shared__ float sh[];", "float* sh = g_dyn_shared;")
         .replace("extern \"C\" ", "");
     let cu = dir.join("norms.cu");

@@ -40,7 +40,8 @@ pub enum NormKernels {
     Fused,
 }
 
-const SOURCE: &str = include_str!("kernels/norms.cu");
+/// The kernels' CUDA C source (`kernels/norms.cu`; the CPU emulation test compiles it too).
+pub const SOURCE: &str = include_str!("kernels/norms.cu");
 const NAMES: [&str; 5] = [
     "gn_partial",
     "gn_finalize",
@@ -79,6 +80,11 @@ fn kernels(device: usize) -> Result<Kernels, String> {
     };
     map.insert(device, k);
     Ok(k)
+}
+
+/// The kernels of `device`, compiled by [`prepare`] at load (a failure this late is a bug).
+fn compiled(device: usize) -> Kernels {
+    kernels(device).unwrap_or_else(|e| panic!("fused norm kernels: {e}"))
 }
 
 /// Compiles the kernels for `device` now (a model load calls this, so that a GPU or driver NVRTC
@@ -150,8 +156,7 @@ pub fn bias_residual(
         && r.size() == h.size()
         && r.stride() == h.stride()
         && r.kind() == h.kind()
-        && r.device() == h.device()
-        && bias.is_some();
+        && r.device() == h.device();
     let device = cuda_index(h).filter(|_| fused);
     let (Some(device), Some(bias)) = (device, bias) else {
         let y = h + r;
@@ -160,7 +165,7 @@ pub fn bias_residual(
             None => y,
         };
     };
-    let k = kernels(device).unwrap_or_else(|e| panic!("fused norm kernels: {e}"));
+    let k = compiled(device);
     let c = h.size()[1];
     let bias = bias.to_kind(Kind::BFloat16).contiguous();
     let y = h.empty_like();
@@ -208,9 +213,6 @@ impl GroupNormGrid {
     }
 }
 
-/// The kernels' CUDA C source (`kernels/norms.cu`).
-pub const SOURCE_TEXT: &str = SOURCE;
-
 /// `norm(x + add)`, then SiLU when `silu`: `x` `[N, C, H, W]`, `add` a per-(sample, channel)
 /// term `[N, C]` (or `None`). The fused kernels where `x` is an NHWC bf16 CUDA tensor,
 /// libtorch's operators otherwise.
@@ -231,7 +233,7 @@ pub fn group_norm(
         };
         return if silu { y.silu() } else { y };
     };
-    let k = kernels(device).unwrap_or_else(|e| panic!("fused norm kernels: {e}"));
+    let k = compiled(device);
     let (g, hw) = (norm.groups, h * w);
     let c8 = c / 8;
     let GroupNormGrid { nb, rows, ty } = GroupNormGrid::new(n, c, hw);
@@ -333,7 +335,7 @@ pub fn add_layer_norm(
         let y = norm.forward(&s);
         return (s, y);
     };
-    let k = kernels(device).unwrap_or_else(|e| panic!("fused norm kernels: {e}"));
+    let k = compiled(device);
     let rows = a.numel() as i64 / c;
     let (w, bias) = (
         norm.weight.to_kind(Kind::BFloat16).contiguous(),

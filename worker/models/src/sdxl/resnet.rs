@@ -72,16 +72,7 @@ impl ResnetBlock2D {
     fn forward_fused(&self, x: &Tensor, temb: Option<&Tensor>) -> Tensor {
         let k = self.norm_kernels;
         let a = fused::group_norm(&self.norm1, x, None, true, k);
-        let (h, t) = match (&self.time_emb_proj, temb) {
-            (Some(proj), Some(temb)) => {
-                let mut t = proj.forward(&temb.silu());
-                if let Some(b) = &self.conv1.bias {
-                    t += b;
-                }
-                (self.conv1.forward_with_bias(&a, None), Some(t))
-            }
-            _ => (self.conv1.forward(&a), None),
-        };
+        let (h, t) = self.conv1_and_time(&a, temb);
         drop(a);
         let a = fused::group_norm(&self.norm2, &h, t.as_ref(), true, k);
         drop(h);
@@ -110,23 +101,30 @@ impl ResnetBlock2D {
         norm: &mut dyn FnMut(&GroupNorm, &Tensor) -> Tensor,
     ) -> Tensor {
         let a = norm(&self.norm1, x).silu_();
-        let h = match (&self.time_emb_proj, temb) {
-            (Some(proj), Some(temb)) => {
-                // conv1's bias rides on the time embedding: one pass over `h` adds both.
-                let mut t = proj.forward(&temb.silu());
-                if let Some(b) = &self.conv1.bias {
-                    t += b;
-                }
-                let mut h = self.conv1.forward_with_bias(&a, None);
-                h += t.unsqueeze(-1).unsqueeze(-1);
-                h
-            }
-            _ => self.conv1.forward(&a),
-        };
+        let (mut h, t) = self.conv1_and_time(&a, temb);
+        if let Some(t) = t {
+            h += t.unsqueeze(-1).unsqueeze(-1);
+        }
         drop(a);
         let a = norm(&self.norm2, &h).silu_();
         drop(h);
         self.output(x, a)
+    }
+
+    /// conv1 of the first activation `a` and the per-channel term still to add to it: with a time
+    /// embedding, `proj(silu(temb))` plus conv1's bias, which rides on it (one pass over the
+    /// output adds both), and conv1 runs without its bias; otherwise conv1 with its bias and none.
+    fn conv1_and_time(&self, a: &Tensor, temb: Option<&Tensor>) -> (Tensor, Option<Tensor>) {
+        match (&self.time_emb_proj, temb) {
+            (Some(proj), Some(temb)) => {
+                let mut t = proj.forward(&temb.silu());
+                if let Some(b) = &self.conv1.bias {
+                    t += b;
+                }
+                (self.conv1.forward_with_bias(a, None), Some(t))
+            }
+            _ => (self.conv1.forward(a), None),
+        }
     }
 
     /// The shortcut's bias plus conv2's: the one per-channel term of the block's output.
