@@ -263,23 +263,24 @@ impl SdxlPipeline {
         if config.cuda_graphs {
             cuda_graph::check_available(dev)?;
         }
-        if config.ff_gelu == FfGelu::Epilogue && !ops::BUILT_IN {
-            return Err(LoadError::Setting {
-                setting: "ff_gelu = epilogue",
-                reason: "the operator shim (csrc/ops.cpp) is not built into this binary \
-                         (built against a CUDA libtorch only)"
-                    .into(),
-            });
-        }
-        if config.norm_kernels == NormKernels::Fused {
-            if !ops::BUILT_IN {
+        // Settings that need the operator shim (csrc/ops.cpp, csrc/rtc.cpp).
+        for (asked, setting) in [
+            (config.ff_gelu == FfGelu::Epilogue, "ff_gelu = epilogue"),
+            (
+                config.norm_kernels == NormKernels::Fused,
+                "norm_kernels = fused",
+            ),
+        ] {
+            if asked && !ops::BUILT_IN {
                 return Err(LoadError::Setting {
-                    setting: "norm_kernels = fused",
+                    setting,
                     reason: "the operator shim (csrc/ops.cpp, csrc/rtc.cpp) is not built into \
                              this binary (built against a CUDA libtorch only)"
                         .into(),
                 });
             }
+        }
+        if config.norm_kernels == NormKernels::Fused {
             // Compiled now, so that a GPU or driver NVRTC cannot serve fails the load.
             fused::prepare(dev).map_err(|reason| LoadError::Setting {
                 setting: "norm_kernels = fused",

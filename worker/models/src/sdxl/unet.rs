@@ -399,10 +399,6 @@ impl UNet2DConditionModel {
             b.set_norm_kernels(k);
         }
     }
-
-    pub fn norm_kernels(&self) -> NormKernels {
-        self.norm_kernels
-    }
 }
 
 /// Every Linear and Conv2d of the UNet by diffusers module name, for LoRA fusing; kohya's
