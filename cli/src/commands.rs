@@ -3,7 +3,7 @@
 
 use std::process::ExitCode;
 
-use vnfarm_proto::{JobId, WorkerState};
+use vnfarm_proto::{JobId, SettingsInUse, SettingsSource, WorkerState};
 
 use crate::args::{Cli, Command, ListArgs, SubmitCommand};
 use crate::client::Api;
@@ -76,6 +76,22 @@ async fn list(api: &Api, args: &ListArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A worker's engine settings: `measured <id>` (with `!` when the file warrants a warning),
+/// `presets <names>`, or `-` for a worker that does not say (older versions, the test-pattern engine).
+fn settings_cell(settings: Option<&SettingsInUse>) -> String {
+    match settings {
+        None => "-".to_owned(),
+        Some(s) => {
+            let source = match s.source {
+                SettingsSource::Measured => "measured",
+                SettingsSource::Presets => "presets",
+            };
+            let warn = if s.warning.is_some() { " !" } else { "" };
+            format!("{source} {}{warn}", s.id)
+        }
+    }
+}
+
 async fn workers(api: &Api) -> anyhow::Result<()> {
     let workers = api.workers().await?;
     let rows = workers.iter().map(|w| {
@@ -94,6 +110,7 @@ async fn workers(api: &Api) -> anyhow::Result<()> {
             },
             hb.map_or("-".to_owned(), |h| format!("{}/{}", h.in_flight, h.slots)),
             w.assigned.len().to_string(),
+            hb.map_or("-".to_owned(), |h| settings_cell(h.settings.as_ref())),
             hb.filter(|h| !h.running.is_empty())
                 .map_or("-".to_owned(), |h| {
                     h.running
@@ -114,6 +131,7 @@ async fn workers(api: &Api) -> anyhow::Result<()> {
             "MODELS",
             "IN FLIGHT",
             "ASSIGNED",
+            "SETTINGS",
             "RUNNING",
             "HEARD",
         ],

@@ -147,8 +147,37 @@ pub struct Heartbeat {
     /// recently used first.
     #[serde(default)]
     pub encode_cache: Vec<String>,
+    /// The engine settings it runs: measured on its box by `vnfarm-worker check`, or presets.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub settings: Option<SettingsInUse>,
     pub version: String,
     pub at: DateTime<Utc>,
+}
+
+/// Where a worker's kernel and layout settings came from, for the fleet view.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SettingsInUse {
+    pub source: SettingsSource,
+    /// `measured`: the settings file's id (the first 12 hex digits of its sha256); `presets`: each
+    /// engine's preset, as `sdxl=portable qwen_edit=portable`.
+    pub id: String,
+    /// When the check that wrote the file ran (`measured` only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub measured_at: Option<DateTime<Utc>>,
+    /// What the file was measured on differs from this box in a way that only warrants a warning
+    /// (another vnfarm version): what to re-run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warning: Option<String>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum SettingsSource {
+    /// A settings file written by `vnfarm-worker check` on this box.
+    Measured,
+    /// Named presets (or explicit settings) from the configuration: nothing was measured.
+    Presets,
 }
 
 fn one() -> u32 {

@@ -1347,6 +1347,7 @@ mod tests {
             max_batch: 1,
             gpu_memory: None,
             encode_cache: vec![],
+            settings: None,
             version: "t".into(),
             at: Utc::now(),
         }

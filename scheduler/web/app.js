@@ -739,7 +739,10 @@ async function refreshFleet() {
       li.dataset.state = w.alive ? (busy ? "busy" : "idle") : w.state;
       const models = (hb.models || []).join(", ");
       const checkpoints = hb.checkpoints && hb.checkpoints.length ? ` (${hb.checkpoints.join(", ")})` : "";
-      li.textContent = `${w.id}: ${w.alive ? (w.state === "ready" ? (busy ? "busy" : "idle") : w.state) : "gone"} · ${models}${checkpoints}`;
+      // The engine settings it runs: measured on its box by `vnfarm-worker check`, or presets.
+      const s = hb.settings;
+      const settings = s ? ` · settings ${s.source} ${s.id}${s.warning ? " (" + s.warning + ")" : ""}` : "";
+      li.textContent = `${w.id}: ${w.alive ? (w.state === "ready" ? (busy ? "busy" : "idle") : w.state) : "gone"} · ${models}${checkpoints}${settings}`;
       list.appendChild(li);
     }
   } catch (e) {

@@ -56,14 +56,26 @@ fn engine_settings_are_checked_before_anything_loads() {
     .unwrap_err()
     .to_string();
     assert!(err.starts_with("engine.models: `esrgan`"), "{err}");
-    let err = load(&[("VNFARM_ENGINE__ESRGAN__TILE_OVERLAP", "300")]).unwrap_err();
-    assert!(err.starts_with("engine.esrgan.tile_overlap: "), "{err}");
+    let err = load(&[("VNFARM_ENGINE__ESRGAN__SETTINGS__TILE_OVERLAP", "300")]).unwrap_err();
+    assert!(err.starts_with("engine.esrgan.settings"), "{err}");
     let err = load(&[("VNFARM_ENGINE__ESRGAN__BLEND", "smooth")]).unwrap_err();
     assert!(err.contains("blend"), "{err}");
-    let err = load(&[("VNFARM_ENGINE__SDXL__ATTENTION", "flash")]).unwrap_err();
+    let err = load(&[("VNFARM_ENGINE__SDXL__SETTINGS__ATTENTION", "flash")]).unwrap_err();
     assert!(err.contains("attention"), "{err}");
-    load(&[("VNFARM_ENGINE__SDXL__ATTENTION", "matmul")]).expect("matmul attention");
-    let err = load(&[("VNFARM_ENGINE__QWEN_EDIT__FP8", "fp4")]).unwrap_err();
+    load(&[("VNFARM_ENGINE__SDXL__SETTINGS__ATTENTION", "matmul")]).expect("matmul attention");
+    load(&[("VNFARM_ENGINE__SDXL__SETTINGS", "cuda")]).expect("a preset by name");
+    let err = load(&[("VNFARM_ENGINE__SDXL__SETTINGS", "fastest")]).unwrap_err();
+    assert!(err.contains("fastest"), "{err}");
+    let err = load(&[
+        ("VNFARM_ENGINE__SETTINGS_FILE", "/var/lib/vnfarm/settings.json"),
+        ("VNFARM_ENGINE__SDXL__SETTINGS", "cuda"),
+    ])
+    .unwrap_err();
+    assert!(
+        err.starts_with("engine.sdxl.settings: engine.settings_file decides"),
+        "{err}"
+    );
+    let err = load(&[("VNFARM_ENGINE__QWEN_EDIT__SETTINGS__FP8", "fp4")]).unwrap_err();
     assert!(err.contains("fp8"), "{err}");
     let err = load(&[("VNFARM_ENGINE__QWEN_EDIT__MODEL_DIR", "/models/qwen")]).unwrap_err();
     assert!(

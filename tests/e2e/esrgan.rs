@@ -32,8 +32,8 @@ fn esrgan_worker(with_sdxl: bool) -> WorkerOptions {
         ),
         ("DEVICE", "cpu".into()),
         ("DTYPE", "fp32".into()),
-        ("TILE", "64".into()),
-        ("TILE_OVERLAP", "16".into()),
+        ("SETTINGS__TILE", "64".into()),
+        ("SETTINGS__TILE_OVERLAP", "16".into()),
     ]
     .into_iter()
     .map(|(k, v)| (format!("VNFARM_ENGINE__ESRGAN__{k}"), v))

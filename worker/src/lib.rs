@@ -4,6 +4,9 @@
 //! # Layout
 //!
 //! - [`config`]: the typed configuration, validated before any I/O.
+//! - [`tuning`]: which kernel and layout settings each engine runs (presets, or the box's settings
+//!   file with its fingerprint).
+//! - [`check`]: `vnfarm-worker check`, the box's self-test and tuning, which writes that file.
 //! - [`engine`]: the engines and the dedicated engine thread they run on.
 //! - [`worker`]: shared state (identity, storage, engine host, what is running, cancellations).
 //! - [`session`]: one broker connection's life: declare, consume, heartbeat, handle.
@@ -16,6 +19,7 @@
 //!
 //! [`run`] is the whole worker; `main` only parses configuration and handles signals.
 
+pub mod check;
 pub mod config;
 pub mod engine;
 pub mod execute;
@@ -25,6 +29,7 @@ pub mod job;
 pub mod metrics;
 pub mod provenance;
 pub mod session;
+pub mod tuning;
 pub mod worker;
 
 use std::time::{Duration, Instant};

@@ -1,18 +1,32 @@
 //! `vnfarm-worker [--config FILE]`: parses configuration, starts logging, runs [`vnfarm_worker::run`].
 //! SIGTERM or Ctrl-C drains (the job in hand finishes); a second signal exits at once.
+//! `vnfarm-worker check [--config FILE] [--out DIR]` checks and tunes the box instead
+//! ([`vnfarm_worker::check`]).
+
+use std::process::ExitCode;
 
 use vnfarm_config::process;
 
-fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<ExitCode> {
     allocator_defaults();
+    let args: Vec<String> = std::env::args().collect();
+    match args.get(1).map(String::as_str) {
+        Some("check") => return Ok(vnfarm_worker::check::main(&args[1..])),
+        Some("check-engine") => return Ok(vnfarm_worker::check::engine_main(&args[1..])),
+        _ => {}
+    }
     let config = process::load_or_exit("vnfarm-worker", vnfarm_worker::Config::load);
+    for note in vnfarm_worker::tuning::apply_environment(&config.engine) {
+        tracing::info!("{note}");
+    }
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?
         .block_on(async {
             let shutdown = process::shutdown_on_signals("finishing the job in hand");
             vnfarm_worker::run(config, shutdown).await
-        })
+        })?;
+    Ok(ExitCode::SUCCESS)
 }
 
 /// libtorch's GPU caching allocator reads `PYTORCH_CUDA_ALLOC_CONF` once, when it first allocates.

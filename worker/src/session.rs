@@ -246,6 +246,7 @@ impl Worker {
             max_batch: self.config.batch_jobs,
             gpu_memory,
             encode_cache: self.engine.encode_cache_keys(),
+            settings: self.engine.settings(),
             version: env!("CARGO_PKG_VERSION").to_owned(),
             at: chrono::Utc::now(),
         }

@@ -62,7 +62,7 @@ use vnfarm_models::schedulers::Sampler;
 use vnfarm_models::sdxl::pipeline::{GenerateRequest, ModelSource, PipelineConfig, SdxlPipeline};
 use vnfarm_models::sdxl::unet::{AddedCond, UNet2DConditionModel, UNetConfig};
 use vnfarm_models::sdxl::unet_graph::GraphedUNet;
-use vnfarm_models::sdxl::vae::{AutoencoderKL, TiledDecode, Tiling, VaeConfig};
+use vnfarm_models::sdxl::vae::{AutoencoderKL, TiledDecode, Tiling, VaeConfig, VaeRuntime};
 use vnfarm_models::text::clip_tokenizer::ClipTokenizer;
 
 /// Prompts of both sides (`run_bench.py` uses the same strings).
@@ -132,7 +132,7 @@ struct Opts {
     load_only: bool,
     sequential_load: bool,
     cases: Option<Vec<String>>,
-    vae_budget_mib: Option<i64>,
+    vae_budget_mib: Option<u32>,
     vae_memory_format: MemoryFormat,
     vae_only: bool,
     unet_only: bool,
@@ -301,18 +301,15 @@ fn pipeline(dir: &Path, opts: &Opts) -> anyhow::Result<()> {
     let mut cfg = PipelineConfig::new(ModelSource::DiffusersFolder(dir.into()), dev);
     cfg.dtype = dt;
     cfg.vae_dtype = dt;
-    cfg.attention = AttentionImpl::Sdpa;
     cfg.vae_tiling = opts.tiling;
     cfg.parallel_load = !opts.sequential_load;
-    cfg.cuda_graphs = opts.cuda_graphs;
-    cfg.ff_gelu = opts.ff_gelu;
-    cfg.unet_memory_format = opts.unet_memory_format;
-    cfg.norm_kernels = opts.norm_kernels;
+    cfg.settings.attention = AttentionImpl::Sdpa;
+    cfg.settings.cuda_graphs = opts.cuda_graphs;
+    cfg.settings.ff_gelu = opts.ff_gelu;
+    cfg.settings.unet_memory_format = opts.unet_memory_format;
+    cfg.settings.norm_kernels = opts.norm_kernels;
     if let Some(mib) = opts.vae_budget_mib {
-        let mut vae = VaeConfig::from_json(&std::fs::read_to_string(dir.join("vae/config.json"))?)
-            .map_err(anyhow::Error::msg)?;
-        vae.memory_budget_mib = mib;
-        cfg.components.vae = Some(vae);
+        cfg.settings.vae_memory_budget_mib = mib;
     }
     // What the tokenizers alone cost to parse (part of the load below).
     let t = Instant::now();
@@ -433,10 +430,11 @@ fn components(unet_path: &str, vae_path: &str, opts: &Opts) -> anyhow::Result<()
 
     let t0 = now();
     let t = Instant::now();
-    let mut vae_cfg = VaeConfig::sdxl();
-    vae_cfg.memory_budget_mib = opts.vae_budget_mib.unwrap_or(2048);
-    vae_cfg.memory_format = opts.vae_memory_format;
-    let vae = AutoencoderKL::new(&weights(vae_path)?, &vae_cfg, imp)?;
+    let vae_cfg = VaeConfig::sdxl();
+    let vae = AutoencoderKL::new(&weights(vae_path)?, &vae_cfg, imp)?.with_runtime(VaeRuntime {
+        memory_budget_mib: opts.vae_budget_mib.unwrap_or(2048),
+        memory_format: opts.vae_memory_format,
+    });
     sync();
     println!(
         "{{\"name\": \"vae_load\", \"s\": {:.3}, \"t0\": {t0:.3}, \"t1\": {:.3}}}",
@@ -632,7 +630,7 @@ fn vae_tiling_cases(vae: &AutoencoderKL, size: &str, h: i64, w: i64, dt: Kind, d
     println!(
         "{{\"name\": \"vae_plan_{size}\", \"decode_bytes_estimate\": {}, \"budget_mib\": {}, \"core\": {}, \"margin\": {}, \"stats_stride\": {}}}",
         c.decode_bytes(h * f, w * f, dt),
-        c.memory_budget_mib,
+        vae.runtime().memory_budget_mib,
         plan.core,
         plan.margin,
         plan.stats_stride

@@ -278,8 +278,8 @@ fn pipeline(opts: &Opts) -> anyhow::Result<()> {
     let mut cfg = QwenEditConfig::new(source, dev);
     cfg.dtype = dt;
     cfg.vae_dtype = dt;
-    cfg.fp8 = opts.fp8;
-    cfg.attention = AttentionImpl::Sdpa;
+    cfg.settings.fp8 = opts.fp8;
+    cfg.settings.attention = AttentionImpl::Sdpa;
     cfg.loras = Vec::new();
     // diffusers 0.42.1 with transformers >= 5.15 (the GPU machine has 5.17) feeds the text encoder
     // sequential positions; the same here, so the images are comparable (no speed difference).

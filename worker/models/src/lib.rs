@@ -13,6 +13,8 @@
 //! - [`sdxl`]: SDXL text-to-image (CLIP-L + OpenCLIP bigG, UNet, VAE, compel weighting, pipeline).
 //! - [`qwen2_5_vl`]: Qwen2.5-VL (Qwen-Image's text encoder): the vision tower.
 //! - [`qwen_image`]: Qwen-Image-Edit-2509 (transformer, VAE, checkpoint key mapping).
+//! - [`settings`]: each engine's runtime kernel and layout choices and their presets (kept out of
+//!   the architecture configs).
 //! - [`error`]: what callers branch on (`LoadError`, `GenerateError`).
 
 pub mod error;
@@ -25,4 +27,5 @@ pub mod qwen2_5_vl;
 pub mod qwen_image;
 pub mod schedulers;
 pub mod sdxl;
+pub mod settings;
 pub mod text;

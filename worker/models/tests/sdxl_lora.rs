@@ -46,7 +46,7 @@ fn pipeline_in(kind: Kind, format: MemoryFormat) -> SdxlPipeline {
         Device::Cpu,
     );
     c.dtype = kind;
-    c.unet_memory_format = format;
+    c.settings.unet_memory_format = format;
     SdxlPipeline::load(&c).expect("load the tiny SDXL")
 }
 

@@ -24,7 +24,7 @@ use vnfarm_models::sdxl::pipeline::{
     ComponentConfigs, GenerateRequest, ModelSource, PipelineConfig, SdxlPipeline,
 };
 use vnfarm_models::sdxl::unet::{AddedCond, UNet2DConditionModel, UNetConfig};
-use vnfarm_models::sdxl::vae::{AutoencoderKL, TiledDecode, Tiling, VaeConfig};
+use vnfarm_models::sdxl::vae::{AutoencoderKL, TiledDecode, Tiling, VaeConfig, VaeRuntime};
 use vnfarm_models::text::clip_tokenizer::ClipTokenizer;
 
 mod support;
@@ -351,10 +351,14 @@ fn seam_free_tiled_decode_equals_untiled_with_exact_statistics() {
         "statistics from a subsample drift: {mean}, {max}"
     );
     // Under `Auto`, a budget of 0 tiles everything, the default budget nothing.
-    let mut cfg = VaeConfig::tiny();
-    cfg.memory_budget_mib = 0;
+    let cfg = VaeConfig::tiny();
     let [_, v, ..] = stores("diffusers");
-    let tight = AutoencoderKL::new(&weights(v), &cfg, AttentionImpl::Sdpa).expect("load vae");
+    let tight = AutoencoderKL::new(&weights(v), &cfg, AttentionImpl::Sdpa)
+        .expect("load vae")
+        .with_runtime(VaeRuntime {
+            memory_budget_mib: 0,
+            ..VaeRuntime::default()
+        });
     let plan0 = tight.tiled_plan(40, 40, Kind::Float);
     assert_eq!((plan0.core, plan0.stats_stride), (16, 8), "{plan0:?}");
     check(

@@ -12,11 +12,13 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use serde::Deserialize;
-use vnfarm_models::esrgan::rrdbnet::MemoryFormat;
 use vnfarm_models::esrgan::tiling::{Blend, TileSettings};
 use vnfarm_models::esrgan::upscaler::{UpscaleOptions, Upscaler};
 use vnfarm_proto::spec::{MAX_UPSCALE_TILE, MIN_UPSCALE_TILE};
+use vnfarm_models::settings::EsrganSettings;
 use vnfarm_proto::{ModelFileRole, StageTimings, Task};
+
+use crate::tuning::SettingsChoice;
 
 use super::device::{Dtype, engine_error, open_device, parse_device};
 use super::{Cancel, EngineError, EngineJob, EngineOutput, Progress, UsedFile};
@@ -34,12 +36,6 @@ pub struct EsrganConfig {
     /// Compute precision: fp16 is Real-ESRGAN's own (`half=True`); fp32 on the CPU.
     #[serde(default = "default_dtype")]
     pub dtype: Dtype,
-    /// Tile side in input pixels for jobs that do not say (and for the warm-up).
-    #[serde(default = "default_tile")]
-    pub tile: u32,
-    /// Context around each tile in input pixels, at most a quarter of the tile.
-    #[serde(default = "default_tile_overlap")]
-    pub tile_overlap: u32,
     /// `feather` (neighbouring tiles cross-fade over the overlap) or `crop` (Real-ESRGAN's hard
     /// cut, for outputs identical to its `tile_process`).
     #[serde(default)]
@@ -50,11 +46,13 @@ pub struct EsrganConfig {
     /// Real-ESRGAN's `pre_pad`: reflect padding at the bottom and right, cut off again.
     #[serde(default)]
     pub pre_pad: u32,
-    /// `channels_last` (NHWC weights and activations: 15–20 % faster and less memory on the
-    /// measured NVIDIA GPU) or `contiguous` (NCHW, as Real-ESRGAN runs; for devices whose NHWC
-    /// convolutions are slow, e.g. ROCm builds without MIOpen's NHWC kernels).
-    #[serde(default = "default_memory_format")]
-    pub memory_format: MemoryFormat,
+    /// Layout and tiling choices (`vnfarm_models::settings::EsrganSettings`): a preset's name or a
+    /// table (`memory_format`: `channels_last`, 15–20 % faster and less memory on the measured
+    /// NVIDIA GPU, or `contiguous`, NCHW as Real-ESRGAN runs; `tile`, the tile side in input pixels
+    /// for jobs that do not say and for the warm-up; `tile_overlap`, the context around each tile,
+    /// at most a quarter of it). With `engine.settings_file` the file decides.
+    #[serde(default)]
+    pub settings: Option<SettingsChoice<EsrganSettings>>,
 }
 
 fn default_device() -> String {
@@ -62,17 +60,6 @@ fn default_device() -> String {
 }
 fn default_dtype() -> Dtype {
     Dtype::Fp16
-}
-/// Tile 1024 / overlap 16: the fastest measured on the GPU machine (docs/performance.md,
-/// Real-ESRGAN: at 2048² 0.64 s and 6.7 GB against 0.62 s and 21.8 GB for the full frame).
-fn default_tile() -> u32 {
-    1024
-}
-fn default_tile_overlap() -> u32 {
-    16
-}
-fn default_memory_format() -> MemoryFormat {
-    MemoryFormat::ChannelsLast
 }
 fn default_max_batch() -> u32 {
     1
@@ -89,17 +76,8 @@ impl EsrganConfig {
 
     pub fn validate(&self) -> Result<(), String> {
         parse_device(&self.device).map_err(|e| format!("engine.esrgan.device: {e}"))?;
-        if !(MIN_UPSCALE_TILE..=MAX_UPSCALE_TILE).contains(&self.tile) {
-            return Err(format!(
-                "engine.esrgan.tile: {} is outside {MIN_UPSCALE_TILE}..={MAX_UPSCALE_TILE}",
-                self.tile
-            ));
-        }
-        if self.tile_overlap > self.tile / 4 {
-            return Err(format!(
-                "engine.esrgan.tile_overlap: {} is more than a quarter of the tile ({})",
-                self.tile_overlap, self.tile
-            ));
+        if let Some(choice) = &self.settings {
+            validate_settings(&choice.resolve())?;
         }
         if !(1..=16).contains(&self.max_batch) {
             return Err("engine.esrgan.max_batch: must be 1..=16".into());
@@ -120,23 +98,42 @@ impl EsrganConfig {
     }
 }
 
+/// Why an upscaler's settings cannot run (from the configuration or a settings file).
+pub fn validate_settings(s: &EsrganSettings) -> Result<(), String> {
+    if !(MIN_UPSCALE_TILE..=MAX_UPSCALE_TILE).contains(&s.tile) {
+        return Err(format!(
+            "engine.esrgan.settings.tile: {} is outside {MIN_UPSCALE_TILE}..={MAX_UPSCALE_TILE}",
+            s.tile
+        ));
+    }
+    if s.tile_overlap > s.tile / 4 {
+        return Err(format!(
+            "engine.esrgan.settings.tile_overlap: {} is more than a quarter of the tile ({})",
+            s.tile_overlap, s.tile
+        ));
+    }
+    Ok(())
+}
+
 pub struct EsrganEngine {
     upscaler: Upscaler,
     config: EsrganConfig,
+    settings: EsrganSettings,
 }
 
 impl EsrganEngine {
     /// Loads the model onto the device and runs every tile shape of the configured tiling once.
     /// Any failure (missing file, a checkpoint that is not an RRDBNet, a refused pickle, no device)
     /// is an error naming what is wrong.
-    pub fn load(config: &EsrganConfig) -> anyhow::Result<Self> {
+    pub fn load(config: &EsrganConfig, settings: EsrganSettings) -> anyhow::Result<Self> {
+        validate_settings(&settings).map_err(anyhow::Error::msg)?;
         let device = open_device(&config.device, "engine.esrgan.device")?;
         let started = Instant::now();
         let mut upscaler =
             Upscaler::load(&config.model, device, config.dtype.kind()).map_err(|e| {
                 anyhow::anyhow!("loading Real-ESRGAN from {}: {e}", config.model.display())
             })?;
-        upscaler.set_memory_format(config.memory_format);
+        upscaler.set_memory_format(settings.memory_format);
         tracing::info!(
             model = %upscaler.describe(),
             ?device,
@@ -144,20 +141,21 @@ impl EsrganEngine {
             "Real-ESRGAN loaded"
         );
         let started = Instant::now();
-        let tiles = config.tiles(config.tile, config.tile_overlap);
+        let tiles = config.tiles(settings.tile, settings.tile_overlap);
         upscaler.warm_up(&tiles).map_err(|e| {
-            anyhow::anyhow!("Real-ESRGAN warm-up with {}-pixel tiles: {e}", config.tile)
+            anyhow::anyhow!("Real-ESRGAN warm-up with {}-pixel tiles: {e}", settings.tile)
         })?;
         tracing::info!(
             model = "esrgan",
-            tile = config.tile,
-            overlap = config.tile_overlap,
+            tile = settings.tile,
+            overlap = settings.tile_overlap,
             seconds = started.elapsed().as_secs_f64(),
             "warmed up"
         );
         Ok(Self {
             upscaler,
             config: config.clone(),
+            settings,
         })
     }
 
@@ -175,8 +173,8 @@ impl EsrganEngine {
         let Task::Upscale(spec) = &job.task else {
             return Err(EngineError::Unsupported(job.task.model()));
         };
-        let tile = spec.tile.unwrap_or(self.config.tile);
-        let overlap = spec.tile_overlap.unwrap_or(self.config.tile_overlap);
+        let tile = spec.tile.unwrap_or(self.settings.tile);
+        let overlap = spec.tile_overlap.unwrap_or(self.settings.tile_overlap);
         if overlap > tile / 4 {
             return Err(EngineError::InvalidInput(format!(
                 "tile_overlap {overlap} is more than a quarter of the tile ({tile})"
@@ -221,6 +219,8 @@ impl EsrganEngine {
 
 #[cfg(test)]
 mod tests {
+    use vnfarm_models::nn::MemoryFormat;
+
     use super::*;
 
     fn config(tile: u32, overlap: u32) -> EsrganConfig {
@@ -228,12 +228,14 @@ mod tests {
             model: "m.pth".into(),
             device: "cpu".into(),
             dtype: Dtype::Fp32,
-            tile,
-            tile_overlap: overlap,
             blend: Blend::Feather,
             max_batch: 1,
             pre_pad: 0,
-            memory_format: MemoryFormat::Contiguous,
+            settings: Some(SettingsChoice::Explicit(EsrganSettings {
+                memory_format: MemoryFormat::Contiguous,
+                tile,
+                tile_overlap: overlap,
+            })),
         }
     }
 
@@ -241,9 +243,9 @@ mod tests {
     fn tile_settings_are_checked_and_name_the_field() {
         assert!(config(512, 32).validate().is_ok());
         for (c, field) in [
-            (config(32, 0), "engine.esrgan.tile"),
-            (config(4096, 0), "engine.esrgan.tile"),
-            (config(256, 65), "engine.esrgan.tile_overlap"),
+            (config(32, 0), "engine.esrgan.settings.tile"),
+            (config(4096, 0), "engine.esrgan.settings.tile"),
+            (config(256, 65), "engine.esrgan.settings.tile_overlap"),
             (
                 EsrganConfig {
                     max_batch: 0,

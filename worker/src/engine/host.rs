@@ -10,9 +10,10 @@
 //! so a panic one job provokes fails that job alone): the engines keep no state a half-run job
 //! could corrupt (the weights are only read), so the thread goes on serving.
 
+use std::sync::{Arc, OnceLock};
 use std::thread;
 
-use vnfarm_proto::{GpuMemory, ModelFamily};
+use vnfarm_proto::{GpuMemory, ModelFamily, SettingsInUse};
 
 use super::{
     AdvertisedKeys, Engine, EngineConfig, EngineError, EngineJob, EngineKind, EngineOutput,
@@ -38,6 +39,8 @@ pub struct EngineHost {
     gpu: Option<GpuMemoryProbe>,
     /// The test-pattern engine's simulated GPU, reported instead of a device's.
     simulated_gpu: Option<GpuMemory>,
+    /// The engines' settings, known once they have loaded.
+    settings: Arc<OnceLock<SettingsInUse>>,
 }
 
 /// The engine's loading, on its thread: resolves once it is warm (or failed to load).
@@ -72,7 +75,9 @@ impl EngineHost {
                 EngineKind::TestPattern => config.test_pattern.gpu_memory(),
                 EngineKind::Tch => None,
             },
+            settings: Arc::default(),
         };
+        let settings = host.settings.clone();
         thread::Builder::new()
             .name("engine".into())
             .spawn(move || {
@@ -80,6 +85,10 @@ impl EngineHost {
                 // A failed send means nobody waits for the answer (the worker is exiting).
                 let mut engine = match Engine::load(&config, cache_keys, shared) {
                     Ok(engine) => {
+                        if let Some(in_use) = engine.settings_in_use() {
+                            // Set once, by this thread alone.
+                            let _ = settings.set(in_use);
+                        }
                         if ready_tx.send(Ok(())).is_err() {
                             tracing::debug!("engine loaded, but nobody is waiting for it");
                         }
@@ -126,6 +135,11 @@ impl EngineHost {
 
     pub fn models(&self) -> &[ModelFamily] {
         &self.models
+    }
+
+    /// The engines' settings and where they came from, once the engines have loaded.
+    pub fn settings(&self) -> Option<SettingsInUse> {
+        self.settings.get().cloned()
     }
 
     /// SDXL checkpoints held, by name.

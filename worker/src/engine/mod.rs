@@ -30,7 +30,10 @@ use std::sync::atomic::{AtomicU8, Ordering};
 
 use image::{DynamicImage, RgbImage};
 use serde::Deserialize;
-use vnfarm_proto::{JobId, ModelFamily, ModelFileRole, StageTimings, Task};
+use vnfarm_models::settings::{EsrganSettings, QwenSettings, SdxlSettings};
+use vnfarm_proto::{JobId, ModelFamily, ModelFileRole, SettingsInUse, StageTimings, Task};
+
+use crate::tuning::{self, BoxSettings, SettingsFileError, fingerprint::DeviceIdentity};
 
 pub use encode_cache::{AdvertisedKeys, CacheLookup, EncodeCache};
 pub use esrgan::{EsrganConfig, EsrganEngine};
@@ -64,6 +67,12 @@ pub struct EngineConfig {
     /// Real-ESRGAN on libtorch, for `upscale` jobs (and pipelines' upscales).
     #[serde(default)]
     pub esrgan: Option<EsrganConfig>,
+    /// The settings file `vnfarm-worker check` wrote on this box: it decides every configured
+    /// engine's settings (and sets the process variables it measured), and is refused when it was
+    /// measured on another device, libtorch build or model files. Unset: each engine's `settings`
+    /// (by default the portable preset).
+    #[serde(default)]
+    pub settings_file: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
@@ -171,6 +180,19 @@ impl EngineConfig {
                         .map(|m| m.as_str())
                         .collect::<Vec<_>>()
                         .join(", ")
+                ));
+            }
+        }
+        if self.settings_file.is_some() {
+            let named = [
+                ("sdxl", self.sdxl.as_ref().is_some_and(|c| c.settings.is_some())),
+                ("qwen_edit", self.qwen_edit.as_ref().is_some_and(|c| c.settings.is_some())),
+                ("esrgan", self.esrgan.as_ref().is_some_and(|c| c.settings.is_some())),
+            ];
+            if let Some((engine, _)) = named.iter().find(|(_, set)| *set) {
+                return Err(format!(
+                    "engine.{engine}.settings: engine.settings_file decides the settings; \
+                     remove one of the two"
                 ));
             }
         }
@@ -544,7 +566,76 @@ pub enum Engine {
         sdxl: Option<Box<SdxlEngine>>,
         qwen_edit: Option<Box<QwenEditEngine>>,
         esrgan: Option<Box<EsrganEngine>>,
+        settings: SettingsInUse,
     },
+}
+
+/// Each configured engine's settings, from the settings file (verified against this box) or from
+/// the configuration.
+struct EngineSettings {
+    sdxl: SdxlSettings,
+    qwen_edit: QwenSettings,
+    esrgan: EsrganSettings,
+    in_use: SettingsInUse,
+}
+
+impl EngineSettings {
+    fn choose(config: &EngineConfig) -> anyhow::Result<Self> {
+        let Some(path) = &config.settings_file else {
+            return Ok(Self {
+                sdxl: config.sdxl.as_ref().and_then(|c| c.settings).map_or_else(Default::default, |s| s.resolve()),
+                qwen_edit: config.qwen_edit.as_ref().and_then(|c| c.settings).map_or_else(Default::default, |s| s.resolve()),
+                esrgan: config.esrgan.as_ref().and_then(|c| c.settings).map_or_else(Default::default, |s| s.resolve()),
+                in_use: tuning::presets_in_use(config),
+            });
+        };
+        let mut loaded = BoxSettings::read(path)?;
+        let device = tuning::device_of(config);
+        if let tch::Device::Cuda(_) = device {
+            anyhow::ensure!(
+                tch::Cuda::is_available(),
+                "engine.settings_file: no GPU is visible to libtorch to compare with the file's"
+            );
+        }
+        let models = tuning::model_identities(config)
+            .map_err(|e| anyhow::anyhow!("engine.settings_file: reading the model files: {e}"))?;
+        loaded.verify(path, &DeviceIdentity::of(device), &models)?;
+        if let Some(warning) = &loaded.warning {
+            tracing::warn!(file = %path.display(), "{warning}");
+        }
+        let missing = |engine: &str| SettingsFileError::Missing {
+            path: path.clone(),
+            engine: engine.to_owned(),
+        };
+        let s = &loaded.settings;
+        let sdxl = match (&config.sdxl, s.sdxl) {
+            (Some(_), None) => return Err(missing("sdxl").into()),
+            (_, found) => found.unwrap_or_default(),
+        };
+        let qwen_edit = match (&config.qwen_edit, s.qwen_edit) {
+            (Some(_), None) => return Err(missing("qwen_edit").into()),
+            (_, found) => found.unwrap_or_default(),
+        };
+        let esrgan = match (&config.esrgan, s.esrgan) {
+            (Some(_), None) => return Err(missing("esrgan").into()),
+            (_, found) => found.unwrap_or_default(),
+        };
+        tracing::info!(
+            file = %path.display(),
+            id = %loaded.id,
+            measured_at = %s.measured_at,
+            ?sdxl,
+            ?qwen_edit,
+            ?esrgan,
+            "engine settings from the box's settings file"
+        );
+        Ok(Self {
+            sdxl,
+            qwen_edit,
+            esrgan,
+            in_use: tuning::file_in_use(&loaded),
+        })
+    }
 }
 
 impl Engine {
@@ -562,23 +653,38 @@ impl Engine {
                 cache_keys,
                 shared,
             )))),
-            EngineKind::Tch => Ok(Engine::Tch {
-                sdxl: config
-                    .sdxl
-                    .as_ref()
-                    .map(|c| SdxlEngine::load(c).map(Box::new))
-                    .transpose()?,
-                qwen_edit: config
-                    .qwen_edit
-                    .as_ref()
-                    .map(|c| QwenEditEngine::load(c, cache_keys, shared).map(Box::new))
-                    .transpose()?,
-                esrgan: config
-                    .esrgan
-                    .as_ref()
-                    .map(|c| EsrganEngine::load(c).map(Box::new))
-                    .transpose()?,
-            }),
+            EngineKind::Tch => {
+                let chosen = EngineSettings::choose(config)?;
+                Ok(Engine::Tch {
+                    sdxl: config
+                        .sdxl
+                        .as_ref()
+                        .map(|c| SdxlEngine::load(c, chosen.sdxl).map(Box::new))
+                        .transpose()?,
+                    qwen_edit: config
+                        .qwen_edit
+                        .as_ref()
+                        .map(|c| {
+                            QwenEditEngine::load(c, chosen.qwen_edit, cache_keys, shared)
+                                .map(Box::new)
+                        })
+                        .transpose()?,
+                    esrgan: config
+                        .esrgan
+                        .as_ref()
+                        .map(|c| EsrganEngine::load(c, chosen.esrgan).map(Box::new))
+                        .transpose()?,
+                    settings: chosen.in_use,
+                })
+            }
+        }
+    }
+
+    /// The settings the engines run, for the heartbeat (none for the test-pattern engine).
+    pub fn settings_in_use(&self) -> Option<SettingsInUse> {
+        match self {
+            Engine::TestPattern(_) => None,
+            Engine::Tch { settings, .. } => Some(settings.clone()),
         }
     }
 

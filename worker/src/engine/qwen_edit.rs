@@ -19,15 +19,16 @@ use std::time::Instant;
 
 use serde::Deserialize;
 use vnfarm_models::loading::lora::LoraSpec;
-use vnfarm_models::loading::weights::Fp8Mode;
-use vnfarm_models::nn::AttentionImpl;
 use vnfarm_models::nn::tiling::Tiling;
 use vnfarm_models::qwen_image::pipeline::{
     EditRequest, EncodedInputs, QwenEditConfig, QwenEditPipeline, QwenSource,
 };
 use vnfarm_models::qwen2_5_vl::rope::PositionMode;
 use vnfarm_models::schedulers::FlowMatchConfig;
+use vnfarm_models::settings::QwenSettings;
 use vnfarm_proto::{EditSpec, ModelFileRole, StageTimings, Task};
+
+use crate::tuning::SettingsChoice;
 
 use super::device::{Dtype, engine_error, open_device, parse_device, warm_up_sizes};
 use super::shared_encodings::{file_sample, hex_sha256};
@@ -76,12 +77,12 @@ pub struct QwenEditEngineConfig {
     pub dtype: Dtype,
     #[serde(default)]
     pub vae_dtype: Dtype,
-    /// `upcast`: fp8 weight files are dequantised at load (the transformer takes ~41 GB in bf16);
-    /// `resident`: fp8 weights stay fp8 on the device and are dequantised per layer (~20 GB).
+    /// Kernel and memory choices (`vnfarm_models::settings::QwenSettings`): a preset's name
+    /// (`"portable"`, the default, or `"cuda"`) or a table (`attention`; `fp8`: `upcast`
+    /// dequantises fp8 files at load, the transformer then takes ~41 GB in bf16, `resident` keeps
+    /// them fp8 on the device, ~20 GB). With `engine.settings_file` the file decides.
     #[serde(default)]
-    pub fp8: Fp8Mode,
-    #[serde(default)]
-    pub attention: AttentionImpl,
+    pub settings: Option<SettingsChoice<QwenSettings>>,
     /// Text-encoder position ids: `mrope` (Qwen2.5-VL as trained) or `sequential` (what
     /// diffusers 0.42.1 computes with transformers ≥ 5.15; for reproducing such references).
     #[serde(default)]
@@ -224,6 +225,11 @@ pub struct QwenEditEngine {
 }
 
 impl QwenEditEngine {
+    /// The loaded pipeline, for `vnfarm-worker check`, which drives it directly.
+    pub fn into_pipeline(self) -> QwenEditPipeline {
+        self.pipeline
+    }
+
     /// The most edits in one transformer forward.
     pub fn max_batch(&self) -> usize {
         self.max_batch
@@ -233,12 +239,13 @@ impl QwenEditEngine {
     /// missing or corrupt file, a missing or misshapen tensor, no device) is an error naming it.
     pub fn load(
         config: &QwenEditEngineConfig,
+        settings: QwenSettings,
         cache_keys: AdvertisedKeys,
         shared: Option<SharedEncodings>,
     ) -> anyhow::Result<Self> {
         let device = open_device(&config.device, "engine.qwen_edit.device")?;
         let shared = match shared {
-            Some(s) => Some(s.for_model("qwen_edit", &encodings_fingerprint(config)?)),
+            Some(s) => Some(s.for_model("qwen_edit", &encodings_fingerprint(config, &settings)?)),
             None => None,
         };
         let source = match (
@@ -266,8 +273,7 @@ impl QwenEditEngine {
         let mut pc = QwenEditConfig::new(source, device);
         pc.dtype = config.dtype.kind();
         pc.vae_dtype = config.vae_dtype.kind();
-        pc.fp8 = config.fp8;
-        pc.attention = config.attention;
+        pc.settings = settings;
         pc.positions = config.positions;
         pc.max_batch = config.max_batch as usize;
         pc.condition_image_area = config.condition_image_area;
@@ -290,7 +296,7 @@ impl QwenEditEngine {
             .map_err(|e| anyhow::anyhow!("loading Qwen-Image-Edit: {e}"))?;
         tracing::info!(
             ?device,
-            fp8 = ?config.fp8,
+            fp8 = ?settings.fp8,
             seconds = started.elapsed().as_secs_f64(),
             "Qwen-Image-Edit loaded"
         );
@@ -552,14 +558,17 @@ struct Prepared {
 /// What this engine's encodings depend on, hashed: the layout, the dtypes, fp8 handling, the resize
 /// areas and the text encoder's and VAE's weights (by [`file_sample`]: size, first and last MiB).
 /// Workers with the same fingerprint can use each other's encodings.
-fn encodings_fingerprint(config: &QwenEditEngineConfig) -> anyhow::Result<String> {
+fn encodings_fingerprint(
+    config: &QwenEditEngineConfig,
+    settings: &QwenSettings,
+) -> anyhow::Result<String> {
     let mut parts: Vec<Vec<u8>> = vec![
         vnfarm_models::qwen_image::encodings::FORMAT.into(),
         format!(
             "{:?}/{:?}/{:?}/{}/{}",
             config.dtype,
             config.vae_dtype,
-            config.fp8,
+            settings.fp8,
             config.condition_image_area,
             config.vae_image_area
         )

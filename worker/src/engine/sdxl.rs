@@ -20,15 +20,16 @@ use serde::Deserialize;
 
 use vnfarm_models::error::GenerateError;
 use vnfarm_models::loading::lora::LoraSpec;
-use vnfarm_models::nn::fused::NormKernels;
-use vnfarm_models::nn::{AttentionImpl, FfGelu, MemoryFormat};
 use vnfarm_models::schedulers::PredictionType;
 use vnfarm_models::schedulers::Sampler;
 use vnfarm_models::sdxl::pipeline::{
     ComponentConfigs, GenerateRequest, ModelSource, PipelineConfig, SdxlPipeline,
 };
-use vnfarm_models::sdxl::vae::{Tiling, VaeConfig};
+use vnfarm_models::sdxl::vae::Tiling;
+use vnfarm_models::settings::SdxlSettings;
 use vnfarm_proto::{GenerateSpec, LoraRef, ModelFileRole, StageTimings, Task};
+
+use crate::tuning::SettingsChoice;
 
 use super::device::{Dtype, engine_error, open_device, parse_device, warm_up_sizes};
 use super::{
@@ -64,28 +65,14 @@ pub struct SdxlConfig {
     /// Precision of the VAE. fp16 overflows in the SDXL VAE: use bf16 or fp32.
     #[serde(default)]
     pub vae_dtype: Dtype,
-    /// `sdpa` (`scaled_dot_product_attention`) or `matmul` (plain softmax(QKᵀ)V, for backends whose
-    /// fused kernels fail).
-    #[serde(default)]
-    pub attention: AttentionImpl,
     /// Overrides the checkpoint's own flag (`v_pred` key) and the scheduler config.
     #[serde(default)]
     pub prediction_type: Option<PredictionType>,
-    /// `auto` decodes untiled while the estimated working memory of one image's decode fits
-    /// `vae_memory_budget_mib`, and with the seam-free tiled decode (whole-image GroupNorm
+    /// `auto` decodes untiled while the estimated working memory of one image's decode fits the
+    /// settings' `vae_memory_budget_mib`, and with the seam-free tiled decode (whole-image GroupNorm
     /// statistics) beyond it; `always` is diffusers' tiled decode; `never`.
     #[serde(default)]
     pub vae_tiling: VaeTiling,
-    /// MiB of working memory (weights excluded) one image's VAE decode may take under `auto`.
-    /// Unset: 12288 (2048² decodes untiled in bf16, about 10 GiB). See docs/performance.md for
-    /// what sets it on a ROCm box, where decode time, not memory, decides.
-    #[serde(default)]
-    pub vae_memory_budget_mib: Option<u32>,
-    /// Memory order of the VAE's activations: `channels_last` (default; diffusers' decoder runs
-    /// NHWC after its mid block, and NHWC GroupNorm keeps it so) or `contiguous` (NCHW
-    /// throughout: the ROCm-safe choice unless `PYTORCH_MIOPEN_SUGGEST_NHWC=1` is set).
-    #[serde(default)]
-    pub vae_memory_format: Option<MemoryFormat>,
     /// `[width, height]` sizes run once (one step and a decode) before the worker takes jobs.
     #[serde(default = "default_warm_up")]
     pub warm_up: Vec<[u32; 2]>,
@@ -93,37 +80,13 @@ pub struct SdxlConfig {
     /// several forwards.
     #[serde(default = "default_max_batch")]
     pub max_batch: u32,
-    /// Replay the UNet forward from a CUDA graph captured per latent shape: 5–7 % off a CFG step at
-    /// 1024² on the H200, output bit-identical (docs/performance.md, kernels attempt 6). CUDA
-    /// builds and devices only (the worker refuses to start with it elsewhere); it holds a memory
-    /// pool per captured shape (about 1 GiB at 1024², 3 GiB for 4 images) that the budget of
-    /// `vae_memory_budget_mib` does not count. Off by default; a ROCm box keeps it off until HIP
-    /// graphs are checked there.
+    /// Kernel and layout choices (`vnfarm_models::settings::SdxlSettings`): a preset's name
+    /// (`"portable"`, the default, or `"cuda"`) or a table of them (`attention`, `cuda_graphs`,
+    /// `ff_gelu`, `unet_memory_format`, `norm_kernels`, `vae_memory_format`,
+    /// `vae_memory_budget_mib`; unset keys are the portable preset's). With `engine.settings_file`
+    /// the file decides and this must be unset.
     #[serde(default)]
-    pub cuda_graphs: bool,
-    /// The UNet feed-forwards' GELU: `separate` (default: diffusers' erf GELU as its own kernel,
-    /// exact parity) or `epilogue` (in the matmul's epilogue through cuBLASLt, the tanh
-    /// approximation: UNet batch 8 −3 %, 4 images at 1024² −3 %, images 0.44/255 from `separate`
-    /// on the H200; docs/performance.md, kernels attempt 8). It pays where the GPU is the limit
-    /// (several images per forward, or with `cuda_graphs`); eager single-image steps, where the
-    /// host is, measured slower. Needs a binary built against a CUDA libtorch (the operator shim);
-    /// a start-up error elsewhere. ROCm boxes keep `separate`.
-    #[serde(default)]
-    pub ff_gelu: FfGelu,
-    /// Memory order of the UNet's activations: `contiguous` (default, NCHW as diffusers) or
-    /// `channels_last` (NHWC convolutions without cuDNN's layout conversions; docs/performance.md,
-    /// kernels attempt 10). On ROCm MIOpen runs NHWC natively only with
-    /// `PYTORCH_MIOPEN_SUGGEST_NHWC=1`: compare both there before choosing.
-    #[serde(default)]
-    pub unet_memory_format: MemoryFormat,
-    /// The UNet's normalisations: `aten` (default, libtorch's GroupNorm, LayerNorm, adds and SiLU,
-    /// as diffusers) or `fused` (kernels of our own compiled at start-up with NVRTC: NHWC
-    /// GroupNorm with its SiLU and the time embedding in one pass, residual add + LayerNorm in
-    /// one; docs/performance.md, kernels attempt 11). The GroupNorms are fused only with
-    /// `unet_memory_format = "channels_last"`. Needs a binary built against a CUDA libtorch; a
-    /// start-up error elsewhere. ROCm boxes keep `aten`.
-    #[serde(default)]
-    pub norm_kernels: NormKernels,
+    pub settings: Option<SettingsChoice<SdxlSettings>>,
     /// Where jobs' `loras` are looked up: `<lora_dir>/<name>` or `<lora_dir>/<name>.safetensors`
     /// (kohya, diffusers/PEFT or LyCORIS LoCon files).
     #[serde(default)]
@@ -221,7 +184,7 @@ impl SdxlEngine {
 
     /// Loads the checkpoint onto the device and warms up at every configured size. Any failure
     /// (missing file, missing or misshapen tensor, no device) is an error naming what is wrong.
-    pub fn load(config: &SdxlConfig) -> anyhow::Result<Self> {
+    pub fn load(config: &SdxlConfig, settings: SdxlSettings) -> anyhow::Result<Self> {
         let device = open_device(&config.device, "engine.sdxl.device")?;
         let checkpoint = &config.checkpoint;
         let source = if checkpoint.is_dir() {
@@ -237,12 +200,8 @@ impl SdxlEngine {
         let mut pc = PipelineConfig::new(source, device);
         pc.dtype = config.dtype.kind();
         pc.vae_dtype = config.vae_dtype.kind();
-        pc.attention = config.attention;
         pc.prediction_type = config.prediction_type;
-        pc.cuda_graphs = config.cuda_graphs;
-        pc.ff_gelu = config.ff_gelu;
-        pc.unet_memory_format = config.unet_memory_format;
-        pc.norm_kernels = config.norm_kernels;
+        pc.settings = settings;
         pc.vae_tiling = match config.vae_tiling {
             VaeTiling::Auto => Tiling::Auto,
             VaeTiling::Always => Tiling::Always,
@@ -253,16 +212,6 @@ impl SdxlEngine {
         let config_dir = config.config_dir.as_ref();
         if let Some(dir) = config_dir.or(checkpoint.is_dir().then_some(checkpoint)) {
             pc.components = ComponentConfigs::default().fill_from_dir(dir)?;
-        }
-        if config.vae_memory_budget_mib.is_some() || config.vae_memory_format.is_some() {
-            let mut vae = pc.components.vae.take().unwrap_or_else(VaeConfig::sdxl);
-            if let Some(mib) = config.vae_memory_budget_mib {
-                vae.memory_budget_mib = i64::from(mib);
-            }
-            if let Some(format) = config.vae_memory_format {
-                vae.memory_format = format;
-            }
-            pc.components.vae = Some(vae);
         }
         pc.tokenizer_dir = config.tokenizer_dir.clone().or_else(|| {
             config
@@ -288,6 +237,19 @@ impl SdxlEngine {
             files: config.files(),
             lora_dir: LoraDir::new(config.lora_dir.clone(), "engine.sdxl.lora_dir"),
         })
+    }
+
+    /// The loaded pipeline, for `vnfarm-worker check`, which drives it directly.
+    pub fn into_pipeline(self) -> SdxlPipeline {
+        self.pipeline
+    }
+
+    pub fn pipeline(&self) -> &SdxlPipeline {
+        &self.pipeline
+    }
+
+    pub fn pipeline_mut(&mut self) -> &mut SdxlPipeline {
+        &mut self.pipeline
     }
 
     /// The files a generate's images are made from: the checkpoint's, then the job's LoRAs (by
@@ -625,18 +587,12 @@ mod tests {
             device: "cpu".into(),
             dtype: Dtype::Bf16,
             vae_dtype: Dtype::Bf16,
-            attention: AttentionImpl::default(),
             prediction_type: None,
             vae_tiling: VaeTiling::Auto,
-            vae_memory_budget_mib: None,
-            vae_memory_format: None,
             warm_up: Vec::new(),
             max_batch: 4,
             lora_dir: None,
-            cuda_graphs: false,
-            ff_gelu: FfGelu::Separate,
-            unet_memory_format: MemoryFormat::Contiguous,
-            norm_kernels: NormKernels::Aten,
+            settings: None,
         }
     }
 
@@ -648,8 +604,11 @@ mod tests {
         let mut c = config(tiny, None);
         c.dtype = Dtype::Fp32;
         c.vae_dtype = Dtype::Fp32;
-        c.cuda_graphs = true;
-        let e = SdxlEngine::load(&c).err().expect("refused");
+        let settings = SdxlSettings {
+            cuda_graphs: true,
+            ..SdxlSettings::default()
+        };
+        let e = SdxlEngine::load(&c, settings).err().expect("refused");
         assert!(format!("{e:#}").contains("cuda_graphs"), "{e:#}");
     }
 

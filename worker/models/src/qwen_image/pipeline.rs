@@ -17,6 +17,7 @@
 //! before every step; a libtorch failure inside an operation is [`GenerateError::Backend`], not a
 //! panic.
 
+use crate::settings::QwenSettings;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -75,9 +76,9 @@ pub struct QwenEditConfig {
     pub dtype: Kind,
     /// Dtype of the VAE.
     pub vae_dtype: Kind,
-    /// fp8 weights: dequantised at load, or kept resident and dequantised per layer.
-    pub fp8: Fp8Mode,
-    pub attention: AttentionImpl,
+    /// Kernel and memory choices: attention, and whether fp8 weights are dequantised at load or
+    /// kept resident and dequantised per layer ([`QwenSettings`], the portable preset by default).
+    pub settings: QwenSettings,
     /// LoRAs fused into the transformer at load (the Lightning 4-step LoRA at strength 1).
     pub loras: Vec<LoraSpec>,
     /// Position ids of the text encoder: M-RoPE as Qwen2.5-VL was trained (the default), or the
@@ -103,8 +104,7 @@ impl QwenEditConfig {
             device,
             dtype: Kind::BFloat16,
             vae_dtype: Kind::BFloat16,
-            fp8: Fp8Mode::Upcast,
-            attention: AttentionImpl::Sdpa,
+            settings: QwenSettings::default(),
             loras: Vec::new(),
             positions: PositionMode::Mrope,
             scheduler: None,
@@ -265,8 +265,8 @@ impl QwenEditPipeline {
         let te_options = TextEncoderOptions {
             device,
             kind: config.dtype,
-            attention: config.attention,
-            fp8: config.fp8,
+            attention: config.settings.attention,
+            fp8: config.settings.fp8,
             positions: config.positions,
         };
         let load_transformer = || -> Result<QwenImageTransformer2DModel, LoadError> {
@@ -278,12 +278,12 @@ impl QwenEditPipeline {
                 QwenSource::Files { transformer, .. } => transformer_store(open(transformer)?),
             };
             let w = Weights::new(
-                std::sync::Arc::new(store.with_fp8(config.fp8)),
+                std::sync::Arc::new(store.with_fp8(config.settings.fp8)),
                 device,
                 config.dtype,
             );
             let mut transformer =
-                QwenImageTransformer2DModel::new(&w, &transformer_config, config.attention)?;
+                QwenImageTransformer2DModel::new(&w, &transformer_config, config.settings.attention)?;
             if !config.loras.is_empty() {
                 // Load-time LoRAs stay fused for the pipeline's life: nothing to restore.
                 let applied =

@@ -28,7 +28,8 @@ use crate::sdxl::conditioning::{EncoderPair, PromptEncoder};
 use crate::sdxl::ldm;
 use crate::sdxl::unet::{AddedCond, UNet2DConditionModel, UNetConfig};
 use crate::sdxl::unet_graph::GraphedUNet;
-use crate::sdxl::vae::{AutoencoderKL, Tiling, VaeConfig};
+use crate::sdxl::vae::{AutoencoderKL, Tiling, VaeConfig, VaeRuntime};
+use crate::settings::SdxlSettings;
 use crate::text::clip_tokenizer::ClipTokenizer;
 
 /// Where the weights are.
@@ -107,7 +108,6 @@ pub struct PipelineConfig {
     /// Dtype of the VAE; fp16 overflows in the SDXL VAE (diffusers' `force_upcast`), use fp32 or
     /// bf16 there.
     pub vae_dtype: Kind,
-    pub attention: AttentionImpl,
     pub components: ComponentConfigs,
     /// A folder holding `tokenizer/` and `tokenizer_2/` (diffusers layout). `None`: the diffusers
     /// folder's own, else the bundled CLIP tokenizer.
@@ -117,42 +117,29 @@ pub struct PipelineConfig {
     pub vae_tiling: Tiling,
     /// Load the UNet on a second thread while the other components load (default true).
     pub parallel_load: bool,
-    /// Replay the UNet forward from a CUDA graph captured per latent shape (default false):
-    /// removes the host's kernel-launch time from each step. CUDA devices and binaries built
-    /// against a CUDA libtorch only (`SdxlPipeline::load` refuses it elsewhere); a ROCm build has
-    /// to be checked for HIP graphs first (docs/performance.md, "CUDA graph capture"). Costs a
-    /// memory pool of its own per captured shape, which the VAE decode cannot reuse.
-    pub cuda_graphs: bool,
-    /// The feed-forwards' GELU: `Separate` (default, diffusers' erf GELU, exact parity) or in the
-    /// matmul's epilogue (tanh approximation; docs/performance.md, kernels attempt 8).
-    pub ff_gelu: FfGelu,
-    /// The UNet's activations NCHW (`Contiguous`, default) or NHWC (`ChannelsLast`; kernels
-    /// attempt 10 in docs/performance.md).
-    pub unet_memory_format: MemoryFormat,
-    /// The UNet's normalisations as libtorch's operators (`Aten`, default) or as fused kernels of
-    /// our own compiled at load (`Fused`; CUDA builds only, kernels attempt 11 in
-    /// docs/performance.md).
-    pub norm_kernels: NormKernels,
+    /// Kernel and layout choices (attention, graph capture, GELU, UNet layout, normalisation
+    /// kernels, VAE layout and memory budget): [`SdxlSettings`], the portable preset by default.
+    /// Graph capture needs a CUDA device and a binary built against a CUDA libtorch, the epilogue
+    /// GELU and the fused normalisations the operator shim: `SdxlPipeline::load` refuses them
+    /// elsewhere with the reason (docs/performance.md, kernels attempts 6, 8, 10 and 11).
+    pub settings: SdxlSettings,
 }
 
 impl PipelineConfig {
-    /// fp32 on `device`, SDPA, automatic VAE tiling, everything else from the source.
+    /// fp32 on `device`, the portable settings, automatic VAE tiling, everything else from the
+    /// source.
     pub fn new(source: ModelSource, device: Device) -> Self {
         Self {
             source,
             device,
             dtype: Kind::Float,
             vae_dtype: Kind::Float,
-            attention: AttentionImpl::Sdpa,
             components: ComponentConfigs::default(),
             tokenizer_dir: None,
             prediction_type: None,
             vae_tiling: Tiling::Auto,
             parallel_load: true,
-            cuda_graphs: false,
-            ff_gelu: FfGelu::Separate,
-            unet_memory_format: MemoryFormat::Contiguous,
-            norm_kernels: NormKernels::Aten,
+            settings: SdxlSettings::default(),
         }
     }
 }
@@ -220,6 +207,7 @@ pub struct SdxlPipeline {
     /// The UNet forward's CUDA graph, when `PipelineConfig::cuda_graphs` is on. Behind a mutex
     /// because generation takes `&self`; one generation runs at a time on the model thread.
     unet_graph: Option<Mutex<GraphedUNet>>,
+    settings: SdxlSettings,
 }
 
 /// Tokenizers 1 and 2 from `dir/tokenizer{,_2}` (see [`ClipTokenizer::from_dir`]), else the bundled
@@ -254,20 +242,22 @@ fn lora_targets<'a>(
     ]
 }
 
-impl SdxlPipeline {
-    /// Loads every component straight to `config.device` in `config.dtype`.
-    pub fn load(config: &PipelineConfig) -> Result<Self, LoadError> {
-        let _guard = tch::no_grad_guard();
-        let c = &config.components;
-        let (dev, dt, imp) = (config.device, config.dtype, config.attention);
-        if config.cuda_graphs {
-            cuda_graph::check_available(dev)?;
+/// Whether `settings` can run on `device` with this binary: graph capture where graphs can be
+/// captured, the operator shim where a setting needs it, the fused kernels compiled for the device
+/// (so that a GPU or driver NVRTC cannot serve fails now, with the compiler's log).
+fn check_settings(settings: &SdxlSettings, device: Device) -> Result<(), LoadError> {
+        settings.validate().map_err(|reason| LoadError::Setting {
+            setting: "settings",
+            reason,
+        })?;
+        if settings.cuda_graphs {
+            cuda_graph::check_available(device)?;
         }
         // Settings that need the operator shim (csrc/ops.cpp, csrc/rtc.cpp).
         for (asked, setting) in [
-            (config.ff_gelu == FfGelu::Epilogue, "ff_gelu = epilogue"),
+            (settings.ff_gelu == FfGelu::Epilogue, "ff_gelu = epilogue"),
             (
-                config.norm_kernels == NormKernels::Fused,
+                settings.norm_kernels == NormKernels::Fused,
                 "norm_kernels = fused",
             ),
         ] {
@@ -280,13 +270,24 @@ impl SdxlPipeline {
                 });
             }
         }
-        if config.norm_kernels == NormKernels::Fused {
+        if settings.norm_kernels == NormKernels::Fused {
             // Compiled now, so that a GPU or driver NVRTC cannot serve fails the load.
-            fused::prepare(dev).map_err(|reason| LoadError::Setting {
+            fused::prepare(device).map_err(|reason| LoadError::Setting {
                 setting: "norm_kernels = fused",
                 reason,
             })?;
         }
+    Ok(())
+}
+
+impl SdxlPipeline {
+    /// Loads every component straight to `config.device` in `config.dtype`.
+    pub fn load(config: &PipelineConfig) -> Result<Self, LoadError> {
+        let _guard = tch::no_grad_guard();
+        let c = &config.components;
+        let settings = &config.settings;
+        check_settings(settings, config.device)?;
+        let (dev, dt, imp) = (config.device, config.dtype, settings.attention);
         let (unet_cfg, vae_cfg, l_cfg, g_cfg, mut sched, stores, flags, tok_dir) =
             match &config.source {
                 ModelSource::SingleFile(path) => {
@@ -352,7 +353,10 @@ impl SdxlPipeline {
             Ok((
                 ClipTextModel::new(&w(l_s, dt), &l_cfg, imp)?,
                 ClipTextModel::new(&w(g_s, dt), &g_cfg, imp)?,
-                AutoencoderKL::new(&w(vae_s, vae_dt), &vae_cfg, imp)?,
+                AutoencoderKL::new(&w(vae_s, vae_dt), &vae_cfg, imp)?.with_runtime(VaeRuntime {
+                    memory_budget_mib: settings.vae_memory_budget_mib,
+                    memory_format: settings.vae_memory_format,
+                }),
             ))
         };
         let unet = || UNet2DConditionModel::new(&w(unet_s, dt), &unet_cfg, imp);
@@ -373,9 +377,9 @@ impl SdxlPipeline {
         };
         let (clip_l, clip_g, vae) = others?;
         let mut unet = unet?;
-        unet.set_ff_gelu(config.ff_gelu);
-        unet.set_memory_format(config.unet_memory_format);
-        unet.set_norm_kernels(config.norm_kernels);
+        unet.set_ff_gelu(settings.ff_gelu);
+        unet.set_memory_format(settings.unet_memory_format);
+        unet.set_norm_kernels(settings.norm_kernels);
         let (tok_l, tok_g) = toks
             .join()
             .unwrap_or_else(|panic| std::panic::resume_unwind(panic))?;
@@ -396,7 +400,8 @@ impl SdxlPipeline {
                 flags,
             },
             loras: JobLoras::default(),
-            unet_graph: config.cuda_graphs.then(|| Mutex::new(GraphedUNet::new())),
+            unet_graph: settings.cuda_graphs.then(|| Mutex::new(GraphedUNet::new())),
+            settings: *settings,
         })
     }
 
@@ -418,6 +423,65 @@ impl SdxlPipeline {
         self.unet.set_memory_format(format);
         self.invalidate_unet_graph();
         Ok(switch?)
+    }
+
+    /// One UNet forward as the denoising loop runs it: replayed from the graph of its shape when
+    /// graphs are on, eagerly otherwise.
+    pub fn unet_step(
+        &self,
+        sample: &Tensor,
+        timestep: &Tensor,
+        context: &Tensor,
+        added: &AddedCond<'_>,
+    ) -> Result<Tensor, GenerateError> {
+        match &self.unet_graph {
+            None => Ok(self.unet.forward(sample, timestep, context, added)),
+            Some(graph) => graph
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .forward(&self.unet, sample, timestep, context, added)
+                .map_err(|e| GenerateError::Backend(e.to_string())),
+        }
+    }
+
+    /// Runs with other settings from now on, without loading again: what `vnfarm-worker check`
+    /// compares. Checked as at load (graphs on a CUDA device of a shim build, the operator shim,
+    /// the kernels compiled); the attention implementation is chosen at load and cannot change
+    /// here.
+    pub fn apply_settings(&mut self, settings: &SdxlSettings) -> Result<(), LoadError> {
+        let current = self.settings;
+        if settings.attention != current.attention {
+            return Err(LoadError::Setting {
+                setting: "attention",
+                reason: "chosen at load; load the pipeline again to change it".into(),
+            });
+        }
+        check_settings(settings, self.device)?;
+        self.unet.set_ff_gelu(settings.ff_gelu);
+        self.unet.set_memory_format(settings.unet_memory_format);
+        self.unet.set_norm_kernels(settings.norm_kernels);
+        self.vae.set_runtime(VaeRuntime {
+            memory_budget_mib: settings.vae_memory_budget_mib,
+            memory_format: settings.vae_memory_format,
+        });
+        self.unet_graph = settings.cuda_graphs.then(|| Mutex::new(GraphedUNet::new()));
+        self.settings = *settings;
+        Ok(())
+    }
+
+    /// The device it runs on.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// The VAE's dtype.
+    pub fn vae_dtype(&self) -> Kind {
+        self.vae_dtype
+    }
+
+    /// The settings it runs.
+    pub fn settings(&self) -> &SdxlSettings {
+        &self.settings
     }
 
     fn invalidate_unet_graph(&mut self) {
@@ -708,14 +772,7 @@ impl SdxlPipeline {
                 text_embeds: &pooled,
                 time_ids: &time_ids,
             };
-            let out = match &self.unet_graph {
-                None => self.unet.forward(&input, &t_tensor, &context, &added),
-                Some(graph) => graph
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .forward(&self.unet, &input, &t_tensor, &context, &added)
-                    .map_err(|e| GenerateError::Backend(e.to_string()))?,
-            };
+            let out = self.unet_step(&input, &t_tensor, &context, &added)?;
             let guided_out = if guided {
                 let parts = out.chunk(2, 0);
                 let delta = &parts[1] - &parts[0];
@@ -786,7 +843,7 @@ mod tests {
             ModelSource::DiffusersFolder("/nonexistent".into()),
             Device::Cpu,
         );
-        config.cuda_graphs = true;
+        config.settings.cuda_graphs = true;
         let err = SdxlPipeline::load(&config).expect_err("no graphs on the CPU");
         assert!(
             matches!(

@@ -25,7 +25,8 @@ use crate::sdxl::resnet::{Downsample2D, ResnetBlock2D, Upsample2D};
 /// `sdxl::vae::Tiling`).
 pub use crate::nn::tiling::Tiling;
 
-/// `AutoencoderKL` config fields, plus tiling settings (ours).
+/// `AutoencoderKL` config fields, plus the tile geometry (ours). How a decode uses memory is a
+/// runtime choice, [`VaeRuntime`], not part of the architecture.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct VaeConfig {
     pub in_channels: i64,
@@ -40,14 +41,34 @@ pub struct VaeConfig {
     pub tile_sample_size: i64,
     /// Fraction of a tile that overlaps its neighbour (diffusers `tile_overlap_factor` 0.25).
     pub tile_overlap_factor: f64,
+}
+
+/// How an [`AutoencoderKL`] runs on its device (from [`crate::settings::SdxlSettings`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VaeRuntime {
     /// Working memory (MiB, weights excluded) one image's decode or encode may take under
     /// `Tiling::Auto`: untiled when [`VaeConfig::decode_bytes`] fits, tiled beyond.
-    pub memory_budget_mib: i64,
+    pub memory_budget_mib: u32,
     /// Memory order of the decoder after its mid block and of the encoder's input. Channels-last
     /// is what diffusers' decoder runs in after the mid-block attention (its output is a
     /// transposed view); `contiguous` makes both NCHW throughout (for backends whose NHWC
     /// convolutions are slow, e.g. MIOpen without `PYTORCH_MIOPEN_SUGGEST_NHWC=1`).
     pub memory_format: MemoryFormat,
+}
+
+impl Default for VaeRuntime {
+    fn default() -> Self {
+        Self {
+            memory_budget_mib: DEFAULT_VAE_MEMORY_BUDGET_MIB,
+            memory_format: MemoryFormat::ChannelsLast,
+        }
+    }
+}
+
+impl VaeRuntime {
+    fn budget_bytes(&self) -> i64 {
+        i64::from(self.memory_budget_mib) << 20
+    }
 }
 
 /// `x` in `format`'s memory order (a no-op when it already is).
@@ -59,9 +80,7 @@ fn in_layout(x: Tensor, format: MemoryFormat) -> Tensor {
     }
 }
 
-/// The default of [`VaeConfig::memory_budget_mib`]: 2048² decodes untiled in bf16 (about 10 GiB,
-/// measured on an H200, docs/performance.md).
-pub const DEFAULT_MEMORY_BUDGET_MIB: i64 = 12 * 1024;
+pub use crate::settings::DEFAULT_VAE_MEMORY_BUDGET_MIB;
 
 /// Working memory of an untiled decode, in activations of the last up block's input width
 /// (256 channels for SDXL) at the output size: the upsampled input, its normalised copy, the
@@ -88,8 +107,6 @@ impl VaeConfig {
             scaling_factor: 0.13025,
             tile_sample_size: 1024,
             tile_overlap_factor: 0.25,
-            memory_budget_mib: DEFAULT_MEMORY_BUDGET_MIB,
-            memory_format: MemoryFormat::ChannelsLast,
         }
     }
 
@@ -106,8 +123,6 @@ impl VaeConfig {
             scaling_factor: 0.18215,
             tile_sample_size: 128,
             tile_overlap_factor: 0.25,
-            memory_budget_mib: DEFAULT_MEMORY_BUDGET_MIB,
-            memory_format: MemoryFormat::ChannelsLast,
         }
     }
 
@@ -135,8 +150,6 @@ impl VaeConfig {
                 .unwrap_or(0.18215),
             tile_sample_size: sample,
             tile_overlap_factor: 0.25,
-            memory_budget_mib: DEFAULT_MEMORY_BUDGET_MIB,
-            memory_format: MemoryFormat::ChannelsLast,
         })
     }
 
@@ -160,10 +173,6 @@ impl VaeConfig {
             * self.block_out_channels[0] as f64
             * kind.elt_size_in_bytes() as f64;
         (per_pixel * (height * width) as f64) as i64
-    }
-
-    fn budget_bytes(&self) -> i64 {
-        self.memory_budget_mib.max(0) << 20
     }
 
     /// The up block before whose upsampler [`AutoencoderKL::decode_tiled`] starts tiling: the
@@ -489,6 +498,7 @@ pub struct AutoencoderKL {
     post_quant_conv: Conv2d,
     decoder: Decoder,
     config: VaeConfig,
+    runtime: VaeRuntime,
 }
 
 impl AutoencoderKL {
@@ -507,11 +517,26 @@ impl AutoencoderKL {
             )?,
             decoder: Decoder::new(&w.pp("decoder"), c, imp)?,
             config: c.clone(),
+            runtime: VaeRuntime::default(),
         })
+    }
+
+    /// The same VAE run with `runtime`'s memory budget and layout.
+    pub fn with_runtime(mut self, runtime: VaeRuntime) -> Self {
+        self.runtime = runtime;
+        self
+    }
+
+    pub fn set_runtime(&mut self, runtime: VaeRuntime) {
+        self.runtime = runtime;
     }
 
     pub fn config(&self) -> &VaeConfig {
         &self.config
+    }
+
+    pub fn runtime(&self) -> VaeRuntime {
+        self.runtime
     }
 
     fn tile_latent_size(&self) -> i64 {
@@ -525,7 +550,7 @@ impl AutoencoderKL {
         let tile = match tiling {
             Tiling::Always => true,
             Tiling::Never => false,
-            Tiling::Auto => c.encode_bytes(h, w, x.kind()) > c.budget_bytes(),
+            Tiling::Auto => c.encode_bytes(h, w, x.kind()) > self.runtime.budget_bytes(),
         };
         let moments = if tile {
             tiled(
@@ -536,12 +561,12 @@ impl AutoencoderKL {
                 self.tile_latent_size(),
                 |t| {
                     self.quant_conv
-                        .forward(&self.encoder.forward(t, c.memory_format))
+                        .forward(&self.encoder.forward(t, self.runtime.memory_format))
                 },
             )
         } else {
             self.quant_conv
-                .forward(&self.encoder.forward(x, c.memory_format))
+                .forward(&self.encoder.forward(x, self.runtime.memory_format))
         };
         let parts = moments.chunk(2, 1);
         DiagonalGaussian {
@@ -561,10 +586,10 @@ impl AutoencoderKL {
         match tiling {
             Tiling::Never => self
                 .decoder
-                .forward(&self.post_quant_conv.forward(z), c.memory_format),
-            Tiling::Auto if c.decode_bytes(h * f, w * f, z.kind()) <= c.budget_bytes() => self
+                .forward(&self.post_quant_conv.forward(z), self.runtime.memory_format),
+            Tiling::Auto if c.decode_bytes(h * f, w * f, z.kind()) <= self.runtime.budget_bytes() => self
                 .decoder
-                .forward(&self.post_quant_conv.forward(z), c.memory_format),
+                .forward(&self.post_quant_conv.forward(z), self.runtime.memory_format),
             Tiling::Auto => self.decode_tiled(z, self.tiled_plan(h, w, z.kind())),
             Tiling::Always => {
                 let tl = self.tile_latent_size();
@@ -576,7 +601,7 @@ impl AutoencoderKL {
                     c.tile_sample_size,
                     |t| {
                         self.decoder
-                            .forward(&self.post_quant_conv.forward(t), c.memory_format)
+                            .forward(&self.post_quant_conv.forward(t), self.runtime.memory_format)
                     },
                 )
             }
@@ -591,7 +616,7 @@ impl AutoencoderKL {
         let up = 1i64 << c.tiling_block();
         let g = c.scale_factor() / up; // output pixels per pixel where tiling starts
         let (hs, ws) = (h * up, w * up);
-        let budget = c.budget_bytes();
+        let budget = self.runtime.budget_bytes();
         let margin = c.tiled_receptive_radius();
         let mut core = 16;
         while core + 8 < hs.max(ws) {
@@ -631,7 +656,7 @@ impl AutoencoderKL {
         let head = self.decoder.up_head(
             &in_layout(
                 self.decoder.latent_part(&self.post_quant_conv.forward(z)),
-                c.memory_format,
+                self.runtime.memory_format,
             ),
             split,
         );

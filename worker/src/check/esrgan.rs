@@ -1,0 +1,99 @@
+//! The Real-ESRGAN engine on this box: the network on the device against a CPU copy in fp32 on a
+//! small tile, then each memory layout on the device: it must agree with the portable preset's
+//! output and is kept where one tile at the configured size (with its overlap) runs faster.
+
+use tch::{Device, Kind};
+use vnfarm_models::esrgan::upscaler::Upscaler;
+use vnfarm_models::nn::MemoryFormat;
+use vnfarm_models::settings::{EsrganSettings, Preset};
+
+use super::measure::{randn, relative_error};
+use super::report::CheckResult;
+use super::{Plan, Step, tolerance};
+use crate::engine::EsrganConfig;
+
+const CANDIDATE_TOLERANCE: f64 = 1e-2;
+
+pub fn run(config: &EsrganConfig, plan: &Plan, step: &mut Step) {
+    let device = crate::engine::device::parse_device(&config.device).unwrap_or(Device::Cpu);
+    let kind = config.dtype.kind();
+    let portable = EsrganSettings::preset(Preset::Portable);
+    let Some(mut upscaler) = step.run("esrgan.load", || {
+        let mut up = Upscaler::load(&config.model, device, kind)?;
+        up.set_memory_format(portable.memory_format);
+        Ok((up, "loaded with the portable settings".to_owned()))
+    }) else {
+        return;
+    };
+    let net_kind = kind;
+    let channels = upscaler.config().num_in_ch;
+    let probe = randn(&[1, channels, 64, 64], 5, Kind::Float, Device::Cpu).sigmoid();
+    let Some(reference) = step.run("esrgan.device.forward", || {
+        let out = upscaler.network().forward(&probe.to_device(device).to_kind(net_kind));
+        Ok((out, "a 64x64 tile runs".to_owned()))
+    }) else {
+        return;
+    };
+    if let Some(cpu) = step.attempt("esrgan.cpu_parity.load", || {
+        Ok(Upscaler::load(&config.model, Device::Cpu, Kind::Float)?)
+    }) && let Some(e) = step.attempt("esrgan.cpu_parity.forward", || {
+        let _guard = tch::no_grad_guard();
+        Ok(relative_error(&reference, &cpu.network().forward(&probe)))
+    }) {
+        step.record(CheckResult::within(
+            "esrgan.cpu_parity.forward",
+            "RRDBNet tile, device against CPU",
+            e,
+            tolerance(kind),
+        ));
+    }
+    let side = if plan.quick { 64 } else { i64::from(portable.tile) };
+    let tile = side + 2 * i64::from(portable.tile_overlap);
+    let input = randn(&[1, channels, tile, tile], 9, kind, device);
+    let time = |up: &Upscaler, name: &str, step: &mut Step| {
+        step.time(&format!("esrgan.tile.{tile}x{tile}"), name, device, plan.repeats, || {
+            Ok(up.network().forward(&input))
+        })
+        .map(|t| t.median_s)
+    };
+    let Some(portable_s) = time(&upscaler, "portable", step) else {
+        return;
+    };
+    let mut best = portable;
+    let mut best_s = portable_s;
+    let other = match portable.memory_format {
+        MemoryFormat::ChannelsLast => MemoryFormat::Contiguous,
+        MemoryFormat::Contiguous => MemoryFormat::ChannelsLast,
+    };
+    let candidate = EsrganSettings {
+        memory_format: other,
+        ..portable
+    };
+    let id = format!("esrgan.candidate.{}", match other {
+        MemoryFormat::ChannelsLast => "channels_last",
+        MemoryFormat::Contiguous => "contiguous",
+    });
+    let agreed = step.run(&id, || {
+        upscaler.set_memory_format(other);
+        let out = upscaler.network().forward(&probe.to_device(device).to_kind(net_kind));
+        let e = relative_error(&out, &reference);
+        anyhow::ensure!(e < CANDIDATE_TOLERANCE, "disagrees with the portable path: relative error {e:.2e}");
+        Ok(((), format!("agrees with the portable path: relative error {e:.2e}")))
+    });
+    if agreed.is_some()
+        && let Some(t) = time(&upscaler, &id["esrgan.candidate.".len()..], step)
+    {
+        let kept = t < best_s * 0.99;
+        step.record(CheckResult::pass(
+            &format!("{id}.speed"),
+            format!("{t:.4} s against {best_s:.4} s: {}", if kept { "kept" } else { "not faster, dropped" }),
+            Some(t),
+        ));
+        if kept {
+            best = candidate;
+            best_s = t;
+        }
+    }
+    upscaler.set_memory_format(best.memory_format);
+    step.chosen(serde_json::to_value(best).expect("settings serialize"), portable_s / best_s);
+}

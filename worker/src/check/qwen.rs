@@ -1,0 +1,184 @@
+//! The Qwen-Image-Edit engine on this box: loads with the portable settings (falling back to the
+//! matmul attention where SDPA fails on the device), compares a short edit on the device with a
+//! CPU copy where one fits in memory, and measures the studio's 1024² edit: the encode of its
+//! input, one denoising step and the decode (each the median of several edits' stage times).
+
+use image::RgbImage;
+use tch::Device;
+use vnfarm_models::nn::AttentionImpl;
+use vnfarm_models::qwen_image::pipeline::{EditRequest, EncodedInputs, QwenEditPipeline};
+use vnfarm_models::settings::{Preset, QwenSettings};
+
+use super::measure::{Timing, synchronize};
+use super::report::CheckResult;
+use super::{Plan, Step};
+use crate::engine::{AdvertisedKeys, QwenEditEngine, QwenEditEngineConfig};
+
+fn input(side: u32) -> RgbImage {
+    RgbImage::from_fn(side, side, |x, y| {
+        image::Rgb([(x * 7 % 256) as u8, (y * 5 % 256) as u8, ((x + y) % 256) as u8])
+    })
+}
+
+fn edit(p: &QwenEditPipeline, inputs: &EncodedInputs, side: u32, steps: usize) -> anyhow::Result<(RgbImage, vnfarm_models::qwen_image::pipeline::EditTimes)> {
+    let request = EditRequest {
+        instruction: "make her smile".into(),
+        seed: 3,
+        steps,
+        cfg: 1.0,
+        size: Some((side, side)),
+    };
+    let (mut images, times) = p.edit(inputs, &[request], &mut |_, _| {}, &|| false)?;
+    Ok((images.remove(0), times))
+}
+
+fn load(config: &QwenEditEngineConfig, settings: QwenSettings) -> anyhow::Result<QwenEditPipeline> {
+    let mut c = config.clone();
+    c.warm_up.clear();
+    Ok(QwenEditEngine::load(&c, settings, AdvertisedKeys::default(), None)?.into_pipeline())
+}
+
+pub fn run(config: &QwenEditEngineConfig, plan: &Plan, step: &mut Step) {
+    let device = crate::engine::device::parse_device(&config.device).unwrap_or(Device::Cpu);
+    let mut settings = QwenSettings::preset(Preset::Portable);
+    let Some(pipeline) = step.run("qwen_edit.load", || {
+        Ok((load(config, settings)?, "loaded with the portable settings".to_owned()))
+    }) else {
+        return;
+    };
+    let probe_side = if plan.quick { 64 } else { 256 };
+    let mut pipeline = pipeline;
+    let mut probe = step.attempt("qwen_edit.device.edit", || {
+        let encoded = pipeline.encode_inputs(&[input(probe_side)])?;
+        Ok(edit(&pipeline, &encoded, probe_side, 2)?.0)
+    });
+    if probe.is_none() {
+        // SDPA can fail on a backend (the studio's Python process needed plain attention once).
+        settings.attention = AttentionImpl::Matmul;
+        drop(pipeline);
+        let Some(p) = step.run("qwen_edit.load_matmul_attention", || {
+            Ok((load(config, settings)?, "loaded with the matmul attention".to_owned()))
+        }) else {
+            return;
+        };
+        pipeline = p;
+        probe = step.run("qwen_edit.device.edit_matmul_attention", || {
+            let encoded = pipeline.encode_inputs(&[input(probe_side)])?;
+            Ok((edit(&pipeline, &encoded, probe_side, 2)?.0, "a 2-step edit runs with matmul attention".to_owned()))
+        });
+    } else {
+        step.record(CheckResult::pass("qwen_edit.device.edit", format!("a 2-step {probe_side}² edit runs"), None));
+    }
+    let Some(device_image) = probe else { return };
+    cpu_parity(config, settings, step, &device_image, probe_side);
+
+    let side = if plan.quick { 128 } else { 1024 };
+    let image = input(side);
+    let Some(encode) = step.time(&format!("qwen_edit.encode.{side}x{side}"), "portable", device, plan.repeats, || {
+        Ok(pipeline.encode_inputs(&[image.clone()])?)
+    }) else {
+        return;
+    };
+    let Some(encoded) = step.attempt("qwen_edit.encode", || Ok(pipeline.encode_inputs(&[image.clone()])?)) else {
+        return;
+    };
+    // Four steps, as the Lightning LoRA runs: the stage times of each edit, medians over runs.
+    let steps = 4;
+    let id = format!("qwen_edit.edit.{side}x{side}");
+    step.start(&id);
+    let mut runs = Vec::new();
+    for _ in 0..(1 + plan.repeats.warm + plan.repeats.timed.max(1)) {
+        synchronize(device);
+        match edit(&pipeline, &encoded, side, steps) {
+            Ok((_, times)) => runs.push(times),
+            Err(e) => {
+                step.record(CheckResult::fail(&id, format!("{e:#}")));
+                return;
+            }
+        }
+    }
+    let stage = |name: &str, f: fn(&vnfarm_models::qwen_image::pipeline::EditTimes) -> f64| {
+        let first_s = f(&runs[0]);
+        let mut timed: Vec<f64> = runs[1 + plan.repeats.warm..].iter().map(f).collect();
+        timed.sort_by(f64::total_cmp);
+        Timing {
+            id: format!("qwen_edit.{name}.{side}x{side}"),
+            candidate: "portable".into(),
+            first_s,
+            median_s: timed[timed.len() / 2],
+            min_s: timed[0],
+            runs: timed.len(),
+        }
+    };
+    let denoise_step = stage("step", |t| t.denoise / 4.0);
+    let decode = stage("decode", |t| t.decode);
+    let prompt = stage("encode_prompt", |t| t.encode_prompt);
+    step.record(CheckResult::pass(
+        &id,
+        format!(
+            "4-step edit: step {:.4} s, decode {:.4} s, prompt {:.4} s, input encode {:.4} s (medians)",
+            denoise_step.median_s, decode.median_s, prompt.median_s, encode.median_s
+        ),
+        Some(denoise_step.median_s),
+    ));
+    for t in [denoise_step, decode, prompt] {
+        step.timing(t);
+    }
+    // No Qwen kernel of our own yet: the settings are the portable preset's (or plain attention
+    // where SDPA failed).
+    step.chosen(serde_json::to_value(settings).expect("settings serialize"), 1.0);
+}
+
+/// A short edit on a CPU copy in fp32 against the device's, where the copy fits: a copy takes
+/// four bytes a parameter, and the check keeps it under a quarter of the system's memory so that
+/// it never competes with the warm models (the real 20 B transformer does not fit: then the
+/// comparison is reported as not made).
+fn cpu_parity(config: &QwenEditEngineConfig, settings: QwenSettings, step: &mut Step, device_image: &RgbImage, side: u32) {
+    let id = "qwen_edit.cpu_parity.edit";
+    let bytes: u64 = config
+        .files()
+        .iter()
+        .filter_map(|f| std::fs::metadata(&f.path).ok())
+        .map(|m| m.len())
+        .sum();
+    // fp8 and bf16 files grow to four bytes a parameter in fp32: at most four times the files.
+    let need = bytes.saturating_mul(4);
+    let system = super::environment::system_memory_bytes();
+    if need > system / 4 {
+        step.record(CheckResult::skip(
+            id,
+            format!(
+                "a CPU copy would take up to {:.1} GiB, more than a quarter of the system's {:.1} GiB",
+                need as f64 / (1u64 << 30) as f64,
+                system as f64 / (1u64 << 30) as f64
+            ),
+        ));
+        return;
+    }
+    let mut cpu_config = config.clone();
+    cpu_config.device = "cpu".into();
+    cpu_config.dtype = crate::engine::device::Dtype::Fp32;
+    cpu_config.vae_dtype = crate::engine::device::Dtype::Fp32;
+    let out = step.attempt(id, || {
+        let cpu = load(&cpu_config, settings)?;
+        let encoded = cpu.encode_inputs(&[input(side)])?;
+        Ok(edit(&cpu, &encoded, side, 2)?.0)
+    });
+    if let Some(cpu_image) = out {
+        let diff: f64 = device_image
+            .as_raw()
+            .iter()
+            .zip(cpu_image.as_raw())
+            .map(|(a, b)| (f64::from(*a) - f64::from(*b)).abs())
+            .sum::<f64>()
+            / device_image.as_raw().len().max(1) as f64;
+        // bf16 through a 2-step edit of random weights moves pixels by a few levels.
+        let tolerance = if config.dtype.kind() == tch::Kind::Float { 0.5 } else { 8.0 };
+        let detail = format!("2-step {side}² edit, device against CPU: mean |difference| {diff:.3}/255 (tolerance {tolerance}/255)");
+        step.record(if diff <= tolerance {
+            CheckResult::pass(id, detail, Some(diff))
+        } else {
+            CheckResult::fail(id, detail)
+        });
+    }
+}
