@@ -1,5 +1,5 @@
-//! `vnfarm-worker check` end to end on the CPU with the tiny fixtures (SDXL single file and
-//! Real-ESRGAN): it writes a report, a summary and a settings file; a worker configured with that
+//! `vnfarm-worker check` end to end on the CPU with the tiny fixtures (SDXL's diffusers folder and
+//! Real-ESRGAN's `.pth`): it writes a report, a summary and a settings file; a worker configured with that
 //! file loads it, says so in its heartbeat and runs a job; a worker given the same file with another
 //! device in its fingerprint refuses to start and says why.
 
@@ -20,11 +20,8 @@ fn fixtures() -> PathBuf {
 fn engine_env() -> Vec<(String, String)> {
     let sdxl = fixtures().join("sdxl");
     [
-        (
-            "SDXL__CHECKPOINT",
-            sdxl.join("sdxl_tiny_ldm.safetensors").display().to_string(),
-        ),
-        ("SDXL__CONFIG_DIR", sdxl.join("sdxl_tiny").display().to_string()),
+        // The diffusers folder: its component configs come with it.
+        ("SDXL__CHECKPOINT", sdxl.join("sdxl_tiny").display().to_string()),
         ("SDXL__DEVICE", "cpu".into()),
         ("SDXL__DTYPE", "fp32".into()),
         ("SDXL__VAE_DTYPE", "fp32".into()),

@@ -235,6 +235,12 @@ impl Report {
                 out += &format!("restart {name}: {r}\n");
             }
         }
+        for t in &self.verify.timings {
+            out += &format!(
+                "time  {:<36} {:<28} median {:>9.4} s  first {:>9.4} s\n",
+                t.id, t.candidate, t.median_s, t.first_s
+            );
+        }
         if !self.chosen_environment.is_empty() {
             for (k, v) in &self.chosen_environment {
                 out += &format!("environment {k}={v}\n");

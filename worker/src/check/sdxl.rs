@@ -15,7 +15,7 @@ use vnfarm_models::sdxl::unet::AddedCond;
 use vnfarm_models::sdxl::vae::Tiling;
 use vnfarm_models::settings::{Preset, SdxlSettings};
 
-use super::measure::{Repeats, Timing, randn, relative_error, synchronize, time};
+use super::measure::{Repeats, Timing, randn, relative_error, synchronize};
 use super::report::CheckResult;
 use super::{Plan, Step, tolerance};
 use crate::engine::SdxlConfig;
@@ -324,21 +324,21 @@ fn cpu_parity(
         return;
     };
     let _guard = tch::no_grad_guard();
-    let out = step.run("sdxl.cpu_parity.unet", || {
+    let out = step.attempt("sdxl.cpu_parity.unet", || {
         let cpu_out = probe.to(Kind::Float, Device::Cpu).step(&cpu)?;
         Ok(relative_error(reference, &cpu_out))
     });
     if let Some(e) = out {
         step.record(CheckResult::within("sdxl.cpu_parity.unet", "UNet step, device against CPU", e, tol));
     }
-    let out = step.run("sdxl.cpu_parity.vae", || {
+    let out = step.attempt("sdxl.cpu_parity.vae", || {
         let cpu_out = cpu.vae().decode(&probe_latent.to_device(Device::Cpu).to_kind(Kind::Float), Tiling::Never);
         Ok(relative_error(vae_reference, &cpu_out))
     });
     if let Some(e) = out {
         step.record(CheckResult::within("sdxl.cpu_parity.vae", "VAE decode, device against CPU", e, vae_tol));
     }
-    let out = step.run("sdxl.cpu_parity.text_encoders", || {
+    let out = step.attempt("sdxl.cpu_parity.text_encoders", || {
         let prompt = "1girl, silver hair, classroom, smiling";
         let d = device_pipeline.prompt_encoder().encode(prompt).map_err(anyhow::Error::msg)?;
         let c = cpu.prompt_encoder().encode(prompt).map_err(anyhow::Error::msg)?;

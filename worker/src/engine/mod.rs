@@ -703,6 +703,7 @@ impl Engine {
                 sdxl,
                 qwen_edit,
                 esrgan,
+                ..
             } => (sdxl, qwen_edit, esrgan),
         };
         // Each family's jobs go to its engine; a family without one fails its jobs.
@@ -782,6 +783,7 @@ impl Engine {
                 sdxl,
                 qwen_edit,
                 esrgan,
+                ..
             } => match task {
                 Task::Generate(_) => sdxl.as_ref().map(|e| e.files(task)).unwrap_or_default(),
                 Task::Edit(_) => qwen_edit

@@ -31,8 +31,7 @@ use crate::loading::diffusers::{open, read_config};
 use crate::loading::lora::{
     self, AppliedLoras, Component, JobLoras, LoraError, LoraModule, LoraSpec, LoraTarget, TargetRef,
 };
-use crate::loading::weights::{Fp8Mode, WeightStore, Weights};
-use crate::nn::AttentionImpl;
+use crate::loading::weights::{WeightStore, Weights};
 use crate::nn::tiling::Tiling;
 use crate::noise;
 use crate::qwen_image::encodings::{self, EncodingsError};

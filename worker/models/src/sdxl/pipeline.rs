@@ -20,7 +20,7 @@ use crate::loading::lora::{Component, JobLoras, LoraReport, LoraSpec, LoraSwitch
 use crate::loading::weights::{WeightStore, Weights};
 use crate::nn::cuda_graph;
 use crate::nn::fused::{self, NormKernels};
-use crate::nn::{AttentionImpl, FfGelu, MemoryFormat, ops};
+use crate::nn::{FfGelu, ops};
 use crate::noise;
 use crate::schedulers::{PredictionType, Sampler, Scheduler, SchedulerConfig};
 use crate::sdxl::clip::{ClipTextConfig, ClipTextModel};
