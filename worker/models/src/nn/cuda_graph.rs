@@ -1,7 +1,7 @@
 //! CUDA graph capture and replay of eager tch work: [`CudaGraph`] wraps `at::cuda::CUDAGraph`
 //! through the C++ shim `csrc/graph.cpp`, which `build.rs` compiles only against a CUDA libtorch
 //! (`cfg(vnfarm_cuda_graphs)`); elsewhere (CPU-only or ROCm libtorch) [`CudaGraph::new`] returns
-//! [`GraphError::NotBuilt`].
+//! [`GraphError::NotBuilt`]. A [`CudaGraph`] is `Send` but not `Sync`: replays must not overlap.
 //!
 //! How a graph is used (as `torch.cuda.graph` does it):
 //! 1. [`CudaGraph::on_side_stream`]: the work run eagerly once or more on the graph's side stream
@@ -163,10 +163,11 @@ mod imp {
     // SAFETY: the shim's graph holds no thread-bound state between calls: each call that switches
     // the current stream (thread-local in libtorch) switches it back before returning, except
     // enter/leave and capture_begin/capture_end, which `CudaGraph` pairs within one `&mut self`
-    // call on one thread.
+    // call on one thread. Not `Sync`: a graph must not be replayed from two threads at once (its
+    // kernels write the same output tensors, and at::cuda::CUDAGraph makes no promise for
+    // concurrent calls), so a shared graph goes behind a lock, as the SDXL pipeline's
+    // `Mutex<GraphedUNet>` holds it.
     unsafe impl Send for Raw {}
-    // SAFETY: the only `&self` call is `replay`, which at::cuda::CUDAGraph allows from any thread.
-    unsafe impl Sync for Raw {}
 
     impl Raw {
         pub fn new(device: i64) -> Result<Self, GraphError> {
