@@ -94,8 +94,9 @@ pub struct SdxlConfig {
     #[serde(default = "default_max_batch")]
     pub max_batch: u32,
     /// Replay the UNet forward from a CUDA graph captured per latent shape: 5–7 % off a CFG step at
-    /// 1024² on the H200, output bit-identical (docs/performance.md, kernels attempt 6). CUDA
-    /// builds and devices only (the worker refuses to start with it elsewhere); it holds a memory
+    /// 1024² on the H200, output bit-identical (docs/performance.md, kernels attempt 6). GPU
+    /// builds (CUDA, or ROCm with the HIP headers) and devices only (the worker refuses to start
+    /// with it elsewhere); it holds a memory
     /// pool per captured shape (about 1 GiB at 1024², 3 GiB for 4 images) that the budget of
     /// `vae_memory_budget_mib` does not count. Off by default; a ROCm box keeps it off until HIP
     /// graphs are checked there.
@@ -106,8 +107,8 @@ pub struct SdxlConfig {
     /// approximation: UNet batch 8 −3 %, 4 images at 1024² −3 %, images 0.44/255 from `separate`
     /// on the H200; docs/performance.md, kernels attempt 8). It pays where the GPU is the limit
     /// (several images per forward, or with `cuda_graphs`); eager single-image steps, where the
-    /// host is, measured slower. Needs a binary built against a CUDA libtorch (the operator shim);
-    /// a start-up error elsewhere. ROCm boxes keep `separate`.
+    /// host is, measured slower. Needs a binary built with the operator shim (against a CUDA or
+    /// ROCm libtorch); a start-up error elsewhere. ROCm boxes keep `separate`.
     #[serde(default)]
     pub ff_gelu: FfGelu,
     /// Memory order of the UNet's activations: `contiguous` (default, NCHW as diffusers) or
@@ -117,11 +118,12 @@ pub struct SdxlConfig {
     #[serde(default)]
     pub unet_memory_format: MemoryFormat,
     /// The UNet's normalisations: `aten` (default, libtorch's GroupNorm, LayerNorm, adds and SiLU,
-    /// as diffusers) or `fused` (kernels of our own compiled at start-up with NVRTC: NHWC
+    /// as diffusers) or `fused` (kernels of our own compiled at start-up with NVRTC or hiprtc: NHWC
     /// GroupNorm with its SiLU and the time embedding in one pass, residual add + LayerNorm in
     /// one; docs/performance.md, kernels attempt 11). The GroupNorms are fused only with
-    /// `unet_memory_format = "channels_last"`. Needs a binary built against a CUDA libtorch; a
-    /// start-up error elsewhere. ROCm boxes keep `aten`.
+    /// `unet_memory_format = "channels_last"`. Needs a binary built with the operator shim (against
+    /// a CUDA or ROCm libtorch); a start-up error elsewhere. ROCm boxes keep `aten` until the
+    /// kernels are checked on one.
     #[serde(default)]
     pub norm_kernels: NormKernels,
     /// Where jobs' `loras` are looked up: `<lora_dir>/<name>` or `<lora_dir>/<name>.safetensors`

@@ -118,9 +118,10 @@ pub struct PipelineConfig {
     /// Load the UNet on a second thread while the other components load (default true).
     pub parallel_load: bool,
     /// Replay the UNet forward from a CUDA graph captured per latent shape (default false):
-    /// removes the host's kernel-launch time from each step. CUDA devices and binaries built
-    /// against a CUDA libtorch only (`SdxlPipeline::load` refuses it elsewhere); a ROCm build has
-    /// to be checked for HIP graphs first (docs/performance.md, "CUDA graph capture"). Costs a
+    /// removes the host's kernel-launch time from each step. GPU devices and binaries built with
+    /// the graph shim (against a CUDA or ROCm libtorch) only (`SdxlPipeline::load` refuses it
+    /// elsewhere); on ROCm it captures HIP graphs, not yet checked on an AMD GPU
+    /// (docs/performance.md, "CUDA graph capture"). Costs a
     /// memory pool of its own per captured shape, which the VAE decode cannot reuse.
     pub cuda_graphs: bool,
     /// The feed-forwards' GELU: `Separate` (default, diffusers' erf GELU, exact parity) or in the
@@ -275,7 +276,8 @@ impl SdxlPipeline {
                 return Err(LoadError::Setting {
                     setting,
                     reason: "the operator shim (csrc/ops.cpp, csrc/rtc.cpp) is not built into \
-                             this binary (built against a CUDA libtorch only)"
+                             this binary (built against a CUDA or ROCm libtorch with its GPU \
+                             headers only)"
                         .into(),
                 });
             }
