@@ -1,6 +1,12 @@
 // CUDA graph capture and replay for vnfarm-models (src/nn/cuda_graph.rs), around
 // `at::cuda::CUDAGraph`, which tch's C API does not bind.
 //
+// On ROCm the same class captures HIP graphs: PyTorch hipifies `ATen/cuda/CUDAGraph.h` into
+// `ATen/hip/HIPGraph.h` (torch/utils/hipify/hipify_python.py, get_hip_file_path: a `cuda` folder
+// becomes `hip`, `CUDA` in a file name `HIP`), and no mapping renames the class or its `at::cuda`
+// namespace, so a ROCm libtorch exports `at::cuda::CUDAGraph` over hipGraph (what
+// `torch.cuda.graph` runs on ROCm). Streams and devices go through backend.h.
+//
 // A graph owns one side stream from libtorch's pool. Work runs on it between `enter` and `leave`
 // (the warm-up) and between `capture_begin` and `capture_end` (the capture): libtorch's ops, tch's
 // included, launch on the thread's current stream, so eager tch calls in between are what the graph
@@ -14,12 +20,15 @@
 // Every function catches C++ exceptions and returns them as a malloc'd message (NULL on success),
 // freed with vn_graph_error_free: nothing unwinds into Rust.
 
+#include "backend.h"
 #include "guarded.h"
 
+#if defined(VN_HIP)
+#include <ATen/hip/HIPGraph.h>
+#else
 #include <ATen/cuda/CUDAGraph.h>
+#endif
 #include <c10/core/Event.h>
-#include <c10/cuda/CUDAFunctions.h>
-#include <c10/cuda/CUDAStream.h>
 
 #include <cstdlib>
 #include <cstring>
@@ -29,13 +38,15 @@
 
 namespace {
 
+namespace gpu = vnfarm_shim::gpu;
+
 struct VnGraph {
   explicit VnGraph(c10::DeviceIndex device)
-      : device(device), side(c10::cuda::getStreamFromPool(false, device)) {}
+      : device(device), side(gpu::stream_from_pool(device)) {}
   c10::DeviceIndex device;
-  c10::cuda::CUDAStream side;
+  gpu::Stream side;
   // The stream that was current before `enter`; set while work runs on the side stream.
-  std::optional<c10::cuda::CUDAStream> previous;
+  std::optional<gpu::Stream> previous;
   // Created by the first `capture_begin`; a graph is captured once.
   std::optional<at::cuda::CUDAGraph> graph;
 };
@@ -43,7 +54,7 @@ struct VnGraph {
 using vnfarm_shim::guarded;
 
 // `waiter` waits for the work queued on `on` so far.
-void wait_for(const c10::cuda::CUDAStream& waiter, const c10::cuda::CUDAStream& on) {
+void wait_for(const gpu::Stream& waiter, const gpu::Stream& on) {
   c10::Event event(c10::DeviceType::CUDA);
   event.record(on.unwrap());
   event.block(waiter.unwrap());
@@ -53,9 +64,9 @@ void enter(VnGraph* g) {
   if (g->previous) {
     throw std::runtime_error("already on the graph's side stream");
   }
-  auto current = c10::cuda::getCurrentCUDAStream(g->device);
+  auto current = gpu::current_stream(g->device);
   wait_for(g->side, current);
-  c10::cuda::setCurrentCUDAStream(g->side);
+  gpu::set_current_stream(g->side);
   g->previous = current;
 }
 
@@ -65,7 +76,7 @@ void leave(VnGraph* g) {
   }
   auto previous = *g->previous;
   g->previous.reset();
-  c10::cuda::setCurrentCUDAStream(previous);
+  gpu::set_current_stream(previous);
   wait_for(previous, g->side);
 }
 
@@ -86,7 +97,7 @@ void vn_graph_drop(void* g) {
   // change or a weight swap, not per step.
   delete static_cast<VnGraph*>(g);
   try {
-    c10::cuda::CUDACachingAllocator::emptyCache();
+    gpu::empty_cache();
   } catch (...) {
   }
 }
@@ -108,7 +119,7 @@ char* vn_graph_capture_begin(void* raw) {
       throw std::runtime_error("this graph was captured already");
     }
     // As torch.cuda.graph does: nothing of the eager work before may still be running.
-    c10::cuda::device_synchronize();
+    gpu::device_synchronize();
     enter(g);
     try {
       g->graph.emplace();

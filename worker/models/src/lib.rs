@@ -6,8 +6,10 @@
 //! and pipeline.
 //! - [`loading`]: memory-mapped safetensors, name tables and the `Weights` cursor, diffusers folders
 //!   (shards, variants, configs).
-//! - [`nn`]: layers (Linear, Conv2d, norms incl. RMSNorm, attention kernel choice) and timestep
-//!   embeddings.
+//! - [`nn`]: layers (Linear, Conv2d, norms incl. RMSNorm, attention kernel choice), timestep
+//!   embeddings, and what reaches libtorch's GPU side through the C++ shims of `csrc/` (built
+//!   against a CUDA or a ROCm libtorch): graph capture, operators tch lacks, and the fused norm
+//!   kernels (`nn/kernels/norms.cu`) compiled at run time by NVRTC or hiprtc.
 //! - [`schedulers`]: Euler, Euler ancestral, DPM++ 2M Karras; [`noise`]: torch-identical seeded noise.
 //! - [`text`]: the CLIP tokenizer and the A1111 prompt syntax.
 //! - [`sdxl`]: SDXL text-to-image (CLIP-L + OpenCLIP bigG, UNet, VAE, compel weighting, pipeline).

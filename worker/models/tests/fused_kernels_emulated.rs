@@ -1,20 +1,77 @@
 //! The fused normalisation kernels (`src/nn/kernels/norms.cu`) run on the CPU: their source is
-//! compiled as C++ by the system compiler into `tests/support/norms_emu.cpp`, which runs every CUDA
+//! compiled as C++ by the system compiler into `tests/support/norms_emu.cpp`, which runs every GPU
 //! thread as a thread of its own (barriers for `__syncthreads`, an exchange through memory for the
 //! warp shuffles) and checks the results against double-precision references. This covers the
 //! kernels' indexing, the groups that straddle 8-channel vectors, the time embedding folded into
 //! the statistics, the grid-stride loops and the bf16 rounding on every CI machine; the GPU run
 //! (`bench components --norms-check`, docs/performance.md) covers the real compiler and hardware.
+//!
+//! Each case runs at both warp widths the kernels are built for, with the launch geometry
+//! `src/nn/fused.rs` computes for that width: 32 lanes (CUDA, and AMD RDNA such as gfx1151) and 64
+//! (AMD CDNA). The 32-lane build runs once with CUDA's shuffle (`__shfl_xor_sync`) and once with
+//! HIP's (`__shfl_xor(v, mask, width)`), the 64-lane build with HIP's. Mutation checked by hand
+//! (2026-12-01): `add_layer_norm`'s reductions starting at `o = 16` instead of `VN_WARP / 2` pass
+//! every case at 32 lanes and fail at 64 the rows of 640, 1024 and 1280 channels (max error
+//! 0.7–1.0): each half-wavefront normalises with its own sums. Rows of at most 32 vectors (64 and
+//! 136 channels) leave the upper half empty, so they pass either way.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use vnfarm_models::nn::fused::{GroupNormGrid, SOURCE};
+use vnfarm_models::nn::fused::{AddLayerNormGrid, GroupNormGrid, SOURCE};
+use vnfarm_models::nn::ops::WarpWidth;
+
+/// Which spelling of the warp shuffle the kernels' source is compiled with.
+#[derive(Debug, Clone, Copy)]
+enum Shuffle {
+    /// `__shfl_xor_sync`, as NVRTC compiles it.
+    Cuda,
+    /// `__shfl_xor(v, mask, VN_WARP)`, as hiprtc compiles it (the source sees `__HIP__`).
+    Hip,
+}
 
 #[test]
-fn fused_norm_kernels_match_double_precision_references_in_emulation() {
-    let dir = std::env::temp_dir().join(format!("vnfarm-norms-emu-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
+fn fused_norm_kernels_match_double_precision_references_in_emulation_with_32_lane_warps() {
+    check_in_emulation(WarpWidth::Lanes32, Shuffle::Cuda);
+    check_in_emulation(WarpWidth::Lanes32, Shuffle::Hip);
+}
+
+#[test]
+fn fused_norm_kernels_match_double_precision_references_in_emulation_with_64_lane_wavefronts() {
+    check_in_emulation(WarpWidth::Lanes64, Shuffle::Hip);
+}
+
+/// Builds the emulation of the kernels at `warp` lanes with `shuffle`, runs every case and asserts
+/// that each one is reported, and reported good.
+fn check_in_emulation(warp: WarpWidth, shuffle: Shuffle) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let exe = build_emulator(dir.path(), warp, shuffle);
+    let args = cases(warp);
+    let run = Command::new(&exe)
+        .args(&args)
+        .output()
+        .expect("run emulation");
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    let what = format!("{} lanes, {shuffle:?} shuffle", warp.lanes());
+    assert!(
+        run.status.success(),
+        "emulated kernels off at {what} (exit {:?}):\n{stdout}{}",
+        run.status.code(),
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let cases = args
+        .iter()
+        .filter(|a| ["gn", "ln", "br"].contains(&a.as_str()))
+        .count();
+    assert_eq!(
+        stdout.lines().filter(|l| l.ends_with(" ok")).count(),
+        cases,
+        "at {what}:\n{stdout}"
+    );
+}
+
+/// The kernels' source compiled into the emulator, in `dir`.
+fn build_emulator(dir: &Path, warp: WarpWidth, shuffle: Shuffle) -> PathBuf {
     // What CUDA C has and C++ lacks: dynamic shared memory, extern "C" kernels.
     let source = SOURCE
         .replace("extern __shared__ float sh[];", "float* sh = g_dyn_shared;")
@@ -24,9 +81,14 @@ fn fused_norm_kernels_match_double_precision_references_in_emulation() {
     let emu_src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/support/norms_emu.cpp");
     let exe = dir.join("norms_emu");
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-    let built = Command::new(&cxx)
-        .args(["-std=c++20", "-O1", "-pthread"])
+    let mut cmd = Command::new(&cxx);
+    cmd.args(["-std=c++20", "-O1", "-pthread"])
         .arg(format!("-DNORMS_SOURCE=\"{}\"", cu.display()))
+        .arg(format!("-DVN_WARP={}", warp.lanes()));
+    if let Shuffle::Hip = shuffle {
+        cmd.arg("-DVN_EMULATE_HIP");
+    }
+    let built = cmd
         .arg(&emu_src)
         .arg("-o")
         .arg(&exe)
@@ -37,6 +99,11 @@ fn fused_norm_kernels_match_double_precision_references_in_emulation() {
         "compiling the emulation failed:\n{}",
         String::from_utf8_lossy(&built.stderr)
     );
+    exe
+}
+
+/// The emulator's command line: every case, with the launch geometry fused.rs computes at `warp`.
+fn cases(warp: WarpWidth) -> Vec<String> {
     let mut args: Vec<String> = Vec::new();
     // (N, C, HW, G, time-embedding term, SiLU): channels per group of 10 (groups straddle the
     // 8-channel vectors), 8, 12 and 5, odd row counts, single samples.
@@ -54,34 +121,16 @@ fn fused_norm_kernels_match_double_precision_references_in_emulation() {
         );
     }
     // Residual add + LayerNorm: the UNet's widths (640, 1280), a narrow one, a ragged last vector
-    // per lane, and a row count that leaves the last block's warps partly idle.
-    for (rows, c) in [(11, 64), (9, 640), (5, 1280), (11, 136)] {
-        args.extend(["ln".to_string(), rows.to_string(), c.to_string()]);
+    // per lane, a width that fills 64-lane wavefronts exactly, and row counts that leave the last
+    // block's warps partly idle (at 8 and at 4 rows per block).
+    for (rows, c) in [(11, 64), (9, 640), (5, 1280), (11, 136), (6, 1024)] {
+        let AddLayerNormGrid { blocks, threads } = AddLayerNormGrid::new(rows, warp);
+        args.push("ln".into());
+        args.extend([rows, c, blocks, threads].map(|v| v.to_string()));
     }
     // Bias + residual: a ragged grid-stride tail (the emulation launches 64 threads).
     for (rows, c) in [(13, 64), (7, 320)] {
         args.extend(["br".to_string(), rows.to_string(), c.to_string()]);
     }
-    let run = Command::new(&exe)
-        .args(&args)
-        .output()
-        .expect("run emulation");
-    let stdout = String::from_utf8_lossy(&run.stdout);
-    let _ = std::fs::remove_dir_all(&dir);
-    assert!(
-        run.status.success(),
-        "emulated kernels off (exit {:?}):\n{stdout}{}",
-        run.status.code(),
-        String::from_utf8_lossy(&run.stderr)
-    );
-    // Every case reported, and reported good.
-    let cases = args
-        .iter()
-        .filter(|a| ["gn", "ln", "br"].contains(&a.as_str()))
-        .count();
-    assert_eq!(
-        stdout.lines().filter(|l| l.ends_with(" ok")).count(),
-        cases,
-        "{stdout}"
-    );
+    args
 }

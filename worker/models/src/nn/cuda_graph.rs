@@ -1,7 +1,8 @@
 //! CUDA graph capture and replay of eager tch work: [`CudaGraph`] wraps `at::cuda::CUDAGraph`
-//! through the C++ shim `csrc/graph.cpp`, which `build.rs` compiles only against a CUDA libtorch
-//! (`cfg(vnfarm_cuda_graphs)`); elsewhere (CPU-only or ROCm libtorch) [`CudaGraph::new`] returns
-//! [`GraphError::NotBuilt`].
+//! through the C++ shim `csrc/graph.cpp`, which `build.rs` compiles against a CUDA libtorch, or a
+//! ROCm one, where the same class captures HIP graphs (`cfg(vnfarm_cuda_graphs)`); elsewhere
+//! (a CPU-only libtorch, or GPU headers missing at build time) [`CudaGraph::new`] returns
+//! [`GraphError::NotBuilt`]. A [`CudaGraph`] is `Send` but not `Sync`: replays must not overlap.
 //!
 //! How a graph is used (as `torch.cuda.graph` does it):
 //! 1. [`CudaGraph::on_side_stream`]: the work run eagerly once or more on the graph's side stream
@@ -24,8 +25,10 @@ use tch::Device;
 /// Why graph capture or replay failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum GraphError {
-    /// The binary was built against a libtorch without CUDA (or without the CUDA headers).
-    #[error("CUDA graph capture not built into this binary (needs a CUDA libtorch at build time)")]
+    /// The binary was built against a libtorch without a GPU backend (or without its headers).
+    #[error(
+        "CUDA graph capture not built into this binary (needs a CUDA or ROCm libtorch at build time)"
+    )]
     NotBuilt,
     /// Graphs are captured on a CUDA device only.
     #[error("CUDA graph capture needs a CUDA device, not {0:?}")]
@@ -102,7 +105,8 @@ impl CudaGraph {
     }
 }
 
-/// Whether this binary can capture CUDA graphs at all (it was built against a CUDA libtorch).
+/// Whether this binary can capture CUDA graphs at all (it was built against a CUDA or ROCm
+/// libtorch).
 pub const fn built_in() -> bool {
     cfg!(vnfarm_cuda_graphs)
 }
@@ -163,10 +167,11 @@ mod imp {
     // SAFETY: the shim's graph holds no thread-bound state between calls: each call that switches
     // the current stream (thread-local in libtorch) switches it back before returning, except
     // enter/leave and capture_begin/capture_end, which `CudaGraph` pairs within one `&mut self`
-    // call on one thread.
+    // call on one thread. Not `Sync`: a graph must not be replayed from two threads at once (its
+    // kernels write the same output tensors, and at::cuda::CUDAGraph makes no promise for
+    // concurrent calls), so a shared graph goes behind a lock, as the SDXL pipeline's
+    // `Mutex<GraphedUNet>` holds it.
     unsafe impl Send for Raw {}
-    // SAFETY: the only `&self` call is `replay`, which at::cuda::CUDAGraph allows from any thread.
-    unsafe impl Sync for Raw {}
 
     impl Raw {
         pub fn new(device: i64) -> Result<Self, GraphError> {
@@ -253,7 +258,8 @@ mod tests {
         let err = CudaGraph::new(Device::Cuda(0)).expect_err("shim not built");
         assert_eq!(
             err.to_string(),
-            "CUDA graph capture not built into this binary (needs a CUDA libtorch at build time)"
+            "CUDA graph capture not built into this binary (needs a CUDA or ROCm libtorch at build \
+             time)"
         );
     }
 }

@@ -14,10 +14,13 @@
 //! bf16, not NHWC, channels not a multiple of 8, LayerNorm rows wider than 1280) takes libtorch's
 //! operators, with the same semantics. docs/performance.md, kernels attempt 11.
 //!
-//! Only CUDA builds compile them (the operator shim); ROCm refuses the setting at load
-//! ([`NormKernels::Fused`]). The source needs no CUDA header and is written to be compiled by
-//! hiprtc as well, save for the 32-lane warp shuffles of `add_layer_norm` (AMD wavefronts are 64
-//! lanes on CDNA, 32 on RDNA such as the Radeon 8060S): that port is left to a ROCm box.
+//! Builds with the operator shim compile them: NVRTC on CUDA, hiprtc on ROCm (a binary without the
+//! shim refuses [`NormKernels::Fused`] at load). The source needs no CUDA or HIP header. Its one
+//! warp-wide reduction (`add_layer_norm`, one warp per row) is written for the width `VN_WARP`:
+//! 32 on CUDA; on AMD the device's wavefront width, 64 lanes on CDNA and 32 on RDNA such as the
+//! Radeon 8060S (gfx1151), which [`ops::rtc_build`] compiles for and reports, and
+//! [`AddLayerNormGrid`] lays rows out by. The ROCm path is build-ready and checked in emulation
+//! and by a device-code compile (`tests/fused_kernels_*.rs`), not yet on an AMD GPU.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -25,7 +28,7 @@ use std::sync::Mutex;
 
 use tch::{Device, Kind, Tensor};
 
-use super::ops::{self, RtcFunction};
+use super::ops::{self, RtcFunction, WarpWidth};
 use super::{GroupNorm, LayerNorm, is_channels_last};
 
 /// Which kernels normalise the UNet's activations.
@@ -49,7 +52,7 @@ const NAMES: [&str; 5] = [
     "add_layer_norm",
     "bias_residual",
 ];
-/// Row width `add_layer_norm` holds in registers (`ADD_LN_MAXV` in the source × 256).
+/// Row width `add_layer_norm` holds in registers (`ADD_LN_MAX_C8` vectors of 8 in the source).
 const ADD_LN_MAX_CHANNELS: i64 = 1280;
 
 #[derive(Debug, Clone, Copy)]
@@ -59,6 +62,8 @@ struct Kernels {
     gn_apply: RtcFunction,
     add_layer_norm: RtcFunction,
     bias_residual: RtcFunction,
+    /// The warp width the source was compiled for on this device.
+    warp: WarpWidth,
 }
 
 /// Kernels compiled per CUDA device, once per process.
@@ -70,13 +75,15 @@ fn kernels(device: usize) -> Result<Kernels, String> {
     if let Some(k) = map.get(&device) {
         return Ok(*k);
     }
-    let f = ops::rtc_build(SOURCE, "vnfarm_norms.cu", device, &NAMES)?;
+    let module = ops::rtc_build(SOURCE, "vnfarm_norms.cu", device, &NAMES)?;
+    let f = &module.functions;
     let k = Kernels {
         gn_partial: f[0],
         gn_finalize: f[1],
         gn_apply: f[2],
         add_layer_norm: f[3],
         bias_residual: f[4],
+        warp: module.warp,
     };
     map.insert(device, k);
     Ok(k)
@@ -109,7 +116,16 @@ fn arg<T>(v: &mut T) -> *mut c_void {
     (v as *mut T).cast()
 }
 
-fn launch(
+/// [`ops::rtc_launch`], panicking on a launch error (the kernels were compiled at load; a failure
+/// here is a device fault).
+///
+/// # Safety
+/// `args` must be the argument list of `f`'s signature in `kernels/norms.cu`, in order and type,
+/// and its device pointers must be those of contiguous tensors on `device`, of at least the sizes
+/// the kernel indexes at the given geometry, held by the caller past this call (libtorch's caching
+/// allocator keeps freed memory for the stream's later work, as for its own kernels).
+#[allow(unsafe_code)]
+unsafe fn launch(
     f: RtcFunction,
     device: usize,
     grid: (u32, u32),
@@ -117,11 +133,7 @@ fn launch(
     shared: u32,
     args: &mut [*mut c_void],
 ) {
-    // SAFETY: every caller passes the argument list of `f`'s signature in `kernels/norms.cu`,
-    // with device pointers of contiguous tensors of the sizes it indexes, held by the caller
-    // past this call (libtorch's caching allocator keeps freed memory for the stream's later
-    // work, as for its own kernels).
-    #[allow(unsafe_code)]
+    // SAFETY: the caller's contract above is `rtc_launch`'s.
     let r = unsafe { ops::rtc_launch(f, device, grid, block, shared, args) };
     r.unwrap_or_else(|e| panic!("fused norm kernel: {e}"));
 }
@@ -173,21 +185,27 @@ pub fn bias_residual(
         (h.data_ptr(), r.data_ptr(), bias.data_ptr(), y.data_ptr());
     let mut total8 = h.numel() as i64 / 8;
     let mut c32 = c as i32;
-    launch(
-        k.bias_residual,
-        device,
-        (u32_of((total8 + 255) / 256), 1),
-        (256, 1),
-        0,
-        &mut [
-            arg(&mut ph),
-            arg(&mut pr),
-            arg(&mut pb),
-            arg(&mut py),
-            arg(&mut total8),
-            arg(&mut c32),
-        ],
-    );
+    // SAFETY: `bias_residual(h, r, bias, y, total8, C)`: `h`, `r` and `y` (empty_like `h`) are
+    // dense NHWC bf16 tensors of `total8` vectors of 8 on `device` (nhwc_bf16 and the shape and
+    // stride checks above), `bias` C contiguous bf16 values; all live until this function returns.
+    #[allow(unsafe_code)]
+    unsafe {
+        launch(
+            k.bias_residual,
+            device,
+            (u32_of((total8 + 255) / 256), 1),
+            (256, 1),
+            0,
+            &mut [
+                arg(&mut ph),
+                arg(&mut pr),
+                arg(&mut pb),
+                arg(&mut py),
+                arg(&mut total8),
+                arg(&mut c32),
+            ],
+        )
+    }
     y
 }
 
@@ -209,6 +227,27 @@ impl GroupNormGrid {
             nb: (hw + rows - 1) / rows,
             rows,
             ty: (256 / (c / 8)).max(1),
+        }
+    }
+}
+
+/// How `add_layer_norm` covers `rows` rows: one warp per row in blocks of 256 threads, so eight
+/// rows per block with 32-lane warps and four with 64-lane wavefronts. Public for the kernels' CPU
+/// emulation test.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AddLayerNormGrid {
+    pub blocks: i64,
+    pub threads: i64,
+}
+
+impl AddLayerNormGrid {
+    const THREADS: i64 = 256;
+
+    pub fn new(rows: i64, warp: WarpWidth) -> Self {
+        let rows_per_block = Self::THREADS / warp.lanes();
+        Self {
+            blocks: (rows + rows_per_block - 1) / rows_per_block,
+            threads: Self::THREADS,
         }
     }
 }
@@ -254,58 +293,77 @@ pub fn group_norm(
         (hw as i32, c as i32, g as i32, rows as i32, nb as i32);
     let mut eps = norm.eps as f32;
     let shared = if ty > 1 { u32_of(c8 * ty * 16 * 4) } else { 0 };
-    launch(
-        k.gn_partial,
-        device,
-        (u32_of(nb), u32_of(n)),
-        (u32_of(c8), u32_of(ty)),
-        shared,
-        &mut [
-            arg(&mut px),
-            arg(&mut ppart),
-            arg(&mut hw32),
-            arg(&mut c32),
-            arg(&mut rows32),
-        ],
-    );
-    launch(
-        k.gn_finalize,
-        device,
-        (u32_of(n * g), 1),
-        (256, 1),
-        0,
-        &mut [
-            arg(&mut ppart),
-            arg(&mut padd),
-            arg(&mut pgamma),
-            arg(&mut pbeta),
-            arg(&mut pss),
-            arg(&mut nb32),
-            arg(&mut hw32),
-            arg(&mut c32),
-            arg(&mut g32),
-            arg(&mut rows32),
-            arg(&mut eps),
-        ],
-    );
+    // SAFETY: `gn_partial(x, part, HW, C, rows)`: `x` is a dense NHWC bf16 [n, hw, c] tensor on
+    // `device` (nhwc_bf16), `part` fp32 [n, nb, 2, c]; the grid (nb, n) and `rows` come from
+    // GroupNormGrid, so every block reads rows below `hw` and writes its own slice of `part`; the
+    // shared memory is the c8 · ty · 16 floats the kernel uses when ty > 1.
+    #[allow(unsafe_code)]
+    unsafe {
+        launch(
+            k.gn_partial,
+            device,
+            (u32_of(nb), u32_of(n)),
+            (u32_of(c8), u32_of(ty)),
+            shared,
+            &mut [
+                arg(&mut px),
+                arg(&mut ppart),
+                arg(&mut hw32),
+                arg(&mut c32),
+                arg(&mut rows32),
+            ],
+        )
+    }
+    // SAFETY: `gn_finalize(part, add, gamma, beta, ss, NB, HW, C, G, rows, eps)`: `part` as
+    // gn_partial wrote it (same stream, same nb, hw, c, rows), `add` fp32 [n, c] or null,
+    // `gamma` and `beta` c contiguous bf16 values, `ss` fp32 [n, 2, c]; one block per (sample,
+    // group), g dividing c (checked above).
+    #[allow(unsafe_code)]
+    unsafe {
+        launch(
+            k.gn_finalize,
+            device,
+            (u32_of(n * g), 1),
+            (256, 1),
+            0,
+            &mut [
+                arg(&mut ppart),
+                arg(&mut padd),
+                arg(&mut pgamma),
+                arg(&mut pbeta),
+                arg(&mut pss),
+                arg(&mut nb32),
+                arg(&mut hw32),
+                arg(&mut c32),
+                arg(&mut g32),
+                arg(&mut rows32),
+                arg(&mut eps),
+            ],
+        )
+    }
     let mut total8 = n * hw * c8;
     let mut silu32 = i32::from(silu);
-    launch(
-        k.gn_apply,
-        device,
-        (u32_of((total8 + 255) / 256), 1),
-        (256, 1),
-        0,
-        &mut [
-            arg(&mut px),
-            arg(&mut pss),
-            arg(&mut py),
-            arg(&mut total8),
-            arg(&mut hw32),
-            arg(&mut c32),
-            arg(&mut silu32),
-        ],
-    );
+    // SAFETY: `gn_apply(x, ss, y, total8, HW, C, silu)`: `x` and `y` (empty_like `x`, so NHWC as
+    // well) hold `total8` vectors of 8 bf16 values, `ss` the [n, 2, c] fp32 gn_finalize wrote.
+    #[allow(unsafe_code)]
+    unsafe {
+        launch(
+            k.gn_apply,
+            device,
+            (u32_of((total8 + 255) / 256), 1),
+            (256, 1),
+            0,
+            &mut [
+                arg(&mut px),
+                arg(&mut pss),
+                arg(&mut py),
+                arg(&mut total8),
+                arg(&mut hw32),
+                arg(&mut c32),
+                arg(&mut silu32),
+            ],
+        )
+    }
     y
 }
 
@@ -351,24 +409,68 @@ pub fn add_layer_norm(
         y.data_ptr(),
     );
     let (mut rows64, mut c32, mut eps) = (rows, c as i32, norm.eps as f32);
-    // Eight rows (warps) per block.
-    launch(
-        k.add_layer_norm,
-        device,
-        (u32_of((rows + 7) / 8), 1),
-        (256, 1),
-        0,
-        &mut [
-            arg(&mut pa),
-            arg(&mut pb),
-            arg(&mut pw),
-            arg(&mut pbias),
-            arg(&mut ps),
-            arg(&mut py),
-            arg(&mut rows64),
-            arg(&mut c32),
-            arg(&mut eps),
-        ],
-    );
+    let grid = AddLayerNormGrid::new(rows, k.warp);
+    // SAFETY: `add_layer_norm(a, b, w, bias, s, y, rows, C, eps)`: `a`, `b`, `s` and `y` (the last
+    // two empty_like `a`) are contiguous bf16 tensors of `rows` rows of `c` on `device`, `w` and
+    // `bias` c bf16 values; c is a multiple of 8 and at most ADD_LN_MAX_CHANNELS (checked above),
+    // so each lane's vectors fit the registers the source reserves; one warp of the width the
+    // source was compiled for per row (AddLayerNormGrid).
+    #[allow(unsafe_code)]
+    unsafe {
+        launch(
+            k.add_layer_norm,
+            device,
+            (u32_of(grid.blocks), 1),
+            (u32_of(grid.threads), 1),
+            0,
+            &mut [
+                arg(&mut pa),
+                arg(&mut pb),
+                arg(&mut pw),
+                arg(&mut pbias),
+                arg(&mut ps),
+                arg(&mut py),
+                arg(&mut rows64),
+                arg(&mut c32),
+                arg(&mut eps),
+            ],
+        )
+    }
     (s, y)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// At 32 lanes the layout is the one CUDA always ran: eight rows per block of 256 threads.
+    #[test]
+    fn add_layer_norm_puts_one_row_on_each_warp_of_a_256_thread_block() {
+        for rows in [1, 7, 8, 9, 4096, 4097] {
+            let cuda = AddLayerNormGrid::new(rows, WarpWidth::Lanes32);
+            assert_eq!(
+                cuda,
+                AddLayerNormGrid {
+                    blocks: (rows + 7) / 8,
+                    threads: 256
+                }
+            );
+            let cdna = AddLayerNormGrid::new(rows, WarpWidth::Lanes64);
+            assert_eq!(
+                cdna,
+                AddLayerNormGrid {
+                    blocks: (rows + 3) / 4,
+                    threads: 256
+                }
+            );
+        }
+    }
+
+    #[test]
+    fn only_32_and_64_lane_warps_are_taken() {
+        assert_eq!(WarpWidth::from_lanes(32), Ok(WarpWidth::Lanes32));
+        assert_eq!(WarpWidth::from_lanes(64), Ok(WarpWidth::Lanes64));
+        let e = WarpWidth::from_lanes(16).expect_err("16 lanes");
+        assert!(e.contains("16-lane"), "{e}");
+    }
 }

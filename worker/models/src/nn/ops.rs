@@ -1,7 +1,8 @@
 //! ATen operators and libtorch services that tch's C API binds wrongly or not at all, reached
-//! through the C++ shim `csrc/ops.cpp`. `build.rs` compiles it together with the CUDA graph shim
-//! (against a CUDA libtorch with headers: the PyPI wheel here and on CUDA boxes) and sets
-//! `cfg(vnfarm_ops_shim)`; without it [`BUILT_IN`] is false and callers take their plain path.
+//! through the C++ shims `csrc/ops.cpp` and `csrc/rtc.cpp`. `build.rs` compiles them together with
+//! the CUDA graph shim (against a CUDA libtorch with headers, the PyPI wheel here and on CUDA
+//! boxes, or a ROCm libtorch with the HIP headers) and sets `cfg(vnfarm_ops_shim)`; without it
+//! [`BUILT_IN`] is false and callers take their plain path.
 
 use std::path::Path;
 
@@ -31,25 +32,65 @@ pub fn profile_stop(path: &Path) -> Result<(), String> {
     imp::profile_stop(path)
 }
 
-/// A kernel compiled at run time ([`rtc_build`]): its CUDA driver handle, for [`rtc_launch`].
+/// A kernel compiled at run time ([`rtc_build`]): its CUDA driver (or HIP module) handle, for
+/// [`rtc_launch`].
 #[derive(Debug, Clone, Copy)]
 pub struct RtcFunction(pub(crate) usize);
 
-/// Compiles the CUDA C `source` with NVRTC for CUDA device `device` (libtorch's NVRTC stub, as its
-/// jiterator uses; `csrc/rtc.cpp`), loads it, and returns the `extern "C"` kernels named in
-/// `names`, in order. The compile log comes back as the error.
+/// What [`rtc_build`] compiled: the kernels, in the order they were named, and the device's warp
+/// width, which the source was compiled for and launch geometry must use.
+#[derive(Debug, Clone)]
+pub struct RtcModule {
+    pub functions: Vec<RtcFunction>,
+    pub warp: WarpWidth,
+}
+
+/// The lanes of a warp (CUDA: always 32) or an AMD wavefront (32 on RDNA, 64 on CDNA): the
+/// `VN_WARP` a run-time compiled source is built with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WarpWidth {
+    Lanes32,
+    Lanes64,
+}
+
+impl WarpWidth {
+    /// The width a device reports, or why the kernels cannot serve it.
+    pub fn from_lanes(lanes: i32) -> Result<Self, String> {
+        match lanes {
+            32 => Ok(Self::Lanes32),
+            64 => Ok(Self::Lanes64),
+            n => Err(format!(
+                "the device reports {n}-lane warps; the kernels take 32 or 64"
+            )),
+        }
+    }
+
+    pub const fn lanes(self) -> i64 {
+        match self {
+            Self::Lanes32 => 32,
+            Self::Lanes64 => 64,
+        }
+    }
+}
+
+/// Compiles the CUDA C `source` for device `device` with NVRTC (CUDA) or hiprtc (ROCm), through
+/// libtorch's NVRTC stub as its jiterator does (`csrc/rtc.cpp`), loads it, and returns the
+/// `extern "C"` kernels named in `names`, in order. On ROCm the source is compiled for the device's
+/// `gcnArchName` with `-DVN_WARP=` its wavefront width; on CUDA `VN_WARP` is left undefined (the
+/// source's default is 32). The compile log comes back as the error.
 pub fn rtc_build(
     source: &str,
     program: &str,
     device: usize,
     names: &[&str],
-) -> Result<Vec<RtcFunction>, String> {
+) -> Result<RtcModule, String> {
     imp::rtc_build(source, program, device, names)
 }
 
-/// Launches `f` on CUDA device `device`'s current stream (so that graph capture records it) with
+/// Launches `f` on GPU `device`'s current stream (so that graph capture records it) with
 /// grid `(grid.0, grid.1)`, block `(block.0, block.1)` and `shared` bytes of dynamic shared
-/// memory. `args` holds a pointer to each argument's value, as `cuLaunchKernel` takes them.
+/// memory. `args` holds a pointer to each argument's value, as `cuLaunchKernel` (or
+/// `hipModuleLaunchKernel`) takes them.
 ///
 /// # Safety
 /// `args` must match `f`'s parameter list in number, order and type, and every device pointer
@@ -89,12 +130,7 @@ mod imp {
         Err(NOT_BUILT.into())
     }
 
-    pub fn rtc_build(
-        _: &str,
-        _: &str,
-        _: usize,
-        _: &[&str],
-    ) -> Result<Vec<super::RtcFunction>, String> {
+    pub fn rtc_build(_: &str, _: &str, _: usize, _: &[&str]) -> Result<super::RtcModule, String> {
         Err(NOT_BUILT.into())
     }
 
@@ -137,6 +173,7 @@ mod imp {
             names: *const *const c_char,
             count: i32,
             functions: *mut *mut c_void,
+            warp: *mut i32,
         ) -> *mut c_char;
         fn vn_rtc_launch(
             function: *mut c_void,
@@ -194,7 +231,7 @@ mod imp {
         program: &str,
         device: usize,
         names: &[&str],
-    ) -> Result<Vec<super::RtcFunction>, String> {
+    ) -> Result<super::RtcModule, String> {
         let cstr = |s: &str| CString::new(s).map_err(|e| format!("{s:?}: {e}"));
         let (source, program) = (cstr(source)?, cstr(program)?);
         let names = names
@@ -205,8 +242,9 @@ mod imp {
         let mut out = vec![std::ptr::null_mut::<c_void>(); names.len()];
         let device = i32::try_from(device).map_err(|e| e.to_string())?;
         let count = i32::try_from(names.len()).map_err(|e| e.to_string())?;
+        let mut warp = 0i32;
         // SAFETY: every string is NUL-terminated and alive for the call; `name_ptrs` and `out`
-        // hold `count` entries each.
+        // hold `count` entries each; `warp` is written once, on success.
         check(unsafe {
             vn_rtc_build(
                 source.as_ptr(),
@@ -215,12 +253,16 @@ mod imp {
                 name_ptrs.as_ptr(),
                 count,
                 out.as_mut_ptr(),
+                &mut warp,
             )
         })?;
-        Ok(out
-            .into_iter()
-            .map(|f| super::RtcFunction(f as usize))
-            .collect())
+        Ok(super::RtcModule {
+            functions: out
+                .into_iter()
+                .map(|f| super::RtcFunction(f as usize))
+                .collect(),
+            warp: super::WarpWidth::from_lanes(warp)?,
+        })
     }
 
     pub unsafe fn rtc_launch(

@@ -265,7 +265,8 @@ fn check_settings(settings: &SdxlSettings, device: Device) -> Result<(), LoadErr
                 return Err(LoadError::Setting {
                     setting,
                     reason: "the operator shim (csrc/ops.cpp, csrc/rtc.cpp) is not built into \
-                             this binary (built against a CUDA libtorch only)"
+                             this binary (built against a CUDA or ROCm libtorch with its GPU \
+                             headers only)"
                         .into(),
                 });
             }

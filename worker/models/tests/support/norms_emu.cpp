@@ -5,8 +5,14 @@
 // named on the command line runs against a double-precision reference; the exit status is the
 // number of cases off by more than bf16 rounding.
 //
+// The warp width is VN_WARP (-DVN_WARP=32 or 64), the same macro the kernels read: a warp is
+// VN_WARP consecutive threads of a block, as on the GPU. Both shuffle spellings are here: CUDA's
+// __shfl_xor_sync, and HIP's __shfl_xor(v, mask, width) with the source lane HIP's
+// amd_warp_functions.h computes (a lane outside the caller's width segment reads its own value);
+// the source takes HIP's when built with -DVN_EMULATE_HIP.
+//
 //   norms_emu gn N C HW G ADD SILU NB ROWS TY   (launch geometry as src/nn/fused.rs computes it)
-//   norms_emu ln ROWS C
+//   norms_emu ln ROWS C BLOCKS THREADS
 //   norms_emu br ROWS C
 #include <barrier>
 #include <cmath>
@@ -27,8 +33,12 @@ thread_local dim3 threadIdx, blockIdx;
 dim3 blockDim, gridDim;
 std::barrier<>* g_block_barrier;
 std::vector<std::unique_ptr<std::barrier<>>> g_warp_barriers;
+#ifndef VN_WARP
+#error "build with -DVN_WARP=32 or -DVN_WARP=64"
+#endif
+constexpr unsigned kMaxThreads = 1024;
 float g_dyn_shared[1 << 16];
-float g_shfl[64][32];
+float g_shfl[kMaxThreads / VN_WARP][VN_WARP];
 #define __global__
 #define __device__
 #define __forceinline__ inline
@@ -40,20 +50,44 @@ inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); r
 inline float __expf(float x) { return std::exp(x); }
 inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
 using std::min; using std::sqrt;
-inline float __shfl_xor_sync(unsigned, float v, int o) {
-  unsigned t = threadIdx.x + threadIdx.y * blockDim.x; unsigned w = t / 32, l = t % 32;
-  g_shfl[w][l] = v; g_warp_barriers[w]->arrive_and_wait();
-  float r = g_shfl[w][l ^ o]; g_warp_barriers[w]->arrive_and_wait(); return r;
+// Every lane of the caller's warp publishes v, then reads lane `from(lane)`'s.
+template <class From> float warp_exchange(float v, From from) {
+  const unsigned t = threadIdx.x + threadIdx.y * blockDim.x, w = t / VN_WARP, l = t % VN_WARP;
+  g_shfl[w][l] = v;
+  g_warp_barriers[w]->arrive_and_wait();
+  const unsigned src = from(l);
+  if (src >= VN_WARP) std::abort();  // a lane the warp does not have
+  const float r = g_shfl[w][src];
+  g_warp_barriers[w]->arrive_and_wait();
+  return r;
 }
+inline float __shfl_xor_sync(unsigned, float v, int o) {
+  return warp_exchange(v, [o](unsigned l) { return l ^ (unsigned)o; });
+}
+inline float __shfl_xor(float v, int mask, int width) {
+  return warp_exchange(v, [=](unsigned l) {
+    const unsigned index = l ^ (unsigned)mask;
+    return index >= ((l + width) & ~(unsigned)(width - 1)) ? l : index;
+  });
+}
+// The source picks HIP's shuffle under __HIP__, which hiprtc's clang defines; set here around the
+// source only, so that the standard headers above never see it.
+#ifdef VN_EMULATE_HIP
+#define __HIP__ 1
+#endif
 #include NORMS_SOURCE
+#undef __HIP__
 
 template <class F> void launch(dim3 grid, dim3 block, F f) {
   gridDim = grid; blockDim = block;
   unsigned nt = block.x * block.y;
+  if (nt > kMaxThreads) std::abort();
   for (unsigned by = 0; by < grid.y; ++by) for (unsigned bx = 0; bx < grid.x; ++bx) {
     std::barrier<> bar(nt); g_block_barrier = &bar;
     g_warp_barriers.clear();
-    for (unsigned w = 0; w < (nt + 31) / 32; ++w) g_warp_barriers.emplace_back(new std::barrier<>(std::min(32u, nt - w * 32)));
+    for (unsigned w = 0; w < (nt + VN_WARP - 1) / VN_WARP; ++w)
+      g_warp_barriers.emplace_back(
+          new std::barrier<>(std::min<unsigned>(VN_WARP, nt - w * VN_WARP)));
     std::vector<std::thread> ts;
     for (unsigned ty = 0; ty < block.y; ++ty) for (unsigned tx = 0; tx < block.x; ++tx)
       ts.emplace_back([=] { threadIdx.x = tx; threadIdx.y = ty; blockIdx.x = bx; blockIdx.y = by; f(); });
@@ -134,7 +168,7 @@ static int gn_case(int N, int C, int HW, int G, bool with_add, bool silu, long n
   return ok ? 0 : 1;
 }
 
-static int ln_case(long rows, int C) {
+static int ln_case(long rows, int C, unsigned blocks, unsigned threads) {
   std::mt19937 rng(rows * 31 + C);
   std::normal_distribution<float> nd;
   std::vector<unsigned short> a(rows * C), b(rows * C), w(C), bias(C), s(rows * C), y(rows * C);
@@ -142,7 +176,7 @@ static int ln_case(long rows, int C) {
   for (auto& v : b) v = tobf(nd(rng));
   for (auto& v : w) v = tobf(nd(rng) * 0.5f + 1);
   for (auto& v : bias) v = tobf(nd(rng) * 0.2f);
-  launch({(unsigned)((rows + 7) / 8), 1}, {256, 1}, [&] {
+  launch({blocks, 1}, {threads, 1}, [&] {
     add_layer_norm(reinterpret_cast<const uint4*>(a.data()), reinterpret_cast<const uint4*>(b.data()),
                    w.data(), bias.data(), reinterpret_cast<uint4*>(s.data()),
                    reinterpret_cast<uint4*>(y.data()), rows, C, 1e-5f);
@@ -168,8 +202,8 @@ static int ln_case(long rows, int C) {
     }
   }
   const bool ok = maxerr <= 4.0e-3 && sum_off == 0;
-  printf("ln rows=%ld C=%d: sums off %d, max rel err %.3e %s\n", rows, C, sum_off, maxerr,
-         ok ? "ok" : "OFF");
+  printf("ln rows=%ld C=%d blocks=%u threads=%u lanes=%d: sums off %d, max rel err %.3e %s\n",
+         rows, C, blocks, threads, VN_WARP, sum_off, maxerr, ok ? "ok" : "OFF");
   return ok ? 0 : 1;
 }
 
@@ -206,9 +240,10 @@ int main(int argc, char** argv) {
     } else if (kind == "br" && i + 2 < argc) {
       off += br_case(std::atol(argv[i + 1]), std::atoi(argv[i + 2]));
       i += 3;
-    } else if (kind == "ln" && i + 2 < argc) {
-      off += ln_case(std::atol(argv[i + 1]), std::atoi(argv[i + 2]));
-      i += 3;
+    } else if (kind == "ln" && i + 4 < argc) {
+      off += ln_case(std::atol(argv[i + 1]), std::atoi(argv[i + 2]),
+                     (unsigned)std::atol(argv[i + 3]), (unsigned)std::atol(argv[i + 4]));
+      i += 5;
     } else {
       fprintf(stderr, "bad case at argument %d\n", i);
       return 100;

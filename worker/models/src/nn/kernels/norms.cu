@@ -1,9 +1,15 @@
 // Fused normalisation kernels of the SDXL UNet (src/nn/fused.rs), compiled at run time by NVRTC
-// (through libtorch's NVRTC stub, csrc/rtc.cpp) for the GPU they run on.
+// on CUDA or hiprtc on ROCm (through libtorch's NVRTC stub, csrc/rtc.cpp) for the GPU they run on.
 //
 // bf16 values travel as their 16 bits and are widened to fp32 by a shift, so the source needs no
-// CUDA header (NVRTC runs without a toolkit's include folder). Arithmetic is fp32; every output
-// is rounded to bf16 once, to nearest even, as libtorch rounds.
+// CUDA or HIP header (NVRTC runs without a toolkit's include folder; hiprtc brings its own
+// built-ins). Arithmetic is fp32; every output is rounded to bf16 once, to nearest even, as
+// libtorch rounds.
+//
+// One warp-wide reduction (add_layer_norm) depends on the lanes a warp has: VN_WARP, 32 on CUDA;
+// on AMD the wavefront width, 32 on RDNA (gfx11, e.g. gfx1151) and 64 on CDNA (gfx9), which
+// csrc/rtc.cpp passes as -DVN_WARP from the device's warp-size attribute. Everything else is
+// written per block and does not depend on it.
 //
 // Kernels, all over contiguous rows of C channels (C a multiple of 8, loaded 8 at a time):
 // - gn_partial, gn_finalize, gn_apply: GroupNorm of an NHWC activation [N, HW, C], optionally
@@ -21,7 +27,34 @@
 // NVIDIA's TensorRT groupNormPlugin and apex's group_norm, Apache-2.0 / BSD) and of warp-per-row
 // LayerNorm kernels; the code is ours.
 
+#if defined(__HIP__)
+// hiprtc (clang -x hip): the compiler knows the wavefront width it compiles for; a -DVN_WARP that
+// disagrees would reduce over lanes the wavefront does not have.
+#if !defined(VN_WARP) && defined(__AMDGCN_WAVEFRONT_SIZE)
+#define VN_WARP __AMDGCN_WAVEFRONT_SIZE
+#endif
+#if !defined(VN_WARP)
+#error "VN_WARP: compile with the device's wavefront width, -DVN_WARP=32 or -DVN_WARP=64"
+#elif defined(__AMDGCN_WAVEFRONT_SIZE) && VN_WARP != __AMDGCN_WAVEFRONT_SIZE
+#error "VN_WARP differs from the wavefront width this code is compiled for"
+#endif
+#elif !defined(VN_WARP)
+#define VN_WARP 32
+#endif
+#if VN_WARP != 32 && VN_WARP != 64
+#error "VN_WARP must be 32 or 64"
+#endif
+
 typedef unsigned short bf16;
+
+// v from the lane whose index is this lane's xor `mask` (mask < VN_WARP), all lanes taking part.
+__device__ __forceinline__ float warp_xor(float v, int mask) {
+#if defined(__HIP__)
+  return __shfl_xor(v, mask, VN_WARP);
+#else
+  return __shfl_xor_sync(0xffffffffu, v, mask);
+#endif
+}
 
 __device__ __forceinline__ float bf2f(bf16 h) {
   return __uint_as_float(((unsigned int)h) << 16);
@@ -230,16 +263,19 @@ extern "C" __global__ void bias_residual(const uint4* __restrict__ h, const uint
   }
 }
 
-#define ADD_LN_MAXV 5  // rows up to 8 · 32 · 5 = 1280 channels
+// Rows up to 1280 channels (160 vectors of 8): each lane holds ADD_LN_MAXV vectors, 5 at 32 lanes
+// (8 · 32 · 5 = 1280), 3 at 64 (8 · 64 · 3 = 1536).
+#define ADD_LN_MAX_C8 160
+#define ADD_LN_MAXV ((ADD_LN_MAX_C8 + VN_WARP - 1) / VN_WARP)
 
-// One warp per row; blockDim.x a multiple of 32. s = a + b, y = LayerNorm(s)·w + bias over C.
+// One warp per row; blockDim.x a multiple of VN_WARP. s = a + b, y = LayerNorm(s)·w + bias over C.
 extern "C" __global__ void add_layer_norm(const uint4* __restrict__ a, const uint4* __restrict__ b,
                                           const bf16* __restrict__ w,
                                           const bf16* __restrict__ bias, uint4* __restrict__ s_out,
                                           uint4* __restrict__ y_out, long long rows, int C,
                                           float eps) {
-  const int lane = threadIdx.x & 31;
-  const long long row = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & (VN_WARP - 1);
+  const long long row = (long long)blockIdx.x * (blockDim.x / VN_WARP) + (threadIdx.x / VN_WARP);
   if (row >= rows) {
     return;
   }
@@ -249,7 +285,7 @@ extern "C" __global__ void add_layer_norm(const uint4* __restrict__ a, const uin
   float sum = 0.f;
 #pragma unroll
   for (int j = 0; j < ADD_LN_MAXV; ++j) {
-    const int k = lane + 32 * j;
+    const int k = lane + VN_WARP * j;
     if (k < C8) {
       float fa[8], fb[8];
       unpack8(a[off + k], fa);
@@ -263,14 +299,14 @@ extern "C" __global__ void add_layer_norm(const uint4* __restrict__ a, const uin
     }
   }
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  for (int o = VN_WARP / 2; o > 0; o >>= 1) {
+    sum += warp_xor(sum, o);
   }
   const float mean = sum / C;
   float sq = 0.f;
 #pragma unroll
   for (int j = 0; j < ADD_LN_MAXV; ++j) {
-    if (lane + 32 * j < C8) {
+    if (lane + VN_WARP * j < C8) {
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
         const float d = v[j][e] - mean;
@@ -279,13 +315,13 @@ extern "C" __global__ void add_layer_norm(const uint4* __restrict__ a, const uin
     }
   }
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    sq += __shfl_xor_sync(0xffffffffu, sq, o);
+  for (int o = VN_WARP / 2; o > 0; o >>= 1) {
+    sq += warp_xor(sq, o);
   }
   const float rstd = rsqrtf(sq / C + eps);
 #pragma unroll
   for (int j = 0; j < ADD_LN_MAXV; ++j) {
-    const int k = lane + 32 * j;
+    const int k = lane + VN_WARP * j;
     if (k < C8) {
       float o[8];
 #pragma unroll
