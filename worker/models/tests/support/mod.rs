@@ -1,8 +1,16 @@
 //! What every parity test file compares with: the relative error of a tensor against its Python
-//! reference, and the checked form that prints and asserts it. Each test binary uses a subset.
+//! reference, and the checked form that prints and asserts it; and the fixture files written at
+//! test time from other fixtures ([`derived`]). Each test binary uses a subset.
 #![allow(dead_code)]
 
+pub mod derived;
+
 use tch::{Kind, Tensor};
+
+/// The crate's `fixtures/` folder (what [`derived`]'s functions take).
+pub fn fixture_root() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures")
+}
 
 /// `max|a − b| / max|b|`, in f64 (`b` the reference).
 pub fn rel_err(a: &Tensor, b: &Tensor) -> f64 {

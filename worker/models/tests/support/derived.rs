@@ -1,0 +1,320 @@
+//! Fixture files that hold no weights of their own: the tensors of a committed fixture under other
+//! names, in another encoding or another container, written at test time so that the tree stores
+//! each set of weights once. Each function names the file it replaces and derives it the way the
+//! generator script wrote that file; every one was checked against the committed file, tensor for
+//! tensor and byte for byte, before that file was deleted.
+//!
+//! Files are written once per test process under `CARGO_TARGET_TMPDIR/derived-fixtures/`, to a
+//! temporary name first and then renamed, so test binaries running side by side never read half a
+//! file. Shared by the model crate's tests (`support::derived`) and the end-to-end tests (the
+//! `tests` crate includes this file with `#[path]`); every function takes the model crate's
+//! `fixtures/` folder.
+
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use tch::{Device, Kind, Tensor};
+use vnfarm_models::loading::safetensors::SafetensorsFile;
+use vnfarm_models::qwen_image::keys::wan_vae_key;
+use vnfarm_models::qwen_image::vae::QwenVaeConfig;
+
+/// `comfy/vae_wan.safetensors`: the tiny Qwen VAE of `qwen/qwen_tiny/vae/` under the Wan 2.1 /
+/// ComfyUI key names (`make_qwen_fixtures.py`, `wan_vae_name`), the same F16 tensors.
+pub fn qwen_vae_wan(fixtures: &Path) -> PathBuf {
+    derive("qwen/vae_wan.safetensors", || {
+        let src = fixtures.join("qwen/qwen_tiny/vae/diffusion_pytorch_model.safetensors");
+        let f = open(&src);
+        let nrb = QwenVaeConfig::tiny().num_res_blocks;
+        let tensors = f
+            .names()
+            .map(|k| {
+                let wan = wan_vae_name(k, nrb).unwrap_or_else(|| panic!("no Wan name for {k}"));
+                // The loader's own mapping must lead back (it is checked against diffusers'
+                // `convert_wan_vae_to_diffusers` on the real layout by the generator script).
+                assert_eq!(wan_vae_key(&wan, nrb).as_deref(), Some(k), "{wan}");
+                (wan, native(&f, k))
+            })
+            .collect();
+        serialize(tensors, &[("format", "pt")])
+    })
+}
+
+/// `comfy/text_encoder_fp8_scaled.safetensors`: the tiny text encoder of `qwen/qwen_tiny/
+/// text_encoder/` (both shards) as ComfyUI's legacy "scaled fp8" (`make_qwen_fixtures.py`,
+/// `write_comfy_text_encoder`): each Linear weight `v` as `q = (v / s)` in F8_E4M3 with
+/// `<layer>.scale_weight = s`, `s = max|v| / 448` (`common.scaled_fp8`), and the `scaled_fp8`
+/// sentinel; every other tensor as it is (F16). The folder stores exactly those Linear weights in
+/// F32 (their values `q·s` are not fp16 numbers), which is how they are recognised here.
+pub fn qwen_text_encoder_fp8_scaled(fixtures: &Path) -> PathBuf {
+    derive("qwen/text_encoder_fp8_scaled.safetensors", || {
+        let dir = fixtures.join("qwen/qwen_tiny/text_encoder");
+        let mut out = vec![(
+            "scaled_fp8".to_string(),
+            Tensor::zeros([0], (Kind::Float8e4m3fn, Device::Cpu)),
+        )];
+        for shard in shards(&dir) {
+            let f = open(&shard);
+            for k in f.names() {
+                let v = native(&f, k);
+                if v.kind() != Kind::Float {
+                    out.push((k.to_string(), v));
+                    continue;
+                }
+                let layer = k
+                    .strip_suffix(".weight")
+                    .filter(|_| v.dim() == 2)
+                    .unwrap_or_else(|| panic!("{k}: an F32 tensor that is no Linear weight"));
+                let s = v.abs().max() / 448.0;
+                let q = (&v / &s).to_kind(Kind::Float8e4m3fn);
+                assert!(
+                    (q.to_kind(Kind::Float) * &s).equal(&v),
+                    "{k} is not exactly q·s in scaled fp8"
+                );
+                out.push((k.to_string(), q));
+                out.push((format!("{layer}.scale_weight"), s));
+            }
+        }
+        serialize(out, &[("format", "pt")])
+    })
+}
+
+/// `comfy/transformer_fp8_e4m3fn.safetensors`: the tiny transformer of `qwen/qwen_tiny/
+/// transformer/` with bare diffusers keys (`make_qwen_fixtures.py`, `write_comfy_transformer`):
+/// every Linear weight (the 2-D `.weight`s) cast to F8_E4M3 (scale 1: the values are fp8 numbers),
+/// every other tensor BF16 where that holds it exactly, else F32.
+pub fn qwen_transformer_fp8(fixtures: &Path) -> PathBuf {
+    derive("qwen/transformer_fp8_e4m3fn.safetensors", || {
+        serialize(transformer_fp8_tensors(fixtures, ""), &[("format", "pt")])
+    })
+}
+
+/// `comfy/transformer_fp8_e4m3fn_prefixed.safetensors`: [`qwen_transformer_fp8`] with every key
+/// under `model.diffusion_model.`.
+pub fn qwen_transformer_fp8_prefixed(fixtures: &Path) -> PathBuf {
+    derive("qwen/transformer_fp8_e4m3fn_prefixed.safetensors", || {
+        let tensors = transformer_fp8_tensors(fixtures, "model.diffusion_model.");
+        serialize(tensors, &[("format", "pt")])
+    })
+}
+
+fn transformer_fp8_tensors(fixtures: &Path, prefix: &str) -> Vec<(String, Tensor)> {
+    let f = open(&fixtures.join("qwen/qwen_tiny/transformer/diffusion_pytorch_model.safetensors"));
+    f.names()
+        .map(|k| {
+            let v = native(&f, k).to_kind(Kind::Float);
+            let t = if v.dim() == 2 && k.ends_with(".weight") {
+                let q = v.to_kind(Kind::Float8e4m3fn);
+                assert!(q.to_kind(Kind::Float).equal(&v), "{k} is not fp8");
+                q
+            } else {
+                exact_in(&v, Kind::BFloat16).unwrap_or(v)
+            };
+            (format!("{prefix}{k}"), t)
+        })
+        .collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// diffusers -> Wan 2.1 VAE names
+
+/// The Wan 2.1 name of diffusers `AutoencoderKLQwenImage` key `k` (the generator script's
+/// `wan_vae_name`: the inverse of diffusers' `convert_wan_vae_to_diffusers`, general in
+/// `num_res_blocks`).
+fn wan_vae_name(k: &str, num_res_blocks: i64) -> Option<String> {
+    const RESNET: [(&str, &str); 5] = [
+        ("norm1.gamma", "residual.0.gamma"),
+        ("conv1", "residual.2"),
+        ("norm2.gamma", "residual.3.gamma"),
+        ("conv2", "residual.6"),
+        ("conv_shortcut", "shortcut"),
+    ];
+    let resnet = |rest: &str| {
+        RESNET.iter().find_map(|(a, b)| {
+            let tail = rest.strip_prefix(a)?;
+            (tail.is_empty() || tail.starts_with('.')).then(|| format!("{b}{tail}"))
+        })
+    };
+    for (a, b) in [("quant_conv.", "conv1."), ("post_quant_conv.", "conv2.")] {
+        if let Some(rest) = k.strip_prefix(a) {
+            return Some(format!("{b}{rest}"));
+        }
+    }
+    let (side, rest) = k.split_once('.')?;
+    if side != "encoder" && side != "decoder" {
+        return None;
+    }
+    for (a, b) in [
+        ("conv_in.", "conv1."),
+        ("norm_out.", "head.0."),
+        ("conv_out.", "head.2."),
+    ] {
+        if let Some(tail) = rest.strip_prefix(a) {
+            return Some(format!("{side}.{b}{tail}"));
+        }
+    }
+    let p: Vec<&str> = rest.split('.').collect();
+    let from = |i: usize| p.get(i..).map(|s| s.join("."));
+    let int = |i: usize| p.get(i)?.parse::<i64>().ok();
+    match p[0] {
+        "mid_block" => {
+            let (i, tail) = (int(2)?, from(3)?);
+            if p[1] == "attentions" {
+                Some(format!("{side}.middle.{}.{tail}", 2 * i + 1))
+            } else {
+                Some(format!("{side}.middle.{}.{}", 2 * i, resnet(&tail)?))
+            }
+        }
+        "down_blocks" => {
+            let (i, tail) = (int(1)?, from(2)?);
+            if tail.starts_with("resample.") || tail.starts_with("time_conv.") {
+                Some(format!("{side}.downsamples.{i}.{tail}"))
+            } else {
+                Some(format!("{side}.downsamples.{i}.{}", resnet(&tail)?))
+            }
+        }
+        "up_blocks" => {
+            let (b, per) = (int(1)?, num_res_blocks + 2);
+            match *p.get(2)? {
+                "resnets" => Some(format!(
+                    "{side}.upsamples.{}.{}",
+                    b * per + int(3)?,
+                    resnet(&from(4)?)?
+                )),
+                "upsamplers" if p.get(3) == Some(&"0") => Some(format!(
+                    "{side}.upsamples.{}.{}",
+                    b * per + num_res_blocks + 1,
+                    from(4)?
+                )),
+                _ => None,
+            }
+        }
+        _ => None,
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// reading and writing
+
+fn open(path: &Path) -> SafetensorsFile {
+    SafetensorsFile::open(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// Tensor `name` of `f` in the dtype it is stored in.
+fn native(f: &SafetensorsFile, name: &str) -> Tensor {
+    let dtype = &f.info(name).expect("listed").dtype;
+    let (kind, _) = vnfarm_models::loading::safetensors::kind_of(dtype)
+        .unwrap_or_else(|| panic!("{name}: dtype {dtype}"));
+    f.load(name, Device::Cpu, kind)
+        .unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+/// The shards of a sharded folder (its `model.safetensors.index.json`), in order.
+fn shards(dir: &Path) -> Vec<PathBuf> {
+    let text = std::fs::read_to_string(dir.join("model.safetensors.index.json")).expect("index");
+    let index: serde_json::Value = serde_json::from_str(&text).expect("index json");
+    let names: std::collections::BTreeSet<&str> = index["weight_map"]
+        .as_object()
+        .expect("weight_map")
+        .values()
+        .map(|v| v.as_str().expect("shard name"))
+        .collect();
+    names.into_iter().map(|n| dir.join(n)).collect()
+}
+
+/// `t` in `kind` when that holds every value exactly.
+fn exact_in(t: &Tensor, kind: Kind) -> Option<Tensor> {
+    let c = t.to_kind(kind);
+    c.to_kind(t.kind()).equal(t).then_some(c)
+}
+
+/// The safetensors dtype name of `kind`.
+fn dtype(kind: Kind) -> &'static str {
+    match kind {
+        Kind::Bool => "BOOL",
+        Kind::Uint8 => "U8",
+        Kind::Int8 => "I8",
+        Kind::Float8e5m2 => "F8_E5M2",
+        Kind::Float8e4m3fn => "F8_E4M3",
+        Kind::Int16 => "I16",
+        Kind::Half => "F16",
+        Kind::BFloat16 => "BF16",
+        Kind::Int => "I32",
+        Kind::Float => "F32",
+        Kind::Double => "F64",
+        Kind::Int64 => "I64",
+        other => panic!("no safetensors dtype for {other:?}"),
+    }
+}
+
+/// A safetensors file, laid out as Python's `safetensors.torch.save_file` (0.8) lays it out, so
+/// that a derived file is byte for byte the one the generator script wrote: tensors ordered by
+/// dtype (the order of the format's `Dtype` enum, last first), then by name; a compact JSON
+/// header with `__metadata__` first (when given) and each entry's fields in the order dtype,
+/// shape, data_offsets, padded with spaces to a multiple of 8 bytes. Written here because the
+/// workspace's `safetensors` crate (0.3) knows no fp8 dtypes.
+fn serialize(mut tensors: Vec<(String, Tensor)>, metadata: &[(&str, &str)]) -> Vec<u8> {
+    const ORDER: [&str; 12] = [
+        "BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "F16", "BF16", "I32", "F32", "F64", "I64",
+    ];
+    let rank = |t: &Tensor| ORDER.iter().position(|d| *d == dtype(t.kind()));
+    tensors.sort_by(|(a, x), (b, y)| rank(y).cmp(&rank(x)).then(a.cmp(b)));
+    let text = |s: &str| serde_json::to_string(s).expect("a JSON string");
+    let mut entries = Vec::new();
+    if !metadata.is_empty() {
+        let fields: Vec<String> = metadata
+            .iter()
+            .map(|(k, v)| format!("{}:{}", text(k), text(v)))
+            .collect();
+        entries.push(format!("\"__metadata__\":{{{}}}", fields.join(",")));
+    }
+    let mut data = Vec::new();
+    for (name, t) in &tensors {
+        let t = t.contiguous();
+        let start = data.len();
+        data.resize(start + t.numel() * t.kind().elt_size_in_bytes(), 0);
+        t.copy_data_u8(&mut data[start..], t.numel());
+        entries.push(format!(
+            "{}:{{\"dtype\":\"{}\",\"shape\":{},\"data_offsets\":[{start},{}]}}",
+            text(name),
+            dtype(t.kind()),
+            serde_json::to_string(&t.size()).expect("a JSON list"),
+            data.len()
+        ));
+    }
+    let mut header = format!("{{{}}}", entries.join(","));
+    while header.len() % 8 != 0 {
+        header.push(' ');
+    }
+    let mut out = (header.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(header.as_bytes());
+    out.extend_from_slice(&data);
+    out
+}
+
+/// The path of derived file `name`, written by `bytes` on the first call in this process.
+fn derive(name: &str, bytes: impl FnOnce() -> Vec<u8>) -> PathBuf {
+    static WRITTEN: Mutex<BTreeMap<String, PathBuf>> = Mutex::new(BTreeMap::new());
+    let mut written = WRITTEN
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some(path) = written.get(name) {
+        return path.clone();
+    }
+    let path = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("derived-fixtures")
+        .join(name);
+    let dir = path.parent().expect("a file name");
+    std::fs::create_dir_all(dir).expect("derived fixture folder");
+    let tmp = dir.join(format!(
+        ".{}.{}",
+        path.file_name().expect("name").to_string_lossy(),
+        std::process::id()
+    ));
+    std::fs::write(&tmp, bytes()).expect("write derived fixture");
+    std::fs::rename(&tmp, &path).expect("rename derived fixture");
+    written.insert(name.to_string(), path.clone());
+    path
+}
