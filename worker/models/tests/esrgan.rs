@@ -522,10 +522,6 @@ fn bad_checkpoints_are_refused_with_the_reason() {
     std::fs::write(&text, "not a model at all").unwrap();
     assert!(load_err(&text).contains("neither a PyTorch zip checkpoint nor a safetensors file"));
     let sd = dir.path().join("sdxl_like.safetensors");
-    std::fs::copy(
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/sdxl/sdxl_tiny_ldm.safetensors"),
-        &sd,
-    )
-    .unwrap();
+    std::fs::copy(support::derived::sdxl_tiny_ldm(&support::fixture_root()), &sd).unwrap();
     assert!(load_err(&sd).contains("not an RRDBNet"));
 }

@@ -117,6 +117,48 @@ fn transformer_fp8_tensors(fixtures: &Path, prefix: &str) -> Vec<(String, Tensor
         .collect()
 }
 
+/// `sdxl/sdxl_tiny_ldm.safetensors`: the tiny SDXL of `sdxl/sdxl_tiny/` as one ldm-named single
+/// file in F16 (`make_sdxl_fixtures.py`, `write_single_file`: `unet_to_ldm`, `vae_to_ldm`, CLIP-L
+/// under `conditioner.embedders.0.transformer.text_model.`, `open_clip_to_ldm`).
+pub fn sdxl_tiny_ldm(fixtures: &Path) -> PathBuf {
+    derive("sdxl/sdxl_tiny_ldm.safetensors", || {
+        let dir = fixtures.join("sdxl/sdxl_tiny");
+        let component = |c: &str, file: &str| {
+            let f = open(&dir.join(c).join(file));
+            f.names()
+                .map(|k| (k.to_string(), native(&f, k)))
+                .collect::<BTreeMap<_, _>>()
+        };
+        let mut out = Vec::new();
+        out.extend(unet_to_ldm(
+            &component("unet", "diffusion_pytorch_model.safetensors"),
+            2,
+        ));
+        out.extend(vae_to_ldm(
+            component("vae", "diffusion_pytorch_model.safetensors"),
+            2,
+        ));
+        for (k, v) in component("text_encoder", "model.safetensors") {
+            // Single files carry transformers' classic `text_model.` prefix.
+            let k = if k.starts_with("text_model.") {
+                k
+            } else {
+                format!("text_model.{k}")
+            };
+            out.push((format!("conditioner.embedders.0.transformer.{k}"), v));
+        }
+        out.extend(open_clip_to_ldm(&component(
+            "text_encoder_2",
+            "model.safetensors",
+        )));
+        let out = out
+            .into_iter()
+            .map(|(k, v)| (k, v.to_kind(Kind::Half)))
+            .collect();
+        serialize(out, &[("format", "pt")])
+    })
+}
+
 // ---------------------------------------------------------------------------------------------
 // diffusers -> Wan 2.1 VAE names
 
@@ -193,6 +235,196 @@ fn wan_vae_name(k: &str, num_res_blocks: i64) -> Option<String> {
         }
         _ => None,
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// diffusers -> ldm (the generator script's converters, checked there against diffusers' own
+// ldm -> diffusers converters)
+
+fn unet_to_ldm(sd: &BTreeMap<String, Tensor>, layers_per_block: usize) -> Vec<(String, Tensor)> {
+    let per = layers_per_block + 1;
+    let res = |n: &str| match n {
+        "norm1" => "in_layers.0",
+        "conv1" => "in_layers.2",
+        "norm2" => "out_layers.0",
+        "conv2" => "out_layers.3",
+        "time_emb_proj" => "emb_layers.1",
+        "conv_shortcut" => "skip_connection",
+        _ => panic!("resnet tensor {n}"),
+    };
+    const TOP: [(&str, &str); 7] = [
+        ("time_embedding.linear_1", "time_embed.0"),
+        ("time_embedding.linear_2", "time_embed.2"),
+        ("add_embedding.linear_1", "label_emb.0.0"),
+        ("add_embedding.linear_2", "label_emb.0.2"),
+        ("conv_in", "input_blocks.0.0"),
+        ("conv_norm_out", "out.0"),
+        ("conv_out", "out.2"),
+    ];
+    sd.iter()
+        .map(|(k, v)| {
+            let p: Vec<&str> = k.split('.').collect();
+            let int = |i: usize| p[i].parse::<usize>().expect("block index");
+            let from = |i: usize| p[i..].join(".");
+            let top = TOP.iter().find_map(|(a, b)| {
+                k.strip_prefix(a)
+                    .filter(|t| t.starts_with('.'))
+                    .map(|t| format!("{b}{t}"))
+            });
+            // The block kind: `mid_block.<kind>.N.…`, `{down,up}_blocks.B.<kind>.N.…`.
+            let kind = if p[0] == "mid_block" {
+                p[1]
+            } else {
+                p.get(2).copied().unwrap_or_default()
+            };
+            let new = top.unwrap_or_else(|| match (p[0], kind) {
+                ("down_blocks", "resnets") => format!(
+                    "input_blocks.{}.0.{}.{}",
+                    int(1) * per + int(3) + 1,
+                    res(p[4]),
+                    from(5)
+                ),
+                ("down_blocks", "attentions") => {
+                    format!("input_blocks.{}.1.{}", int(1) * per + int(3) + 1, from(4))
+                }
+                ("down_blocks", "downsamplers") => {
+                    format!("input_blocks.{}.0.op.{}", int(1) * per + per, from(5))
+                }
+                ("mid_block", "resnets") => {
+                    format!("middle_block.{}.{}.{}", 2 * int(2), res(p[3]), from(4))
+                }
+                ("mid_block", _) => format!("middle_block.1.{}", from(3)),
+                ("up_blocks", "resnets") => format!(
+                    "output_blocks.{}.0.{}.{}",
+                    int(1) * per + int(3),
+                    res(p[4]),
+                    from(5)
+                ),
+                ("up_blocks", "attentions") => {
+                    format!("output_blocks.{}.1.{}", int(1) * per + int(3), from(4))
+                }
+                ("up_blocks", "upsamplers") => {
+                    let attn = format!("up_blocks.{}.attentions.", p[1]);
+                    let slot = if sd.keys().any(|x| x.starts_with(&attn)) {
+                        2
+                    } else {
+                        1
+                    };
+                    format!(
+                        "output_blocks.{}.{slot}.conv.{}",
+                        int(1) * per + per - 1,
+                        from(5)
+                    )
+                }
+                _ => panic!("UNet tensor {k}"),
+            });
+            (format!("model.diffusion_model.{new}"), v.shallow_clone())
+        })
+        .collect()
+}
+
+fn vae_to_ldm(sd: BTreeMap<String, Tensor>, n_blocks: usize) -> Vec<(String, Tensor)> {
+    const ATTN: [(&str, &str); 5] = [
+        ("group_norm", "norm"),
+        ("to_q", "q"),
+        ("to_k", "k"),
+        ("to_v", "v"),
+        ("to_out.0", "proj_out"),
+    ];
+    let nin = |s: String| s.replace("conv_shortcut", "nin_shortcut");
+    sd.into_iter()
+        .map(|(k, mut v)| {
+            let (side, rest) = k.split_once('.').expect("dotted key");
+            let p: Vec<&str> = rest.split('.').collect();
+            let from = |i: usize| p[i..].join(".");
+            let new = match (side, p[0]) {
+                ("quant_conv" | "post_quant_conv", _) => k.clone(),
+                (_, "conv_in" | "conv_out") => format!("{side}.{rest}"),
+                (_, "conv_norm_out") => format!("{side}.norm_out.{}", from(1)),
+                (_, "mid_block") if p[1] == "resnets" => {
+                    let block: usize = p[2].parse().expect("index");
+                    format!("{side}.mid.block_{}.{}", block + 1, nin(from(3)))
+                }
+                (_, "mid_block") => {
+                    let tail = from(3);
+                    let r = ATTN
+                        .iter()
+                        .find_map(|(a, b)| {
+                            tail.strip_prefix(a)
+                                .filter(|t| t.starts_with('.'))
+                                .map(|t| format!("mid.attn_1.{b}{t}"))
+                        })
+                        .unwrap_or_else(|| panic!("VAE attention tensor {k}"));
+                    // ldm stores the attention projections as 1x1 convs.
+                    if v.dim() == 2 {
+                        v = v.unsqueeze(-1).unsqueeze(-1);
+                    }
+                    format!("{side}.{r}")
+                }
+                (_, "down_blocks") if p[2] == "resnets" => {
+                    format!("{side}.down.{}.block.{}.{}", p[1], p[3], nin(from(4)))
+                }
+                (_, "down_blocks") => format!("{side}.down.{}.downsample.conv.{}", p[1], from(5)),
+                (_, "up_blocks") => {
+                    let b = n_blocks - 1 - p[1].parse::<usize>().expect("index");
+                    if p[2] == "resnets" {
+                        format!("{side}.up.{b}.block.{}.{}", p[3], nin(from(4)))
+                    } else {
+                        format!("{side}.up.{b}.upsample.conv.{}", from(5))
+                    }
+                }
+                _ => panic!("VAE tensor {k}"),
+            };
+            (format!("first_stage_model.{new}"), v)
+        })
+        .collect()
+}
+
+fn open_clip_to_ldm(sd: &BTreeMap<String, Tensor>) -> Vec<(String, Tensor)> {
+    const PRE: &str = "conditioner.embedders.1.model.";
+    const LAYER: [(&str, &str); 5] = [
+        ("layer_norm1", "ln_1"),
+        ("layer_norm2", "ln_2"),
+        ("self_attn.out_proj", "attn.out_proj"),
+        ("mlp.fc1", "mlp.c_fc"),
+        ("mlp.fc2", "mlp.c_proj"),
+    ];
+    let mut out = Vec::new();
+    for (k, v) in sd {
+        let v = v.shallow_clone();
+        if k == "text_model.embeddings.token_embedding.weight" {
+            out.push((format!("{PRE}token_embedding.weight"), v));
+        } else if k == "text_model.embeddings.position_embedding.weight" {
+            out.push((format!("{PRE}positional_embedding"), v));
+        } else if let Some(t) = k.strip_prefix("text_model.final_layer_norm.") {
+            out.push((format!("{PRE}ln_final.{t}"), v));
+        } else if k == "text_projection.weight" {
+            out.push((format!("{PRE}text_projection"), v.tr().contiguous()));
+        } else if let Some(rest) = k.strip_prefix("text_model.encoder.layers.") {
+            let (n, rest) = rest.split_once('.').expect("layer index");
+            let base = format!("{PRE}transformer.resblocks.{n}.");
+            if let Some(kind) = rest.strip_prefix("self_attn.q_proj.") {
+                let part = |x: &str| {
+                    sd[&format!("text_model.encoder.layers.{n}.self_attn.{x}_proj.{kind}")]
+                        .shallow_clone()
+                };
+                let qkv = Tensor::cat(&[part("q"), part("k"), part("v")], 0);
+                out.push((format!("{base}attn.in_proj_{kind}"), qkv));
+            } else if !(rest.starts_with("self_attn.k_proj.")
+                || rest.starts_with("self_attn.v_proj."))
+            {
+                let (a, b) = LAYER
+                    .iter()
+                    .find(|(a, _)| rest.starts_with(&format!("{a}.")))
+                    .unwrap_or_else(|| panic!("CLIP-G tensor {k}"));
+                out.push((format!("{base}{b}{}", &rest[a.len()..]), v));
+            }
+        } else if !k.ends_with("position_ids") {
+            panic!("CLIP-G tensor {k}");
+        }
+    }
+    out.push((format!("{PRE}logit_scale"), Tensor::from(4.6052f32)));
+    out
 }
 
 // ---------------------------------------------------------------------------------------------
