@@ -17,6 +17,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use tch::{Device, Kind, Tensor};
+use vnfarm_models::loading::pth::PthFile;
 use vnfarm_models::loading::safetensors::SafetensorsFile;
 use vnfarm_models::qwen_image::keys::wan_vae_key;
 use vnfarm_models::qwen_image::vae::QwenVaeConfig;
@@ -157,6 +158,45 @@ pub fn sdxl_tiny_ldm(fixtures: &Path) -> PathBuf {
             .collect();
         serialize(out, &[("format", "pt")])
     })
+}
+
+/// `esrgan/tiny_x4.safetensors`: the `params_ema` weights of `esrgan/tiny_x4.pth`, bare keys
+/// (`make_esrgan_fixtures.py`).
+pub fn esrgan_tiny_x4(fixtures: &Path) -> PathBuf {
+    derive("esrgan/tiny_x4.safetensors", || {
+        serialize(pth_tensors(&fixtures.join("esrgan/tiny_x4.pth")), &[])
+    })
+}
+
+/// `esrgan/tiny_x2.safetensors`: the weights of `esrgan/tiny_x2.pth` (`params`), bare keys.
+pub fn esrgan_tiny_x2(fixtures: &Path) -> PathBuf {
+    derive("esrgan/tiny_x2.safetensors", || {
+        serialize(pth_tensors(&fixtures.join("esrgan/tiny_x2.pth")), &[])
+    })
+}
+
+/// `esrgan/bad/extra_key.safetensors`: [`esrgan_tiny_x4`] plus a key no RRDBNet has,
+/// `conv_extra.weight` (zeros, 3×3).
+pub fn esrgan_extra_key(fixtures: &Path) -> PathBuf {
+    derive("esrgan/extra_key.safetensors", || {
+        let mut t = pth_tensors(&fixtures.join("esrgan/tiny_x4.pth"));
+        t.push((
+            "conv_extra.weight".into(),
+            Tensor::zeros([3, 3], (Kind::Float, Device::Cpu)),
+        ));
+        serialize(t, &[])
+    })
+}
+
+fn pth_tensors(path: &Path) -> Vec<(String, Tensor)> {
+    let f = PthFile::open(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    f.names()
+        .map(|k| {
+            let kind = f.kind(k).expect("listed");
+            let t = f.load(k, Device::Cpu, kind).expect("tensor");
+            (k.to_string(), t)
+        })
+        .collect()
 }
 
 // ---------------------------------------------------------------------------------------------
