@@ -1065,9 +1065,7 @@ fn shape_table(v: &serde_json::Value) -> HashMap<String, Vec<i64>> {
 #[test]
 fn sdxl_base_presets_match_diffusers_layout() {
     let _g = tch::no_grad_guard();
-    let text = std::fs::read_to_string(fixtures().join("reference/sdxl_base_tables.json"))
-        .expect("tables");
-    let t: serde_json::Value = serde_json::from_str(&text).expect("json");
+    let t = support::read_json_gz(&fixtures().join("reference/sdxl_base_tables.json.gz"));
     let cfg = |k: &str| t["configs"][k].to_string();
     assert_eq!(
         UNetConfig::from_json(&cfg("unet")).expect("unet config"),

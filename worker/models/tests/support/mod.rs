@@ -63,6 +63,22 @@ pub fn load_reference(
     (tensors, f)
 }
 
+/// A gzipped JSON reference file, parsed (the large JSON references are stored gzipped).
+pub fn read_json_gz(path: &std::path::Path) -> serde_json::Value {
+    use std::io::Read;
+    let gz = std::fs::read(path).unwrap_or_else(|e| {
+        panic!(
+            "reference file {} (run its fixture script): {e}",
+            path.display()
+        )
+    });
+    let mut text = String::new();
+    flate2::read::GzDecoder::new(gz.as_slice())
+        .read_to_string(&mut text)
+        .unwrap_or_else(|e| panic!("{}: not gzipped UTF-8: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: not JSON: {e}", path.display()))
+}
+
 /// Mean absolute difference, in 1/255 units, of an RGB8 image and a float reference `[H, W, 3]`
 /// in 0..1.
 pub fn image_mae(img: &image::RgbImage, want: &Tensor) -> f64 {
