@@ -814,7 +814,8 @@ async fn a_yield_gives_back_the_unstarted_jobs_of_a_batch() -> anyhow::Result<()
 }
 
 /// One worker with the tiny SDXL (diffusers folder, so its checkpoint is named `sdxl_tiny`) and the
-/// tiny Qwen edit model (ComfyUI-style files) on the CPU in fp32, Qwen taking two edits per forward
+/// tiny Qwen edit model (ComfyUI-style files, written from its diffusers folder at test time) on the
+/// CPU in fp32, Qwen taking two edits per forward
 /// and small conditioning images (the tiny model's speed on a CPU).
 fn models_worker() -> WorkerOptions {
     let fixtures =
@@ -833,13 +834,13 @@ fn models_worker() -> WorkerOptions {
     let qwen_edit = [
         (
             "TRANSFORMER",
-            path(qwen.join("comfy/transformer_fp8_e4m3fn.safetensors")),
+            path(crate::derived::qwen_transformer_fp8(&fixtures)),
         ),
         (
             "TEXT_ENCODER",
-            path(qwen.join("comfy/text_encoder_fp8_scaled.safetensors")),
+            path(crate::derived::qwen_text_encoder_fp8_scaled(&fixtures)),
         ),
-        ("VAE", path(qwen.join("comfy/vae_wan.safetensors"))),
+        ("VAE", path(crate::derived::qwen_vae_wan(&fixtures))),
         ("CONFIG_DIR", path(qwen.join("qwen_tiny"))),
         ("DEVICE", "cpu".into()),
         ("DTYPE", "fp32".into()),

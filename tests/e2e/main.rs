@@ -18,6 +18,11 @@ mod redelivery;
 mod sdxl;
 mod web;
 
+/// The model crate's fixture files that are written at test time from other fixtures (its own
+/// tests' helper), for the workers' model paths.
+#[path = "../../worker/models/tests/support/derived.rs"]
+mod derived;
+
 use std::time::Duration;
 
 /// Generous bound for one job or pipeline on a loaded 2-core CI machine; tests wait for conditions,

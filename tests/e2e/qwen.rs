@@ -20,7 +20,8 @@ fn models() -> PathBuf {
 }
 
 /// One worker with the tiny SDXL (diffusers folder) and the tiny Qwen edit model (ComfyUI-style
-/// single files, sized by the tiny diffusers folder's configs), on the CPU in fp32.
+/// single files, written from the tiny diffusers folder at test time and sized by its configs), on
+/// the CPU in fp32.
 fn farm_worker(condition_area: u64, vae_area: u64, scheduler: &str) -> WorkerOptions {
     let qwen = models().join("qwen");
     let sdxl = [
@@ -37,19 +38,21 @@ fn farm_worker(condition_area: u64, vae_area: u64, scheduler: &str) -> WorkerOpt
     let qwen_edit = [
         (
             "TRANSFORMER",
-            qwen.join("comfy/transformer_fp8_e4m3fn.safetensors")
+            crate::derived::qwen_transformer_fp8(&models())
                 .display()
                 .to_string(),
         ),
         (
             "TEXT_ENCODER",
-            qwen.join("comfy/text_encoder_fp8_scaled.safetensors")
+            crate::derived::qwen_text_encoder_fp8_scaled(&models())
                 .display()
                 .to_string(),
         ),
         (
             "VAE",
-            qwen.join("comfy/vae_wan.safetensors").display().to_string(),
+            crate::derived::qwen_vae_wan(&models())
+                .display()
+                .to_string(),
         ),
         ("CONFIG_DIR", qwen.join("qwen_tiny").display().to_string()),
         ("DEVICE", "cpu".into()),

@@ -1,8 +1,8 @@
 //! The SDXL engine inside the worker, end to end: generate jobs through the scheduler on the tiny
 //! random-weight SDXL checkpoint of the model crate's parity fixtures (single-file ldm format, the
-//! studio's), with the images in S3 compared to diffusers' images for the same seeds; and per-job
-//! LoRAs from the worker's LoRA folder (`make_sdxl_lora_fixtures.py`), fused and restored between
-//! jobs.
+//! studio's, written from the tiny diffusers folder at test time), with the images in S3 compared
+//! to diffusers' images for the same seeds; and per-job LoRAs from the worker's LoRA folder
+//! (`make_sdxl_lora_fixtures.py`), fused and restored between jobs.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -14,8 +14,18 @@ use vnfarm_tests::{Farm, WorkerOptions, wait_for};
 
 use crate::FINISH;
 
+/// The model crate's fixture folder.
+fn models() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../worker/models/fixtures")
+}
+
 fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../worker/models/fixtures/sdxl")
+    models().join("sdxl")
+}
+
+/// The tiny SDXL as one ldm single file, written from its diffusers folder at test time.
+fn ldm_checkpoint() -> PathBuf {
+    crate::derived::sdxl_tiny_ldm(&models())
 }
 
 /// A worker serving SDXL from `checkpoint` on the CPU in fp32 (the precision of the references).
@@ -143,7 +153,7 @@ async fn generate_jobs_on_the_sdxl_engine_match_diffusers() -> anyhow::Result<()
     farm.start_scheduler().await?;
     // One image per UNet forward: a job of two images runs as two batches and image n must still
     // get seed + n.
-    let checkpoint = fixtures().join("sdxl_tiny_ldm.safetensors");
+    let checkpoint = ldm_checkpoint();
     farm.start_worker("sdxl-1", sdxl_worker(&checkpoint, 1))
         .await?;
     println!("worker ready {:?} after the start", started.elapsed());
@@ -204,7 +214,7 @@ async fn cancelling_a_generate_stops_it_between_steps() -> anyhow::Result<()> {
     let reference = Reference::open();
     let mut farm = Farm::new("sdxl-cancel").await?;
     farm.start_scheduler().await?;
-    let checkpoint = fixtures().join("sdxl_tiny_ldm.safetensors");
+    let checkpoint = ldm_checkpoint();
     farm.start_worker("sdxl-c", sdxl_worker(&checkpoint, 4))
         .await?;
     let mut long = reference.submission("w_dpmpp");
@@ -240,7 +250,7 @@ async fn a_worker_with_a_broken_checkpoint_exits_naming_the_file() -> anyhow::Re
     farm.start_scheduler().await?;
     let dir = tempfile::tempdir()?;
     let truncated = dir.path().join("truncated.safetensors");
-    let bytes = std::fs::read(fixtures().join("sdxl_tiny_ldm.safetensors"))?;
+    let bytes = std::fs::read(ldm_checkpoint())?;
     std::fs::write(&truncated, &bytes[..bytes.len() / 2])?;
     farm.launch_worker("broken", sdxl_worker(&truncated, 4))?;
     let status = wait_for("the worker to exit", Duration::from_secs(60), || {
@@ -283,7 +293,7 @@ async fn generate_jobs_with_loras_match_diffusers_and_leave_the_base_as_it_was()
     let loras = Reference::loras();
     let mut farm = Farm::new("sdxl-lora").await?;
     farm.start_scheduler().await?;
-    let checkpoint = fixtures().join("sdxl_tiny_ldm.safetensors");
+    let checkpoint = ldm_checkpoint();
     let mut worker = sdxl_worker(&checkpoint, 4);
     worker.extra_env.push((
         "VNFARM_ENGINE__SDXL__LORA_DIR".into(),

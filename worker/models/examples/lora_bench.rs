@@ -1,5 +1,5 @@
 //! Cost of switching per-job SDXL LoRAs at real size: the SDXL base UNet and both text encoders
-//! (shapes from `fixtures/sdxl/reference/sdxl_base_tables.json`), every weight a LoRA can patch
+//! (shapes from `fixtures/sdxl/reference/sdxl_base_tables.json.gz`), every weight a LoRA can patch
 //! filled with random values in the compute dtype (the rest stays a zero placeholder: it plays no
 //! part in fusing), and a random kohya LoRA (sgm UNet names, `lora_te1_` / `lora_te2_`, alpha, fp16
 //! like sd-scripts' files) over every attention and feed-forward Linear of the UNet (to_q, to_k,
@@ -10,8 +10,8 @@
 //! lora_bench [--rank 128] [--iters 5] [--dtype bf16|fp32] [--cpu] [--dir DIR] [--tables FILE]
 //! ```
 //!
-//! `--tables`: the shape tables (default: this crate's fixture, by its path at build time; give the
-//! repository's copy when the binary runs elsewhere).
+//! `--tables`: the shape tables, gzipped JSON (default: this crate's fixture, by its path at build
+//! time; give the repository's copy when the binary runs elsewhere).
 //!
 //! Times, through `JobLoras::set` as the worker's engine calls it (`SdxlPipeline::set_loras`):
 //! `apply` (base → set A: open the file, fuse, keep the originals), `same` (set A again: nothing to
@@ -21,6 +21,7 @@
 //! device synchronize. Restores are checked bit for bit against a copy of the base.
 
 use std::collections::HashMap;
+use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -51,7 +52,7 @@ fn parse() -> anyhow::Result<Opts> {
         device: Device::Cuda(0),
         dir: std::env::temp_dir().join("vnfarm-lora-bench"),
         tables: Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("fixtures/sdxl/reference/sdxl_base_tables.json"),
+            .join("fixtures/sdxl/reference/sdxl_base_tables.json.gz"),
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -87,7 +88,9 @@ fn sync(device: Device) {
 
 /// The real-size components, patchable weights random, everything else placeholders.
 fn models(o: &Opts) -> anyhow::Result<(UNet2DConditionModel, ClipTextModel, ClipTextModel)> {
-    let t: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&o.tables)?)?;
+    let mut text = String::new();
+    flate2::read::GzDecoder::new(std::fs::File::open(&o.tables)?).read_to_string(&mut text)?;
+    let t: serde_json::Value = serde_json::from_str(&text)?;
     let store = |k: &str| -> Arc<WeightStore> {
         let table: HashMap<String, Vec<i64>> = t["shapes"][k]
             .as_object()

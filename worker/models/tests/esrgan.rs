@@ -1,7 +1,8 @@
 //! Real-ESRGAN parity: RRDBNet and `Upscaler` against the references written by
 //! `fixtures/esrgan/make_esrgan_fixtures.py` (BasicSR's RRDBNet and Real-ESRGAN's
 //! `RealESRGANer.enhance` re-implemented there, OpenCV 5.0 for colour conversion and resampling;
-//! tiny random weights), CPU, fp32 unless stated.
+//! tiny random weights), CPU, fp32 unless stated. The models' safetensors forms and the refused
+//! `extra_key` file are the `.pth` files' weights, written at test time by `support::derived`.
 //!
 //! Tolerances (measured on this machine, libtorch 2.11 CPU, in brackets):
 //! - network outputs and float images: relative error (`max|ours − ref| / max|ref|`) ≤ 1e-5
@@ -33,8 +34,19 @@ fn reference() -> std::collections::HashMap<String, Tensor> {
     load_reference(&fixtures().join("reference/esrgan.safetensors")).0
 }
 
+/// Model file `name` of the fixture folder; its two safetensors forms are the `.pth` files'
+/// weights, written at test time (`support::derived`).
+fn model_file(name: &str) -> PathBuf {
+    let root = support::fixture_root();
+    match name {
+        "tiny_x4.safetensors" => support::derived::esrgan_tiny_x4(&root),
+        "tiny_x2.safetensors" => support::derived::esrgan_tiny_x2(&root),
+        _ => fixtures().join(name),
+    }
+}
+
 fn load(name: &str) -> Upscaler {
-    Upscaler::load(&fixtures().join(name), Device::Cpu, Kind::Float)
+    Upscaler::load(&model_file(name), Device::Cpu, Kind::Float)
         .unwrap_or_else(|e| panic!("{name}: {e}"))
 }
 
@@ -490,7 +502,7 @@ fn bad_checkpoints_are_refused_with_the_reason() {
     );
     let msg = load_err(&bad.join("legacy.pth"));
     assert!(msg.contains("pre-1.6"), "{msg}");
-    let msg = load_err(&bad.join("extra_key.safetensors"));
+    let msg = load_err(&support::derived::esrgan_extra_key(&support::fixture_root()));
     assert!(
         msg.contains("conv_extra.weight") && msg.contains("×4, 2 blocks"),
         "{msg}"
@@ -523,7 +535,7 @@ fn bad_checkpoints_are_refused_with_the_reason() {
     assert!(load_err(&text).contains("neither a PyTorch zip checkpoint nor a safetensors file"));
     let sd = dir.path().join("sdxl_like.safetensors");
     std::fs::copy(
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/sdxl/sdxl_tiny_ldm.safetensors"),
+        support::derived::sdxl_tiny_ldm(&support::fixture_root()),
         &sd,
     )
     .unwrap();

@@ -1,5 +1,5 @@
 //! Golden tests of `FlowMatchEulerDiscrete` against diffusers 0.42.1, from
-//! `fixtures/qwen/make_scheduler_reference.py` (`reference/flow_match.{json,safetensors}`).
+//! `fixtures/qwen/make_scheduler_reference.py` (`reference/flow_match.{json.gz,safetensors}`).
 //!
 //! Tolerances: μ within 1e-12 (f64 arithmetic in both); σ, timesteps and transformer timesteps
 //! bit-identical to diffusers' f32 values (stated bound 1e-7; measured 0 over 115 schedules);
@@ -12,14 +12,14 @@ use tch::{Device, Kind, Tensor};
 use vnfarm_models::loading::safetensors::SafetensorsFile;
 use vnfarm_models::schedulers::{FlowMatchConfig, FlowMatchEulerDiscrete, TimeShiftType};
 
+mod support;
+
 fn reference() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/qwen/reference")
 }
 
 fn json() -> serde_json::Value {
-    let text = std::fs::read_to_string(reference().join("flow_match.json"))
-        .expect("run fixtures/qwen/make_scheduler_reference.py");
-    serde_json::from_str(&text).expect("flow_match.json is JSON")
+    support::read_json_gz(&reference().join("flow_match.json.gz"))
 }
 
 fn values(v: &serde_json::Value) -> Vec<Option<f64>> {

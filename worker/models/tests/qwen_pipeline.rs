@@ -1,7 +1,8 @@
 //! Whole Qwen-Image-Edit-2509 edits against diffusers' `QwenImageEditPlusPipeline` on the tiny
 //! fixture (`fixtures/qwen/make_qwen_fixtures.py`, cases a, b, c of `reference/pipeline.*`), through
 //! the encode-once API: the inputs' VAE latents, then the output images; loading the ComfyUI-style
-//! single files (fp8 transformer, scaled-fp8 text encoder, Wan VAE) and the diffusers folder.
+//! single files (fp8 transformer, scaled-fp8 text encoder, Wan VAE: the folder's tensors in those
+//! forms, written at test time by `support::derived`) and the diffusers folder.
 //! Plus: encode once and edit many equals editing each variant alone; per-job LoRAs are applied
 //! and the base restored bit for bit; bad requests are errors.
 //!
@@ -24,6 +25,8 @@ use vnfarm_models::qwen_image::pipeline::{
 };
 use vnfarm_models::qwen2_5_vl::rope::PositionMode;
 use vnfarm_models::schedulers::FlowMatchConfig;
+
+mod support;
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/qwen")
@@ -63,10 +66,11 @@ fn input(name: &str) -> RgbImage {
 }
 
 fn files_source() -> QwenSource {
+    let root = support::fixture_root();
     QwenSource::Files {
-        transformer: fixtures().join("comfy/transformer_fp8_e4m3fn.safetensors"),
-        text_encoder: fixtures().join("comfy/text_encoder_fp8_scaled.safetensors"),
-        vae: fixtures().join("comfy/vae_wan.safetensors"),
+        transformer: support::derived::qwen_transformer_fp8(&root),
+        text_encoder: support::derived::qwen_text_encoder_fp8_scaled(&root),
+        vae: support::derived::qwen_vae_wan(&root),
         config_dir: Some(fixtures().join("qwen_tiny")),
     }
 }
@@ -391,7 +395,10 @@ fn bad_requests_are_errors() {
 #[test]
 fn a_truncated_file_is_named() {
     let dir = tempfile::tempdir().unwrap();
-    let bytes = std::fs::read(fixtures().join("comfy/transformer_fp8_e4m3fn.safetensors")).unwrap();
+    let bytes = std::fs::read(support::derived::qwen_transformer_fp8(
+        &support::fixture_root(),
+    ))
+    .unwrap();
     let cut = dir.path().join("cut.safetensors");
     std::fs::write(&cut, &bytes[..bytes.len() / 2]).unwrap();
     let QwenSource::Files {

@@ -3,8 +3,8 @@
 //! resize and image processor, M-RoPE position ids, the language model, and the full
 //! `encode_prompt`, loading the tiny text encoder from the sharded `qwen_tiny/` folder (as written,
 //! `model.*` / `visual.*`, and renamed to transformers ≥ 5's `model.language_model.*` /
-//! `model.visual.*`) and from the ComfyUI-style scaled-fp8 single file (fp8 upcast at load and
-//! resident).
+//! `model.visual.*`) and from the ComfyUI-style scaled-fp8 single file (written from the folder's
+//! tensors at test time by `support::derived`; fp8 upcast at load and resident).
 //!
 //! Relative error is `max|a − b| / max|b|` over the whole tensor (b = reference); tolerance 1e-5
 //! in fp32. Position ids, grids, token ids, the condition resize and the processor's
@@ -119,10 +119,9 @@ fn tiny_dir() -> PathBuf {
     fixtures().join("qwen_tiny")
 }
 
+/// `comfy/text_encoder_fp8_scaled.safetensors`, written from the folder's shards at test time.
 fn comfy_file() -> PathBuf {
-    fixtures()
-        .join("comfy")
-        .join("text_encoder_fp8_scaled.safetensors")
+    support::derived::qwen_text_encoder_fp8_scaled(&support::fixture_root())
 }
 
 fn opts(positions: PositionMode, attention: AttentionImpl, fp8: Fp8Mode) -> TextEncoderOptions {

@@ -1,7 +1,8 @@
 //! Golden tests of the QwenImage transformer against diffusers 0.42.1 on the tiny fixture
 //! (`fixtures/qwen/make_transformer_reference.py`), loaded from the diffusers folder, ComfyUI's fp8
-//! single file and its `model.diffusion_model.`-prefixed variant, with fp8 weights upcast at load or
-//! resident, with SDPA and matmul attention.
+//! single file and its `model.diffusion_model.`-prefixed variant (both written from the folder's
+//! tensors at test time by `support::derived`), with fp8 weights upcast at load or resident, with
+//! SDPA and matmul attention.
 //!
 //! Relative error is `max|a − b| / max|b|` over the whole tensor (b = reference), fp32 on CPU.
 //! The fixture's Linear weights are fp8-representable, so every format holds the same values and
@@ -51,13 +52,14 @@ enum Source {
 }
 
 fn store(source: Source) -> WeightStore {
-    let comfy = |name: &str| open(&fixtures().join("comfy").join(name)).expect("comfy file");
+    let comfy = |path: PathBuf| open(&path).expect("comfy file");
+    let root = support::fixture_root();
     match source {
         Source::Folder => transformer_folder_store(&folder()).expect("folder"),
-        Source::Comfy => transformer_store(comfy("transformer_fp8_e4m3fn.safetensors")),
-        Source::ComfyPrefixed => {
-            transformer_store(comfy("transformer_fp8_e4m3fn_prefixed.safetensors"))
-        }
+        Source::Comfy => transformer_store(comfy(support::derived::qwen_transformer_fp8(&root))),
+        Source::ComfyPrefixed => transformer_store(comfy(
+            support::derived::qwen_transformer_fp8_prefixed(&root),
+        )),
     }
 }
 

@@ -1,7 +1,8 @@
 //! Golden tests of the Qwen-Image VAE (`qwen_image::vae`) against diffusers'
 //! `AutoencoderKLQwenImage` on the tiny fixture VAE (`fixtures/qwen/make_vae_reference.py`),
-//! loaded from the diffusers folder and from the Wan-named ComfyUI-style single file; plus the
-//! real-size layout (names and shapes of the real checkpoint) and loading errors.
+//! loaded from the diffusers folder and from the Wan-named ComfyUI-style single file (the folder's
+//! tensors under Wan names, written at test time by `support::derived`); plus the real-size layout
+//! (names and shapes of the real checkpoint) and loading errors.
 //!
 //! Relative error is `max|a − b| / max|b|` over the whole tensor (b = the fp32 reference); fp32
 //! must be within 1e-5 (measured on CPU: encode 1.0e-6, decode 2.1e-6, tiled encode 9.8e-7, tiled
@@ -37,8 +38,9 @@ fn vae_dir() -> PathBuf {
     fixtures().join("qwen_tiny").join("vae")
 }
 
+/// `comfy/vae_wan.safetensors`, written from the folder's file at test time.
 fn wan_file() -> PathBuf {
-    fixtures().join("comfy").join("vae_wan.safetensors")
+    support::derived::qwen_vae_wan(&support::fixture_root())
 }
 
 fn reference() -> HashMap<String, Tensor> {

@@ -1,8 +1,9 @@
 //! Golden tests of the Qwen2.5-VL vision tower against transformers 5.24.0
 //! (`fixtures/qwen/make_vision_reference.py`, CPU, fp32), loading the tiny tower from the sharded
 //! `qwen_tiny/text_encoder/` folder (under both vision roots, `model.visual.*` and `visual.*`) and
-//! from the ComfyUI-style scaled-fp8 single file (`visual.*`), with SDPA and matmul attention, fp8
-//! upcast at load and fp8 resident.
+//! from the ComfyUI-style scaled-fp8 single file (`visual.*`; written from the folder's tensors at
+//! test time by `support::derived`), with SDPA and matmul attention, fp8 upcast at load and fp8
+//! resident.
 //!
 //! Relative error is `max|a − b| / max|b|` over the whole output (b = reference); the tower must be
 //! within 1e-5 in fp32. Measured (x86-64 CPU, libtorch 2.11): 1.5e-7 at most (1.5e-7 for one
@@ -95,11 +96,9 @@ fn stores(fp8: Fp8Mode) -> Vec<(&'static str, WeightStore)> {
     let dir = fixtures().join("qwen_tiny").join("text_encoder");
     let folder = component_store(&dir, "model", |k| Some(k.to_string())).expect("tiny folder");
     let rerooted = component_store(&dir, "model", reroot).expect("tiny folder");
-    let comfy = SafetensorsFile::open(
-        fixtures()
-            .join("comfy")
-            .join("text_encoder_fp8_scaled.safetensors"),
-    )
+    let comfy = SafetensorsFile::open(support::derived::qwen_text_encoder_fp8_scaled(
+        &support::fixture_root(),
+    ))
     .expect("comfy text encoder file");
     vec![
         ("folder", folder.with_fp8(fp8)),

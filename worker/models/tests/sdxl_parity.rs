@@ -1,5 +1,6 @@
 //! Golden tests against diffusers / transformers / compel on the tiny SDXL fixtures of
-//! `fixtures/sdxl/make_sdxl_fixtures.py`, loading both the diffusers folder and the ldm single file.
+//! `fixtures/sdxl/make_sdxl_fixtures.py`, loading both the diffusers folder and the ldm single file
+//! (the folder's tensors under ldm names in fp16, written at test time by `support::derived`).
 //!
 //! Relative error is `max|a − b| / max|b|` over the whole tensor (b = reference); components must
 //! be within 1e-4 in fp32. Images: mean absolute error over all RGB8 values, in units of 1/255,
@@ -42,8 +43,9 @@ fn folder() -> PathBuf {
     fixtures().join("sdxl_tiny")
 }
 
+/// `sdxl_tiny_ldm.safetensors`, written from the folder at test time.
 fn single_file() -> PathBuf {
-    fixtures().join("sdxl_tiny_ldm.safetensors")
+    support::derived::sdxl_tiny_ldm(&support::fixture_root())
 }
 
 /// The `fixture` metadata (a JSON object) of a reference file.
@@ -1067,9 +1069,7 @@ fn shape_table(v: &serde_json::Value) -> HashMap<String, Vec<i64>> {
 #[test]
 fn sdxl_base_presets_match_diffusers_layout() {
     let _g = tch::no_grad_guard();
-    let text = std::fs::read_to_string(fixtures().join("reference/sdxl_base_tables.json"))
-        .expect("tables");
-    let t: serde_json::Value = serde_json::from_str(&text).expect("json");
+    let t = support::read_json_gz(&fixtures().join("reference/sdxl_base_tables.json.gz"));
     let cfg = |k: &str| t["configs"][k].to_string();
     assert_eq!(
         UNetConfig::from_json(&cfg("unet")).expect("unet config"),

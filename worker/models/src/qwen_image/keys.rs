@@ -6,8 +6,8 @@
 //! diffusers 0.42.1, Apache-2.0), which hard-codes the real layout (decoder `upsamples` in groups of
 //! four: three residual blocks and an upsampler); here it is written for any `num_res_blocks`
 //! (groups of `num_res_blocks + 2`), so the tiny test VAE maps too. On the real layout the two
-//! agree (checked by `fixtures/qwen/make_qwen_fixtures.py` when it writes `comfy/vae_wan.safetensors`,
-//! and by the `qwen_vae` tests against the real key list).
+//! agree (checked by `fixtures/qwen/make_qwen_fixtures.py` on every run, and by the `qwen_vae`
+//! tests against the real key list).
 //!
 //! | Wan 2.1 | diffusers |
 //! |---|---|

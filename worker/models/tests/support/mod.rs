@@ -1,8 +1,16 @@
 //! What every parity test file compares with: the relative error of a tensor against its Python
-//! reference, and the checked form that prints and asserts it. Each test binary uses a subset.
+//! reference, and the checked form that prints and asserts it; and the fixture files written at
+//! test time from other fixtures ([`derived`]). Each test binary uses a subset.
 #![allow(dead_code)]
 
+pub mod derived;
+
 use tch::{Kind, Tensor};
+
+/// The crate's `fixtures/` folder (what [`derived`]'s functions take).
+pub fn fixture_root() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures")
+}
 
 /// `max|a − b| / max|b|`, in f64 (`b` the reference).
 pub fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
@@ -53,6 +61,22 @@ pub fn load_reference(
         })
         .collect();
     (tensors, f)
+}
+
+/// A gzipped JSON reference file, parsed (the large JSON references are stored gzipped).
+pub fn read_json_gz(path: &std::path::Path) -> serde_json::Value {
+    use std::io::Read;
+    let gz = std::fs::read(path).unwrap_or_else(|e| {
+        panic!(
+            "reference file {} (run its fixture script): {e}",
+            path.display()
+        )
+    });
+    let mut text = String::new();
+    flate2::read::GzDecoder::new(gz.as_slice())
+        .read_to_string(&mut text)
+        .unwrap_or_else(|e| panic!("{}: not gzipped UTF-8: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: not JSON: {e}", path.display()))
 }
 
 /// Mean absolute difference, in 1/255 units, of an RGB8 image and a float reference `[H, W, 3]`
