@@ -1,6 +1,6 @@
 """Random-weight models of the real configurations, for runs on the GPU machine that need no
 diffusers: an SDXL single-file checkpoint in ldm key names (every key and shape of SDXL base, from
-`worker/models/fixtures/sdxl/reference/sdxl_base_tables.json`) and a Real-ESRGAN x4plus network
+`worker/models/fixtures/sdxl/reference/sdxl_base_tables.json.gz`) and a Real-ESRGAN x4plus network
 (RRDBNet, 23 blocks, BasicSR names) as safetensors.
 
 Weights follow PyTorch's default initialisation, which diffusers' `from_config` models also get:
@@ -13,6 +13,7 @@ images mean nothing.
 """
 
 import argparse
+import gzip
 import json
 import math
 import os
@@ -22,7 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TABLES = os.path.join(HERE, "..", "fixtures", "sdxl", "reference", "sdxl_base_tables.json")
+TABLES = os.path.join(HERE, "..", "fixtures", "sdxl", "reference", "sdxl_base_tables.json.gz")
 
 
 def random_tensor(name, shape, gen):
@@ -43,7 +44,7 @@ def random_tensor(name, shape, gen):
 
 
 def sdxl(out, dtype, gen):
-    with open(TABLES) as f:
+    with gzip.open(TABLES, "rt") as f:
         shapes = json.load(f)["shapes"]["ldm"]
     tensors = {}
     for name, shape in shapes.items():
