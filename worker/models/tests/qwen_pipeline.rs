@@ -184,7 +184,7 @@ fn every_format_and_fp8_mode_gives_the_same_edit() {
         ("files, fp8 resident", files_source(), Fp8Mode::Resident),
     ] {
         let mut c = config(source, case);
-        c.fp8 = fp8;
+        c.settings.fp8 = fp8;
         let pipe = QwenEditPipeline::load(&c).expect("load");
         let encoded = pipe.encode_inputs(&inputs(case)).expect("encode");
         let (images, _) = pipe

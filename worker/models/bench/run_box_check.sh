@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The box check on the GPU machine (step 9): random-weight models of the real configurations (SDXL
+# base as one ldm single file, Real-ESRGAN x4plus; make_random_models.py, torch and safetensors
+# only), a worker configuration for them, then `vnfarm-worker check --compare`: the report, the
+# settings it chose, and whole 20-step 1024² generates under the portable preset, the CUDA preset
+# (the best hand-set flags) and the measured settings, in one run. Outputs under $OUT/check.
+#
+#   bash worker/models/bench/run_box_check.sh BINARY [extra check arguments]
+set -euo pipefail
+BIN=$1; shift
+W=/tmp/box
+mkdir -p "$W"
+t0=$(date +%s)
+python3 worker/models/bench/make_random_models.py "$W"
+echo "models written in $(( $(date +%s) - t0 )) s"; du -sh "$W"/*
+cat > "$W/worker.toml" <<TOML
+[engine.sdxl]
+checkpoint = "$W/sdxl_random.safetensors"
+device = "cuda"
+dtype = "bf16"
+vae_dtype = "bf16"
+warm_up = [[1024, 1024]]
+
+[engine.esrgan]
+model = "$W/esrgan_x4plus_random.safetensors"
+device = "cuda"
+dtype = "fp16"
+TOML
+# The binary's RUNPATH names the build machine's libtorch; this machine's torch 2.11 is used.
+L=$(python3 -c 'import torch, os; print(os.path.dirname(torch.__file__))')/lib
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+t0=$(date +%s)
+LD_LIBRARY_PATH=$L "$BIN" check --config "$W/worker.toml" --out "$OUT/check" --compare "$@"
+echo "check took $(( $(date +%s) - t0 )) s"
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+tar czf "$OUT/work.tgz" -C "$OUT/check" work && rm -rf "$OUT/check/work"
