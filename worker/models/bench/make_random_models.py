@@ -30,12 +30,9 @@ def random_tensor(name, shape, gen):
     if len(shape) == 0:
         return torch.ones(shape)
     if len(shape) == 1:
-        # Norm weights, every bias, and 1-D parameters.
-        if name.endswith("bias"):
-            return torch.zeros(shape)
-        if "norm" in name or name.endswith("ln_1.weight") or name.endswith("ln_2.weight") or name.endswith("ln_final.weight"):
-            return torch.ones(shape)
-        return torch.zeros(shape)
+        # Every 1-D weight of SDXL is a normalisation's scale (ldm names some `in_layers.0`,
+        # `out.0`): one; biases zero. A zero scale would make the UNet's output identically zero.
+        return torch.zeros(shape) if name.endswith("bias") else torch.ones(shape)
     if "embedding" in name or name.endswith("positional_embedding") or "token_embedding" in name:
         return torch.randn(shape, generator=gen) * 0.02
     fan_in = math.prod(shape[1:]) if len(shape) > 1 else shape[0]

@@ -26,6 +26,16 @@ model = "$W/esrgan_x4plus_random.safetensors"
 device = "cuda"
 dtype = "fp16"
 TOML
+if [ -n "$QWEN" ]; then cat >> "$W/worker.toml" <<TOML
+
+[engine.qwen_edit]
+transformer = "/tmp/qw/transformer_fp8_e4m3fn.safetensors"
+text_encoder = "/tmp/qw/text_encoder_fp8_scaled.safetensors"
+vae = "/tmp/qw/vae_bf16.safetensors"
+device = "cuda"
+warm_up = [[1024, 1024]]
+TOML
+fi
 # The binary's RUNPATH names the build machine's libtorch; this machine's torch 2.11 is used.
 L=$(python3 -c 'import torch, os; print(os.path.dirname(torch.__file__))')/lib
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv

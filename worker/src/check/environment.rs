@@ -106,10 +106,11 @@ impl Environment {
             Device::Cuda(n) => GpuMemoryProbe::new(n).read(),
             _ => None,
         };
-        let unified = match backend {
-            Backend::Hip => fingerprint::kfd_has_apu(),
-            Backend::Cuda => None,
-            Backend::Cpu => Some(true),
+        let unified = match (backend, device) {
+            (_, Device::Cpu) => Some(true),
+            (Backend::Hip, _) => fingerprint::kfd_has_apu(),
+            (_, Device::Cuda(n)) => fingerprint::cuda_integrated(n),
+            _ => None,
         };
         Environment {
             vnfarm: fingerprint::vnfarm_build(),

@@ -159,6 +159,18 @@ fn cuda_compute_capability(device: c_int) -> Option<(c_int, c_int)> {
     ok.then_some((major, minor))
 }
 
+/// Whether a CUDA device is integrated, sharing the system's memory (`cudaDevAttrIntegrated`).
+#[allow(unsafe_code)]
+pub fn cuda_integrated(index: usize) -> Option<bool> {
+    const INTEGRATED: c_int = 18;
+    let f = symbol(c"cudaDeviceGetAttribute")?;
+    // SAFETY: as in `cuda_compute_capability`.
+    let f: GetAttribute = unsafe { std::mem::transmute::<*mut c_void, GetAttribute>(f) };
+    let mut v = 0;
+    let device = c_int::try_from(index).ok()?;
+    (unsafe { f(&mut v, INTEGRATED, device) } == 0).then_some(v != 0)
+}
+
 /// The `gfx` target of each GPU node in the KFD topology, in HIP's device order (CPU nodes, whose
 /// `gfx_target_version` is 0, are skipped). `gfx_target_version` 110501 is gfx1151: major, minor
 /// and stepping, the last two as hex digits.
