@@ -4,6 +4,8 @@
 # only), a worker configuration for them, then `vnfarm-worker check --compare`: the report, the
 # settings it chose, and whole 20-step 1024² generates under the portable preset, the CUDA preset
 # (the best hand-set flags) and the measured settings, in one run. Outputs under $OUT/check.
+# With wheels in .whl (diffusers 0.42.1, importlib_metadata), Qwen-Image-Edit-2509 too: its ComfyUI
+# files of random weights (fp8 transformer, scaled-fp8 text encoder) from run_qwen_bench.py's writer.
 #
 #   bash worker/models/bench/run_box_check.sh BINARY [extra check arguments]
 set -euo pipefail
@@ -12,7 +14,14 @@ W=/tmp/box
 mkdir -p "$W"
 t0=$(date +%s)
 python3 worker/models/bench/make_random_models.py "$W"
-echo "models written in $(( $(date +%s) - t0 )) s"; du -sh "$W"/*
+QWEN=
+if ls .whl/diffusers-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  PYTHONPATH=/tmp/site python3 worker/models/bench/run_qwen_bench.py --side write --work /tmp/qw > "$OUT/qwen_write.log" 2>&1 \
+    || { tail -20 "$OUT/qwen_write.log"; exit 1; }
+  QWEN=1
+fi
+echo "models written in $(( $(date +%s) - t0 )) s"; du -sh "$W"/* /tmp/qw 2>/dev/null || true
 cat > "$W/worker.toml" <<TOML
 [engine.sdxl]
 checkpoint = "$W/sdxl_random.safetensors"
