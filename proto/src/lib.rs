@@ -30,8 +30,8 @@ pub use spec::{
     Priority, Sampler, Submission, UpscaleSpec, ValidationError,
 };
 pub use work::{
-    BatchedJob, CancelRequest, GpuMemory, Heartbeat, SettingsInUse, SettingsSource, Task, WorkMessage,
-    WorkerState, YieldRequest,
+    BatchedJob, CancelRequest, GpuMemory, Heartbeat, SettingsInUse, SettingsSource, Task,
+    WorkMessage, WorkerState, YieldRequest,
 };
 
 /// The schema version this build reads and writes. Messages with any other version are rejected.

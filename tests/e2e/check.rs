@@ -21,7 +21,10 @@ fn engine_env() -> Vec<(String, String)> {
     let sdxl = fixtures().join("sdxl");
     [
         // The diffusers folder: its component configs come with it.
-        ("SDXL__CHECKPOINT", sdxl.join("sdxl_tiny").display().to_string()),
+        (
+            "SDXL__CHECKPOINT",
+            sdxl.join("sdxl_tiny").display().to_string(),
+        ),
         ("SDXL__DEVICE", "cpu".into()),
         ("SDXL__DTYPE", "fp32".into()),
         ("SDXL__VAE_DTYPE", "fp32".into()),
@@ -67,9 +70,18 @@ async fn a_box_checks_itself_and_the_worker_runs_what_it_measured() -> anyhow::R
     assert!(run.status.success(), "{}\n{stdout}\n{stderr}", run.status);
 
     // The report: the environment, every engine's checks and timings, what was chosen.
-    let report: Value = serde_json::from_str(&std::fs::read_to_string(out.path().join("report.json"))?)?;
-    assert_eq!(report["environment"]["device"]["backend"], "cpu", "{report:#}");
-    assert!(report["environment"]["libtorch"].as_str().unwrap().starts_with("2."));
+    let report: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.path().join("report.json"))?)?;
+    assert_eq!(
+        report["environment"]["device"]["backend"], "cpu",
+        "{report:#}"
+    );
+    assert!(
+        report["environment"]["libtorch"]
+            .as_str()
+            .unwrap()
+            .starts_with("2.")
+    );
     assert_eq!(
         report["environment"]["variables"].as_array().unwrap().len(),
         8,
@@ -99,7 +111,9 @@ async fn a_box_checks_itself_and_the_worker_runs_what_it_measured() -> anyhow::R
     let sdxl_checks = report["engines"]["sdxl"]["checks"].as_array().unwrap();
     for id in ["sdxl.cpu_parity.vae", "sdxl.cpu_parity.text_encoders"] {
         assert!(
-            sdxl_checks.iter().any(|c| c["id"] == id && c["outcome"] == "pass"),
+            sdxl_checks
+                .iter()
+                .any(|c| c["id"] == id && c["outcome"] == "pass"),
             "{id}: {sdxl_checks:#?}"
         );
     }
@@ -111,31 +125,59 @@ async fn a_box_checks_itself_and_the_worker_runs_what_it_measured() -> anyhow::R
         .expect("the graph candidate was tried");
     assert_ne!(graphs["outcome"], "pass", "{graphs}");
     assert!(!graphs["detail"].as_str().unwrap().is_empty());
-    assert_eq!(report["verify"]["checks"][0]["outcome"], "pass", "{:#}", report["verify"]);
+    assert_eq!(
+        report["verify"]["checks"][0]["outcome"], "pass",
+        "{:#}",
+        report["verify"]
+    );
     let summary = std::fs::read_to_string(out.path().join("summary.txt"))?;
     assert!(summary.contains("PASS  sdxl.cpu_parity.unet"), "{summary}");
-    assert!(summary.contains("variable    TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL="), "{summary}");
+    assert!(
+        summary.contains("variable    TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL="),
+        "{summary}"
+    );
 
     // The settings file: the fingerprint of this box, each engine's settings.
     let settings_path = out.path().join("settings.json");
     let settings: Value = serde_json::from_str(&std::fs::read_to_string(&settings_path)?)?;
     assert_eq!(settings["format"], "vnfarm-box-settings/1");
     assert_eq!(settings["fingerprint"]["device"]["backend"], "cpu");
-    assert!(settings["sdxl"].is_object() && settings["esrgan"].is_object(), "{settings:#}");
-    assert_eq!(settings["fingerprint"]["models"]["sdxl"].as_array().unwrap().len(), 1);
+    assert!(
+        settings["sdxl"].is_object() && settings["esrgan"].is_object(),
+        "{settings:#}"
+    );
+    // The diffusers folder's four weight files, each by its size and a sample of its bytes.
+    let files = settings["fingerprint"]["models"]["sdxl"]
+        .as_array()
+        .unwrap();
+    assert_eq!(files.len(), 4, "{files:#?}");
+    assert!(
+        files
+            .iter()
+            .all(|f| f["sample"].as_str().unwrap().contains(':'))
+    );
 
     // A worker with the file: loads it, says so, runs a job.
     let mut farm = Farm::new("check").await?;
     farm.start_scheduler().await?;
     farm.start_worker("tuned", worker(&settings_path)).await?;
-    let workers = farm.get_json("/v1/workers").await?;
-    let in_use = &workers["workers"][0]["heartbeat"]["settings"];
-    assert_eq!(in_use["source"], "measured", "{workers:#}");
+    // The settings are known once the engines loaded (the first heartbeats say `warming`).
+    let in_use = wait_for(
+        "a heartbeat with the settings",
+        Duration::from_secs(60),
+        || async {
+            let workers = farm.get_json("/v1/workers").await.ok()?;
+            let s = workers["workers"][0]["heartbeat"]["settings"].clone();
+            (!s.is_null()).then_some(s)
+        },
+    )
+    .await?;
+    assert_eq!(in_use["source"], "measured", "{in_use:#}");
     assert_eq!(in_use["id"].as_str().unwrap().len(), 12, "{in_use}");
     let (status, body) = farm
         .submit(&json!({"schema_version": 1, "job": {
             "kind": "generate", "prompt": "1girl", "seed": 1, "steps": 2,
-            "width": 128, "height": 128, "cfg": 4.5,
+            "width": 256, "height": 256, "cfg": 4.5,
         }}))
         .await?;
     assert_eq!(status, 201, "{body}");
@@ -146,18 +188,22 @@ async fn a_box_checks_itself_and_the_worker_runs_what_it_measured() -> anyhow::R
 
     // The same file claiming another device: refused, with what to do.
     let mut foreign = settings.clone();
-    foreign["fingerprint"]["device"] = json!({"backend": "cuda", "name": "NVIDIA H200", "arch": "sm_90"});
+    foreign["fingerprint"]["device"] =
+        json!({"backend": "cuda", "name": "NVIDIA H200", "arch": "sm_90"});
     let foreign_path = out.path().join("foreign.json");
     std::fs::write(&foreign_path, serde_json::to_string_pretty(&foreign)?)?;
     farm.launch_worker("foreign", worker(&foreign_path))?;
-    let status = wait_for("the worker to refuse the file", Duration::from_secs(60), || {
-        std::future::ready(farm.worker_mut("foreign").try_wait().ok().flatten())
-    })
+    let status = wait_for(
+        "the worker to refuse the file",
+        Duration::from_secs(60),
+        || std::future::ready(farm.worker_mut("foreign").try_wait().ok().flatten()),
+    )
     .await?;
     let log = farm.log("foreign.log");
     assert!(!status.success(), "{status}\n{log}");
     assert!(
-        log.contains("was measured on cuda NVIDIA H200 (sm_90)") && log.contains("vnfarm-worker check"),
+        log.contains("was measured on cuda NVIDIA H200 (sm_90)")
+            && log.contains("vnfarm-worker check"),
         "the refusal names the device and what to run:\n{log}"
     );
     Ok(())

@@ -67,7 +67,10 @@ fn engine_settings_are_checked_before_anything_loads() {
     let err = load(&[("VNFARM_ENGINE__SDXL__SETTINGS", "fastest")]).unwrap_err();
     assert!(err.contains("fastest"), "{err}");
     let err = load(&[
-        ("VNFARM_ENGINE__SETTINGS_FILE", "/var/lib/vnfarm/settings.json"),
+        (
+            "VNFARM_ENGINE__SETTINGS_FILE",
+            "/var/lib/vnfarm/settings.json",
+        ),
         ("VNFARM_ENGINE__SDXL__SETTINGS", "cuda"),
     ])
     .unwrap_err();

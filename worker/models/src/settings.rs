@@ -94,7 +94,9 @@ impl SdxlSettings {
 
     /// Whether these settings need the C++ shims of a CUDA (or, once ported, HIP) build.
     pub fn needs_shims(&self) -> bool {
-        self.cuda_graphs || self.ff_gelu == FfGelu::Epilogue || self.norm_kernels == NormKernels::Fused
+        self.cuda_graphs
+            || self.ff_gelu == FfGelu::Epilogue
+            || self.norm_kernels == NormKernels::Fused
     }
 
     /// Why these settings cannot run together, if they cannot.
@@ -193,7 +195,8 @@ mod tests {
         let s: SdxlSettings = serde_json::from_str("{}").unwrap();
         assert_eq!(s, SdxlSettings::preset(Preset::Portable));
         assert!(!s.needs_shims());
-        let s: SdxlSettings = serde_json::from_str(r#"{"unet_memory_format":"channels_last"}"#).unwrap();
+        let s: SdxlSettings =
+            serde_json::from_str(r#"{"unet_memory_format":"channels_last"}"#).unwrap();
         assert_eq!(s.unet_memory_format, MemoryFormat::ChannelsLast);
         assert_eq!(s.norm_kernels, NormKernels::Aten);
     }

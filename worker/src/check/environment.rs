@@ -226,10 +226,31 @@ fn groups() -> Vec<String> {
 /// The attention shapes of the engines at the studio's sizes: `(what, batch, heads, queries,
 /// keys, head dim)`.
 const ATTENTION_SHAPES: [(&str, i64, i64, i64, i64, i64); 5] = [
-    ("sdxl unet self-attention 1024² (64x64 tokens)", 2, 10, 4096, 4096, 64),
+    (
+        "sdxl unet self-attention 1024² (64x64 tokens)",
+        2,
+        10,
+        4096,
+        4096,
+        64,
+    ),
     ("sdxl unet cross-attention 1024²", 2, 10, 4096, 77, 64),
-    ("sdxl vae mid-block 1024² (one 512-wide head)", 1, 1, 16384, 16384, 512),
-    ("qwen transformer joint attention 1024² edit", 1, 24, 8448, 8448, 128),
+    (
+        "sdxl vae mid-block 1024² (one 512-wide head)",
+        1,
+        1,
+        16384,
+        16384,
+        512,
+    ),
+    (
+        "qwen transformer joint attention 1024² edit",
+        1,
+        24,
+        8448,
+        8448,
+        128,
+    ),
     ("qwen vision tower 384²", 1, 16, 576, 576, 80),
 ];
 
@@ -283,5 +304,10 @@ fn sdp_backend_name(choice: i64) -> &'static str {
 }
 
 pub fn first_line(s: &str) -> String {
-    s.lines().next().unwrap_or_default().chars().take(300).collect()
+    s.lines()
+        .next()
+        .unwrap_or_default()
+        .chars()
+        .take(300)
+        .collect()
 }

@@ -27,9 +27,14 @@ pub fn run(config: &EsrganConfig, plan: &Plan, step: &mut Step) {
     let channels = upscaler.config().num_in_ch;
     let probe = randn(&[1, channels, 64, 64], 5, Kind::Float, Device::Cpu).sigmoid();
     let Some(reference) = step.run("esrgan.device.forward", || {
-        let out = upscaler.network().forward(&probe.to_device(device).to_kind(net_kind));
+        let out = upscaler
+            .network()
+            .forward(&probe.to_device(device).to_kind(net_kind));
         let scale = out.abs().max().to_kind(Kind::Float).double_value(&[]);
-        anyhow::ensure!(scale.is_finite() && scale > 0.0, "the network's output is zero or not finite");
+        anyhow::ensure!(
+            scale.is_finite() && scale > 0.0,
+            "the network's output is zero or not finite"
+        );
         Ok((out, "a 64x64 tile runs".to_owned()))
     }) else {
         return;
@@ -47,13 +52,21 @@ pub fn run(config: &EsrganConfig, plan: &Plan, step: &mut Step) {
             tolerance(kind),
         ));
     }
-    let side = if plan.quick { 64 } else { i64::from(portable.tile) };
+    let side = if plan.quick {
+        64
+    } else {
+        i64::from(portable.tile)
+    };
     let tile = side + 2 * i64::from(portable.tile_overlap);
     let input = randn(&[1, channels, tile, tile], 9, kind, device);
     let time = |up: &Upscaler, name: &str, step: &mut Step| {
-        step.time(&format!("esrgan.tile.{tile}x{tile}"), name, device, plan.repeats, || {
-            Ok(up.network().forward(&input))
-        })
+        step.time(
+            &format!("esrgan.tile.{tile}x{tile}"),
+            name,
+            device,
+            plan.repeats,
+            || Ok(up.network().forward(&input)),
+        )
         .map(|t| t.median_s)
     };
     let Some(portable_s) = time(&upscaler, "portable", step) else {
@@ -69,17 +82,28 @@ pub fn run(config: &EsrganConfig, plan: &Plan, step: &mut Step) {
         memory_format: other,
         ..portable
     };
-    let id = format!("esrgan.candidate.{}", match other {
-        MemoryFormat::ChannelsLast => "channels_last",
-        MemoryFormat::Contiguous => "contiguous",
-    });
+    let id = format!(
+        "esrgan.candidate.{}",
+        match other {
+            MemoryFormat::ChannelsLast => "channels_last",
+            MemoryFormat::Contiguous => "contiguous",
+        }
+    );
     let agreed = step.run(&id, || {
         upscaler.set_memory_format(other);
-        let out = upscaler.network().forward(&probe.to_device(device).to_kind(net_kind));
+        let out = upscaler
+            .network()
+            .forward(&probe.to_device(device).to_kind(net_kind));
         let e = relative_error(&out, &reference);
         let tol = tolerance(kind);
-        anyhow::ensure!(e < tol, "disagrees with the portable path: relative error {e:.2e} (tolerance {tol:.0e})");
-        Ok(((), format!("agrees with the portable path: relative error {e:.2e}")))
+        anyhow::ensure!(
+            e < tol,
+            "disagrees with the portable path: relative error {e:.2e} (tolerance {tol:.0e})"
+        );
+        Ok((
+            (),
+            format!("agrees with the portable path: relative error {e:.2e}"),
+        ))
     });
     if agreed.is_some()
         && let Some(t) = time(&upscaler, &id["esrgan.candidate.".len()..], step)
@@ -87,7 +111,10 @@ pub fn run(config: &EsrganConfig, plan: &Plan, step: &mut Step) {
         let kept = t < best_s * 0.99;
         step.record(CheckResult::pass(
             &format!("{id}.speed"),
-            format!("{t:.4} s against {best_s:.4} s: {}", if kept { "kept" } else { "not faster, dropped" }),
+            format!(
+                "{t:.4} s against {best_s:.4} s: {}",
+                if kept { "kept" } else { "not faster, dropped" }
+            ),
             Some(t),
         ));
         if kept {
@@ -96,5 +123,8 @@ pub fn run(config: &EsrganConfig, plan: &Plan, step: &mut Step) {
         }
     }
     upscaler.set_memory_format(best.memory_format);
-    step.chosen(serde_json::to_value(best).expect("settings serialize"), portable_s / best_s);
+    step.chosen(
+        serde_json::to_value(best).expect("settings serialize"),
+        portable_s / best_s,
+    );
 }

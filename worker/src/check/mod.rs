@@ -43,7 +43,10 @@ use measure::{Repeats, Timing};
 use report::{CheckResult, EngineReport, Journal, MemoryReading, Outcome, Record, Report};
 
 #[derive(Debug, Clone, Parser)]
-#[command(name = "vnfarm-worker check", about = "Check and tune this box for the worker's configuration")]
+#[command(
+    name = "vnfarm-worker check",
+    about = "Check and tune this box for the worker's configuration"
+)]
 pub struct CheckArgs {
     /// The worker's configuration (else VNFARM_CONFIG; VNFARM_* variables override).
     #[arg(long)]
@@ -173,7 +176,10 @@ impl Step {
         match result {
             Ok(Ok(value)) => Some(value),
             Ok(Err(e)) => {
-                self.record(CheckResult::fail(id, environment::first_line(&format!("{e:#}"))));
+                self.record(CheckResult::fail(
+                    id,
+                    environment::first_line(&format!("{e:#}")),
+                ));
                 None
             }
             Err(panic) => {
@@ -182,14 +188,21 @@ impl Step {
                     .cloned()
                     .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
                     .unwrap_or_else(|| "a panic".into());
-                self.record(CheckResult::fail(id, format!("panicked: {}", environment::first_line(&why))));
+                self.record(CheckResult::fail(
+                    id,
+                    format!("panicked: {}", environment::first_line(&why)),
+                ));
                 None
             }
         }
     }
 
     /// [`Step::attempt`] that also records the pass with the step's own words.
-    pub fn run<T>(&mut self, id: &str, f: impl FnOnce() -> anyhow::Result<(T, String)>) -> Option<T> {
+    pub fn run<T>(
+        &mut self,
+        id: &str,
+        f: impl FnOnce() -> anyhow::Result<(T, String)>,
+    ) -> Option<T> {
         let (value, detail) = self.attempt(id, f)?;
         self.record(CheckResult::pass(id, detail, None));
         Some(value)
@@ -205,7 +218,9 @@ impl Step {
         f: impl FnMut() -> anyhow::Result<T>,
     ) -> Option<Timing> {
         let step_id = format!("{id}.{candidate}");
-        let timing = self.attempt(&step_id, || measure::time(id, candidate, device, repeats, f))?;
+        let timing = self.attempt(&step_id, || {
+            measure::time(id, candidate, device, repeats, f)
+        })?;
         self.timing(timing.clone());
         Some(timing)
     }
@@ -305,7 +320,14 @@ fn run(args: &CheckArgs, config: &Config) -> anyhow::Result<Report> {
                 format!("{name} with {}", describe_env(set))
             };
             let dir = args.out.join(format!("work/{name}-{k}"));
-            let report = run_engine(&plan_args(name), set, &dir, &label, &bar, args.engine_timeout_s)?;
+            let report = run_engine(
+                &plan_args(name),
+                set,
+                &dir,
+                &label,
+                &bar,
+                args.engine_timeout_s,
+            )?;
             reports.insert((*name).to_owned(), report);
             bar.inc(1);
         }
@@ -335,20 +357,37 @@ fn run(args: &CheckArgs, config: &Config) -> anyhow::Result<Report> {
             },
             environment: chosen_environment.clone(),
             sdxl: chosen("sdxl").map(serde_json::from_value).transpose()?,
-            qwen_edit: chosen("qwen_edit").map(serde_json::from_value).transpose()?,
+            qwen_edit: chosen("qwen_edit")
+                .map(serde_json::from_value)
+                .transpose()?,
             esrgan: chosen("esrgan").map(serde_json::from_value).transpose()?,
         };
         let id = file.write(&settings_path)?;
         settings_file = Some(format!("{} (id {id})", settings_path.display()));
         // The worker's own load from the file, warm-up and the memory of the largest decode.
         let mut a = plan_args("verify");
-        a.extend(["--settings-file".to_owned(), settings_path.display().to_string()]);
+        a.extend([
+            "--settings-file".to_owned(),
+            settings_path.display().to_string(),
+        ]);
         if args.compare {
             a.push("--compare".into());
         }
         let dir = args.out.join("work/verify");
-        let mut v = run_engine(&a, &env_sets[best_set], &dir, "verify: the worker's load from the settings file", &bar, args.engine_timeout_s)?;
-        memory.checks = v.checks.iter().filter(|c| c.id.starts_with("memory.")).cloned().collect();
+        let mut v = run_engine(
+            &a,
+            &env_sets[best_set],
+            &dir,
+            "verify: the worker's load from the settings file",
+            &bar,
+            args.engine_timeout_s,
+        )?;
+        memory.checks = v
+            .checks
+            .iter()
+            .filter(|c| c.id.starts_with("memory."))
+            .cloned()
+            .collect();
         v.checks.retain(|c| !c.id.starts_with("memory."));
         verify = v;
     } else {
@@ -360,7 +399,8 @@ fn run(args: &CheckArgs, config: &Config) -> anyhow::Result<Report> {
     bar.inc(1);
     bar.finish_and_clear();
     for r in engine_reports.values_mut() {
-        r.timings.sort_by(|a, b| a.id.cmp(&b.id).then(a.candidate.cmp(&b.candidate)));
+        r.timings
+            .sort_by(|a, b| a.id.cmp(&b.id).then(a.candidate.cmp(&b.candidate)));
     }
     let report = Report {
         format: "vnfarm-check-report/1",
@@ -410,7 +450,10 @@ fn env_candidates(args: &CheckArgs, env: &Environment) -> Vec<Vec<(String, Strin
 }
 
 fn describe_env(set: &[(String, String)]) -> String {
-    set.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" ")
+    set.iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// The environment set whose engines' chosen settings ran fastest in total (the sum over engines
@@ -433,17 +476,25 @@ fn choose_environment(
             _ => false,
         };
         notes.push(CheckResult {
-                id: format!("environment.{}", describe_env(&sets[k])),
-                outcome: if t.is_some() { Outcome::Pass } else { Outcome::Fail },
-                detail: match (t, base) {
-                    (Some(t), Some(b)) => format!(
-                        "{t:.3} s against {b:.3} s without: {}",
-                        if better { "kept" } else { "not faster, dropped" }
-                    ),
-                    _ => "an engine could not run with these variables".into(),
-                },
-                value: t,
-            });
+            id: format!("environment.{}", describe_env(&sets[k])),
+            outcome: if t.is_some() {
+                Outcome::Pass
+            } else {
+                Outcome::Fail
+            },
+            detail: match (t, base) {
+                (Some(t), Some(b)) => format!(
+                    "{t:.3} s against {b:.3} s without: {}",
+                    if better {
+                        "kept"
+                    } else {
+                        "not faster, dropped"
+                    }
+                ),
+                _ => "an engine could not run with these variables".into(),
+            },
+            value: t,
+        });
         if better {
             best = k;
         }
@@ -640,7 +691,13 @@ pub fn engine_main(args: &[String]) -> ExitCode {
                 esrgan::run(c, &plan, &mut step);
             }
         }
-        "verify" => verify(&config, args.settings_file.as_deref(), args.compare, &plan, &mut step),
+        "verify" => verify(
+            &config,
+            args.settings_file.as_deref(),
+            args.compare,
+            &plan,
+            &mut step,
+        ),
         other => {
             eprintln!("check-engine: unknown engine {other}");
             return ExitCode::from(64);
@@ -652,7 +709,13 @@ pub fn engine_main(args: &[String]) -> ExitCode {
 /// Loads the engines as the worker does from the written settings file (fingerprint verified,
 /// warm-up run), then reads the device memory, runs the largest decode the configuration warms up
 /// or the check measured, and reads it again.
-fn verify(config: &Config, settings_file: Option<&Path>, compare: bool, plan: &Plan, step: &mut Step) {
+fn verify(
+    config: &Config,
+    settings_file: Option<&Path>,
+    compare: bool,
+    plan: &Plan,
+    step: &mut Step,
+) {
     let mut engine_config = config.engine.clone();
     engine_config.settings_file = settings_file.map(Path::to_path_buf);
     let device = tuning::device_of(&engine_config);
@@ -677,37 +740,65 @@ fn verify(config: &Config, settings_file: Option<&Path>, compare: bool, plan: &P
             .settings_in_use()
             .map(|s| format!("{:?} {}", s.source, s.id))
             .unwrap_or_default();
-        Ok((engine, format!("the engines load from the settings file and warm up ({in_use})")))
+        Ok((
+            engine,
+            format!("the engines load from the settings file and warm up ({in_use})"),
+        ))
     }) else {
         return;
     };
     read("warm", step);
     if probe.is_none() {
-        step.record(CheckResult::skip("memory.headroom", "no GPU memory to measure on this device"));
+        step.record(CheckResult::skip(
+            "memory.headroom",
+            "no GPU memory to measure on this device",
+        ));
     }
-    if let crate::engine::Engine::Tch { sdxl: Some(sdxl), .. } = &engine {
+    if let crate::engine::Engine::Tch {
+        sdxl: Some(sdxl), ..
+    } = &engine
+    {
         let p = sdxl.pipeline();
         let mut sizes: Vec<(i64, i64)> = if plan.quick {
             vec![(160, 88)]
         } else {
             vec![(1024, 1024), (1216, 832), (1280, 720)]
         };
-        sizes.extend(config.engine.sdxl.iter().flat_map(|c| c.warm_up.iter().map(|[w, h]| (i64::from(*w), i64::from(*h)))));
-        let (w, h) = sizes.into_iter().max_by_key(|(w, h)| w * h).unwrap_or((1024, 1024));
+        sizes.extend(config.engine.sdxl.iter().flat_map(|c| {
+            c.warm_up
+                .iter()
+                .map(|[w, h]| (i64::from(*w), i64::from(*h)))
+        }));
+        let (w, h) = sizes
+            .into_iter()
+            .max_by_key(|(w, h)| w * h)
+            .unwrap_or((1024, 1024));
         let decoded = step.run("verify.largest_decode", || {
             let c = p.vae().config();
             let f = c.scale_factor();
-            let z = measure::randn(&[1, c.latent_channels, h / f, w / f], 1, p.vae_dtype(), p.device());
+            let z = measure::randn(
+                &[1, c.latent_channels, h / f, w / f],
+                1,
+                p.vae_dtype(),
+                p.device(),
+            );
             let x = p.vae().decode(&z, vnfarm_models::sdxl::vae::Tiling::Auto);
             measure::synchronize(p.device());
             drop(x);
-            Ok(((), format!("an SDXL decode at {w}x{h} beside the warm models")))
+            Ok((
+                (),
+                format!("an SDXL decode at {w}x{h} beside the warm models"),
+            ))
         });
         if decoded.is_some() {
             read(&format!("after_decode_{w}x{h}"), step);
         }
     }
-    if compare && let crate::engine::Engine::Tch { sdxl: Some(sdxl), .. } = &mut engine {
+    if compare
+        && let crate::engine::Engine::Tch {
+            sdxl: Some(sdxl), ..
+        } = &mut engine
+    {
         sdxl::compare_generates(sdxl.pipeline_mut(), plan, step);
     }
 }

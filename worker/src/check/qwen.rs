@@ -16,11 +16,20 @@ use crate::engine::{AdvertisedKeys, QwenEditEngine, QwenEditEngineConfig};
 
 fn input(side: u32) -> RgbImage {
     RgbImage::from_fn(side, side, |x, y| {
-        image::Rgb([(x * 7 % 256) as u8, (y * 5 % 256) as u8, ((x + y) % 256) as u8])
+        image::Rgb([
+            (x * 7 % 256) as u8,
+            (y * 5 % 256) as u8,
+            ((x + y) % 256) as u8,
+        ])
     })
 }
 
-fn edit(p: &QwenEditPipeline, inputs: &EncodedInputs, side: u32, steps: usize) -> anyhow::Result<(RgbImage, vnfarm_models::qwen_image::pipeline::EditTimes)> {
+fn edit(
+    p: &QwenEditPipeline,
+    inputs: &EncodedInputs,
+    side: u32,
+    steps: usize,
+) -> anyhow::Result<(RgbImage, vnfarm_models::qwen_image::pipeline::EditTimes)> {
     let request = EditRequest {
         instruction: "make her smile".into(),
         seed: 3,
@@ -42,7 +51,10 @@ pub fn run(config: &QwenEditEngineConfig, plan: &Plan, step: &mut Step) {
     let device = crate::engine::device::parse_device(&config.device).unwrap_or(Device::Cpu);
     let mut settings = QwenSettings::preset(Preset::Portable);
     let Some(pipeline) = step.run("qwen_edit.load", || {
-        Ok((load(config, settings)?, "loaded with the portable settings".to_owned()))
+        Ok((
+            load(config, settings)?,
+            "loaded with the portable settings".to_owned(),
+        ))
     }) else {
         return;
     };
@@ -57,29 +69,45 @@ pub fn run(config: &QwenEditEngineConfig, plan: &Plan, step: &mut Step) {
         settings.attention = AttentionImpl::Matmul;
         drop(pipeline);
         let Some(p) = step.run("qwen_edit.load_matmul_attention", || {
-            Ok((load(config, settings)?, "loaded with the matmul attention".to_owned()))
+            Ok((
+                load(config, settings)?,
+                "loaded with the matmul attention".to_owned(),
+            ))
         }) else {
             return;
         };
         pipeline = p;
         probe = step.run("qwen_edit.device.edit_matmul_attention", || {
             let encoded = pipeline.encode_inputs(&[input(probe_side)])?;
-            Ok((edit(&pipeline, &encoded, probe_side, 2)?.0, "a 2-step edit runs with matmul attention".to_owned()))
+            Ok((
+                edit(&pipeline, &encoded, probe_side, 2)?.0,
+                "a 2-step edit runs with matmul attention".to_owned(),
+            ))
         });
     } else {
-        step.record(CheckResult::pass("qwen_edit.device.edit", format!("a 2-step {probe_side}² edit runs"), None));
+        step.record(CheckResult::pass(
+            "qwen_edit.device.edit",
+            format!("a 2-step {probe_side}² edit runs"),
+            None,
+        ));
     }
     let Some(device_image) = probe else { return };
     cpu_parity(config, settings, step, &device_image, probe_side);
 
     let side = if plan.quick { 128 } else { 1024 };
     let image = input(side);
-    let Some(encode) = step.time(&format!("qwen_edit.encode.{side}x{side}"), "portable", device, plan.repeats, || {
-        Ok(pipeline.encode_inputs(&[image.clone()])?)
-    }) else {
+    let Some(encode) = step.time(
+        &format!("qwen_edit.encode.{side}x{side}"),
+        "portable",
+        device,
+        plan.repeats,
+        || Ok(pipeline.encode_inputs(std::slice::from_ref(&image))?),
+    ) else {
         return;
     };
-    let Some(encoded) = step.attempt("qwen_edit.encode", || Ok(pipeline.encode_inputs(&[image.clone()])?)) else {
+    let Some(encoded) = step.attempt("qwen_edit.encode", || {
+        Ok(pipeline.encode_inputs(std::slice::from_ref(&image))?)
+    }) else {
         return;
     };
     // Four steps, as the Lightning LoRA runs: the stage times of each edit, medians over runs.
@@ -126,14 +154,23 @@ pub fn run(config: &QwenEditEngineConfig, plan: &Plan, step: &mut Step) {
     }
     // No Qwen kernel of our own yet: the settings are the portable preset's (or plain attention
     // where SDPA failed).
-    step.chosen(serde_json::to_value(settings).expect("settings serialize"), 1.0);
+    step.chosen(
+        serde_json::to_value(settings).expect("settings serialize"),
+        1.0,
+    );
 }
 
 /// A short edit on a CPU copy in fp32 against the device's, where the copy fits: a copy takes
 /// four bytes a parameter, and the check keeps it under a quarter of the system's memory so that
 /// it never competes with the warm models (the real 20 B transformer does not fit: then the
 /// comparison is reported as not made).
-fn cpu_parity(config: &QwenEditEngineConfig, settings: QwenSettings, step: &mut Step, device_image: &RgbImage, side: u32) {
+fn cpu_parity(
+    config: &QwenEditEngineConfig,
+    settings: QwenSettings,
+    step: &mut Step,
+    device_image: &RgbImage,
+    side: u32,
+) {
     let id = "qwen_edit.cpu_parity.edit";
     let bytes: u64 = config
         .files()
@@ -173,8 +210,14 @@ fn cpu_parity(config: &QwenEditEngineConfig, settings: QwenSettings, step: &mut 
             .sum::<f64>()
             / device_image.as_raw().len().max(1) as f64;
         // bf16 through a 2-step edit of random weights moves pixels by a few levels.
-        let tolerance = if config.dtype.kind() == tch::Kind::Float { 0.5 } else { 8.0 };
-        let detail = format!("2-step {side}² edit, device against CPU: mean |difference| {diff:.3}/255 (tolerance {tolerance}/255)");
+        let tolerance = if config.dtype.kind() == tch::Kind::Float {
+            0.5
+        } else {
+            8.0
+        };
+        let detail = format!(
+            "2-step {side}² edit, device against CPU: mean |difference| {diff:.3}/255 (tolerance {tolerance}/255)"
+        );
         step.record(if diff <= tolerance {
             CheckResult::pass(id, detail, Some(diff))
         } else {

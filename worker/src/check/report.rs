@@ -66,7 +66,9 @@ impl CheckResult {
 #[serde(rename_all = "snake_case")]
 pub enum Record {
     /// A step that may crash the process begins.
-    Start { id: String },
+    Start {
+        id: String,
+    },
     Check(CheckResult),
     Timing(Timing),
     /// The engine's chosen settings (the engine's settings type as JSON) and the environment

@@ -71,10 +71,16 @@ const CANDIDATES: [Candidate; 5] = [
     },
 ];
 
-/// Image sizes `(width, height)` of the UNet steps and the decodes.
-fn sizes(plan: &Plan) -> (Vec<(i64, i64)>, Vec<(i64, i64)>) {
+/// An image's `(width, height)`.
+type Size = (i64, i64);
+
+/// Image sizes of the UNet steps and the decodes.
+fn sizes(plan: &Plan) -> (Vec<Size>, Vec<Size>) {
     if plan.quick {
-        (vec![(128, 128), (104, 152)], vec![(128, 128), (152, 104), (160, 88)])
+        (
+            vec![(128, 128), (104, 152)],
+            vec![(128, 128), (152, 104), (160, 88)],
+        )
     } else {
         (
             vec![(1024, 1024), (832, 1216)],
@@ -97,9 +103,16 @@ impl StepInputs {
         let c = p.unet().config();
         let f = p.vae().config().scale_factor();
         let pooled_dim = c.projection_class_embeddings_input_dim - 6 * c.addition_time_embed_dim;
-        let time_ids = Tensor::from_slice(&[height as f32, width as f32, 0., 0., height as f32, width as f32])
-            .reshape([1, 6])
-            .repeat([2, 1]);
+        let time_ids = Tensor::from_slice(&[
+            height as f32,
+            width as f32,
+            0.,
+            0.,
+            height as f32,
+            width as f32,
+        ])
+        .reshape([1, 6])
+        .repeat([2, 1]);
         Self {
             sample: randn(&[2, c.in_channels, height / f, width / f], 1, kind, device),
             timestep: Tensor::from_slice(&[500f32]).to_device(device),
@@ -128,10 +141,22 @@ impl StepInputs {
     }
 }
 
-fn latent(p: &SdxlPipeline, width: i64, height: i64, seed: i64, kind: Kind, device: Device) -> Tensor {
+fn latent(
+    p: &SdxlPipeline,
+    width: i64,
+    height: i64,
+    seed: i64,
+    kind: Kind,
+    device: Device,
+) -> Tensor {
     let c = p.vae().config();
     let f = c.scale_factor();
-    randn(&[1, c.latent_channels, height / f, width / f], seed, kind, device)
+    randn(
+        &[1, c.latent_channels, height / f, width / f],
+        seed,
+        kind,
+        device,
+    )
 }
 
 pub fn run(config: &SdxlConfig, plan: &Plan, step: &mut Step) {
@@ -157,15 +182,36 @@ pub fn run(config: &SdxlConfig, plan: &Plan, step: &mut Step) {
         anyhow::ensure!(finite, "the UNet's output on the device is not finite");
         // An output of zeros agrees with anything: no comparison against it would mean a thing.
         let scale = out.abs().max().to_kind(Kind::Float).double_value(&[]);
-        anyhow::ensure!(scale > 0.0, "the UNet's output is zero everywhere (weights that cannot be checked)");
-        Ok((out, format!("UNet step {}x{} runs", probe_size.0, probe_size.1)))
+        anyhow::ensure!(
+            scale > 0.0,
+            "the UNet's output is zero everywhere (weights that cannot be checked)"
+        );
+        Ok((
+            out,
+            format!("UNet step {}x{} runs", probe_size.0, probe_size.1),
+        ))
     }) else {
         return;
     };
-    let probe_latent = latent(&pipeline, probe_size.0, probe_size.1, 7, config.vae_dtype.kind(), device);
+    let probe_latent = latent(
+        &pipeline,
+        probe_size.0,
+        probe_size.1,
+        7,
+        config.vae_dtype.kind(),
+        device,
+    );
     let vae_reference = pipeline.vae().decode(&probe_latent, Tiling::Never);
 
-    cpu_parity(config, step, &pipeline, &probe, &reference, &vae_reference, &probe_latent);
+    cpu_parity(
+        config,
+        step,
+        &pipeline,
+        &probe,
+        &reference,
+        &vae_reference,
+        &probe_latent,
+    );
 
     // Candidates, each on top of the best so far.
     let mut best = portable;
@@ -173,7 +219,13 @@ pub fn run(config: &SdxlConfig, plan: &Plan, step: &mut Step) {
         let mut total = 0.0;
         for &(w, h) in &step_sizes {
             let inputs = StepInputs::new(p, w, h, kind, device);
-            let t: Timing = step.time(&format!("sdxl.unet_step.{w}x{h}"), name, device, plan.repeats, || inputs.step(p))?;
+            let t: Timing = step.time(
+                &format!("sdxl.unet_step.{w}x{h}"),
+                name,
+                device,
+                plan.repeats,
+                || inputs.step(p),
+            )?;
             total += t.median_s;
         }
         Some(total)
@@ -182,9 +234,13 @@ pub fn run(config: &SdxlConfig, plan: &Plan, step: &mut Step) {
         let mut total = 0.0;
         for &(w, h) in &decode_sizes {
             let z = latent(p, w, h, 11, config.vae_dtype.kind(), device);
-            let t = step.time(&format!("sdxl.vae_decode.{w}x{h}"), name, device, plan.repeats, || {
-                Ok(p.vae().decode(&z, Tiling::Auto))
-            })?;
+            let t = step.time(
+                &format!("sdxl.vae_decode.{w}x{h}"),
+                name,
+                device,
+                plan.repeats,
+                || Ok(p.vae().decode(&z, Tiling::Auto)),
+            )?;
             total += t.median_s;
         }
         Some(total)
@@ -201,7 +257,17 @@ pub fn run(config: &SdxlConfig, plan: &Plan, step: &mut Step) {
         let mut settings = best;
         (candidate.apply)(&mut settings);
         let id = format!("sdxl.candidate.{}", candidate.name);
-        let outcome = try_candidate(&id, candidate.part, &settings, &mut pipeline, step, &probe, &reference, &probe_latent, &vae_reference);
+        let outcome = try_candidate(
+            &id,
+            candidate.part,
+            &settings,
+            &mut pipeline,
+            step,
+            &probe,
+            &reference,
+            &probe_latent,
+            &vae_reference,
+        );
         if !outcome {
             continue;
         }
@@ -238,13 +304,25 @@ pub fn run(config: &SdxlConfig, plan: &Plan, step: &mut Step) {
     };
     if cuda != best && !tried.contains(&cuda) && (!cuda.needs_shims() || ops::BUILT_IN) {
         let id = "sdxl.candidate.cuda_preset";
-        if try_candidate(id, Part::Unet, &cuda, &mut pipeline, step, &probe, &reference, &probe_latent, &vae_reference)
-            && let Some(t) = unet_time(&pipeline, "cuda_preset", step)
+        if try_candidate(
+            id,
+            Part::Unet,
+            &cuda,
+            &mut pipeline,
+            step,
+            &probe,
+            &reference,
+            &probe_latent,
+            &vae_reference,
+        ) && let Some(t) = unet_time(&pipeline, "cuda_preset", step)
         {
             let kept = t < best_unet * 0.99;
             step.record(CheckResult::pass(
                 &format!("{id}.speed"),
-                format!("{t:.4} s against {best_unet:.4} s: {}", if kept { "kept" } else { "not faster, dropped" }),
+                format!(
+                    "{t:.4} s against {best_unet:.4} s: {}",
+                    if kept { "kept" } else { "not faster, dropped" }
+                ),
                 Some(t),
             ));
             if kept {
@@ -254,7 +332,10 @@ pub fn run(config: &SdxlConfig, plan: &Plan, step: &mut Step) {
         }
     }
     let speedup = (portable_unet + portable_vae) / (best_unet + best_vae);
-    step.chosen(serde_json::to_value(best).expect("settings serialize"), speedup);
+    step.chosen(
+        serde_json::to_value(best).expect("settings serialize"),
+        speedup,
+    );
 }
 
 /// Applies `settings` and checks its output against the portable path's; a failure is recorded
@@ -284,9 +365,15 @@ fn try_candidate(
     let agreed = step.run(id, || {
         pipeline.apply_settings(settings)?;
         let (error, tol) = match part {
-            Part::Unet => (relative_error(&probe.step(pipeline)?, reference), candidate_tolerance(reference.kind())),
+            Part::Unet => (
+                relative_error(&probe.step(pipeline)?, reference),
+                candidate_tolerance(reference.kind()),
+            ),
             Part::Vae => (
-                relative_error(&pipeline.vae().decode(probe_latent, Tiling::Never), vae_reference),
+                relative_error(
+                    &pipeline.vae().decode(probe_latent, Tiling::Never),
+                    vae_reference,
+                ),
                 candidate_tolerance(vae_reference.kind()),
             ),
         };
@@ -295,7 +382,10 @@ fn try_candidate(
             error < tol,
             "disagrees with the portable path: relative error {error:.2e} (tolerance {tol:.0e})"
         );
-        Ok(((), format!("agrees with the portable path: relative error {error:.2e}")))
+        Ok((
+            (),
+            format!("agrees with the portable path: relative error {error:.2e}"),
+        ))
     });
     if agreed.is_none() {
         // Back to what is known to work; the portable settings always apply.
@@ -328,7 +418,10 @@ fn cpu_parity(
     let vae_tol = tolerance(config.vae_dtype.kind());
     let Some(cpu) = step.run("sdxl.cpu_parity.load", || {
         let engine = SdxlEngine::load(&cpu_config, SdxlSettings::preset(Preset::Portable))?;
-        Ok((engine.into_pipeline(), "a CPU copy in fp32 loaded".to_owned()))
+        Ok((
+            engine.into_pipeline(),
+            "a CPU copy in fp32 loaded".to_owned(),
+        ))
     }) else {
         return;
     };
@@ -338,33 +431,60 @@ fn cpu_parity(
         Ok(relative_error(reference, &cpu_out))
     });
     if let Some(e) = out {
-        step.record(CheckResult::within("sdxl.cpu_parity.unet", "UNet step, device against CPU", e, tol));
+        step.record(CheckResult::within(
+            "sdxl.cpu_parity.unet",
+            "UNet step, device against CPU",
+            e,
+            tol,
+        ));
     }
     let out = step.attempt("sdxl.cpu_parity.vae", || {
-        let cpu_out = cpu.vae().decode(&probe_latent.to_device(Device::Cpu).to_kind(Kind::Float), Tiling::Never);
+        let cpu_out = cpu.vae().decode(
+            &probe_latent.to_device(Device::Cpu).to_kind(Kind::Float),
+            Tiling::Never,
+        );
         Ok(relative_error(vae_reference, &cpu_out))
     });
     if let Some(e) = out {
-        step.record(CheckResult::within("sdxl.cpu_parity.vae", "VAE decode, device against CPU", e, vae_tol));
+        step.record(CheckResult::within(
+            "sdxl.cpu_parity.vae",
+            "VAE decode, device against CPU",
+            e,
+            vae_tol,
+        ));
     }
     let out = step.attempt("sdxl.cpu_parity.text_encoders", || {
         let prompt = "1girl, silver hair, classroom, smiling";
-        let d = device_pipeline.prompt_encoder().encode(prompt).map_err(anyhow::Error::msg)?;
-        let c = cpu.prompt_encoder().encode(prompt).map_err(anyhow::Error::msg)?;
+        let d = device_pipeline
+            .prompt_encoder()
+            .encode(prompt)
+            .map_err(anyhow::Error::msg)?;
+        let c = cpu
+            .prompt_encoder()
+            .encode(prompt)
+            .map_err(anyhow::Error::msg)?;
         Ok(relative_error(&d.embeds, &c.embeds).max(relative_error(&d.pooled, &c.pooled)))
     });
     if let Some(e) = out {
-        step.record(CheckResult::within("sdxl.cpu_parity.text_encoders", "both text encoders, device against CPU", e, tol));
+        step.record(CheckResult::within(
+            "sdxl.cpu_parity.text_encoders",
+            "both text encoders, device against CPU",
+            e,
+            tol,
+        ));
     }
 }
-
 
 /// Whole generates (20 steps at 1024², cfg 4.5, Euler; quick: 4 steps at 128²) under the portable
 /// preset, the CUDA preset and the settings the pipeline was loaded with (the measured ones), each
 /// the median of three after one untimed: what a job costs under each.
 pub fn compare_generates(pipeline: &mut SdxlPipeline, plan: &Plan, step: &mut Step) {
     let measured = *pipeline.settings();
-    let (w, h, steps) = if plan.quick { (128, 128, 4) } else { (1024, 1024, 20) };
+    let (w, h, steps) = if plan.quick {
+        (128, 128, 4)
+    } else {
+        (1024, 1024, 20)
+    };
     let request = GenerateRequest {
         prompt: "1girl, silver hair, classroom, smiling".into(),
         negative_prompt: String::new(),
@@ -389,13 +509,25 @@ pub fn compare_generates(pipeline: &mut SdxlPipeline, plan: &Plan, step: &mut St
         warm: 1,
         timed: if plan.quick { 1 } else { 3 },
     };
-    for (name, settings) in [("portable", portable), ("cuda_preset", cuda), ("measured", measured)] {
+    for (name, settings) in [
+        ("portable", portable),
+        ("cuda_preset", cuda),
+        ("measured", measured),
+    ] {
         let id = format!("compare.sdxl_generate.{w}x{h}.{steps}_steps");
         if settings.needs_shims() && !ops::BUILT_IN {
-            step.record(CheckResult::skip(&format!("{id}.{name}"), "needs the C++ shims"));
+            step.record(CheckResult::skip(
+                &format!("{id}.{name}"),
+                "needs the C++ shims",
+            ));
             continue;
         }
-        if step.attempt(&format!("{id}.{name}.apply"), || Ok(pipeline.apply_settings(&settings)?)).is_none() {
+        if step
+            .attempt(&format!("{id}.{name}.apply"), || {
+                Ok(pipeline.apply_settings(&settings)?)
+            })
+            .is_none()
+        {
             continue;
         }
         let p: &SdxlPipeline = pipeline;

@@ -14,8 +14,8 @@ use std::time::Instant;
 use serde::Deserialize;
 use vnfarm_models::esrgan::tiling::{Blend, TileSettings};
 use vnfarm_models::esrgan::upscaler::{UpscaleOptions, Upscaler};
-use vnfarm_proto::spec::{MAX_UPSCALE_TILE, MIN_UPSCALE_TILE};
 use vnfarm_models::settings::EsrganSettings;
+use vnfarm_proto::spec::{MAX_UPSCALE_TILE, MIN_UPSCALE_TILE};
 use vnfarm_proto::{ModelFileRole, StageTimings, Task};
 
 use crate::tuning::SettingsChoice;
@@ -143,7 +143,10 @@ impl EsrganEngine {
         let started = Instant::now();
         let tiles = config.tiles(settings.tile, settings.tile_overlap);
         upscaler.warm_up(&tiles).map_err(|e| {
-            anyhow::anyhow!("Real-ESRGAN warm-up with {}-pixel tiles: {e}", settings.tile)
+            anyhow::anyhow!(
+                "Real-ESRGAN warm-up with {}-pixel tiles: {e}",
+                settings.tile
+            )
         })?;
         tracing::info!(
             model = "esrgan",

@@ -185,9 +185,20 @@ impl EngineConfig {
         }
         if self.settings_file.is_some() {
             let named = [
-                ("sdxl", self.sdxl.as_ref().is_some_and(|c| c.settings.is_some())),
-                ("qwen_edit", self.qwen_edit.as_ref().is_some_and(|c| c.settings.is_some())),
-                ("esrgan", self.esrgan.as_ref().is_some_and(|c| c.settings.is_some())),
+                (
+                    "sdxl",
+                    self.sdxl.as_ref().is_some_and(|c| c.settings.is_some()),
+                ),
+                (
+                    "qwen_edit",
+                    self.qwen_edit
+                        .as_ref()
+                        .is_some_and(|c| c.settings.is_some()),
+                ),
+                (
+                    "esrgan",
+                    self.esrgan.as_ref().is_some_and(|c| c.settings.is_some()),
+                ),
             ];
             if let Some((engine, _)) = named.iter().find(|(_, set)| *set) {
                 return Err(format!(
@@ -583,9 +594,21 @@ impl EngineSettings {
     fn choose(config: &EngineConfig) -> anyhow::Result<Self> {
         let Some(path) = &config.settings_file else {
             return Ok(Self {
-                sdxl: config.sdxl.as_ref().and_then(|c| c.settings).map_or_else(Default::default, |s| s.resolve()),
-                qwen_edit: config.qwen_edit.as_ref().and_then(|c| c.settings).map_or_else(Default::default, |s| s.resolve()),
-                esrgan: config.esrgan.as_ref().and_then(|c| c.settings).map_or_else(Default::default, |s| s.resolve()),
+                sdxl: config
+                    .sdxl
+                    .as_ref()
+                    .and_then(|c| c.settings)
+                    .map_or_else(Default::default, |s| s.resolve()),
+                qwen_edit: config
+                    .qwen_edit
+                    .as_ref()
+                    .and_then(|c| c.settings)
+                    .map_or_else(Default::default, |s| s.resolve()),
+                esrgan: config
+                    .esrgan
+                    .as_ref()
+                    .and_then(|c| c.settings)
+                    .map_or_else(Default::default, |s| s.resolve()),
                 in_use: tuning::presets_in_use(config),
             });
         };

@@ -104,9 +104,13 @@ mod tests {
 
     #[test]
     fn a_wrong_preset_or_key_is_named() {
-        let e = toml::from_str::<Holder>("settings = \"fast\"").err().unwrap();
+        let e = toml::from_str::<Holder>("settings = \"fast\"")
+            .err()
+            .unwrap();
         assert!(e.to_string().contains("fast"), "{e}");
-        let e = toml::from_str::<Holder>("[settings]\ncuda_graph = true").err().unwrap();
+        let e = toml::from_str::<Holder>("[settings]\ncuda_graph = true")
+            .err()
+            .unwrap();
         assert!(e.to_string().contains("cuda_graph"), "{e}");
     }
 }

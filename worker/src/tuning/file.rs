@@ -66,7 +66,9 @@ pub enum SettingsFileError {
         measured: String,
         here: String,
     },
-    #[error("engine.settings_file: {path} has no settings for {engine}; run `vnfarm-worker check` with this configuration")]
+    #[error(
+        "engine.settings_file: {path} has no settings for {engine}; run `vnfarm-worker check` with this configuration"
+    )]
     Missing { path: PathBuf, engine: String },
 }
 
@@ -97,7 +99,11 @@ impl BoxSettings {
             serde_json::from_slice(&bytes).map_err(|e| format_error(e.to_string()))?;
         match head.get("format").and_then(|f| f.as_str()) {
             Some(FORMAT) => {}
-            Some(other) => return Err(format_error(format!("format {other}, this worker reads {FORMAT}"))),
+            Some(other) => {
+                return Err(format_error(format!(
+                    "format {other}, this worker reads {FORMAT}"
+                )));
+            }
             None => return Err(format_error("no `format`".into())),
         }
         let settings: BoxSettings = serde_path_to_error::deserialize(head)
@@ -237,14 +243,20 @@ mod tests {
             arch: "sm_90".into(),
         };
         let e = loaded.verify(&path, &gpu, &models).unwrap_err().to_string();
-        assert!(e.contains("NVIDIA H200") && e.contains("vnfarm-worker check"), "{e}");
+        assert!(
+            e.contains("NVIDIA H200") && e.contains("vnfarm-worker check"),
+            "{e}"
+        );
 
         std::fs::write(&model, b"other weights").unwrap();
         let changed = BTreeMap::from([(
             "sdxl".to_owned(),
             vec![ModelFileIdentity::of(&model).unwrap()],
         )]);
-        let e = loaded.verify(&path, &here, &changed).unwrap_err().to_string();
+        let e = loaded
+            .verify(&path, &here, &changed)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("sdxl files"), "{e}");
 
         let qwen = BTreeMap::from([("qwen_edit".to_owned(), vec![])]);

@@ -89,8 +89,10 @@ fn gpu_identity(index: usize) -> DeviceIdentity {
             .cloned()
             .or_else(|| hip_arch_from_properties(device))
             .unwrap_or_else(|| "gfx?".to_owned()),
-        Backend::Cuda | Backend::Cpu => cuda_compute_capability(device)
-            .map_or_else(|| "sm_?".to_owned(), |(major, minor)| format!("sm_{major}{minor}")),
+        Backend::Cuda | Backend::Cpu => cuda_compute_capability(device).map_or_else(
+            || "sm_?".to_owned(),
+            |(major, minor)| format!("sm_{major}{minor}"),
+        ),
     };
     DeviceIdentity {
         backend,
@@ -113,7 +115,9 @@ fn properties(backend: Backend, device: c_int) -> Option<Vec<u8>> {
         // `hipGetDeviceProperties` is a macro for the `R0600` layout in ROCm 6 headers; both
         // layouts begin with `char name[256]`.
         Backend::Hip => &[c"hipGetDevicePropertiesR0600", c"hipGetDeviceProperties"],
-        Backend::Cuda | Backend::Cpu => &[c"cudaGetDeviceProperties_v2", c"cudaGetDeviceProperties"],
+        Backend::Cuda | Backend::Cpu => {
+            &[c"cudaGetDeviceProperties_v2", c"cudaGetDeviceProperties"]
+        }
     };
     let f = names.iter().find_map(|n| symbol(n))?;
     let mut buf = vec![0u8; PROPERTIES_BYTES];
@@ -140,7 +144,9 @@ fn device_name(backend: Backend, device: c_int) -> Option<String> {
 /// struct's layout: the one string field that starts with `gfx`.
 fn hip_arch_from_properties(device: c_int) -> Option<String> {
     let bytes = properties(Backend::Hip, device)?;
-    let at = bytes.windows(4).position(|w| w == b"gfx1" || w == b"gfx9")?;
+    let at = bytes
+        .windows(4)
+        .position(|w| w == b"gfx1" || w == b"gfx9")?;
     let arch = leading_string(&bytes[at..])?;
     Some(arch.split(':').next().unwrap_or(&arch).to_owned())
 }

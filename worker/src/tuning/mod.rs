@@ -55,13 +55,22 @@ pub fn apply_environment(config: &EngineConfig) -> Vec<String> {
 pub fn presets_in_use(config: &EngineConfig) -> SettingsInUse {
     let mut names = Vec::new();
     if let Some(c) = &config.sdxl {
-        names.push(format!("sdxl={}", c.settings.as_ref().map_or("portable", |s| s.name())));
+        names.push(format!(
+            "sdxl={}",
+            c.settings.as_ref().map_or("portable", |s| s.name())
+        ));
     }
     if let Some(c) = &config.qwen_edit {
-        names.push(format!("qwen_edit={}", c.settings.as_ref().map_or("portable", |s| s.name())));
+        names.push(format!(
+            "qwen_edit={}",
+            c.settings.as_ref().map_or("portable", |s| s.name())
+        ));
     }
     if let Some(c) = &config.esrgan {
-        names.push(format!("esrgan={}", c.settings.as_ref().map_or("portable", |s| s.name())));
+        names.push(format!(
+            "esrgan={}",
+            c.settings.as_ref().map_or("portable", |s| s.name())
+        ));
     }
     SettingsInUse {
         source: SettingsSource::Presets,

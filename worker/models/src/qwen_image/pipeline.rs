@@ -281,8 +281,11 @@ impl QwenEditPipeline {
                 device,
                 config.dtype,
             );
-            let mut transformer =
-                QwenImageTransformer2DModel::new(&w, &transformer_config, config.settings.attention)?;
+            let mut transformer = QwenImageTransformer2DModel::new(
+                &w,
+                &transformer_config,
+                config.settings.attention,
+            )?;
             if !config.loras.is_empty() {
                 // Load-time LoRAs stay fused for the pipeline's life: nothing to restore.
                 let applied =

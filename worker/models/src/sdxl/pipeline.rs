@@ -246,38 +246,38 @@ fn lora_targets<'a>(
 /// captured, the operator shim where a setting needs it, the fused kernels compiled for the device
 /// (so that a GPU or driver NVRTC cannot serve fails now, with the compiler's log).
 fn check_settings(settings: &SdxlSettings, device: Device) -> Result<(), LoadError> {
-        settings.validate().map_err(|reason| LoadError::Setting {
-            setting: "settings",
-            reason,
-        })?;
-        if settings.cuda_graphs {
-            cuda_graph::check_available(device)?;
-        }
-        // Settings that need the operator shim (csrc/ops.cpp, csrc/rtc.cpp).
-        for (asked, setting) in [
-            (settings.ff_gelu == FfGelu::Epilogue, "ff_gelu = epilogue"),
-            (
-                settings.norm_kernels == NormKernels::Fused,
-                "norm_kernels = fused",
-            ),
-        ] {
-            if asked && !ops::BUILT_IN {
-                return Err(LoadError::Setting {
-                    setting,
-                    reason: "the operator shim (csrc/ops.cpp, csrc/rtc.cpp) is not built into \
+    settings.validate().map_err(|reason| LoadError::Setting {
+        setting: "settings",
+        reason,
+    })?;
+    if settings.cuda_graphs {
+        cuda_graph::check_available(device)?;
+    }
+    // Settings that need the operator shim (csrc/ops.cpp, csrc/rtc.cpp).
+    for (asked, setting) in [
+        (settings.ff_gelu == FfGelu::Epilogue, "ff_gelu = epilogue"),
+        (
+            settings.norm_kernels == NormKernels::Fused,
+            "norm_kernels = fused",
+        ),
+    ] {
+        if asked && !ops::BUILT_IN {
+            return Err(LoadError::Setting {
+                setting,
+                reason: "the operator shim (csrc/ops.cpp, csrc/rtc.cpp) is not built into \
                              this binary (built against a CUDA or ROCm libtorch with its GPU \
                              headers only)"
-                        .into(),
-                });
-            }
+                    .into(),
+            });
         }
-        if settings.norm_kernels == NormKernels::Fused {
-            // Compiled now, so that a GPU or driver NVRTC cannot serve fails the load.
-            fused::prepare(device).map_err(|reason| LoadError::Setting {
-                setting: "norm_kernels = fused",
-                reason,
-            })?;
-        }
+    }
+    if settings.norm_kernels == NormKernels::Fused {
+        // Compiled now, so that a GPU or driver NVRTC cannot serve fails the load.
+        fused::prepare(device).map_err(|reason| LoadError::Setting {
+            setting: "norm_kernels = fused",
+            reason,
+        })?;
+    }
     Ok(())
 }
 

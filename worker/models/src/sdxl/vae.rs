@@ -587,9 +587,12 @@ impl AutoencoderKL {
             Tiling::Never => self
                 .decoder
                 .forward(&self.post_quant_conv.forward(z), self.runtime.memory_format),
-            Tiling::Auto if c.decode_bytes(h * f, w * f, z.kind()) <= self.runtime.budget_bytes() => self
-                .decoder
-                .forward(&self.post_quant_conv.forward(z), self.runtime.memory_format),
+            Tiling::Auto
+                if c.decode_bytes(h * f, w * f, z.kind()) <= self.runtime.budget_bytes() =>
+            {
+                self.decoder
+                    .forward(&self.post_quant_conv.forward(z), self.runtime.memory_format)
+            }
             Tiling::Auto => self.decode_tiled(z, self.tiled_plan(h, w, z.kind())),
             Tiling::Always => {
                 let tl = self.tile_latent_size();
