@@ -127,6 +127,9 @@ pub fn tolerance(kind: Kind) -> f64 {
     }
 }
 
+/// A step id at which an engine process aborts (tests of the crash handling only).
+pub const ABORT_AT_VAR: &str = "VNFARM_CHECK_ABORT_AT";
+
 /// An engine process's steps, recorded in its journal.
 pub struct Step {
     journal: Journal,
@@ -148,6 +151,12 @@ impl Step {
 
     pub fn start(&mut self, id: &str) {
         self.journal.write(&Record::Start { id: id.to_owned() });
+        // Fault injection for tests: the process dies here as a crashing kernel compiler or solver
+        // would take it down, to prove the parent survives it.
+        if std::env::var_os(ABORT_AT_VAR).is_some_and(|at| at == id) {
+            eprintln!("check-engine: {ABORT_AT_VAR}={id}: aborting");
+            std::process::abort();
+        }
     }
 
     pub fn record(&mut self, result: CheckResult) {
