@@ -15,7 +15,7 @@ use vnfarm_models::sdxl::unet::AddedCond;
 use vnfarm_models::sdxl::vae::Tiling;
 use vnfarm_models::settings::{Preset, SdxlSettings};
 
-use super::measure::{Repeats, Timing, randn, relative_error, synchronize};
+use super::measure::{self, Repeats, Timing, randn, relative_error, synchronize};
 use super::report::CheckResult;
 use super::{Plan, Step, tolerance};
 use crate::engine::SdxlConfig;
@@ -476,8 +476,8 @@ fn cpu_parity(
 }
 
 /// Whole generates (20 steps at 1024², cfg 4.5, Euler; quick: 4 steps at 128²) under the portable
-/// preset, the CUDA preset and the settings the pipeline was loaded with (the measured ones), each
-/// the median of three after one untimed: what a job costs under each.
+/// preset, the CUDA preset and the settings the pipeline was loaded with (the measured ones), in
+/// interleaved rounds (at least three), each case's median: what a job costs under each.
 pub fn compare_generates(pipeline: &mut SdxlPipeline, plan: &Plan, step: &mut Step) {
     let measured = *pipeline.settings();
     let (w, h, steps) = if plan.quick {
@@ -505,34 +505,72 @@ pub fn compare_generates(pipeline: &mut SdxlPipeline, plan: &Plan, step: &mut St
         ..SdxlSettings::preset(Preset::Portable)
     };
     let device = pipeline.device();
-    let repeats = Repeats {
-        warm: 1,
-        timed: if plan.quick { 1 } else { 3 },
-    };
+    let id = format!("compare.sdxl_generate.{w}x{h}.{steps}_steps");
+    let mut cases: Vec<(&str, SdxlSettings)> = Vec::new();
     for (name, settings) in [
         ("portable", portable),
         ("cuda_preset", cuda),
         ("measured", measured),
     ] {
-        let id = format!("compare.sdxl_generate.{w}x{h}.{steps}_steps");
         if settings.needs_shims() && !ops::BUILT_IN {
             step.record(CheckResult::skip(
                 &format!("{id}.{name}"),
                 "needs the C++ shims",
             ));
+        } else {
+            cases.push((name, settings));
+        }
+    }
+    // Rounds of every case in turn, so that a drift of the GPU's clocks or of the host over the
+    // comparison falls on all of them alike: in each round a case's settings are applied, one
+    // generate runs untimed (graph capture, kernel selection) and one is timed.
+    let rounds = if plan.quick {
+        1
+    } else {
+        plan.repeats.timed.max(3)
+    };
+    let mut runs: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];
+    let mut firsts: Vec<Option<f64>> = vec![None; cases.len()];
+    let mut failed = vec![false; cases.len()];
+    for _ in 0..rounds {
+        for (k, (name, settings)) in cases.iter().enumerate() {
+            if failed[k] {
+                continue;
+            }
+            let once = Repeats { warm: 0, timed: 1 };
+            let applied = step.attempt(&format!("{id}.{name}.apply"), || {
+                Ok(pipeline.apply_settings(settings)?)
+            });
+            let p: &SdxlPipeline = pipeline;
+            let timed = applied.and_then(|()| {
+                step.attempt(&format!("{id}.{name}.run"), || {
+                    measure::time(&id, name, device, once, || {
+                        Ok(p.generate(&request, &mut |_, _| {}, &|| false)?)
+                    })
+                })
+            });
+            match timed {
+                Some(t) => {
+                    firsts[k].get_or_insert(t.first_s);
+                    runs[k].push(t.median_s);
+                }
+                None => failed[k] = true,
+            }
+        }
+    }
+    for (k, (name, _)) in cases.iter().enumerate() {
+        let mut r = runs[k].clone();
+        if r.is_empty() {
             continue;
         }
-        if step
-            .attempt(&format!("{id}.{name}.apply"), || {
-                Ok(pipeline.apply_settings(&settings)?)
-            })
-            .is_none()
-        {
-            continue;
-        }
-        let p: &SdxlPipeline = pipeline;
-        step.time(&id, name, device, repeats, || {
-            Ok(p.generate(&request, &mut |_, _| {}, &|| false)?)
+        r.sort_by(f64::total_cmp);
+        step.timing(Timing {
+            id: id.clone(),
+            candidate: (*name).to_owned(),
+            first_s: firsts[k].unwrap_or(r[0]),
+            median_s: r[r.len() / 2],
+            min_s: r[0],
+            runs: r.len(),
         });
     }
     if let Err(e) = pipeline.apply_settings(&measured) {
