@@ -62,9 +62,12 @@ async fn a_box_checks_itself_and_the_worker_runs_what_it_measured() -> anyhow::R
         .arg(out.path())
         .envs(engine_env())
         // A variable measured as a candidate: the environment sets are compared on the CPU too.
-        .args(["--env-candidate", "VNFARM_CHECK_PROBE=1"])
+        .args(["--env-candidate", "VNFARM_TEST_CHECK_PROBE=1"])
         // A candidate that takes its process down, as a crashing kernel compiler would.
-        .env("VNFARM_CHECK_ABORT_AT", "sdxl.candidate.ff_gelu_epilogue")
+        .env(
+            "VNFARM_TEST_CHECK_ABORT_AT",
+            "sdxl.candidate.ff_gelu_epilogue",
+        )
         .output()?;
     let stdout = String::from_utf8_lossy(&run.stdout);
     let stderr = String::from_utf8_lossy(&run.stderr);

@@ -128,7 +128,7 @@ pub fn tolerance(kind: Kind) -> f64 {
 }
 
 /// A step id at which an engine process aborts (tests of the crash handling only).
-pub const ABORT_AT_VAR: &str = "VNFARM_CHECK_ABORT_AT";
+pub const ABORT_AT_VAR: &str = "VNFARM_TEST_CHECK_ABORT_AT";
 
 /// An engine process's steps, recorded in its journal.
 pub struct Step {
