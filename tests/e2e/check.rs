@@ -60,6 +60,8 @@ async fn a_box_checks_itself_and_the_worker_runs_what_it_measured() -> anyhow::R
     let run = Command::new(bin_dir().join("vnfarm-worker"))
         .args(["check", "--quick", "--out"])
         .arg(out.path())
+        .arg("--fixtures")
+        .arg(fixtures())
         .envs(engine_env())
         // A variable measured as a candidate: the environment sets are compared on the CPU too.
         .args(["--env-candidate", "VNFARM_TEST_CHECK_PROBE=1"])
@@ -114,7 +116,11 @@ async fn a_box_checks_itself_and_the_worker_runs_what_it_measured() -> anyhow::R
         );
     }
     let sdxl_checks = report["engines"]["sdxl"]["checks"].as_array().unwrap();
-    for id in ["sdxl.cpu_parity.vae", "sdxl.cpu_parity.text_encoders"] {
+    for id in [
+        "sdxl.cpu_parity.vae",
+        "sdxl.cpu_parity.text_encoders",
+        "sdxl.fixture_parity",
+    ] {
         assert!(
             sdxl_checks
                 .iter()

@@ -49,7 +49,8 @@ fi
 L=$(python3 -c 'import torch, os; print(os.path.dirname(torch.__file__))')/lib
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 t0=$(date +%s)
-LD_LIBRARY_PATH=$L "$BIN" check --config "$W/worker.toml" --out "$OUT/check" --compare "$@"
+LD_LIBRARY_PATH=$L "$BIN" check --config "$W/worker.toml" --out "$OUT/check" --compare \
+  --fixtures worker/models/fixtures "$@"
 echo "check took $(( $(date +%s) - t0 )) s"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 tar czf "$OUT/work.tgz" -C "$OUT/check" work && rm -rf "$OUT/check/work"

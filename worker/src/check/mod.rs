@@ -67,6 +67,11 @@ pub struct CheckArgs {
     /// the portable preset, the CUDA preset and the measured settings, in the worker's own load.
     #[arg(long)]
     pub compare: bool,
+    /// The model crate's fixture folder (`worker/models/fixtures` in a checkout,
+    /// `/usr/share/vnfarm/fixtures` in the images): the tiny SDXL is run on the device against
+    /// diffusers' image. Unset: that check is skipped.
+    #[arg(long)]
+    pub fixtures: Option<PathBuf>,
     /// A process variable to measure as a candidate (`KEY=VALUE`; repeatable). On a HIP build the
     /// ROCm variables that change speed are candidates already.
     #[arg(long = "env-candidate")]
@@ -95,17 +100,21 @@ pub struct EngineArgs {
     /// For `verify`: compare whole generates under the presets and the measured settings.
     #[arg(long)]
     pub compare: bool,
+    #[arg(long)]
+    pub fixtures: Option<PathBuf>,
 }
 
 /// How much to measure.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct Plan {
     pub quick: bool,
     pub repeats: Repeats,
+    /// The model crate's fixture folder, for the tiny models' parity on the device.
+    pub fixtures: Option<PathBuf>,
 }
 
 impl Plan {
-    fn new(quick: bool, repeats: Option<usize>) -> Self {
+    fn new(quick: bool, repeats: Option<usize>, fixtures: Option<PathBuf>) -> Self {
         let timed = repeats.unwrap_or(if quick { 2 } else { 5 });
         Plan {
             quick,
@@ -113,6 +122,7 @@ impl Plan {
                 warm: if quick { 0 } else { 2 },
                 timed,
             },
+            fixtures,
         }
     }
 }
@@ -315,6 +325,9 @@ fn run(args: &CheckArgs, config: &Config) -> anyhow::Result<Report> {
         }
         if let Some(r) = args.repeats {
             a.extend(["--repeats".to_owned(), r.to_string()]);
+        }
+        if let Some(f) = &args.fixtures {
+            a.extend(["--fixtures".to_owned(), f.display().to_string()]);
         }
         a
     };
@@ -682,7 +695,7 @@ pub fn engine_main(args: &[String]) -> ExitCode {
         }
     };
     let mut step = Step::new(journal, args.skip.clone());
-    let plan = Plan::new(args.quick, args.repeats);
+    let plan = Plan::new(args.quick, args.repeats, args.fixtures.clone());
     let e = &config.engine;
     match args.engine.as_str() {
         "sdxl" => {

@@ -7,10 +7,11 @@
 //! loses to the best hand-set combination.
 
 use tch::{Device, Kind, Tensor};
+use vnfarm_models::loading::safetensors::SafetensorsFile;
 use vnfarm_models::nn::fused::NormKernels;
 use vnfarm_models::nn::{FfGelu, MemoryFormat, ops};
 use vnfarm_models::schedulers::Sampler;
-use vnfarm_models::sdxl::pipeline::{GenerateRequest, SdxlPipeline};
+use vnfarm_models::sdxl::pipeline::{GenerateRequest, ModelSource, PipelineConfig, SdxlPipeline};
 use vnfarm_models::sdxl::unet::AddedCond;
 use vnfarm_models::sdxl::vae::Tiling;
 use vnfarm_models::settings::{Preset, SdxlSettings};
@@ -161,6 +162,7 @@ fn latent(
 
 pub fn run(config: &SdxlConfig, plan: &Plan, step: &mut Step) {
     let device = crate::engine::device::parse_device(&config.device).unwrap_or(Device::Cpu);
+    fixture_parity(plan, device, step);
     let kind = config.dtype.kind();
     let portable = SdxlSettings::preset(Preset::Portable);
     // The engine loads as the worker loads it (no warm-up: the check measures first calls itself).
@@ -575,5 +577,88 @@ pub fn compare_generates(pipeline: &mut SdxlPipeline, plan: &Plan, step: &mut St
     }
     if let Err(e) = pipeline.apply_settings(&measured) {
         step.record(CheckResult::fail("compare.restore", e.to_string()));
+    }
+}
+
+/// Mean |difference| in 1/255 that the tiny SDXL's image on the device may have from diffusers' (fp32
+/// on both sides; the e2e tests hold the CPU to the same bound).
+const FIXTURE_TOLERANCE: f64 = 1.0;
+
+/// The model crate's tiny SDXL (`sdxl/sdxl_tiny`, random weights) on the device in fp32 against the
+/// image diffusers made for the same request (`sdxl/reference/pipeline.safetensors`, the first of
+/// its worker cases): the whole pipeline, scheduler and VAE included, against an independent
+/// implementation, on this box's kernels.
+fn fixture_parity(plan: &Plan, device: Device, step: &mut Step) {
+    let id = "sdxl.fixture_parity";
+    let Some(root) = &plan.fixtures else {
+        step.record(CheckResult::skip(id, "no fixture folder (--fixtures)"));
+        return;
+    };
+    let folder = root.join("sdxl/sdxl_tiny");
+    let reference = root.join("sdxl/reference/pipeline.safetensors");
+    if !folder.is_dir() || !reference.is_file() {
+        step.record(CheckResult::skip(
+            id,
+            format!("no tiny SDXL fixture under {}", root.display()),
+        ));
+        return;
+    }
+    let out = step.attempt(id, || {
+        let file = SafetensorsFile::open(&reference)?;
+        let meta: serde_json::Value = serde_json::from_str(
+            file.metadata()
+                .get("fixture")
+                .ok_or_else(|| anyhow::anyhow!("the reference has no `fixture` metadata"))?,
+        )?;
+        // `[name, sampler, prediction, seed, steps, count, height, width, cfg]`
+        let case = &meta["worker_cases"][0];
+        let name = case[0].as_str().unwrap_or_default().to_owned();
+        let sampler = match case[1].as_str() {
+            Some("euler") => Sampler::Euler,
+            Some("euler_a") => Sampler::EulerAncestral,
+            _ => Sampler::DpmPp2mKarras,
+        };
+        let int = |v: &serde_json::Value| v.as_u64().unwrap_or(0);
+        let request = GenerateRequest {
+            prompt: meta["prompt"].as_str().unwrap_or_default().to_owned(),
+            negative_prompt: meta["negative"].as_str().unwrap_or_default().to_owned(),
+            seed: int(&case[3]),
+            steps: int(&case[4]) as usize,
+            count: int(&case[5]) as usize,
+            height: int(&case[6]) as u32,
+            width: int(&case[7]) as u32,
+            cfg: case[8].as_f64().unwrap_or(1.0),
+            sampler,
+        };
+        let mut pc = PipelineConfig::new(ModelSource::DiffusersFolder(folder.clone()), device);
+        // diffusers made the reference untiled (the tiny VAE would tile above 128 px).
+        pc.vae_tiling = Tiling::Never;
+        let pipeline = SdxlPipeline::load(&pc)?;
+        let images = pipeline.generate(&request, &mut |_, _| {}, &|| false)?;
+        let want = file.load(&format!("{name}.image"), Device::Cpu, Kind::Float)?;
+        let mut worst: f64 = 0.0;
+        for (n, image) in images.iter().enumerate() {
+            let (h, w) = (i64::from(image.height()), i64::from(image.width()));
+            let got = Tensor::from_slice(image.as_raw())
+                .to_kind(Kind::Float)
+                .view([h, w, 3]);
+            let mae = (got - want.get(n as i64) * 255.0)
+                .abs()
+                .mean(Kind::Double)
+                .double_value(&[]);
+            worst = worst.max(mae);
+        }
+        Ok((name, images.len(), worst))
+    });
+    if let Some((name, count, mae)) = out {
+        let detail = format!(
+            "tiny SDXL in fp32, case {name} ({count} images): mean |difference| {mae:.3}/255 from \
+             diffusers (tolerance {FIXTURE_TOLERANCE}/255)"
+        );
+        step.record(if mae <= FIXTURE_TOLERANCE {
+            CheckResult::pass(id, detail, Some(mae))
+        } else {
+            CheckResult::fail(id, detail)
+        });
     }
 }
