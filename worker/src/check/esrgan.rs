@@ -8,7 +8,6 @@ use vnfarm_models::nn::MemoryFormat;
 use vnfarm_models::settings::{EsrganSettings, Preset};
 
 use super::measure::{randn, relative_error};
-use super::report::CheckResult;
 use super::{Plan, Step, tolerance};
 use crate::engine::EsrganConfig;
 
@@ -41,16 +40,13 @@ pub fn run(config: &EsrganConfig, plan: &Plan, step: &mut Step) {
     };
     if let Some(cpu) = step.attempt("esrgan.cpu_parity.load", || {
         Ok(Upscaler::load(&config.model, Device::Cpu, Kind::Float)?)
-    }) && let Some(e) = step.attempt("esrgan.cpu_parity.forward", || {
-        let _guard = tch::no_grad_guard();
-        Ok(relative_error(&reference, &cpu.network().forward(&probe)))
     }) {
-        step.record(CheckResult::within(
+        step.agreement(
             "esrgan.cpu_parity.forward",
             "RRDBNet tile, device against CPU",
-            e,
             tolerance(kind),
-        ));
+            || Ok(relative_error(&reference, &cpu.network().forward(&probe))),
+        );
     }
     let side = if plan.quick {
         64
@@ -107,20 +103,10 @@ pub fn run(config: &EsrganConfig, plan: &Plan, step: &mut Step) {
     });
     if agreed.is_some()
         && let Some(t) = time(&upscaler, &id["esrgan.candidate.".len()..], step)
+        && step.speed(&id, t, best_s)
     {
-        let kept = t < best_s * 0.99;
-        step.record(CheckResult::pass(
-            &format!("{id}.speed"),
-            format!(
-                "{t:.4} s against {best_s:.4} s: {}",
-                if kept { "kept" } else { "not faster, dropped" }
-            ),
-            Some(t),
-        ));
-        if kept {
-            best = candidate;
-            best_s = t;
-        }
+        best = candidate;
+        best_s = t;
     }
     upscaler.set_memory_format(best.memory_format);
     step.chosen(

@@ -61,16 +61,27 @@ pub fn time<T>(
     for _ in 0..repeats.timed.max(1) {
         runs.push(once(&mut f)?);
     }
-    runs.sort_by(f64::total_cmp);
-    Ok(Timing {
-        id: id.to_owned(),
-        candidate: candidate.to_owned(),
-        first_s,
-        median_s: runs[runs.len() / 2],
-        min_s: runs[0],
-        runs: runs.len(),
-    })
+    Ok(Timing::from_runs(id, candidate, first_s, runs))
 }
+
+impl Timing {
+    /// The median and minimum of `runs` (at least one), with the first call apart.
+    pub fn from_runs(id: &str, candidate: &str, first_s: f64, mut runs: Vec<f64>) -> Timing {
+        runs.sort_by(f64::total_cmp);
+        Timing {
+            id: id.to_owned(),
+            candidate: candidate.to_owned(),
+            first_s,
+            median_s: runs[runs.len() / 2],
+            min_s: runs[0],
+            runs: runs.len(),
+        }
+    }
+}
+
+/// A candidate (or an environment set) is kept only when it is faster than this fraction of the
+/// best time so far: a smaller gain is within the noise of a few medians.
+pub const KEEP_BELOW: f64 = 0.99;
 
 /// `‖a − b‖ / ‖b‖` in fp64 on the CPU (`b` is the reference). A NaN or infinity anywhere is an
 /// infinite error.

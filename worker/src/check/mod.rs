@@ -227,6 +227,34 @@ impl Step {
         Some(value)
     }
 
+    /// An agreement step: `f` gives a relative error, recorded as passing below `tolerance`.
+    pub fn agreement(
+        &mut self,
+        id: &str,
+        what: &str,
+        tolerance: f64,
+        f: impl FnOnce() -> anyhow::Result<f64>,
+    ) {
+        if let Some(error) = self.attempt(id, f) {
+            self.record(CheckResult::within(id, what, error, tolerance));
+        }
+    }
+
+    /// Records whether a candidate that ran in `seconds` beats the best so far (`best`) by more
+    /// than the noise ([`measure::KEEP_BELOW`]), and says so.
+    pub fn speed(&mut self, id: &str, seconds: f64, best: f64) -> bool {
+        let kept = seconds < best * measure::KEEP_BELOW;
+        self.record(CheckResult::pass(
+            &format!("{id}.speed"),
+            format!(
+                "{seconds:.4} s against {best:.4} s: {}",
+                if kept { "kept" } else { "not faster, dropped" }
+            ),
+            Some(seconds),
+        ));
+        kept
+    }
+
     /// Times `f` as one step (recorded as a timing, or as a failure).
     pub fn time<T>(
         &mut self,
@@ -493,7 +521,7 @@ fn choose_environment(
     for k in 1..by_set.len() {
         let t = total(&by_set[k]);
         let better = match (t, base) {
-            (Some(t), Some(b)) => t < b * 0.99,
+            (Some(t), Some(b)) => t < b * measure::KEEP_BELOW,
             (Some(_), None) => true,
             _ => false,
         };

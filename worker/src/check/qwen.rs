@@ -126,17 +126,13 @@ pub fn run(config: &QwenEditEngineConfig, plan: &Plan, step: &mut Step) {
         }
     }
     let stage = |name: &str, f: fn(&vnfarm_models::qwen_image::pipeline::EditTimes) -> f64| {
-        let first_s = f(&runs[0]);
-        let mut timed: Vec<f64> = runs[1 + plan.repeats.warm..].iter().map(f).collect();
-        timed.sort_by(f64::total_cmp);
-        Timing {
-            id: format!("qwen_edit.{name}.{side}x{side}"),
-            candidate: "portable".into(),
-            first_s,
-            median_s: timed[timed.len() / 2],
-            min_s: timed[0],
-            runs: timed.len(),
-        }
+        let timed: Vec<f64> = runs[1 + plan.repeats.warm..].iter().map(f).collect();
+        Timing::from_runs(
+            &format!("qwen_edit.{name}.{side}x{side}"),
+            "portable",
+            f(&runs[0]),
+            timed,
+        )
     };
     let denoise_step = stage("step", |t| t.denoise / 4.0);
     let decode = stage("decode", |t| t.decode);

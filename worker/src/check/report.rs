@@ -221,10 +221,7 @@ impl Report {
         out += "\n";
         for (name, e) in &self.engines {
             for t in &e.timings {
-                out += &format!(
-                    "time  {:<36} {:<28} median {:>9.4} s  first {:>9.4} s\n",
-                    t.id, t.candidate, t.median_s, t.first_s
-                );
+                out += &timing_line(t);
             }
             match (&e.chosen, e.speedup) {
                 (Some(chosen), Some(x)) => {
@@ -238,10 +235,7 @@ impl Report {
             }
         }
         for t in &self.verify.timings {
-            out += &format!(
-                "time  {:<36} {:<28} median {:>9.4} s  first {:>9.4} s\n",
-                t.id, t.candidate, t.median_s, t.first_s
-            );
+            out += &timing_line(t);
         }
         if !self.chosen_environment.is_empty() {
             for (k, v) in &self.chosen_environment {
@@ -263,4 +257,12 @@ impl Report {
         out += &format!("{passed} checks passed, {failed} failed\n");
         out
     }
+}
+
+/// One `time` line of the summary.
+fn timing_line(t: &Timing) -> String {
+    format!(
+        "time  {:<36} {:<28} median {:>9.4} s  first {:>9.4} s\n",
+        t.id, t.candidate, t.median_s, t.first_s
+    )
 }

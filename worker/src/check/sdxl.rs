@@ -279,18 +279,7 @@ pub fn run(config: &SdxlConfig, plan: &Plan, step: &mut Step) {
             Part::Vae => (vae_time(&pipeline, candidate.name, step), best_vae),
         };
         let Some(t) = t else { continue };
-        let kept = t < best_t * 0.99;
-        step.record(CheckResult::pass(
-            &format!("{id}.speed"),
-            format!(
-                "{:.4} s against {:.4} s: {}",
-                t,
-                best_t,
-                if kept { "kept" } else { "not faster, dropped" }
-            ),
-            Some(t),
-        ));
-        if kept {
+        if step.speed(&id, t, best_t) {
             best = settings;
             match candidate.part {
                 Part::Unet => best_unet = t,
@@ -317,20 +306,10 @@ pub fn run(config: &SdxlConfig, plan: &Plan, step: &mut Step) {
             &probe_latent,
             &vae_reference,
         ) && let Some(t) = unet_time(&pipeline, "cuda_preset", step)
+            && step.speed(id, t, best_unet)
         {
-            let kept = t < best_unet * 0.99;
-            step.record(CheckResult::pass(
-                &format!("{id}.speed"),
-                format!(
-                    "{t:.4} s against {best_unet:.4} s: {}",
-                    if kept { "kept" } else { "not faster, dropped" }
-                ),
-                Some(t),
-            ));
-            if kept {
-                best = cuda;
-                best_unet = t;
-            }
+            best = cuda;
+            best_unet = t;
         }
     }
     let speedup = (portable_unet + portable_vae) / (best_unet + best_vae);
@@ -428,53 +407,42 @@ fn cpu_parity(
         return;
     };
     let _guard = tch::no_grad_guard();
-    let out = step.attempt("sdxl.cpu_parity.unet", || {
-        let cpu_out = probe.to(Kind::Float, Device::Cpu).step(&cpu)?;
-        Ok(relative_error(reference, &cpu_out))
-    });
-    if let Some(e) = out {
-        step.record(CheckResult::within(
-            "sdxl.cpu_parity.unet",
-            "UNet step, device against CPU",
-            e,
-            tol,
-        ));
-    }
-    let out = step.attempt("sdxl.cpu_parity.vae", || {
-        let cpu_out = cpu.vae().decode(
-            &probe_latent.to_device(Device::Cpu).to_kind(Kind::Float),
-            Tiling::Never,
-        );
-        Ok(relative_error(vae_reference, &cpu_out))
-    });
-    if let Some(e) = out {
-        step.record(CheckResult::within(
-            "sdxl.cpu_parity.vae",
-            "VAE decode, device against CPU",
-            e,
-            vae_tol,
-        ));
-    }
-    let out = step.attempt("sdxl.cpu_parity.text_encoders", || {
-        let prompt = "1girl, silver hair, classroom, smiling";
-        let d = device_pipeline
-            .prompt_encoder()
-            .encode(prompt)
-            .map_err(anyhow::Error::msg)?;
-        let c = cpu
-            .prompt_encoder()
-            .encode(prompt)
-            .map_err(anyhow::Error::msg)?;
-        Ok(relative_error(&d.embeds, &c.embeds).max(relative_error(&d.pooled, &c.pooled)))
-    });
-    if let Some(e) = out {
-        step.record(CheckResult::within(
-            "sdxl.cpu_parity.text_encoders",
-            "both text encoders, device against CPU",
-            e,
-            tol,
-        ));
-    }
+    step.agreement(
+        "sdxl.cpu_parity.unet",
+        "UNet step, device against CPU",
+        tol,
+        || {
+            let cpu_out = probe.to(Kind::Float, Device::Cpu).step(&cpu)?;
+            Ok(relative_error(reference, &cpu_out))
+        },
+    );
+    step.agreement(
+        "sdxl.cpu_parity.vae",
+        "VAE decode, device against CPU",
+        vae_tol,
+        || {
+            let z = probe_latent.to_device(Device::Cpu).to_kind(Kind::Float);
+            Ok(relative_error(
+                vae_reference,
+                &cpu.vae().decode(&z, Tiling::Never),
+            ))
+        },
+    );
+    step.agreement(
+        "sdxl.cpu_parity.text_encoders",
+        "both text encoders, device against CPU",
+        tol,
+        || {
+            let prompt = "1girl, silver hair, classroom, smiling";
+            let encode = |p: &SdxlPipeline| {
+                p.prompt_encoder()
+                    .encode(prompt)
+                    .map_err(anyhow::Error::msg)
+            };
+            let (d, c) = (encode(device_pipeline)?, encode(&cpu)?);
+            Ok(relative_error(&d.embeds, &c.embeds).max(relative_error(&d.pooled, &c.pooled)))
+        },
+    );
 }
 
 /// Whole generates (20 steps at 1024², cfg 4.5, Euler; quick: 4 steps at 128²) under the portable
@@ -561,19 +529,9 @@ pub fn compare_generates(pipeline: &mut SdxlPipeline, plan: &Plan, step: &mut St
         }
     }
     for (k, (name, _)) in cases.iter().enumerate() {
-        let mut r = runs[k].clone();
-        if r.is_empty() {
-            continue;
+        if let (Some(first), false) = (firsts[k], runs[k].is_empty()) {
+            step.timing(Timing::from_runs(&id, name, first, runs[k].clone()));
         }
-        r.sort_by(f64::total_cmp);
-        step.timing(Timing {
-            id: id.clone(),
-            candidate: (*name).to_owned(),
-            first_s: firsts[k].unwrap_or(r[0]),
-            median_s: r[r.len() / 2],
-            min_s: r[0],
-            runs: r.len(),
-        });
     }
     if let Err(e) = pipeline.apply_settings(&measured) {
         step.record(CheckResult::fail("compare.restore", e.to_string()));

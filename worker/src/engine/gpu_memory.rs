@@ -85,9 +85,10 @@ fn lookup(set_device: &CStr, mem_get_info: &CStr) -> Option<Runtime> {
     }
 }
 
-/// A symbol of any library loaded into the process, in load order.
+/// A symbol of any library loaded into the process, in load order (also the device facts of
+/// `tuning::fingerprint`).
 #[allow(unsafe_code)]
-fn symbol(name: &CStr) -> Option<*mut c_void> {
+pub(crate) fn symbol(name: &CStr) -> Option<*mut c_void> {
     // SAFETY: `dlsym` with `RTLD_DEFAULT` and a NUL-terminated name only searches the loaded
     // libraries; it returns null when none defines the name.
     let address = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };

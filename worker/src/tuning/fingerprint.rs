@@ -6,11 +6,12 @@
 //! probe finds it: no link dependency on CUDA or ROCm) and, on ROCm, from the amdgpu driver's KFD
 //! topology in sysfs, which names the `gfx` target the way `rocminfo` does.
 
-use std::ffi::{CStr, c_char, c_int, c_void};
+use std::ffi::{CStr, c_int, c_void};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::engine::gpu_memory::symbol;
 use crate::engine::shared_encodings::file_sample;
 
 /// The GPU backend of the loaded libtorch (ROCm devices are `cuda` to libtorch, HIP underneath).
@@ -218,14 +219,6 @@ fn kfd_property(props: &str, key: &str) -> Option<u32> {
         let (k, v) = l.split_once(' ')?;
         (k == key).then(|| v.trim().parse().ok()).flatten()
     })
-}
-
-/// A function among the libraries already loaded into the process.
-#[allow(unsafe_code)]
-fn symbol(name: &CStr) -> Option<*mut c_void> {
-    // SAFETY: `dlsym` with `RTLD_DEFAULT` searches the loaded objects; `name` is NUL-terminated.
-    let f = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr() as *const c_char) };
-    (!f.is_null()).then_some(f)
 }
 
 /// The libtorch build this process loaded: the version (with its local tag, `2.11.0+cu130`) and
