@@ -48,16 +48,25 @@ pub fn stream_offset(props: &BasicProperties) -> Option<u64> {
 
 /// Why the broker last dead-lettered this message (`expired`, `delivery_limit`, `rejected`, ...).
 pub fn death_reason(props: &BasicProperties) -> Option<String> {
+    latest_death(props, "reason").or_else(|| header(props, "x-first-death-reason").and_then(as_string))
+}
+
+/// The queue the broker last dead-lettered this message from.
+pub fn death_queue(props: &BasicProperties) -> Option<String> {
+    latest_death(props, "queue").or_else(|| header(props, "x-first-death-queue").and_then(as_string))
+}
+
+/// A field of the latest `x-death` entry (the broker puts the latest first).
+fn latest_death(props: &BasicProperties, field: &str) -> Option<String> {
     if let Some(AMQPValue::FieldArray(deaths)) = header(props, "x-death")
         && let Some(AMQPValue::FieldTable(latest)) = deaths.as_slice().first()
-        && let Some(reason) = latest
-            .inner()
-            .get(&ShortString::from("reason"))
-            .and_then(as_string)
     {
-        return Some(reason);
+        return latest
+            .inner()
+            .get(&ShortString::from(field))
+            .and_then(as_string);
     }
-    header(props, "x-first-death-reason").and_then(as_string)
+    None
 }
 
 pub fn string_header(props: &BasicProperties, name: &str) -> Option<String> {

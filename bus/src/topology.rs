@@ -12,6 +12,7 @@
 //! | `<p>.dead` | fanout exchange + quorum queue | permanent failures, reason in headers |
 //! | `<p>.scheduler.leader` | quorum queue, single active consumer | the leader token ([`declare_scheduler`]) |
 //! | `<p>.scheduler.snapshots` | stream | registry snapshots of the active scheduler |
+//! | `<p>.scheduler.dead-watch` | quorum queue on `<p>.dead` | broker dead letters, given `failed` events by the active scheduler |
 
 use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
@@ -164,6 +165,22 @@ pub async fn declare_scheduler(
     channel
         .queue_declare(t.snapshot_stream().into(), durable(), snapshot_args)
         .await?;
+    // No dead-letter exchange of its own: it reads that exchange, and a limit reached here would
+    // send the message round again. The operators' copy stays in the dead queue.
+    let mut watch_args = FieldTable::default();
+    watch_args.insert("x-queue-type".into(), text("quorum"));
+    channel
+        .queue_declare(t.dead_watch_queue().into(), durable(), watch_args)
+        .await?;
+    channel
+        .queue_bind(
+            t.dead_watch_queue().into(),
+            t.dead_exchange().into(),
+            "".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
     Ok(leader.message_count())
 }
 
@@ -202,6 +219,7 @@ pub async fn delete_all(
         t.events_stream(),
         t.leader_queue(),
         t.snapshot_stream(),
+        t.dead_watch_queue(),
     ];
     queues.extend(workers.iter().map(|w| t.worker_queue(w)));
     for q in queues {

@@ -76,6 +76,14 @@ impl Topology {
     pub fn dead_queue(&self) -> String {
         format!("{}.dead", self.prefix)
     }
+
+    /// Quorum queue bound to the dead-letter exchange beside [`Topology::dead_queue`]: the active
+    /// scheduler reads it to give every message the broker dead-lettered (a delivery limit
+    /// reached) the `failed` event its client reads. Messages vnfarm dead-lettered itself already
+    /// have theirs.
+    pub fn dead_watch_queue(&self) -> String {
+        format!("{}.scheduler.dead-watch", self.prefix)
+    }
 }
 
 pub const HEARTBEAT_ROUTING_PATTERN: &str = "worker.*.heartbeat";

@@ -13,11 +13,14 @@
 use std::time::Duration;
 
 use bytes::Bytes;
+use lapin::Channel;
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicNackOptions};
+use lapin::options::BasicAckOptions;
 use sha2::{Digest, Sha256};
 use tracing::Instrument;
-use vnfarm_bus::headers::dead_letter_headers;
+use vnfarm_bus::connect::Backoff;
+use vnfarm_bus::headers::{dead_letter_headers, delivery_count};
+use vnfarm_bus::publisher::PublishError;
 use vnfarm_proto::spec::{MAX_INLINE_IMAGE_BYTES, MAX_INPUT_SIDE, PipelineImage};
 use vnfarm_proto::topology::input_key;
 use vnfarm_proto::{
@@ -266,10 +269,11 @@ impl Scheduler {
 
     /// A submission from a producer on the intake queue, handled in a task of its own so that a
     /// slow store never holds up the scheduler's other work. Invalid ones are dead-lettered with a
-    /// `failed` event; when the broker or storage is unavailable the message goes back to the queue.
-    /// The ack comes after the `queued` event is confirmed, so a scheduler killed in between leaves
-    /// the message to be delivered again, and the key or id makes the repeat harmless.
-    pub(crate) async fn on_intake(&self, delivery: Delivery) -> anyhow::Result<()> {
+    /// `failed` event. One that cannot be accepted now (storage or the broker is unavailable) waits
+    /// here, held, for as long as the outage lasts: see [`Scheduler::hold`]. The ack comes after the
+    /// `queued` event is confirmed, so a scheduler killed in between leaves the message to be
+    /// delivered again, and the key or id makes the repeat harmless.
+    pub(crate) async fn on_intake(&self, delivery: Delivery, channel: Channel) -> anyhow::Result<()> {
         let id_hint = delivery
             .properties
             .message_id()
@@ -280,10 +284,17 @@ impl Scheduler {
         if let Some(id) = id_hint {
             span.record("job_id", tracing::field::display(id));
         }
-        self.intake(delivery, id_hint).instrument(span).await
+        self.intake(delivery, channel, id_hint)
+            .instrument(span)
+            .await
     }
 
-    async fn intake(&self, delivery: Delivery, id_hint: Option<JobId>) -> anyhow::Result<()> {
+    async fn intake(
+        &self,
+        delivery: Delivery,
+        channel: Channel,
+        id_hint: Option<JobId>,
+    ) -> anyhow::Result<()> {
         let parsed = if delivery.data.len() > MAX_MESSAGE_BYTES {
             Err((
                 FailureKind::Malformed,
@@ -298,29 +309,13 @@ impl Scheduler {
         };
         let rejected = match parsed {
             Ok(mut sub) => {
-                // Without an id of its own, the message id names the job, so a redelivered
-                // message is the same job.
-                if sub.job_id.is_none() {
-                    sub.job_id = id_hint;
-                }
-                let fallback_id = sub.job_id;
-                match self.accept(sub).await {
-                    Ok(_) => None,
-                    Err(AcceptError::Invalid(e)) => {
-                        Some((fallback_id, FailureKind::InvalidSpec, e.to_string()))
-                    }
-                    Err(AcceptError::Unavailable(reason)) => {
-                        tracing::warn!(%reason, "cannot accept a submission now; it goes back to the intake queue");
-                        tokio::time::sleep(Duration::from_millis(500)).await;
-                        delivery
-                            .acker
-                            .nack(BasicNackOptions {
-                                requeue: true,
-                                multiple: false,
-                            })
-                            .await?;
-                        return Ok(());
-                    }
+                // The id is fixed before the first attempt: the message id, or a fresh one that
+                // a renewed copy of the message carries, so every attempt is the same job.
+                let id = *sub.job_id.get_or_insert_with(|| id_hint.unwrap_or_default());
+                match self.hold(&delivery, &channel, sub, id).await? {
+                    Held::Accepted => None,
+                    Held::Invalid(e) => Some((Some(id), FailureKind::InvalidSpec, e.to_string())),
+                    Held::Settled => return Ok(()),
                 }
             }
             Err((kind, message)) => Some((id_hint, kind, message)),
@@ -350,7 +345,95 @@ impl Scheduler {
         delivery.acker.ack(BasicAckOptions::default()).await?;
         Ok(())
     }
+
+    /// Accepts a valid submission, waiting out an outage of storage or the broker however long it
+    /// lasts. The delivery is held (unacknowledged) meanwhile and retried with backoff, never sent
+    /// back to the queue: a quorum queue counts every return against its delivery limit and
+    /// dead-letters the submission after a few. A delivery that the broker already counted (it
+    /// came back after a lost session) or that has been held for [`HOLD_RENEW`] (under the
+    /// broker's consumer timeout) is renewed instead: a copy with the same id is published to the
+    /// intake queue, confirmed, and then this one is acknowledged, so its count starts again at 0.
+    /// Only a message that stops the scheduler each time it is delivered (a poison message) ever
+    /// reaches the limit, and the dead-letter watch gives it a `failed` event.
+    async fn hold(
+        &self,
+        delivery: &Delivery,
+        channel: &Channel,
+        submission: Submission,
+        id: JobId,
+    ) -> anyhow::Result<Held> {
+        let held_since = tokio::time::Instant::now();
+        let mut backoff = Backoff::new(HOLD_MAX_DELAY);
+        let mut attempts = 0u32;
+        loop {
+            let reason = match self.accept(submission.clone()).await {
+                Ok(_) => {
+                    if attempts > 0 {
+                        tracing::info!(
+                            attempts,
+                            waited_ms = held_since.elapsed().as_millis() as u64,
+                            "submission accepted after waiting"
+                        );
+                    }
+                    return Ok(Held::Accepted);
+                }
+                Err(AcceptError::Invalid(e)) => return Ok(Held::Invalid(e)),
+                Err(AcceptError::Unavailable(reason)) => reason,
+            };
+            attempts += 1;
+            if !channel.status().connected() {
+                // The broker gives the message back when it sees the session end.
+                tracing::warn!(%reason, "cannot accept a submission and its channel is gone; it is delivered again");
+                return Ok(Held::Settled);
+            }
+            if delivery_count(&delivery.properties) > 0 || held_since.elapsed() >= HOLD_RENEW {
+                match self.renew(delivery, id).await {
+                    Ok(()) => {
+                        delivery.acker.ack(BasicAckOptions::default()).await?;
+                        tracing::info!(%reason, "cannot accept a submission now; renewed it in the intake queue");
+                        return Ok(Held::Settled);
+                    }
+                    Err(e) => tracing::warn!(error = %e, "cannot renew a held submission; holding it"),
+                }
+            }
+            let delay = backoff.next_delay();
+            if attempts == 1 || attempts.is_power_of_two() {
+                tracing::warn!(%reason, attempts, retry_in_ms = delay.as_millis() as u64, "cannot accept a submission now; holding it");
+            }
+            self.metrics.intake_held_retries_total.inc();
+            tokio::time::sleep(delay).await;
+        }
+    }
+
+    /// Publishes a copy of an intake message, named `id`, back to the intake queue (confirmed).
+    async fn renew(&self, delivery: &Delivery, id: JobId) -> Result<(), PublishError> {
+        let props = delivery
+            .properties
+            .clone()
+            .with_message_id(id.to_string().into())
+            .with_delivery_mode(2);
+        self.publisher()?
+            .publish("", &self.topology.intake_queue(), &delivery.data, props)
+            .await
+    }
 }
+
+/// What became of a held intake delivery.
+enum Held {
+    /// Accepted: the caller acknowledges it.
+    Accepted,
+    /// The spec broke a bound: the caller dead-letters it with a `failed` event.
+    Invalid(ValidationError),
+    /// Already settled here (renewed and acknowledged), or left for the broker to deliver again.
+    Settled,
+}
+
+/// A held submission is retried after 100 ms, doubling up to this.
+const HOLD_MAX_DELAY: Duration = Duration::from_secs(10);
+
+/// A submission held this long is renewed in the intake queue: well under the broker's consumer
+/// acknowledgement timeout (30 min by default), past which it closes the channel.
+const HOLD_RENEW: Duration = Duration::from_secs(10 * 60);
 
 /// An input image in storage.
 #[derive(Clone, Debug)]

@@ -47,6 +47,11 @@ pub struct Metrics {
     pub amqp_connected: IntGauge,
     pub amqp_reconnects_total: IntCounter,
     pub malformed_messages_total: IntCounter,
+    /// Retries of intake submissions held while storage or the broker was unavailable.
+    pub intake_held_retries_total: IntCounter,
+    /// Messages the broker dead-lettered (delivery limit) that the dead-letter watch gave a
+    /// `failed` event.
+    pub dead_letters_watched_total: IntCounter,
     pub events_applied_total: IntCounter,
     pub sse_clients: IntGauge,
     /// Messages this scheduler sent to the dead-letter exchange, by failure kind (submissions
@@ -213,6 +218,18 @@ impl Metrics {
                 r
             )
             .unwrap(),
+            intake_held_retries_total: register_int_counter_with_registry!(
+                "intake_held_retries_total",
+                "Retries of intake submissions held while storage or the broker was unavailable",
+                r
+            )
+            .unwrap(),
+            dead_letters_watched_total: register_int_counter_with_registry!(
+                "dead_letters_watched_total",
+                "Messages the broker dead-lettered that the scheduler gave a failed event",
+                r
+            )
+            .unwrap(),
             events_applied_total: register_int_counter_with_registry!(
                 "events_applied_total",
                 "Job events read from the event stream",
@@ -352,6 +369,8 @@ mod tests {
         ("vnfarm_amqp_connected", MetricType::GAUGE, &[]),
         ("vnfarm_amqp_reconnects_total", MetricType::COUNTER, &[]),
         ("vnfarm_malformed_messages_total", MetricType::COUNTER, &[]),
+        ("vnfarm_intake_held_retries_total", MetricType::COUNTER, &[]),
+        ("vnfarm_dead_letters_watched_total", MetricType::COUNTER, &[]),
         ("vnfarm_events_applied_total", MetricType::COUNTER, &[]),
         ("vnfarm_sse_clients", MetricType::GAUGE, &[]),
         (

@@ -2,8 +2,12 @@
 
 use std::time::Duration;
 
+use lapin::BasicProperties;
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
+use lapin::types::FieldTable;
 use serde_json::json;
-use vnfarm_tests::{Farm, WorkerOptions};
+use vnfarm_scheduler::scheduler::inline_image;
+use vnfarm_tests::{Farm, Role, WorkerOptions, png_bytes, wait_for};
 
 use crate::FINISH;
 
@@ -124,5 +128,154 @@ async fn a_device_failure_moves_the_job_and_stops_the_worker() -> anyhow::Result
             && e["retryable"] == true),
         "a retryable engine failure was reported first"
     );
+    Ok(())
+}
+
+/// Publishes `body` to the farm's intake queue as a foreign producer would (confirmed).
+async fn publish_intake(
+    farm: &Farm,
+    body: &serde_json::Value,
+    props: BasicProperties,
+) -> anyhow::Result<()> {
+    let conn = farm.connect_amqp().await?;
+    let channel = conn.create_channel().await?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+    let confirm = channel
+        .basic_publish(
+            "".into(),
+            format!("{}.intake", farm.prefix).as_str().into(),
+            BasicPublishOptions::default(),
+            &serde_json::to_vec(body)?,
+            props.with_delivery_mode(2),
+        )
+        .await?
+        .await?;
+    anyhow::ensure!(confirm.is_ack(), "the intake publish was not confirmed");
+    Ok(())
+}
+
+/// How many messages wait in one of the farm's queues (`dead`, `intake`, ...).
+async fn queue_depth(farm: &Farm, queue: &str) -> anyhow::Result<u32> {
+    let conn = farm.connect_amqp().await?;
+    let channel = conn.create_channel().await?;
+    let q = channel
+        .queue_declare(
+            format!("{}.{queue}", farm.prefix).as_str().into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+    Ok(q.message_count())
+}
+
+/// The loss found from outside (step 10): a valid submission with an inline image, published to
+/// the intake queue while S3 was down, used to be requeued on each failed store and dead-lettered
+/// after 4 deliveries in 6.8 s, with no `failed` event. Now it waits, held by the scheduler with
+/// backoff, for as long as the outage lasts: here ~20 s, three times that budget, across two
+/// SIGKILLs of the scheduler holding it, with the intake queue's delivery limit at 1 so that the
+/// second return alone would dead-letter it (the scheduler that receives a counted delivery
+/// renews it instead). Once S3 is back the job is accepted and completes; nothing is dead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_submission_waits_out_a_storage_outage_longer_than_any_retry_budget()
+-> anyhow::Result<()> {
+    let mut farm = Farm::with_own_s3("intake-outage").await?;
+    let limit = ("VNFARM_AMQP__DELIVERY_LIMIT".to_owned(), "1".to_owned());
+    farm.scheduler_env.push(limit.clone());
+    farm.start_scheduler_at(0).await?;
+    let standby = farm.add_scheduler();
+    farm.start_scheduler_at(standby).await?;
+    farm.start_worker(
+        "w1",
+        WorkerOptions {
+            extra_env: vec![limit],
+            ..WorkerOptions::default()
+        },
+    )
+    .await?;
+
+    farm.own_s3.as_mut().expect("own S3").stop();
+    let outage = std::time::Instant::now();
+    let id = uuid::Uuid::now_v7().to_string();
+    let input = serde_json::to_value(inline_image(&png_bytes(64, 48, 9)))?;
+    let body = json!({"schema_version": 1, "job_id": id,
+        "job": {"kind": "upscale", "input": input, "scale": 2}});
+    publish_intake(&farm, &body, BasicProperties::default()).await?;
+
+    // The active scheduler holds it; kill it twice, each time the one holding it.
+    for _ in 0..2 {
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        let active = farm.active_scheduler(FINISH).await?;
+        farm.kill_scheduler_at(active);
+        let other = 1 - active;
+        wait_for("the standby to take over", FINISH, || async {
+            (farm.role(other).await == Some(Role::Active)).then_some(())
+        })
+        .await?;
+        farm.start_scheduler_at(active).await?;
+    }
+    while outage.elapsed() < Duration::from_secs(20) {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let status = farm
+        .http
+        .get(farm.url(&format!("/v1/jobs/{id}")))
+        .send()
+        .await?
+        .status();
+    assert_eq!(status, 404, "not accepted while S3 is down");
+    assert_eq!(queue_depth(&farm, "dead").await?, 0, "nothing dead-lettered");
+
+    farm.own_s3.as_mut().expect("own S3").restart()?;
+    let job = farm.wait_finished(&id, FINISH).await?;
+    assert_eq!(
+        job["state"],
+        "completed",
+        "{job}\n{}",
+        farm.scheduler_logs()
+    );
+    assert_eq!(queue_depth(&farm, "dead").await?, 0, "nothing dead-lettered");
+    let logs = farm.scheduler_logs();
+    assert!(
+        logs.contains("holding it") && logs.contains("renewed it in the intake queue"),
+        "held, and renewed after a counted delivery:\n{logs}"
+    );
+    Ok(())
+}
+
+/// A submission the broker itself dead-letters (here: its producer's message TTL ran out while no
+/// scheduler consumed the intake) gets a `failed` event from the dead-letter watch, so the client
+/// reading `GET /v1/jobs/<id>` learns why, and the message stays in the dead-letter queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_submission_the_broker_dead_letters_gets_a_failed_event() -> anyhow::Result<()> {
+    let mut farm = Farm::new("dead-watch").await?;
+    // The first start declares the queues; with the scheduler gone nobody consumes the intake.
+    farm.start_scheduler().await?;
+    farm.kill_scheduler();
+    let id = uuid::Uuid::now_v7().to_string();
+    let body = json!({"schema_version": 1, "job_id": id,
+        "job": {"kind": "generate", "prompt": "expired", "width": 256, "height": 256, "steps": 2}});
+    publish_intake(
+        &farm,
+        &body,
+        BasicProperties::default().with_expiration("100".into()),
+    )
+    .await?;
+    wait_for("the broker to dead-letter it", FINISH, || async {
+        (queue_depth(&farm, "dead").await.ok()? == 1).then_some(())
+    })
+    .await?;
+
+    farm.start_scheduler().await?;
+    let job = farm.wait_finished(&id, FINISH).await?;
+    assert_eq!(job["state"], "failed", "{job}");
+    assert_eq!(job["failure"]["kind"], "deadline_exceeded", "{job}");
+    let message = job["failure"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("expired"), "{job}");
+    assert_eq!(queue_depth(&farm, "dead").await?, 1, "kept for operators");
     Ok(())
 }
