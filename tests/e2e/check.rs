@@ -16,9 +16,11 @@ fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../worker/models/fixtures")
 }
 
-/// The engines of the check and of the workers: the tiny SDXL (fp32 on the CPU) and Real-ESRGAN.
+/// The engines of the check and of the workers: the tiny SDXL, Qwen-Image-Edit (its single files,
+/// written from the tiny diffusers folder at test time) and Real-ESRGAN, in fp32 on the CPU.
 fn engine_env() -> Vec<(String, String)> {
     let sdxl = fixtures().join("sdxl");
+    let qwen = |f: fn(&Path) -> PathBuf| f(&fixtures()).display().to_string();
     [
         // The diffusers folder: its component configs come with it.
         (
@@ -35,6 +37,26 @@ fn engine_env() -> Vec<(String, String)> {
         ),
         ("ESRGAN__DEVICE", "cpu".into()),
         ("ESRGAN__DTYPE", "fp32".into()),
+        (
+            "QWEN_EDIT__TRANSFORMER",
+            qwen(crate::derived::qwen_transformer_fp8),
+        ),
+        (
+            "QWEN_EDIT__TEXT_ENCODER",
+            qwen(crate::derived::qwen_text_encoder_fp8_scaled),
+        ),
+        ("QWEN_EDIT__VAE", qwen(crate::derived::qwen_vae_wan)),
+        (
+            "QWEN_EDIT__CONFIG_DIR",
+            fixtures().join("qwen/qwen_tiny").display().to_string(),
+        ),
+        ("QWEN_EDIT__DEVICE", "cpu".into()),
+        ("QWEN_EDIT__DTYPE", "fp32".into()),
+        ("QWEN_EDIT__VAE_DTYPE", "fp32".into()),
+        // Small copies of the input for the vision tower and the VAE (about 1 MP by default,
+        // minutes on a CI machine's CPU in a debug build).
+        ("QWEN_EDIT__CONDITION_IMAGE_AREA", (56 * 56).to_string()),
+        ("QWEN_EDIT__VAE_IMAGE_AREA", (64 * 64).to_string()),
     ]
     .into_iter()
     .map(|(k, v)| (format!("VNFARM_ENGINE__{k}"), v))
@@ -128,6 +150,30 @@ async fn a_box_checks_itself_and_the_worker_runs_what_it_measured() -> anyhow::R
             "{id}: {sdxl_checks:#?}"
         );
     }
+    let qwen_checks = report["engines"]["qwen_edit"]["checks"].as_array().unwrap();
+    for id in [
+        "qwen_edit.cpu_parity.transformer_blocks",
+        "qwen_edit.cpu_parity.vae",
+        "qwen_edit.cpu_parity.edit",
+    ] {
+        assert!(
+            qwen_checks
+                .iter()
+                .any(|c| c["id"] == id && c["outcome"] == "pass"),
+            "{id}: {qwen_checks:#?}"
+        );
+    }
+    let esrgan_checks = report["engines"]["esrgan"]["checks"].as_array().unwrap();
+    assert!(
+        esrgan_checks
+            .iter()
+            .any(|c| c["id"] == "esrgan.fixture_parity" && c["outcome"] == "pass"),
+        "{esrgan_checks:#?}"
+    );
+    assert!(
+        summary_line_exists(&out, "driver      "),
+        "the driver line is in the summary"
+    );
     // CUDA graphs cannot run on the CPU: the candidate is marked failed (or skipped where the shims
     // are not built) with its reason, and the command still succeeded.
     let graphs = sdxl_checks
@@ -218,4 +264,11 @@ async fn a_box_checks_itself_and_the_worker_runs_what_it_measured() -> anyhow::R
         "the refusal names the device and what to run:\n{log}"
     );
     Ok(())
+}
+
+fn summary_line_exists(out: &tempfile::TempDir, prefix: &str) -> bool {
+    std::fs::read_to_string(out.path().join("summary.txt"))
+        .unwrap_or_default()
+        .lines()
+        .any(|l| l.starts_with(prefix))
 }

@@ -2,12 +2,15 @@
 //! small tile, then each memory layout on the device: it must agree with the portable preset's
 //! output and is kept where one tile at the configured size (with its overlap) runs faster.
 
-use tch::{Device, Kind};
-use vnfarm_models::esrgan::upscaler::Upscaler;
+use tch::{Device, Kind, Tensor};
+use vnfarm_models::esrgan::tiling::{Blend, TileSettings};
+use vnfarm_models::esrgan::upscaler::{UpscaleOptions, Upscaler};
+use vnfarm_models::loading::safetensors::SafetensorsFile;
 use vnfarm_models::nn::MemoryFormat;
 use vnfarm_models::settings::{EsrganSettings, Preset};
 
 use super::measure::{randn, relative_error};
+use super::report::CheckResult;
 use super::{Plan, Step, tolerance};
 use crate::engine::EsrganConfig;
 
@@ -38,6 +41,7 @@ pub fn run(config: &EsrganConfig, plan: &Plan, step: &mut Step) {
     }) else {
         return;
     };
+    fixture_parity(plan, device, step);
     if let Some(cpu) = step.attempt("esrgan.cpu_parity.load", || {
         Ok(Upscaler::load(&config.model, Device::Cpu, Kind::Float)?)
     }) {
@@ -113,4 +117,77 @@ pub fn run(config: &EsrganConfig, plan: &Plan, step: &mut Step) {
         serde_json::to_value(best).expect("settings serialize"),
         portable_s / best_s,
     );
+}
+
+/// Mean |difference| in 1/255 that the tiny Real-ESRGAN's output on the device may have from
+/// Real-ESRGAN's own (fp32 on both sides; the model crate's CPU tests hold it to 1e-5 relative).
+const FIXTURE_TOLERANCE: f64 = 0.5;
+
+/// The model crate's tiny Real-ESRGAN (`esrgan/tiny_x4.pth`, random weights) on the device in fp32,
+/// upscaling a fixture image whole, against the float output Real-ESRGAN's `enhance` made for it
+/// (`esrgan/reference/esrgan.safetensors`, case `x4_full`): an independent implementation, on
+/// this box's convolution kernels.
+fn fixture_parity(plan: &Plan, device: Device, step: &mut Step) {
+    let id = "esrgan.fixture_parity";
+    let Some(root) = &plan.fixtures else {
+        step.record(CheckResult::skip(id, "no fixture folder (--fixtures)"));
+        return;
+    };
+    let model = root.join("esrgan/tiny_x4.pth");
+    let reference = root.join("esrgan/reference/esrgan.safetensors");
+    let input = root.join("esrgan/inputs/rgb8_37x29.png");
+    if !model.is_file() || !reference.is_file() || !input.is_file() {
+        step.record(CheckResult::skip(
+            id,
+            format!("no tiny Real-ESRGAN fixture under {}", root.display()),
+        ));
+        return;
+    }
+    let out = step.attempt(id, || {
+        let up = Upscaler::load(&model, device, Kind::Float)?;
+        let rgb = image::open(&input)?.to_rgb8();
+        let (w, h) = (i64::from(rgb.width()), i64::from(rgb.height()));
+        let x = (Tensor::from_slice(rgb.as_raw())
+            .view([h, w, 3])
+            .permute([2, 0, 1])
+            .to_kind(Kind::Float)
+            / 255.0)
+            .unsqueeze(0);
+        let options = UpscaleOptions {
+            outscale: None,
+            tiles: TileSettings {
+                tile: None,
+                overlap: 0,
+                blend: Blend::Crop,
+                max_batch: 1,
+            },
+            pre_pad: 0,
+        };
+        let got = up.upscale_tensor(&x, &options, &mut |_, _| {}, &|| false)?;
+        let want =
+            SafetensorsFile::open(&reference)?.load("x4_full.float", Device::Cpu, Kind::Float)?;
+        anyhow::ensure!(
+            got.size() == want.size(),
+            "output shape {:?}, Real-ESRGAN's {:?}",
+            got.size(),
+            want.size()
+        );
+        let mae = (got.to_device(Device::Cpu) - want)
+            .abs()
+            .mean(Kind::Double)
+            .double_value(&[])
+            * 255.0;
+        Ok(mae)
+    });
+    if let Some(mae) = out {
+        let detail = format!(
+            "tiny Real-ESRGAN x4 in fp32, a 37x29 image whole: mean |difference| {mae:.3}/255 from \
+             Real-ESRGAN (tolerance {FIXTURE_TOLERANCE}/255)"
+        );
+        step.record(if mae <= FIXTURE_TOLERANCE {
+            CheckResult::pass(id, detail, Some(mae))
+        } else {
+            CheckResult::fail(id, detail)
+        });
+    }
 }

@@ -1,17 +1,19 @@
 //! The Qwen-Image-Edit engine on this box: loads with the portable settings (falling back to the
-//! matmul attention where SDPA fails on the device), compares a short edit on the device with a
-//! CPU copy where one fits in memory, and measures the studio's 1024² edit: the encode of its
-//! input, one denoising step and the decode (each the median of several edits' stage times).
+//! matmul attention where SDPA fails on the device), compares its components on the device with
+//! CPU copies (the transformer's first blocks and the VAE, from the box's own files: a CPU copy of
+//! the whole 20 B transformer would not fit beside the warm models) and a short whole edit where
+//! a CPU copy fits in memory, and measures the studio's 1024² edit: the encode of its input, one
+//! denoising step and the decode (each the median of several edits' stage times).
 
 use image::RgbImage;
-use tch::Device;
+use tch::{Device, Kind, Tensor};
 use vnfarm_models::nn::AttentionImpl;
 use vnfarm_models::qwen_image::pipeline::{EditRequest, EncodedInputs, QwenEditPipeline};
 use vnfarm_models::settings::{Preset, QwenSettings};
 
-use super::measure::{Timing, synchronize};
+use super::measure::{Timing, randn, relative_error, synchronize};
 use super::report::CheckResult;
-use super::{Plan, Step};
+use super::{Plan, Step, tolerance};
 use crate::engine::{AdvertisedKeys, QwenEditEngine, QwenEditEngineConfig};
 
 fn input(side: u32) -> RgbImage {
@@ -92,6 +94,7 @@ pub fn run(config: &QwenEditEngineConfig, plan: &Plan, step: &mut Step) {
         ));
     }
     let Some(device_image) = probe else { return };
+    component_parity(config, settings, device, step);
     cpu_parity(config, settings, step, &device_image, probe_side);
 
     let side = if plan.quick { 128 } else { 1024 };
@@ -220,4 +223,84 @@ fn cpu_parity(
             CheckResult::fail(id, detail)
         });
     }
+}
+
+/// Transformer blocks compared across devices: enough to cover a block's every layer and the
+/// hand-over between two, about 0.7 B parameters of the real model (2.7 GB in fp32 on the CPU).
+const PARITY_BLOCKS: usize = 2;
+
+/// The transformer's first [`PARITY_BLOCKS`] blocks (with its input and output layers) and the
+/// VAE's decoder, loaded from the box's files once on the device in the engine's dtypes and once
+/// on the CPU in fp32 (fp8 weights dequantised), run on the same random inputs: an edit's shape
+/// in small (an 8x8-patch target beside an 8x8-patch reference, 16 text tokens; a 16x16 latent).
+/// LoRAs are left out: both copies are the base weights.
+fn component_parity(
+    config: &QwenEditEngineConfig,
+    settings: QwenSettings,
+    device: Device,
+    step: &mut Step,
+) {
+    let configs = step.attempt("qwen_edit.cpu_parity.config", || {
+        let on_device = crate::engine::qwen_edit::pipeline_config(config, settings, device)?;
+        let mut on_cpu = on_device.clone();
+        on_cpu.device = Device::Cpu;
+        on_cpu.dtype = Kind::Float;
+        on_cpu.vae_dtype = Kind::Float;
+        on_cpu.settings = QwenSettings::preset(Preset::Portable);
+        Ok((on_device, on_cpu))
+    });
+    let Some((on_device, on_cpu)) = configs else {
+        return;
+    };
+    let kind = on_device.dtype;
+    step.agreement(
+        "qwen_edit.cpu_parity.transformer_blocks",
+        &format!("the transformer's first {PARITY_BLOCKS} blocks, device against CPU"),
+        tolerance(kind),
+        || {
+            let dev = QwenEditPipeline::load_transformer_part(&on_device, PARITY_BLOCKS)?;
+            let cpu = QwenEditPipeline::load_transformer_part(&on_cpu, PARITY_BLOCKS)?;
+            let c = cpu.config().clone();
+            let shapes = [(1, 8, 8), (1, 8, 8)];
+            let tokens: i64 = shapes.iter().map(|(f, h, w)| f * h * w).sum();
+            let hidden = randn(&[1, tokens, c.in_channels], 21, Kind::Float, Device::Cpu);
+            let text = randn(
+                &[1, 16, c.joint_attention_dim],
+                22,
+                Kind::Float,
+                Device::Cpu,
+            );
+            let sigma = Tensor::from_slice(&[0.6f32]);
+            let _guard = tch::no_grad_guard();
+            let want = cpu.forward(&hidden, &text, None, &sigma, &shapes)?;
+            let got = dev.forward(
+                &hidden.to_device(device).to_kind(kind),
+                &text.to_device(device).to_kind(kind),
+                None,
+                &sigma.to_device(device),
+                &shapes,
+            )?;
+            Ok(relative_error(&got, &want))
+        },
+    );
+    let vae_kind = on_device.vae_dtype;
+    step.agreement(
+        "qwen_edit.cpu_parity.vae",
+        "the VAE's decode of a 16x16 latent, device against CPU",
+        tolerance(vae_kind),
+        || {
+            let dev = QwenEditPipeline::load_vae_only(&on_device)?;
+            let cpu = QwenEditPipeline::load_vae_only(&on_cpu)?;
+            let z = randn(
+                &[1, cpu.config().z_dim, 16, 16],
+                23,
+                Kind::Float,
+                Device::Cpu,
+            );
+            let _guard = tch::no_grad_guard();
+            let want = cpu.decode(&z)?;
+            let got = dev.decode(&z.to_device(device).to_kind(vae_kind))?;
+            Ok(relative_error(&got, &want))
+        },
+    );
 }

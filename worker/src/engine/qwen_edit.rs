@@ -18,6 +18,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use serde::Deserialize;
+use tch::Device;
 use vnfarm_models::loading::lora::LoraSpec;
 use vnfarm_models::nn::tiling::Tiling;
 use vnfarm_models::qwen_image::pipeline::{
@@ -248,49 +249,7 @@ impl QwenEditEngine {
             Some(s) => Some(s.for_model("qwen_edit", &encodings_fingerprint(config, &settings)?)),
             None => None,
         };
-        let source = match (
-            &config.model_dir,
-            &config.transformer,
-            &config.text_encoder,
-            &config.vae,
-        ) {
-            (Some(dir), ..) => {
-                anyhow::ensure!(
-                    dir.is_dir(),
-                    "engine.qwen_edit.model_dir: {} is not a folder",
-                    dir.display()
-                );
-                QwenSource::DiffusersFolder(dir.clone())
-            }
-            (None, Some(transformer), Some(text_encoder), Some(vae)) => QwenSource::Files {
-                transformer: transformer.clone(),
-                text_encoder: text_encoder.clone(),
-                vae: vae.clone(),
-                config_dir: config.config_dir.clone(),
-            },
-            _ => anyhow::bail!("engine.qwen_edit: no model configured"),
-        };
-        let mut pc = QwenEditConfig::new(source, device);
-        pc.dtype = config.dtype.kind();
-        pc.vae_dtype = config.vae_dtype.kind();
-        pc.settings = settings;
-        pc.positions = config.positions;
-        pc.max_batch = config.max_batch as usize;
-        pc.condition_image_area = config.condition_image_area;
-        pc.vae_image_area = config.vae_image_area;
-        pc.vae_tiling = Tiling::Auto;
-        pc.loras = config
-            .loras
-            .iter()
-            .map(|l| LoraSpec {
-                path: l.path.clone(),
-                strength: f64::from(l.strength),
-            })
-            .collect();
-        pc.scheduler = match config.scheduler {
-            SchedulerChoice::Lightning => Some(FlowMatchConfig::qwen_image_lightning()),
-            SchedulerChoice::Model => None,
-        };
+        let pc = pipeline_config(config, settings, device)?;
         let started = Instant::now();
         let pipeline = QwenEditPipeline::load(&pc)
             .map_err(|e| anyhow::anyhow!("loading Qwen-Image-Edit: {e}"))?;
@@ -606,6 +565,58 @@ fn edit_request(spec: &EditSpec) -> Result<EditRequest, EngineError> {
         cfg: f64::from(spec.cfg),
         size: spec.width.zip(spec.height),
     })
+}
+
+/// The model crate's configuration of the pipeline this engine configuration loads on `device`.
+pub(crate) fn pipeline_config(
+    config: &QwenEditEngineConfig,
+    settings: QwenSettings,
+    device: Device,
+) -> anyhow::Result<QwenEditConfig> {
+    let source = match (
+        &config.model_dir,
+        &config.transformer,
+        &config.text_encoder,
+        &config.vae,
+    ) {
+        (Some(dir), ..) => {
+            anyhow::ensure!(
+                dir.is_dir(),
+                "engine.qwen_edit.model_dir: {} is not a folder",
+                dir.display()
+            );
+            QwenSource::DiffusersFolder(dir.clone())
+        }
+        (None, Some(transformer), Some(text_encoder), Some(vae)) => QwenSource::Files {
+            transformer: transformer.clone(),
+            text_encoder: text_encoder.clone(),
+            vae: vae.clone(),
+            config_dir: config.config_dir.clone(),
+        },
+        _ => anyhow::bail!("engine.qwen_edit: no model configured"),
+    };
+    let mut pc = QwenEditConfig::new(source, device);
+    pc.dtype = config.dtype.kind();
+    pc.vae_dtype = config.vae_dtype.kind();
+    pc.settings = settings;
+    pc.positions = config.positions;
+    pc.max_batch = config.max_batch as usize;
+    pc.condition_image_area = config.condition_image_area;
+    pc.vae_image_area = config.vae_image_area;
+    pc.vae_tiling = Tiling::Auto;
+    pc.loras = config
+        .loras
+        .iter()
+        .map(|l| LoraSpec {
+            path: l.path.clone(),
+            strength: f64::from(l.strength),
+        })
+        .collect();
+    pc.scheduler = match config.scheduler {
+        SchedulerChoice::Lightning => Some(FlowMatchConfig::qwen_image_lightning()),
+        SchedulerChoice::Model => None,
+    };
+    Ok(pc)
 }
 
 #[cfg(test)]

@@ -231,26 +231,69 @@ fn apply_loras(
     )
 }
 
+/// The folder of the components' config files, when there is one.
+fn config_dir(config: &QwenEditConfig) -> Option<PathBuf> {
+    match &config.source {
+        QwenSource::DiffusersFolder(dir) => Some(dir.clone()),
+        QwenSource::Files { config_dir, .. } => config_dir.clone(),
+    }
+}
+
+fn transformer_config(config: &QwenEditConfig) -> Result<QwenImageTransformerConfig, LoadError> {
+    match config_dir(config) {
+        Some(dir) => read_config(
+            &dir.join("transformer/config.json"),
+            QwenImageTransformerConfig::from_json,
+        ),
+        None => Ok(QwenImageTransformerConfig::qwen_image_edit_2509()),
+    }
+}
+
+fn vae_config(config: &QwenEditConfig) -> Result<QwenVaeConfig, LoadError> {
+    match config_dir(config) {
+        Some(dir) => read_config(&dir.join("vae/config.json"), QwenVaeConfig::from_json),
+        None => Ok(QwenVaeConfig::qwen_image()),
+    }
+}
+
+/// The transformer of `c`'s shape from the configured weights (blocks past `c.num_layers` are
+/// not read), without LoRAs.
+fn load_transformer(
+    config: &QwenEditConfig,
+    c: &QwenImageTransformerConfig,
+) -> Result<QwenImageTransformer2DModel, LoadError> {
+    let _guard = tch::no_grad_guard();
+    let store = match &config.source {
+        QwenSource::DiffusersFolder(dir) => transformer_folder_store(&dir.join("transformer"))?,
+        QwenSource::Files { transformer, .. } => transformer_store(open(transformer)?),
+    };
+    let w = Weights::new(
+        std::sync::Arc::new(store.with_fp8(config.settings.fp8)),
+        config.device,
+        config.dtype,
+    );
+    QwenImageTransformer2DModel::new(&w, c, config.settings.attention)
+}
+
+fn load_vae(config: &QwenEditConfig, c: &QwenVaeConfig) -> Result<QwenVae, LoadError> {
+    let _guard = tch::no_grad_guard();
+    let path = match &config.source {
+        QwenSource::DiffusersFolder(dir) => dir.join("vae/diffusion_pytorch_model.safetensors"),
+        QwenSource::Files { vae, .. } => vae.clone(),
+    };
+    let store = vae_weight_store(&path, c.num_res_blocks)?;
+    let w = Weights::new(std::sync::Arc::new(store), config.device, config.vae_dtype);
+    Ok(QwenVae::new(&w, c)?.with_tiling(config.vae_tiling))
+}
+
 impl QwenEditPipeline {
     /// Loads the three components to `config.device` (each on its own thread: the transformer,
     /// the text encoder and the VAE read their files in parallel) and fuses the configured LoRAs.
     pub fn load(config: &QwenEditConfig) -> Result<Self, LoadError> {
         let device = config.device;
-        let configs = match &config.source {
-            QwenSource::DiffusersFolder(dir) => Some(dir.clone()),
-            QwenSource::Files { config_dir, .. } => config_dir.clone(),
-        };
-        let transformer_config = match &configs {
-            Some(dir) => read_config(
-                &dir.join("transformer/config.json"),
-                QwenImageTransformerConfig::from_json,
-            )?,
-            None => QwenImageTransformerConfig::qwen_image_edit_2509(),
-        };
-        let vae_config = match &configs {
-            Some(dir) => read_config(&dir.join("vae/config.json"), QwenVaeConfig::from_json)?,
-            None => QwenVaeConfig::qwen_image(),
-        };
+        let configs = config_dir(config);
+        let transformer_config = transformer_config(config)?;
+        let vae_config = vae_config(config)?;
         let scheduler = match (&config.scheduler, &configs) {
             (Some(s), _) => s.clone(),
             (None, Some(dir)) if dir.join("scheduler/scheduler_config.json").exists() => {
@@ -268,26 +311,11 @@ impl QwenEditPipeline {
             fp8: config.settings.fp8,
             positions: config.positions,
         };
-        let load_transformer = || -> Result<QwenImageTransformer2DModel, LoadError> {
-            let _guard = tch::no_grad_guard();
-            let store = match &config.source {
-                QwenSource::DiffusersFolder(dir) => {
-                    transformer_folder_store(&dir.join("transformer"))?
-                }
-                QwenSource::Files { transformer, .. } => transformer_store(open(transformer)?),
-            };
-            let w = Weights::new(
-                std::sync::Arc::new(store.with_fp8(config.settings.fp8)),
-                device,
-                config.dtype,
-            );
-            let mut transformer = QwenImageTransformer2DModel::new(
-                &w,
-                &transformer_config,
-                config.settings.attention,
-            )?;
+        let transformer_task = || -> Result<QwenImageTransformer2DModel, LoadError> {
+            let mut transformer = load_transformer(config, &transformer_config)?;
             if !config.loras.is_empty() {
                 // Load-time LoRAs stay fused for the pipeline's life: nothing to restore.
+                let _guard = tch::no_grad_guard();
                 let applied =
                     apply_loras(&mut transformer, &config.loras).map_err(lora_load_error)?;
                 drop(applied);
@@ -345,22 +373,10 @@ impl QwenEditPipeline {
             te.processor.condition_image_size = config.condition_image_area as i64;
             Ok(te)
         };
-        let load_vae = || -> Result<QwenVae, LoadError> {
-            let _guard = tch::no_grad_guard();
-            let path = match &config.source {
-                QwenSource::DiffusersFolder(dir) => {
-                    dir.join("vae/diffusion_pytorch_model.safetensors")
-                }
-                QwenSource::Files { vae, .. } => vae.clone(),
-            };
-            let store = vae_weight_store(&path, vae_config.num_res_blocks)?;
-            let w = Weights::new(std::sync::Arc::new(store), device, config.vae_dtype);
-            Ok(QwenVae::new(&w, &vae_config)?.with_tiling(config.vae_tiling))
-        };
         let (transformer, text_encoder, vae) = std::thread::scope(|scope| {
-            let t = scope.spawn(load_transformer);
+            let t = scope.spawn(transformer_task);
             let e = scope.spawn(load_text_encoder);
-            let vae = load_vae();
+            let vae = load_vae(config, &vae_config);
             (join_loader(t), join_loader(e), vae)
         });
         Ok(Self {
@@ -374,6 +390,24 @@ impl QwenEditPipeline {
             config: config.clone(),
             job_loras: JobLoras::default(),
         })
+    }
+
+    /// The transformer's first `blocks` blocks, with its input and output layers, from the
+    /// configured files, on `config.device` in `config.dtype` and without LoRAs: a part of the
+    /// model small enough to load a second copy of beside the warm one (the box check runs one
+    /// on the device and one on the CPU and compares them).
+    pub fn load_transformer_part(
+        config: &QwenEditConfig,
+        blocks: usize,
+    ) -> Result<QwenImageTransformer2DModel, LoadError> {
+        let mut c = transformer_config(config)?;
+        c.num_layers = c.num_layers.min(blocks as i64);
+        load_transformer(config, &c)
+    }
+
+    /// The VAE alone, from the configured files, on `config.device` in `config.vae_dtype`.
+    pub fn load_vae_only(config: &QwenEditConfig) -> Result<QwenVae, LoadError> {
+        load_vae(config, &vae_config(config)?)
     }
 
     pub fn config(&self) -> &QwenEditConfig {
