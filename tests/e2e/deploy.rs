@@ -8,8 +8,8 @@ use std::path::Path;
 use regex::Regex;
 use serde_json::Value;
 use vnfarm_proto::topology::{
-    self, CANCEL_ROUTING_KEY, HEARTBEAT_ROUTING_PATTERN, JOB_EVENTS_PATTERN,
-    MARKER_ROUTING_PREFIX, Topology, YIELD_ROUTING_KEY,
+    self, CANCEL_ROUTING_KEY, HEARTBEAT_ROUTING_PATTERN, JOB_EVENTS_PATTERN, MARKER_ROUTING_PREFIX,
+    Topology, YIELD_ROUTING_KEY,
 };
 use vnfarm_proto::{JobId, WorkerId};
 
@@ -246,8 +246,14 @@ fn definitions_name_what_the_topology_declares() {
     };
     let events = policy("vnfarm-events-retention");
     assert_eq!(matched(events), BTreeSet::from([t.events_stream()]));
-    assert_eq!(events["definition"]["max-age"], amqp.events_max_age.as_str());
-    assert_eq!(events["definition"]["max-length-bytes"], amqp.events_max_bytes);
+    assert_eq!(
+        events["definition"]["max-age"],
+        amqp.events_max_age.as_str()
+    );
+    assert_eq!(
+        events["definition"]["max-length-bytes"],
+        amqp.events_max_bytes
+    );
     let snapshots = policy("vnfarm-snapshots-retention");
     assert_eq!(matched(snapshots), BTreeSet::from([t.snapshot_stream()]));
     let placement = policy("vnfarm-quorum-placement");
@@ -278,7 +284,7 @@ fn definitions_name_what_the_topology_declares() {
 fn each_role_is_granted_exactly_the_names_its_code_uses() {
     let d = definitions();
     let t = Topology::default();
-    let gen = "amq.gen-5bVrm9kXZ2hR".to_owned();
+    let private = "amq.gen-5bVrm9kXZ2hR".to_owned();
     let default = "amq.default".to_owned();
     let box1 = t.worker_queue(&box_id("box-1"));
     // `vnfarm.dead` names both the dead-letter exchange and the operators' queue: a regex cannot
@@ -299,7 +305,7 @@ fn each_role_is_granted_exactly_the_names_its_code_uses() {
                 t.snapshot_stream(),
                 dead.clone(),
                 t.dead_watch_queue(),
-                gen.clone(),
+                private.clone(),
             ],
         ),
         // Publishes to the default exchange (dispatch, the leader token, snapshots, renewed
@@ -314,7 +320,7 @@ fn each_role_is_granted_exactly_the_names_its_code_uses() {
                 dead.clone(),
                 t.events_stream(),
                 t.dead_watch_queue(),
-                gen.clone(),
+                private.clone(),
             ],
         ),
         // Consumes intake, redispatch, the streams, the leader and dead-watch queues; binds from
@@ -331,7 +337,7 @@ fn each_role_is_granted_exactly_the_names_its_code_uses() {
                 t.snapshot_stream(),
                 dead.clone(),
                 t.dead_watch_queue(),
-                gen.clone(),
+                private.clone(),
             ],
         ),
         // The worker also runs declare_core today, which declares the shared queues (configure,
@@ -347,7 +353,7 @@ fn each_role_is_granted_exactly_the_names_its_code_uses() {
                 t.events_stream(),
                 dead.clone(),
                 box1.clone(),
-                gen.clone(),
+                private.clone(),
             ],
         ),
         (
@@ -358,7 +364,7 @@ fn each_role_is_granted_exactly_the_names_its_code_uses() {
                 t.events_exchange(),
                 dead.clone(),
                 t.events_stream(),
-                gen.clone(),
+                private.clone(),
             ],
         ),
         (
@@ -370,7 +376,7 @@ fn each_role_is_granted_exactly_the_names_its_code_uses() {
                 t.events_exchange(),
                 dead.clone(),
                 box1.clone(),
-                gen.clone(),
+                private.clone(),
             ],
         ),
         ("vnfarm-submitter", "configure", vec![]),
@@ -413,12 +419,23 @@ fn each_role_is_granted_exactly_the_names_its_code_uses() {
     for key in [&job_event, &box1_beat] {
         assert!(grants(write, key), "{write} refuses {key}");
     }
-    for key in [&box2_beat, &marker, CANCEL_ROUTING_KEY, YIELD_ROUTING_KEY, "job.x"] {
+    for key in [
+        &box2_beat,
+        &marker,
+        CANCEL_ROUTING_KEY,
+        YIELD_ROUTING_KEY,
+        "job.x",
+    ] {
         assert!(!grants(write, key), "{write} grants {key}");
     }
     let read = topic_permission(&d, "vnfarm-worker-box-1", "read");
     let markers = format!("{MARKER_ROUTING_PREFIX}.#");
-    for key in [JOB_EVENTS_PATTERN, &markers, CANCEL_ROUTING_KEY, YIELD_ROUTING_KEY] {
+    for key in [
+        JOB_EVENTS_PATTERN,
+        &markers,
+        CANCEL_ROUTING_KEY,
+        YIELD_ROUTING_KEY,
+    ] {
         assert!(grants(read, key), "{read} refuses {key}");
     }
     for key in ["#", HEARTBEAT_ROUTING_PATTERN, "job.*.completed"] {
@@ -435,7 +452,11 @@ fn add_worker_user_makes_the_definitions_worker_for_any_box() {
         .args(["box-2", "--print"])
         .output()
         .expect("bash");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let text = String::from_utf8(out.stdout).expect("UTF-8");
     let lines: Vec<Vec<&str>> = text.lines().map(|l| l.split('\t').collect()).collect();
     let user = "vnfarm-worker-box-2";
