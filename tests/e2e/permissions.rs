@@ -7,6 +7,7 @@
 //! installation on the same broker never meet; the vhost and the users go when the test ends,
 //! also when it fails.
 
+use std::os::unix::fs::PermissionsExt;
 use std::process::Command;
 use std::time::Duration;
 
@@ -82,6 +83,8 @@ impl Installation {
         };
         let file = tempfile::NamedTempFile::new()?;
         std::fs::write(file.path(), serde_json::to_vec(&d)?)?;
+        // Debian's rabbitmqctl runs as the `rabbitmq` user; the file holds no secret.
+        std::fs::set_permissions(file.path(), std::fs::Permissions::from_mode(0o644))?;
         let path = file.path().display().to_string();
         tokio::task::spawn_blocking(move || rabbitmqctl(&["import_definitions", &path])).await??;
 
