@@ -301,6 +301,9 @@ impl Try {
     }
 }
 
+/// Each role's connection and what it tries, with the outcome it must get.
+type Cases<'a> = Vec<(&'a str, &'a Connection, Vec<(Try, Outcome)>)>;
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_rabbitmq_role_does_its_work_and_nothing_else() -> anyhow::Result<()> {
     let mut farm = Farm::new("permissions").await?;
@@ -371,7 +374,7 @@ async fn each_rabbitmq_role_does_its_work_and_nothing_else() -> anyhow::Result<(
     let nowhere = format!("{}.no-such-queue", farm.prefix);
     let submissions = format!("{}.{SUBMISSIONS}", farm.prefix);
     let mine = format!("{}.mine", farm.prefix);
-    let cases: Vec<(&str, &Connection, Vec<(Try, Outcome)>)> = vec![
+    let cases: Cases = vec![
         (
             "worker box-1",
             &worker,
