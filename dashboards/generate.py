@@ -285,6 +285,11 @@ def workers():
     b.panel("table", "Workers", "Each scraped worker: its id, engine and version "
             "(vnfarm_worker_info).", "none",
             [(f"vnfarm_worker_info{sel}", "{{worker}}")], w=12, h=7, instant=True)
+    b.panel("table", "Engine settings", "The kernel and layout settings each worker runs: "
+            "measured on its box by `vnfarm-worker check` (source measured, with the settings "
+            "file's id) or the configured presets (vnfarm_worker_settings_info; `vnfarm workers` "
+            "and the web page's fleet list show the same from heartbeats).", "none",
+            [(f"vnfarm_worker_settings_info{sel}", "{{instance}}")], w=12, h=7, instant=True)
     b.panel("timeseries", "State", "1 for the state each worker heartbeats: warming (loading "
             "models), ready, draining (vnfarm_worker_state).", "short",
             [(f"vnfarm_worker_state{sel} == 1", "{{instance}} {{state}}")], w=12, h=7)

@@ -48,12 +48,14 @@ pub fn stream_offset(props: &BasicProperties) -> Option<u64> {
 
 /// Why the broker last dead-lettered this message (`expired`, `delivery_limit`, `rejected`, ...).
 pub fn death_reason(props: &BasicProperties) -> Option<String> {
-    latest_death(props, "reason").or_else(|| header(props, "x-first-death-reason").and_then(as_string))
+    latest_death(props, "reason")
+        .or_else(|| header(props, "x-first-death-reason").and_then(as_string))
 }
 
 /// The queue the broker last dead-lettered this message from.
 pub fn death_queue(props: &BasicProperties) -> Option<String> {
-    latest_death(props, "queue").or_else(|| header(props, "x-first-death-queue").and_then(as_string))
+    latest_death(props, "queue")
+        .or_else(|| header(props, "x-first-death-queue").and_then(as_string))
 }
 
 /// A field of the latest `x-death` entry (the broker puts the latest first).

@@ -18,6 +18,9 @@ use crate::spec::Submission;
 /// combine that with the flattened `kind`, and a newer writer's extra field is harmless to an older reader.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct Event {
+    /// The protocol version it is written in (absent before version 2).
+    #[serde(default = "one")]
+    pub schema_version: u32,
     pub job_id: JobId,
     pub at: DateTime<Utc>,
     #[serde(flatten)]
@@ -27,6 +30,7 @@ pub struct Event {
 impl Event {
     pub fn now(job_id: JobId, kind: EventKind) -> Self {
         Self {
+            schema_version: crate::PROTOCOL_VERSION,
             job_id,
             at: Utc::now(),
             kind,
@@ -189,6 +193,10 @@ impl StageTimings {
     pub fn add(&mut self, stage: &str, seconds: f64) {
         *self.0.entry(stage.to_owned()).or_default() += seconds;
     }
+}
+
+fn one() -> u32 {
+    1
 }
 
 #[cfg(test)]

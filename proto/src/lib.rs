@@ -34,8 +34,24 @@ pub use work::{
     WorkMessage, WorkerState, YieldRequest,
 };
 
-/// The schema version this build reads and writes. Messages with any other version are rejected.
+/// The version of the client formats this build reads and writes: a [`Submission`] and a job's
+/// [`Manifest`]. Submissions with any other version are rejected.
 pub const SCHEMA_VERSION: u32 = 1;
+
+/// The protocol version between vnfarm's own processes that this build writes: work messages,
+/// heartbeats, events, control messages. It reads every version from [`MIN_PROTOCOL_VERSION`] up
+/// to this one. The rule for what a version may change is in docs/DESIGN.md §4 ("Versions and
+/// rolling upgrades"); `proto/golden/v<N>/` holds one message of every kind as version N wrote
+/// them, and this build's tests decode every version it claims to read.
+///
+/// - 1: every type rejected unknown fields; a reader accepted only its own version.
+/// - 2: every message names its version; readers ignore unknown fields outside job specs; a
+///   worker advertises the versions it decodes in its heartbeat ([`Heartbeat::protocols`]) and
+///   the scheduler writes each work message in a version its worker decodes.
+pub const PROTOCOL_VERSION: u32 = 2;
+
+/// The oldest protocol version this build reads (and writes, for a worker that reads no later one).
+pub const MIN_PROTOCOL_VERSION: u32 = 1;
 
 /// Largest message body the scheduler and workers accept (an 8 MiB inline image is ~10.7 MiB in base64).
 pub const MAX_MESSAGE_BYTES: usize = 12 * 1024 * 1024;

@@ -11,9 +11,13 @@ use crate::spec::{EditSpec, GenerateSpec, ModelFamily, Priority, UpscaleSpec};
 /// once) or compatible generates (one forward pass). Its tasks are validated and complete (seeds
 /// resolved, inline inputs stored). A batch is one message: acknowledged when every job in it has
 /// ended, each job with its own events, outputs and manifest.
+///
+/// Unknown fields of the envelope are ignored (protocol 2); those of a job's spec are not: a spec
+/// field changes what a job makes, so a new one comes with a new protocol version, and the
+/// scheduler sends it only to workers that decode that version ([`WorkMessage::version_needed`]).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
 pub struct WorkMessage {
+    /// The protocol version it is written in ([`crate::PROTOCOL_VERSION`]; the name is version 1's).
     pub schema_version: u32,
     pub job_id: JobId,
     #[serde(default)]
@@ -28,7 +32,6 @@ pub struct WorkMessage {
 
 /// A job travelling in another job's [`WorkMessage`].
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
 pub struct BatchedJob {
     pub job_id: JobId,
     #[serde(default)]
@@ -55,13 +58,36 @@ impl WorkMessage {
         let mut jobs = jobs.into_iter();
         let first = jobs.next()?;
         Some(Self {
-            schema_version: crate::SCHEMA_VERSION,
+            schema_version: crate::PROTOCOL_VERSION,
             job_id: first.job_id,
             priority: first.priority,
             deadline: first.deadline,
             task: first.task,
             batch: jobs.collect(),
         })
+    }
+
+    /// The oldest protocol version that expresses this message: 1 for every message today, since
+    /// version 2 added no field to jobs. A field added to a job's spec raises it for the messages
+    /// that use the field (and only for those, so workers of the previous version keep taking the
+    /// rest during a rolling upgrade).
+    pub fn version_needed(&self) -> u32 {
+        crate::MIN_PROTOCOL_VERSION
+    }
+
+    /// The version to write this message in for a worker that decodes `protocols`: the newest both
+    /// speak, or `None` when the worker decodes none that expresses the message.
+    pub fn version_for(&self, protocols: &[u32]) -> Option<u32> {
+        protocols
+            .iter()
+            .copied()
+            .filter(|v| (self.version_needed()..=crate::PROTOCOL_VERSION).contains(v))
+            .max()
+    }
+
+    /// Whether this build reads a work message written in `version`.
+    pub fn readable(version: u32) -> bool {
+        (crate::MIN_PROTOCOL_VERSION..=crate::PROTOCOL_VERSION).contains(&version)
     }
 }
 
@@ -123,6 +149,13 @@ pub enum WorkerState {
 /// Sent by every worker every few seconds on `worker.<id>.heartbeat`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct Heartbeat {
+    /// The protocol version it is written in (absent before version 2).
+    #[serde(default = "one")]
+    pub schema_version: u32,
+    /// The protocol versions of work messages it decodes. Workers before version 2 send none and
+    /// decode version 1 only.
+    #[serde(default = "version_1_only")]
+    pub protocols: Vec<u32>,
     pub worker: WorkerId,
     pub state: WorkerState,
     pub models: Vec<ModelFamily>,
@@ -156,7 +189,6 @@ pub struct Heartbeat {
 
 /// Where a worker's kernel and layout settings came from, for the fleet view.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
 pub struct SettingsInUse {
     pub source: SettingsSource,
     /// `measured`: the settings file's id (the first 12 hex digits of its sha256); `presets`: each
@@ -180,13 +212,25 @@ pub enum SettingsSource {
     Presets,
 }
 
+/// The protocol versions this build's workers decode, for their heartbeats.
+pub fn decodable_protocols() -> Vec<u32> {
+    (crate::MIN_PROTOCOL_VERSION..=crate::PROTOCOL_VERSION).collect()
+}
+
+fn version_1_only() -> Vec<u32> {
+    vec![1]
+}
+
 fn one() -> u32 {
     1
 }
 
+fn is_one(v: &u32) -> bool {
+    *v == 1
+}
+
 /// A GPU's memory as the device and libtorch's caching allocator see it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
 pub struct GpuMemory {
     pub total_bytes: u64,
     /// Free on the device (every process's use counted).
@@ -198,19 +242,44 @@ pub struct GpuMemory {
 
 /// Published on `control.cancel`: every worker stops this job if it has it, or skips it when it comes.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
 pub struct CancelRequest {
+    /// The protocol version it is written in. Control messages reach every worker, so they are
+    /// written in the oldest version any worker reads ([`crate::MIN_PROTOCOL_VERSION`]): version 1,
+    /// which has no field for it (its readers refuse unknown fields).
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub schema_version: u32,
     pub job_id: JobId,
+}
+
+impl CancelRequest {
+    pub fn new(job_id: JobId) -> Self {
+        Self {
+            schema_version: crate::MIN_PROTOCOL_VERSION,
+            job_id,
+        }
+    }
 }
 
 /// Published on `control.yield`: the worker gives back the jobs of its message named here that have
 /// not started on its engine (the one running finishes), so that it frees up for interactive work
 /// sooner. Other workers ignore it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
 pub struct YieldRequest {
+    /// The protocol version it is written in: as for [`CancelRequest::schema_version`].
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub schema_version: u32,
     pub worker: WorkerId,
     pub jobs: Vec<JobId>,
+}
+
+impl YieldRequest {
+    pub fn new(worker: WorkerId, jobs: Vec<JobId>) -> Self {
+        Self {
+            schema_version: crate::MIN_PROTOCOL_VERSION,
+            worker,
+            jobs,
+        }
+    }
 }
 
 #[cfg(test)]

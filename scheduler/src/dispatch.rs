@@ -85,7 +85,19 @@ impl Scheduler {
                 self.undo(&plan.dispatches[n..]);
                 return Ok(None);
             }
-            let message = WorkMessage::of(jobs).expect("a planned dispatch has a job");
+            let mut message = WorkMessage::of(jobs).expect("a planned dispatch has a job");
+            // In the newest version its worker reads: a worker of the previous release keeps
+            // working through a rolling upgrade.
+            let protocols = self
+                .registry()
+                .worker(&d.worker)
+                .map(|w| w.protocols().to_vec());
+            let Some(version) = message.version_for(protocols.as_deref().unwrap_or(&[1])) else {
+                tracing::error!(worker = %d.worker, protocols = ?protocols, needed = message.version_needed(), "a planned message is in no version its worker reads; not dispatching it");
+                self.undo(&plan.dispatches[n..]);
+                return Ok(None);
+            };
+            message.schema_version = version;
             // One span per message: its first job (the message's id) and, for a batch, them all.
             let span = tracing::info_span!(
                 "dispatch",
@@ -124,10 +136,7 @@ impl Scheduler {
             }
         }
         for y in &plan.yields {
-            let request = YieldRequest {
-                worker: y.worker.clone(),
-                jobs: y.jobs.clone(),
-            };
+            let request = YieldRequest::new(y.worker.clone(), y.jobs.clone());
             let props = json_properties().with_delivery_mode(1);
             // Advisory: a worker that misses it finishes its message as planned. A failed publish
             // means the session is lost, like a failed dispatch.

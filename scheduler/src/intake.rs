@@ -273,7 +273,11 @@ impl Scheduler {
     /// here, held, for as long as the outage lasts: see [`Scheduler::hold`]. The ack comes after the
     /// `queued` event is confirmed, so a scheduler killed in between leaves the message to be
     /// delivered again, and the key or id makes the repeat harmless.
-    pub(crate) async fn on_intake(&self, delivery: Delivery, channel: Channel) -> anyhow::Result<()> {
+    pub(crate) async fn on_intake(
+        &self,
+        delivery: Delivery,
+        channel: Channel,
+    ) -> anyhow::Result<()> {
         let id_hint = delivery
             .properties
             .message_id()
@@ -311,7 +315,9 @@ impl Scheduler {
             Ok(mut sub) => {
                 // The id is fixed before the first attempt: the message id, or a fresh one that
                 // a renewed copy of the message carries, so every attempt is the same job.
-                let id = *sub.job_id.get_or_insert_with(|| id_hint.unwrap_or_default());
+                let id = *sub
+                    .job_id
+                    .get_or_insert_with(|| id_hint.unwrap_or_default());
                 match self.hold(&delivery, &channel, sub, id).await? {
                     Held::Accepted => None,
                     Held::Invalid(e) => Some((Some(id), FailureKind::InvalidSpec, e.to_string())),
@@ -393,7 +399,9 @@ impl Scheduler {
                         tracing::info!(%reason, "cannot accept a submission now; renewed it in the intake queue");
                         return Ok(Held::Settled);
                     }
-                    Err(e) => tracing::warn!(error = %e, "cannot renew a held submission; holding it"),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot renew a held submission; holding it")
+                    }
                 }
             }
             let delay = backoff.next_delay();

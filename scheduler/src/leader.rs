@@ -18,16 +18,16 @@
 //! starts a new term ([`crate::registry::Registry::begin_term`]).
 
 use futures::StreamExt;
+use lapin::BasicProperties;
 use lapin::Connection;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
-use lapin::BasicProperties;
 use vnfarm_bus::headers::{death_queue, death_reason, delivery_count, string_header};
+use vnfarm_bus::publisher::json_properties;
 use vnfarm_proto::topology::HEADER_FAILURE;
 use vnfarm_proto::{EventKind, FailureKind, Submission};
-use vnfarm_bus::publisher::json_properties;
 
 use crate::scheduler::Scheduler;
 
@@ -203,7 +203,12 @@ impl Scheduler {
             let id = vnfarm_proto::decode_json::<Submission>(body)
                 .ok()
                 .and_then(|s| s.job_id)
-                .or_else(|| props.message_id().as_ref().and_then(|m| m.as_str().parse().ok()));
+                .or_else(|| {
+                    props
+                        .message_id()
+                        .as_ref()
+                        .and_then(|m| m.as_str().parse().ok())
+                });
             let Some(id) = id else {
                 tracing::warn!(%reason, "the broker dead-lettered a submission without a job id; it stays in the dead-letter queue");
                 return Ok(());

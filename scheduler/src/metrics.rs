@@ -370,7 +370,11 @@ mod tests {
         ("vnfarm_amqp_reconnects_total", MetricType::COUNTER, &[]),
         ("vnfarm_malformed_messages_total", MetricType::COUNTER, &[]),
         ("vnfarm_intake_held_retries_total", MetricType::COUNTER, &[]),
-        ("vnfarm_dead_letters_watched_total", MetricType::COUNTER, &[]),
+        (
+            "vnfarm_dead_letters_watched_total",
+            MetricType::COUNTER,
+            &[],
+        ),
         ("vnfarm_events_applied_total", MetricType::COUNTER, &[]),
         ("vnfarm_sse_clients", MetricType::GAUGE, &[]),
         (

@@ -272,6 +272,7 @@ impl JobRecord {
         let queued = self.submission.as_ref().map(|s| SequencedEvent {
             seq: self.first_seq,
             event: Event {
+                schema_version: vnfarm_proto::PROTOCOL_VERSION,
                 job_id: self.id,
                 at: self.created_at,
                 kind: EventKind::Queued {
@@ -514,6 +515,10 @@ impl Registry {
 
     pub fn workers(&self) -> impl Iterator<Item = &WorkerRecord> {
         self.workers.values()
+    }
+
+    pub fn worker(&self, id: &WorkerId) -> Option<&WorkerRecord> {
+        self.workers.get(id)
     }
 
     /// Recent events after `seq`, for a client resuming the all-events stream.
@@ -1337,6 +1342,8 @@ mod tests {
 
     fn worker(id: &str, slots: u32) -> Heartbeat {
         Heartbeat {
+            schema_version: vnfarm_proto::PROTOCOL_VERSION,
+            protocols: vnfarm_proto::work::decodable_protocols(),
             worker: id.parse().unwrap(),
             state: WorkerState::Ready,
             models: ModelFamily::ALL.to_vec(),
@@ -1372,6 +1379,7 @@ mod tests {
             SequencedEvent {
                 seq: self.seq,
                 event: Event {
+                    schema_version: vnfarm_proto::PROTOCOL_VERSION,
                     job_id: id,
                     at: self.at,
                     kind,

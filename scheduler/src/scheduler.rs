@@ -286,7 +286,7 @@ impl Scheduler {
         let unavailable = |e: PublishError| CancelError::Unavailable(e.to_string());
         for (t, here) in targets {
             let publisher = self.publisher().map_err(unavailable)?;
-            let request = CancelRequest { job_id: t };
+            let request = CancelRequest::new(t);
             let props = json_properties().with_delivery_mode(1);
             // With no worker connected nobody hears it, and none has the job.
             publisher

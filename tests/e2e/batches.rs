@@ -150,7 +150,7 @@ impl Bench {
             .broadcast_json(
                 &self.topology.events_exchange(),
                 CANCEL_ROUTING_KEY,
-                &CancelRequest { job_id },
+                &CancelRequest::new(job_id),
                 json_properties(),
             )
             .await?;
@@ -770,10 +770,7 @@ async fn a_yield_gives_back_the_unstarted_jobs_of_a_batch() -> anyhow::Result<()
                 .any(|e| e.job_id == ids[0] && e.kind.name() == "progress")
         })
         .await?;
-    let ask = |worker: WorkerId| YieldRequest {
-        worker,
-        jobs: ids.clone(),
-    };
+    let ask = |worker: WorkerId| YieldRequest::new(worker, ids.clone());
     for request in [
         ask("someone-else".parse().map_err(anyhow::Error::msg)?),
         ask(bench.worker.clone()),

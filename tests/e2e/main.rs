@@ -17,6 +17,7 @@ mod provenance;
 mod qwen;
 mod redelivery;
 mod sdxl;
+mod upgrade;
 mod web;
 
 /// The model crate's fixture files that are written at test time from other fixtures (its own

@@ -28,8 +28,8 @@ use vnfarm_proto::topology::{
     HEADER_FAILURE, HEADER_JOB_ID, HEADER_REASON, HEADER_YIELDED, manifest_key,
 };
 use vnfarm_proto::{
-    BatchedJob, Event, EventKind, FailureKind, JobId, MAX_MESSAGE_BYTES, Manifest, SCHEMA_VERSION,
-    WorkMessage, decode_json,
+    BatchedJob, Event, EventKind, FailureKind, JobId, MAX_MESSAGE_BYTES, Manifest, WorkMessage,
+    decode_json, work::decodable_protocols,
 };
 use vnfarm_storage::StorageError;
 
@@ -167,32 +167,79 @@ impl JobError {
     }
 }
 
-/// Decodes a delivery into a work message; on failure returns the ids of the jobs that can be
-/// recovered.
-fn parse(delivery: &Delivery) -> Result<WorkMessage, (Vec<JobId>, String)> {
+/// What a delivery decoded into.
+enum Parsed {
+    Work(WorkMessage),
+    /// Not a work message this worker can read; the ids of the jobs that can be recovered.
+    Malformed(Vec<JobId>, String),
+    /// Written in a protocol version this worker does not read (a newer one, or one it was told
+    /// not to): not a fault of the jobs, which another worker may run.
+    Unreadable(u32),
+}
+
+/// The protocol versions of work messages this worker decodes, as its heartbeat advertises them:
+/// this build's ([`decodable_protocols`]), or version 1 alone when the test harness makes it stand
+/// in for a worker of the previous release ([`V1_ONLY_VAR`]), which also settles a message it
+/// cannot read as that release did: dead-lettered as malformed.
+pub(crate) fn protocols() -> Vec<u32> {
+    if v1_only() {
+        vec![1]
+    } else {
+        decodable_protocols()
+    }
+}
+
+/// Test hook (the harness's reserved prefix): `1` makes the worker speak protocol version 1 only.
+pub const V1_ONLY_VAR: &str = "VNFARM_TEST_PROTOCOL_V1_ONLY";
+
+fn v1_only() -> bool {
+    std::env::var_os(V1_ONLY_VAR).is_some_and(|v| v == "1")
+}
+
+/// The envelope's version alone, read before the rest (a newer version's spec may not decode).
+#[derive(serde::Deserialize)]
+struct Version {
+    schema_version: u32,
+}
+
+/// Decodes a delivery into a work message.
+fn parse(delivery: &Delivery) -> Parsed {
+    match parse_work(delivery) {
+        Ok(msg) => Parsed::Work(msg),
+        Err(ParseError::Malformed(ids, reason)) => Parsed::Malformed(ids, reason),
+        Err(ParseError::Unreadable(version)) => Parsed::Unreadable(version),
+    }
+}
+
+enum ParseError {
+    Malformed(Vec<JobId>, String),
+    Unreadable(u32),
+}
+
+fn parse_work(delivery: &Delivery) -> Result<WorkMessage, ParseError> {
     let id_from_props = delivery
         .properties
         .message_id()
         .as_ref()
         .and_then(|m| m.as_str().parse::<JobId>().ok());
+    let malformed =
+        |reason: String| ParseError::Malformed(id_from_props.into_iter().collect(), reason);
     if delivery.data.len() > MAX_MESSAGE_BYTES {
-        return Err((
-            id_from_props.into_iter().collect(),
-            format!(
-                "message of {} bytes exceeds {MAX_MESSAGE_BYTES}",
-                delivery.data.len()
-            ),
-        ));
+        return Err(malformed(format!(
+            "message of {} bytes exceeds {MAX_MESSAGE_BYTES}",
+            delivery.data.len()
+        )));
     }
-    let msg: WorkMessage = decode_json(&delivery.data)
-        .map_err(|e| (id_from_props.into_iter().collect(), e.to_string()))?;
-    if msg.schema_version != SCHEMA_VERSION {
-        return Err((
-            msg.jobs().map(|j| j.job_id).collect(),
-            format!("schema_version: {} is not supported", msg.schema_version),
-        ));
+    if let Ok(Version { schema_version }) = serde_json::from_slice(&delivery.data)
+        && !protocols().contains(&schema_version)
+    {
+        return Err(if v1_only() {
+            malformed(format!("schema_version: {schema_version} is not supported"))
+        } else {
+            ParseError::Unreadable(schema_version)
+        });
     }
-    Ok(msg)
+    decode_json(&delivery.data).map_err(|e| malformed(e.to_string()))
 }
 
 impl Worker {
@@ -209,11 +256,16 @@ impl Worker {
         let body = delivery.data.clone();
         let pending = Pending(delivery);
         let msg = match parse(&pending.0) {
-            Ok(msg) => msg,
-            Err((job_ids, reason)) => {
+            Parsed::Work(msg) => msg,
+            Parsed::Malformed(job_ids, reason) => {
                 self.metrics.malformed_messages_total.inc();
                 tracing::warn!(job_ids = ?job_ids, %reason, "dead-lettering a malformed work message");
                 self.dead_letter(publisher, &body, &job_ids, FailureKind::Malformed, &reason)
+                    .await?;
+                return pending.ack().await;
+            }
+            Parsed::Unreadable(version) => {
+                self.give_back_unreadable(publisher, &pending.0, version)
                     .await?;
                 return pending.ack().await;
             }
@@ -583,6 +635,36 @@ impl Worker {
                 .map_err(broker)?;
         }
         Ok(())
+    }
+
+    /// Gives a message written in a protocol version this worker does not read back to the
+    /// scheduler as it came (the scheduler reads every version it writes), to run elsewhere. It
+    /// only happens when a worker was replaced by an older build while its queue held messages.
+    async fn give_back_unreadable(
+        &self,
+        publisher: &Publisher,
+        delivery: &Delivery,
+        version: u32,
+    ) -> Result<(), Lost> {
+        let reason = format!(
+            "given back by worker {}: written in protocol version {version}; it reads {:?}",
+            self.id,
+            protocols()
+        );
+        tracing::warn!(%reason, "giving back a work message it cannot read");
+        let mut headers = FieldTable::default();
+        headers.insert(
+            HEADER_REASON.into(),
+            AMQPValue::LongString(LongString::from(reason)),
+        );
+        let mut props = json_properties().with_headers(headers);
+        if let Some(id) = delivery.properties.message_id() {
+            props = props.with_message_id(id.clone());
+        }
+        publisher
+            .publish("", &self.topology.redispatch_queue(), &delivery.data, props)
+            .await
+            .map_err(broker)
     }
 
     /// Gives one job of a batch back to the scheduler: a single-job message on the redispatch

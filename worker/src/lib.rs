@@ -102,6 +102,23 @@ pub async fn serve(
                     let seconds = started.elapsed().as_secs_f64();
                     worker.metrics.model_load_seconds.observe(seconds);
                     tracing::info!(engine = worker.engine.name(), seconds, "engine loaded");
+                    let settings = worker.engine.settings();
+                    let (source, id) = match &settings {
+                        Some(s) => (
+                            match s.source {
+                                vnfarm_proto::SettingsSource::Measured => "measured",
+                                vnfarm_proto::SettingsSource::Presets => "presets",
+                            },
+                            s.id.as_str(),
+                        ),
+                        // The test pattern has no kernels to set.
+                        None => ("none", ""),
+                    };
+                    worker
+                        .metrics
+                        .settings_info
+                        .with_label_values(&[source, id])
+                        .set(1);
                     worker.engine_ready();
                 }
                 Err(e) => {

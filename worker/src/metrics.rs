@@ -61,6 +61,9 @@ pub struct Metrics {
     pub state: IntGaugeVec,
     /// 1, labelled with the worker's id, engine and version (to name an `instance` on dashboards).
     pub info: IntGaugeVec,
+    /// 1, labelled with where the engine settings came from (`measured` by `vnfarm-worker check`,
+    /// `presets`, or `none` for the test pattern) and their id; set once the engine has loaded.
+    pub settings_info: IntGaugeVec,
 }
 
 /// Job kinds (`Task::kind_name`).
@@ -256,6 +259,13 @@ impl Metrics {
                 r
             )
             .unwrap(),
+            settings_info: register_int_gauge_vec_with_registry!(
+                "worker_settings_info",
+                "1, labelled with the engine settings in use: their source (measured or presets) and id",
+                &["source", "id"],
+                r
+            )
+            .unwrap(),
             busy_since: Arc::default(),
             registry,
         };
@@ -403,6 +413,11 @@ mod tests {
             MetricType::GAUGE,
             &["engine", "version", "worker"],
         ),
+        (
+            "vnfarm_worker_settings_info",
+            MetricType::GAUGE,
+            &["id", "source"],
+        ),
         ("vnfarm_amqp_connected", MetricType::GAUGE, &[]),
         ("vnfarm_amqp_reconnects_total", MetricType::COUNTER, &[]),
         ("vnfarm_storage_errors_total", MetricType::COUNTER, &["op"]),
@@ -428,6 +443,9 @@ mod tests {
         m.gpu_memory_bytes.with_label_values(&["free"]).set(1 << 30);
         m.info
             .with_label_values(&["box-1", "test-pattern", "0.1.0"])
+            .set(1);
+        m.settings_info
+            .with_label_values(&["measured", "box-1-2026-12-01"])
             .set(1);
     }
 

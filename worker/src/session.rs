@@ -236,6 +236,8 @@ impl Worker {
                 None
             });
         Heartbeat {
+            schema_version: vnfarm_proto::PROTOCOL_VERSION,
+            protocols: crate::job::protocols(),
             worker: self.id.clone(),
             state: self.state(),
             models: self.engine.models().to_vec(),

@@ -76,6 +76,16 @@ impl WorkerRecord {
         self.last_heartbeat.as_ref()
     }
 
+    /// The protocol versions of work messages it decodes, from its latest heartbeat (version 1
+    /// alone before its first: every worker reads that).
+    pub fn protocols(&self) -> &[u32] {
+        self.last_heartbeat
+            .as_ref()
+            .map_or(&[vnfarm_proto::MIN_PROTOCOL_VERSION][..], |(_, hb)| {
+                &hb.protocols
+            })
+    }
+
     pub fn alive(&self, timeout: Duration) -> bool {
         self.last_heartbeat
             .as_ref()

@@ -56,6 +56,7 @@ pub struct Environment {
     pub gpus_visible: i64,
     pub memory: Memory,
     pub kernel: String,
+    pub driver: Driver,
     /// Boot parameters that decide how much of a unified memory HIP sees (`amdgpu.gttsize`,
     /// `ttm.pages_limit`, `amd_iommu`).
     pub boot_parameters: Vec<String>,
@@ -65,6 +66,52 @@ pub struct Environment {
     pub groups: Vec<String>,
     pub variables: Vec<Variable>,
     pub sdpa: Vec<SdpaChoice>,
+}
+
+/// The GPU driver's versions, where the system says (each `None` where it does not).
+#[derive(Debug, Clone, Serialize)]
+pub struct Driver {
+    /// The NVIDIA kernel module (`/proc/driver/nvidia/version`, its first line).
+    pub nvidia: Option<String>,
+    /// The amdgpu kernel module, when it comes from AMD's DKMS package (`/sys/module/amdgpu/version`;
+    /// the in-tree module has none: the kernel's version is its version).
+    pub amdgpu: Option<String>,
+    /// The ROCm release installed on the system (`/opt/rocm/.info/version`). A ROCm PyTorch wheel
+    /// carries its own HIP runtime, whose version is the libtorch build's.
+    pub rocm: Option<String>,
+}
+
+impl Driver {
+    fn read() -> Driver {
+        let first = |path: &str| {
+            std::fs::read_to_string(path)
+                .ok()
+                .map(|s| first_line(&s))
+                .filter(|s| !s.is_empty())
+        };
+        Driver {
+            nvidia: first("/proc/driver/nvidia/version"),
+            amdgpu: first("/sys/module/amdgpu/version"),
+            rocm: first("/opt/rocm/.info/version"),
+        }
+    }
+
+    /// One line for the summary.
+    pub fn describe(&self) -> String {
+        let parts: Vec<String> = [
+            ("nvidia", &self.nvidia),
+            ("amdgpu", &self.amdgpu),
+            ("rocm", &self.rocm),
+        ]
+        .into_iter()
+        .filter_map(|(name, v)| v.as_ref().map(|v| format!("{name} {v}")))
+        .collect();
+        if parts.is_empty() {
+            "none found".into()
+        } else {
+            parts.join("; ")
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -129,6 +176,7 @@ impl Environment {
             kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease")
                 .map(|s| s.trim().to_owned())
                 .unwrap_or_default(),
+            driver: Driver::read(),
             boot_parameters: boot_parameters(),
             device_nodes: device_nodes(),
             groups: groups(),

@@ -184,6 +184,7 @@ impl Report {
                 .map_or("unknown".to_owned(), |u| u.to_string())
         );
         out += &format!("kernel      {}\n", env.kernel);
+        out += &format!("driver      {}\n", env.driver.describe());
         if !env.boot_parameters.is_empty() {
             out += &format!("boot        {}\n", env.boot_parameters.join(" "));
         }
