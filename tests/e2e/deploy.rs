@@ -1,6 +1,17 @@
-//! The shipped configuration files load with the binaries' own loaders, and bad ones are rejected.
+//! The shipped configuration files load with the binaries' own loaders, and bad ones are rejected;
+//! the RabbitMQ definitions name what the topology declares and grant each role what its code
+//! uses (on a real broker: `permissions.rs`).
 
+use std::collections::BTreeSet;
 use std::path::Path;
+
+use regex::Regex;
+use serde_json::Value;
+use vnfarm_proto::topology::{
+    self, CANCEL_ROUTING_KEY, HEARTBEAT_ROUTING_PATTERN, JOB_EVENTS_PATTERN, MARKER_ROUTING_PREFIX,
+    Topology, YIELD_ROUTING_KEY,
+};
+use vnfarm_proto::{JobId, WorkerId};
 
 fn deploy(name: &str) -> std::path::PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -101,4 +112,392 @@ fn environment_overrides_and_errors_name_the_field() {
         .unwrap_err()
         .to_string();
     assert!(err.starts_with("api_token: "), "{err}");
+}
+
+/// The exchange submitters publish to, bound to the intake queue by the definitions (it is not in
+/// `Topology` yet: see docs/operations.md, "RabbitMQ users and what they may do").
+pub const SUBMISSIONS: &str = "submissions";
+
+pub fn definitions() -> Value {
+    let path = deploy("rabbitmq/definitions.json");
+    let text = std::fs::read_to_string(&path).expect("deploy/rabbitmq/definitions.json");
+    serde_json::from_str(&text).expect("definitions.json is JSON")
+}
+
+/// Whether RabbitMQ grants `name` under the permission regex `re`: the broker searches the name
+/// (Erlang's `re:run`, unanchored), as `is_match` does.
+pub fn grants(re: &str, name: &str) -> bool {
+    Regex::new(re)
+        .unwrap_or_else(|e| panic!("{re}: {e}"))
+        .is_match(name)
+}
+
+/// `kind` (configure, write, read) of `user` in `vhost`.
+pub fn permission<'a>(d: &'a Value, vhost: &str, user: &str, kind: &str) -> &'a str {
+    d["permissions"]
+        .as_array()
+        .expect("permissions")
+        .iter()
+        .find(|p| p["user"] == user && p["vhost"] == vhost)
+        .unwrap_or_else(|| panic!("no permissions for {user} in {vhost}"))[kind]
+        .as_str()
+        .expect("a regex")
+}
+
+fn topic_permission<'a>(d: &'a Value, user: &str, kind: &str) -> &'a str {
+    let t = Topology::default();
+    d["topic_permissions"]
+        .as_array()
+        .expect("topic_permissions")
+        .iter()
+        .find(|p| p["user"] == user && p["exchange"] == t.events_exchange().as_str())
+        .unwrap_or_else(|| panic!("no topic permissions for {user}"))[kind]
+        .as_str()
+        .expect("a regex")
+}
+
+fn box_id(id: &str) -> WorkerId {
+    id.parse().expect("a worker id")
+}
+
+/// Every name a permission regex is asked about: the topology's, the default exchange's name
+/// for permissions (`amq.default`) and a server-named private queue's.
+fn all_names(t: &Topology) -> Vec<String> {
+    vec![
+        t.intake_queue(),
+        t.redispatch_queue(),
+        t.worker_queue(&box_id("box-1")),
+        t.worker_queue(&box_id("box-2")),
+        t.events_exchange(),
+        t.events_stream(),
+        t.leader_queue(),
+        t.snapshot_stream(),
+        t.dead_exchange(),
+        t.dead_watch_queue(),
+        format!("{}.{SUBMISSIONS}", t.prefix()),
+        "amq.default".into(),
+        "amq.gen-5bVrm9kXZ2hR".into(),
+    ]
+}
+
+#[test]
+fn definitions_name_what_the_topology_declares() {
+    let d = definitions();
+    let t = Topology::default();
+    let amqp = vnfarm_bus::AmqpConfig::default();
+    let names = |key: &str| -> BTreeSet<String> {
+        d[key]
+            .as_array()
+            .expect(key)
+            .iter()
+            .map(|x| x["name"].as_str().expect("a name").to_owned())
+            .collect()
+    };
+    assert_eq!(names("vhosts"), BTreeSet::from(["vnfarm".to_owned()]));
+    let submissions = format!("{}.{SUBMISSIONS}", t.prefix());
+    assert_eq!(
+        names("exchanges"),
+        BTreeSet::from([t.events_exchange(), t.dead_exchange(), submissions.clone()])
+    );
+    for x in d["exchanges"].as_array().unwrap() {
+        let kind = if x["name"] == t.events_exchange().as_str() {
+            "topic"
+        } else {
+            "fanout"
+        };
+        assert_eq!(x["type"], kind, "{x}");
+        assert_eq!(x["durable"], true, "{x}");
+    }
+    // Only the intake queue is declared here (the submissions exchange needs it for its
+    // binding), with the arguments `bus::topology::declare_core` gives it under the default
+    // configuration; the broker test declares it again through that function.
+    assert_eq!(names("queues"), BTreeSet::from([t.intake_queue()]));
+    let args = &d["queues"][0]["arguments"];
+    assert_eq!(args["x-queue-type"], "quorum");
+    assert_eq!(args["x-delivery-limit"], amqp.delivery_limit);
+    assert_eq!(args["x-dead-letter-exchange"], t.dead_exchange().as_str());
+    assert_eq!(args["x-dead-letter-strategy"], "at-least-once");
+    assert_eq!(args["x-overflow"], "reject-publish");
+    assert_eq!(args.as_object().unwrap().len(), 5, "{args}");
+    let bindings = d["bindings"].as_array().unwrap();
+    assert_eq!(bindings.len(), 1);
+    assert_eq!(bindings[0]["source"], submissions.as_str());
+    assert_eq!(bindings[0]["destination"], t.intake_queue().as_str());
+    assert_eq!(bindings[0]["destination_type"], "queue");
+
+    // Each policy matches the queues it is for and no other name; none touches a key the clients
+    // declare (a policy's delivery limit would cut the leader token's, which is redelivered at
+    // every takeover), and the retention policies say what the clients declare by default
+    // (where both are set, the broker applies the smaller value).
+    let policy = |name: &str| -> &Value {
+        d["policies"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["name"] == name)
+            .unwrap_or_else(|| panic!("no policy {name}"))
+    };
+    let matched = |p: &Value| -> BTreeSet<String> {
+        let pattern = p["pattern"].as_str().unwrap();
+        all_names(&t)
+            .into_iter()
+            .filter(|n| grants(pattern, n))
+            .collect()
+    };
+    let events = policy("vnfarm-events-retention");
+    assert_eq!(matched(events), BTreeSet::from([t.events_stream()]));
+    assert_eq!(
+        events["definition"]["max-age"],
+        amqp.events_max_age.as_str()
+    );
+    assert_eq!(
+        events["definition"]["max-length-bytes"],
+        amqp.events_max_bytes
+    );
+    let snapshots = policy("vnfarm-snapshots-retention");
+    assert_eq!(matched(snapshots), BTreeSet::from([t.snapshot_stream()]));
+    let placement = policy("vnfarm-quorum-placement");
+    assert_eq!(
+        matched(placement),
+        BTreeSet::from([
+            t.intake_queue(),
+            t.redispatch_queue(),
+            t.worker_queue(&box_id("box-1")),
+            t.worker_queue(&box_id("box-2")),
+            t.leader_queue(),
+            t.dead_queue(),
+            t.dead_watch_queue(),
+        ])
+    );
+    for p in d["policies"].as_array().unwrap() {
+        for key in p["definition"].as_object().unwrap().keys() {
+            assert!(
+                ["max-age", "max-length-bytes", "queue-leader-locator"].contains(&key.as_str()),
+                "policy {}: {key}",
+                p["name"]
+            );
+        }
+    }
+}
+
+#[test]
+fn each_role_is_granted_exactly_the_names_its_code_uses() {
+    let d = definitions();
+    let t = Topology::default();
+    let private = "amq.gen-5bVrm9kXZ2hR".to_owned();
+    let default = "amq.default".to_owned();
+    let box1 = t.worker_queue(&box_id("box-1"));
+    // `vnfarm.dead` names both the dead-letter exchange and the operators' queue: a regex cannot
+    // tell them apart.
+    let dead = t.dead_exchange();
+    // (user, kind, every name it is granted); every other name of `all_names` is refused.
+    let expected: Vec<(&str, &str, Vec<String>)> = vec![
+        // declare_core and declare_scheduler; its private heartbeat queue.
+        (
+            "vnfarm-scheduler",
+            "configure",
+            vec![
+                t.intake_queue(),
+                t.redispatch_queue(),
+                t.events_exchange(),
+                t.events_stream(),
+                t.leader_queue(),
+                t.snapshot_stream(),
+                dead.clone(),
+                t.dead_watch_queue(),
+                private.clone(),
+            ],
+        ),
+        // Publishes to the default exchange (dispatch, the leader token, snapshots, renewed
+        // submissions), events and dead letters; binds the stream, the dead queues and its
+        // private queue (a bind needs write on the queue).
+        (
+            "vnfarm-scheduler",
+            "write",
+            vec![
+                default.clone(),
+                t.events_exchange(),
+                dead.clone(),
+                t.events_stream(),
+                t.dead_watch_queue(),
+                private.clone(),
+            ],
+        ),
+        // Consumes intake, redispatch, the streams, the leader and dead-watch queues; binds from
+        // the two exchanges (a bind needs read on the exchange).
+        (
+            "vnfarm-scheduler",
+            "read",
+            vec![
+                t.intake_queue(),
+                t.redispatch_queue(),
+                t.events_exchange(),
+                t.events_stream(),
+                t.leader_queue(),
+                t.snapshot_stream(),
+                dead.clone(),
+                t.dead_watch_queue(),
+                private.clone(),
+            ],
+        ),
+        // The worker also runs declare_core today, which declares the shared queues (configure,
+        // and read on the two with a dead-letter exchange): the gap docs/operations.md describes.
+        // Its own queue dead-letters through the default exchange, which needs write there.
+        (
+            "vnfarm-worker-box-1",
+            "configure",
+            vec![
+                t.intake_queue(),
+                t.redispatch_queue(),
+                t.events_exchange(),
+                t.events_stream(),
+                dead.clone(),
+                box1.clone(),
+                private.clone(),
+            ],
+        ),
+        (
+            "vnfarm-worker-box-1",
+            "write",
+            vec![
+                default.clone(),
+                t.events_exchange(),
+                dead.clone(),
+                t.events_stream(),
+                private.clone(),
+            ],
+        ),
+        (
+            "vnfarm-worker-box-1",
+            "read",
+            vec![
+                t.intake_queue(),
+                t.redispatch_queue(),
+                t.events_exchange(),
+                dead.clone(),
+                box1.clone(),
+                private.clone(),
+            ],
+        ),
+        ("vnfarm-submitter", "configure", vec![]),
+        (
+            "vnfarm-submitter",
+            "write",
+            vec![format!("{}.{SUBMISSIONS}", t.prefix())],
+        ),
+        ("vnfarm-submitter", "read", vec![]),
+        ("vnfarm-monitoring", "configure", vec![]),
+        ("vnfarm-monitoring", "write", vec![]),
+        ("vnfarm-monitoring", "read", vec![]),
+    ];
+    let mut wrong = Vec::new();
+    for (user, kind, granted) in &expected {
+        let re = permission(&d, "vnfarm", user, kind);
+        for name in all_names(&t) {
+            if grants(re, &name) != granted.contains(&name) {
+                wrong.push(format!(
+                    "{user} {kind} {re}: {name} {}",
+                    if granted.contains(&name) {
+                        "should be granted"
+                    } else {
+                        "should be refused"
+                    }
+                ));
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+
+    // Topic permissions on the events exchange: a worker publishes job events and its own
+    // heartbeat, never markers, control messages or another worker's heartbeat; it binds only
+    // what declare_core and its control subscription bind.
+    let write = topic_permission(&d, "vnfarm-worker-box-1", "write");
+    let job_event = format!("job.{}.started", JobId::new());
+    let box1_beat = topology::heartbeat_routing_key(&box_id("box-1"));
+    let box2_beat = topology::heartbeat_routing_key(&box_id("box-2"));
+    let marker = format!("{MARKER_ROUTING_PREFIX}.{}", JobId::new());
+    for key in [&job_event, &box1_beat] {
+        assert!(grants(write, key), "{write} refuses {key}");
+    }
+    for key in [
+        &box2_beat,
+        &marker,
+        CANCEL_ROUTING_KEY,
+        YIELD_ROUTING_KEY,
+        "job.x",
+    ] {
+        assert!(!grants(write, key), "{write} grants {key}");
+    }
+    let read = topic_permission(&d, "vnfarm-worker-box-1", "read");
+    let markers = format!("{MARKER_ROUTING_PREFIX}.#");
+    for key in [
+        JOB_EVENTS_PATTERN,
+        &markers,
+        CANCEL_ROUTING_KEY,
+        YIELD_ROUTING_KEY,
+    ] {
+        assert!(grants(read, key), "{read} refuses {key}");
+    }
+    for key in ["#", HEARTBEAT_ROUTING_PATTERN, "job.*.completed"] {
+        assert!(!grants(read, key), "{read} grants {key}");
+    }
+}
+
+#[test]
+fn add_worker_user_makes_the_definitions_worker_for_any_box() {
+    let d = definitions();
+    let t = Topology::default();
+    let out = std::process::Command::new("bash")
+        .arg(deploy("rabbitmq/add-worker-user"))
+        .args(["box-2", "--print"])
+        .output()
+        .expect("bash");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).expect("UTF-8");
+    let lines: Vec<Vec<&str>> = text.lines().map(|l| l.split('\t').collect()).collect();
+    let user = "vnfarm-worker-box-2";
+    let for_box2 = |s: &str| s.replace("box-1", "box-2");
+    let perm = |kind| for_box2(permission(&d, "vnfarm", "vnfarm-worker-box-1", kind));
+    let topic = |kind| for_box2(topic_permission(&d, "vnfarm-worker-box-1", kind));
+    let (configure, write, read) = (perm("configure"), perm("write"), perm("read"));
+    let (topic_write, topic_read) = (topic("write"), topic("read"));
+    let events = t.events_exchange();
+    assert_eq!(
+        lines,
+        [
+            vec!["add_user", user],
+            vec![
+                "set_permissions",
+                "-p",
+                "vnfarm",
+                user,
+                configure.as_str(),
+                write.as_str(),
+                read.as_str()
+            ],
+            vec![
+                "set_topic_permissions",
+                "-p",
+                "vnfarm",
+                user,
+                events.as_str(),
+                topic_write.as_str(),
+                topic_read.as_str()
+            ],
+        ]
+    );
+    // The box reads its own queue, not box-1's.
+    assert!(grants(&read, &t.worker_queue(&box_id("box-2"))));
+    assert!(!grants(&read, &t.worker_queue(&box_id("box-1"))));
+    let status = std::process::Command::new("bash")
+        .arg(deploy("rabbitmq/add-worker-user"))
+        .args(["Box.2", "--print"])
+        .output()
+        .expect("bash")
+        .status;
+    assert_eq!(status.code(), Some(64), "an id that is not a worker id");
 }

@@ -10,6 +10,7 @@ mod intake;
 mod logs;
 mod observability;
 mod outages;
+mod permissions;
 mod pipeline;
 mod processes;
 mod provenance;

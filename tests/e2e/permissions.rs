@@ -1,0 +1,475 @@
+//! deploy/rabbitmq/definitions.json on the real broker: the scheduler and a worker, each logged in
+//! as its own user, run a job that the submitter user handed in, and then every role is tried at
+//! what it must not do.
+//!
+//! The definitions are imported into a vhost of this test's own, with the farm's prefix in place
+//! of `vnfarm` and a suffix on every user name, so that tests running side by side and a real
+//! installation on the same broker never meet; the vhost and the users go when the test ends,
+//! also when it fails.
+
+use std::os::unix::fs::PermissionsExt;
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use lapin::options::{
+    BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, QueueBindOptions,
+    QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
+use lapin::types::FieldTable;
+use lapin::{BasicProperties, Connection, ConnectionProperties};
+use serde_json::{Value, json};
+use vnfarm_proto::topology::{self, CANCEL_ROUTING_KEY, Topology};
+use vnfarm_proto::{JobId, WorkerId};
+use vnfarm_tests::{Farm, WorkerOptions, wait_for};
+
+use crate::FINISH;
+use crate::deploy::{SUBMISSIONS, definitions, permission};
+
+/// The definitions, imported for one farm; removed from the broker on drop.
+struct Installation {
+    vhost: String,
+    suffix: String,
+    password: String,
+    users: Vec<String>,
+}
+
+fn rabbitmqctl(args: &[&str]) -> anyhow::Result<()> {
+    let out = Command::new("rabbitmqctl")
+        .arg("-q")
+        .args(args)
+        .output()
+        .context("running rabbitmqctl (./farm setup installs RabbitMQ)")?;
+    if !out.status.success() {
+        bail!(
+            "rabbitmqctl {} failed:\n{}{}",
+            args.first().unwrap_or(&""),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(())
+}
+
+impl Installation {
+    /// Imports definitions.json for `prefix` (a farm's), sets every user's password and adds a
+    /// second worker box, `box-2`, from the `box-1` template as `add-worker-user` does.
+    async fn import(prefix: &str) -> anyhow::Result<Self> {
+        let suffix = format!("t-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+        let vhost = format!("vnfarm-{suffix}");
+        // Names and regexes: `vnfarm.` → `<prefix>.`, the vhost, then the users.
+        let text = serde_json::to_string(&definitions())?
+            .replace(r"vnfarm\\.", &format!(r"{prefix}\\."))
+            .replace("\"vnfarm.", &format!("\"{prefix}."))
+            .replace("\"vnfarm\"", &format!("\"{vhost}\""));
+        let mut d: Value = serde_json::from_str(&text)?;
+        let mut users = Vec::new();
+        for u in d["users"].as_array_mut().expect("users") {
+            let name = format!("{}-{suffix}", u["name"].as_str().expect("a name"));
+            users.push(name.clone());
+            u["name"] = name.into();
+        }
+        for key in ["permissions", "topic_permissions"] {
+            for p in d[key].as_array_mut().expect(key) {
+                p["user"] = format!("{}-{suffix}", p["user"].as_str().expect("a user")).into();
+            }
+        }
+        let mut installation = Self {
+            vhost: vhost.clone(),
+            suffix: suffix.clone(),
+            password: uuid::Uuid::new_v4().simple().to_string(),
+            users: users.clone(),
+        };
+        let file = tempfile::NamedTempFile::new()?;
+        std::fs::write(file.path(), serde_json::to_vec(&d)?)?;
+        // Debian's rabbitmqctl runs as the `rabbitmq` user; the file holds no secret.
+        std::fs::set_permissions(file.path(), std::fs::Permissions::from_mode(0o644))?;
+        let path = file.path().display().to_string();
+        tokio::task::spawn_blocking(move || rabbitmqctl(&["import_definitions", &path])).await??;
+
+        // The second box: its permissions are box-1's with its id.
+        let box2 = installation.user("vnfarm-worker-box-2");
+        let template = installation.user("vnfarm-worker-box-1");
+        let perm = |kind| permission(&d, &vhost, &template, kind).replace("box-1", "box-2");
+        let (c, w, r) = (perm("configure"), perm("write"), perm("read"));
+        let topic_template = d["topic_permissions"][0].clone();
+        let topic = |kind: &str| {
+            let regex = topic_template[kind].as_str().expect("a regex");
+            regex.replace("box-1", "box-2")
+        };
+        let (tw, tr) = (topic("write"), topic("read"));
+        let events = format!("{prefix}.events");
+        installation.users.push(box2.clone());
+        let password = installation.password.clone();
+        let vh = vhost.clone();
+        tokio::task::spawn_blocking(move || -> anyhow::Result<()> {
+            rabbitmqctl(&["add_user", &box2, &password])?;
+            rabbitmqctl(&["set_permissions", "-p", &vh, &box2, &c, &w, &r])?;
+            rabbitmqctl(&["set_topic_permissions", "-p", &vh, &box2, &events, &tw, &tr])
+        })
+        .await??;
+        // The import runs in the background on the broker: a user takes its password once it
+        // exists.
+        for user in users {
+            let password = installation.password.clone();
+            wait_for(
+                &format!("user {user} to be imported"),
+                Duration::from_secs(30),
+                || {
+                    let (user, password) = (user.clone(), password.clone());
+                    async move {
+                        tokio::task::spawn_blocking(move || {
+                            rabbitmqctl(&["change_password", &user, &password]).ok()
+                        })
+                        .await
+                        .ok()
+                        .flatten()
+                    }
+                },
+            )
+            .await?;
+        }
+        Ok(installation)
+    }
+
+    /// The name of definitions.json's `user` here.
+    fn user(&self, user: &str) -> String {
+        format!("{user}-{}", self.suffix)
+    }
+
+    fn url(&self, user: &str) -> String {
+        format!(
+            "amqp://{}:{}@127.0.0.1:5672/{}",
+            self.user(user),
+            self.password,
+            self.vhost
+        )
+    }
+
+    async fn connect(&self, user: &str) -> anyhow::Result<Connection> {
+        Connection::connect(&self.url(user), ConnectionProperties::default())
+            .await
+            .with_context(|| format!("logging in as {user}"))
+    }
+}
+
+impl Drop for Installation {
+    fn drop(&mut self) {
+        if let Err(e) = rabbitmqctl(&["delete_vhost", &self.vhost]) {
+            eprintln!("cleaning up: {e}");
+        }
+        for user in &self.users {
+            if let Err(e) = rabbitmqctl(&["delete_user", user]) {
+                eprintln!("cleaning up: {e}");
+            }
+        }
+    }
+}
+
+/// One thing a role tries, on a channel of its own.
+#[derive(Clone, Debug)]
+enum Try {
+    Publish {
+        exchange: String,
+        key: String,
+    },
+    Consume(String),
+    /// A non-passive declare with no arguments: refused without configure; with it, the
+    /// broker answers PRECONDITION_FAILED for a queue that exists with other arguments.
+    Declare(String),
+    DeclareWorkerQueue(WorkerId),
+    /// `queue.delete`: only where it must be refused (it would delete the queue otherwise; the
+    /// right to delete is the right to configure, which `Declare` shows without harm).
+    Delete(String),
+    Bind {
+        queue: String,
+        exchange: String,
+        key: String,
+    },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Outcome {
+    Allowed,
+    Refused,
+}
+use Outcome::{Allowed, Refused};
+
+impl Try {
+    fn publish(exchange: &str, key: &str) -> Self {
+        Try::Publish {
+            exchange: exchange.to_owned(),
+            key: key.to_owned(),
+        }
+    }
+
+    fn bind(queue: &str, exchange: &str, key: &str) -> Self {
+        Try::Bind {
+            queue: queue.to_owned(),
+            exchange: exchange.to_owned(),
+            key: key.to_owned(),
+        }
+    }
+
+    /// Allowed when the broker let the operation past its permission check (PRECONDITION_FAILED
+    /// comes after it), refused on ACCESS_REFUSED; any other error fails the test.
+    async fn run(&self, conn: &Connection, prefix: &str) -> anyhow::Result<Outcome> {
+        let channel = conn.create_channel().await?;
+        let result: Result<(), lapin::Error> = async {
+            match self {
+                Try::Publish { exchange, key } => {
+                    channel
+                        .confirm_select(ConfirmSelectOptions::default())
+                        .await?;
+                    let confirm = channel
+                        .basic_publish(
+                            exchange.as_str().into(),
+                            key.as_str().into(),
+                            BasicPublishOptions::default(),
+                            b"{}",
+                            BasicProperties::default(),
+                        )
+                        .await?;
+                    match tokio::time::timeout(Duration::from_secs(10), confirm).await {
+                        Ok(confirmation) => confirmation.map(|_| ()),
+                        Err(_) => panic!("no confirm for {self:?} within 10 s"),
+                    }
+                }
+                Try::Consume(queue) => channel
+                    .basic_consume(
+                        queue.as_str().into(),
+                        "permission-probe".into(),
+                        BasicConsumeOptions::default(),
+                        FieldTable::default(),
+                    )
+                    .await
+                    .map(|_| ()),
+                Try::Declare(queue) => channel
+                    .queue_declare(
+                        queue.as_str().into(),
+                        QueueDeclareOptions {
+                            durable: true,
+                            ..Default::default()
+                        },
+                        FieldTable::default(),
+                    )
+                    .await
+                    .map(|_| ()),
+                Try::DeclareWorkerQueue(worker) => {
+                    let config = vnfarm_bus::AmqpConfig {
+                        prefix: prefix.to_owned(),
+                        ..Default::default()
+                    };
+                    vnfarm_bus::topology::declare_worker_queue(&channel, &config, worker)
+                        .await
+                        .map(|_| ())
+                }
+                Try::Delete(queue) => channel
+                    .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+                    .await
+                    .map(|_| ()),
+                Try::Bind {
+                    queue,
+                    exchange,
+                    key,
+                } => {
+                    channel
+                        .queue_bind(
+                            queue.as_str().into(),
+                            exchange.as_str().into(),
+                            key.as_str().into(),
+                            QueueBindOptions::default(),
+                            FieldTable::default(),
+                        )
+                        .await
+                }
+            }
+        }
+        .await;
+        match result {
+            Ok(()) => Ok(Allowed),
+            Err(e) => match e.kind() {
+                lapin::ErrorKind::ProtocolError(amqp) => match amqp.kind() {
+                    AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED) => Ok(Refused),
+                    AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED) => Ok(Allowed),
+                    _ => bail!("{self:?}: {e}"),
+                },
+                _ => bail!("{self:?}: {e}"),
+            },
+        }
+    }
+}
+
+/// Each role's connection and what it tries, with the outcome it must get.
+type Cases<'a> = Vec<(&'a str, &'a Connection, Vec<(Try, Outcome)>)>;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_rabbitmq_role_does_its_work_and_nothing_else() -> anyhow::Result<()> {
+    let mut farm = Farm::new("permissions").await?;
+    let installation = Installation::import(&farm.prefix).await?;
+    let t = Topology::new(farm.prefix.clone());
+    let box1: WorkerId = "box-1".parse().expect("a worker id");
+    let box2: WorkerId = "box-2".parse().expect("a worker id");
+
+    // The scheduler and a worker, each as its own user, run a job the submitter handed in
+    // through the submissions exchange (the only thing it may write to).
+    farm.scheduler_env.push((
+        "VNFARM_AMQP__URL".into(),
+        installation.url("vnfarm-scheduler"),
+    ));
+    farm.start_scheduler().await?;
+    let worker_env = vec![(
+        "VNFARM_AMQP__URL".to_owned(),
+        installation.url("vnfarm-worker-box-1"),
+    )];
+    farm.start_worker(
+        "box-1",
+        WorkerOptions {
+            extra_env: worker_env,
+            ..Default::default()
+        },
+    )
+    .await?;
+    let submitter = installation.connect("vnfarm-submitter").await?;
+    let channel = submitter.create_channel().await?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+    let job_id = uuid::Uuid::now_v7().to_string();
+    let body = json!({"schema_version": 1, "job_id": job_id, "priority": "interactive",
+        "job": {"kind": "generate", "prompt": "a lighthouse", "width": 256, "height": 256, "steps": 2, "count": 1, "seed": 3}});
+    let confirm = channel
+        .basic_publish(
+            format!("{}.{SUBMISSIONS}", farm.prefix).as_str().into(),
+            "".into(),
+            BasicPublishOptions::default(),
+            &serde_json::to_vec(&body)?,
+            BasicProperties::default().with_delivery_mode(2),
+        )
+        .await?
+        .await?;
+    assert!(confirm.is_ack());
+    let job = farm.wait_finished(&job_id, FINISH).await?;
+    assert_eq!(job["state"], "completed", "{job}");
+
+    // The intake queue's arguments in the definitions are the ones declare_core gives it.
+    let scheduler = installation.connect("vnfarm-scheduler").await?;
+    let config = vnfarm_bus::AmqpConfig {
+        prefix: farm.prefix.clone(),
+        ..Default::default()
+    };
+    vnfarm_bus::topology::declare_core(&scheduler.create_channel().await?, &config).await?;
+
+    let worker = installation.connect("vnfarm-worker-box-1").await?;
+    let worker2 = installation.connect("vnfarm-worker-box-2").await?;
+    let monitoring = installation.connect("vnfarm-monitoring").await?;
+    let events = t.events_exchange();
+    let job_event = format!("job.{}.progress", JobId::new());
+    let marker = format!("{}.{}", topology::MARKER_ROUTING_PREFIX, JobId::new());
+    let box1_beat = topology::heartbeat_routing_key(&box1);
+    let box2_beat = topology::heartbeat_routing_key(&box2);
+    // Publishing to the default exchange with a key no queue has proves the right to write there
+    // without putting a message anywhere.
+    let nowhere = format!("{}.no-such-queue", farm.prefix);
+    let submissions = format!("{}.{SUBMISSIONS}", farm.prefix);
+    let mine = format!("{}.mine", farm.prefix);
+    let cases: Cases = vec![
+        (
+            "worker box-1",
+            &worker,
+            vec![
+                // Its own queue, its events and heartbeats ...
+                (Try::DeclareWorkerQueue(box1.clone()), Allowed),
+                (Try::Consume(t.worker_queue(&box1)), Allowed),
+                (Try::publish(&events, &box1_beat), Allowed),
+                (Try::publish(&events, &job_event), Allowed),
+                // ... not another worker's queue or heartbeat, not the scheduler's queues or
+                // messages.
+                (Try::Consume(t.worker_queue(&box2)), Refused),
+                (Try::publish(&events, &box2_beat), Refused),
+                (Try::publish(&events, CANCEL_ROUTING_KEY), Refused),
+                (Try::publish(&events, &marker), Refused),
+                (Try::Consume(t.leader_queue()), Refused),
+                (Try::Consume(t.snapshot_stream()), Refused),
+                (Try::Consume(t.dead_watch_queue()), Refused),
+                (Try::Declare(t.leader_queue()), Refused),
+                (Try::Delete(t.leader_queue()), Refused),
+                (Try::bind(&t.events_stream(), &events, "#"), Refused),
+                // Known gaps while the worker declares the shared topology itself and publishes
+                // to the default exchange (docs/operations.md, "RabbitMQ users and what they may
+                // do"): when the code changes, tighten definitions.json and make these Refused.
+                (Try::Consume(t.intake_queue()), Allowed),
+                (Try::publish("", &nowhere), Allowed),
+                (Try::Declare(t.intake_queue()), Allowed),
+            ],
+        ),
+        (
+            "worker box-2",
+            &worker2,
+            vec![
+                (Try::DeclareWorkerQueue(box2.clone()), Allowed),
+                (Try::Consume(t.worker_queue(&box2)), Allowed),
+                (Try::Consume(t.worker_queue(&box1)), Refused),
+                (Try::publish(&events, &box1_beat), Refused),
+            ],
+        ),
+        (
+            // The submissions exchange and nothing else.
+            "submitter",
+            &submitter,
+            vec![
+                (Try::publish(&submissions, ""), Allowed),
+                (Try::publish("", &t.intake_queue()), Refused),
+                (Try::publish("", &nowhere), Refused),
+                (Try::publish(&events, &job_event), Refused),
+                (Try::Consume(t.intake_queue()), Refused),
+                (Try::Declare(mine.clone()), Refused),
+                (Try::Delete(t.intake_queue()), Refused),
+            ],
+        ),
+        (
+            // Logs in; may neither publish, consume nor declare.
+            "monitoring",
+            &monitoring,
+            vec![
+                (Try::publish(&events, &job_event), Refused),
+                (Try::publish("", &nowhere), Refused),
+                (Try::Consume(t.dead_queue()), Refused),
+                (Try::Consume(t.events_stream()), Refused),
+                (Try::Declare(mine.clone()), Refused),
+                (Try::Delete(t.intake_queue()), Refused),
+            ],
+        ),
+        (
+            // Pushes into worker queues but neither declares nor reads them.
+            "scheduler",
+            &scheduler,
+            vec![
+                (Try::publish("", &nowhere), Allowed),
+                (Try::Declare(t.intake_queue()), Allowed),
+                (Try::DeclareWorkerQueue(box1.clone()), Refused),
+                (Try::Consume(t.worker_queue(&box1)), Refused),
+            ],
+        ),
+    ];
+    let mut wrong = Vec::new();
+    for (role, conn, attempts) in &cases {
+        for (attempt, expected) in attempts {
+            let outcome = attempt.run(conn, &farm.prefix).await?;
+            if outcome != *expected {
+                wrong.push(format!(
+                    "{role}: {attempt:?}: {outcome:?}, expected {expected:?}"
+                ));
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+
+    // The job system still works after the probes: nothing they did broke the installation.
+    let job = farm.job(&job_id).await?;
+    assert_eq!(job["state"], "completed", "{job}");
+    drop(farm);
+    drop(installation);
+    Ok(())
+}
