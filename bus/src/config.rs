@@ -82,10 +82,14 @@ impl AmqpConfig {
             return Err("amqp.url: must start with amqp:// or amqps://".into());
         }
         if !self.urls.is_empty() && self.url != default_url() {
-            return Err("amqp.urls: set either url (one node) or urls (a cluster), not both".into());
+            return Err(
+                "amqp.urls: set either url (one node) or urls (a cluster), not both".into(),
+            );
         }
         if let Some(i) = self.urls.iter().position(|u| !amqp(u)) {
-            return Err(format!("amqp.urls[{i}]: must start with amqp:// or amqps://"));
+            return Err(format!(
+                "amqp.urls[{i}]: must start with amqp:// or amqps://"
+            ));
         }
         let ok = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.');
         if self.prefix.is_empty() || self.prefix.len() > 64 || !self.prefix.chars().all(ok) {
@@ -172,7 +176,10 @@ mod tests {
         .unwrap();
         assert_eq!(
             c.nodes(),
-            ["amqp://u:p@10.0.0.1:5672/%2f", "amqp://u:p@10.0.0.2:5672/%2f"]
+            [
+                "amqp://u:p@10.0.0.1:5672/%2f",
+                "amqp://u:p@10.0.0.2:5672/%2f"
+            ]
         );
     }
 

@@ -28,7 +28,10 @@ impl Nodes {
     }
 
     pub fn starting_at(urls: &[String], first: usize) -> Self {
-        assert!(!urls.is_empty(), "a validated AmqpConfig has at least one node");
+        assert!(
+            !urls.is_empty(),
+            "a validated AmqpConfig has at least one node"
+        );
         Self {
             urls: urls.to_vec(),
             next: first % urls.len(),
@@ -65,7 +68,8 @@ pub async fn connect_with_backoff(
     loop {
         for _ in 0..nodes.len() {
             let url = nodes.next_url();
-            let props = ConnectionProperties::default().with_connection_name(name.to_owned().into());
+            let props =
+                ConnectionProperties::default().with_connection_name(name.to_owned().into());
             let attempt = tokio::select! {
                 _ = shutdown.cancelled() => return None,
                 r = tokio::time::timeout(CONNECT_TIMEOUT, Connection::connect(url, props)) => r,
@@ -129,7 +133,9 @@ mod tests {
     use super::*;
 
     fn urls(n: usize) -> Vec<String> {
-        (1..=n).map(|i| format!("amqp://u:p@10.0.0.{i}:5672/%2f")).collect()
+        (1..=n)
+            .map(|i| format!("amqp://u:p@10.0.0.{i}:5672/%2f"))
+            .collect()
     }
 
     #[test]
@@ -146,7 +152,11 @@ mod tests {
         let firsts: std::collections::BTreeSet<String> = (0..200)
             .map(|_| Nodes::new(&urls(3)).next_url().to_owned())
             .collect();
-        assert_eq!(firsts.len(), 3, "every node is somebody's first: {firsts:?}");
+        assert_eq!(
+            firsts.len(),
+            3,
+            "every node is somebody's first: {firsts:?}"
+        );
     }
 
     #[tokio::test]
@@ -157,9 +167,15 @@ mod tests {
         let mut nodes = Nodes::starting_at(&["amqp://guest:guest@127.0.0.1:1/%2f".into(), live], 0);
         let mut failures = 0;
         let shutdown = CancellationToken::new();
-        let conn = connect_with_backoff(&mut nodes, Duration::from_secs(5), "vnfarm-bus connect test", &shutdown, || failures += 1)
-            .await
-            .expect("the live node (is RabbitMQ running on VNFARM_TEST_AMQP_URL?)");
+        let conn = connect_with_backoff(
+            &mut nodes,
+            Duration::from_secs(5),
+            "vnfarm-bus connect test",
+            &shutdown,
+            || failures += 1,
+        )
+        .await
+        .expect("the live node (is RabbitMQ running on VNFARM_TEST_AMQP_URL?)");
         assert!(conn.status().connected());
         assert_eq!(failures, 1);
         conn.close(200, "test over".into()).await.expect("closing");

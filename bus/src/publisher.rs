@@ -196,7 +196,9 @@ mod tests {
             .with_confirm_timeout(Duration::from_nanos(1));
         let stuck = publisher.clone();
         assert!(
-            tokio::time::timeout(Duration::ZERO, stuck.stuck()).await.is_err(),
+            tokio::time::timeout(Duration::ZERO, stuck.stuck())
+                .await
+                .is_err(),
             "not stuck before any publish"
         );
         let e = publisher
@@ -207,6 +209,9 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(1), stuck.stuck())
             .await
             .expect("every clone sees the channel stuck");
-        connection.close(200, "test over".into()).await.expect("closing");
+        connection
+            .close(200, "test over".into())
+            .await
+            .expect("closing");
     }
 }

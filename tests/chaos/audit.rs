@@ -395,7 +395,10 @@ fn first_difference(log: &EventLog, copy: &EventLog) -> Option<String> {
         .enumerate()
         .find(|(_, (a, b))| a != b)
     {
-        return Some(format!("event {n} differs: offset {} there, {} here", b.seq, a.seq));
+        return Some(format!(
+            "event {n} differs: offset {} there, {} here",
+            b.seq, a.seq
+        ));
     }
     (log.events.len() != copy.events.len() || log.undecodable != copy.undecodable).then(|| {
         format!(
@@ -620,7 +623,11 @@ enum Problem {
     OtherRun(String),
 }
 
-async fn stored_run(farm: &Target<'_>, id: JobId, completion: &Completion) -> Result<Stored, Problem> {
+async fn stored_run(
+    farm: &Target<'_>,
+    id: JobId,
+    completion: &Completion,
+) -> Result<Stored, Problem> {
     let missing = |e: vnfarm_storage::StorageError| Problem::Missing(e.to_string());
     let mut stored = farm
         .storage

@@ -91,7 +91,12 @@ impl Node {
     pub fn kill(&mut self) -> anyhow::Result<()> {
         let pid = std::fs::read_to_string(self.dir.join("pid")).context("the node's pid file")?;
         let status = Command::new("kill").args(["-KILL", pid.trim()]).status()?;
-        anyhow::ensure!(status.success(), "kill -KILL {} (node {})", pid.trim(), self.name());
+        anyhow::ensure!(
+            status.success(),
+            "kill -KILL {} (node {})",
+            pid.trim(),
+            self.name()
+        );
         if let Some(mut server) = self.server.take() {
             server.wait()?;
         }
@@ -159,7 +164,10 @@ impl Cluster {
         let home = root.join("home");
         std::fs::create_dir_all(&home)?;
         let cookie = home.join(".erlang.cookie");
-        std::fs::write(&cookie, format!("vnfarm-cluster-{}", uuid::Uuid::new_v4().simple()))?;
+        std::fs::write(
+            &cookie,
+            format!("vnfarm-cluster-{}", uuid::Uuid::new_v4().simple()),
+        )?;
         set_mode(&cookie, 0o400)?;
         let mut nodes = Vec::new();
         for host in boxes {
@@ -232,13 +240,20 @@ impl Cluster {
                 let Ok(status) = serde_json::from_str::<serde_json::Value>(&status) else {
                     continue 'poll;
                 };
-                let running = status["running_nodes"].as_array().cloned().unwrap_or_default();
+                let running = status["running_nodes"]
+                    .as_array()
+                    .cloned()
+                    .unwrap_or_default();
                 let partitioned = match &status["partitions"] {
                     serde_json::Value::Object(p) => !p.is_empty(),
                     serde_json::Value::Array(p) => !p.is_empty(),
                     _ => false,
                 };
-                if partitioned || !names.iter().all(|n| running.iter().any(|r| r == n.as_str())) {
+                if partitioned
+                    || !names
+                        .iter()
+                        .all(|n| running.iter().any(|r| r == n.as_str()))
+                {
                     continue 'poll;
                 }
             }

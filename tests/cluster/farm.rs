@@ -57,7 +57,9 @@ impl ClusterFarm {
     /// active one and a standby) and a worker per box (waiting until each is alive).
     pub async fn start(boxes: u8) -> anyhow::Result<Self> {
         let net = Network::create(boxes)?;
-        let dir = tempfile::Builder::new().prefix("vnfarm-cluster-").tempdir()?;
+        let dir = tempfile::Builder::new()
+            .prefix("vnfarm-cluster-")
+            .tempdir()?;
         let began = Instant::now();
         let cluster = Cluster::boot(&net.boxes, dir.path()).await?;
         println!(
@@ -92,7 +94,10 @@ impl ClusterFarm {
         for slot in 0..SCHEDULER_BOXES.len() {
             farm.start_scheduler(slot)?;
             let role = farm.wait_ready(slot).await?;
-            println!("scheduler {slot} on box {} is {role:?}", SCHEDULER_BOXES[slot] + 1);
+            println!(
+                "scheduler {slot} on box {} is {role:?}",
+                SCHEDULER_BOXES[slot] + 1
+            );
         }
         for n in 0..farm.workers.len() {
             farm.start_worker(n)?;
@@ -100,7 +105,10 @@ impl ClusterFarm {
         for n in 0..farm.workers.len() {
             farm.wait_worker(n).await?;
         }
-        println!("farm ready {:.1} s after the start", began.elapsed().as_secs_f64());
+        println!(
+            "farm ready {:.1} s after the start",
+            began.elapsed().as_secs_f64()
+        );
         Ok(farm)
     }
 
@@ -139,9 +147,11 @@ impl ClusterFarm {
     }
 
     pub async fn wait_ready(&self, slot: usize) -> anyhow::Result<Role> {
-        wait_for(&format!("scheduler {slot} to be ready"), READY, || self.role(slot))
-            .await
-            .map_err(|e| e.context(self.log_tail(&format!("scheduler-{slot}.log"))))
+        wait_for(&format!("scheduler {slot} to be ready"), READY, || {
+            self.role(slot)
+        })
+        .await
+        .map_err(|e| e.context(self.log_tail(&format!("scheduler-{slot}.log"))))
     }
 
     /// Waits until some scheduler is active; returns its slot.
@@ -169,7 +179,8 @@ impl ClusterFarm {
                     continue;
                 };
                 let alive = workers["workers"].as_array().is_some_and(|all| {
-                    all.iter().any(|w| w["id"] == id.as_str() && w["alive"] == true)
+                    all.iter()
+                        .any(|w| w["id"] == id.as_str() && w["alive"] == true)
                 });
                 if alive {
                     return Some(());
@@ -198,7 +209,12 @@ impl ClusterFarm {
             ]
             .map(|(k, v)| (k.to_owned(), v)),
         );
-        let child = self.spawn(&host, "vnfarm-scheduler", &format!("scheduler-{slot}.log"), env)?;
+        let child = self.spawn(
+            &host,
+            "vnfarm-scheduler",
+            &format!("scheduler-{slot}.log"),
+            env,
+        )?;
         self.schedulers[slot] = Some(child);
         Ok(())
     }
@@ -216,7 +232,11 @@ impl ClusterFarm {
                 ("VNFARM_HEARTBEAT_INTERVAL_MS", "300".into()),
                 (
                     "VNFARM_HASH_CACHE_DIR",
-                    self.dir.path().join(format!("hash-cache-{id}")).display().to_string(),
+                    self.dir
+                        .path()
+                        .join(format!("hash-cache-{id}"))
+                        .display()
+                        .to_string(),
                 ),
                 ("VNFARM_ENGINE__TEST_PATTERN__STEP_MS", "10".into()),
                 ("VNFARM_ENGINE__TEST_PATTERN__ENCODE_MS", "5".into()),
@@ -348,7 +368,12 @@ fn start_s3(host: &Host, root: &Path) -> anyhow::Result<Process> {
     std::fs::create_dir_all(&data)?;
     let child = host
         .command("s3s-fs")
-        .args(["--host", &host.address.to_string(), "--port", &S3_PORT.to_string()])
+        .args([
+            "--host",
+            &host.address.to_string(),
+            "--port",
+            &S3_PORT.to_string(),
+        ])
         .args(["--access-key", S3_KEY, "--secret-key", S3_SECRET])
         .arg(&data)
         .stdin(Stdio::null())
@@ -359,7 +384,11 @@ fn start_s3(host: &Host, root: &Path) -> anyhow::Result<Process> {
     let process = Process(child);
     let deadline = Instant::now() + Duration::from_secs(20);
     while std::net::TcpStream::connect((host.address, S3_PORT)).is_err() {
-        anyhow::ensure!(Instant::now() < deadline, "s3s-fs did not listen on {}:{S3_PORT}", host.address);
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "s3s-fs did not listen on {}:{S3_PORT}",
+            host.address
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
     Ok(process)

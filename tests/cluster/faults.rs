@@ -111,7 +111,10 @@ pub async fn inject(
             tokio::time::sleep(LINK_CUT).await;
             farm.net.restore(&host)?;
             farm.cluster.wait_whole(HEAL).await?;
-            Ok(format!("{} cut for {LINK_CUT:?}, cluster whole again", host.ns))
+            Ok(format!(
+                "{} cut for {LINK_CUT:?}, cluster whole again",
+                host.ns
+            ))
         }
         Fault::ActivePartition => active_partition(farm, measured).await,
         Fault::BoxKill => {
@@ -208,12 +211,16 @@ impl Probe {
                 while !stop.is_cancelled() {
                     tick.tick().await;
                     let job = workload::generate(&mut rng);
-                    let (key, body) = client.register(Kind::Generate, job, workload::priority(&mut rng));
+                    let (key, body) =
+                        client.register(Kind::Generate, job, workload::priority(&mut rng));
                     let (client, accepted) = (client.clone(), accepted.clone());
                     slot = (slot + 1) % client.schedulers();
                     submissions.spawn(async move {
                         if client.submit(&key, &body, slot).await.is_some() {
-                            accepted.lock().unwrap_or_else(|p| p.into_inner()).push(Instant::now());
+                            accepted
+                                .lock()
+                                .unwrap_or_else(|p| p.into_inner())
+                                .push(Instant::now());
                         }
                     });
                 }
@@ -235,7 +242,11 @@ impl Probe {
         if let Err(e) = self.task.await {
             eprintln!("the probe's task failed: {e}");
         }
-        let mut times = self.accepted.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let mut times = self
+            .accepted
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
         times.sort();
         let mut previous = self.began;
         let mut longest = Duration::ZERO;

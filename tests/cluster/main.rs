@@ -108,11 +108,10 @@ async fn a_three_box_farm_loses_nothing_under_real_faults() -> anyhow::Result<()
     // The workload runs until it is aborted after the last fault. Aborting it is safe: it is
     // stopped at an await, and it never awaits between registering a key and spawning its
     // submission (which goes on in the client's own tasks until `drain`).
-    let workload = tokio::spawn(
-        client
-            .clone()
-            .run(Instant::now() + Duration::from_secs(24 * 3600), settings.seed),
-    );
+    let workload = tokio::spawn(client.clone().run(
+        Instant::now() + Duration::from_secs(24 * 3600),
+        settings.seed,
+    ));
     let mut measured = Measurements::default();
     let mut injected = 0;
     for _ in 0..settings.rounds {
@@ -161,7 +160,11 @@ async fn a_three_box_farm_loses_nothing_under_real_faults() -> anyhow::Result<()
     println!(
         "client: {} POSTs ({} without an answer, retried), {} resubmissions, {} simultaneous \
          pairs, {} cancels",
-        stats.posts, stats.failed_posts, stats.resubmissions, stats.simultaneous_pairs, stats.cancels
+        stats.posts,
+        stats.failed_posts,
+        stats.resubmissions,
+        stats.simultaneous_pairs,
+        stats.cancels
     );
     println!("{report}");
     let worst = |all: &[Duration]| all.iter().max().copied();

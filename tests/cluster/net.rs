@@ -54,7 +54,9 @@ impl Network {
     pub fn create(boxes: u8) -> anyhow::Result<Self> {
         remove_leftovers()?;
         let network = Network {
-            boxes: (1..=boxes).map(|n| host(&format!("box{n}"), n, true)).collect(),
+            boxes: (1..=boxes)
+                .map(|n| host(&format!("box{n}"), n, true))
+                .collect(),
             storage: host("s3", 10, false),
         };
         ip(&["netns", "add", BRIDGE_NS])?;
@@ -64,10 +66,30 @@ impl Network {
         for host in network.boxes.iter().chain([&network.storage]) {
             plug(host)?;
         }
-        ip(&["link", "add", ROOT_LINK, "type", "veth", "peer", "name", "vnc-root-br", "netns", BRIDGE_NS])?;
+        ip(&[
+            "link",
+            "add",
+            ROOT_LINK,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "vnc-root-br",
+            "netns",
+            BRIDGE_NS,
+        ])?;
         ip(&["addr", "add", ROOT_ADDRESS, "dev", ROOT_LINK])?;
         ip(&["link", "set", ROOT_LINK, "up"])?;
-        ip(&["-n", BRIDGE_NS, "link", "set", "vnc-root-br", "master", "br0", "up"])?;
+        ip(&[
+            "-n",
+            BRIDGE_NS,
+            "link",
+            "set",
+            "vnc-root-br",
+            "master",
+            "br0",
+            "up",
+        ])?;
         Ok(network)
     }
 
@@ -104,17 +126,55 @@ fn plug(host: &Host) -> anyhow::Result<()> {
     let inside = &host.ns[PREFIX.len()..];
     ip(&["netns", "add", &host.ns])?;
     ip(&["-n", &host.ns, "link", "set", "lo", "up"])?;
-    ip(&["link", "add", inside, "type", "veth", "peer", "name", &host.bridge_port, "netns", BRIDGE_NS])?;
+    ip(&[
+        "link",
+        "add",
+        inside,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        &host.bridge_port,
+        "netns",
+        BRIDGE_NS,
+    ])?;
     ip(&["link", "set", inside, "netns", &host.ns])?;
-    ip(&["-n", &host.ns, "addr", "add", &format!("{}/24", host.address), "dev", inside])?;
+    ip(&[
+        "-n",
+        &host.ns,
+        "addr",
+        "add",
+        &format!("{}/24", host.address),
+        "dev",
+        inside,
+    ])?;
     ip(&["-n", &host.ns, "link", "set", inside, "up"])?;
-    ip(&["-n", BRIDGE_NS, "link", "set", &host.bridge_port, "master", "br0", "up"])?;
+    ip(&[
+        "-n",
+        BRIDGE_NS,
+        "link",
+        "set",
+        &host.bridge_port,
+        "master",
+        "br0",
+        "up",
+    ])?;
     if let Some(observed) = host.observed_at {
         let [a, b, c, d] = observed.octets();
         let root_end = Ipv4Addr::new(a, b, c, d + 1);
         let (box_link, root_link) = (format!("{inside}-obs"), format!("{}-obs", host.ns));
-        ip(&["link", "add", &root_link, "type", "veth", "peer", "name", &box_link, "netns", &host.ns])?;
-        ip(&["-n", &host.ns, "addr", "add", &format!("{observed}/30"), "dev", &box_link])?;
+        ip(&[
+            "link", "add", &root_link, "type", "veth", "peer", "name", &box_link, "netns", &host.ns,
+        ])?;
+        ip(&[
+            "-n",
+            &host.ns,
+            "addr",
+            "add",
+            &format!("{observed}/30"),
+            "dev",
+            &box_link,
+        ])?;
         ip(&["-n", &host.ns, "link", "set", &box_link, "up"])?;
         ip(&["addr", "add", &format!("{root_end}/30"), "dev", &root_link])?;
         ip(&["link", "set", &root_link, "up"])?;
