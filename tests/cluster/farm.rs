@@ -46,7 +46,8 @@ pub struct ClusterFarm {
     pub http: reqwest::Client,
     schedulers: Vec<Option<Process>>,
     workers: Vec<Option<Process>>,
-    s3: Option<Process>,
+    /// Held for its `Drop`, which stops the server.
+    _s3: Process,
     pub cluster: Cluster,
     pub net: Network,
     dir: tempfile::TempDir,
@@ -86,7 +87,7 @@ impl ClusterFarm {
             http,
             schedulers: SCHEDULER_BOXES.iter().map(|_| None).collect(),
             workers: (0..boxes).map(|_| None).collect(),
-            s3: Some(s3),
+            _s3: s3,
             cluster,
             net,
             dir,
@@ -275,13 +276,6 @@ impl ClusterFarm {
         }
         self.start_worker(n)?;
         self.wait_worker(n).await
-    }
-
-    /// Takes the S3 server's process down and starts it again (the data stays).
-    pub fn restart_s3(&mut self) -> anyhow::Result<()> {
-        self.s3 = None;
-        self.s3 = Some(start_s3(&self.net.storage, self.dir.path())?);
-        Ok(())
     }
 
     fn common_env(&self) -> Vec<(String, String)> {
