@@ -21,11 +21,19 @@ pub const AMQP_PORT: u16 = 5672;
 /// The farm's broker user (`guest` may only connect from loopback).
 pub const USER: &str = "vnfarm";
 pub const PASSWORD: &str = "vnfarm-cluster-test";
-/// AMQP heartbeat the farm's clients ask for, in seconds: a connection to a node behind a cut link
-/// is given up after about two of them instead of RabbitMQ's default 60 s.
-const HEARTBEAT_S: u32 = 5;
-/// `net_ticktime`: how soon (about 1.3 ×) nodes notice that a peer is unreachable.
-const NET_TICKTIME_S: u32 = 10;
+/// AMQP heartbeat the farm's clients ask for, in seconds: a connection across a cut link is given
+/// up by both ends after about two of them (RabbitMQ's default is 60 s). With 5 s the standby took
+/// over 12.5 s after the active scheduler's box was cut, the broker holding the token that long.
+const HEARTBEAT_S: u32 = 2;
+/// `net_ticktime`: nodes notice that a peer is unreachable after 1 to 1.25 × this. fleet.md
+/// checked 10 (a cut noticed after ~13 s); 6 keeps a client of a node on the cut box from holding
+/// the leader token past the takeover target.
+const NET_TICKTIME_S: u32 = 6;
+/// How long the broker's own dead-lettering waits for the target queue's confirm before it
+/// publishes again. RabbitMQ's default, 3 min, held jobs that expired in a worker queue during a
+/// partition for 3 min after the heal (the redispatch queue's leader was on the cut node): the
+/// broker's side of fleet.md's client trap 2. The same as the clients' `confirm_timeout_ms`.
+const DEAD_LETTER_CONFIRM_TIMEOUT_MS: u32 = 10_000;
 /// A node boots in 9–15 s on two idle cores (fleet.md); a loaded machine takes longer.
 const BOOT: Duration = Duration::from_secs(120);
 
@@ -137,6 +145,7 @@ impl Node {
             format!("RABBITMQ_MNESIA_BASE={dir}/mnesia"),
             format!("RABBITMQ_LOG_BASE={dir}/log"),
             format!("RABBITMQ_CONFIG_FILE={dir}/rabbitmq"),
+            format!("RABBITMQ_ADVANCED_CONFIG_FILE={dir}/advanced.config"),
             format!("RABBITMQ_PID_FILE={dir}/pid"),
             format!("RABBITMQ_ENABLED_PLUGINS_FILE={dir}/enabled_plugins"),
         ]
@@ -182,6 +191,14 @@ impl Cluster {
                      cluster_partition_handling = pause_minority\n\
                      consumer_timeout = 7200000\n",
                     host.address
+                ),
+            )?;
+            // Not in rabbitmq.conf's schema: an application setting.
+            std::fs::write(
+                dir.join("advanced.config"),
+                format!(
+                    "[{{rabbit, [{{dead_letter_worker_publisher_confirm_timeout, \
+                     {DEAD_LETTER_CONFIRM_TIMEOUT_MS}}}]}}].\n"
                 ),
             )?;
             let mut node = Node {
