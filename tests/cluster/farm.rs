@@ -92,13 +92,10 @@ impl ClusterFarm {
             net,
             dir,
         };
-        for slot in 0..SCHEDULER_BOXES.len() {
+        for (slot, b) in SCHEDULER_BOXES.iter().enumerate() {
             farm.start_scheduler(slot)?;
             let role = farm.wait_ready(slot).await?;
-            println!(
-                "scheduler {slot} on box {} is {role:?}",
-                SCHEDULER_BOXES[slot] + 1
-            );
+            println!("scheduler {slot} on box {} is {role:?}", b + 1);
         }
         for n in 0..farm.workers.len() {
             farm.start_worker(n)?;
