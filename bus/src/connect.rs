@@ -13,12 +13,15 @@ use crate::config::redacted;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The broker nodes to try, in turn: from a random one, so that a fleet started together spreads
-/// over the cluster; each attempt moves one on, so a connection lost with its node is opened again
-/// on the next.
+/// over the cluster. A reconnection tries the node that served last first: a session is often
+/// lost with a healthy node (a channel that stopped confirming, a queue leader that moved), and a
+/// node that is really gone answers at once (refused: killed, or paused as a minority), except
+/// behind a cut link, where the attempt costs [`CONNECT_TIMEOUT`]. A failed attempt moves on to
+/// the next node.
 #[derive(Clone, Debug)]
 pub struct Nodes {
     urls: Vec<String>,
-    next: usize,
+    current: usize,
 }
 
 impl Nodes {
@@ -34,15 +37,18 @@ impl Nodes {
         );
         Self {
             urls: urls.to_vec(),
-            next: first % urls.len(),
+            current: first % urls.len(),
         }
     }
 
-    /// The node to try now; the next call gives the one after it.
-    pub fn next_url(&mut self) -> &str {
-        let url = &self.urls[self.next];
-        self.next = (self.next + 1) % self.urls.len();
-        url
+    /// The node to try now: the one that served last, until an attempt on it fails.
+    pub fn current(&self) -> &str {
+        &self.urls[self.current]
+    }
+
+    /// An attempt on [`Nodes::current`] failed: the next node is tried.
+    pub fn failed(&mut self) {
+        self.current = (self.current + 1) % self.urls.len();
     }
 
     pub fn len(&self) -> usize {
@@ -54,7 +60,7 @@ impl Nodes {
     }
 }
 
-/// Connects to the first of `nodes` that answers, trying each in turn and waiting with [`Backoff`]
+/// Connects to the first of `nodes` that answers, from its current node, trying each in turn and waiting with [`Backoff`]
 /// (100 ms doubling to `max_backoff`) after every round in which none did. `None` means shutdown
 /// came first. `on_failure` is called after each failed attempt (for a reconnect counter).
 pub async fn connect_with_backoff(
@@ -67,23 +73,24 @@ pub async fn connect_with_backoff(
     let mut backoff = Backoff::new(max_backoff);
     loop {
         for _ in 0..nodes.len() {
-            let url = nodes.next_url();
+            let url = nodes.current().to_owned();
             let props =
                 ConnectionProperties::default().with_connection_name(name.to_owned().into());
             let attempt = tokio::select! {
                 _ = shutdown.cancelled() => return None,
-                r = tokio::time::timeout(CONNECT_TIMEOUT, Connection::connect(url, props)) => r,
+                r = tokio::time::timeout(CONNECT_TIMEOUT, Connection::connect(&url, props)) => r,
             };
             let error = match attempt {
                 Ok(Ok(conn)) => {
-                    tracing::info!(url = %redacted(url), connection = name, "connected to the broker");
+                    tracing::info!(url = %redacted(&url), connection = name, "connected to the broker");
                     return Some(conn);
                 }
                 Ok(Err(e)) => e.to_string(),
                 Err(_) => format!("no answer within {CONNECT_TIMEOUT:?}"),
             };
             on_failure();
-            tracing::warn!(url = %redacted(url), %error, "broker connection failed");
+            nodes.failed();
+            tracing::warn!(url = %redacted(&url), %error, "broker connection failed");
         }
         let delay = backoff.next_delay();
         tracing::warn!(
@@ -139,18 +146,23 @@ mod tests {
     }
 
     #[test]
-    fn nodes_are_tried_in_turn_from_the_first_given() {
+    fn the_node_that_served_is_kept_and_a_failed_one_left_for_the_next() {
         let all = urls(3);
         let mut nodes = Nodes::starting_at(&all, 1);
-        let tried: Vec<String> = (0..5).map(|_| nodes.next_url().to_owned()).collect();
-        let expected: Vec<String> = [1, 2, 0, 1, 2].iter().map(|&i| all[i].clone()).collect();
-        assert_eq!(tried, expected);
+        assert_eq!(nodes.current(), all[1]);
+        assert_eq!(nodes.current(), all[1], "kept while it serves");
+        let mut tried = Vec::new();
+        for _ in 0..4 {
+            nodes.failed();
+            tried.push(nodes.current().to_owned());
+        }
+        assert_eq!(tried, [&all[2], &all[0], &all[1], &all[2]]);
     }
 
     #[test]
     fn a_fleet_starts_spread_over_the_nodes() {
         let firsts: std::collections::BTreeSet<String> = (0..200)
-            .map(|_| Nodes::new(&urls(3)).next_url().to_owned())
+            .map(|_| Nodes::new(&urls(3)).current().to_owned())
             .collect();
         assert_eq!(
             firsts.len(),

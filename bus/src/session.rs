@@ -60,7 +60,7 @@ pub async fn run_sessions<F, Fut>(
 {
     let max_backoff = Duration::from_millis(config.max_backoff_ms);
     let mut quick_losses = Backoff::new(max_backoff);
-    // Kept across sessions: a lost session reconnects starting at the node after its own.
+    // Kept across sessions: a lost session reconnects to its own node first, then the others.
     let mut nodes = Nodes::new(config.nodes());
     loop {
         let Some(connection) =
