@@ -123,7 +123,9 @@ fn host(name: &str, n: u8, observed: bool) -> Host {
 /// The host's namespace, its veth into the bridge and, for a box, its observation link: a /30 of
 /// its own in 10.77.1.0/24 (`4n+1` in the box, `4n+2` in the root namespace).
 fn plug(host: &Host) -> anyhow::Result<()> {
-    let inside = &host.ns[PREFIX.len()..];
+    // Named after the namespace: it is created in the root namespace before it moves, so a run
+    // that crashed in between leaves it where `remove_leftovers` finds it.
+    let inside = &host.ns;
     ip(&["netns", "add", &host.ns])?;
     ip(&["-n", &host.ns, "link", "set", "lo", "up"])?;
     ip(&[
@@ -162,7 +164,7 @@ fn plug(host: &Host) -> anyhow::Result<()> {
     if let Some(observed) = host.observed_at {
         let [a, b, c, d] = observed.octets();
         let root_end = Ipv4Addr::new(a, b, c, d + 1);
-        let (box_link, root_link) = (format!("{inside}-obs"), format!("{}-obs", host.ns));
+        let (box_link, root_link) = ("observe".to_owned(), format!("{}-obs", host.ns));
         ip(&[
             "link", "add", &root_link, "type", "veth", "peer", "name", &box_link, "netns", &host.ns,
         ])?;
@@ -200,10 +202,18 @@ fn remove_leftovers() -> anyhow::Result<()> {
     for ns in &namespaces {
         ip(&["netns", "delete", ns])?;
     }
-    // The root end of a veth whose peer namespace is gone is gone too; this one is plugged into
-    // the bridge, so it went with the bridge's namespace. Checked, in case of a half-built run.
-    if output(&["link", "show", ROOT_LINK]).is_ok() {
-        ip(&["link", "delete", ROOT_LINK])?;
+    // A namespace's veths go only once its last process has exited, which may be after this
+    // returns: the root namespace's ends (the bridge plug, the observation links, a box's link
+    // not yet moved into its namespace) are deleted by name, which takes their peers too.
+    for link in output(&["-o", "link", "show"])?.lines() {
+        let Some(name) = link.split(": ").nth(1).and_then(|n| n.split('@').next()) else {
+            continue;
+        };
+        // One that vanished since the listing (its namespace was just freed) is gone as wanted.
+        let gone = |name: &str| output(&["link", "show", name]).is_err();
+        if name.starts_with(PREFIX) && ip(&["link", "delete", name]).is_err() && !gone(name) {
+            bail!("cannot delete the leftover link {name}");
+        }
     }
     Ok(())
 }
