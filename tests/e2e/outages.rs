@@ -181,8 +181,8 @@ async fn queue_depth(farm: &Farm, queue: &str) -> anyhow::Result<u32> {
 /// second return alone would dead-letter it (the scheduler that receives a counted delivery
 /// renews it instead). Once S3 is back the job is accepted and completes; nothing is dead.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_submission_waits_out_a_storage_outage_longer_than_any_retry_budget() -> anyhow::Result<()>
-{
+async fn a_submission_waits_out_a_storage_outage_longer_than_any_retry_budget()
+-> anyhow::Result<()> {
     let mut farm = Farm::with_own_s3("intake-outage").await?;
     let limit = ("VNFARM_AMQP__DELIVERY_LIMIT".to_owned(), "1".to_owned());
     farm.scheduler_env.push(limit.clone());
@@ -228,11 +228,7 @@ async fn a_submission_waits_out_a_storage_outage_longer_than_any_retry_budget() 
         .await?
         .status();
     assert_eq!(status, 404, "not accepted while S3 is down");
-    assert_eq!(
-        queue_depth(&farm, "dead").await?,
-        0,
-        "nothing dead-lettered"
-    );
+    assert_eq!(queue_depth(&farm, "dead").await?, 0, "nothing dead-lettered");
 
     farm.own_s3.as_mut().expect("own S3").restart()?;
     let job = farm.wait_finished(&id, FINISH).await?;
@@ -242,11 +238,7 @@ async fn a_submission_waits_out_a_storage_outage_longer_than_any_retry_budget() 
         "{job}\n{}",
         farm.scheduler_logs()
     );
-    assert_eq!(
-        queue_depth(&farm, "dead").await?,
-        0,
-        "nothing dead-lettered"
-    );
+    assert_eq!(queue_depth(&farm, "dead").await?, 0, "nothing dead-lettered");
     let logs = farm.scheduler_logs();
     assert!(
         logs.contains("holding it") && logs.contains("renewed it in the intake queue"),
