@@ -156,7 +156,7 @@ mod tests {
             nodes.failed();
             tried.push(nodes.current().to_owned());
         }
-        assert_eq!(tried, [&all[2], &all[0], &all[1], &all[2]]);
+        assert_eq!(tried, [2, 0, 1, 2].map(|i| all[i].clone()));
     }
 
     #[test]
