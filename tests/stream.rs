@@ -25,8 +25,15 @@ pub struct EventLog {
 }
 
 pub async fn read_all(farm: &Farm) -> anyhow::Result<EventLog> {
-    let topology = Topology::new(farm.prefix.clone());
-    let connection = farm.connect_amqp().await?;
+    read_all_from(&crate::amqp_url(), &farm.prefix).await
+}
+
+/// [`read_all`] of the installation `prefix` through the broker node at `url` (of a cluster, whose
+/// nodes each hold a replica of the stream).
+pub async fn read_all_from(url: &str, prefix: &str) -> anyhow::Result<EventLog> {
+    let topology = Topology::new(prefix.to_owned());
+    let connection =
+        lapin::Connection::connect(url, lapin::ConnectionProperties::default()).await?;
     // Our own marker: everything before it was written before the reading began.
     let marker = format!(
         "{MARKER_ROUTING_PREFIX}.log-reader-{}",

@@ -5,9 +5,15 @@ use serde::Deserialize;
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct AmqpConfig {
-    /// `amqp://user:password@host:port/vhost`. The password is never logged.
+    /// `amqp://user:password@host:port/vhost`: the broker of a single-node installation. The
+    /// password is never logged.
     #[serde(default = "default_url")]
     pub url: String,
+    /// The nodes of a broker cluster, in place of `url`: each connection starts at a random one
+    /// (so a fleet spreads over the cluster) and moves to the next when a node fails. In the
+    /// environment a TOML array: `VNFARM_AMQP__URLS='["amqp://…@10.0.0.1:5672/%2f", …]'`.
+    #[serde(default)]
+    pub urls: Vec<String>,
     /// Prefix of every exchange and queue name (`vnfarm`); lets several installations share a broker.
     #[serde(default = "default_prefix")]
     pub prefix: String,
@@ -24,6 +30,11 @@ pub struct AmqpConfig {
     /// Longest wait between reconnection attempts, in milliseconds.
     #[serde(default = "default_max_backoff_ms")]
     pub max_backoff_ms: u64,
+    /// Longest wait for the broker's confirm of one publish. A channel can stop receiving confirms
+    /// for good after a cluster election (fleet.md, client trap 2), so a confirm that does not come
+    /// in time fails the publish and the session is opened again on fresh channels.
+    #[serde(default = "default_confirm_timeout_ms")]
+    pub confirm_timeout_ms: u64,
 }
 
 fn default_url() -> String {
@@ -44,16 +55,21 @@ fn default_stream_max_age() -> String {
 fn default_max_backoff_ms() -> u64 {
     5_000
 }
+fn default_confirm_timeout_ms() -> u64 {
+    10_000
+}
 
 impl Default for AmqpConfig {
     fn default() -> Self {
         Self {
             url: default_url(),
+            urls: Vec::new(),
             prefix: default_prefix(),
             delivery_limit: default_delivery_limit(),
             events_max_bytes: default_stream_max_bytes(),
             events_max_age: default_stream_max_age(),
             max_backoff_ms: default_max_backoff_ms(),
+            confirm_timeout_ms: default_confirm_timeout_ms(),
         }
     }
 }
@@ -61,8 +77,19 @@ impl Default for AmqpConfig {
 impl AmqpConfig {
     /// Checks without I/O; the error names the field.
     pub fn validate(&self) -> Result<(), String> {
-        if !(self.url.starts_with("amqp://") || self.url.starts_with("amqps://")) {
+        let amqp = |url: &str| url.starts_with("amqp://") || url.starts_with("amqps://");
+        if !amqp(&self.url) {
             return Err("amqp.url: must start with amqp:// or amqps://".into());
+        }
+        if !self.urls.is_empty() && self.url != default_url() {
+            return Err(
+                "amqp.urls: set either url (one node) or urls (a cluster), not both".into(),
+            );
+        }
+        if let Some(i) = self.urls.iter().position(|u| !amqp(u)) {
+            return Err(format!(
+                "amqp.urls[{i}]: must start with amqp:// or amqps://"
+            ));
         }
         let ok = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.');
         if self.prefix.is_empty() || self.prefix.len() > 64 || !self.prefix.chars().all(ok) {
@@ -74,6 +101,9 @@ impl AmqpConfig {
         if self.max_backoff_ms == 0 {
             return Err("amqp.max_backoff_ms: must be positive".into());
         }
+        if self.confirm_timeout_ms == 0 {
+            return Err("amqp.confirm_timeout_ms: must be positive".into());
+        }
         Ok(())
     }
 
@@ -81,16 +111,29 @@ impl AmqpConfig {
         vnfarm_proto::topology::Topology::new(self.prefix.clone())
     }
 
-    /// The URL with its password replaced, for logs.
-    pub fn redacted_url(&self) -> String {
-        match (self.url.find("://"), self.url.rfind('@')) {
-            (Some(scheme), Some(at)) if at > scheme => {
-                let creds = &self.url[scheme + 3..at];
-                let user = creds.split(':').next().unwrap_or("");
-                format!("{}{user}:***{}", &self.url[..scheme + 3], &self.url[at..])
-            }
-            _ => self.url.clone(),
+    /// The broker nodes to connect to: `urls`, or `url` alone when no list is set.
+    pub fn nodes(&self) -> &[String] {
+        if self.urls.is_empty() {
+            std::slice::from_ref(&self.url)
+        } else {
+            &self.urls
         }
+    }
+
+    pub fn confirm_timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.confirm_timeout_ms)
+    }
+}
+
+/// A broker URL with its password replaced, for logs.
+pub fn redacted(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let creds = &url[scheme + 3..at];
+            let user = creds.split(':').next().unwrap_or("");
+            format!("{}{user}:***{}", &url[..scheme + 3], &url[at..])
+        }
+        _ => url.to_owned(),
     }
 }
 
@@ -100,12 +143,56 @@ mod tests {
 
     #[test]
     fn passwords_are_redacted() {
-        let c = AmqpConfig {
-            url: "amqp://guest:secret@host:5672/%2f".into(),
-            ..Default::default()
-        };
-        assert_eq!(c.redacted_url(), "amqp://guest:***@host:5672/%2f");
-        assert!(!c.redacted_url().contains("secret"));
+        let url = "amqp://guest:secret@host:5672/%2f";
+        assert_eq!(redacted(url), "amqp://guest:***@host:5672/%2f");
+        assert!(!redacted(url).contains("secret"));
+    }
+
+    fn from_env(pairs: &[(&str, &str)]) -> Result<AmqpConfig, String> {
+        #[derive(Deserialize)]
+        struct Config {
+            #[serde(default)]
+            amqp: AmqpConfig,
+        }
+        let env = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string()));
+        let config: Config = vnfarm_config::load(None, env).map_err(|e| e.to_string())?;
+        config.amqp.validate()?;
+        Ok(config.amqp)
+    }
+
+    #[test]
+    fn one_url_is_a_cluster_of_one_node() {
+        let c = from_env(&[("VNFARM_AMQP__URL", "amqp://u:p@h:5672/%2f")]).unwrap();
+        assert_eq!(c.nodes(), ["amqp://u:p@h:5672/%2f"]);
+        assert_eq!(AmqpConfig::default().nodes(), [default_url()]);
+    }
+
+    #[test]
+    fn a_cluster_is_a_toml_array_in_the_environment() {
+        let c = from_env(&[(
+            "VNFARM_AMQP__URLS",
+            r#"["amqp://u:p@10.0.0.1:5672/%2f", "amqp://u:p@10.0.0.2:5672/%2f"]"#,
+        )])
+        .unwrap();
+        assert_eq!(
+            c.nodes(),
+            [
+                "amqp://u:p@10.0.0.1:5672/%2f",
+                "amqp://u:p@10.0.0.2:5672/%2f"
+            ]
+        );
+    }
+
+    #[test]
+    fn url_and_urls_together_are_refused() {
+        let e = from_env(&[
+            ("VNFARM_AMQP__URL", "amqp://u:p@h:5672/%2f"),
+            ("VNFARM_AMQP__URLS", r#"["amqp://u:p@h2:5672/%2f"]"#),
+        ])
+        .unwrap_err();
+        assert!(e.starts_with("amqp.urls: "), "{e}");
+        let e = from_env(&[("VNFARM_AMQP__URLS", r#"["amqp://a", "http://b"]"#)]).unwrap_err();
+        assert!(e.starts_with("amqp.urls[1]: "), "{e}");
     }
 
     #[test]

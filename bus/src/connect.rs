@@ -1,36 +1,103 @@
-//! Connecting to the broker, retrying with exponential backoff until it answers or shutdown.
+//! Connecting to the broker: the nodes of the cluster in turn, retrying with exponential backoff
+//! until one answers or shutdown.
 
 use std::time::Duration;
 
 use lapin::{Connection, ConnectionProperties};
 use tokio_util::sync::CancellationToken;
 
-use crate::AmqpConfig;
+use crate::config::redacted;
 
-/// Connects, retrying with [`Backoff`] (100 ms doubling to `max_backoff_ms`). `None` means shutdown
+/// Longest wait for one node to take a connection. A node behind a cut link does not refuse: it
+/// stays silent until TCP gives up (minutes), while the next node may be alive.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The broker nodes to try, in turn: from a random one, so that a fleet started together spreads
+/// over the cluster. A reconnection tries the node that served last first: a session is often
+/// lost with a healthy node (a channel that stopped confirming, a queue leader that moved), and a
+/// node that is really gone answers at once (refused: killed, or paused as a minority), except
+/// behind a cut link, where the attempt costs [`CONNECT_TIMEOUT`]. A failed attempt moves on to
+/// the next node.
+#[derive(Clone, Debug)]
+pub struct Nodes {
+    urls: Vec<String>,
+    current: usize,
+}
+
+impl Nodes {
+    /// `urls` from a random one of them (see [`crate::AmqpConfig::nodes`]).
+    pub fn new(urls: &[String]) -> Self {
+        Self::starting_at(urls, rand::random_range(0..urls.len().max(1)))
+    }
+
+    pub fn starting_at(urls: &[String], first: usize) -> Self {
+        assert!(
+            !urls.is_empty(),
+            "a validated AmqpConfig has at least one node"
+        );
+        Self {
+            urls: urls.to_vec(),
+            current: first % urls.len(),
+        }
+    }
+
+    /// The node to try now: the one that served last, until an attempt on it fails.
+    pub fn current(&self) -> &str {
+        &self.urls[self.current]
+    }
+
+    /// An attempt on [`Nodes::current`] failed: the next node is tried.
+    pub fn failed(&mut self) {
+        self.current = (self.current + 1) % self.urls.len();
+    }
+
+    pub fn len(&self) -> usize {
+        self.urls.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.urls.is_empty()
+    }
+}
+
+/// Connects to the first of `nodes` that answers, from its current node, trying each in turn and waiting with [`Backoff`]
+/// (100 ms doubling to `max_backoff`) after every round in which none did. `None` means shutdown
 /// came first. `on_failure` is called after each failed attempt (for a reconnect counter).
 pub async fn connect_with_backoff(
-    config: &AmqpConfig,
+    nodes: &mut Nodes,
+    max_backoff: Duration,
     name: &str,
     shutdown: &CancellationToken,
-    mut on_failure: impl FnMut(&lapin::Error),
+    mut on_failure: impl FnMut(),
 ) -> Option<Connection> {
-    let mut backoff = Backoff::new(Duration::from_millis(config.max_backoff_ms));
+    let mut backoff = Backoff::new(max_backoff);
     loop {
-        let props = ConnectionProperties::default().with_connection_name(name.to_owned().into());
-        let attempt = tokio::select! {
-            _ = shutdown.cancelled() => return None,
-            r = Connection::connect(&config.url, props) => r,
-        };
-        let delay = match attempt {
-            Ok(conn) => return Some(conn),
-            Err(e) => {
-                on_failure(&e);
-                let delay = backoff.next_delay();
-                tracing::warn!(url = %config.redacted_url(), error = %e, retry_in_ms = delay.as_millis() as u64, "broker connection failed");
-                delay
-            }
-        };
+        for _ in 0..nodes.len() {
+            let url = nodes.current().to_owned();
+            let props =
+                ConnectionProperties::default().with_connection_name(name.to_owned().into());
+            let attempt = tokio::select! {
+                _ = shutdown.cancelled() => return None,
+                r = tokio::time::timeout(CONNECT_TIMEOUT, Connection::connect(&url, props)) => r,
+            };
+            let error = match attempt {
+                Ok(Ok(conn)) => {
+                    tracing::info!(url = %redacted(&url), connection = name, "connected to the broker");
+                    return Some(conn);
+                }
+                Ok(Err(e)) => e.to_string(),
+                Err(_) => format!("no answer within {CONNECT_TIMEOUT:?}"),
+            };
+            on_failure();
+            nodes.failed();
+            tracing::warn!(url = %redacted(&url), %error, "broker connection failed");
+        }
+        let delay = backoff.next_delay();
+        tracing::warn!(
+            nodes = nodes.len(),
+            retry_in_ms = delay.as_millis() as u64,
+            "no broker node answered"
+        );
         tokio::select! {
             _ = shutdown.cancelled() => return None,
             _ = tokio::time::sleep(delay) => {}
@@ -71,6 +138,60 @@ impl Backoff {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn urls(n: usize) -> Vec<String> {
+        (1..=n)
+            .map(|i| format!("amqp://u:p@10.0.0.{i}:5672/%2f"))
+            .collect()
+    }
+
+    #[test]
+    fn the_node_that_served_is_kept_and_a_failed_one_left_for_the_next() {
+        let all = urls(3);
+        let mut nodes = Nodes::starting_at(&all, 1);
+        assert_eq!(nodes.current(), all[1]);
+        assert_eq!(nodes.current(), all[1], "kept while it serves");
+        let mut tried = Vec::new();
+        for _ in 0..4 {
+            nodes.failed();
+            tried.push(nodes.current().to_owned());
+        }
+        assert_eq!(tried, [2, 0, 1, 2].map(|i| all[i].clone()));
+    }
+
+    #[test]
+    fn a_fleet_starts_spread_over_the_nodes() {
+        let firsts: std::collections::BTreeSet<String> = (0..200)
+            .map(|_| Nodes::new(&urls(3)).current().to_owned())
+            .collect();
+        assert_eq!(
+            firsts.len(),
+            3,
+            "every node is somebody's first: {firsts:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_dead_node_is_skipped_for_a_live_one() {
+        let live = std::env::var("VNFARM_TEST_AMQP_URL")
+            .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+        // Nothing listens on port 1: the attempt is refused, and the next node is tried at once.
+        let mut nodes = Nodes::starting_at(&["amqp://guest:guest@127.0.0.1:1/%2f".into(), live], 0);
+        let mut failures = 0;
+        let shutdown = CancellationToken::new();
+        let conn = connect_with_backoff(
+            &mut nodes,
+            Duration::from_secs(5),
+            "vnfarm-bus connect test",
+            &shutdown,
+            || failures += 1,
+        )
+        .await
+        .expect("the live node (is RabbitMQ running on VNFARM_TEST_AMQP_URL?)");
+        assert!(conn.status().connected());
+        assert_eq!(failures, 1);
+        conn.close(200, "test over".into()).await.expect("closing");
+    }
 
     #[test]
     fn backoff_doubles_to_its_cap_and_resets() {

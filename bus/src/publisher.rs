@@ -1,10 +1,15 @@
 //! Confirmed publishing: a publish returns `Ok` only after the broker has taken responsibility for the
-//! message (publisher confirms), and unroutable messages are errors, not silent drops.
+//! message (publisher confirms), and unroutable messages are errors, not silent drops. A confirm
+//! that does not come within the publisher's timeout is an error too, and marks the channel
+//! [stuck](Publisher::stuck): its session should end and open fresh channels.
+
+use std::time::Duration;
 
 use lapin::Confirmation;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{BasicProperties, Channel, Connection};
 use serde::Serialize;
+use tokio_util::sync::CancellationToken;
 
 #[derive(Debug, thiserror::Error)]
 pub enum PublishError {
@@ -21,13 +26,27 @@ pub enum PublishError {
         exchange: String,
         routing_key: String,
     },
+    /// No confirm within the timeout: the message may or may not have arrived, and the channel
+    /// may never confirm again (a channel that published across a cluster election can stay
+    /// silent for minutes while fresh ones work at once).
+    #[error("no confirm within {after:?} for {exchange:?}/{routing_key}")]
+    ConfirmTimeout {
+        exchange: String,
+        routing_key: String,
+        after: Duration,
+    },
 }
 
 /// A channel in confirm mode. Clone freely: clones share the channel.
 #[derive(Clone, Debug)]
 pub struct Publisher {
     channel: Channel,
+    confirm_timeout: Duration,
+    stuck: CancellationToken,
 }
+
+/// The confirm timeout of a publisher opened without one (the `amqp.confirm_timeout_ms` default).
+const DEFAULT_CONFIRM_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Persistent JSON message properties.
 pub fn json_properties() -> BasicProperties {
@@ -42,7 +61,27 @@ impl Publisher {
         channel
             .confirm_select(ConfirmSelectOptions::default())
             .await?;
-        Ok(Self { channel })
+        Ok(Self {
+            channel,
+            confirm_timeout: DEFAULT_CONFIRM_TIMEOUT,
+            stuck: CancellationToken::new(),
+        })
+    }
+
+    /// The same publisher, failing publishes whose confirm takes longer than `timeout`
+    /// (`AmqpConfig::confirm_timeout`).
+    pub fn with_confirm_timeout(self, timeout: Duration) -> Self {
+        Self {
+            confirm_timeout: timeout,
+            ..self
+        }
+    }
+
+    /// Resolves once a publish on this channel timed out waiting for its confirm: the channel is
+    /// not to be trusted any more, and the session that owns it should end (its runner then opens
+    /// a new connection).
+    pub async fn stuck(&self) {
+        self.stuck.cancelled().await
     }
 
     /// Publishes and waits for the broker's confirm; an unroutable message is an error (`mandatory`).
@@ -81,21 +120,30 @@ impl Publisher {
         properties: BasicProperties,
         mandatory: bool,
     ) -> Result<(), PublishError> {
-        let confirm = self
-            .channel
-            .basic_publish(
-                exchange.into(),
-                routing_key.into(),
-                BasicPublishOptions {
-                    mandatory,
-                    ..Default::default()
-                },
-                payload,
-                properties,
-            )
-            .await?
-            .await?;
-        match confirm {
+        let publish = async {
+            self.channel
+                .basic_publish(
+                    exchange.into(),
+                    routing_key.into(),
+                    BasicPublishOptions {
+                        mandatory,
+                        ..Default::default()
+                    },
+                    payload,
+                    properties,
+                )
+                .await?
+                .await
+        };
+        let Ok(confirm) = tokio::time::timeout(self.confirm_timeout, publish).await else {
+            self.stuck.cancel();
+            return Err(PublishError::ConfirmTimeout {
+                exchange: exchange.into(),
+                routing_key: routing_key.into(),
+                after: self.confirm_timeout,
+            });
+        };
+        match confirm? {
             Confirmation::Ack(None) | Confirmation::NotRequested => Ok(()),
             Confirmation::Ack(Some(_returned)) => Err(PublishError::Unroutable {
                 exchange: exchange.into(),
@@ -123,5 +171,47 @@ impl Publisher {
 
     pub fn channel(&self) -> &Channel {
         &self.channel
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use lapin::{Connection, ConnectionProperties};
+
+    use super::*;
+
+    #[tokio::test]
+    async fn a_confirm_that_does_not_come_in_time_fails_the_publish_and_marks_the_channel_stuck() {
+        let url = std::env::var("VNFARM_TEST_AMQP_URL")
+            .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+        let connection = Connection::connect(&url, ConnectionProperties::default())
+            .await
+            .expect("is RabbitMQ running on VNFARM_TEST_AMQP_URL?");
+        // No broker confirms within a nanosecond: this stands for a channel that stopped confirming.
+        let publisher = Publisher::open(&connection)
+            .await
+            .expect("a confirm channel")
+            .with_confirm_timeout(Duration::from_nanos(1));
+        let stuck = publisher.clone();
+        assert!(
+            tokio::time::timeout(Duration::ZERO, stuck.stuck())
+                .await
+                .is_err(),
+            "not stuck before any publish"
+        );
+        let e = publisher
+            .broadcast_json("amq.fanout", "", &"nobody listens", json_properties())
+            .await
+            .unwrap_err();
+        assert!(matches!(e, PublishError::ConfirmTimeout { .. }), "{e}");
+        tokio::time::timeout(Duration::from_secs(1), stuck.stuck())
+            .await
+            .expect("every clone sees the channel stuck");
+        connection
+            .close(200, "test over".into())
+            .await
+            .expect("closing");
     }
 }

@@ -14,7 +14,7 @@ use lapin::Connection;
 use tokio_util::sync::CancellationToken;
 
 use crate::AmqpConfig;
-use crate::connect::{Backoff, connect_with_backoff};
+use crate::connect::{Backoff, Nodes, connect_with_backoff};
 
 /// Why a session ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -31,7 +31,8 @@ pub enum SessionEnd {
 const STEADY: Duration = Duration::from_secs(1);
 
 /// Runs sessions until one ends in [`SessionEnd::Shutdown`] or `shutdown` is cancelled while
-/// connecting.
+/// connecting. Connections go to the nodes of [`AmqpConfig::nodes`] in turn (see
+/// [`crate::connect::Nodes`]).
 ///
 /// `session` gets each new connection; the runner closes it once the session's future has finished
 /// (a failed close is expected after a lost session and logged at debug). `on_reconnect` is called
@@ -57,10 +58,13 @@ pub async fn run_sessions<F, Fut>(
     F: FnMut(Arc<Connection>) -> Fut,
     Fut: Future<Output = SessionEnd>,
 {
-    let mut quick_losses = Backoff::new(Duration::from_millis(config.max_backoff_ms));
+    let max_backoff = Duration::from_millis(config.max_backoff_ms);
+    let mut quick_losses = Backoff::new(max_backoff);
+    // Kept across sessions: a lost session reconnects to its own node first, then the others.
+    let mut nodes = Nodes::new(config.nodes());
     loop {
         let Some(connection) =
-            connect_with_backoff(config, name, shutdown, |_| on_reconnect()).await
+            connect_with_backoff(&mut nodes, max_backoff, name, shutdown, &on_reconnect).await
         else {
             return;
         };

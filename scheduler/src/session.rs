@@ -4,7 +4,8 @@
 //! (for the metrics), and stand by for or exercise leadership ([`crate::leader`]). Each of these
 //! awaits on its own, so none holds up the others: a slow publish of the dispatcher does not delay
 //! the reading of events or heartbeats. The session ends at shutdown or when any part of it loses
-//! the broker.
+//! the broker, or when a publish on one of its channels got no confirm in time (the channel may
+//! never confirm again: `vnfarm_bus::Publisher::stuck`).
 
 use std::time::Duration;
 
@@ -51,13 +52,19 @@ impl Scheduler {
         connection: &Connection,
         shutdown: &CancellationToken,
     ) -> anyhow::Result<SessionEnd> {
-        let publisher = Publisher::open(connection).await?;
+        let confirm_timeout = self.config.amqp.confirm_timeout();
+        let publisher = Publisher::open(connection)
+            .await?
+            .with_confirm_timeout(confirm_timeout);
         let channel = connection.create_channel().await?;
         topology::declare_core(&channel, &self.config.amqp).await?;
         topology::declare_scheduler(&channel, &self.config.amqp).await?;
         self.set_publisher(Some(publisher.clone()));
         // Snapshots travel on a channel of their own, so a large one never delays an event.
-        self.set_snapshot_publisher(Some(Publisher::open(connection).await?));
+        let snapshots = Publisher::open(connection)
+            .await?
+            .with_confirm_timeout(confirm_timeout);
+        self.set_snapshot_publisher(Some(snapshots.clone()));
         self.metrics.amqp_connected.set(1);
 
         if !self.is_ready()
@@ -137,6 +144,9 @@ impl Scheduler {
             r = self.lead(connection, &stop) => r.map(|()| SessionEnd::Shutdown),
             r = self.watch_queues(connection) => r.map(|()| SessionEnd::Lost("queue watcher ended".into())),
             () = self.housekeeping() => unreachable!("housekeeping runs until dropped"),
+            // A publish from anywhere (the API, intake, dispatch) that got no confirm in time.
+            () = publisher.stuck() => Ok(SessionEnd::Lost("an event publish got no confirm in time".into())),
+            () = snapshots.stuck() => Ok(SessionEnd::Lost("a snapshot publish got no confirm in time".into())),
         }
     }
 

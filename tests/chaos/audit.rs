@@ -22,6 +22,8 @@
 //! - **missing outputs**: a completed job whose `results/<id>/` is not exactly its outputs and its
 //!   manifest.
 //! - **API disagrees**: a job whose state in the API is not its outcome in the stream.
+//! - **stream copies differ**: a broker node whose copy of the event stream is not the first one's
+//!   (a cluster's nodes each hold a replica; a single broker has one copy).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -30,10 +32,23 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use serde_json::Value;
 use vnfarm_proto::{EventKind, FailureKind, JobId, JobSpec, Manifest, StageTimings, WorkerId};
-use vnfarm_tests::Farm;
+use vnfarm_storage::Storage;
 
 use crate::workload::Ledger;
 use vnfarm_tests::stream::{self, EventLog};
+
+/// The farm as the audit reads it.
+pub struct Target<'a> {
+    /// The base URL of every scheduler; the first that answers a request is asked.
+    pub schedulers: Vec<String>,
+    /// Carries whatever the API wants (a token).
+    pub http: &'a reqwest::Client,
+    pub storage: &'a Storage,
+    /// The AMQP URL of every broker node: the stream is read from each, the first copy is
+    /// audited and every other must equal it.
+    pub brokers: Vec<String>,
+    pub prefix: &'a str,
+}
 
 /// The farm counts as stuck when the set of unfinished jobs has not changed for this long.
 const STUCK_AFTER: Duration = Duration::from_secs(30);
@@ -90,6 +105,7 @@ pub struct Report {
     pub stranded: Findings,
     pub missing_outputs: Findings,
     pub api_disagrees: Findings,
+    pub stream_copies_differ: Findings,
     /// Jobs in the stream (pipelines and their children included, shadows not).
     pub jobs: usize,
     pub events: usize,
@@ -115,13 +131,14 @@ impl Report {
             && self.stranded.is_empty()
             && self.missing_outputs.is_empty()
             && self.api_disagrees.is_empty()
+            && self.stream_copies_differ.is_empty()
             && self.undecodable_events == 0
     }
 }
 
 /// Waits until no scheduler lists an unfinished job, or until the set of unfinished jobs has
 /// stopped changing for [`STUCK_AFTER`], or until `bound`.
-pub async fn quiesce(farm: &Farm, bound: Duration) -> Quiescence {
+pub async fn quiesce(farm: &Target<'_>, bound: Duration) -> Quiescence {
     let start = Instant::now();
     let mut last: Option<(BTreeSet<String>, Instant)> = None;
     loop {
@@ -151,7 +168,7 @@ pub async fn quiesce(farm: &Farm, bound: Duration) -> Quiescence {
 }
 
 /// `id:state` of every job some scheduler lists as not final; `None` when none answers.
-async fn unfinished_jobs(farm: &Farm) -> Option<BTreeSet<String>> {
+async fn unfinished_jobs(farm: &Target<'_>) -> Option<BTreeSet<String>> {
     let mut ids = BTreeSet::new();
     for state in ["queued", "dispatched", "running", "retrying"] {
         let list = api_get(farm, &format!("/v1/jobs?all=true&state={state}&limit=1000")).await?;
@@ -163,8 +180,8 @@ async fn unfinished_jobs(farm: &Farm) -> Option<BTreeSet<String>> {
 }
 
 /// `GET path` from the first scheduler that answers it with a success; `None` when none does.
-async fn api_get(farm: &Farm, path: &str) -> Option<Value> {
-    for base in farm.scheduler_urls() {
+async fn api_get(farm: &Target<'_>, path: &str) -> Option<Value> {
+    for base in &farm.schedulers {
         let Ok(response) = farm
             .http
             .get(format!("{base}{path}"))
@@ -329,10 +346,14 @@ fn trace(log: &EventLog) -> Traces {
 }
 
 /// Waits for a quiet farm, reads every view and compares them.
-pub async fn audit(farm: &Farm, ledger: &Ledger, bound: Duration) -> anyhow::Result<Report> {
+pub async fn audit(farm: &Target<'_>, ledger: &Ledger, bound: Duration) -> anyhow::Result<Report> {
     let waited = quiesce(farm, bound).await;
     let started = Instant::now();
-    let log = stream::read_all(farm).await?;
+    let (first, others) = farm
+        .brokers
+        .split_first()
+        .expect("a farm has at least one broker node");
+    let log = stream::read_all_from(first, farm.prefix).await?;
     let traces = trace(&log);
     let mut report = Report {
         submitted: ledger.submissions.len(),
@@ -342,6 +363,17 @@ pub async fn audit(farm: &Farm, ledger: &Ledger, bound: Duration) -> anyhow::Res
         ..Report::default()
     };
     report.phases.push(("stream", started.elapsed()));
+    for (n, url) in others.iter().enumerate() {
+        let copy = stream::read_all_from(url, farm.prefix).await?;
+        if let Some(difference) = first_difference(&log, &copy) {
+            report.stream_copies_differ.add(
+                format!("broker node {}", n + 2),
+                "another event history than node 1's",
+                difference,
+            );
+        }
+    }
+    report.phases.push(("stream copies", started.elapsed()));
     check_stream(&traces, &mut report);
     check_ledger(ledger, &traces, &mut report);
     let started = Instant::now();
@@ -351,6 +383,32 @@ pub async fn audit(farm: &Farm, ledger: &Ledger, bound: Duration) -> anyhow::Res
     check_storage(farm, &traces, &mut report).await;
     report.phases.push(("S3", started.elapsed()));
     Ok(report)
+}
+
+/// Where `copy` (one node's stream) first differs from `log`, if it does. The readers' own markers
+/// are not in either: each stops at its own.
+fn first_difference(log: &EventLog, copy: &EventLog) -> Option<String> {
+    if let Some((n, (a, b))) = log
+        .events
+        .iter()
+        .zip(&copy.events)
+        .enumerate()
+        .find(|(_, (a, b))| a != b)
+    {
+        return Some(format!(
+            "event {n} differs: offset {} there, {} here",
+            b.seq, a.seq
+        ));
+    }
+    (log.events.len() != copy.events.len() || log.undecodable != copy.undecodable).then(|| {
+        format!(
+            "{} events ({} undecodable) there, {} ({}) here",
+            copy.events.len(),
+            copy.undecodable,
+            log.events.len(),
+            log.undecodable
+        )
+    })
 }
 
 /// Stranded jobs, duplicate runs and shadows, from the stream alone.
@@ -474,7 +532,7 @@ fn check_ledger(ledger: &Ledger, traces: &Traces, report: &mut Report) {
 }
 
 /// Every job of the stream, as the API shows it, must be in the state of its outcome.
-async fn check_api(farm: &Farm, traces: &Traces, report: &mut Report) {
+async fn check_api(farm: &Target<'_>, traces: &Traces, report: &mut Report) {
     let jobs: Vec<(JobId, Option<Outcome>)> = traces
         .jobs
         .iter()
@@ -511,7 +569,7 @@ async fn check_api(farm: &Farm, traces: &Traces, report: &mut Report) {
 
 /// Every completed job (but a pipeline, whose outputs are its children's) has exactly its outputs
 /// and its manifest under `results/<id>/`, and the manifest is from the run of its outcome.
-async fn check_storage(farm: &Farm, traces: &Traces, report: &mut Report) {
+async fn check_storage(farm: &Target<'_>, traces: &Traces, report: &mut Report) {
     let completed: Vec<(JobId, &Completion)> = traces
         .jobs
         .iter()
@@ -565,7 +623,11 @@ enum Problem {
     OtherRun(String),
 }
 
-async fn stored_run(farm: &Farm, id: JobId, completion: &Completion) -> Result<Stored, Problem> {
+async fn stored_run(
+    farm: &Target<'_>,
+    id: JobId,
+    completion: &Completion,
+) -> Result<Stored, Problem> {
     let missing = |e: vnfarm_storage::StorageError| Problem::Missing(e.to_string());
     let mut stored = farm
         .storage
@@ -647,6 +709,12 @@ impl fmt::Display for Report {
             self.api_disagrees.len(),
             true,
         )?;
+        row(
+            f,
+            "stream copies that differ",
+            self.stream_copies_differ.len(),
+            true,
+        )?;
         row(f, "undecodable events", self.undecodable_events, true)?;
         row(f, "jobs in the stream", self.jobs, false)?;
         row(f, "events in the stream", self.events, false)?;
@@ -698,6 +766,7 @@ impl fmt::Display for Report {
             ("stranded", &self.stranded),
             ("outputs missing", &self.missing_outputs),
             ("API disagrees", &self.api_disagrees),
+            ("stream copies differ", &self.stream_copies_differ),
         ] {
             if findings.is_empty() {
                 continue;

@@ -6,10 +6,10 @@
 //!
 //! | file | what it owns |
 //! | --- | --- |
-//! | `workload.rs` | the client: submissions with idempotency keys, retries, simultaneous pairs, cancels; its ledger |
+//! | `workload.rs` | the client: submissions with idempotency keys, retries, simultaneous pairs, cancels; its ledger (shared with the cluster test) |
 //! | `faults.rs` | the fault schedule and each fault |
 //! | `stream.rs` | reading the whole event stream back |
-//! | `audit.rs` | the verdict: ledger, stream, API and S3 compared; the summary table |
+//! | `audit.rs` | the verdict: ledger, stream, API and S3 compared; the summary table (shared with the cluster test) |
 //!
 //! Settings (environment): `VNFARM_CHAOS_SECONDS`, the length of the workload (default 90, the
 //! bounded run of the test suite; `./farm chaos 600` runs ten minutes); `VNFARM_CHAOS_SEED`, to
@@ -125,7 +125,14 @@ async fn under_chaos_every_submission_ends_exactly_once() -> anyhow::Result<()> 
         draining.elapsed().as_secs_f64()
     );
     let ledger = client.ledger();
-    let report = audit::audit(&farm, &ledger, SETTLE).await?;
+    let target = audit::Target {
+        schedulers: farm.scheduler_urls(),
+        http: &farm.http,
+        storage: &farm.storage,
+        brokers: vec![vnfarm_tests::amqp_url()],
+        prefix: &farm.prefix,
+    };
+    let report = audit::audit(&target, &ledger, SETTLE).await?;
 
     println!("faults injected: {}", injected.len());
     for fault in Fault::ALL {

@@ -102,8 +102,14 @@ struct Inner {
 
 impl Client {
     pub fn new(schedulers: Vec<String>) -> Self {
+        Self::with_headers(schedulers, reqwest::header::HeaderMap::new())
+    }
+
+    /// A client that sends `headers` (the API token of a farm that wants one) on every request.
+    pub fn with_headers(schedulers: Vec<String>, headers: reqwest::header::HeaderMap) -> Self {
         let http = reqwest::Client::builder()
             .timeout(REQUEST_TIMEOUT)
+            .default_headers(headers)
             .build()
             .expect("a reqwest client with default TLS settings builds");
         Self(Arc::new(Inner {
@@ -312,23 +318,24 @@ impl Client {
     }
 
     /// POSTs `body` until some scheduler answers with a job id, starting at `slot` and moving to
-    /// the next one after each failure; records the answer (or why there was none) in the ledger.
-    pub async fn submit(&self, key: &str, body: &Value, mut slot: usize) {
+    /// the next one after each failure; records the answer (or why there was none) in the ledger,
+    /// and returns the job id when there was one.
+    pub async fn submit(&self, key: &str, body: &Value, mut slot: usize) -> Option<String> {
         let give_up = Instant::now() + RETRY_FOR;
         let mut pause = RETRY_PAUSE;
         loop {
             match self.post(slot, key, body).await {
                 Answer::Accepted(id) => {
-                    self.answered(key, id);
-                    return;
+                    self.answered(key, id.clone());
+                    return Some(id);
                 }
                 Answer::Rejected(why) => {
                     self.unanswered(key, why);
-                    return;
+                    return None;
                 }
                 Answer::Retry(why) if Instant::now() > give_up => {
                     self.unanswered(key, format!("no answer after {RETRY_FOR:?}: {why}"));
-                    return;
+                    return None;
                 }
                 Answer::Retry(_) => {
                     slot = (slot + 1) % self.schedulers();
@@ -390,7 +397,9 @@ impl Client {
     /// Retries a registered key in the background, starting at `slot` (see [`Client::submit`]).
     pub fn resubmit(&self, key: &str, body: &Value, slot: usize) {
         let (client, key, body) = (self.clone(), key.to_owned(), body.clone());
-        self.spawn(async move { client.submit(&key, &body, slot).await });
+        self.spawn(async move {
+            client.submit(&key, &body, slot).await;
+        });
     }
 
     fn answered(&self, key: &str, id: String) {

@@ -176,6 +176,13 @@ impl Worker {
                 .with_label_values(&[lookup.as_str()])
                 .inc();
         }
+        // Finished elsewhere while it ran here (a worker cut off from the broker runs on while the
+        // job is dispatched again, and stores once the link is back): the first stored run stands,
+        // its outputs and manifest are not overwritten.
+        if let Some(manifest) = self.finished_before(job.job_id).await? {
+            tracing::info!(job_id = %job.job_id, made_by = %manifest.worker, "job finished elsewhere while it ran here; keeping that run's results");
+            return Ok(Ended::FinishedBefore(Box::new(manifest)));
+        }
         self.store(job, attempt, output, timings)
             .await
             .map(Ended::Completed)

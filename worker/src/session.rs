@@ -38,7 +38,9 @@ impl Worker {
         connection: &Connection,
         shutdown: &CancellationToken,
     ) -> anyhow::Result<SessionEnd> {
-        let publisher = Publisher::open(connection).await?;
+        let publisher = Publisher::open(connection)
+            .await?
+            .with_confirm_timeout(self.config.amqp.confirm_timeout());
         let channel = connection.create_channel().await?;
         topology::declare_core(&channel, &self.config.amqp).await?;
         let queue = topology::declare_worker_queue(&channel, &self.config.amqp, &self.id).await?;
@@ -135,9 +137,12 @@ impl Worker {
                         ) => {
                             tracing::warn!(worker = %this.id, error = %e, "heartbeat refused by the broker");
                         }
-                        Err(e @ PublishError::Broker(_)) => {
-                            // The publishing channel is gone, and with it every event this session
-                            // could send: reconnect now rather than at the next job.
+                        Err(
+                            e @ (PublishError::Broker(_) | PublishError::ConfirmTimeout { .. }),
+                        ) => {
+                            // The publishing channel is gone (or stopped confirming), and with it
+                            // every event this session could send: reconnect now rather than at
+                            // the next job.
                             tracing::warn!(worker = %this.id, error = %e, "heartbeat not delivered; ending the session");
                             report_lost(&helper_lost, format!("heartbeat: {e}")).await;
                             return;

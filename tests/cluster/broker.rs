@@ -1,0 +1,287 @@
+//! A three-node RabbitMQ cluster, one node per box namespace, started the way
+//! `reference/fleet.md` ("Checked on this machine") found to work: Debian's server script from
+//! `/usr/lib/rabbitmq/bin` under a clean environment with an empty `RABBITMQ_CONF_ENV_FILE` (the
+//! system's pins the node to `rabbit@localhost` on 127.0.0.1), long names on the box's address,
+//! per-node directories, one cookie in a per-cluster `HOME`, `pause_minority`, and
+//! `net_ticktime` 10 so a cut link is noticed in about 13 s rather than 72. The system node on
+//! 127.0.0.1:5672 is never touched.
+
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+
+use crate::net::Host;
+
+const SERVER: &str = "/usr/lib/rabbitmq/bin/rabbitmq-server";
+const CTL: &str = "/usr/lib/rabbitmq/bin/rabbitmqctl";
+pub const AMQP_PORT: u16 = 5672;
+/// The farm's broker user (`guest` may only connect from loopback).
+pub const USER: &str = "vnfarm";
+pub const PASSWORD: &str = "vnfarm-cluster-test";
+/// AMQP heartbeat the farm's clients ask for, in seconds: a connection across a cut link is given
+/// up by both ends after about two of them (RabbitMQ's default is 60 s). 2 s was tried: the active
+/// scheduler then lost a healthy local node's connection ("no heartbeat received") while the
+/// cluster handled another box's cut, on this two-core machine.
+const HEARTBEAT_S: u32 = 5;
+/// `net_ticktime`: nodes notice that a peer is unreachable after 1 to 1.25 × this. fleet.md
+/// checked 10 (a cut noticed after ~13 s); 6 keeps a client of a node on the cut box from holding
+/// the leader token past the takeover target.
+const NET_TICKTIME_S: u32 = 6;
+/// How long the broker's own dead-lettering waits for the target queue's confirm before it
+/// publishes again. RabbitMQ's default, 3 min, held jobs that expired in a worker queue during a
+/// partition for 3 min after the heal (the redispatch queue's leader was on the cut node): the
+/// broker's side of fleet.md's client trap 2. The same as the clients' `confirm_timeout_ms`.
+const DEAD_LETTER_CONFIRM_TIMEOUT_MS: u32 = 10_000;
+/// A node boots in 9–15 s on two idle cores (fleet.md); a loaded machine takes longer.
+const BOOT: Duration = Duration::from_secs(120);
+
+/// One node of the cluster: its box, its directory, and the server script while it runs.
+pub struct Node {
+    host: Host,
+    dir: PathBuf,
+    home: PathBuf,
+    server: Option<Child>,
+}
+
+impl Node {
+    pub fn name(&self) -> String {
+        format!("rabbit@{}", self.host.address)
+    }
+
+    pub fn address(&self) -> Ipv4Addr {
+        self.host.address
+    }
+
+    /// The farm's AMQP URL of this node.
+    pub fn url(&self) -> String {
+        format!(
+            "amqp://{USER}:{PASSWORD}@{}:{AMQP_PORT}/%2f?heartbeat={HEARTBEAT_S}",
+            self.host.address
+        )
+    }
+
+    /// Starts the server (on the data it has, after a kill) without waiting for it.
+    pub fn start(&mut self) -> anyhow::Result<()> {
+        let log = std::fs::File::create(self.dir.join("server.out"))?;
+        let mut command = self.host.command("env");
+        command
+            .arg("-i")
+            .args(self.env())
+            .arg(format!(
+                "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS=-kernel net_ticktime {NET_TICKTIME_S}"
+            ))
+            .arg(SERVER)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log);
+        self.server = Some(command.spawn().context("starting rabbitmq-server")?);
+        Ok(())
+    }
+
+    /// Waits until the node serves: `await_startup` answers only once the node is registered
+    /// with its epmd, so it is retried until then.
+    pub async fn wait_started(&self) -> anyhow::Result<()> {
+        let deadline = tokio::time::Instant::now() + BOOT;
+        loop {
+            match self.ctl(&["await_startup", "--timeout", "30"]).await {
+                Ok(_) => return Ok(()),
+                Err(e) if tokio::time::Instant::now() > deadline => {
+                    return Err(e.context(format!("node {} did not start", self.name())));
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(500)).await,
+            }
+        }
+    }
+
+    /// SIGKILLs the Erlang VM (its pid file's process) and reaps the server script.
+    pub fn kill(&mut self) -> anyhow::Result<()> {
+        let pid = std::fs::read_to_string(self.dir.join("pid")).context("the node's pid file")?;
+        let status = Command::new("kill").args(["-KILL", pid.trim()]).status()?;
+        anyhow::ensure!(
+            status.success(),
+            "kill -KILL {} (node {})",
+            pid.trim(),
+            self.name()
+        );
+        if let Some(mut server) = self.server.take() {
+            server.wait()?;
+        }
+        Ok(())
+    }
+
+    /// `rabbitmqctl -n <node> args…`, from the node's own namespace (the CLI is an Erlang node
+    /// too, and needs that namespace's epmd); the output when it succeeds.
+    pub async fn ctl(&self, args: &[&str]) -> anyhow::Result<String> {
+        let mut command = self.host.command("env");
+        command
+            .arg("-i")
+            .args(self.env())
+            .arg(CTL)
+            .args(["--longnames", "-n", &self.name()])
+            .args(args);
+        let what = format!("rabbitmqctl {} on {}", args.join(" "), self.name());
+        let out = tokio::task::spawn_blocking(move || command.output())
+            .await
+            .context("rabbitmqctl task")?
+            .with_context(|| what.clone())?;
+        if !out.status.success() {
+            bail!("{what}: {}", String::from_utf8_lossy(&out.stdout).trim());
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// The environment of the server and of the CLI: everything the node is told.
+    fn env(&self) -> Vec<String> {
+        let dir = self.dir.display();
+        vec![
+            "PATH=/usr/bin:/bin:/usr/sbin:/sbin".into(),
+            "LANG=C.UTF-8".into(),
+            format!("HOME={}", self.home.display()),
+            format!("RABBITMQ_CONF_ENV_FILE={dir}/env.conf"),
+            "RABBITMQ_USE_LONGNAME=true".into(),
+            format!("RABBITMQ_NODENAME={}", self.name()),
+            format!("RABBITMQ_MNESIA_BASE={dir}/mnesia"),
+            format!("RABBITMQ_LOG_BASE={dir}/log"),
+            format!("RABBITMQ_CONFIG_FILE={dir}/rabbitmq"),
+            format!("RABBITMQ_ADVANCED_CONFIG_FILE={dir}/advanced.config"),
+            format!("RABBITMQ_PID_FILE={dir}/pid"),
+            format!("RABBITMQ_ENABLED_PLUGINS_FILE={dir}/enabled_plugins"),
+        ]
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        if self.server.is_some() {
+            // The network's guard kills whatever is left in the namespace; this reaps our child.
+            if let Err(e) = self.kill() {
+                eprintln!("stopping {}: {e:#}", self.name());
+            }
+        }
+    }
+}
+
+/// The cluster: every node started, joined to the first, and the farm's user created.
+pub struct Cluster {
+    pub nodes: Vec<Node>,
+}
+
+impl Cluster {
+    pub async fn boot(boxes: &[Host], root: &Path) -> anyhow::Result<Self> {
+        let home = root.join("home");
+        std::fs::create_dir_all(&home)?;
+        let cookie = home.join(".erlang.cookie");
+        std::fs::write(
+            &cookie,
+            format!("vnfarm-cluster-{}", uuid::Uuid::new_v4().simple()),
+        )?;
+        set_mode(&cookie, 0o400)?;
+        let mut nodes = Vec::new();
+        for host in boxes {
+            let dir = root.join(&host.ns);
+            std::fs::create_dir_all(&dir)?;
+            std::fs::write(dir.join("env.conf"), "")?;
+            std::fs::write(dir.join("enabled_plugins"), "[].\n")?;
+            std::fs::write(
+                dir.join("rabbitmq.conf"),
+                format!(
+                    "listeners.tcp.1 = {}:{AMQP_PORT}\n\
+                     cluster_partition_handling = pause_minority\n\
+                     consumer_timeout = 7200000\n",
+                    host.address
+                ),
+            )?;
+            // Not in rabbitmq.conf's schema: an application setting.
+            std::fs::write(
+                dir.join("advanced.config"),
+                format!(
+                    "[{{rabbit, [{{dead_letter_worker_publisher_confirm_timeout, \
+                     {DEAD_LETTER_CONFIRM_TIMEOUT_MS}}}]}}].\n"
+                ),
+            )?;
+            let mut node = Node {
+                host: host.clone(),
+                dir,
+                home: home.clone(),
+                server: None,
+            };
+            node.start()?;
+            nodes.push(node);
+        }
+        let cluster = Cluster { nodes };
+        for node in &cluster.nodes {
+            node.wait_started().await?;
+        }
+        let first = cluster.nodes[0].name();
+        for node in &cluster.nodes[1..] {
+            node.ctl(&["stop_app"]).await?;
+            node.ctl(&["join_cluster", &first]).await?;
+            node.ctl(&["start_app"]).await?;
+        }
+        // TODO(step 10, deploy): load deploy/rabbitmq/definitions.json here (`rabbitmqctl
+        // import_definitions`) once it exists, instead of creating the user by hand.
+        let node = &cluster.nodes[0];
+        node.ctl(&["add_user", USER, PASSWORD]).await?;
+        node.ctl(&["set_permissions", "-p", "/", USER, ".*", ".*", ".*"])
+            .await?;
+        Ok(cluster)
+    }
+
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(Node::url).collect()
+    }
+
+    /// The node on the box at `address`.
+    pub fn node_at(&mut self, address: Ipv4Addr) -> &mut Node {
+        self.nodes
+            .iter_mut()
+            .find(|n| n.address() == address)
+            .expect("every box runs a node")
+    }
+
+    /// Waits until every node lists all of them as running (a healed partition has rejoined).
+    pub async fn wait_whole(&self, timeout: Duration) -> anyhow::Result<()> {
+        let names: Vec<String> = self.nodes.iter().map(Node::name).collect();
+        let deadline = tokio::time::Instant::now() + timeout;
+        'poll: loop {
+            if tokio::time::Instant::now() > deadline {
+                bail!("the cluster did not become whole within {timeout:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            for node in &self.nodes {
+                let Ok(status) = node.ctl(&["cluster_status", "--formatter", "json"]).await else {
+                    continue 'poll;
+                };
+                let Ok(status) = serde_json::from_str::<serde_json::Value>(&status) else {
+                    continue 'poll;
+                };
+                let running = status["running_nodes"]
+                    .as_array()
+                    .cloned()
+                    .unwrap_or_default();
+                let partitioned = match &status["partitions"] {
+                    serde_json::Value::Object(p) => !p.is_empty(),
+                    serde_json::Value::Array(p) => !p.is_empty(),
+                    _ => false,
+                };
+                if partitioned
+                    || !names
+                        .iter()
+                        .all(|n| running.iter().any(|r| r == n.as_str()))
+                {
+                    continue 'poll;
+                }
+            }
+            return Ok(());
+        }
+    }
+}
+
+fn set_mode(path: &Path, mode: u32) -> anyhow::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
+    Ok(())
+}

@@ -1,0 +1,200 @@
+//! A farm on three boxes under real faults (step 10): each box a network namespace with a RabbitMQ
+//! node (the three joined into one cluster, `pause_minority`) and a test-pattern worker, the active
+//! scheduler on box 1 and the standby on box 2, S3 on a storage box of its own. The chaos test's
+//! mixed workload runs while the faults hit the farm one after another; then its audit: nothing
+//! lost, duplicated or stranded, and every node's copy of the event history the same.
+//!
+//! | file | what it owns |
+//! | --- | --- |
+//! | `net.rs` | the namespaces, the bridge, the veths; cutting and restoring a box's link |
+//! | `broker.rs` | the RabbitMQ nodes and the cluster they form |
+//! | `farm.rs` | the processes on the boxes, started through `ip netns exec` |
+//! | `faults.rs` | each fault, and what it measures |
+//! | `../chaos/workload.rs`, `../chaos/audit.rs` | the chaos test's client, ledger and audit, shared |
+//!
+//! It builds network namespaces, so it runs as root (CI does). Every address is in
+//! 10.77.0.0/16; the system's RabbitMQ on 127.0.0.1:5672 is not used.
+//!
+//! Settings (environment): `VNFARM_CLUSTER_FAULTS`, a comma-separated list of faults to run in
+//! order (default: all five, each once: `broker_node_kill,link_cut,active_partition,box_kill,
+//! storage_cut`); `VNFARM_CLUSTER_ROUNDS`, how many times the list runs (default 1, the bounded
+//! run; more for a longer one); `VNFARM_CHAOS_SEED`, to replay the workload's choices.
+
+mod broker;
+mod farm;
+mod faults;
+mod net;
+
+// Shared with the chaos test, which uses all of them; this test does not call every helper.
+#[allow(dead_code)]
+#[path = "../chaos/audit.rs"]
+mod audit;
+#[allow(dead_code)]
+#[path = "../chaos/workload.rs"]
+mod workload;
+
+use std::time::{Duration, Instant};
+
+use crate::farm::{API_TOKEN, ClusterFarm, PREFIX};
+use crate::faults::{Fault, Measurements};
+use crate::workload::Client;
+
+const BOXES: u8 = 3;
+/// The farm runs undisturbed this long before the first fault and between two.
+const PAUSE: Duration = Duration::from_secs(3);
+/// How long the farm gets, after the last fault and the last answer, to finish every job.
+const SETTLE: Duration = Duration::from_secs(180);
+/// The issue's targets.
+const ACCEPT_GAP_TARGET: Duration = Duration::from_secs(5);
+const TAKEOVER_TARGET: Duration = Duration::from_secs(10);
+
+struct Settings {
+    faults: Vec<Fault>,
+    rounds: u32,
+    seed: u64,
+}
+
+impl Settings {
+    fn from_env() -> anyhow::Result<Self> {
+        let faults = match std::env::var("VNFARM_CLUSTER_FAULTS") {
+            Ok(list) => list
+                .split(',')
+                .map(|name| {
+                    Fault::parse(name.trim()).ok_or_else(|| {
+                        anyhow::anyhow!("VNFARM_CLUSTER_FAULTS: unknown fault {name:?}")
+                    })
+                })
+                .collect::<anyhow::Result<_>>()?,
+            Err(_) => Fault::ALL.to_vec(),
+        };
+        let number = |name: &str, default: u64| -> anyhow::Result<u64> {
+            std::env::var(name).map_or(Ok(default), |text| {
+                text.parse()
+                    .map_err(|e| anyhow::anyhow!("{name}={text:?}: {e}"))
+            })
+        };
+        Ok(Self {
+            faults,
+            rounds: u32::try_from(number("VNFARM_CLUSTER_ROUNDS", 1)?)?,
+            seed: number("VNFARM_CHAOS_SEED", rand::random())?,
+        })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_three_box_farm_loses_nothing_under_real_faults() -> anyhow::Result<()> {
+    let whoami = std::process::Command::new("id").arg("-u").output()?;
+    anyhow::ensure!(
+        String::from_utf8_lossy(&whoami.stdout).trim() == "0",
+        "the cluster test builds network namespaces: run it as root (CI does)"
+    );
+    let settings = Settings::from_env()?;
+    let names: Vec<&str> = settings.faults.iter().map(|f| f.name()).collect();
+    println!(
+        "cluster: {BOXES} boxes, faults {} × {}, VNFARM_CHAOS_SEED={}",
+        names.join(","),
+        settings.rounds,
+        settings.seed
+    );
+    let began = Instant::now();
+    let mut farm = ClusterFarm::start(BOXES).await?;
+
+    let mut headers = reqwest::header::HeaderMap::new();
+    headers.insert(
+        reqwest::header::AUTHORIZATION,
+        format!("Bearer {API_TOKEN}").parse()?,
+    );
+    let client = Client::with_headers(farm.scheduler_urls(), headers);
+    // The workload runs until it is aborted after the last fault. Aborting it is safe: it is
+    // stopped at an await, and it never awaits between registering a key and spawning its
+    // submission (which goes on in the client's own tasks until `drain`).
+    let workload = tokio::spawn(client.clone().run(
+        Instant::now() + Duration::from_secs(24 * 3600),
+        settings.seed,
+    ));
+    let mut measured = Measurements::default();
+    let mut injected = 0;
+    for _ in 0..settings.rounds {
+        for &fault in &settings.faults {
+            tokio::time::sleep(PAUSE).await;
+            let at = began.elapsed();
+            match faults::inject(fault, &mut farm, &client, &mut measured).await {
+                Ok(line) => println!(
+                    "[{:6.1} s] {}: {line} (took {:.1} s)",
+                    at.as_secs_f64(),
+                    fault.name(),
+                    (began.elapsed() - at).as_secs_f64()
+                ),
+                Err(e) => {
+                    workload.abort();
+                    let logs = farm.keep_logs();
+                    return Err(e.context(format!(
+                        "fault {} failed; logs kept in {}",
+                        fault.name(),
+                        logs.display()
+                    )));
+                }
+            }
+            injected += 1;
+        }
+    }
+    tokio::time::sleep(PAUSE).await;
+    workload.abort();
+    let draining = Instant::now();
+    client.drain().await;
+    println!(
+        "workload over after {injected} faults; the last answers came {:.1} s later",
+        draining.elapsed().as_secs_f64()
+    );
+
+    let ledger = client.ledger();
+    let target = audit::Target {
+        schedulers: farm.scheduler_urls(),
+        http: &farm.http,
+        storage: &farm.storage,
+        brokers: farm.cluster.urls(),
+        prefix: PREFIX,
+    };
+    let report = audit::audit(&target, &ledger, SETTLE).await?;
+    let stats = &ledger.stats;
+    println!(
+        "client: {} POSTs ({} without an answer, retried), {} resubmissions, {} simultaneous \
+         pairs, {} cancels",
+        stats.posts,
+        stats.failed_posts,
+        stats.resubmissions,
+        stats.simultaneous_pairs,
+        stats.cancels
+    );
+    println!("{report}");
+    let worst = |all: &[Duration]| all.iter().max().copied();
+    let verdict = |worst: Option<Duration>, target: Duration| match worst {
+        None => "not measured".to_owned(),
+        Some(d) if d < target => format!("{:.2} s, target < {target:?}: met", d.as_secs_f64()),
+        Some(d) => format!("{:.2} s, target < {target:?}: MISSED", d.as_secs_f64()),
+    };
+    println!(
+        "longest gap in accepted submissions during a broker node loss: {}",
+        verdict(worst(&measured.accept_gaps), ACCEPT_GAP_TARGET)
+    );
+    println!(
+        "standby takeover after the active scheduler's box was cut: {}",
+        verdict(worst(&measured.takeovers), TAKEOVER_TARGET)
+    );
+    if let Some(both) = worst(&measured.both_active) {
+        println!(
+            "both schedulers said active at once for at most {:.2} s (the cut one cannot reach \
+             the broker then)",
+            both.as_secs_f64()
+        );
+    }
+    println!("whole run {:.1} s", began.elapsed().as_secs_f64());
+    if !report.is_clean() {
+        let logs = farm.keep_logs();
+        anyhow::bail!(
+            "the cluster run broke the job system's promises (see the table above); logs kept in {}",
+            logs.display()
+        );
+    }
+    Ok(())
+}
