@@ -129,6 +129,7 @@ impl EventView {
                 queue,
                 worker,
                 batch,
+                ..
             } => {
                 let with = batch.map_or(String::new(), |b| format!(", in the batch of {b}"));
                 match worker {

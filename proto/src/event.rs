@@ -73,6 +73,12 @@ pub enum EventKind {
         /// message holds one of the worker's slots until every job in it has ended.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         batch: Option<JobId>,
+        /// The dispatching scheduler's term: the stream offset (plus one) of the marker it began
+        /// leading with, so a later leader's term is larger. Absent before protocol 2. A term's
+        /// dispatches appearing after a later term's first one would mean two schedulers dispatched
+        /// at once (the fault tests' audit checks that none do).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        term: Option<u64>,
     },
     /// Back in the scheduler's backlog, to be dispatched again (its message came back from a worker
     /// queue: the worker died or stalled, or gave it back; `reason` is [`YIELDED_REASON`] for a job

@@ -86,15 +86,22 @@ impl Scheduler {
     ) -> Result<Submitted, AcceptError> {
         match &mut submission.job {
             JobSpec::Edit(edit) => {
-                for input in edit.images_mut() {
-                    self.store_inline(input).await?
+                if let Some(input) = &mut edit.input {
+                    self.store_inline(input, "job.input.inline").await?
+                }
+                for (n, input) in edit.inputs.iter_mut().enumerate() {
+                    self.store_inline(input, &format!("job.inputs[{n}].inline"))
+                        .await?
                 }
             }
-            JobSpec::Upscale(UpscaleSpec { input, .. }) => self.store_inline(input).await?,
+            JobSpec::Upscale(UpscaleSpec { input, .. }) => {
+                self.store_inline(input, "job.input.inline").await?
+            }
             JobSpec::Pipeline(p) => {
-                for edit in &mut p.edits {
-                    for input in &mut edit.references {
-                        self.store_inline(input).await?
+                for (i, edit) in p.edits.iter_mut().enumerate() {
+                    for (j, input) in edit.references.iter_mut().enumerate() {
+                        let field = format!("job.edits[{i}].references[{j}].inline");
+                        self.store_inline(input, &field).await?
                     }
                 }
                 self.default_checkpoint(&mut p.base);
@@ -202,14 +209,14 @@ impl Scheduler {
     }
 
     /// Replaces an inline image by a stored one under `inputs/` (content-addressed), after checking
-    /// that it is a whole image of an accepted format and size.
-    async fn store_inline(&self, input: &mut ImageRef) -> Result<(), AcceptError> {
+    /// that it is a whole image of an accepted format and size; an error names `field`.
+    async fn store_inline(&self, input: &mut ImageRef, field: &str) -> Result<(), AcceptError> {
         let Some(decoded) = input.inline_bytes() else {
             return Ok(());
         };
         let invalid = |message: String| {
             AcceptError::Invalid(ValidationError {
-                field: "job.input.inline".into(),
+                field: field.to_owned(),
                 message,
             })
         };

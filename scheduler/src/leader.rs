@@ -80,10 +80,12 @@ impl Scheduler {
         tokens: &mut lapin::Consumer,
     ) -> anyhow::Result<()> {
         let marker = self.publish_marker().await?;
-        tokio::select! {
+        let offset = tokio::select! {
             _ = stop.cancelled() => return Ok(()),
-            _ = self.wait_marker(&marker) => {}
-        }
+            offset = self.wait_marker(&marker) => offset,
+        };
+        // The marker's offset numbers the term: every later term's marker comes after it.
+        self.set_term(offset.map_or(0, |o| o + 1));
         self.registry().begin_term();
         self.set_active(true);
         tracing::info!("this scheduler is the active one");

@@ -1465,6 +1465,7 @@ mod tests {
                         queue: "q".into(),
                         worker: Some(d.worker.clone()),
                         batch,
+                        term: Some(1),
                     },
                 ));
             }
@@ -1816,6 +1817,7 @@ mod tests {
                 queue: "q".into(),
                 worker: Some(w),
                 batch: None,
+                term: Some(1),
             },
         ));
         s.complete(&mut r, done);

@@ -48,8 +48,12 @@ pub struct Inner {
     ready: AtomicBool,
     /// This scheduler holds the leader token (see [`crate::leader`]).
     active: AtomicBool,
-    /// Markers this process has read back from the stream (the most recent few).
-    markers: Mutex<VecDeque<String>>,
+    /// Markers this process has read back from the stream (the most recent few), with their
+    /// offsets.
+    markers: Mutex<VecDeque<(String, Option<u64>)>>,
+    /// The current term's number while this scheduler leads: the stream offset of the marker its
+    /// term began with, so a later term always has a larger one (0: none yet).
+    term: AtomicU64,
     /// Events applied since the last snapshot was written.
     pub(crate) since_snapshot: AtomicU64,
     pub(crate) last_snapshot: Mutex<Option<std::time::Instant>>,
@@ -99,6 +103,7 @@ impl Scheduler {
             ready: AtomicBool::new(false),
             active: AtomicBool::new(false),
             markers: Mutex::new(VecDeque::new()),
+            term: AtomicU64::new(0),
             since_snapshot: AtomicU64::new(0),
             last_snapshot: Mutex::new(None),
             shutdown,
@@ -197,7 +202,7 @@ impl Scheduler {
             self.registry().skip(seq);
         }
         let mut markers = self.markers.lock().unwrap_or_else(|p| p.into_inner());
-        markers.push_back(routing_key.to_owned());
+        markers.push_back((routing_key.to_owned(), seq));
         if markers.len() > 64 {
             markers.pop_front();
         }
@@ -205,23 +210,34 @@ impl Scheduler {
         self.applied.notify_waiters();
     }
 
-    /// Waits until the stream has been read up to the marker with `routing_key`.
-    pub(crate) async fn wait_marker(&self, routing_key: &str) {
+    /// Waits until the stream has been read up to the marker with `routing_key`; returns the
+    /// marker's offset in the stream.
+    pub(crate) async fn wait_marker(&self, routing_key: &str) -> Option<u64> {
         loop {
             let notified = self.applied.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            if self
+            if let Some((_, seq)) = self
                 .markers
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .iter()
-                .any(|m| m == routing_key)
+                .find(|(m, _)| m == routing_key)
             {
-                return;
+                return *seq;
             }
             notified.await;
         }
+    }
+
+    /// Begins a term numbered `term` (see [`Inner::term`]).
+    pub(crate) fn set_term(&self, term: u64) {
+        self.term.store(term, Ordering::SeqCst);
+    }
+
+    /// The current term's number, recorded on every `dispatched` event of the term.
+    pub(crate) fn term(&self) -> Option<u64> {
+        Some(self.term.load(Ordering::SeqCst)).filter(|t| *t > 0)
     }
 
     /// Metrics for an event about to be applied live.

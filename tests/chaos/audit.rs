@@ -24,6 +24,9 @@
 //! - **API disagrees**: a job whose state in the API is not its outcome in the stream.
 //! - **stream copies differ**: a broker node whose copy of the event stream is not the first one's
 //!   (a cluster's nodes each hold a replica; a single broker has one copy).
+//! - **dispatched by two schedulers at once**: a `dispatched` event of a scheduler term that comes,
+//!   in stream order, after the first one of a later term (each term is numbered by its marker's
+//!   stream offset, so only a leader that went on dispatching after another took over writes one).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -106,6 +109,10 @@ pub struct Report {
     pub missing_outputs: Findings,
     pub api_disagrees: Findings,
     pub stream_copies_differ: Findings,
+    pub overlapping_terms: Findings,
+    /// Dispatched events that name their scheduler's term, and the terms seen.
+    pub termed_dispatches: usize,
+    pub terms: usize,
     /// Jobs in the stream (pipelines and their children included, shadows not).
     pub jobs: usize,
     pub events: usize,
@@ -132,6 +139,7 @@ impl Report {
             && self.missing_outputs.is_empty()
             && self.api_disagrees.is_empty()
             && self.stream_copies_differ.is_empty()
+            && self.overlapping_terms.is_empty()
             && self.undecodable_events == 0
     }
 }
@@ -374,6 +382,7 @@ pub async fn audit(farm: &Target<'_>, ledger: &Ledger, bound: Duration) -> anyho
         }
     }
     report.phases.push(("stream copies", started.elapsed()));
+    check_terms(&log, &mut report);
     check_stream(&traces, &mut report);
     check_ledger(ledger, &traces, &mut report);
     let started = Instant::now();
@@ -383,6 +392,28 @@ pub async fn audit(farm: &Target<'_>, ledger: &Ledger, bound: Duration) -> anyho
     check_storage(farm, &traces, &mut report).await;
     report.phases.push(("S3", started.elapsed()));
     Ok(report)
+}
+
+/// In stream order, no scheduler term dispatches after a later term has begun to.
+fn check_terms(log: &EventLog, report: &mut Report) {
+    let mut latest: Option<u64> = None;
+    let mut terms = BTreeSet::new();
+    for ev in &log.events {
+        let EventKind::Dispatched { term: Some(term), .. } = ev.event.kind else {
+            continue;
+        };
+        report.termed_dispatches += 1;
+        terms.insert(term);
+        match latest {
+            Some(l) if term < l => report.overlapping_terms.add(
+                ev.event.job_id.to_string(),
+                "dispatched in an earlier term after a later one began",
+                format!("term {term} at offset {} after term {l}", ev.seq),
+            ),
+            _ => latest = Some(term),
+        }
+    }
+    report.terms = terms.len();
 }
 
 /// Where `copy` (one node's stream) first differs from `log`, if it does. The readers' own markers
@@ -715,8 +746,15 @@ impl fmt::Display for Report {
             self.stream_copies_differ.len(),
             true,
         )?;
+        row(
+            f,
+            "dispatched by two schedulers",
+            self.overlapping_terms.len(),
+            true,
+        )?;
         row(f, "undecodable events", self.undecodable_events, true)?;
         row(f, "jobs in the stream", self.jobs, false)?;
+        row(f, "scheduler terms dispatching", self.terms, false)?;
         row(f, "events in the stream", self.events, false)?;
         row(f, "duplicate submissions", self.shadows, false)?;
         row(
@@ -767,6 +805,7 @@ impl fmt::Display for Report {
             ("outputs missing", &self.missing_outputs),
             ("API disagrees", &self.api_disagrees),
             ("stream copies differ", &self.stream_copies_differ),
+            ("dispatched by two schedulers", &self.overlapping_terms),
         ] {
             if findings.is_empty() {
                 continue;

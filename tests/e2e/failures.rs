@@ -42,6 +42,15 @@ async fn invalid_specs_over_http_get_4xx_naming_the_field() -> anyhow::Result<()
             json!({"schema_version": 1, "job": {"kind": "edit", "input": {"inline": "bm90IGFuIGltYWdl"}, "instruction": "x"}}),
             "job.input.inline",
         ),
+        // A bad inline image is named where it is.
+        (
+            json!({"schema_version": 1, "job": {"kind": "edit", "inputs": [{"stored": "inputs/a.png"}, {"inline": "bm90IGFuIGltYWdl"}], "instruction": "x"}}),
+            "job.inputs[1].inline",
+        ),
+        (
+            json!({"schema_version": 1, "job": {"kind": "pipeline", "base": {"prompt": "x"}, "edits": [{"instruction": "a"}, {"instruction": "b", "references": [{"inline": "bm90IGFuIGltYWdl"}]}]}}),
+            "job.edits[1].references[0].inline",
+        ),
         (
             json!({"schema_version": 1, "job": {"kind": "pipeline", "base": {"prompt": "x"}, "upscales": [{"of": {"edit": 2}}]}}),
             "job.upscales[0].of",

@@ -198,7 +198,20 @@ impl WeightStore {
             (Some(k), Transform::Identity) if crate::nn::is_fp8(k) => k,
             _ => return Ok((self.get(name, shape, device, kind)?, None)),
         };
-        let scale = self.fp8_scale(file, &src.key, device)?;
+        let scale = match self.fp8_scale(file, &src.key, device)? {
+            Some((scale, suffix)) => {
+                // Read by its key in the file, not through the store: count it as asked for, so
+                // that it is not listed among the file's unused tensors.
+                if let Some(stem) = name.strip_suffix("weight") {
+                    self.requested
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .insert(format!("{stem}{suffix}"));
+                }
+                Some(scale)
+            }
+            None => None,
+        };
         match (self.fp8, scale) {
             (Fp8Mode::Resident, scale) => Ok((self.get(name, shape, device, fp8_kind)?, scale)),
             (Fp8Mode::Upcast, None) => Ok((self.get(name, shape, device, kind)?, None)),
@@ -209,17 +222,19 @@ impl WeightStore {
         }
     }
 
-    /// The per-tensor scale stored beside fp8 weight `key`, as a 0-d fp32 tensor on `device`.
+    /// The per-tensor scale stored beside fp8 weight `key`, as a 0-d fp32 tensor on `device`, with
+    /// the suffix that named it in place of `weight`.
     fn fp8_scale(
         &self,
         file: &SafetensorsFile,
         key: &str,
         device: Device,
-    ) -> Result<Option<Tensor>, LoadError> {
+    ) -> Result<Option<(Tensor, &'static str)>, LoadError> {
         let Some(stem) = key.strip_suffix("weight") else {
             return Ok(None);
         };
-        for candidate in [format!("{stem}scale_weight"), format!("{stem}weight_scale")] {
+        for suffix in ["scale_weight", "weight_scale"] {
+            let candidate = format!("{stem}{suffix}");
             let Some(info) = file.info(&candidate) else {
                 continue;
             };
@@ -232,7 +247,7 @@ impl WeightStore {
                 });
             }
             let t = file.load(&candidate, device, Kind::Float)?;
-            return Ok(Some(t.reshape([] as [i64; 0])));
+            return Ok(Some((t.reshape([] as [i64; 0]), suffix)));
         }
         Ok(None)
     }
