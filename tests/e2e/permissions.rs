@@ -489,6 +489,15 @@ async fn each_rabbitmq_role_does_its_work_and_nothing_else() -> anyhow::Result<(
     }
     assert!(wrong.is_empty(), "{}", wrong.join("\n"));
 
+    // Why the definitions and add-worker-user make each box's queue: its user may declare the
+    // queue once it exists, but not create it, since creating a queue that dead-letters through
+    // the default exchange needs write there.
+    let (vhost, queue) = (installation.vhost.clone(), t.worker_queue(&box2));
+    tokio::task::spawn_blocking(move || rabbitmqctl(&["delete_queue", "-p", &vhost, &queue]))
+        .await??;
+    let create = Try::DeclareWorkerQueue(box2.clone());
+    assert_eq!(create.run(&worker2, &farm.prefix).await?, Refused);
+
     // The job system still works after the probes: nothing they did broke the installation.
     let job = farm.job(&job_id).await?;
     assert_eq!(job["state"], "completed", "{job}");
