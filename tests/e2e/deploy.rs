@@ -409,11 +409,7 @@ fn each_role_is_granted_exactly_the_names_its_code_uses() {
             vec![t.events_exchange(), box1.clone(), private.clone()],
         ),
         ("vnfarm-submitter", "configure", vec![]),
-        (
-            "vnfarm-submitter",
-            "write",
-            vec![t.submissions_exchange()],
-        ),
+        ("vnfarm-submitter", "write", vec![t.submissions_exchange()]),
         ("vnfarm-submitter", "read", vec![]),
         ("vnfarm-monitoring", "configure", vec![]),
         ("vnfarm-monitoring", "write", vec![]),
@@ -499,8 +495,7 @@ fn add_worker_user_makes_the_definitions_worker_for_any_box() {
         .iter()
         .find(|q| q["name"] == t.worker_queue(&box_id("box-1")).as_str())
         .expect("box-1's queue");
-    let box2_queue: Value =
-        serde_json::from_str(&for_box2(&box1_queue.to_string())).expect("JSON");
+    let box2_queue: Value = serde_json::from_str(&for_box2(&box1_queue.to_string())).expect("JSON");
     assert_eq!(imported, serde_json::json!({ "queues": [box2_queue] }));
     let user = "vnfarm-worker-box-2";
     let perm = |kind| for_box2(permission(&d, "vnfarm", "vnfarm-worker-box-1", kind));

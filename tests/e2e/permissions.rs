@@ -340,7 +340,10 @@ async fn each_rabbitmq_role_does_its_work_and_nothing_else() -> anyhow::Result<(
             "VNFARM_AMQP__URL".to_owned(),
             installation.url("vnfarm-worker-box-1"),
         ),
-        ("VNFARM_AMQP__DECLARE_TOPOLOGY".to_owned(), "false".to_owned()),
+        (
+            "VNFARM_AMQP__DECLARE_TOPOLOGY".to_owned(),
+            "false".to_owned(),
+        ),
     ];
     farm.start_worker(
         "box-1",

@@ -662,7 +662,12 @@ impl Worker {
             props = props.with_message_id(id.clone());
         }
         publisher
-            .publish(&self.topology.give_back_exchange(), "", &delivery.data, props)
+            .publish(
+                &self.topology.give_back_exchange(),
+                "",
+                &delivery.data,
+                props,
+            )
             .await
             .map_err(broker)
     }
