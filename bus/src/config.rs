@@ -35,6 +35,12 @@ pub struct AmqpConfig {
     /// in time fails the publish and the session is opened again on fresh channels.
     #[serde(default = "default_confirm_timeout_ms")]
     pub confirm_timeout_ms: u64,
+    /// Whether a worker declares the shared exchanges and queues at every session, as the
+    /// scheduler always does. On by default, so a worker that starts before any scheduler finds
+    /// them; off where the broker users of deploy/rabbitmq/definitions.json are used, whose
+    /// worker may configure only its own queue. The scheduler ignores it.
+    #[serde(default = "default_declare_topology")]
+    pub declare_topology: bool,
 }
 
 fn default_url() -> String {
@@ -58,6 +64,9 @@ fn default_max_backoff_ms() -> u64 {
 fn default_confirm_timeout_ms() -> u64 {
     10_000
 }
+fn default_declare_topology() -> bool {
+    true
+}
 
 impl Default for AmqpConfig {
     fn default() -> Self {
@@ -70,6 +79,7 @@ impl Default for AmqpConfig {
             events_max_age: default_stream_max_age(),
             max_backoff_ms: default_max_backoff_ms(),
             confirm_timeout_ms: default_confirm_timeout_ms(),
+            declare_topology: default_declare_topology(),
         }
     }
 }
@@ -193,6 +203,13 @@ mod tests {
         assert!(e.starts_with("amqp.urls: "), "{e}");
         let e = from_env(&[("VNFARM_AMQP__URLS", r#"["amqp://a", "http://b"]"#)]).unwrap_err();
         assert!(e.starts_with("amqp.urls[1]: "), "{e}");
+    }
+
+    #[test]
+    fn the_shared_topology_is_declared_unless_switched_off() {
+        assert!(from_env(&[]).unwrap().declare_topology);
+        let c = from_env(&[("VNFARM_AMQP__DECLARE_TOPOLOGY", "false")]).unwrap();
+        assert!(!c.declare_topology);
     }
 
     #[test]

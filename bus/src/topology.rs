@@ -1,6 +1,8 @@
 //! Declares vnfarm's exchanges and queues (DESIGN §4). Declarations are idempotent, so both binaries
 //! declare everything they use at every (re)connection; a mismatch of arguments is a broker error
-//! (PRECONDITION_FAILED) that names the queue, which is why both read the same [`AmqpConfig`].
+//! (PRECONDITION_FAILED) that names the queue, which is why both read the same [`AmqpConfig`]. A
+//! worker with `amqp.declare_topology = false` declares only its own queue and leaves
+//! [`declare_core`] to the scheduler, so its broker user needs no configure right on shared names.
 //!
 //! | name | type | notes |
 //! | --- | --- | --- |
@@ -8,7 +10,9 @@
 //! | `<p>.events.log` | stream | bound to `job.#` and `marker.#`; the durable job history |
 //! | `<p>.intake` | quorum queue | submissions; delivery limit; dead-letters to `<p>.dead` |
 //! | `<p>.worker.<id>` | quorum queue | one worker's jobs; expired or over-limit messages go to `<p>.redispatch` |
+//! | `<p>.submissions` | fanout exchange | bound to `<p>.intake`; what a submitter may write to |
 //! | `<p>.redispatch` | quorum queue | consumed by the scheduler |
+//! | `<p>.give-back` | fanout exchange | bound to `<p>.redispatch`; where a worker gives jobs back |
 //! | `<p>.dead` | fanout exchange + quorum queue | permanent failures, reason in headers |
 //! | `<p>.scheduler.leader` | quorum queue, single active consumer | the leader token ([`declare_scheduler`]) |
 //! | `<p>.scheduler.snapshots` | stream | registry snapshots of the active scheduler |
@@ -75,6 +79,17 @@ pub async fn declare_core(channel: &Channel, config: &AmqpConfig) -> Result<(), 
         )
         .await?;
 
+    for x in [t.submissions_exchange(), t.give_back_exchange()] {
+        channel
+            .exchange_declare(
+                x.into(),
+                ExchangeKind::Fanout,
+                durable_exchange,
+                FieldTable::default(),
+            )
+            .await?;
+    }
+
     let mut dead_args = FieldTable::default();
     dead_args.insert("x-queue-type".into(), text("quorum"));
     channel
@@ -104,6 +119,21 @@ pub async fn declare_core(channel: &Channel, config: &AmqpConfig) -> Result<(), 
             quorum_args(config, &t.dead_exchange(), None),
         )
         .await?;
+
+    for (queue, exchange) in [
+        (t.intake_queue(), t.submissions_exchange()),
+        (t.redispatch_queue(), t.give_back_exchange()),
+    ] {
+        channel
+            .queue_bind(
+                queue.into(),
+                exchange.into(),
+                "".into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+    }
 
     let mut stream_args = FieldTable::default();
     stream_args.insert("x-queue-type".into(), text("stream"));
@@ -227,7 +257,12 @@ pub async fn delete_all(
             .queue_delete(q.into(), QueueDeleteOptions::default())
             .await?;
     }
-    for x in [t.events_exchange(), t.dead_exchange()] {
+    for x in [
+        t.events_exchange(),
+        t.dead_exchange(),
+        t.submissions_exchange(),
+        t.give_back_exchange(),
+    ] {
         channel
             .exchange_delete(x.into(), ExchangeDeleteOptions::default())
             .await?;

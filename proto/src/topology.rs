@@ -39,9 +39,24 @@ impl Topology {
     }
 
     /// Quorum queue of jobs that came back from a worker queue (expired, or over the delivery
-    /// limit); the scheduler consumes it and dispatches them again or fails them.
+    /// limit) or that a worker gave back; the scheduler consumes it and dispatches them again or
+    /// fails them.
     pub fn redispatch_queue(&self) -> String {
         format!("{}.redispatch", self.prefix)
+    }
+
+    /// Fanout exchange bound to the redispatch queue: how a worker gives a job back. A worker
+    /// may write here and not to the default exchange, which reaches every queue. (The broker's
+    /// own dead-lettering of worker queues goes through the default exchange; permissions do not
+    /// apply to it.)
+    pub fn give_back_exchange(&self) -> String {
+        format!("{}.give-back", self.prefix)
+    }
+
+    /// Fanout exchange bound to the intake queue: how a front end that may write nothing else
+    /// submits (`deploy/rabbitmq/definitions.json`, user `vnfarm-submitter`).
+    pub fn submissions_exchange(&self) -> String {
+        format!("{}.submissions", self.prefix)
     }
 
     /// Topic exchange of events (`job.<id>.<event>`), heartbeats (`worker.<id>.heartbeat`) and

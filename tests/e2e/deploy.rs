@@ -114,10 +114,6 @@ fn environment_overrides_and_errors_name_the_field() {
     assert!(err.starts_with("api_token: "), "{err}");
 }
 
-/// The exchange submitters publish to, bound to the intake queue by the definitions (it is not in
-/// `Topology` yet: see docs/operations.md, "RabbitMQ users and what they may do").
-pub const SUBMISSIONS: &str = "submissions";
-
 pub fn definitions() -> Value {
     let path = deploy("rabbitmq/definitions.json");
     let text = std::fs::read_to_string(&path).expect("deploy/rabbitmq/definitions.json");
@@ -174,7 +170,8 @@ fn all_names(t: &Topology) -> Vec<String> {
         t.snapshot_stream(),
         t.dead_exchange(),
         t.dead_watch_queue(),
-        format!("{}.{SUBMISSIONS}", t.prefix()),
+        t.submissions_exchange(),
+        t.give_back_exchange(),
         "amq.default".into(),
         "amq.gen-5bVrm9kXZ2hR".into(),
     ]
@@ -194,10 +191,14 @@ fn definitions_name_what_the_topology_declares() {
             .collect()
     };
     assert_eq!(names("vhosts"), BTreeSet::from(["vnfarm".to_owned()]));
-    let submissions = format!("{}.{SUBMISSIONS}", t.prefix());
     assert_eq!(
         names("exchanges"),
-        BTreeSet::from([t.events_exchange(), t.dead_exchange(), submissions.clone()])
+        BTreeSet::from([
+            t.events_exchange(),
+            t.dead_exchange(),
+            t.submissions_exchange(),
+            t.give_back_exchange(),
+        ])
     );
     for x in d["exchanges"].as_array().unwrap() {
         let kind = if x["name"] == t.events_exchange().as_str() {
@@ -208,22 +209,59 @@ fn definitions_name_what_the_topology_declares() {
         assert_eq!(x["type"], kind, "{x}");
         assert_eq!(x["durable"], true, "{x}");
     }
-    // Only the intake queue is declared here (the submissions exchange needs it for its
-    // binding), with the arguments `bus::topology::declare_core` gives it under the default
-    // configuration; the broker test declares it again through that function.
-    assert_eq!(names("queues"), BTreeSet::from([t.intake_queue()]));
-    let args = &d["queues"][0]["arguments"];
-    assert_eq!(args["x-queue-type"], "quorum");
-    assert_eq!(args["x-delivery-limit"], amqp.delivery_limit);
-    assert_eq!(args["x-dead-letter-exchange"], t.dead_exchange().as_str());
-    assert_eq!(args["x-dead-letter-strategy"], "at-least-once");
-    assert_eq!(args["x-overflow"], "reject-publish");
-    assert_eq!(args.as_object().unwrap().len(), 5, "{args}");
-    let bindings = d["bindings"].as_array().unwrap();
-    assert_eq!(bindings.len(), 1);
-    assert_eq!(bindings[0]["source"], submissions.as_str());
-    assert_eq!(bindings[0]["destination"], t.intake_queue().as_str());
-    assert_eq!(bindings[0]["destination_type"], "queue");
+    // The queues the two exchanges bind to, and box-1's (its user may not create it: a queue that
+    // dead-letters through the default exchange needs write there to be created, not to be
+    // declared again), with the arguments `bus::topology` gives them under the default
+    // configuration; the broker test declares them again through those functions.
+    assert_eq!(
+        names("queues"),
+        BTreeSet::from([
+            t.intake_queue(),
+            t.redispatch_queue(),
+            t.worker_queue(&box_id("box-1")),
+        ])
+    );
+    let quorum = |dlx: &str, key: Option<String>| {
+        let mut args = serde_json::json!({
+            "x-queue-type": "quorum",
+            "x-delivery-limit": amqp.delivery_limit,
+            "x-dead-letter-exchange": dlx,
+            "x-dead-letter-strategy": "at-least-once",
+            "x-overflow": "reject-publish",
+        });
+        if let Some(key) = key {
+            args["x-dead-letter-routing-key"] = key.into();
+        }
+        args
+    };
+    for q in d["queues"].as_array().unwrap() {
+        let name = q["name"].as_str().unwrap();
+        let expected = if name == t.worker_queue(&box_id("box-1")) {
+            quorum("", Some(t.redispatch_queue()))
+        } else {
+            quorum(&t.dead_exchange(), None)
+        };
+        assert_eq!(q["arguments"], expected, "{name}");
+        assert_eq!(q["durable"], true, "{name}");
+    }
+    let bindings: BTreeSet<(String, String)> = d["bindings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| {
+            assert_eq!(b["destination_type"], "queue", "{b}");
+            assert_eq!(b["routing_key"], "", "{b}");
+            let name = |key: &str| b[key].as_str().expect("a name").to_owned();
+            (name("source"), name("destination"))
+        })
+        .collect();
+    assert_eq!(
+        bindings,
+        BTreeSet::from([
+            (t.submissions_exchange(), t.intake_queue()),
+            (t.give_back_exchange(), t.redispatch_queue()),
+        ])
+    );
 
     // Each policy matches the queues it is for and no other name; none touches a key the clients
     // declare (a policy's delivery limit would cut the leader token's, which is redelivered at
@@ -305,12 +343,14 @@ fn each_role_is_granted_exactly_the_names_its_code_uses() {
                 t.snapshot_stream(),
                 dead.clone(),
                 t.dead_watch_queue(),
+                t.submissions_exchange(),
+                t.give_back_exchange(),
                 private.clone(),
             ],
         ),
         // Publishes to the default exchange (dispatch, the leader token, snapshots, renewed
-        // submissions), events and dead letters; binds the stream, the dead queues and its
-        // private queue (a bind needs write on the queue).
+        // submissions), events and dead letters; binds the stream, the dead queues, intake,
+        // redispatch and its private queue (a bind needs write on the queue).
         (
             "vnfarm-scheduler",
             "write",
@@ -320,11 +360,13 @@ fn each_role_is_granted_exactly_the_names_its_code_uses() {
                 dead.clone(),
                 t.events_stream(),
                 t.dead_watch_queue(),
+                t.intake_queue(),
+                t.redispatch_queue(),
                 private.clone(),
             ],
         ),
         // Consumes intake, redispatch, the streams, the leader and dead-watch queues; binds from
-        // the two exchanges (a bind needs read on the exchange).
+        // the four exchanges (a bind needs read on the exchange).
         (
             "vnfarm-scheduler",
             "read",
@@ -337,54 +379,37 @@ fn each_role_is_granted_exactly_the_names_its_code_uses() {
                 t.snapshot_stream(),
                 dead.clone(),
                 t.dead_watch_queue(),
+                t.submissions_exchange(),
+                t.give_back_exchange(),
                 private.clone(),
             ],
         ),
-        // The worker also runs declare_core today, which declares the shared queues (configure,
-        // and read on the two with a dead-letter exchange): the gap docs/operations.md describes.
-        // Its own queue dead-letters through the default exchange, which needs write there.
+        // The worker (amqp.declare_topology = false) declares its own queue and its private
+        // control queue, nothing shared; publishes events, dead letters and give-backs, never to
+        // the default exchange; binds its private queue to the events exchange (read there) and
+        // consumes its two queues.
         (
             "vnfarm-worker-box-1",
             "configure",
-            vec![
-                t.intake_queue(),
-                t.redispatch_queue(),
-                t.events_exchange(),
-                t.events_stream(),
-                dead.clone(),
-                box1.clone(),
-                private.clone(),
-            ],
+            vec![box1.clone(), private.clone()],
         ),
         (
             "vnfarm-worker-box-1",
             "write",
             vec![
-                default.clone(),
                 t.events_exchange(),
                 dead.clone(),
-                t.events_stream(),
+                t.give_back_exchange(),
                 private.clone(),
             ],
         ),
         (
             "vnfarm-worker-box-1",
             "read",
-            vec![
-                t.intake_queue(),
-                t.redispatch_queue(),
-                t.events_exchange(),
-                dead.clone(),
-                box1.clone(),
-                private.clone(),
-            ],
+            vec![t.events_exchange(), box1.clone(), private.clone()],
         ),
         ("vnfarm-submitter", "configure", vec![]),
-        (
-            "vnfarm-submitter",
-            "write",
-            vec![format!("{}.{SUBMISSIONS}", t.prefix())],
-        ),
+        ("vnfarm-submitter", "write", vec![t.submissions_exchange()]),
         ("vnfarm-submitter", "read", vec![]),
         ("vnfarm-monitoring", "configure", vec![]),
         ("vnfarm-monitoring", "write", vec![]),
@@ -410,7 +435,8 @@ fn each_role_is_granted_exactly_the_names_its_code_uses() {
 
     // Topic permissions on the events exchange: a worker publishes job events and its own
     // heartbeat, never markers, control messages or another worker's heartbeat; it binds only
-    // what declare_core and its control subscription bind.
+    // its control subscription (the stream's bindings are the scheduler's), so it cannot follow
+    // other jobs' events.
     let write = topic_permission(&d, "vnfarm-worker-box-1", "write");
     let job_event = format!("job.{}.started", JobId::new());
     let box1_beat = topology::heartbeat_routing_key(&box_id("box-1"));
@@ -430,15 +456,16 @@ fn each_role_is_granted_exactly_the_names_its_code_uses() {
     }
     let read = topic_permission(&d, "vnfarm-worker-box-1", "read");
     let markers = format!("{MARKER_ROUTING_PREFIX}.#");
-    for key in [
-        JOB_EVENTS_PATTERN,
-        &markers,
-        CANCEL_ROUTING_KEY,
-        YIELD_ROUTING_KEY,
-    ] {
+    for key in [CANCEL_ROUTING_KEY, YIELD_ROUTING_KEY] {
         assert!(grants(read, key), "{read} refuses {key}");
     }
-    for key in ["#", HEARTBEAT_ROUTING_PATTERN, "job.*.completed"] {
+    for key in [
+        "#",
+        HEARTBEAT_ROUTING_PATTERN,
+        "job.*.completed",
+        JOB_EVENTS_PATTERN,
+        &markers,
+    ] {
         assert!(!grants(read, key), "{read} grants {key}");
     }
 }
@@ -458,9 +485,21 @@ fn add_worker_user_makes_the_definitions_worker_for_any_box() {
         String::from_utf8_lossy(&out.stderr)
     );
     let text = String::from_utf8(out.stdout).expect("UTF-8");
-    let lines: Vec<Vec<&str>> = text.lines().map(|l| l.split('\t').collect()).collect();
-    let user = "vnfarm-worker-box-2";
+    let mut lines: Vec<Vec<&str>> = text.lines().map(|l| l.split('\t').collect()).collect();
     let for_box2 = |s: &str| s.replace("box-1", "box-2");
+    // The last line: import_definitions with the box's queue, compared as JSON.
+    let imported = lines.pop().expect("four lines");
+    assert_eq!(imported[0], "import_definitions", "{imported:?}");
+    let imported: Value = serde_json::from_str(imported[1]).expect("JSON");
+    let box1_queue = d["queues"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|q| q["name"] == t.worker_queue(&box_id("box-1")).as_str())
+        .expect("box-1's queue");
+    let box2_queue: Value = serde_json::from_str(&for_box2(&box1_queue.to_string())).expect("JSON");
+    assert_eq!(imported, serde_json::json!({ "queues": [box2_queue] }));
+    let user = "vnfarm-worker-box-2";
     let perm = |kind| for_box2(permission(&d, "vnfarm", "vnfarm-worker-box-1", kind));
     let topic = |kind| for_box2(topic_permission(&d, "vnfarm-worker-box-1", kind));
     let (configure, write, read) = (perm("configure"), perm("write"), perm("read"));

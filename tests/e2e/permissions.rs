@@ -25,7 +25,7 @@ use vnfarm_proto::{JobId, WorkerId};
 use vnfarm_tests::{Farm, WorkerOptions, wait_for};
 
 use crate::FINISH;
-use crate::deploy::{SUBMISSIONS, definitions, permission};
+use crate::deploy::{definitions, permission};
 
 /// The definitions, imported for one farm; removed from the broker on drop.
 struct Installation {
@@ -54,7 +54,8 @@ fn rabbitmqctl(args: &[&str]) -> anyhow::Result<()> {
 
 impl Installation {
     /// Imports definitions.json for `prefix` (a farm's), sets every user's password and adds a
-    /// second worker box, `box-2`, from the `box-1` template as `add-worker-user` does.
+    /// second worker box, `box-2` (its user and its queue), from the `box-1` template as
+    /// `add-worker-user` does.
     async fn import(prefix: &str) -> anyhow::Result<Self> {
         let suffix = format!("t-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
         let vhost = format!("vnfarm-{suffix}");
@@ -100,13 +101,27 @@ impl Installation {
         };
         let (tw, tr) = (topic("write"), topic("read"));
         let events = format!("{prefix}.events");
+        let box1_queue = format!("{prefix}.worker.box-1");
+        let queue = d["queues"]
+            .as_array()
+            .expect("queues")
+            .iter()
+            .find(|q| q["name"] == box1_queue.as_str())
+            .expect("box-1's queue")
+            .to_string()
+            .replace("box-1", "box-2");
+        let queue_file = tempfile::NamedTempFile::new()?;
+        std::fs::write(queue_file.path(), format!(r#"{{"queues": [{queue}]}}"#))?;
+        std::fs::set_permissions(queue_file.path(), std::fs::Permissions::from_mode(0o644))?;
+        let queue_path = queue_file.path().display().to_string();
         installation.users.push(box2.clone());
         let password = installation.password.clone();
         let vh = vhost.clone();
         tokio::task::spawn_blocking(move || -> anyhow::Result<()> {
             rabbitmqctl(&["add_user", &box2, &password])?;
             rabbitmqctl(&["set_permissions", "-p", &vh, &box2, &c, &w, &r])?;
-            rabbitmqctl(&["set_topic_permissions", "-p", &vh, &box2, &events, &tw, &tr])
+            rabbitmqctl(&["set_topic_permissions", "-p", &vh, &box2, &events, &tw, &tr])?;
+            rabbitmqctl(&["import_definitions", &queue_path])
         })
         .await??;
         // The import runs in the background on the broker: a user takes its password once it
@@ -313,16 +328,23 @@ async fn each_rabbitmq_role_does_its_work_and_nothing_else() -> anyhow::Result<(
     let box2: WorkerId = "box-2".parse().expect("a worker id");
 
     // The scheduler and a worker, each as its own user, run a job the submitter handed in
-    // through the submissions exchange (the only thing it may write to).
+    // through the submissions exchange (the only thing it may write to). The worker leaves the
+    // shared topology to the scheduler, as the deploy files say.
     farm.scheduler_env.push((
         "VNFARM_AMQP__URL".into(),
         installation.url("vnfarm-scheduler"),
     ));
     farm.start_scheduler().await?;
-    let worker_env = vec![(
-        "VNFARM_AMQP__URL".to_owned(),
-        installation.url("vnfarm-worker-box-1"),
-    )];
+    let worker_env = vec![
+        (
+            "VNFARM_AMQP__URL".to_owned(),
+            installation.url("vnfarm-worker-box-1"),
+        ),
+        (
+            "VNFARM_AMQP__DECLARE_TOPOLOGY".to_owned(),
+            "false".to_owned(),
+        ),
+    ];
     farm.start_worker(
         "box-1",
         WorkerOptions {
@@ -341,7 +363,7 @@ async fn each_rabbitmq_role_does_its_work_and_nothing_else() -> anyhow::Result<(
         "job": {"kind": "generate", "prompt": "a lighthouse", "width": 256, "height": 256, "steps": 2, "count": 1, "seed": 3}});
     let confirm = channel
         .basic_publish(
-            format!("{}.{SUBMISSIONS}", farm.prefix).as_str().into(),
+            t.submissions_exchange().as_str().into(),
             "".into(),
             BasicPublishOptions::default(),
             &serde_json::to_vec(&body)?,
@@ -353,7 +375,7 @@ async fn each_rabbitmq_role_does_its_work_and_nothing_else() -> anyhow::Result<(
     let job = farm.wait_finished(&job_id, FINISH).await?;
     assert_eq!(job["state"], "completed", "{job}");
 
-    // The intake queue's arguments in the definitions are the ones declare_core gives it.
+    // The queues' arguments in the definitions are the ones declare_core gives them.
     let scheduler = installation.connect("vnfarm-scheduler").await?;
     let config = vnfarm_bus::AmqpConfig {
         prefix: farm.prefix.clone(),
@@ -372,7 +394,7 @@ async fn each_rabbitmq_role_does_its_work_and_nothing_else() -> anyhow::Result<(
     // Publishing to the default exchange with a key no queue has proves the right to write there
     // without putting a message anywhere.
     let nowhere = format!("{}.no-such-queue", farm.prefix);
-    let submissions = format!("{}.{SUBMISSIONS}", farm.prefix);
+    let submissions = t.submissions_exchange();
     let mine = format!("{}.mine", farm.prefix);
     let cases: Cases = vec![
         (
@@ -396,12 +418,16 @@ async fn each_rabbitmq_role_does_its_work_and_nothing_else() -> anyhow::Result<(
                 (Try::Declare(t.leader_queue()), Refused),
                 (Try::Delete(t.leader_queue()), Refused),
                 (Try::bind(&t.events_stream(), &events, "#"), Refused),
-                // Known gaps while the worker declares the shared topology itself and publishes
-                // to the default exchange (docs/operations.md, "RabbitMQ users and what they may
-                // do"): when the code changes, tighten definitions.json and make these Refused.
-                (Try::Consume(t.intake_queue()), Allowed),
-                (Try::publish("", &nowhere), Allowed),
-                (Try::Declare(t.intake_queue()), Allowed),
+                // Nothing shared: it neither consumes, declares nor deletes the shared queues
+                // (the scheduler declares them), and gives jobs back through the give-back
+                // exchange, not the default exchange, which reaches every queue.
+                (Try::Consume(t.intake_queue()), Refused),
+                (Try::Consume(t.redispatch_queue()), Refused),
+                (Try::publish("", &nowhere), Refused),
+                (Try::publish(&submissions, ""), Refused),
+                (Try::Declare(t.intake_queue()), Refused),
+                (Try::Delete(t.redispatch_queue()), Refused),
+                (Try::bind(&t.intake_queue(), &submissions, ""), Refused),
             ],
         ),
         (
@@ -465,6 +491,15 @@ async fn each_rabbitmq_role_does_its_work_and_nothing_else() -> anyhow::Result<(
         }
     }
     assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+
+    // Why the definitions and add-worker-user make each box's queue: its user may declare the
+    // queue once it exists, but not create it, since creating a queue that dead-letters through
+    // the default exchange needs write there.
+    let (vhost, queue) = (installation.vhost.clone(), t.worker_queue(&box2));
+    tokio::task::spawn_blocking(move || rabbitmqctl(&["delete_queue", "-p", &vhost, &queue]))
+        .await??;
+    let create = Try::DeclareWorkerQueue(box2.clone());
+    assert_eq!(create.run(&worker2, &farm.prefix).await?, Refused);
 
     // The job system still works after the probes: nothing they did broke the installation.
     let job = farm.job(&job_id).await?;

@@ -662,13 +662,18 @@ impl Worker {
             props = props.with_message_id(id.clone());
         }
         publisher
-            .publish("", &self.topology.redispatch_queue(), &delivery.data, props)
+            .publish(
+                &self.topology.give_back_exchange(),
+                "",
+                &delivery.data,
+                props,
+            )
             .await
             .map_err(broker)
     }
 
     /// Gives one job of a batch back to the scheduler: a single-job message on the redispatch
-    /// queue, where the scheduler takes it back into its backlog. The headers say why (and the
+    /// queue (through the give-back exchange), where the scheduler takes it back into its backlog. The headers say why (and the
     /// failure, for a transient one).
     async fn give_back(
         &self,
@@ -703,7 +708,7 @@ impl Worker {
             .with_headers(headers);
         let body = single_job_body(job);
         if let Err(e) = publisher
-            .publish("", &self.topology.redispatch_queue(), &body, props)
+            .publish(&self.topology.give_back_exchange(), "", &body, props)
             .await
         {
             tracing::warn!(job_id = %job.job_id, error = %e, "could not give the job back; the message stays unsettled");

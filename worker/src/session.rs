@@ -42,7 +42,11 @@ impl Worker {
             .await?
             .with_confirm_timeout(self.config.amqp.confirm_timeout());
         let channel = connection.create_channel().await?;
-        topology::declare_core(&channel, &self.config.amqp).await?;
+        // Where the broker user may configure only this worker's own queue, the scheduler alone
+        // declares the shared topology (`amqp.declare_topology`).
+        if self.config.amqp.declare_topology {
+            topology::declare_core(&channel, &self.config.amqp).await?;
+        }
         let queue = topology::declare_worker_queue(&channel, &self.config.amqp, &self.id).await?;
 
         // Cancellations and yield requests fan out to every worker through a private,
