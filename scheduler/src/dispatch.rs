@@ -199,7 +199,7 @@ impl Scheduler {
                     queue: queue.clone(),
                     worker: Some(d.worker.clone()),
                     batch,
-                    term: self.term(),
+                    term: self.current_term(),
                 },
             )
         }))

@@ -236,7 +236,7 @@ impl Scheduler {
     }
 
     /// The current term's number, recorded on every `dispatched` event of the term.
-    pub(crate) fn term(&self) -> Option<u64> {
+    pub(crate) fn current_term(&self) -> Option<u64> {
         Some(self.term.load(Ordering::SeqCst)).filter(|t| *t > 0)
     }
 

@@ -399,7 +399,10 @@ fn check_terms(log: &EventLog, report: &mut Report) {
     let mut latest: Option<u64> = None;
     let mut terms = BTreeSet::new();
     for ev in &log.events {
-        let EventKind::Dispatched { term: Some(term), .. } = ev.event.kind else {
+        let EventKind::Dispatched {
+            term: Some(term), ..
+        } = ev.event.kind
+        else {
             continue;
         };
         report.termed_dispatches += 1;

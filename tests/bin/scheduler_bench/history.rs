@@ -132,6 +132,7 @@ impl Events {
                     queue: self.topology.worker_queue(&worker),
                     worker: Some(worker),
                     batch: None,
+                    term: Some(1),
                 },
             ));
         };
