@@ -752,6 +752,7 @@ impl Registry {
         let mut unassign = false;
         let mut assign = None;
         let mut made = None;
+        let mut owe_cancel = false;
         match &ev.event.kind {
             EventKind::Queued { .. } => unreachable!("handled by apply_queued"),
             EventKind::Dispatched { worker, batch, .. } => {
@@ -774,6 +775,8 @@ impl Registry {
                 job.worker = None;
                 job.progress = None;
                 unassign = true;
+                // Cancelled while it was out: no worker has it now to report the cancel.
+                owe_cancel = job.local.cancel_requested;
             }
             EventKind::Started { worker, .. } => {
                 job.state = JobState::Running;
@@ -867,6 +870,9 @@ impl Registry {
         self.index_in(id);
         if terminal {
             self.finish(id, at);
+        }
+        if owe_cancel {
+            self.owed.insert(id);
         }
         true
     }
@@ -1101,6 +1107,12 @@ impl Registry {
                         failure: FailureKind::DependencyFailed,
                         message: format!("input job {} did not complete", dep.id),
                         retryable: false,
+                    })
+                    // A cancel asked while the job was out, which came back unrun: it ends here.
+                    .or_else(|| {
+                        job.local.cancel_requested.then(|| EventKind::Cancelled {
+                            reason: "cancelled by request".into(),
+                        })
                     })
             } else {
                 None
@@ -2088,5 +2100,47 @@ mod tests {
         // The dispatch was never published (the connection died); a new term dispatches again.
         r.begin_term();
         assert_eq!(r.plan_ll(), vec![(id, "a".parse().unwrap())]);
+    }
+
+    /// A cancel that finds the job on its way to a worker only reaches the workers; if the job
+    /// then comes back unrun (its worker was cut off), the scheduler itself owes its `cancelled`
+    /// (the cluster test once saw such a job stay queued for good).
+    #[test]
+    fn a_job_cancelled_while_out_that_comes_back_is_cancelled_here() {
+        let mut r = Registry::default();
+        let mut s = Stream::new();
+        let id = s.queue(&mut r, generate());
+        r.heartbeat(worker("a", 1));
+        assert_eq!(r.plan_ll().len(), 1);
+        assert_eq!(
+            r.request_cancel(id).unwrap(),
+            vec![(id, false)],
+            "pending: not here"
+        );
+        r.apply(s.ev(
+            id,
+            EventKind::Dispatched {
+                queue: "q".into(),
+                worker: Some("a".parse().unwrap()),
+                batch: None,
+                term: Some(1),
+            },
+        ));
+        assert!(
+            r.take_follow_ups().is_empty(),
+            "on its worker: the worker reports the cancel"
+        );
+        r.apply(s.ev(
+            id,
+            EventKind::Requeued {
+                reason: "returned from a worker queue (expired)".into(),
+            },
+        ));
+        let owed = r.take_follow_ups();
+        assert!(
+            matches!(owed.as_slice(), [(j, EventKind::Cancelled { .. })] if *j == id),
+            "{owed:?}"
+        );
+        assert!(r.plan_ll().is_empty(), "and it is not dispatched again");
     }
 }

@@ -528,6 +528,10 @@ impl Registry {
         self.worker_mut(worker).unassign(job);
         if self.jobs.contains_key(&job) {
             self.set_local(job, |l| l.dispatch_pending = false);
+            // Cancelled while its dispatch was pending: nobody else will report it.
+            if self.jobs[&job].local.cancel_requested {
+                self.owed.insert(job);
+            }
         }
     }
 }
