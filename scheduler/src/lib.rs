@@ -52,7 +52,8 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<
     serve(config, listener, shutdown).await
 }
 
-/// [`run`] on an already bound listener (tests bind port 0).
+/// [`run`] on an already bound listener (an embedding program may bind port 0 and read the port
+/// back; the end-to-end tests run the binaries instead, and no test calls this yet).
 pub async fn serve(
     config: Config,
     listener: TcpListener,

@@ -15,6 +15,9 @@
 //! - [`sdxl`]: SDXL text-to-image (CLIP-L + OpenCLIP bigG, UNet, VAE, compel weighting, pipeline).
 //! - [`qwen2_5_vl`]: Qwen2.5-VL (Qwen-Image's text encoder): the vision tower.
 //! - [`qwen_image`]: Qwen-Image-Edit-2509 (transformer, VAE, checkpoint key mapping).
+//! - [`esrgan`]: Real-ESRGAN (RRDBNet from `.pth` or safetensors, key naming, tiling, the upscaler).
+//! - [`imageops`]: image operations that must match their references byte for byte (Pillow's resize,
+//!   OpenCV's Lanczos-4) and the images-to-tensors conversions of the VAEs.
 //! - [`settings`]: each engine's runtime kernel and layout choices and their presets (kept out of
 //!   the architecture configs).
 //! - [`error`]: what callers branch on (`LoadError`, `GenerateError`).
