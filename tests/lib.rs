@@ -710,6 +710,51 @@ impl Farm {
     pub async fn connect_amqp(&self) -> anyhow::Result<lapin::Connection> {
         Ok(lapin::Connection::connect(&amqp_url(), lapin::ConnectionProperties::default()).await?)
     }
+
+    /// Publishes `body` to the farm's intake queue as a foreign producer would: persistent, and
+    /// confirmed by the broker.
+    pub async fn publish_intake(
+        &self,
+        body: &Value,
+        props: lapin::BasicProperties,
+    ) -> anyhow::Result<()> {
+        use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+        let conn = self.connect_amqp().await?;
+        let channel = conn.create_channel().await?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
+        let confirm = channel
+            .basic_publish(
+                "".into(),
+                format!("{}.intake", self.prefix).as_str().into(),
+                BasicPublishOptions::default(),
+                &serde_json::to_vec(body)?,
+                props.with_delivery_mode(2),
+            )
+            .await?
+            .await?;
+        anyhow::ensure!(confirm.is_ack(), "the intake publish was not confirmed");
+        Ok(())
+    }
+
+    /// How many messages wait in one of the farm's queues (`dead`, `intake`, ...).
+    pub async fn queue_depth(&self, queue: &str) -> anyhow::Result<u32> {
+        use lapin::options::QueueDeclareOptions;
+        let conn = self.connect_amqp().await?;
+        let channel = conn.create_channel().await?;
+        let q = channel
+            .queue_declare(
+                format!("{}.{queue}", self.prefix).as_str().into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                lapin::types::FieldTable::default(),
+            )
+            .await?;
+        Ok(q.message_count())
+    }
 }
 
 impl Drop for Farm {

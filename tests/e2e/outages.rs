@@ -3,8 +3,6 @@
 use std::time::Duration;
 
 use lapin::BasicProperties;
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
-use lapin::types::FieldTable;
 use serde_json::json;
 use vnfarm_scheduler::scheduler::inline_image;
 use vnfarm_tests::{Farm, Role, WorkerOptions, png_bytes, wait_for};
@@ -131,48 +129,6 @@ async fn a_device_failure_moves_the_job_and_stops_the_worker() -> anyhow::Result
     Ok(())
 }
 
-/// Publishes `body` to the farm's intake queue as a foreign producer would (confirmed).
-async fn publish_intake(
-    farm: &Farm,
-    body: &serde_json::Value,
-    props: BasicProperties,
-) -> anyhow::Result<()> {
-    let conn = farm.connect_amqp().await?;
-    let channel = conn.create_channel().await?;
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await?;
-    let confirm = channel
-        .basic_publish(
-            "".into(),
-            format!("{}.intake", farm.prefix).as_str().into(),
-            BasicPublishOptions::default(),
-            &serde_json::to_vec(body)?,
-            props.with_delivery_mode(2),
-        )
-        .await?
-        .await?;
-    anyhow::ensure!(confirm.is_ack(), "the intake publish was not confirmed");
-    Ok(())
-}
-
-/// How many messages wait in one of the farm's queues (`dead`, `intake`, ...).
-async fn queue_depth(farm: &Farm, queue: &str) -> anyhow::Result<u32> {
-    let conn = farm.connect_amqp().await?;
-    let channel = conn.create_channel().await?;
-    let q = channel
-        .queue_declare(
-            format!("{}.{queue}", farm.prefix).as_str().into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await?;
-    Ok(q.message_count())
-}
-
 /// The loss found from outside (step 10): a valid submission with an inline image, published to
 /// the intake queue while S3 was down, used to be requeued on each failed store and dead-lettered
 /// after 4 deliveries in 6.8 s, with no `failed` event. Now it waits, held by the scheduler with
@@ -204,7 +160,8 @@ async fn a_submission_waits_out_a_storage_outage_longer_than_any_retry_budget() 
     let input = serde_json::to_value(inline_image(&png_bytes(64, 48, 9)))?;
     let body = json!({"schema_version": 1, "job_id": id,
         "job": {"kind": "upscale", "input": input, "scale": 2}});
-    publish_intake(&farm, &body, BasicProperties::default()).await?;
+    farm.publish_intake(&body, BasicProperties::default())
+        .await?;
 
     // The active scheduler holds it; kill it twice, each time the one holding it.
     for _ in 0..2 {
@@ -232,11 +189,7 @@ async fn a_submission_waits_out_a_storage_outage_longer_than_any_retry_budget() 
         status == 404 || status == 503,
         "not accepted while S3 is down: {status}"
     );
-    assert_eq!(
-        queue_depth(&farm, "dead").await?,
-        0,
-        "nothing dead-lettered"
-    );
+    assert_eq!(farm.queue_depth("dead").await?, 0, "nothing dead-lettered");
 
     farm.own_s3.as_mut().expect("own S3").restart()?;
     let job = farm.wait_finished(&id, FINISH).await?;
@@ -246,11 +199,7 @@ async fn a_submission_waits_out_a_storage_outage_longer_than_any_retry_budget() 
         "{job}\n{}",
         farm.scheduler_logs()
     );
-    assert_eq!(
-        queue_depth(&farm, "dead").await?,
-        0,
-        "nothing dead-lettered"
-    );
+    assert_eq!(farm.queue_depth("dead").await?, 0, "nothing dead-lettered");
     let logs = farm.scheduler_logs();
     assert!(
         logs.contains("holding it") && logs.contains("renewed it in the intake queue"),
@@ -271,14 +220,13 @@ async fn a_submission_the_broker_dead_letters_gets_a_failed_event() -> anyhow::R
     let id = uuid::Uuid::now_v7().to_string();
     let body = json!({"schema_version": 1, "job_id": id,
         "job": {"kind": "generate", "prompt": "expired", "width": 256, "height": 256, "steps": 2}});
-    publish_intake(
-        &farm,
+    farm.publish_intake(
         &body,
         BasicProperties::default().with_expiration("100".into()),
     )
     .await?;
     wait_for("the broker to dead-letter it", FINISH, || async {
-        (queue_depth(&farm, "dead").await.ok()? == 1).then_some(())
+        (farm.queue_depth("dead").await.ok()? == 1).then_some(())
     })
     .await?;
 
@@ -288,6 +236,6 @@ async fn a_submission_the_broker_dead_letters_gets_a_failed_event() -> anyhow::R
     assert_eq!(job["failure"]["kind"], "deadline_exceeded", "{job}");
     let message = job["failure"]["message"].as_str().unwrap_or_default();
     assert!(message.contains("expired"), "{job}");
-    assert_eq!(queue_depth(&farm, "dead").await?, 1, "kept for operators");
+    assert_eq!(farm.queue_depth("dead").await?, 1, "kept for operators");
     Ok(())
 }

@@ -1,7 +1,6 @@
 //! The main job path: a pipeline over HTTP, and a submission from a foreign AMQP producer.
 
 use lapin::BasicProperties;
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use serde_json::{Value, json};
 use vnfarm_tests::{Farm, WorkerOptions};
 
@@ -138,25 +137,11 @@ async fn a_foreign_producer_can_publish_to_the_intake_queue() -> anyhow::Result<
     farm.start_scheduler().await?;
     farm.start_worker("w1", WorkerOptions::default()).await?;
 
-    let conn = farm.connect_amqp().await?;
-    let channel = conn.create_channel().await?;
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await?;
     let job_id = uuid::Uuid::now_v7().to_string();
     let body = json!({"schema_version": 1, "job_id": job_id, "priority": "interactive",
         "job": {"kind": "generate", "prompt": "a castle at dusk", "width": 256, "height": 256, "steps": 3, "count": 2, "seed": 7}});
-    let confirm = channel
-        .basic_publish(
-            "".into(),
-            format!("{}.intake", farm.prefix).as_str().into(),
-            BasicPublishOptions::default(),
-            &serde_json::to_vec(&body)?,
-            BasicProperties::default().with_delivery_mode(2),
-        )
-        .await?
+    farm.publish_intake(&body, BasicProperties::default())
         .await?;
-    assert!(confirm.is_ack());
 
     let job = farm.wait_finished(&job_id, FINISH).await?;
     assert_eq!(job["state"], "completed", "{job}");

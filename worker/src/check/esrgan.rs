@@ -11,7 +11,7 @@ use vnfarm_models::settings::{EsrganSettings, Preset};
 
 use super::measure::{randn, relative_error};
 use super::report::CheckResult;
-use super::{Plan, Step, tolerance};
+use super::{Plan, Step, fixture_files, tolerance};
 use crate::engine::EsrganConfig;
 
 pub fn run(config: &EsrganConfig, plan: &Plan, step: &mut Step) {
@@ -129,20 +129,19 @@ const FIXTURE_TOLERANCE: f64 = 0.5;
 /// this box's convolution kernels.
 fn fixture_parity(plan: &Plan, device: Device, step: &mut Step) {
     let id = "esrgan.fixture_parity";
-    let Some(root) = &plan.fixtures else {
-        step.record(CheckResult::skip(id, "no fixture folder (--fixtures)"));
+    let Some([model, reference, input]) = fixture_files(
+        plan,
+        step,
+        id,
+        "tiny Real-ESRGAN",
+        [
+            "esrgan/tiny_x4.pth",
+            "esrgan/reference/esrgan.safetensors",
+            "esrgan/inputs/rgb8_37x29.png",
+        ],
+    ) else {
         return;
     };
-    let model = root.join("esrgan/tiny_x4.pth");
-    let reference = root.join("esrgan/reference/esrgan.safetensors");
-    let input = root.join("esrgan/inputs/rgb8_37x29.png");
-    if !model.is_file() || !reference.is_file() || !input.is_file() {
-        step.record(CheckResult::skip(
-            id,
-            format!("no tiny Real-ESRGAN fixture under {}", root.display()),
-        ));
-        return;
-    }
     let out = step.attempt(id, || {
         let up = Upscaler::load(&model, device, Kind::Float)?;
         let rgb = image::open(&input)?.to_rgb8();
@@ -184,10 +183,6 @@ fn fixture_parity(plan: &Plan, device: Device, step: &mut Step) {
             "tiny Real-ESRGAN x4 in fp32, a 37x29 image whole: mean |difference| {mae:.3}/255 from \
              Real-ESRGAN (tolerance {FIXTURE_TOLERANCE}/255)"
         );
-        step.record(if mae <= FIXTURE_TOLERANCE {
-            CheckResult::pass(id, detail, Some(mae))
-        } else {
-            CheckResult::fail(id, detail)
-        });
+        step.record(CheckResult::at_most(id, detail, mae, FIXTURE_TOLERANCE));
     }
 }

@@ -137,6 +137,31 @@ pub fn tolerance(kind: Kind) -> f64 {
     }
 }
 
+/// The files of a bundled fixture under `--fixtures` (`relative` paths), or `None` after recording
+/// check `id` as skipped: without a fixture folder, or when it lacks one of them (`what` names the
+/// fixture).
+pub fn fixture_files<const N: usize>(
+    plan: &Plan,
+    step: &mut Step,
+    id: &str,
+    what: &str,
+    relative: [&str; N],
+) -> Option<[PathBuf; N]> {
+    let Some(root) = &plan.fixtures else {
+        step.record(CheckResult::skip(id, "no fixture folder (--fixtures)"));
+        return None;
+    };
+    let files = relative.map(|r| root.join(r));
+    if files.iter().any(|f| !f.exists()) {
+        step.record(CheckResult::skip(
+            id,
+            format!("no {what} fixture under {}", root.display()),
+        ));
+        return None;
+    }
+    Some(files)
+}
+
 /// A step id at which an engine process aborts (tests of the crash handling only).
 pub const ABORT_AT_VAR: &str = "VNFARM_TEST_CHECK_ABORT_AT";
 

@@ -217,11 +217,7 @@ fn cpu_parity(
         let detail = format!(
             "2-step {side}² edit, device against CPU: mean |difference| {diff:.3}/255 (tolerance {tolerance}/255)"
         );
-        step.record(if diff <= tolerance {
-            CheckResult::pass(id, detail, Some(diff))
-        } else {
-            CheckResult::fail(id, detail)
-        });
+        step.record(CheckResult::at_most(id, detail, diff, tolerance));
     }
 }
 

@@ -50,6 +50,15 @@ impl CheckResult {
         }
     }
 
+    /// A measured difference: `value` up to `limit` passes (a failure records no value).
+    pub fn at_most(id: &str, detail: String, value: f64, limit: f64) -> Self {
+        if value <= limit {
+            Self::pass(id, detail, Some(value))
+        } else {
+            Self::fail(id, detail)
+        }
+    }
+
     /// An agreement check: `error` below `tolerance` passes.
     pub fn within(id: &str, what: &str, error: f64, tolerance: f64) -> Self {
         let detail = format!("{what}: relative error {error:.2e} (tolerance {tolerance:.0e})");

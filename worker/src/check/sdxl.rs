@@ -18,7 +18,7 @@ use vnfarm_models::settings::{Preset, SdxlSettings};
 
 use super::measure::{self, Repeats, Timing, randn, relative_error, synchronize};
 use super::report::CheckResult;
-use super::{Plan, Step, tolerance};
+use super::{Plan, Step, fixture_files, tolerance};
 use crate::engine::SdxlConfig;
 use crate::engine::sdxl::SdxlEngine;
 
@@ -548,19 +548,15 @@ const FIXTURE_TOLERANCE: f64 = 1.0;
 /// implementation, on this box's kernels.
 fn fixture_parity(plan: &Plan, device: Device, step: &mut Step) {
     let id = "sdxl.fixture_parity";
-    let Some(root) = &plan.fixtures else {
-        step.record(CheckResult::skip(id, "no fixture folder (--fixtures)"));
+    let Some([folder, reference]) = fixture_files(
+        plan,
+        step,
+        id,
+        "tiny SDXL",
+        ["sdxl/sdxl_tiny", "sdxl/reference/pipeline.safetensors"],
+    ) else {
         return;
     };
-    let folder = root.join("sdxl/sdxl_tiny");
-    let reference = root.join("sdxl/reference/pipeline.safetensors");
-    if !folder.is_dir() || !reference.is_file() {
-        step.record(CheckResult::skip(
-            id,
-            format!("no tiny SDXL fixture under {}", root.display()),
-        ));
-        return;
-    }
     let out = step.attempt(id, || {
         let file = SafetensorsFile::open(&reference)?;
         let meta: serde_json::Value = serde_json::from_str(
@@ -613,10 +609,6 @@ fn fixture_parity(plan: &Plan, device: Device, step: &mut Step) {
             "tiny SDXL in fp32, case {name} ({count} images): mean |difference| {mae:.3}/255 from \
              diffusers (tolerance {FIXTURE_TOLERANCE}/255)"
         );
-        step.record(if mae <= FIXTURE_TOLERANCE {
-            CheckResult::pass(id, detail, Some(mae))
-        } else {
-            CheckResult::fail(id, detail)
-        });
+        step.record(CheckResult::at_most(id, detail, mae, FIXTURE_TOLERANCE));
     }
 }
