@@ -13,11 +13,12 @@ use crate::config::redacted;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The broker nodes to try, in turn: from a random one, so that a fleet started together spreads
-/// over the cluster. A reconnection tries the node that served last first: a session is often
-/// lost with a healthy node (a channel that stopped confirming, a queue leader that moved), and a
-/// node that is really gone answers at once (refused: killed, or paused as a minority), except
-/// behind a cut link, where the attempt costs [`CONNECT_TIMEOUT`]. A failed attempt moves on to
-/// the next node.
+/// over the cluster. A session lost while its connection stayed up (a channel that stopped
+/// confirming, a queue leader that moved) reconnects to the same node first. A session whose
+/// connection failed (no heartbeat: the node or the link is gone; a reset: the node died) moves on
+/// to the next node: behind a cut link, the same node would cost [`CONNECT_TIMEOUT`] before the
+/// next one is tried (the three-box test saw a standby whose node was on the cut-off active
+/// scheduler's box spend 5 s on it, then take over after 28.6 s). A failed attempt moves on too.
 #[derive(Clone, Debug)]
 pub struct Nodes {
     urls: Vec<String>,
@@ -49,6 +50,14 @@ impl Nodes {
     /// An attempt on [`Nodes::current`] failed: the next node is tried.
     pub fn failed(&mut self) {
         self.current = (self.current + 1) % self.urls.len();
+    }
+
+    /// A session on [`Nodes::current`] ended; `connection_failed`: its connection had failed (the
+    /// node is unreachable or dead), so the next node is tried first.
+    pub fn session_lost(&mut self, connection_failed: bool) {
+        if connection_failed {
+            self.failed();
+        }
     }
 
     pub fn len(&self) -> usize {
@@ -157,6 +166,24 @@ mod tests {
             tried.push(nodes.current().to_owned());
         }
         assert_eq!(tried, [2, 0, 1, 2].map(|i| all[i].clone()));
+    }
+
+    #[test]
+    fn a_session_lost_with_its_connection_moves_on_and_one_lost_on_a_live_connection_stays() {
+        let all = urls(3);
+        let mut nodes = Nodes::starting_at(&all, 0);
+        nodes.session_lost(false);
+        assert_eq!(
+            nodes.current(),
+            all[0],
+            "the node is still there: it is tried first"
+        );
+        nodes.session_lost(true);
+        assert_eq!(
+            nodes.current(),
+            all[1],
+            "the connection failed: the next node first"
+        );
     }
 
     #[test]

@@ -60,7 +60,8 @@ pub async fn run_sessions<F, Fut>(
 {
     let max_backoff = Duration::from_millis(config.max_backoff_ms);
     let mut quick_losses = Backoff::new(max_backoff);
-    // Kept across sessions: a lost session reconnects to its own node first, then the others.
+    // Kept across sessions: a session lost with a reachable node reconnects to it first; one whose
+    // connection failed (no heartbeat, reset) moves on to the next node.
     let mut nodes = Nodes::new(config.nodes());
     loop {
         let Some(connection) =
@@ -71,6 +72,9 @@ pub async fn run_sessions<F, Fut>(
         let connection = Arc::new(connection);
         let began = Instant::now();
         let end = session(connection.clone()).await;
+        // Read before the close below: the session's own end does not say whether the node is
+        // still there, the connection's state does.
+        let connection_failed = connection.status().errored();
         if let Err(e) = connection.close(200, "session over".into()).await {
             // After a lost session the connection is usually gone already: nothing left to close.
             tracing::debug!(connection = name, error = %e, "closing the broker connection failed");
@@ -80,7 +84,8 @@ pub async fn run_sessions<F, Fut>(
             SessionEnd::Lost(reason) => reason,
         };
         on_reconnect();
-        tracing::warn!(connection = name, %reason, "broker session lost; reconnecting");
+        tracing::warn!(connection = name, %reason, connection_failed, "broker session lost; reconnecting");
+        nodes.session_lost(connection_failed);
         if began.elapsed() >= STEADY {
             quick_losses.reset();
             continue;
