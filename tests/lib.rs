@@ -10,6 +10,7 @@
 //! broker, so only a test binary of its own may call it. No process outlives the test binary: the
 //! S3 server runs under a guard, and a [`Farm`] kills its schedulers and workers when dropped.
 
+pub mod access;
 pub mod fleet;
 pub mod stream;
 

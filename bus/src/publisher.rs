@@ -135,15 +135,7 @@ impl Publisher {
                 .await?
                 .await
         };
-        let Ok(confirm) = tokio::time::timeout(self.confirm_timeout, publish).await else {
-            self.stuck.cancel();
-            return Err(PublishError::ConfirmTimeout {
-                exchange: exchange.into(),
-                routing_key: routing_key.into(),
-                after: self.confirm_timeout,
-            });
-        };
-        match confirm? {
+        match self.within_confirm_timeout(exchange, routing_key, publish).await?? {
             Confirmation::Ack(None) | Confirmation::NotRequested => Ok(()),
             Confirmation::Ack(Some(_returned)) => Err(PublishError::Unroutable {
                 exchange: exchange.into(),
@@ -154,6 +146,25 @@ impl Publisher {
                 routing_key: routing_key.into(),
             }),
         }
+    }
+
+    /// Awaits `confirm` for at most the confirm timeout; past it, marks the channel stuck.
+    async fn within_confirm_timeout<T>(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        confirm: impl Future<Output = T>,
+    ) -> Result<T, PublishError> {
+        tokio::time::timeout(self.confirm_timeout, confirm)
+            .await
+            .map_err(|_| {
+                self.stuck.cancel();
+                PublishError::ConfirmTimeout {
+                    exchange: exchange.into(),
+                    routing_key: routing_key.into(),
+                    after: self.confirm_timeout,
+                }
+            })
     }
 
     pub async fn publish_json<T: Serialize>(
@@ -189,11 +200,10 @@ mod tests {
         let connection = Connection::connect(&url, ConnectionProperties::default())
             .await
             .expect("is RabbitMQ running on VNFARM_TEST_AMQP_URL?");
-        // No broker confirms within a nanosecond: this stands for a channel that stopped confirming.
         let publisher = Publisher::open(&connection)
             .await
             .expect("a confirm channel")
-            .with_confirm_timeout(Duration::from_nanos(1));
+            .with_confirm_timeout(Duration::from_millis(50));
         let stuck = publisher.clone();
         assert!(
             tokio::time::timeout(Duration::ZERO, stuck.stuck())
@@ -201,8 +211,24 @@ mod tests {
                 .is_err(),
             "not stuck before any publish"
         );
-        let e = publisher
+        // A live broker confirms (a clone with room for a loaded machine), and the channel is fine...
+        publisher
+            .clone()
+            .with_confirm_timeout(DEFAULT_CONFIRM_TIMEOUT)
             .broadcast_json("amq.fanout", "", &"nobody listens", json_properties())
+            .await
+            .expect("a live channel confirms");
+        assert!(
+            tokio::time::timeout(Duration::ZERO, stuck.stuck())
+                .await
+                .is_err(),
+            "a confirmed publish leaves the channel trusted"
+        );
+        // ...and a confirm that never comes (a channel silent after a cluster election) times out.
+        // A broker cannot be made to withhold one on demand, and a tiny timeout races the broker's
+        // answer (a loaded CI machine saw the confirm win), so the silence is a future that never ends.
+        let e = publisher
+            .within_confirm_timeout("amq.fanout", "", std::future::pending::<()>())
             .await
             .unwrap_err();
         assert!(matches!(e, PublishError::ConfirmTimeout { .. }), "{e}");

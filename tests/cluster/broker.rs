@@ -18,9 +18,32 @@ use crate::net::Host;
 const SERVER: &str = "/usr/lib/rabbitmq/bin/rabbitmq-server";
 const CTL: &str = "/usr/lib/rabbitmq/bin/rabbitmqctl";
 pub const AMQP_PORT: u16 = 5672;
-/// The farm's broker user (`guest` may only connect from loopback).
+/// The test's own broker user, with every right in the farm's vhost: the audit reads every node's
+/// copy of the stream with it (`guest` may only connect from loopback). The farm's processes log
+/// in as the users of deploy/rabbitmq/definitions.json instead.
 pub const USER: &str = "vnfarm";
+/// Every user's password (the test's and the definitions' roles).
 pub const PASSWORD: &str = "vnfarm-cluster-test";
+/// deploy/rabbitmq/definitions.json's vhost, where the farm runs.
+pub const VHOST: &str = "vnfarm";
+/// The definitions' users; a worker box's is `vnfarm-worker-<id>`, made by
+/// deploy/rabbitmq/add-worker-user.
+pub const SCHEDULER_USER: &str = "vnfarm-scheduler";
+pub const SUBMITTER_USER: &str = "vnfarm-submitter";
+pub const MONITORING_USER: &str = "vnfarm-monitoring";
+const DEFINITIONS: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../deploy/rabbitmq/definitions.json"
+);
+const ADD_WORKER_USER: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../deploy/rabbitmq/add-worker-user"
+);
+
+/// The RabbitMQ user of worker box `id`.
+pub fn worker_user(id: &str) -> String {
+    format!("vnfarm-worker-{id}")
+}
 /// AMQP heartbeat the farm's clients ask for, in seconds: a connection across a cut link is given
 /// up by both ends after about two of them (RabbitMQ's default is 60 s). 2 s was tried: the active
 /// scheduler then lost a healthy local node's connection ("no heartbeat received") while the
@@ -55,10 +78,15 @@ impl Node {
         self.host.address
     }
 
-    /// The farm's AMQP URL of this node.
+    /// The test's own AMQP URL of this node (see [`USER`]).
     pub fn url(&self) -> String {
+        self.url_as(USER)
+    }
+
+    /// This node's AMQP URL for `user`, in the farm's vhost.
+    pub fn url_as(&self, user: &str) -> String {
         format!(
-            "amqp://{USER}:{PASSWORD}@{}:{AMQP_PORT}/%2f?heartbeat={HEARTBEAT_S}",
+            "amqp://{user}:{PASSWORD}@{}:{AMQP_PORT}/{VHOST}?heartbeat={HEARTBEAT_S}",
             self.host.address
         )
     }
@@ -133,6 +161,27 @@ impl Node {
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
+    /// The command line of [`Node::ctl`] without its arguments, for a script that runs
+    /// `$RABBITMQCTL args…` (deploy/rabbitmq/add-worker-user); no part holds a space.
+    fn ctl_command_line(&self) -> String {
+        let mut words = vec![
+            "ip".to_owned(),
+            "netns".into(),
+            "exec".into(),
+            self.host.ns.clone(),
+        ];
+        words.push("env".into());
+        words.push("-i".into());
+        words.extend(self.env());
+        words.extend([
+            CTL.to_owned(),
+            "--longnames".into(),
+            "-n".into(),
+            self.name(),
+        ]);
+        words.join(" ")
+    }
+
     /// The environment of the server and of the CLI: everything the node is told.
     fn env(&self) -> Vec<String> {
         let dir = self.dir.display();
@@ -170,7 +219,9 @@ pub struct Cluster {
 }
 
 impl Cluster {
-    pub async fn boot(boxes: &[Host], root: &Path) -> anyhow::Result<Self> {
+    /// Boots a node on each of `boxes`, joins them into one cluster and installs the deploy
+    /// definitions for the workers `worker_ids` ([`Cluster::install`]).
+    pub async fn boot(boxes: &[Host], root: &Path, worker_ids: &[String]) -> anyhow::Result<Self> {
         let home = root.join("home");
         std::fs::create_dir_all(&home)?;
         let cookie = home.join(".erlang.cookie");
@@ -221,17 +272,95 @@ impl Cluster {
             node.ctl(&["join_cluster", &first]).await?;
             node.ctl(&["start_app"]).await?;
         }
-        // TODO(step 10, deploy): load deploy/rabbitmq/definitions.json here (`rabbitmqctl
-        // import_definitions`) once it exists, instead of creating the user by hand.
-        let node = &cluster.nodes[0];
-        node.ctl(&["add_user", USER, PASSWORD]).await?;
-        node.ctl(&["set_permissions", "-p", "/", USER, ".*", ".*", ".*"])
-            .await?;
+        cluster.install(worker_ids).await?;
         Ok(cluster)
     }
 
+    /// Loads deploy/rabbitmq/definitions.json (the vhost, the topology, the policies and a user
+    /// per role), makes each worker box's user and queue with deploy/rabbitmq/add-worker-user, as
+    /// an operator adding a box does, sets every user's password, and adds the test's own user.
+    async fn install(&self, worker_ids: &[String]) -> anyhow::Result<()> {
+        let node = &self.nodes[0];
+        node.ctl(&["import_definitions", DEFINITIONS]).await?;
+        for id in worker_ids {
+            let status = Command::new(ADD_WORKER_USER)
+                .arg(id)
+                .env("RABBITMQ_VHOST", VHOST)
+                .env("RABBITMQCTL", node.ctl_command_line())
+                .stdout(Stdio::null())
+                .status()
+                .context("running deploy/rabbitmq/add-worker-user")?;
+            anyhow::ensure!(status.success(), "add-worker-user {id}: {status}");
+        }
+        let mut users = vec![
+            SCHEDULER_USER.to_owned(),
+            SUBMITTER_USER.into(),
+            MONITORING_USER.into(),
+        ];
+        users.extend(worker_ids.iter().map(|id| worker_user(id)));
+        // The import runs in the background on the broker: a user takes its password once it
+        // exists.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        for user in &users {
+            while let Err(e) = node.ctl(&["change_password", user, PASSWORD]).await {
+                if tokio::time::Instant::now() > deadline {
+                    return Err(e.context(format!("user {user} of the definitions")));
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }
+        node.ctl(&["add_user", USER, PASSWORD]).await?;
+        node.ctl(&["set_permissions", "-p", VHOST, USER, ".*", ".*", ".*"])
+            .await?;
+        Ok(())
+    }
+
+    /// The test's own URL of every node (see [`USER`]).
     pub fn urls(&self) -> Vec<String> {
         self.nodes.iter().map(Node::url).collect()
+    }
+
+    /// deploy/rabbitmq/definitions.json's role matrix ([`vnfarm_tests::access`]) on this cluster,
+    /// each role logged in to another node; the attempts that came out otherwise than they must.
+    pub async fn wrong_outcomes(&self, box1: &str, box2: &str) -> anyhow::Result<Vec<String>> {
+        let node = |i: usize| &self.nodes[i % self.nodes.len()];
+        let connect = |user: String, i: usize| async move {
+            lapin::Connection::connect(
+                &node(i).url_as(&user),
+                lapin::ConnectionProperties::default(),
+            )
+            .await
+            .with_context(|| format!("logging in as {user} on {}", node(i).name()))
+        };
+        let worker = connect(worker_user(box1), 0).await?;
+        let worker2 = connect(worker_user(box2), 1).await?;
+        let submitter = connect(SUBMITTER_USER.into(), 2).await?;
+        let monitoring = connect(MONITORING_USER.into(), 0).await?;
+        let scheduler = connect(SCHEDULER_USER.into(), 1).await?;
+        let roles = vnfarm_tests::access::Roles {
+            worker: &worker,
+            worker2: &worker2,
+            submitter: &submitter,
+            monitoring: &monitoring,
+            scheduler: &scheduler,
+        };
+        let id = |id: &str| -> anyhow::Result<vnfarm_proto::WorkerId> {
+            id.parse()
+                .map_err(|e: String| anyhow::anyhow!("worker id {id:?}: {e}"))
+        };
+        let (box1, box2) = (id(box1)?, id(box2)?);
+        let wrong =
+            vnfarm_tests::access::wrong_outcomes(&roles, crate::farm::PREFIX, &box1, &box2).await?;
+        for connection in [worker, worker2, submitter, monitoring, scheduler] {
+            // Probe consumers' unacknowledged deliveries go back to their queues.
+            let _ = connection.close(200, "probes done".into()).await;
+        }
+        Ok(wrong)
+    }
+
+    /// Every node's URL for `user`.
+    pub fn urls_as(&self, user: &str) -> Vec<String> {
+        self.nodes.iter().map(|n| n.url_as(user)).collect()
     }
 
     /// The node on the box at `address`.

@@ -13,7 +13,7 @@ use serde_json::Value;
 use vnfarm_storage::{Storage, StorageConfig};
 use vnfarm_tests::{Role, S3_KEY, S3_SECRET, bin_dir, wait_for};
 
-use crate::broker::Cluster;
+use crate::broker::{Cluster, SCHEDULER_USER, worker_user};
 use crate::net::{Host, Network};
 
 pub const PREFIX: &str = "vnfarm";
@@ -62,7 +62,8 @@ impl ClusterFarm {
             .prefix("vnfarm-cluster-")
             .tempdir()?;
         let began = Instant::now();
-        let cluster = Cluster::boot(&net.boxes, dir.path()).await?;
+        let worker_ids: Vec<String> = (0..usize::from(boxes)).map(worker_id).collect();
+        let cluster = Cluster::boot(&net.boxes, dir.path(), &worker_ids).await?;
         println!(
             "cluster of {boxes} nodes booted and joined in {:.1} s",
             began.elapsed().as_secs_f64()
@@ -194,7 +195,7 @@ impl ClusterFarm {
     pub fn start_scheduler(&mut self, slot: usize) -> anyhow::Result<()> {
         self.schedulers[slot] = None;
         let host = self.net.boxes[SCHEDULER_BOXES[slot]].clone();
-        let mut env = self.common_env();
+        let mut env = self.common_env(SCHEDULER_USER);
         env.extend(
             [
                 ("VNFARM_LISTEN", format!("0.0.0.0:{API_PORT}")),
@@ -222,9 +223,11 @@ impl ClusterFarm {
         self.workers[n] = None;
         let host = self.net.boxes[n].clone();
         let id = worker_id(n);
-        let mut env = self.common_env();
+        let mut env = self.common_env(&worker_user(&id));
         env.extend(
             [
+                // A worker's user may not declare what the farm shares (deploy/rabbitmq).
+                ("VNFARM_AMQP__DECLARE_TOPOLOGY", "false".into()),
                 ("VNFARM_WORKER_ID", id.clone()),
                 ("VNFARM_LISTEN", "127.0.0.1:9101".into()),
                 ("VNFARM_HEARTBEAT_INTERVAL_MS", "300".into()),
@@ -275,10 +278,11 @@ impl ClusterFarm {
         self.wait_worker(n).await
     }
 
-    fn common_env(&self) -> Vec<(String, String)> {
+    /// What every process is told; it logs in to the broker as `user`.
+    fn common_env(&self, user: &str) -> Vec<(String, String)> {
         let urls: Vec<String> = self
             .cluster
-            .urls()
+            .urls_as(user)
             .iter()
             .map(|u| format!("{u:?}"))
             .collect();

@@ -35,7 +35,7 @@ mod workload;
 
 use std::time::{Duration, Instant};
 
-use crate::farm::{API_TOKEN, ClusterFarm, PREFIX};
+use crate::farm::{API_TOKEN, ClusterFarm, PREFIX, worker_id};
 use crate::faults::{Fault, Measurements};
 use crate::workload::Client;
 
@@ -205,5 +205,19 @@ async fn a_three_box_farm_loses_nothing_under_real_faults() -> anyhow::Result<()
             logs.display()
         );
     }
+
+    // Least privilege on the cluster the farm ran on under its definitions' users: each role
+    // tried at what it must and must not do (the e2e test `permissions`' matrix). Last, on the
+    // quiet farm: the probes publish and consume for real.
+    let wrong = farm
+        .cluster
+        .wrong_outcomes(&worker_id(0), &worker_id(1))
+        .await?;
+    anyhow::ensure!(
+        wrong.is_empty(),
+        "a role could do what it must not, or not what it must:\n{}",
+        wrong.join("\n")
+    );
+    println!("least privilege: every role did its work and nothing else");
     Ok(())
 }
