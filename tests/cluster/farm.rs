@@ -57,30 +57,29 @@ impl ClusterFarm {
     /// Builds the network, boots and joins the cluster, starts S3, the schedulers (waiting for an
     /// active one and a standby) and a worker per box (waiting until each is alive).
     pub async fn start(boxes: u8) -> anyhow::Result<Self> {
+        Self::start_on(boxes, usize::from(boxes)).await
+    }
+
+    /// [`ClusterFarm::start`] with broker nodes on the first `nodes` boxes only: every process of
+    /// every box then uses those (one node: the farm on a single broker, for the replication bench).
+    pub async fn start_on(boxes: u8, nodes: usize) -> anyhow::Result<Self> {
         let net = Network::create(boxes)?;
         let dir = tempfile::Builder::new()
             .prefix("vnfarm-cluster-")
             .tempdir()?;
         let began = Instant::now();
         let worker_ids: Vec<String> = (0..usize::from(boxes)).map(worker_id).collect();
-        let cluster = Cluster::boot(&net.boxes, dir.path(), &worker_ids).await?;
+        let cluster = Cluster::boot(&net.boxes[..nodes], dir.path(), &worker_ids).await?;
         println!(
-            "cluster of {boxes} nodes booted and joined in {:.1} s",
+            "cluster of {nodes} nodes booted and joined in {:.1} s",
             began.elapsed().as_secs_f64()
         );
         let s3 = start_s3(&net.storage, dir.path())?;
         let storage = Storage::open(&storage_config(net.storage.address))
             .await
             .context("creating the bucket")?;
-        let mut headers = reqwest::header::HeaderMap::new();
-        headers.insert(
-            reqwest::header::AUTHORIZATION,
-            format!("Bearer {API_TOKEN}")
-                .parse()
-                .expect("the token is a valid header value"),
-        );
         let http = reqwest::Client::builder()
-            .default_headers(headers)
+            .default_headers(auth_headers())
             .timeout(Duration::from_secs(10))
             .build()?;
         let mut farm = ClusterFarm {
@@ -353,6 +352,18 @@ impl ClusterFarm {
 }
 
 /// The worker of box `n` (0-based) is `box<n+1>`.
+/// The API token as a client sends it.
+pub fn auth_headers() -> reqwest::header::HeaderMap {
+    let mut headers = reqwest::header::HeaderMap::new();
+    headers.insert(
+        reqwest::header::AUTHORIZATION,
+        format!("Bearer {API_TOKEN}")
+            .parse()
+            .expect("the token is a valid header value"),
+    );
+    headers
+}
+
 pub fn worker_id(n: usize) -> String {
     format!("box{}", n + 1)
 }

@@ -20,6 +20,7 @@
 //! storage_cut`); `VNFARM_CLUSTER_ROUNDS`, how many times the list runs (default 1, the bounded
 //! run; more for a longer one); `VNFARM_CHAOS_SEED`, to replay the workload's choices.
 
+mod bench;
 mod broker;
 mod farm;
 mod faults;
@@ -35,7 +36,7 @@ mod workload;
 
 use std::time::{Duration, Instant};
 
-use crate::farm::{API_TOKEN, ClusterFarm, PREFIX, worker_id};
+use crate::farm::{ClusterFarm, PREFIX, auth_headers, worker_id};
 use crate::faults::{Fault, Measurements};
 use crate::workload::Client;
 
@@ -102,12 +103,7 @@ async fn a_three_box_farm_loses_nothing_under_real_faults() -> anyhow::Result<()
     let began = Instant::now();
     let mut farm = ClusterFarm::start(BOXES).await?;
 
-    let mut headers = reqwest::header::HeaderMap::new();
-    headers.insert(
-        reqwest::header::AUTHORIZATION,
-        format!("Bearer {API_TOKEN}").parse()?,
-    );
-    let client = Client::with_headers(farm.scheduler_urls(), headers);
+    let client = Client::with_headers(farm.scheduler_urls(), auth_headers());
     // The workload runs until it is aborted after the last fault. Aborting it is safe: it is
     // stopped at an await, and it never awaits between registering a key and spawning its
     // submission (which goes on in the client's own tasks until `drain`).
@@ -219,5 +215,52 @@ async fn a_three_box_farm_loses_nothing_under_real_faults() -> anyhow::Result<()
         wrong.join("\n")
     );
     println!("least privilege: every role did its work and nothing else");
+    Ok(())
+}
+
+/// The price of replication: one seeded workload on the three boxes with a broker node on each
+/// (the cluster) and with one node for all, alternately (cluster, one, one, cluster, … so a drift in
+/// the machine's load falls on both). `VNFARM_CLUSTER_BENCH_ITEMS` submissions (default 120),
+/// `VNFARM_CLUSTER_BENCH_ROUNDS` pairs (default 2). Prints each run and the ratio of the medians.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a benchmark, as root: ./farm cluster-bench"]
+async fn the_cluster_and_one_node_run_the_same_workload() -> anyhow::Result<()> {
+    let number = |name: &str, default: usize| -> anyhow::Result<usize> {
+        std::env::var(name).map_or(Ok(default), |t| {
+            t.parse().map_err(|e| anyhow::anyhow!("{name}={t:?}: {e}"))
+        })
+    };
+    let items = number("VNFARM_CLUSTER_BENCH_ITEMS", 120)?;
+    let rounds = number("VNFARM_CLUSTER_BENCH_ROUNDS", 2)?;
+    let seed = u64::try_from(number("VNFARM_CHAOS_SEED", 7)?)?;
+    let workload = bench::workload(items, seed);
+    let jobs: usize = workload.iter().map(|(_, _, jobs)| jobs).sum();
+    println!(
+        "replication bench: {items} submissions ({jobs} jobs), seed {seed}, {rounds} round(s)"
+    );
+    let mut per_nodes: [Vec<f64>; 2] = Default::default();
+    for round in 0..rounds {
+        let order = if round % 2 == 0 { [3, 1] } else { [1, 3] };
+        for nodes in order {
+            let run = bench::run(nodes, &workload).await?;
+            println!(
+                "round {round}: {nodes} node(s): {} jobs in {:.1} s = {:.2} jobs/s",
+                run.jobs,
+                run.seconds,
+                run.jobs_per_second()
+            );
+            per_nodes[usize::from(nodes == 3)].push(run.jobs_per_second());
+        }
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        let n = v.len();
+        (v[(n - 1) / 2] + v[n / 2]) / 2.0
+    };
+    let (one, three) = (median(&mut per_nodes[0]), median(&mut per_nodes[1]));
+    println!(
+        "median jobs/s: one node {one:.2}, cluster {three:.2}; cluster ÷ one node = {:.3} (goal ≥ 0.85)",
+        three / one
+    );
     Ok(())
 }
