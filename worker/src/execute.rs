@@ -26,33 +26,13 @@ use vnfarm_proto::{
 };
 use vnfarm_storage::StorageError;
 
+use crate::end::{Done, Ended, JobEnd, JobError};
 use crate::engine::{
     Answer, Cancel, CancelReason, EngineError, EngineJob, EngineOutput, InputImage, Progress,
     UsedFile,
 };
 use crate::image_io::{decode_input_as_stored, encode_png, flatten_to_rgb8};
-use crate::job::JobError;
 use crate::worker::Worker;
-
-/// A job run to the end here: its outputs and manifest are stored.
-#[derive(Debug)]
-pub(crate) struct Done {
-    pub outputs: Vec<String>,
-    pub manifest: String,
-    pub timings: StageTimings,
-}
-
-/// How a job of a message ended here without failing, before its message is settled.
-#[derive(Debug)]
-pub(crate) enum Ended {
-    Completed(Done),
-    /// An earlier delivery finished it: its stored manifest.
-    FinishedBefore(Box<Manifest>),
-    CancelledBefore,
-}
-
-/// How a job of a message ended here: the failures are settled by their disposition.
-pub(crate) type JobEnd = Result<Ended, JobError>;
 
 impl Worker {
     /// Runs the jobs of a message (one, or a batch), sending each job's end, tagged with its index,
@@ -720,35 +700,7 @@ fn a1111_quote(value: &str) -> String {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-
-    pub(crate) fn manifest(job_id: JobId) -> Manifest {
-        let mut timings = StageTimings::default();
-        timings.add("denoise", 1.5);
-        Manifest {
-            schema_version: SCHEMA_VERSION,
-            job_id,
-            task: decode_json(br#"{"kind": "generate", "prompt": "a lighthouse"}"#)
-                .expect("a valid task"),
-            outputs: (0..2)
-                .map(|n| ManifestOutput {
-                    key: output_key(job_id, n),
-                    width: 512,
-                    height: 512,
-                    seed: Some(7 + u64::from(n)),
-                    sha256: "00".repeat(32),
-                })
-                .collect(),
-            worker: "w-first".parse().expect("a valid worker id"),
-            attempt: 1,
-            engine: "test-pattern".into(),
-            model_files: Vec::new(),
-            timings,
-            versions: Versions {
-                vnfarm: "0.0.0".into(),
-            },
-            finished_at: Utc::now(),
-        }
-    }
+    use crate::end::tests::manifest;
 
     #[test]
     fn a_stored_manifest_counts_only_for_its_own_job_and_only_when_whole() {

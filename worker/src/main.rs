@@ -16,7 +16,7 @@ fn main() -> anyhow::Result<ExitCode> {
         _ => {}
     }
     let config = process::load_or_exit("vnfarm-worker", vnfarm_worker::Config::load);
-    for note in vnfarm_worker::tuning::apply_environment(&config.engine) {
+    for note in vnfarm_worker::tuning::apply_environment(config.engine.settings_file.as_deref()) {
         tracing::info!("{note}");
     }
     tokio::runtime::Builder::new_multi_thread()

@@ -11,6 +11,8 @@ use std::sync::OnceLock;
 
 use vnfarm_proto::GpuMemory;
 
+use crate::gpu_runtime::symbol;
+
 type SetDevice = unsafe extern "C" fn(c_int) -> c_int;
 type MemGetInfo = unsafe extern "C" fn(*mut usize, *mut usize) -> c_int;
 
@@ -83,16 +85,6 @@ fn lookup(set_device: &CStr, mem_get_info: &CStr) -> Option<Runtime> {
             mem_get_info: std::mem::transmute::<*mut c_void, MemGetInfo>(mem_get_info),
         })
     }
-}
-
-/// A symbol of any library loaded into the process, in load order (also the device facts of
-/// `tuning::fingerprint`).
-#[allow(unsafe_code)]
-pub(crate) fn symbol(name: &CStr) -> Option<*mut c_void> {
-    // SAFETY: `dlsym` with `RTLD_DEFAULT` and a NUL-terminated name only searches the loaded
-    // libraries; it returns null when none defines the name.
-    let address = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
-    (!address.is_null()).then_some(address)
 }
 
 #[cfg(test)]

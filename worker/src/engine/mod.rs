@@ -21,6 +21,7 @@ pub mod host;
 pub mod lora_dir;
 pub mod qwen_edit;
 pub mod sdxl;
+pub mod settings;
 pub mod shared_encodings;
 pub mod test_pattern;
 
@@ -30,10 +31,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 
 use image::{DynamicImage, RgbImage};
 use serde::Deserialize;
-use vnfarm_models::settings::{EsrganSettings, QwenSettings, SdxlSettings};
 use vnfarm_proto::{JobId, ModelFamily, ModelFileRole, SettingsInUse, StageTimings, Task};
-
-use crate::tuning::{self, BoxSettings, SettingsFileError, fingerprint::DeviceIdentity};
 
 pub use encode_cache::{AdvertisedKeys, CacheLookup, EncodeCache};
 pub use esrgan::{EsrganConfig, EsrganEngine};
@@ -42,6 +40,7 @@ pub use host::{Answer, EngineHost, EngineLoading};
 pub use lora_dir::LoraDir;
 pub use qwen_edit::{QwenEditEngine, QwenEditEngineConfig};
 pub use sdxl::{SdxlConfig, SdxlEngine};
+use settings::EngineSettings;
 pub use shared_encodings::{Fetched, SharedEncodings, SharedStore};
 pub use test_pattern::{TestPatternConfig, TestPatternEngine};
 
@@ -579,86 +578,6 @@ pub enum Engine {
         esrgan: Option<Box<EsrganEngine>>,
         settings: SettingsInUse,
     },
-}
-
-/// Each configured engine's settings, from the settings file (verified against this box) or from
-/// the configuration.
-struct EngineSettings {
-    sdxl: SdxlSettings,
-    qwen_edit: QwenSettings,
-    esrgan: EsrganSettings,
-    in_use: SettingsInUse,
-}
-
-impl EngineSettings {
-    fn choose(config: &EngineConfig) -> anyhow::Result<Self> {
-        let Some(path) = &config.settings_file else {
-            return Ok(Self {
-                sdxl: config
-                    .sdxl
-                    .as_ref()
-                    .and_then(|c| c.settings)
-                    .map_or_else(Default::default, |s| s.resolve()),
-                qwen_edit: config
-                    .qwen_edit
-                    .as_ref()
-                    .and_then(|c| c.settings)
-                    .map_or_else(Default::default, |s| s.resolve()),
-                esrgan: config
-                    .esrgan
-                    .as_ref()
-                    .and_then(|c| c.settings)
-                    .map_or_else(Default::default, |s| s.resolve()),
-                in_use: tuning::presets_in_use(config),
-            });
-        };
-        let mut loaded = BoxSettings::read(path)?;
-        let device = tuning::device_of(config);
-        if let tch::Device::Cuda(_) = device {
-            anyhow::ensure!(
-                tch::Cuda::is_available(),
-                "engine.settings_file: no GPU is visible to libtorch to compare with the file's"
-            );
-        }
-        let models = tuning::model_identities(config)
-            .map_err(|e| anyhow::anyhow!("engine.settings_file: reading the model files: {e}"))?;
-        loaded.verify(path, &DeviceIdentity::of(device), &models)?;
-        if let Some(warning) = &loaded.warning {
-            tracing::warn!(file = %path.display(), "{warning}");
-        }
-        let missing = |engine: &str| SettingsFileError::Missing {
-            path: path.clone(),
-            engine: engine.to_owned(),
-        };
-        let s = &loaded.settings;
-        let sdxl = match (&config.sdxl, s.sdxl) {
-            (Some(_), None) => return Err(missing("sdxl").into()),
-            (_, found) => found.unwrap_or_default(),
-        };
-        let qwen_edit = match (&config.qwen_edit, s.qwen_edit) {
-            (Some(_), None) => return Err(missing("qwen_edit").into()),
-            (_, found) => found.unwrap_or_default(),
-        };
-        let esrgan = match (&config.esrgan, s.esrgan) {
-            (Some(_), None) => return Err(missing("esrgan").into()),
-            (_, found) => found.unwrap_or_default(),
-        };
-        tracing::info!(
-            file = %path.display(),
-            id = %loaded.id,
-            measured_at = %s.measured_at,
-            ?sdxl,
-            ?qwen_edit,
-            ?esrgan,
-            "engine settings from the box's settings file"
-        );
-        Ok(Self {
-            sdxl,
-            qwen_edit,
-            esrgan,
-            in_use: tuning::file_in_use(&loaded),
-        })
-    }
 }
 
 impl Engine {

@@ -30,9 +30,10 @@ use vnfarm_models::settings::QwenSettings;
 use vnfarm_proto::{EditSpec, ModelFileRole, StageTimings, Task};
 
 use crate::tuning::SettingsChoice;
+use crate::tuning::fingerprint::file_sample;
 
 use super::device::{Dtype, engine_error, open_device, parse_device, warm_up_sizes};
-use super::shared_encodings::{file_sample, hex_sha256};
+use super::shared_encodings::hex_sha256;
 use super::{
     AdvertisedKeys, CacheLookup, EncodeCache, EngineError, EngineJob, EngineOutput, Fetched,
     LoraDir, Progress, Runnable, SharedEncodings, SharedStore, UsedFile, all_cancelled, answered,

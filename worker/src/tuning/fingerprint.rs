@@ -10,9 +10,9 @@ use std::ffi::{CStr, c_int, c_void};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
 
-use crate::engine::gpu_memory::symbol;
-use crate::engine::shared_encodings::file_sample;
+use crate::gpu_runtime::symbol;
 
 /// The GPU backend of the loaded libtorch (ROCm devices are `cuda` to libtorch, HIP underneath).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -291,6 +291,27 @@ impl ModelFileIdentity {
     }
 }
 
+/// What a file contributes to a fingerprint without reading it whole (encoder weights are GiBs):
+/// its size and the sha256 of its first and last MiB (the safetensors header, with every tensor's
+/// name, shape and offset, and the last tensors' values).
+pub fn file_sample(path: &Path) -> std::io::Result<String> {
+    use std::io::{Read, Seek, SeekFrom};
+    const SPAN: u64 = 1 << 20;
+    let mut file = std::fs::File::open(path)?;
+    let len = file.metadata()?.len();
+    let mut head = vec![0u8; SPAN.min(len) as usize];
+    file.read_exact(&mut head)?;
+    let tail_len = SPAN.min(len);
+    let mut tail = vec![0u8; tail_len as usize];
+    file.seek(SeekFrom::Start(len - tail_len))?;
+    file.read_exact(&mut tail)?;
+    let sha256 = Sha256::new()
+        .chain_update(&head)
+        .chain_update(&tail)
+        .finalize();
+    Ok(format!("{len}:{}", hex::encode(sha256)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -313,5 +334,28 @@ mod tests {
         let build = libtorch_build();
         assert!(build.starts_with("2."), "{build}");
         assert_eq!(DeviceIdentity::of(tch::Device::Cpu).backend, Backend::Cpu);
+    }
+
+    #[test]
+    fn file_samples_tell_contents_apart() {
+        let dir = tempfile::tempdir().unwrap();
+        let write = |name: &str, bytes: &[u8]| {
+            let p = dir.path().join(name);
+            std::fs::write(&p, bytes).unwrap();
+            p
+        };
+        let big: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
+        let mut tail_changed = big.clone();
+        *tail_changed.last_mut().unwrap() ^= 1;
+        let a = file_sample(&write("a", &big)).unwrap();
+        assert_eq!(
+            a,
+            file_sample(&write("a-copy", &big)).unwrap(),
+            "name-independent"
+        );
+        assert_ne!(a, file_sample(&write("b", &tail_changed)).unwrap());
+        assert_ne!(a, file_sample(&write("c", &big[..big.len() - 1])).unwrap());
+        let small = file_sample(&write("small", b"tiny")).unwrap();
+        assert!(small.starts_with("4:"), "{small}");
     }
 }
