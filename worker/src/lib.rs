@@ -17,6 +17,7 @@
 //! - [`end`]: how a job ended, handed from `execute` to `job`, and the classification of every
 //!   failure (one exhaustive `match`).
 //! - [`image_io`]: decoding inputs within limits, encoding PNG outputs with their parameters.
+//! - [`infotext`]: those parameters, in the layout AUTOMATIC1111 writes.
 //! - [`provenance`]: the sha256 of the model files, hashed once in the background, for manifests.
 //! - [`metrics`], [`http`]: Prometheus metrics and the `/metrics` and `/healthz` endpoints.
 //!
@@ -30,6 +31,7 @@ pub mod execute;
 pub mod gpu_runtime;
 pub mod http;
 pub mod image_io;
+pub mod infotext;
 pub mod job;
 pub mod metrics;
 pub mod provenance;

@@ -561,7 +561,7 @@ mod tests {
                     weight: *weight,
                 })
                 .collect();
-            crate::engine::tests::job(Task::Generate(g))
+            crate::engine::job::tests::job(Task::Generate(g))
         };
         let jobs = [
             with(&[("ink", 0.8)]),

@@ -668,7 +668,7 @@ impl TestPatternEngine {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::tests::{edit, job};
+    use crate::engine::job::tests::{edit, job};
     use vnfarm_proto::GenerateSpec;
 
     fn generate(seed: u64, prompt: &str) -> Task {
