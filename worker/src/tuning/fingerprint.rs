@@ -2,8 +2,8 @@
 //! build the process loaded, the model files (by content sample, not path) and the vnfarm build.
 //! A worker compares the live box with the file's fingerprint before it uses the file.
 //!
-//! Device facts come from the GPU runtime that libtorch loaded (found with `dlsym`, as the memory
-//! probe finds it: no link dependency on CUDA or ROCm) and, on ROCm, from the amdgpu driver's KFD
+//! Device facts come from the GPU runtime that libtorch loaded (looked up by name, as the memory
+//! probe finds it, [`crate::gpu_runtime`]: no link dependency on CUDA or ROCm) and, on ROCm, from the amdgpu driver's KFD
 //! topology in sysfs, which names the `gfx` target the way `rocminfo` does.
 
 use std::ffi::{CStr, c_int, c_void};
@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::gpu_runtime::symbol;
+use crate::gpu_runtime;
 
 /// The GPU backend of the loaded libtorch (ROCm devices are `cuda` to libtorch, HIP underneath).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -120,11 +120,13 @@ fn properties(backend: Backend, device: c_int) -> Option<Vec<u8>> {
             &[c"cudaGetDeviceProperties_v2", c"cudaGetDeviceProperties"]
         }
     };
-    let f = names.iter().find_map(|n| symbol(n))?;
+    // SAFETY: each name is the runtime's `cudaGetDeviceProperties` (or HIP's), `(prop *, int
+    // device)` returning 0 on success.
+    let f = names
+        .iter()
+        .find_map(|n| unsafe { gpu_runtime::function::<GetProperties>(n) })?;
     let mut buf = vec![0u8; PROPERTIES_BYTES];
-    // SAFETY: `f` is the runtime's `cudaGetDeviceProperties` (or HIP's), `(prop *, int device)`
-    // returning 0 on success; the buffer is larger than either struct and lives for the call.
-    let f: GetProperties = unsafe { std::mem::transmute::<*mut c_void, GetProperties>(f) };
+    // SAFETY: the buffer is larger than either struct and lives for the call.
     let status = unsafe { f(buf.as_mut_ptr().cast(), device) };
     (status == 0).then_some(buf)
 }
@@ -157,10 +159,9 @@ fn cuda_compute_capability(device: c_int) -> Option<(c_int, c_int)> {
     // cudaDevAttrComputeCapabilityMajor / Minor (driver_types.h).
     const MAJOR: c_int = 75;
     const MINOR: c_int = 76;
-    let f = symbol(c"cudaDeviceGetAttribute")?;
     // SAFETY: `cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int device)`;
     // the out-pointers are valid for the calls.
-    let f: GetAttribute = unsafe { std::mem::transmute::<*mut c_void, GetAttribute>(f) };
+    let f = unsafe { gpu_runtime::function::<GetAttribute>(c"cudaDeviceGetAttribute") }?;
     let (mut major, mut minor) = (0, 0);
     let ok = unsafe { f(&mut major, MAJOR, device) == 0 && f(&mut minor, MINOR, device) == 0 };
     ok.then_some((major, minor))
@@ -170,9 +171,8 @@ fn cuda_compute_capability(device: c_int) -> Option<(c_int, c_int)> {
 #[allow(unsafe_code)]
 pub fn cuda_integrated(index: usize) -> Option<bool> {
     const INTEGRATED: c_int = 18;
-    let f = symbol(c"cudaDeviceGetAttribute")?;
     // SAFETY: as in `cuda_compute_capability`.
-    let f: GetAttribute = unsafe { std::mem::transmute::<*mut c_void, GetAttribute>(f) };
+    let f = unsafe { gpu_runtime::function::<GetAttribute>(c"cudaDeviceGetAttribute") }?;
     let mut v = 0;
     let device = c_int::try_from(index).ok()?;
     (unsafe { f(&mut v, INTEGRATED, device) } == 0).then_some(v != 0)
