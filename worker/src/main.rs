@@ -23,7 +23,7 @@ fn main() -> anyhow::Result<ExitCode> {
         .enable_all()
         .build()?
         .block_on(async {
-            let shutdown = process::shutdown_on_signals("finishing the job in hand");
+            let shutdown = vnfarm_signals::shutdown_on_signals("finishing the job in hand");
             vnfarm_worker::run(config, shutdown).await
         })?;
     Ok(ExitCode::SUCCESS)
