@@ -171,6 +171,21 @@ mod tests {
     }
 
     #[test]
+    fn an_empty_section_gives_the_documented_defaults() {
+        let c = from_env(&[]).unwrap();
+        assert_eq!(c, AmqpConfig::default());
+        assert_eq!(c.url, "amqp://guest:guest@127.0.0.1:5672/%2f");
+        assert!(c.urls.is_empty());
+        assert_eq!(c.prefix, "vnfarm");
+        assert_eq!(c.delivery_limit, 3);
+        assert_eq!(c.events_max_bytes, 1 << 30);
+        assert_eq!(c.events_max_age, "7D");
+        assert_eq!(c.max_backoff_ms, 5_000);
+        assert_eq!(c.confirm_timeout_ms, 10_000);
+        assert!(c.declare_topology);
+    }
+
+    #[test]
     fn one_url_is_a_cluster_of_one_node() {
         let c = from_env(&[("VNFARM_AMQP__URL", "amqp://u:p@h:5672/%2f")]).unwrap();
         assert_eq!(c.nodes(), ["amqp://u:p@h:5672/%2f"]);

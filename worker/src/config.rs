@@ -131,3 +131,109 @@ impl vnfarm_config::Validate for Config {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::device::Dtype;
+    use crate::engine::qwen_edit::SchedulerChoice;
+    use crate::engine::sdxl::VaeTiling;
+    use crate::engine::{EsrganConfig, QwenEditEngineConfig, SdxlConfig, TestPatternConfig};
+
+    fn load(toml: &str) -> Config {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("worker.toml");
+        std::fs::write(&path, toml).unwrap();
+        Config::load(Some(&path), Vec::new()).unwrap()
+    }
+
+    /// What a worker runs with when its file says nothing (deploy/worker.toml and the README's
+    /// table state these).
+    #[test]
+    fn an_empty_file_gives_the_documented_defaults() {
+        let c = load("");
+        // The host name, made a valid worker id.
+        assert!(
+            WorkerId::try_from(c.worker_id.clone()).is_ok(),
+            "{}",
+            c.worker_id
+        );
+        assert_eq!(
+            c.storage,
+            StorageConfig::Local {
+                root: "vnfarm-data".into()
+            }
+        );
+        assert_eq!(c.listen, SocketAddr::from(([127, 0, 0, 1], 9101)));
+        assert_eq!(c.heartbeat_interval_ms, 2_000);
+        assert_eq!(c.prefetch, 1);
+        assert_eq!(c.batch_jobs, 8);
+        assert_eq!(c.drain_grace_s, 600);
+        assert_eq!(c.storage_attempts, 5);
+        assert_eq!(c.hash_cache_dir, PathBuf::from("vnfarm-cache"));
+        assert!(c.shared_encodings.enabled);
+        assert_eq!(c.shared_encodings.fetch_timeout_ms, 2_000);
+        assert_eq!(c.engine, EngineConfig::default());
+        assert_eq!(
+            c.engine.test_pattern,
+            TestPatternConfig {
+                step_ms: 20,
+                edit_step_ms: None,
+                encode_ms: 30,
+                decode_ms: 30,
+                encode_cache_entries: 32,
+                encoding_kib: 2048,
+                batch_step_cost: 1.0,
+                load_ms: 0,
+                checkpoints: Vec::new(),
+                model_files: Vec::new(),
+                device_failure_prompt: None,
+                gpu_memory_mib: None,
+                gpu_memory_used_mib: 0,
+            }
+        );
+    }
+
+    #[test]
+    fn a_model_section_names_its_files_and_the_rest_is_defaulted() {
+        let c = load(
+            "[engine.sdxl]\ncheckpoint = \"/m/sdxl.safetensors\"\n\
+             [engine.qwen_edit]\nmodel_dir = \"/m/qwen\"\n\
+             [[engine.qwen_edit.loras]]\npath = \"/m/lightning.safetensors\"\n\
+             [engine.esrgan]\nmodel = \"/m/x4.pth\"\n",
+        );
+        let sdxl: &SdxlConfig = c.engine.sdxl.as_ref().unwrap();
+        assert_eq!(sdxl.device, "cuda");
+        assert_eq!((sdxl.dtype, sdxl.vae_dtype), (Dtype::Bf16, Dtype::Bf16));
+        assert_eq!(sdxl.vae_tiling, VaeTiling::Auto);
+        assert_eq!(sdxl.warm_up, [[1024, 1024]]);
+        assert_eq!(sdxl.max_batch, 4);
+        assert_eq!(
+            (&sdxl.name, &sdxl.settings, &sdxl.lora_dir),
+            (&None, &None, &None)
+        );
+        let qwen: &QwenEditEngineConfig = c.engine.qwen_edit.as_ref().unwrap();
+        assert_eq!(qwen.device, "cuda");
+        assert_eq!(qwen.scheduler, SchedulerChoice::Lightning);
+        assert_eq!(qwen.warm_up, [[1024, 1024]]);
+        assert_eq!(qwen.max_batch, 1);
+        assert_eq!(qwen.encode_cache_mib, 2048);
+        assert_eq!(qwen.condition_image_area, 384 * 384);
+        assert_eq!(qwen.vae_image_area, 1024 * 1024);
+        assert_eq!(qwen.loras[0].strength, 1.0);
+        assert_eq!(
+            (
+                &qwen.transformer,
+                &qwen.text_encoder,
+                &qwen.vae,
+                &qwen.config_dir
+            ),
+            (&None, &None, &None, &None)
+        );
+        let esrgan: &EsrganConfig = c.engine.esrgan.as_ref().unwrap();
+        assert_eq!(esrgan.device, "cuda");
+        assert_eq!(esrgan.dtype, Dtype::Fp16);
+        assert_eq!(esrgan.max_batch, 1);
+        assert_eq!(esrgan.pre_pad, 0);
+    }
+}
