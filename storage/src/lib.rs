@@ -63,6 +63,7 @@ pub enum StorageConfig {
     },
 }
 
+// Field defaults rather than a variant-wide `#[serde(default)]`: `bucket` is required.
 fn default_region() -> String {
     "us-east-1".into()
 }

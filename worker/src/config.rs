@@ -12,50 +12,61 @@ use vnfarm_storage::StorageConfig;
 use crate::engine::EngineConfig;
 use crate::engine::shared_encodings::SharedEncodingsConfig;
 
+/// Every key may be left out: `#[serde(default)]` takes it from [`Config::default`].
 #[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct Config {
     /// This worker's name; its queue is `<prefix>.worker.<id>`. Defaults to the host name.
-    #[serde(default = "default_worker_id")]
     pub worker_id: String,
-    #[serde(default)]
     pub amqp: AmqpConfig,
-    #[serde(default = "default_storage")]
     pub storage: StorageConfig,
-    #[serde(default)]
     pub engine: EngineConfig,
     /// Edit encodings published to and fetched from storage, so that the fleet encodes an input
     /// about once (see `engine::shared_encodings`).
-    #[serde(default)]
     pub shared_encodings: SharedEncodingsConfig,
     /// Address of `/metrics` and `/healthz`. Port 0 picks a free port.
-    #[serde(default = "default_listen")]
     pub listen: SocketAddr,
-    #[serde(default = "default_heartbeat_ms")]
     pub heartbeat_interval_ms: u64,
     /// Jobs the broker may hand this worker before it acknowledges one (its queue's prefetch).
     /// A batch message counts as one.
-    #[serde(default = "one")]
     pub prefetch: u16,
     /// The most jobs one work message may carry to this worker (advertised as `max_batch`): the
     /// scheduler coalesces edits of the same input, and compatible generates, into batch messages
     /// up to this size, which the engine runs together. 1 turns batching off.
-    #[serde(default = "default_batch_jobs")]
     pub batch_jobs: u32,
     /// After SIGTERM, how long the job in hand may run before it is interrupted and requeued.
-    #[serde(default = "default_grace_s")]
     pub drain_grace_s: u64,
     /// Storage operations are tried this many times while storage is unavailable, 200 ms apart and
     /// twice as long each time up to 5 s (`vnfarm_storage::Retries`), before the job is requeued.
-    #[serde(default = "default_storage_attempts")]
     pub storage_attempts: u32,
     /// Where the sha256 of model files persists (`model-hashes.json`), so that a restarted worker
     /// does not hash its checkpoints again.
-    #[serde(default = "default_hash_cache_dir")]
     pub hash_cache_dir: PathBuf,
 }
 
-fn default_worker_id() -> String {
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            worker_id: host_name(),
+            amqp: AmqpConfig::default(),
+            storage: StorageConfig::Local {
+                root: "vnfarm-data".into(),
+            },
+            engine: EngineConfig::default(),
+            shared_encodings: SharedEncodingsConfig::default(),
+            listen: SocketAddr::from(([127, 0, 0, 1], 9101)),
+            heartbeat_interval_ms: 2_000,
+            prefetch: 1,
+            batch_jobs: 8,
+            drain_grace_s: 600,
+            storage_attempts: 5,
+            hash_cache_dir: "vnfarm-cache".into(),
+        }
+    }
+}
+
+/// The host's name as a worker id (lower case, letters, digits and `-`), else `worker`.
+fn host_name() -> String {
     let host = std::fs::read_to_string("/etc/hostname").unwrap_or_default();
     let id: String = host
         .trim()
@@ -64,32 +75,6 @@ fn default_worker_id() -> String {
         .filter(|c| c.is_ascii_alphanumeric() || *c == '-')
         .collect();
     if id.is_empty() { "worker".into() } else { id }
-}
-fn default_storage() -> StorageConfig {
-    StorageConfig::Local {
-        root: "vnfarm-data".into(),
-    }
-}
-fn default_listen() -> SocketAddr {
-    SocketAddr::from(([127, 0, 0, 1], 9101))
-}
-fn default_heartbeat_ms() -> u64 {
-    2_000
-}
-fn one() -> u16 {
-    1
-}
-fn default_batch_jobs() -> u32 {
-    8
-}
-fn default_grace_s() -> u64 {
-    600
-}
-fn default_storage_attempts() -> u32 {
-    5
-}
-fn default_hash_cache_dir() -> PathBuf {
-    "vnfarm-cache".into()
 }
 
 impl Config {

@@ -27,31 +27,22 @@ use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use vnfarm_storage::{Storage, StorageError};
 
-/// The worker's `[shared_encodings]` table.
+/// The worker's `[shared_encodings]` table; a key left out is [`SharedEncodingsConfig::default`]'s.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct SharedEncodingsConfig {
     /// Publish and fetch encodings through storage. Off, each worker encodes what its own cache
     /// misses.
-    #[serde(default = "yes")]
     pub enabled: bool,
     /// The longest a fetch may take before the worker encodes the inputs itself.
-    #[serde(default = "default_fetch_timeout_ms")]
     pub fetch_timeout_ms: u64,
-}
-
-fn yes() -> bool {
-    true
-}
-fn default_fetch_timeout_ms() -> u64 {
-    2_000
 }
 
 impl Default for SharedEncodingsConfig {
     fn default() -> Self {
         Self {
-            enabled: yes(),
-            fetch_timeout_ms: default_fetch_timeout_ms(),
+            enabled: true,
+            fetch_timeout_ms: 2_000,
         }
     }
 }
