@@ -2,84 +2,54 @@
 
 use serde::Deserialize;
 
+/// Every key may be left out: `#[serde(default)]` takes it from [`AmqpConfig::default`].
 #[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct AmqpConfig {
     /// `amqp://user:password@host:port/vhost`: the broker of a single-node installation. The
     /// password is never logged.
-    #[serde(default = "default_url")]
     pub url: String,
     /// The nodes of a broker cluster, in place of `url`: each connection starts at a random one
     /// (so a fleet spreads over the cluster) and moves to the next when a node fails. In the
     /// environment a TOML array: `VNFARM_AMQP__URLS='["amqp://…@10.0.0.1:5672/%2f", …]'`.
-    #[serde(default)]
     pub urls: Vec<String>,
     /// Prefix of every exchange and queue name (`vnfarm`); lets several installations share a broker.
-    #[serde(default = "default_prefix")]
     pub prefix: String,
     /// Deliveries of one message before the broker dead-letters it (RabbitMQ 3.x quorum queues have
     /// no limit unless one is set).
-    #[serde(default = "default_delivery_limit")]
     pub delivery_limit: u32,
     /// Size cap of the event stream (the job history).
-    #[serde(default = "default_stream_max_bytes")]
     pub events_max_bytes: u64,
     /// Age cap of the event stream, in RabbitMQ's syntax (`7D`, `24h`).
-    #[serde(default = "default_stream_max_age")]
     pub events_max_age: String,
     /// Longest wait between reconnection attempts, in milliseconds.
-    #[serde(default = "default_max_backoff_ms")]
     pub max_backoff_ms: u64,
     /// Longest wait for the broker's confirm of one publish. A channel can stop receiving confirms
     /// for good after a cluster election (fleet.md, client trap 2), so a confirm that does not come
     /// in time fails the publish and the session is opened again on fresh channels.
-    #[serde(default = "default_confirm_timeout_ms")]
     pub confirm_timeout_ms: u64,
     /// Whether a worker declares the shared exchanges and queues at every session, as the
     /// scheduler always does. On by default, so a worker that starts before any scheduler finds
     /// them; off where the broker users of deploy/rabbitmq/definitions.json are used, whose
     /// worker may configure only its own queue. The scheduler ignores it.
-    #[serde(default = "default_declare_topology")]
     pub declare_topology: bool,
 }
 
-fn default_url() -> String {
-    "amqp://guest:guest@127.0.0.1:5672/%2f".into()
-}
-fn default_prefix() -> String {
-    "vnfarm".into()
-}
-fn default_delivery_limit() -> u32 {
-    3
-}
-fn default_stream_max_bytes() -> u64 {
-    1 << 30
-}
-fn default_stream_max_age() -> String {
-    "7D".into()
-}
-fn default_max_backoff_ms() -> u64 {
-    5_000
-}
-fn default_confirm_timeout_ms() -> u64 {
-    10_000
-}
-fn default_declare_topology() -> bool {
-    true
-}
+/// The broker of a single-node installation on this machine, RabbitMQ's own guest user.
+const DEFAULT_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
 impl Default for AmqpConfig {
     fn default() -> Self {
         Self {
-            url: default_url(),
+            url: DEFAULT_URL.into(),
             urls: Vec::new(),
-            prefix: default_prefix(),
-            delivery_limit: default_delivery_limit(),
-            events_max_bytes: default_stream_max_bytes(),
-            events_max_age: default_stream_max_age(),
-            max_backoff_ms: default_max_backoff_ms(),
-            confirm_timeout_ms: default_confirm_timeout_ms(),
-            declare_topology: default_declare_topology(),
+            prefix: "vnfarm".into(),
+            delivery_limit: 3,
+            events_max_bytes: 1 << 30,
+            events_max_age: "7D".into(),
+            max_backoff_ms: 5_000,
+            confirm_timeout_ms: 10_000,
+            declare_topology: true,
         }
     }
 }
@@ -91,7 +61,7 @@ impl AmqpConfig {
         if !amqp(&self.url) {
             return Err("amqp.url: must start with amqp:// or amqps://".into());
         }
-        if !self.urls.is_empty() && self.url != default_url() {
+        if !self.urls.is_empty() && self.url != DEFAULT_URL {
             return Err(
                 "amqp.urls: set either url (one node) or urls (a cluster), not both".into(),
             );
@@ -171,10 +141,25 @@ mod tests {
     }
 
     #[test]
+    fn an_empty_section_gives_the_documented_defaults() {
+        let c = from_env(&[]).unwrap();
+        assert_eq!(c, AmqpConfig::default());
+        assert_eq!(c.url, "amqp://guest:guest@127.0.0.1:5672/%2f");
+        assert!(c.urls.is_empty());
+        assert_eq!(c.prefix, "vnfarm");
+        assert_eq!(c.delivery_limit, 3);
+        assert_eq!(c.events_max_bytes, 1 << 30);
+        assert_eq!(c.events_max_age, "7D");
+        assert_eq!(c.max_backoff_ms, 5_000);
+        assert_eq!(c.confirm_timeout_ms, 10_000);
+        assert!(c.declare_topology);
+    }
+
+    #[test]
     fn one_url_is_a_cluster_of_one_node() {
         let c = from_env(&[("VNFARM_AMQP__URL", "amqp://u:p@h:5672/%2f")]).unwrap();
         assert_eq!(c.nodes(), ["amqp://u:p@h:5672/%2f"]);
-        assert_eq!(AmqpConfig::default().nodes(), [default_url()]);
+        assert_eq!(AmqpConfig::default().nodes(), [DEFAULT_URL]);
     }
 
     #[test]

@@ -1,6 +1,6 @@
-//! What every vnfarm binary does before and around its `run`: find the config file, load the typed
-//! config or exit 64 naming the field, start logging, turn SIGTERM / Ctrl-C into a cancellation
-//! (a second signal exits at once), and serve its Prometheus metrics.
+//! What every vnfarm binary does before its `run`: find the config file, load the typed config or
+//! exit 64 naming the field, and start logging. (Signals are `vnfarm_signals`', the metrics
+//! registry `vnfarm_metrics`'.)
 //!
 //! Logs are text, or with `VNFARM_LOG_FORMAT=json` one JSON object a line: the event's fields at the
 //! top level, and the spans it is in under `span` (the innermost) and `spans`, so a line about a
@@ -11,7 +11,6 @@
 use std::path::PathBuf;
 
 use serde::de::DeserializeOwned;
-use tokio_util::sync::CancellationToken;
 
 use crate::{ConfigError, EXIT_CONFIG};
 
@@ -91,78 +90,4 @@ pub fn load_or_exit<T: DeserializeOwned>(
             .init(),
     }
     config
-}
-
-/// A token cancelled on the first SIGTERM or SIGINT (logging `on_first`); the second exits at once.
-pub fn shutdown_on_signals(on_first: &'static str) -> CancellationToken {
-    let shutdown = CancellationToken::new();
-    let token = shutdown.clone();
-    tokio::spawn(async move {
-        use tokio::signal::unix::{SignalKind, signal};
-        let (Ok(mut term), Ok(mut int)) = (
-            signal(SignalKind::terminate()),
-            signal(SignalKind::interrupt()),
-        ) else {
-            tracing::error!("cannot install signal handlers");
-            return;
-        };
-        tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
-        tracing::info!("shutdown requested: {on_first} (signal again to exit now)");
-        token.cancel();
-        tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
-        tracing::warn!("second signal: exiting now");
-        std::process::exit(1);
-    });
-    shutdown
-}
-
-/// The registry a binary's metrics live in: every name gets the `vnfarm_` prefix.
-pub fn metrics_registry() -> prometheus::Registry {
-    prometheus::Registry::new_custom(Some("vnfarm".into()), None)
-        .expect("the prefix 'vnfarm' is a valid metric name")
-}
-
-/// `registry` in the Prometheus text format, for `/metrics`.
-pub fn render_metrics(registry: &prometheus::Registry) -> String {
-    use prometheus::Encoder;
-    let mut buf = Vec::new();
-    prometheus::TextEncoder::new()
-        .encode(&registry.gather(), &mut buf)
-        .expect("text encoding into a Vec cannot fail");
-    String::from_utf8(buf).expect("the Prometheus text format is UTF-8")
-}
-
-/// A metric family a binary must export: name, type, and its labels in the text format's order.
-pub type MetricFamily<'a> = (&'a str, prometheus::proto::MetricType, &'a [&'a str]);
-
-/// For the binaries' metric tests: `registry` exports exactly `families`, each with its type, a
-/// help text and its labels, and the text rendering declares each type. Returns the rendering.
-pub fn check_metric_families(registry: &prometheus::Registry, families: &[MetricFamily]) -> String {
-    let gathered = registry.gather();
-    let names: Vec<&str> = gathered.iter().map(|f| f.name()).collect();
-    for (name, kind, labels) in families {
-        let family = gathered
-            .iter()
-            .find(|f| f.name() == *name)
-            .unwrap_or_else(|| panic!("{name} is not exported; exported: {names:?}"));
-        assert_eq!(family.get_field_type(), *kind, "{name}");
-        assert!(!family.help().is_empty(), "{name} has no help");
-        for metric in family.get_metric() {
-            // The text format sorts a series' labels by name.
-            let found: Vec<&str> = metric.get_label().iter().map(|l| l.name()).collect();
-            assert_eq!(found, *labels, "{name}");
-        }
-    }
-    for name in &names {
-        assert!(
-            families.iter().any(|(n, ..)| n == name),
-            "{name} is exported but not listed here (nor, probably, in the README)"
-        );
-    }
-    let text = render_metrics(registry);
-    for (name, kind, _) in families {
-        let kind = format!("{kind:?}").to_lowercase();
-        assert!(text.contains(&format!("# TYPE {name} {kind}\n")), "{text}");
-    }
-    text
 }

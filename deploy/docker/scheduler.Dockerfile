@@ -2,9 +2,9 @@
 # vnfarm-scheduler (with the `vnfarm` command line beside it). Build from the repository root:
 #   docker build -f deploy/docker/scheduler.Dockerfile -t vnfarm-scheduler .
 #
-# The scheduler does not link libtorch: its dependencies (proto, bus, storage, config and crates.io
-# crates) reach neither tch nor torch-sys, so it builds on a plain Rust image and runs on a slim
-# Debian one, as a user of its own.
+# The scheduler does not link libtorch: its dependencies (proto, bus, storage, config, signals,
+# metrics and crates.io crates) reach neither tch nor torch-sys, so it builds on a plain Rust
+# image and runs on a slim Debian one, as a user of its own.
 ARG RUST_IMAGE=rust:1.95.0-slim-bookworm
 ARG RUNTIME_IMAGE=debian:bookworm-slim
 

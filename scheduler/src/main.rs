@@ -6,6 +6,6 @@ use vnfarm_config::process;
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let config = process::load_or_exit("vnfarm-scheduler", vnfarm_scheduler::Config::load);
-    let shutdown = process::shutdown_on_signals("stopping");
+    let shutdown = vnfarm_signals::shutdown_on_signals("stopping");
     vnfarm_scheduler::run(config, shutdown).await
 }

@@ -89,7 +89,7 @@ pub const STORAGE_OPS: [&str; 2] = ["get", "put"];
 
 impl Metrics {
     pub fn new() -> Self {
-        let registry = vnfarm_config::process::metrics_registry();
+        let registry = vnfarm_metrics::registry();
         let buckets = vec![
             0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 180.0, 600.0,
         ];
@@ -307,7 +307,7 @@ impl Metrics {
     }
 
     pub fn render(&self) -> String {
-        vnfarm_config::process::render_metrics(&self.registry)
+        vnfarm_metrics::render(&self.registry)
     }
 }
 
@@ -410,7 +410,7 @@ mod tests {
     fn the_registry_renders_every_family_with_its_type_and_labels() {
         let m = Metrics::new();
         touch_all(&m);
-        let text = vnfarm_config::process::check_metric_families(&m.registry, FAMILIES);
+        let text = vnfarm_metrics::check_families(&m.registry, FAMILIES);
         assert!(
             text.contains("vnfarm_dispatches_total{decision=\"affinity_hit\"} 1"),
             "{text}"

@@ -17,42 +17,23 @@ use futures::future::join_all;
 use futures::stream::FuturesUnordered;
 use sha2::{Digest, Sha256};
 use vnfarm_bus::Publisher;
-use vnfarm_proto::manifest::{ManifestOutput, ModelFile, ModelFileRole, Versions};
+use vnfarm_proto::manifest::{ManifestOutput, ModelFile, Versions};
 use vnfarm_proto::spec::MAX_UPSCALE_OUTPUT_SIDE;
 use vnfarm_proto::topology::{manifest_key, output_key};
 use vnfarm_proto::{
-    BatchedJob, EventKind, ImageRef, JobId, Manifest, SCHEMA_VERSION, Sampler, StageTimings, Task,
+    BatchedJob, EventKind, ImageRef, JobId, Manifest, SCHEMA_VERSION, StageTimings, Task,
     decode_json,
 };
 use vnfarm_storage::StorageError;
 
+use crate::end::{Done, Ended, JobEnd, JobError};
 use crate::engine::{
     Answer, Cancel, CancelReason, EngineError, EngineJob, EngineOutput, InputImage, Progress,
     UsedFile,
 };
 use crate::image_io::{decode_input_as_stored, encode_png, flatten_to_rgb8};
-use crate::job::JobError;
+use crate::infotext;
 use crate::worker::Worker;
-
-/// A job run to the end here: its outputs and manifest are stored.
-#[derive(Debug)]
-pub(crate) struct Done {
-    pub outputs: Vec<String>,
-    pub manifest: String,
-    pub timings: StageTimings,
-}
-
-/// How a job of a message ended here without failing, before its message is settled.
-#[derive(Debug)]
-pub(crate) enum Ended {
-    Completed(Done),
-    /// An earlier delivery finished it: its stored manifest.
-    FinishedBefore(Box<Manifest>),
-    CancelledBefore,
-}
-
-/// How a job of a message ended here: the failures are settled by their disposition.
-pub(crate) type JobEnd = Result<Ended, JobError>;
 
 impl Worker {
     /// Runs the jobs of a message (one, or a batch), sending each job's end, tagged with its index,
@@ -213,16 +194,12 @@ impl Worker {
     /// cannot answer is a transient failure like any other: the job is retried, not guessed about.
     async fn finished_before(&self, job_id: JobId) -> Result<Option<Manifest>, JobError> {
         let key = manifest_key(job_id);
-        // `NotFound` is the usual answer here, not a storage error: it is a value for the retries.
-        let stored = self
-            .with_storage_retries("get", &key, || async {
-                match self.storage.get(&key).await {
-                    Ok(bytes) => Ok(Some(bytes)),
-                    Err(StorageError::NotFound { .. }) => Ok(None),
-                    Err(e) => Err(e),
-                }
-            })
-            .await?;
+        // `NotFound` is the usual answer here, not a storage error.
+        let stored = match self.storage.get(&key).await {
+            Ok(bytes) => Some(bytes),
+            Err(StorageError::NotFound { .. }) => None,
+            Err(e) => return Err(self.storage_failed("get", e)),
+        };
         let Some(bytes) = stored else {
             return Ok(None);
         };
@@ -372,7 +349,7 @@ impl Worker {
 
         // PNG encoding is CPU work: off the async runtime.
         let started = Instant::now();
-        let parameters = parameters_text(job_id, &job.task, &model_files);
+        let parameters = infotext::parameters_text(job_id, &job.task, &model_files);
         let images = output.images;
         let encoded = tokio::task::spawn_blocking(move || {
             images
@@ -390,8 +367,7 @@ impl Worker {
         for (n, ((width, height, png), seed)) in encoded.into_iter().zip(output.seeds).enumerate() {
             let key = output_key(job_id, n as u32);
             let sha256 = hex::encode(Sha256::digest(&png));
-            self.put_with_retries(&key, Bytes::from(png), "image/png")
-                .await?;
+            self.put(&key, Bytes::from(png), "image/png").await?;
             manifest_outputs.push(ManifestOutput {
                 key: key.clone(),
                 width,
@@ -427,7 +403,7 @@ impl Worker {
         // takes as proof that the job is done, so it must never exist before its outputs do.
         let key = manifest_key(job_id);
         let body = serde_json::to_vec_pretty(&manifest).expect("manifests serialize to JSON");
-        self.put_with_retries(&key, Bytes::from(body), "application/json")
+        self.put(&key, Bytes::from(body), "application/json")
             .await?;
         Ok(Done {
             outputs,
@@ -501,10 +477,8 @@ impl Worker {
     async fn fetch_input(&self, input: &ImageRef, layout: Layout) -> Result<InputImage, JobError> {
         let bytes =
             match input {
-                ImageRef::Stored(key) => self.get_with_retries(key).await?,
-                ImageRef::JobOutput { job, index } => {
-                    self.get_with_retries(&output_key(*job, *index)).await?
-                }
+                ImageRef::Stored(key) => self.get(key).await?,
+                ImageRef::JobOutput { job, index } => self.get(&output_key(*job, *index)).await?,
                 ImageRef::Inline(_) => {
                     let Some(decoded) = input.inline_bytes() else {
                         unreachable!("inline_bytes is Some for Inline")
@@ -537,56 +511,28 @@ impl Worker {
         decoded.map_err(|e| JobError::BadInput(e.to_string()))
     }
 
-    async fn get_with_retries(&self, key: &str) -> Result<Bytes, JobError> {
-        self.with_storage_retries("get", key, || self.storage.get(key))
+    /// `key` from storage, which retries it while unavailable (`storage_attempts` times in all).
+    async fn get(&self, key: &str) -> Result<Bytes, JobError> {
+        self.storage
+            .get(key)
             .await
+            .map_err(|e| self.storage_failed("get", e))
     }
 
-    async fn put_with_retries(
-        &self,
-        key: &str,
-        body: Bytes,
-        content_type: &str,
-    ) -> Result<(), JobError> {
-        self.with_storage_retries("put", key, || {
-            self.storage.put(key, body.clone(), content_type)
-        })
-        .await
+    async fn put(&self, key: &str, body: Bytes, content_type: &str) -> Result<(), JobError> {
+        self.storage
+            .put(key, body, content_type)
+            .await
+            .map_err(|e| self.storage_failed("put", e))
     }
 
-    /// Retries `attempt` while storage is unavailable, with exponential backoff (200 ms doubling to
-    /// 5 s), up to `storage_attempts` times; other errors and the last failure are returned.
-    async fn with_storage_retries<T, F, Fut>(
-        &self,
-        op: &'static str,
-        key: &str,
-        mut attempt: F,
-    ) -> Result<T, JobError>
-    where
-        F: FnMut() -> Fut,
-        Fut: std::future::Future<Output = Result<T, StorageError>>,
-    {
-        let mut delay = std::time::Duration::from_millis(200);
-        let mut tries = 1;
-        loop {
-            match attempt().await {
-                Ok(value) => return Ok(value),
-                Err(e) => {
-                    self.metrics
-                        .storage_errors_total
-                        .with_label_values(&[op])
-                        .inc();
-                    let transient = matches!(e, StorageError::Unavailable { .. });
-                    if !transient || tries >= self.config.storage_attempts {
-                        return Err(JobError::Storage(e));
-                    }
-                    tracing::warn!(key, op, error = %e, "storage operation failed; retrying");
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(std::time::Duration::from_secs(5));
-                    tries += 1;
-                }
-            }
-        }
+    /// A storage operation's failure after its retries, counted, as the job's error.
+    fn storage_failed(&self, op: &'static str, e: StorageError) -> JobError {
+        self.metrics
+            .storage_errors_total
+            .with_label_values(&[op])
+            .inc();
+        JobError::Storage(e)
     }
 }
 
@@ -609,146 +555,19 @@ fn manifest_of(job_id: JobId, bytes: &[u8]) -> Result<Manifest, String> {
     Ok(manifest)
 }
 
-/// Generation parameters for the PNG `parameters` text chunk. A generate's are in the layout
-/// AUTOMATIC1111's stable-diffusion-webui writes (its "infotext", which image browsers and model
-/// sites parse): the prompt; `Negative prompt: …` when there is one; then one line of `key: value`
-/// fields, a value holding a comma, colon or line break written as a JSON string (A1111's
-/// `quote`). The model is named by its checkpoint file (first 10 hex digits of its sha256 and the
-/// file's stem). LoRAs are named as A1111 names them: 12 hex digits of the sha256 of a safetensors
-/// file's data after its header ("AutoV3"; a file of another format by 10 digits of its sha256), and
-/// with their strengths as A1111 writes them into the prompt: `<lora:name:weight>`, appended to it.
-/// Other tasks: their JSON and the job.
-fn parameters_text(job_id: JobId, task: &Task, files: &[ModelFile]) -> String {
-    let Task::Generate(g) = task else {
-        return format!(
-            "{}\nvnfarm job: {job_id}",
-            serde_json::to_string(task).expect("tasks serialize to JSON")
-        );
-    };
-    let (sampler, schedule) = a1111_sampler(g.sampler);
-    let mut fields: Vec<(&str, String)> = vec![
-        ("Steps", g.steps.to_string()),
-        ("Sampler", sampler.to_owned()),
-    ];
-    if let Some(schedule) = schedule {
-        fields.push(("Schedule type", schedule.to_owned()));
-    }
-    // Python prints a whole float with `.0`.
-    let cfg = if g.cfg.fract() == 0.0 {
-        format!("{:.1}", g.cfg)
-    } else {
-        g.cfg.to_string()
-    };
-    fields.push(("CFG scale", cfg));
-    fields.push(("Seed", g.seed.unwrap_or_default().to_string()));
-    fields.push(("Size", format!("{}x{}", g.width, g.height)));
-    let role = |f: &&ModelFile, role| f.role == Some(role);
-    if let Some(model) = files.iter().find(|f| role(f, ModelFileRole::Checkpoint)) {
-        let stem = std::path::Path::new(&model.name)
-            .file_stem()
-            .map_or_else(|| model.name.clone(), |s| s.to_string_lossy().into_owned());
-        fields.push(("Model hash", short_hash(&model.sha256).to_owned()));
-        fields.push(("Model", stem));
-    }
-    let loras: Vec<String> = files
-        .iter()
-        .filter(|f| role(f, ModelFileRole::Lora))
-        // A1111 names a LoRA by 12 digits of its data hash (AutoV3); a file that is not
-        // safetensors has none, and is named by its file hash as checkpoints are.
-        .map(|f| match &f.data_sha256 {
-            Some(data) => format!("{}: {}", lora_name(&f.name), data.get(..12).unwrap_or(data)),
-            None => format!("{}: {}", lora_name(&f.name), short_hash(&f.sha256)),
-        })
-        .collect();
-    if !loras.is_empty() {
-        fields.push(("Lora hashes", loras.join(", ")));
-    }
-    fields.push(("Version", format!("vnfarm {}", env!("CARGO_PKG_VERSION"))));
-    fields.push(("vnfarm job", job_id.to_string()));
-
-    let line = fields
-        .iter()
-        .map(|(key, value)| format!("{key}: {}", a1111_quote(value)))
-        .collect::<Vec<_>>()
-        .join(", ");
-    let mut text = g.prompt.clone();
-    for lora in &g.loras {
-        text.push_str(&format!(
-            " <lora:{}:{}>",
-            lora_name(&lora.name),
-            lora.weight
-        ));
-    }
-    if !g.negative_prompt.is_empty() {
-        text.push_str("\nNegative prompt: ");
-        text.push_str(&g.negative_prompt);
-    }
-    text.push('\n');
-    text.push_str(&line);
-    text
-}
-
-/// A1111's sampler name and schedule type for ours (its `Schedule type` is left out where the
-/// sampler uses its own default, which A1111 reads as `Automatic`).
-fn a1111_sampler(sampler: Sampler) -> (&'static str, Option<&'static str>) {
-    match sampler {
-        Sampler::Euler => ("Euler", None),
-        Sampler::EulerAncestral => ("Euler a", None),
-        Sampler::DpmppTwoMKarras => ("DPM++ 2M", Some("Karras")),
-    }
-}
-
-/// A LoRA as A1111 names it in `<lora:…>` and `Lora hashes`: its file name without `.safetensors`.
-fn lora_name(name: &str) -> &str {
-    name.strip_suffix(".safetensors").unwrap_or(name)
-}
-
-/// A1111's short hash: the first 10 hex digits of the sha256.
-fn short_hash(sha256: &str) -> &str {
-    sha256.get(..10).unwrap_or(sha256)
-}
-
-/// A1111's `quote`: a value with a comma, colon or line break as a JSON string, others as they are.
-fn a1111_quote(value: &str) -> String {
-    if value.contains([',', ':', '\n']) {
-        serde_json::to_string(value).expect("strings serialize to JSON")
-    } else {
-        value.to_owned()
-    }
+/// What an input image is decoded to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Layout {
+    /// 8-bit RGB with alpha flattened onto white (the generative models).
+    Rgb8,
+    /// Also as stored: alpha, greyscale and 16-bit samples kept (upscales).
+    AsStored,
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
-
-    pub(crate) fn manifest(job_id: JobId) -> Manifest {
-        let mut timings = StageTimings::default();
-        timings.add("denoise", 1.5);
-        Manifest {
-            schema_version: SCHEMA_VERSION,
-            job_id,
-            task: decode_json(br#"{"kind": "generate", "prompt": "a lighthouse"}"#)
-                .expect("a valid task"),
-            outputs: (0..2)
-                .map(|n| ManifestOutput {
-                    key: output_key(job_id, n),
-                    width: 512,
-                    height: 512,
-                    seed: Some(7 + u64::from(n)),
-                    sha256: "00".repeat(32),
-                })
-                .collect(),
-            worker: "w-first".parse().expect("a valid worker id"),
-            attempt: 1,
-            engine: "test-pattern".into(),
-            model_files: Vec::new(),
-            timings,
-            versions: Versions {
-                vnfarm: "0.0.0".into(),
-            },
-            finished_at: Utc::now(),
-        }
-    }
+    use crate::end::tests::manifest;
 
     #[test]
     fn a_stored_manifest_counts_only_for_its_own_job_and_only_when_whole() {
@@ -761,96 +580,6 @@ pub(crate) mod tests {
         let truncated = manifest_of(id, &bytes[..bytes.len() / 2]);
         assert!(truncated.is_err(), "{truncated:?}");
         assert!(manifest_of(id, b"").is_err());
-    }
-
-    fn file(name: &str, role: ModelFileRole, sha256: &str) -> ModelFile {
-        ModelFile {
-            name: name.into(),
-            sha256: sha256.into(),
-            size: 1,
-            path: Some(format!("/models/{name}")),
-            role: Some(role),
-            data_sha256: None,
-            strength: None,
-        }
-    }
-
-    #[test]
-    fn generates_carry_a1111_parameters_for_every_sampler() {
-        let job = JobId::new();
-        let version = env!("CARGO_PKG_VERSION");
-        let checkpoint = file(
-            "animagine-xl-4.0.safetensors",
-            ModelFileRole::Checkpoint,
-            &format!("6327eca98b{}", "0".repeat(54)),
-        );
-        for (sampler, a1111) in [
-            ("euler", "Sampler: Euler"),
-            ("euler_ancestral", "Sampler: Euler a"),
-            (
-                "dpmpp_two_m_karras",
-                "Sampler: DPM++ 2M, Schedule type: Karras",
-            ),
-        ] {
-            let task: Task = decode_json(
-                format!(
-                    r#"{{"kind": "generate", "prompt": "1girl, (masterpiece:1.2)",
-                        "negative_prompt": "lowres, bad hands", "steps": 28, "cfg": 4.5,
-                        "sampler": "{sampler}", "seed": 123, "width": 832, "height": 1216}}"#
-                )
-                .as_bytes(),
-            )
-            .expect("a valid task");
-            assert_eq!(
-                parameters_text(job, &task, std::slice::from_ref(&checkpoint)),
-                format!(
-                    "1girl, (masterpiece:1.2)\nNegative prompt: lowres, bad hands\n\
-                     Steps: 28, {a1111}, CFG scale: 4.5, Seed: 123, Size: 832x1216, \
-                     Model hash: 6327eca98b, Model: animagine-xl-4.0, \
-                     Version: vnfarm {version}, vnfarm job: {job}"
-                ),
-                "{sampler}"
-            );
-        }
-    }
-
-    #[test]
-    fn lora_hashes_are_quoted_and_a_missing_negative_prompt_or_model_is_left_out() {
-        let job = JobId::new();
-        let version = env!("CARGO_PKG_VERSION");
-        let task: Task = decode_json(
-            br#"{"kind": "generate", "prompt": "a lighthouse", "cfg": 7, "seed": 5,
-                 "loras": [{"name": "ink_style", "weight": 0.8}, {"name": "detail.pt"}]}"#,
-        )
-        .expect("a valid task");
-        let files = [
-            file(
-                "base.safetensors",
-                ModelFileRole::Checkpoint,
-                &"ab".repeat(32),
-            ),
-            // A safetensors LoRA is named by its data hash (12 digits), a `.pt` one by its file's.
-            ModelFile {
-                data_sha256: Some("0123456789ab".repeat(5) + "cdef"),
-                ..file("ink_style", ModelFileRole::Lora, &"cd".repeat(32))
-            },
-            file("detail.pt", ModelFileRole::Lora, &"ef".repeat(32)),
-        ];
-        assert_eq!(
-            parameters_text(job, &task, &files),
-            format!(
-                "a lighthouse <lora:ink_style:0.8> <lora:detail.pt:1>\nSteps: 20, Sampler: Euler, \
-                 CFG scale: 7.0, Seed: 5, Size: 1024x1024, Model hash: ababababab, Model: base, \
-                 Lora hashes: \"ink_style: 0123456789ab, detail.pt: efefefefef\", \
-                 Version: vnfarm {version}, vnfarm job: {job}"
-            )
-        );
-        // A1111 names a LoRA file without its `.safetensors`.
-        assert_eq!(lora_name("ink.safetensors"), "ink");
-        // The test-pattern engine loads no file: no model is named.
-        let line = parameters_text(job, &task, &[]);
-        assert!(!line.contains("Model"), "{line}");
-        assert!(line.ends_with(&format!("vnfarm job: {job}")), "{line}");
     }
 
     #[test]
@@ -866,13 +595,4 @@ pub(crate) mod tests {
         );
         assert_eq!(shared_name(&ImageRef::Inline("aGk=".into())), None);
     }
-}
-
-/// What an input image is decoded to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) enum Layout {
-    /// 8-bit RGB with alpha flattened onto white (the generative models).
-    Rgb8,
-    /// Also as stored: alpha, greyscale and 16-bit samples kept (upscales).
-    AsStored,
 }

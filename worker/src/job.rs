@@ -3,9 +3,8 @@
 //!
 //! A message carries one job, or a batch of jobs ([`WorkMessage::batch`]: edits of one input, or
 //! compatible generates) that run on the engine together: one message, one delivery, one ack, and
-//! each job still gets its own events, outputs and manifest. Every failure is classified once, in
-//! [`JobError::disposition`]: dead-letter (permanent), retry (transient), report cancelled, give
-//! back (shutdown), or abandon (the broker is gone, so the message will be redelivered anyway).
+//! each job still gets its own events, outputs and manifest. Each job's end is settled by its
+//! [`Disposition`], decided once in [`crate::end`].
 //!
 //! A single-job message is settled as a whole: dead-lettered, acked, or requeued to the worker's
 //! queue. In a batch, each job is settled on its own and the message is acked once all are, so a
@@ -31,10 +30,9 @@ use vnfarm_proto::{
     BatchedJob, Event, EventKind, FailureKind, JobId, MAX_MESSAGE_BYTES, Manifest, WorkMessage,
     decode_json, work::decodable_protocols,
 };
-use vnfarm_storage::StorageError;
 
-use crate::engine::{CancelReason, EngineError};
-use crate::execute::{Done, Ended, JobEnd};
+use crate::end::{Disposition, Done, Ended, JobEnd, JobError};
+use crate::engine::EngineError;
 use crate::worker::Worker;
 
 /// A delivery not yet settled. Settling consumes it, so a double ack cannot be written.
@@ -82,24 +80,6 @@ impl Pending {
     }
 }
 
-#[derive(Debug, thiserror::Error)]
-pub enum JobError {
-    #[error("malformed message: {0}")]
-    Malformed(String),
-    #[error("invalid job: {0}")]
-    InvalidSpec(String),
-    #[error("bad input image: {0}")]
-    BadInput(String),
-    #[error("deadline passed before the job started")]
-    DeadlineExceeded,
-    #[error(transparent)]
-    Storage(StorageError),
-    #[error(transparent)]
-    Engine(EngineError),
-    #[error("broker lost: {0}")]
-    Broker(#[from] PublishError),
-}
-
 /// Why a job goes back to the scheduler unfinished.
 enum GiveBackReason {
     /// A transient failure, to be retried.
@@ -107,64 +87,6 @@ enum GiveBackReason {
     Shutdown,
     /// The scheduler asked for it back before it started.
     Yielded,
-}
-
-/// What happens to a job after a failure.
-#[derive(Debug, PartialEq, Eq)]
-enum Disposition {
-    /// Permanent: to the dead-letter exchange with a final `failed` event.
-    DeadLetter(FailureKind),
-    /// Transient: a `failed` event with `retryable`, then back to the queue.
-    Retry(FailureKind),
-    Cancelled,
-    /// Shutdown interrupted it: back to the queue without an event.
-    GiveBack,
-    /// The scheduler asked for it back before it started (to make room for interactive work): to
-    /// the scheduler without an event, not counted as a failure.
-    Yield,
-    /// The broker connection is gone: nothing can be settled; the broker redelivers.
-    Abandon,
-}
-
-impl JobError {
-    fn disposition(&self) -> Disposition {
-        match self {
-            JobError::Malformed(_) => Disposition::DeadLetter(FailureKind::Malformed),
-            JobError::InvalidSpec(_) => Disposition::DeadLetter(FailureKind::InvalidSpec),
-            JobError::BadInput(_) => Disposition::DeadLetter(FailureKind::BadInput),
-            JobError::DeadlineExceeded => Disposition::DeadLetter(FailureKind::DeadlineExceeded),
-            JobError::Storage(StorageError::NotFound { .. }) => {
-                Disposition::DeadLetter(FailureKind::BadInput)
-            }
-            JobError::Storage(StorageError::InvalidKey { .. }) => {
-                Disposition::DeadLetter(FailureKind::InvalidSpec)
-            }
-            JobError::Storage(StorageError::Unavailable { .. }) => {
-                Disposition::Retry(FailureKind::Storage)
-            }
-            JobError::Engine(EngineError::Cancelled(CancelReason::User)) => Disposition::Cancelled,
-            JobError::Engine(EngineError::Cancelled(CancelReason::Shutdown)) => {
-                Disposition::GiveBack
-            }
-            JobError::Engine(EngineError::Yielded) => Disposition::Yield,
-            JobError::Engine(EngineError::OutOfMemory(_)) => {
-                Disposition::Retry(FailureKind::OutOfMemory)
-            }
-            JobError::Engine(EngineError::InvalidInput(_)) => {
-                Disposition::DeadLetter(FailureKind::BadInput)
-            }
-            JobError::Engine(EngineError::Failed(_)) => {
-                Disposition::DeadLetter(FailureKind::Engine)
-            }
-            // Not the job's fault: another worker tries it (this one stops, see `device_lost`).
-            JobError::Engine(EngineError::DeviceLost(_)) => Disposition::Retry(FailureKind::Engine),
-            // The scheduler routed it to a worker that does not hold its model or checkpoint.
-            JobError::Engine(EngineError::Unsupported(_) | EngineError::NoCheckpoint(_)) => {
-                Disposition::DeadLetter(FailureKind::NoWorker)
-            }
-            JobError::Broker(_) => Disposition::Abandon,
-        }
-    }
 }
 
 /// What a delivery decoded into.
@@ -771,7 +693,7 @@ fn completed_from(manifest: Manifest) -> EventKind {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::execute::tests::manifest;
+    use crate::end::tests::manifest;
     use vnfarm_proto::topology::output_key;
 
     #[test]
@@ -809,52 +731,5 @@ mod tests {
         assert_eq!(alone.priority, second.priority);
         assert_eq!(alone.task, second.task);
         assert!(alone.batch.is_empty());
-    }
-
-    #[test]
-    fn every_error_has_one_disposition() {
-        let unavailable = StorageError::Unavailable {
-            op: "put",
-            key: "k".into(),
-            message: "down".into(),
-        };
-        assert_eq!(
-            JobError::Storage(unavailable).disposition(),
-            Disposition::Retry(FailureKind::Storage)
-        );
-        assert_eq!(
-            JobError::BadInput("x".into()).disposition(),
-            Disposition::DeadLetter(FailureKind::BadInput)
-        );
-        assert_eq!(
-            JobError::Storage(StorageError::NotFound { key: "k".into() }).disposition(),
-            Disposition::DeadLetter(FailureKind::BadInput)
-        );
-        assert_eq!(
-            JobError::Engine(EngineError::Cancelled(CancelReason::Shutdown)).disposition(),
-            Disposition::GiveBack
-        );
-        assert_eq!(
-            JobError::Engine(EngineError::Cancelled(CancelReason::User)).disposition(),
-            Disposition::Cancelled
-        );
-        assert_eq!(
-            JobError::Engine(EngineError::OutOfMemory("x".into())).disposition(),
-            Disposition::Retry(FailureKind::OutOfMemory)
-        );
-        assert_eq!(
-            JobError::Engine(EngineError::DeviceLost("CUDA error".into())).disposition(),
-            Disposition::Retry(FailureKind::Engine),
-            "a device failure is not the job's fault"
-        );
-        assert_eq!(
-            JobError::Engine(EngineError::Failed("bug".into())).disposition(),
-            Disposition::DeadLetter(FailureKind::Engine)
-        );
-        assert_eq!(
-            JobError::Engine(EngineError::NoCheckpoint("pony".into())).disposition(),
-            Disposition::DeadLetter(FailureKind::NoWorker),
-            "misrouted: no worker of this one's kind can run it"
-        );
     }
 }

@@ -4,16 +4,20 @@
 //! # Layout
 //!
 //! - [`config`]: the typed configuration, validated before any I/O.
-//! - [`tuning`]: which kernel and layout settings each engine runs (presets, or the box's settings
+//! - [`tuning`]: the kernel and layout settings an engine may run (presets, or the box's settings
 //!   file with its fingerprint).
 //! - [`check`]: `vnfarm-worker check`, the box's self-test and tuning, which writes that file.
-//! - [`engine`]: the engines and the dedicated engine thread they run on.
+//! - [`engine`]: the engines and the dedicated engine thread they run on, and which settings they
+//!   run (`engine/settings.rs`).
+//! - [`gpu_runtime`]: the GPU runtime libtorch loaded, looked up by name (memory, device facts).
 //! - [`worker`]: shared state (identity, storage, engine host, what is running, cancellations).
 //! - [`session`]: one broker connection's life: declare, consume, heartbeat, handle.
-//! - [`job`]: one delivery from message to ack (one job, or a batch of jobs each settled on its own),
-//!   and the classification of every failure.
+//! - [`job`]: one delivery from message to ack (one job, or a batch of jobs each settled on its own).
 //! - [`execute`]: running a message's jobs: skipped, started, inputs, the engine, outputs stored.
+//! - [`end`]: how a job ended, handed from `execute` to `job`, and the classification of every
+//!   failure (one exhaustive `match`).
 //! - [`image_io`]: decoding inputs within limits, encoding PNG outputs with their parameters.
+//! - [`infotext`]: those parameters, in the layout AUTOMATIC1111 writes.
 //! - [`provenance`]: the sha256 of the model files, hashed once in the background, for manifests.
 //! - [`metrics`], [`http`]: Prometheus metrics and the `/metrics` and `/healthz` endpoints.
 //!
@@ -21,10 +25,13 @@
 
 pub mod check;
 pub mod config;
+pub mod end;
 pub mod engine;
 pub mod execute;
+pub mod gpu_runtime;
 pub mod http;
 pub mod image_io;
+pub mod infotext;
 pub mod job;
 pub mod metrics;
 pub mod provenance;
@@ -37,7 +44,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
-use vnfarm_storage::Storage;
+use vnfarm_storage::{Retries, Storage};
 
 pub use config::Config;
 use engine::EngineHost;
@@ -75,7 +82,8 @@ pub async fn serve(
         EngineHost::start(config.engine.clone(), shared.clone()).context("starting the engine")?;
     let storage = Storage::open(&config.storage)
         .await
-        .context("opening storage")?;
+        .context("opening storage")?
+        .with_retries(Retries::attempts(config.storage_attempts));
     if let Some(shared) = &shared {
         shared.attach(storage.clone());
     }

@@ -16,14 +16,14 @@ fn main() -> anyhow::Result<ExitCode> {
         _ => {}
     }
     let config = process::load_or_exit("vnfarm-worker", vnfarm_worker::Config::load);
-    for note in vnfarm_worker::tuning::apply_environment(&config.engine) {
+    for note in vnfarm_worker::tuning::apply_environment(config.engine.settings_file.as_deref()) {
         tracing::info!("{note}");
     }
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?
         .block_on(async {
-            let shutdown = process::shutdown_on_signals("finishing the job in hand");
+            let shutdown = vnfarm_signals::shutdown_on_signals("finishing the job in hand");
             vnfarm_worker::run(config, shutdown).await
         })?;
     Ok(ExitCode::SUCCESS)

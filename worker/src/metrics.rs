@@ -126,7 +126,7 @@ pub fn resolution(width: u32, height: u32) -> &'static str {
 
 impl Metrics {
     pub fn new() -> Self {
-        let registry = vnfarm_config::process::metrics_registry();
+        let registry = vnfarm_metrics::registry();
         let stage_buckets = vec![
             0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 180.0,
         ];
@@ -345,7 +345,7 @@ impl Metrics {
     }
 
     pub fn render(&self) -> String {
-        vnfarm_config::process::render_metrics(&self.registry)
+        vnfarm_metrics::render(&self.registry)
     }
 }
 
@@ -453,7 +453,7 @@ mod tests {
     fn the_registry_renders_every_family_with_its_type_and_labels() {
         let m = Metrics::new();
         touch_all(&m);
-        let text = vnfarm_config::process::check_metric_families(&m.registry, FAMILIES);
+        let text = vnfarm_metrics::check_families(&m.registry, FAMILIES);
         for line in [
             "vnfarm_worker_denoise_step_seconds_count{model=\"qwen-edit\",resolution=\"1mp\"} 1",
             "vnfarm_worker_gpu_memory_bytes{kind=\"free\"} 1073741824",

@@ -36,6 +36,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use tch::{Device, Kind};
 
 use crate::Config;
+use crate::engine::settings;
 use crate::tuning::fingerprint::{self, DeviceIdentity};
 use crate::tuning::{self, BoxSettings, file::Fingerprint};
 use environment::Environment;
@@ -359,7 +360,7 @@ fn run(args: &CheckArgs, config: &Config) -> anyhow::Result<Report> {
         !names.is_empty(),
         "the configuration names no model (engine.sdxl, engine.qwen_edit or engine.esrgan): nothing to check"
     );
-    let device = tuning::device_of(&config.engine);
+    let device = settings::device_of(&config.engine);
     let environment = Environment::read(device);
     let env_sets = env_candidates(args, &environment);
     let bar = ProgressBar::new((names.len() * env_sets.len() + 1) as u64);
@@ -428,7 +429,7 @@ fn run(args: &CheckArgs, config: &Config) -> anyhow::Result<Report> {
                 device: DeviceIdentity::of(device),
                 libtorch: fingerprint::libtorch_build(),
                 vnfarm: fingerprint::vnfarm_build(),
-                models: tuning::model_identities(&config.engine)?,
+                models: settings::model_identities(&config.engine)?,
             },
             environment: chosen_environment.clone(),
             sdxl: chosen("sdxl").map(serde_json::from_value).transpose()?,
@@ -793,7 +794,7 @@ fn verify(
 ) {
     let mut engine_config = config.engine.clone();
     engine_config.settings_file = settings_file.map(Path::to_path_buf);
-    let device = tuning::device_of(&engine_config);
+    let device = settings::device_of(&engine_config);
     let probe = match device {
         Device::Cuda(n) => Some(crate::engine::GpuMemoryProbe::new(n)),
         _ => None,

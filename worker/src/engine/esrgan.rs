@@ -55,6 +55,8 @@ pub struct EsrganConfig {
     pub settings: Option<SettingsChoice<EsrganSettings>>,
 }
 
+// Field defaults rather than a struct-wide `#[serde(default)]`: `model` is required, and a
+// `Default` of the whole section would let one without it decode.
 fn default_device() -> String {
     "cuda".into()
 }

@@ -1,15 +1,17 @@
 //! The GPU's memory for heartbeats: total and free as the device runtime reports them
 //! (`cudaMemGetInfo`, or `hipMemGetInfo` on ROCm builds of libtorch).
 //!
-//! The runtime is found at run time with `dlsym` among the libraries already loaded (libtorch's GPU
-//! backend brings it), so the worker gains no link dependency on CUDA or ROCm: on a CPU-only build,
-//! or where no device answers, there is simply no reading. libtorch's caching allocator keeps its
+//! The runtime is found at run time among the libraries already loaded (libtorch's GPU backend
+//! brings it; [`crate::gpu_runtime`]), so the worker gains no link dependency on CUDA or ROCm: on a
+//! CPU-only build, or where no device answers, there is simply no reading. libtorch's caching allocator keeps its
 //! reserved bytes behind a C++ API only, so `reserved_bytes` is not reported.
 
-use std::ffi::{CStr, c_int, c_void};
+use std::ffi::{CStr, c_int};
 use std::sync::OnceLock;
 
 use vnfarm_proto::GpuMemory;
+
+use crate::gpu_runtime;
 
 type SetDevice = unsafe extern "C" fn(c_int) -> c_int;
 type MemGetInfo = unsafe extern "C" fn(*mut usize, *mut usize) -> c_int;
@@ -72,27 +74,13 @@ fn runtime() -> Option<Runtime> {
 
 #[allow(unsafe_code)]
 fn lookup(set_device: &CStr, mem_get_info: &CStr) -> Option<Runtime> {
-    let set_device = symbol(set_device)?;
-    let mem_get_info = symbol(mem_get_info)?;
-    // SAFETY: the symbols are the runtime's functions of the signatures above (see `read`); a
-    // function pointer and a data pointer have the same size and representation on the platforms
-    // libtorch supports (POSIX requires it of `dlsym`).
+    // SAFETY: these are the runtime's functions of the signatures above (see `read`).
     unsafe {
         Some(Runtime {
-            set_device: std::mem::transmute::<*mut c_void, SetDevice>(set_device),
-            mem_get_info: std::mem::transmute::<*mut c_void, MemGetInfo>(mem_get_info),
+            set_device: gpu_runtime::function::<SetDevice>(set_device)?,
+            mem_get_info: gpu_runtime::function::<MemGetInfo>(mem_get_info)?,
         })
     }
-}
-
-/// A symbol of any library loaded into the process, in load order (also the device facts of
-/// `tuning::fingerprint`).
-#[allow(unsafe_code)]
-pub(crate) fn symbol(name: &CStr) -> Option<*mut c_void> {
-    // SAFETY: `dlsym` with `RTLD_DEFAULT` and a NUL-terminated name only searches the loaded
-    // libraries; it returns null when none defines the name.
-    let address = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
-    (!address.is_null()).then_some(address)
 }
 
 #[cfg(test)]

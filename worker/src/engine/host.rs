@@ -282,7 +282,7 @@ fn guarded<T>(run: impl FnOnce() -> T) -> Result<T, EngineError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::tests::edit;
+    use crate::engine::job::tests::edit;
     use crate::engine::{AdvertisedKeys, CancelReason, TestPatternConfig, TestPatternEngine};
     use std::time::{Duration, Instant};
 

@@ -30,77 +30,61 @@ use vnfarm_models::settings::QwenSettings;
 use vnfarm_proto::{EditSpec, ModelFileRole, StageTimings, Task};
 
 use crate::tuning::SettingsChoice;
+use crate::tuning::fingerprint::file_sample;
 
 use super::device::{Dtype, engine_error, open_device, parse_device, warm_up_sizes};
-use super::shared_encodings::{file_sample, hex_sha256};
+use super::shared_encodings::hex_sha256;
 use super::{
     AdvertisedKeys, CacheLookup, EncodeCache, EngineError, EngineJob, EngineOutput, Fetched,
     LoraDir, Progress, Runnable, SharedEncodings, SharedStore, UsedFile, all_cancelled, answered,
     content_key, groups, together_or_alone, weight_files,
 };
 
+/// The `[engine.qwen_edit]` table; a key left out is [`QwenEditEngineConfig::default`]'s.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct QwenEditEngineConfig {
     /// A diffusers folder in the layout of `Qwen/Qwen-Image-Edit-2509` (`transformer/`,
     /// `text_encoder/`, `vae/`, `tokenizer/`, `processor/`, `scheduler/`). Either this, or the three
     /// single files below.
-    #[serde(default)]
     pub model_dir: Option<PathBuf>,
     /// ComfyUI-style single files: the transformer (`qwen_image_edit_2509_fp8_e4m3fn.safetensors`
     /// or bf16), the text encoder (`qwen_2.5_vl_7b_fp8_scaled.safetensors` or bf16) and the VAE
     /// (`qwen_image_vae.safetensors`).
-    #[serde(default)]
     pub transformer: Option<PathBuf>,
-    #[serde(default)]
     pub text_encoder: Option<PathBuf>,
-    #[serde(default)]
     pub vae: Option<PathBuf>,
     /// For single files that are not the real model's size: a diffusers-layout folder holding the
     /// components' `config.json` files (tests use the tiny fixture).
-    #[serde(default)]
     pub config_dir: Option<PathBuf>,
     /// LoRAs fused at load, e.g. the Lightning 4-step LoRA at strength 1.
-    #[serde(default)]
     pub loras: Vec<LoadLora>,
     /// Where jobs' `loras` are looked up: `<lora_dir>/<name>` or `<lora_dir>/<name>.safetensors`.
-    #[serde(default)]
     pub lora_dir: Option<PathBuf>,
     /// `lightning` (Qwen-Image-Lightning's flow-match shift, for the 4/8-step LoRAs) or `model`
     /// (the folder's `scheduler_config.json`, else Qwen-Image's).
-    #[serde(default)]
     pub scheduler: SchedulerChoice,
     /// `cuda`, `cuda:N` (ROCm devices are `cuda` too) or `cpu`.
-    #[serde(default = "default_device")]
     pub device: String,
     /// Compute precision of the transformer and the text encoder.
-    #[serde(default)]
     pub dtype: Dtype,
-    #[serde(default)]
     pub vae_dtype: Dtype,
     /// Kernel and memory choices (`vnfarm_models::settings::QwenSettings`): a preset's name
     /// (`"portable"`, the default, or `"cuda"`) or a table (`attention`; `fp8`: `upcast`
     /// dequantises fp8 files at load, the transformer then takes ~41 GB in bf16, `resident` keeps
     /// them fp8 on the device, ~20 GB). With `engine.settings_file` the file decides.
-    #[serde(default)]
     pub settings: Option<SettingsChoice<QwenSettings>>,
     /// Text-encoder position ids: `mrope` (Qwen2.5-VL as trained) or `sequential` (what
     /// diffusers 0.42.1 computes with transformers ≥ 5.15; for reproducing such references).
-    #[serde(default)]
     pub positions: PositionMode,
     /// Output `[width, height]` sizes run once before the worker takes jobs.
-    #[serde(default = "default_warm_up")]
     pub warm_up: Vec<[u32; 2]>,
     /// Variants per transformer forward when several edits of one input run together.
-    #[serde(default = "default_max_batch")]
     pub max_batch: u32,
     /// Bound of the encode cache in MiB of device memory.
-    #[serde(default = "default_cache_mib")]
     pub encode_cache_mib: u64,
     /// Pixels of the vision tower's and the VAE's copies of each input (diffusers' constants).
-    #[serde(default = "default_condition_area")]
     pub condition_image_area: u64,
-    #[serde(default = "default_vae_area")]
     pub vae_image_area: u64,
 }
 
@@ -120,26 +104,35 @@ pub enum SchedulerChoice {
     Model,
 }
 
+/// `LoadLora`'s `strength`: a field default, since its `path` is required (a struct-wide
+/// `#[serde(default)]` would make a LoRA without a file decode).
 fn one() -> f32 {
     1.0
 }
-fn default_device() -> String {
-    "cuda".into()
-}
-fn default_warm_up() -> Vec<[u32; 2]> {
-    vec![[1024, 1024]]
-}
-fn default_max_batch() -> u32 {
-    1
-}
-fn default_cache_mib() -> u64 {
-    2048
-}
-fn default_condition_area() -> u64 {
-    384 * 384
-}
-fn default_vae_area() -> u64 {
-    1024 * 1024
+
+impl Default for QwenEditEngineConfig {
+    fn default() -> Self {
+        Self {
+            model_dir: None,
+            transformer: None,
+            text_encoder: None,
+            vae: None,
+            config_dir: None,
+            loras: Vec::new(),
+            lora_dir: None,
+            scheduler: SchedulerChoice::default(),
+            device: "cuda".into(),
+            dtype: Dtype::default(),
+            vae_dtype: Dtype::default(),
+            settings: None,
+            positions: PositionMode::default(),
+            warm_up: vec![[1024, 1024]],
+            max_batch: 1,
+            encode_cache_mib: 2048,
+            condition_image_area: 384 * 384,
+            vae_image_area: 1024 * 1024,
+        }
+    }
 }
 
 impl QwenEditEngineConfig {

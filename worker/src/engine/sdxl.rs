@@ -102,6 +102,8 @@ pub enum VaeTiling {
     Never,
 }
 
+// Field defaults rather than a struct-wide `#[serde(default)]`: `checkpoint` is required, and a
+// `Default` of the whole section would let one without it decode.
 fn default_device() -> String {
     "cuda".into()
 }
@@ -561,7 +563,7 @@ mod tests {
                     weight: *weight,
                 })
                 .collect();
-            crate::engine::tests::job(Task::Generate(g))
+            crate::engine::job::tests::job(Task::Generate(g))
         };
         let jobs = [
             with(&[("ink", 0.8)]),

@@ -27,31 +27,22 @@ use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use vnfarm_storage::{Storage, StorageError};
 
-/// The worker's `[shared_encodings]` table.
+/// The worker's `[shared_encodings]` table; a key left out is [`SharedEncodingsConfig::default`]'s.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct SharedEncodingsConfig {
     /// Publish and fetch encodings through storage. Off, each worker encodes what its own cache
     /// misses.
-    #[serde(default = "yes")]
     pub enabled: bool,
     /// The longest a fetch may take before the worker encodes the inputs itself.
-    #[serde(default = "default_fetch_timeout_ms")]
     pub fetch_timeout_ms: u64,
-}
-
-fn yes() -> bool {
-    true
-}
-fn default_fetch_timeout_ms() -> u64 {
-    2_000
 }
 
 impl Default for SharedEncodingsConfig {
     fn default() -> Self {
         Self {
-            enabled: yes(),
-            fetch_timeout_ms: default_fetch_timeout_ms(),
+            enabled: true,
+            fetch_timeout_ms: 2_000,
         }
     }
 }
@@ -213,52 +204,9 @@ impl SharedStore {
     }
 }
 
-/// What a file contributes to a fingerprint without reading it whole (encoder weights are GiBs):
-/// its size and the sha256 of its first and last MiB (the safetensors header, with every tensor's
-/// name, shape and offset, and the last tensors' values).
-pub fn file_sample(path: &std::path::Path) -> std::io::Result<String> {
-    use std::io::{Read, Seek, SeekFrom};
-    const SPAN: u64 = 1 << 20;
-    let mut file = std::fs::File::open(path)?;
-    let len = file.metadata()?.len();
-    let mut head = vec![0u8; SPAN.min(len) as usize];
-    file.read_exact(&mut head)?;
-    let tail_len = SPAN.min(len);
-    let mut tail = vec![0u8; tail_len as usize];
-    file.seek(SeekFrom::Start(len - tail_len))?;
-    file.read_exact(&mut tail)?;
-    Ok(format!(
-        "{len}:{}",
-        hex_sha256(&[head.as_slice(), tail.as_slice()])
-    ))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn file_samples_tell_contents_apart() {
-        let dir = tempfile::tempdir().unwrap();
-        let write = |name: &str, bytes: &[u8]| {
-            let p = dir.path().join(name);
-            std::fs::write(&p, bytes).unwrap();
-            p
-        };
-        let big: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
-        let mut tail_changed = big.clone();
-        *tail_changed.last_mut().unwrap() ^= 1;
-        let a = file_sample(&write("a", &big)).unwrap();
-        assert_eq!(
-            a,
-            file_sample(&write("a-copy", &big)).unwrap(),
-            "name-independent"
-        );
-        assert_ne!(a, file_sample(&write("b", &tail_changed)).unwrap());
-        assert_ne!(a, file_sample(&write("c", &big[..big.len() - 1])).unwrap());
-        let small = file_sample(&write("small", b"tiny")).unwrap();
-        assert!(small.starts_with("4:"), "{small}");
-    }
 
     /// From a thread outside the runtime, as the engine's: nothing published is missing, what is
     /// published is found byte for byte, and another model's prefix does not see it.

@@ -31,90 +31,59 @@ use super::{
 };
 use crate::engine::shared_encodings::hex_sha256;
 
+/// The `[engine.test_pattern]` table; a key left out is [`TestPatternConfig::default`]'s.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct TestPatternConfig {
     /// Sleep per denoising step, in milliseconds.
-    #[serde(default = "default_step_ms")]
     pub step_ms: u64,
     /// Sleep per denoising step of an edit (the edit model's steps cost differently). Unset:
     /// `step_ms`.
-    #[serde(default)]
     pub edit_step_ms: Option<u64>,
     /// Sleep for encoding an edit's inputs (on a cache miss).
-    #[serde(default = "default_encode_ms")]
     pub encode_ms: u64,
     /// Sleep for decoding each output image.
-    #[serde(default = "default_decode_ms")]
     pub decode_ms: u64,
     /// Input sets whose encodings it keeps, least recently used first out.
-    #[serde(default = "default_cache_entries")]
     pub encode_cache_entries: usize,
     /// Size of the encodings it publishes to shared storage and fetches from there (KiB); the
     /// default is about what Qwen-Image-Edit's encodings of a 1024² input weigh in bf16 (VAE
     /// latents 0.5 MiB, vision features 1.3 MiB). Fetches take the real storage's time.
-    #[serde(default = "default_encoding_kib")]
     pub encoding_kib: u32,
     /// What each job beyond the first adds to a batch's denoising step, as a fraction of one job's
     /// step: 1 is no gain (n jobs take n times as long), 0 makes the extra jobs free. Set from
     /// measured profiles by the fleet benchmark.
-    #[serde(default = "default_batch_step_cost")]
     pub batch_step_cost: f64,
     /// Sleep for "loading and warming up" before it takes jobs (the worker heartbeats `warming`
     /// meanwhile).
-    #[serde(default)]
     pub load_ms: u64,
     /// SDXL checkpoints it claims to hold (advertised in heartbeats); a generate naming another one
     /// fails as it would on an SDXL worker.
-    #[serde(default)]
     pub checkpoints: Vec<String>,
     /// Files it claims every image is made from, as checkpoints: their real sha256 and size go
     /// into manifests, so tests can check provenance end to end. Unset: none (it loads no file,
     /// and its manifests say so).
-    #[serde(default)]
     pub model_files: Vec<PathBuf>,
     /// Fault injection for tests of the job system: a generate with exactly this prompt fails as a
     /// device failure would (the job is given back, the worker exits with an error).
-    #[serde(default)]
     pub device_failure_prompt: Option<String>,
     /// A GPU of this many MiB it claims to run on, with `gpu_memory_used_mib` of it in use:
     /// heartbeats and `vnfarm_worker_gpu_memory_bytes` report it as a real engine reports its
     /// device (for tests of the metrics, dashboards and alerts). Unset: no GPU, as before.
-    #[serde(default)]
     pub gpu_memory_mib: Option<u64>,
-    #[serde(default)]
     pub gpu_memory_used_mib: u64,
-}
-
-fn default_step_ms() -> u64 {
-    20
-}
-fn default_encode_ms() -> u64 {
-    30
-}
-fn default_decode_ms() -> u64 {
-    30
-}
-fn default_cache_entries() -> usize {
-    32
-}
-fn default_encoding_kib() -> u32 {
-    2048
-}
-fn default_batch_step_cost() -> f64 {
-    1.0
 }
 
 impl Default for TestPatternConfig {
     fn default() -> Self {
         Self {
-            step_ms: default_step_ms(),
+            step_ms: 20,
             edit_step_ms: None,
-            encode_ms: default_encode_ms(),
-            decode_ms: default_decode_ms(),
-            encode_cache_entries: default_cache_entries(),
-            encoding_kib: default_encoding_kib(),
-            batch_step_cost: default_batch_step_cost(),
+            encode_ms: 30,
+            decode_ms: 30,
+            encode_cache_entries: 32,
+            encoding_kib: 2048,
+            batch_step_cost: 1.0,
             load_ms: 0,
             checkpoints: Vec::new(),
             model_files: Vec::new(),
@@ -668,7 +637,7 @@ impl TestPatternEngine {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::tests::{edit, job};
+    use crate::engine::job::tests::{edit, job};
     use vnfarm_proto::GenerateSpec;
 
     fn generate(seed: u64, prompt: &str) -> Task {

@@ -2,17 +2,17 @@
 //! build the process loaded, the model files (by content sample, not path) and the vnfarm build.
 //! A worker compares the live box with the file's fingerprint before it uses the file.
 //!
-//! Device facts come from the GPU runtime that libtorch loaded (found with `dlsym`, as the memory
-//! probe finds it: no link dependency on CUDA or ROCm) and, on ROCm, from the amdgpu driver's KFD
+//! Device facts come from the GPU runtime that libtorch loaded (looked up by name, as the memory
+//! probe finds it, [`crate::gpu_runtime`]: no link dependency on CUDA or ROCm) and, on ROCm, from the amdgpu driver's KFD
 //! topology in sysfs, which names the `gfx` target the way `rocminfo` does.
 
 use std::ffi::{CStr, c_int, c_void};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
 
-use crate::engine::gpu_memory::symbol;
-use crate::engine::shared_encodings::file_sample;
+use crate::gpu_runtime;
 
 /// The GPU backend of the loaded libtorch (ROCm devices are `cuda` to libtorch, HIP underneath).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -120,11 +120,13 @@ fn properties(backend: Backend, device: c_int) -> Option<Vec<u8>> {
             &[c"cudaGetDeviceProperties_v2", c"cudaGetDeviceProperties"]
         }
     };
-    let f = names.iter().find_map(|n| symbol(n))?;
+    // SAFETY: each name is the runtime's `cudaGetDeviceProperties` (or HIP's), `(prop *, int
+    // device)` returning 0 on success.
+    let f = names
+        .iter()
+        .find_map(|n| unsafe { gpu_runtime::function::<GetProperties>(n) })?;
     let mut buf = vec![0u8; PROPERTIES_BYTES];
-    // SAFETY: `f` is the runtime's `cudaGetDeviceProperties` (or HIP's), `(prop *, int device)`
-    // returning 0 on success; the buffer is larger than either struct and lives for the call.
-    let f: GetProperties = unsafe { std::mem::transmute::<*mut c_void, GetProperties>(f) };
+    // SAFETY: the buffer is larger than either struct and lives for the call.
     let status = unsafe { f(buf.as_mut_ptr().cast(), device) };
     (status == 0).then_some(buf)
 }
@@ -157,10 +159,9 @@ fn cuda_compute_capability(device: c_int) -> Option<(c_int, c_int)> {
     // cudaDevAttrComputeCapabilityMajor / Minor (driver_types.h).
     const MAJOR: c_int = 75;
     const MINOR: c_int = 76;
-    let f = symbol(c"cudaDeviceGetAttribute")?;
     // SAFETY: `cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int device)`;
     // the out-pointers are valid for the calls.
-    let f: GetAttribute = unsafe { std::mem::transmute::<*mut c_void, GetAttribute>(f) };
+    let f = unsafe { gpu_runtime::function::<GetAttribute>(c"cudaDeviceGetAttribute") }?;
     let (mut major, mut minor) = (0, 0);
     let ok = unsafe { f(&mut major, MAJOR, device) == 0 && f(&mut minor, MINOR, device) == 0 };
     ok.then_some((major, minor))
@@ -170,9 +171,8 @@ fn cuda_compute_capability(device: c_int) -> Option<(c_int, c_int)> {
 #[allow(unsafe_code)]
 pub fn cuda_integrated(index: usize) -> Option<bool> {
     const INTEGRATED: c_int = 18;
-    let f = symbol(c"cudaDeviceGetAttribute")?;
     // SAFETY: as in `cuda_compute_capability`.
-    let f: GetAttribute = unsafe { std::mem::transmute::<*mut c_void, GetAttribute>(f) };
+    let f = unsafe { gpu_runtime::function::<GetAttribute>(c"cudaDeviceGetAttribute") }?;
     let mut v = 0;
     let device = c_int::try_from(index).ok()?;
     (unsafe { f(&mut v, INTEGRATED, device) } == 0).then_some(v != 0)
@@ -291,6 +291,27 @@ impl ModelFileIdentity {
     }
 }
 
+/// What a file contributes to a fingerprint without reading it whole (encoder weights are GiBs):
+/// its size and the sha256 of its first and last MiB (the safetensors header, with every tensor's
+/// name, shape and offset, and the last tensors' values).
+pub fn file_sample(path: &Path) -> std::io::Result<String> {
+    use std::io::{Read, Seek, SeekFrom};
+    const SPAN: u64 = 1 << 20;
+    let mut file = std::fs::File::open(path)?;
+    let len = file.metadata()?.len();
+    let mut head = vec![0u8; SPAN.min(len) as usize];
+    file.read_exact(&mut head)?;
+    let tail_len = SPAN.min(len);
+    let mut tail = vec![0u8; tail_len as usize];
+    file.seek(SeekFrom::Start(len - tail_len))?;
+    file.read_exact(&mut tail)?;
+    let sha256 = Sha256::new()
+        .chain_update(&head)
+        .chain_update(&tail)
+        .finalize();
+    Ok(format!("{len}:{}", hex::encode(sha256)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -313,5 +334,28 @@ mod tests {
         let build = libtorch_build();
         assert!(build.starts_with("2."), "{build}");
         assert_eq!(DeviceIdentity::of(tch::Device::Cpu).backend, Backend::Cpu);
+    }
+
+    #[test]
+    fn file_samples_tell_contents_apart() {
+        let dir = tempfile::tempdir().unwrap();
+        let write = |name: &str, bytes: &[u8]| {
+            let p = dir.path().join(name);
+            std::fs::write(&p, bytes).unwrap();
+            p
+        };
+        let big: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
+        let mut tail_changed = big.clone();
+        *tail_changed.last_mut().unwrap() ^= 1;
+        let a = file_sample(&write("a", &big)).unwrap();
+        assert_eq!(
+            a,
+            file_sample(&write("a-copy", &big)).unwrap(),
+            "name-independent"
+        );
+        assert_ne!(a, file_sample(&write("b", &tail_changed)).unwrap());
+        assert_ne!(a, file_sample(&write("c", &big[..big.len() - 1])).unwrap());
+        let small = file_sample(&write("small", b"tiny")).unwrap();
+        assert!(small.starts_with("4:"), "{small}");
     }
 }
