@@ -22,6 +22,7 @@
 //!   the architecture configs).
 //! - [`error`]: what callers branch on (`LoadError`, `GenerateError`).
 
+pub mod dtype;
 pub mod error;
 pub mod esrgan;
 pub mod imageops;
