@@ -27,8 +27,8 @@ use vnfarm_models::qwen_image::transformer::{
     transformer_store,
 };
 
-mod support;
-use support::{check, load_reference, rel_err};
+use crate::support;
+use crate::support::{check, load_reference, rel_err};
 
 const TOL: f64 = 1e-5;
 
