@@ -20,7 +20,7 @@
 //! The accumulator is `i64` where Pillow uses `int`: for normalised weights the C sum never leaves
 //! the `int` range, so the results agree, and nothing here can overflow on any input.
 //!
-//! Parity: `tests/resample.rs` checks byte identity against Pillow on the cases written by
+//! Parity: `tests/parity/resample.rs` checks byte identity against Pillow on the cases written by
 //! `fixtures/resample/make_resample_fixtures.py`.
 
 use image::RgbImage;

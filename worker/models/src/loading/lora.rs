@@ -44,9 +44,10 @@ use std::time::SystemTime;
 
 use tch::{Device, Kind, Tensor};
 
+use crate::dtype::is_fp8;
 use crate::error::LoadError;
 use crate::loading::safetensors::SafetensorsFile;
-use crate::nn::{Conv2d, Linear, is_fp8};
+use crate::nn::{Conv2d, Linear};
 
 /// Why LoRAs could not be applied or restored.
 #[derive(Debug, thiserror::Error)]

@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 
 use tch::{Device, Kind, Tensor};
 
+use crate::dtype::is_fp8;
 use crate::error::LoadError;
 use crate::loading::pth::PthFile;
 use crate::loading::safetensors::SafetensorsFile;
@@ -82,7 +83,7 @@ pub enum Fp8Mode {
     /// Dequantised once at load into the cursor's dtype (`w.float() * scale`, then cast).
     #[default]
     Upcast,
-    /// Kept in fp8 on the device with its scale; [`crate::nn::Linear`] dequantises per call, so
+    /// Kept in fp8 on the device with its scale; the layer (`nn::Linear`) dequantises per call, so
     /// the weights take one byte per parameter.
     Resident,
 }
@@ -195,7 +196,7 @@ impl WeightStore {
             .and_then(|info| crate::loading::safetensors::kind_of(&info.dtype))
             .map(|(k, _)| k);
         let fp8_kind = match (stored, &src.transform) {
-            (Some(k), Transform::Identity) if crate::nn::is_fp8(k) => k,
+            (Some(k), Transform::Identity) if is_fp8(k) => k,
             _ => return Ok((self.get(name, shape, device, kind)?, None)),
         };
         let scale = match self.fp8_scale(file, &src.key, device)? {

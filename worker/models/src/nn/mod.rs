@@ -15,6 +15,7 @@ pub mod tiling;
 
 use tch::{Kind, Tensor};
 
+use crate::dtype::is_fp8;
 use crate::error::LoadError;
 use crate::loading::weights::Weights;
 
@@ -109,14 +110,6 @@ pub struct Linear {
     /// weight is `weight.float() * scale`. `None` for dense weights and unscaled fp8.
     pub weight_scale: Option<Tensor>,
     pub bias: Option<Tensor>,
-}
-
-/// Whether `kind` is one of the 8-bit float kinds.
-pub fn is_fp8(kind: Kind) -> bool {
-    matches!(
-        kind,
-        Kind::Float8e4m3fn | Kind::Float8e5m2 | Kind::Float8e4m3fnuz | Kind::Float8e5m2fnuz
-    )
 }
 
 impl Linear {

@@ -15,7 +15,7 @@ use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 use sha2::{Digest, Sha256};
 use tch::{Device, Kind, Tensor};
 
-use crate::qwen_image::pipeline::EncodedInputs;
+use crate::qwen_image::encoded::EncodedInputs;
 use crate::qwen2_5_vl::text_encoder::ImageFeatures;
 
 /// The `format` metadata of this layout; another value is refused.

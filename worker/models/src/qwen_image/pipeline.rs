@@ -48,6 +48,10 @@ use crate::qwen2_5_vl::text_encoder::{ImageFeatures, QwenTextEncoder, TextEncode
 use crate::qwen2_5_vl::tokenizer::QwenTokenizer;
 use crate::schedulers::{FlowMatchConfig, FlowMatchEulerDiscrete};
 
+/// What [`QwenEditPipeline::encode_inputs`] returns and [`QwenEditPipeline::edit`] takes, named
+/// here with the rest of the pipeline's API.
+pub use crate::qwen_image::encoded::EncodedInputs;
+
 /// Where the weights are.
 #[derive(Debug, Clone, PartialEq)]
 pub enum QwenSource {
@@ -127,30 +131,6 @@ pub struct EditRequest {
     pub cfg: f64,
     /// Output size; `None`: `default_output_area` at the last input's aspect ratio.
     pub size: Option<(u32, u32)>,
-}
-
-/// The inputs of one edit set, encoded once: what every variant shares.
-#[derive(Debug)]
-pub struct EncodedInputs {
-    /// Packed, normalised VAE latents of every input, concatenated along the tokens `[1, N, C*4]`.
-    pub image_latents: Tensor,
-    /// `(1, h/2, w/2)` latent grid of each input, after the target's in `img_shapes`.
-    pub latent_shapes: Vec<(i64, i64, i64)>,
-    /// The vision tower's features of the condition copies.
-    pub features: ImageFeatures,
-    /// Size of the last input (the default output aspect ratio).
-    pub last_input_size: (u32, u32),
-}
-
-impl EncodedInputs {
-    /// Device bytes held (for the encode cache's bound).
-    pub fn bytes(&self) -> usize {
-        tensor_bytes(&self.image_latents) + tensor_bytes(&self.features.features)
-    }
-}
-
-fn tensor_bytes(t: &Tensor) -> usize {
-    t.numel() * t.kind().elt_size_in_bytes()
 }
 
 /// Wall time of each stage of an edit call, in seconds.

@@ -6,13 +6,14 @@
 
 use tch::Tensor;
 
+use crate::dtype::is_fp8;
 use crate::error::LoadError;
 use crate::loading::lora::LoraModule;
 use crate::loading::weights::Weights;
 use crate::nn::fused::{self, NormKernels};
 use crate::nn::{
     AttentionImpl, Conv2d, FfGelu, GroupNorm, LayerNorm, Linear, attention, is_channels_last,
-    is_fp8, linear_gelu_epilogue,
+    linear_gelu_epilogue,
 };
 
 /// diffusers `Attention` as used by `BasicTransformerBlock`: bias-free q/k/v, `to_out.0` with bias.

@@ -1,5 +1,5 @@
 // What norms.cu takes from hiprtc's built-in header, written on clang's AMDGPU builtins, so that
-// tests/fused_kernels_hip_compile.rs can compile the kernels as HIP device code with a plain clang
+// tests/parity/fused_kernels_hip_compile.rs can compile the kernels as HIP device code with a plain clang
 // (`-x hip --cuda-device-only -nogpuinc -nogpulib`, no ROCm install). Each definition does what
 // HIP's own (hip/amd_detail/*.h) does: the same barrier and fences, and __shfl_xor's source lane
 // as amd_warp_functions.h computes it, through ds_bpermute.

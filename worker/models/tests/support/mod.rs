@@ -1,7 +1,6 @@
-//! What every parity test file compares with: the relative error of a tensor against its Python
-//! reference, and the checked form that prints and asserts it; and the fixture files written at
-//! test time from other fixtures ([`derived`]). Each test binary uses a subset.
-#![allow(dead_code)]
+//! What the parity tests (`tests/parity/`) compare with: the relative error of a tensor against its
+//! Python reference, and the checked form that prints and asserts it; and the fixture files written
+//! at test time from other fixtures ([`derived`], which the end-to-end tests include too).
 
 pub mod derived;
 

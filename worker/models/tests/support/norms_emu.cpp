@@ -1,4 +1,4 @@
-// CPU emulation of src/nn/kernels/norms.cu for tests/fused_kernels_emulated.rs: the kernels'
+// CPU emulation of src/nn/kernels/norms.cu for tests/parity/fused_kernels_emulated.rs: the kernels'
 // source compiled as C++ (the test rewrites `extern __shared__` and `extern "C"` first), each CUDA
 // thread a std::thread, the blocks of a launch one after another, __syncthreads a barrier of the
 // block, warp shuffles an exchange through memory between two barriers of the warp. Each case

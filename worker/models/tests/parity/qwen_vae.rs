@@ -22,8 +22,8 @@ use vnfarm_models::nn::tiling::Tiling;
 use vnfarm_models::qwen_image::keys::{VaeNaming, vae_weight_store, wan_vae_key};
 use vnfarm_models::qwen_image::vae::{QwenVae, QwenVaeConfig};
 
-mod support;
-use support::{check, load_reference, rel_err};
+use crate::support;
+use crate::support::{check, load_reference, rel_err};
 
 const TOL_FP32: f64 = 1e-5;
 const TOL_BF16: f64 = 5e-2;

@@ -13,8 +13,6 @@
 //! - OpenCV Lanczos-4: 8-bit byte-identical [identical], 16-bit within 1 [identical];
 //! - fp16 / bf16 against the fp32 reference: mean |difference| ≤ 1/255 and 3/255 [0.03 and 0.25].
 
-mod support;
-
 use std::path::{Path, PathBuf};
 
 use image::DynamicImage;
@@ -24,7 +22,8 @@ use vnfarm_models::esrgan::tiling::{Blend, TileSettings};
 use vnfarm_models::esrgan::upscaler::{UpscaleOptions, Upscaler};
 use vnfarm_models::imageops::lanczos4::{self, Layout};
 
-use support::{check, load_reference};
+use crate::support;
+use crate::support::{check, load_reference};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/esrgan")

@@ -12,7 +12,7 @@ use tch::{Device, Kind, Tensor};
 use vnfarm_models::loading::safetensors::SafetensorsFile;
 use vnfarm_models::schedulers::{FlowMatchConfig, FlowMatchEulerDiscrete, TimeShiftType};
 
-mod support;
+use crate::support;
 
 fn reference() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/qwen/reference")

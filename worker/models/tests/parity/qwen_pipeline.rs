@@ -26,7 +26,7 @@ use vnfarm_models::qwen_image::pipeline::{
 use vnfarm_models::qwen2_5_vl::rope::PositionMode;
 use vnfarm_models::schedulers::FlowMatchConfig;
 
-mod support;
+use crate::support;
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/qwen")

@@ -16,18 +16,19 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use tch::{Device, Kind, Tensor};
+use vnfarm_models::dtype::is_fp8;
 use vnfarm_models::error::GenerateError;
 use vnfarm_models::loading::diffusers::{open, read_config};
 use vnfarm_models::loading::safetensors::SafetensorsFile;
 use vnfarm_models::loading::weights::{Fp8Mode, WeightStore, Weights};
-use vnfarm_models::nn::{AttentionImpl, is_fp8};
+use vnfarm_models::nn::AttentionImpl;
 use vnfarm_models::qwen_image::transformer::{
     QwenImageTransformer2DModel, QwenImageTransformerConfig, transformer_folder_store,
     transformer_store,
 };
 
-mod support;
-use support::{check, load_reference, rel_err};
+use crate::support;
+use crate::support::{check, load_reference, rel_err};
 
 const TOL: f64 = 1e-5;
 

@@ -28,8 +28,8 @@ use vnfarm_models::sdxl::unet::{AddedCond, UNet2DConditionModel, UNetConfig};
 use vnfarm_models::sdxl::vae::{AutoencoderKL, TiledDecode, Tiling, VaeConfig, VaeRuntime};
 use vnfarm_models::text::clip_tokenizer::ClipTokenizer;
 
-mod support;
-use support::{check, load_reference};
+use crate::support;
+use crate::support::{check, load_reference};
 
 const TOL: f64 = 1e-4;
 

@@ -36,8 +36,8 @@ use vnfarm_models::qwen2_5_vl::rope::{
 use vnfarm_models::qwen2_5_vl::text_encoder::{QwenTextEncoder, TextEncoderOptions};
 use vnfarm_models::qwen2_5_vl::tokenizer::QwenTokenizer;
 
-mod support;
-use support::{check, load_reference, rel_err};
+use crate::support;
+use crate::support::{check, load_reference, rel_err};
 
 const TOL: f64 = 1e-5;
 

@@ -25,8 +25,8 @@ use vnfarm_models::qwen2_5_vl::vision::{
     VisionConfig, VisionLayout, VisionTransformer, vision_prefix,
 };
 
-mod support;
-use support::{check, load_reference};
+use crate::support;
+use crate::support::{check, load_reference};
 
 const TOL: f64 = 1e-5;
 

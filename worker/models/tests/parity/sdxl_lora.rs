@@ -18,8 +18,8 @@ use vnfarm_models::nn::{MemoryFormat, is_channels_last};
 use vnfarm_models::schedulers::Sampler;
 use vnfarm_models::sdxl::pipeline::{GenerateRequest, ModelSource, PipelineConfig, SdxlPipeline};
 
-mod support;
-use support::{load_reference, rel_err};
+use crate::support;
+use crate::support::{load_reference, rel_err};
 
 const TOL: f64 = 1e-6;
 
