@@ -1,0 +1,337 @@
+//! Applying the event stream: each event changes one job, in stream order; the first terminal
+//! event wins; finished jobs are forgotten by count and age.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use chrono::{DateTime, Utc};
+use vnfarm_proto::event::SequencedEvent;
+use vnfarm_proto::{EventKind, ImageRef, JobId, JobSpec};
+
+use super::record::{Failure, JobRecord, JobState, Progress};
+use super::{RECENT_EVENTS, Registry};
+
+impl Registry {
+    /// Applies one event read from the stream at `ev.seq`. Returns whether it was part of a job's
+    /// history: false for a duplicate submission, a late event of a finished job and an event of a
+    /// job not known (forgotten); clients are not shown those.
+    pub fn apply(&mut self, ev: SequencedEvent) -> bool {
+        self.next_offset = self.next_offset.max(ev.seq + 1);
+        self.latest = self.latest.max(Some(ev.event.at));
+        let recent = ev.clone();
+        let applied = if matches!(ev.event.kind, EventKind::Queued { .. }) {
+            self.apply_queued(ev)
+        } else {
+            self.apply_change(ev)
+        };
+        if applied {
+            self.recent.push_back(recent);
+            if self.recent.len() > RECENT_EVENTS {
+                self.recent.pop_front();
+            }
+        }
+        self.forget_expired();
+        applied
+    }
+
+    /// A stream offset with nothing to apply (a marker, an undecodable event).
+    pub fn skip(&mut self, seq: u64) {
+        self.next_offset = self.next_offset.max(seq + 1);
+    }
+
+    fn apply_queued(&mut self, ev: SequencedEvent) -> bool {
+        let EventKind::Queued {
+            submission,
+            parent,
+            children,
+        } = ev.event.kind
+        else {
+            unreachable!("apply_queued is called for queued events only")
+        };
+        let id = ev.event.job_id;
+        if self.jobs.contains_key(&id) {
+            return false; // a resubmission of a known id
+        }
+        if let Some(key) = &submission.idempotency_key
+            && let Some(first) = self.idempotency.get(key)
+        {
+            tracing::info!(job_id = %id, first = %first, "duplicate submission of an idempotency key ignored");
+            return false;
+        }
+        let derived = crate::intake::pipeline_jobs(&submission, &children);
+        let at = ev.event.at;
+        let mut record = JobRecord::new(id, JobState::Queued, ev.seq, at);
+        if let Some(key) = &submission.idempotency_key {
+            self.idempotency.insert(key.clone(), id);
+        }
+        record.submission = Some(*submission);
+        record.parent = parent;
+        record.children = children.clone();
+        self.insert(record);
+        let Some(jobs) = derived else {
+            tracing::error!(job_id = %id, children = children.len(), "a pipeline event that does not match its spec; the pipeline fails");
+            self.owed.insert(id);
+            return true;
+        };
+        for (child_id, child) in children.into_iter().zip(jobs) {
+            if self.jobs.contains_key(&child_id) {
+                continue; // written as its own event by an older scheduler
+            }
+            let mut record = JobRecord::new(child_id, JobState::Queued, ev.seq, at);
+            record.submission = Some(child);
+            record.parent = Some(id);
+            self.insert(record);
+        }
+        true
+    }
+
+    pub(super) fn job_state(&self, id: JobId) -> Option<JobState> {
+        self.jobs.get(&id).map(|j| j.state)
+    }
+
+    /// Adds a new queued job and links it to its inputs.
+    pub(super) fn insert(&mut self, mut record: JobRecord) {
+        let id = record.id;
+        for dep in record.dependencies() {
+            match self.job_state(dep) {
+                Some(JobState::Completed) => {}
+                Some(JobState::Failed | JobState::Cancelled) => {
+                    self.owed.insert(id);
+                }
+                Some(_) => {
+                    record.local.unmet += 1;
+                    self.dependents.entry(dep).or_default().push(id);
+                }
+                // Forgotten long ago, or never a job here: its outputs are in storage or the
+                // worker reports the input missing.
+                None => {}
+            }
+        }
+        if !record.state.is_terminal() {
+            self.active.insert(id);
+        }
+        self.jobs.insert(id, Arc::new(record));
+        self.index_in(id);
+    }
+
+    fn apply_change(&mut self, ev: SequencedEvent) -> bool {
+        let id = ev.event.job_id;
+        let at = ev.event.at;
+        let Some(job) = self.jobs.get(&id) else {
+            // Only a failure can name a job never queued (a submission too broken to queue).
+            // Events of forgotten jobs change nothing.
+            if let EventKind::Failed {
+                failure, message, ..
+            } = &ev.event.kind
+            {
+                let mut record = JobRecord::new(id, JobState::Failed, ev.seq, at);
+                record.failure = Some(Failure {
+                    kind: *failure,
+                    message: message.clone(),
+                });
+                record.history.push(ev);
+                self.insert(record);
+                self.finished.push_back((at, id));
+                return true;
+            }
+            return false;
+        };
+        if job.state.is_terminal() {
+            return false; // the first terminal event won
+        }
+        self.index_out(id);
+        let job = Arc::make_mut(self.jobs.get_mut(&id).expect("checked above"));
+        job.updated_at = at;
+        let mut unassign = false;
+        let mut assign = None;
+        let mut made = None;
+        let mut owe_cancel = false;
+        match &ev.event.kind {
+            EventKind::Queued { .. } => unreachable!("handled by apply_queued"),
+            EventKind::Dispatched { worker, batch, .. } => {
+                if job.state == JobState::Queued {
+                    job.state = JobState::Dispatched;
+                }
+                job.local.dispatch_pending = false;
+                job.dispatches += 1;
+                job.worker = worker.clone();
+                job.batch = *batch;
+                assign = worker.clone().map(|w| (w, batch.unwrap_or(id)));
+            }
+            EventKind::Requeued { reason } => {
+                if reason == vnfarm_proto::event::YIELDED_REASON {
+                    // Asked back by the scheduler: that dispatch does not count towards the limit.
+                    job.dispatches = job.dispatches.saturating_sub(1);
+                }
+                job.state = JobState::Queued;
+                job.local.dispatch_pending = false;
+                job.worker = None;
+                job.progress = None;
+                unassign = true;
+                // Cancelled while it was out: no worker has it now to report the cancel.
+                owe_cancel = job.local.cancel_requested;
+            }
+            EventKind::Started { worker, .. } => {
+                job.state = JobState::Running;
+                // Every run counts, on whichever worker: the message's own delivery count starts
+                // again at each dispatch.
+                job.attempts += 1;
+                job.worker = Some(worker.clone());
+                job.progress = None;
+            }
+            EventKind::Progress { step, total } => {
+                job.progress = Some(Progress {
+                    step: *step,
+                    total: *total,
+                });
+            }
+            EventKind::Completed {
+                outputs,
+                manifest,
+                worker,
+                ..
+            } => {
+                job.state = JobState::Completed;
+                job.outputs = outputs.clone();
+                job.manifest = Some(manifest.clone());
+                if worker.is_some() {
+                    job.worker = worker.clone();
+                }
+                unassign = true;
+                // Its worker holds the images it made: edits of them go there first.
+                if let Some(w) = worker
+                    && matches!(
+                        job.submission.as_ref().map(|s| &s.job),
+                        Some(JobSpec::Generate(_))
+                    )
+                {
+                    made = Some((w.clone(), outputs.len()));
+                }
+            }
+            EventKind::Failed {
+                failure,
+                message,
+                retryable,
+            } => {
+                job.failure = Some(Failure {
+                    kind: *failure,
+                    message: message.clone(),
+                });
+                job.state = if *retryable {
+                    JobState::Retrying
+                } else {
+                    JobState::Failed
+                };
+                unassign = !retryable;
+            }
+            EventKind::Cancelled { .. } => {
+                job.state = JobState::Cancelled;
+                unassign = true;
+            }
+        }
+        // Keep one progress event while running (a resuming client needs the latest), none after.
+        if matches!(ev.event.kind, EventKind::Progress { .. })
+            && let Some(last) = job.history.last_mut()
+            && matches!(last.event.kind, EventKind::Progress { .. })
+        {
+            *last = ev;
+        } else {
+            job.history.push(ev);
+        }
+        let terminal = job.state.is_terminal();
+        if terminal {
+            job.history
+                .retain(|e| !matches!(e.event.kind, EventKind::Progress { .. }));
+            job.history.shrink_to_fit();
+        }
+        if let Some((w, lead)) = assign {
+            self.worker_mut(&w).assign(id, lead);
+        }
+        if unassign {
+            self.unassign(id);
+        }
+        if let Some((w, images)) = made {
+            let now = Instant::now();
+            let keys = self.worker_mut(&w);
+            for index in 0..images as u32 {
+                let input = ImageRef::JobOutput { job: id, index };
+                if let Some(key) = vnfarm_proto::EditSpec::affinity_key_of(&[&input]) {
+                    keys.keys.insert(key, now);
+                }
+            }
+        }
+        self.index_in(id);
+        if terminal {
+            self.finish(id, at);
+        }
+        if owe_cancel {
+            self.owed.insert(id);
+        }
+        true
+    }
+
+    /// A job reached its final state: its pipeline and the jobs waiting on it learn of it.
+    fn finish(&mut self, id: JobId, at: DateTime<Utc>) {
+        self.active.remove(&id);
+        let job = &self.jobs[&id];
+        let completed = job.state == JobState::Completed;
+        let parent = job.parent.filter(|p| self.active.contains(p));
+        if let Some(p) = parent {
+            self.owed.insert(p);
+        } else {
+            // Top-level (or orphaned) jobs are forgotten on their own; a pipeline's go with it.
+            self.finished.push_back((at, id));
+        }
+        for waiting in self.dependents.remove(&id).unwrap_or_default() {
+            if !self.active.contains(&waiting) {
+                continue;
+            }
+            if completed {
+                self.index_out(waiting);
+                let w = Arc::make_mut(self.jobs.get_mut(&waiting).expect("active jobs are known"));
+                w.local.unmet = w.local.unmet.saturating_sub(1);
+                self.index_in(waiting);
+            } else {
+                self.owed.insert(waiting);
+            }
+        }
+    }
+
+    /// Forgets finished jobs beyond the retention count or age.
+    fn forget_expired(&mut self) {
+        let Some(now) = self.latest else { return };
+        while let Some(&(at, id)) = self.finished.front() {
+            let too_many = self.finished.len() > self.retention.max_jobs;
+            let too_old = now - at > self.retention.max_age;
+            if !(too_many || too_old) {
+                break;
+            }
+            self.finished.pop_front();
+            self.forget(id);
+        }
+    }
+
+    fn forget(&mut self, id: JobId) {
+        let Some(job) = self.jobs.get(&id) else {
+            return;
+        };
+        if !job.state.is_terminal() {
+            return;
+        }
+        let children = job.children.clone();
+        self.index_out(id);
+        let job = self.jobs.remove(&id).expect("checked above");
+        if let Some(key) = job
+            .submission
+            .as_ref()
+            .and_then(|s| s.idempotency_key.as_ref())
+            && self.idempotency.get(key) == Some(&id)
+        {
+            self.idempotency.remove(key);
+        }
+        self.dependents.remove(&id);
+        for child in children {
+            self.forget(child);
+        }
+    }
+}
