@@ -4,7 +4,19 @@
 //! Encapsulated: every field is private. Job state changes only through [`Registry::apply`] of an
 //! event from the stream, in stream order; the local decision flags change only through the
 //! decision methods ([`Registry::plan_dispatch`], [`Registry::take_follow_ups`],
-//! [`Registry::request_cancel`], ...). Readers get views.
+//! [`Registry::request_cancel`], ...). Readers get views. A stored job changes only through the
+//! store's one update function (`store::Jobs::update`), which keeps every index right, so no
+//! change can forget one.
+//!
+//! # Layout
+//!
+//! - `record.rs`: the job record, its state and the local decision flags.
+//! - `store.rs`: the records and the indexes the decisions use, behind the one update function.
+//! - `apply.rs`: event application, in stream order; retention.
+//! - `follow_ups.rs`: terms, the follow-up events the active scheduler owes, stale dispatches,
+//!   cancellation.
+//! - `plan.rs`: the dispatch policy. `workers.rs`: the worker records.
+//! - `snapshot.rs`: the durable part, as a snapshot writes and reads it.
 //!
 //! Invariants:
 //! - The first terminal event of a job wins; later events of a finished job change nothing and are
@@ -24,7 +36,6 @@
 //!   forget the same jobs.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
@@ -39,6 +50,9 @@ mod record;
 mod snapshot;
 mod store;
 mod workers;
+
+use record::Local;
+use store::Jobs;
 
 pub use follow_ups::CancelRefusal;
 pub use plan::{Decision, Dispatch, Plan, Yield};
@@ -97,31 +111,17 @@ pub struct JobView<'a> {
 #[derive(Default)]
 pub struct Registry {
     retention: Retention,
-    /// Shared with snapshots being written; changed copy-on-write.
-    jobs: BTreeMap<JobId, Arc<JobRecord>>,
-    /// Jobs not in a terminal state.
-    active: BTreeSet<JobId>,
+    /// The records and the indexes that are functions of them.
+    jobs: Jobs,
     idempotency: HashMap<String, JobId>,
     /// For each job, the waiting jobs that take its output as input.
     dependents: HashMap<JobId, Vec<JobId>>,
-    /// Waiting jobs per route, interactive first, then oldest; held jobs are not here.
-    ready: BTreeMap<Route, BTreeSet<(u8, JobId)>>,
-    /// Waiting jobs (held or not) that may share a message, by group key.
-    groups: HashMap<String, BTreeSet<(u8, JobId)>>,
-    /// Held jobs by the end of their hold.
-    holds: BTreeSet<(Instant, JobId)>,
-    /// When each waiting job began waiting (for holds and coalescing windows).
-    waiting_since: HashMap<JobId, Instant>,
     /// The worker `round_robin` chose last.
     rr_cursor: Option<WorkerId>,
-    /// Jobs dispatched and not yet started (the watchdog's only concern).
-    awaiting_start: BTreeSet<JobId>,
     /// Jobs whose follow-up (pipeline result, failed dependency) must be worked out.
     owed: BTreeSet<JobId>,
     /// Finished top-level jobs in the order they finished, with their final event's time.
     finished: VecDeque<(DateTime<Utc>, JobId)>,
-    counts: HashMap<JobState, usize>,
-    backlog: HashMap<(ModelFamily, Priority), usize>,
     workers: BTreeMap<WorkerId, WorkerRecord>,
     recent: VecDeque<SequencedEvent>,
     /// Offset of the next event to read from the stream.
@@ -147,7 +147,7 @@ impl Registry {
     }
 
     pub fn job(&self, id: JobId) -> Option<&JobRecord> {
-        self.jobs.get(&id).map(|j| &**j)
+        self.jobs.get(&id)
     }
 
     pub fn contains(&self, id: JobId) -> bool {
@@ -161,7 +161,7 @@ impl Registry {
 
     /// Jobs in memory, newest first.
     pub fn jobs_newest_first(&self) -> impl Iterator<Item = &JobRecord> {
-        self.jobs.values().rev().map(|j| &**j)
+        self.jobs.newest_first()
     }
 
     pub fn len(&self) -> usize {
@@ -169,7 +169,7 @@ impl Registry {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.jobs.is_empty()
+        self.jobs.len() == 0
     }
 
     pub fn workers(&self) -> impl Iterator<Item = &WorkerRecord> {
@@ -188,12 +188,12 @@ impl Registry {
 
     /// Jobs in memory by state.
     pub fn count(&self, state: JobState) -> usize {
-        self.counts.get(&state).copied().unwrap_or(0)
+        self.jobs.count(state)
     }
 
     /// Queued jobs of a model and priority.
     pub fn backlog(&self, model: ModelFamily, priority: Priority) -> usize {
-        self.backlog.get(&(model, priority)).copied().unwrap_or(0)
+        self.jobs.backlog(model, priority)
     }
 
     pub fn view<'a>(&'a self, job: &'a JobRecord, heartbeat_timeout: Duration) -> JobView<'a> {
@@ -277,6 +277,11 @@ impl Registry {
     }
 
     // ----- workers -----
+
+    /// Changes a job's local decision flags (through the store, which keeps the indexes right).
+    fn set_local(&mut self, id: JobId, f: impl FnOnce(&mut Local)) {
+        self.jobs.update(id, |job| f(&mut job.local));
+    }
 
     fn worker_mut(&mut self, id: &WorkerId) -> &mut WorkerRecord {
         self.workers

@@ -1,12 +1,11 @@
 //! Applying the event stream: each event changes one job, in stream order; the first terminal
 //! event wins; finished jobs are forgotten by count and age.
 
-use std::sync::Arc;
 use std::time::Instant;
 
 use chrono::{DateTime, Utc};
 use vnfarm_proto::event::SequencedEvent;
-use vnfarm_proto::{EventKind, ImageRef, JobId, JobSpec};
+use vnfarm_proto::{EventKind, ImageRef, JobId, JobSpec, WorkerId};
 
 use super::record::{Failure, JobRecord, JobState, Progress};
 use super::{RECENT_EVENTS, Registry};
@@ -107,150 +106,26 @@ impl Registry {
                 None => {}
             }
         }
-        if !record.state.is_terminal() {
-            self.active.insert(id);
-        }
-        self.jobs.insert(id, Arc::new(record));
-        self.index_in(id);
+        self.jobs.insert(record);
     }
 
     fn apply_change(&mut self, ev: SequencedEvent) -> bool {
         let id = ev.event.job_id;
         let at = ev.event.at;
-        let Some(job) = self.jobs.get(&id) else {
-            // Only a failure can name a job never queued (a submission too broken to queue).
-            // Events of forgotten jobs change nothing.
-            if let EventKind::Failed {
-                failure, message, ..
-            } = &ev.event.kind
-            {
-                let mut record = JobRecord::new(id, JobState::Failed, ev.seq, at);
-                record.failure = Some(Failure {
-                    kind: *failure,
-                    message: message.clone(),
-                });
-                record.history.push(ev);
-                self.insert(record);
-                self.finished.push_back((at, id));
-                return true;
-            }
-            return false;
+        let Some(entry) = self.jobs.entry(id) else {
+            return self.apply_to_unknown(ev);
         };
-        if job.state.is_terminal() {
+        if entry.get().state.is_terminal() {
             return false; // the first terminal event won
         }
-        self.index_out(id);
-        let job = Arc::make_mut(self.jobs.get_mut(&id).expect("checked above"));
-        job.updated_at = at;
-        let mut unassign = false;
-        let mut assign = None;
-        let mut made = None;
-        let mut owe_cancel = false;
-        match &ev.event.kind {
-            EventKind::Queued { .. } => unreachable!("handled by apply_queued"),
-            EventKind::Dispatched { worker, batch, .. } => {
-                if job.state == JobState::Queued {
-                    job.state = JobState::Dispatched;
-                }
-                job.local.dispatch_pending = false;
-                job.dispatches += 1;
-                job.worker = worker.clone();
-                job.batch = *batch;
-                assign = worker.clone().map(|w| (w, batch.unwrap_or(id)));
-            }
-            EventKind::Requeued { reason } => {
-                if reason == vnfarm_proto::event::YIELDED_REASON {
-                    // Asked back by the scheduler: that dispatch does not count towards the limit.
-                    job.dispatches = job.dispatches.saturating_sub(1);
-                }
-                job.state = JobState::Queued;
-                job.local.dispatch_pending = false;
-                job.worker = None;
-                job.progress = None;
-                unassign = true;
-                // Cancelled while it was out: no worker has it now to report the cancel.
-                owe_cancel = job.local.cancel_requested;
-            }
-            EventKind::Started { worker, .. } => {
-                job.state = JobState::Running;
-                // Every run counts, on whichever worker: the message's own delivery count starts
-                // again at each dispatch.
-                job.attempts += 1;
-                job.worker = Some(worker.clone());
-                job.progress = None;
-            }
-            EventKind::Progress { step, total } => {
-                job.progress = Some(Progress {
-                    step: *step,
-                    total: *total,
-                });
-            }
-            EventKind::Completed {
-                outputs,
-                manifest,
-                worker,
-                ..
-            } => {
-                job.state = JobState::Completed;
-                job.outputs = outputs.clone();
-                job.manifest = Some(manifest.clone());
-                if worker.is_some() {
-                    job.worker = worker.clone();
-                }
-                unassign = true;
-                // Its worker holds the images it made: edits of them go there first.
-                if let Some(w) = worker
-                    && matches!(
-                        job.submission.as_ref().map(|s| &s.job),
-                        Some(JobSpec::Generate(_))
-                    )
-                {
-                    made = Some((w.clone(), outputs.len()));
-                }
-            }
-            EventKind::Failed {
-                failure,
-                message,
-                retryable,
-            } => {
-                job.failure = Some(Failure {
-                    kind: *failure,
-                    message: message.clone(),
-                });
-                job.state = if *retryable {
-                    JobState::Retrying
-                } else {
-                    JobState::Failed
-                };
-                unassign = !retryable;
-            }
-            EventKind::Cancelled { .. } => {
-                job.state = JobState::Cancelled;
-                unassign = true;
-            }
-        }
-        // Keep one progress event while running (a resuming client needs the latest), none after.
-        if matches!(ev.event.kind, EventKind::Progress { .. })
-            && let Some(last) = job.history.last_mut()
-            && matches!(last.event.kind, EventKind::Progress { .. })
-        {
-            *last = ev;
-        } else {
-            job.history.push(ev);
-        }
-        let terminal = job.state.is_terminal();
-        if terminal {
-            job.history
-                .retain(|e| !matches!(e.event.kind, EventKind::Progress { .. }));
-            job.history.shrink_to_fit();
-        }
-        if let Some((w, lead)) = assign {
+        let change = entry.update(|job| job.apply(ev));
+        if let Some((w, lead)) = change.assign {
             self.worker_mut(&w).assign(id, lead);
         }
-        if unassign {
+        if change.unassign {
             self.unassign(id);
         }
-        if let Some((w, images)) = made {
+        if let Some((w, images)) = change.made {
             let now = Instant::now();
             let keys = self.worker_mut(&w);
             for index in 0..images as u32 {
@@ -260,22 +135,41 @@ impl Registry {
                 }
             }
         }
-        self.index_in(id);
-        if terminal {
+        if change.terminal {
             self.finish(id, at);
         }
-        if owe_cancel {
+        if change.owe_cancel {
             self.owed.insert(id);
         }
         true
     }
 
+    /// An event of a job not in memory. Only a failure can name a job never queued (a submission
+    /// too broken to queue); events of forgotten jobs change nothing.
+    fn apply_to_unknown(&mut self, ev: SequencedEvent) -> bool {
+        let EventKind::Failed {
+            failure, message, ..
+        } = &ev.event.kind
+        else {
+            return false;
+        };
+        let (id, at) = (ev.event.job_id, ev.event.at);
+        let mut record = JobRecord::new(id, JobState::Failed, ev.seq, at);
+        record.failure = Some(Failure {
+            kind: *failure,
+            message: message.clone(),
+        });
+        record.history.push(ev);
+        self.insert(record);
+        self.finished.push_back((at, id));
+        true
+    }
+
     /// A job reached its final state: its pipeline and the jobs waiting on it learn of it.
     fn finish(&mut self, id: JobId, at: DateTime<Utc>) {
-        self.active.remove(&id);
         let job = &self.jobs[&id];
         let completed = job.state == JobState::Completed;
-        let parent = job.parent.filter(|p| self.active.contains(p));
+        let parent = job.parent.filter(|p| self.jobs.is_active(p));
         if let Some(p) = parent {
             self.owed.insert(p);
         } else {
@@ -283,14 +177,12 @@ impl Registry {
             self.finished.push_back((at, id));
         }
         for waiting in self.dependents.remove(&id).unwrap_or_default() {
-            if !self.active.contains(&waiting) {
+            if !self.jobs.is_active(&waiting) {
                 continue;
             }
             if completed {
-                self.index_out(waiting);
-                let w = Arc::make_mut(self.jobs.get_mut(&waiting).expect("active jobs are known"));
-                w.local.unmet = w.local.unmet.saturating_sub(1);
-                self.index_in(waiting);
+                self.jobs
+                    .update(waiting, |w| w.local.unmet = w.local.unmet.saturating_sub(1));
             } else {
                 self.owed.insert(waiting);
             }
@@ -312,15 +204,13 @@ impl Registry {
     }
 
     fn forget(&mut self, id: JobId) {
-        let Some(job) = self.jobs.get(&id) else {
+        let Some(entry) = self.jobs.entry(id) else {
             return;
         };
-        if !job.state.is_terminal() {
+        if !entry.get().state.is_terminal() {
             return;
         }
-        let children = job.children.clone();
-        self.index_out(id);
-        let job = self.jobs.remove(&id).expect("checked above");
+        let job = entry.remove();
         if let Some(key) = job
             .submission
             .as_ref()
@@ -330,8 +220,131 @@ impl Registry {
             self.idempotency.remove(key);
         }
         self.dependents.remove(&id);
-        for child in children {
+        for &child in &job.children {
             self.forget(child);
         }
+    }
+}
+
+/// What an event did to a job that reaches beyond its record: the worker loads and held images
+/// the registry keeps, and the follow-ups it owes.
+#[derive(Default)]
+struct Change {
+    /// Dispatched to this worker, in the message this job names.
+    assign: Option<(WorkerId, JobId)>,
+    /// Off its worker (finished, failed for good or returned).
+    unassign: bool,
+    /// A generate completed on this worker with this many images: the worker holds them.
+    made: Option<(WorkerId, usize)>,
+    /// Cancelled while it was out and come back unrun: no worker has it now to report the cancel.
+    owe_cancel: bool,
+    /// It reached its final state.
+    terminal: bool,
+}
+
+impl JobRecord {
+    /// Applies one event of this job, not yet finished, to its record.
+    fn apply(&mut self, ev: SequencedEvent) -> Change {
+        let id = self.id;
+        let mut change = Change::default();
+        self.updated_at = ev.event.at;
+        match &ev.event.kind {
+            EventKind::Queued { .. } => unreachable!("handled by apply_queued"),
+            EventKind::Dispatched { worker, batch, .. } => {
+                if self.state == JobState::Queued {
+                    self.state = JobState::Dispatched;
+                }
+                self.local.dispatch_pending = false;
+                self.dispatches += 1;
+                self.worker = worker.clone();
+                self.batch = *batch;
+                change.assign = worker.clone().map(|w| (w, batch.unwrap_or(id)));
+            }
+            EventKind::Requeued { reason } => {
+                if reason == vnfarm_proto::event::YIELDED_REASON {
+                    // Asked back by the scheduler: that dispatch does not count towards the limit.
+                    self.dispatches = self.dispatches.saturating_sub(1);
+                }
+                self.state = JobState::Queued;
+                self.local.dispatch_pending = false;
+                self.worker = None;
+                self.progress = None;
+                change.unassign = true;
+                change.owe_cancel = self.local.cancel_requested;
+            }
+            EventKind::Started { worker, .. } => {
+                self.state = JobState::Running;
+                // Every run counts, on whichever worker: the message's own delivery count starts
+                // again at each dispatch.
+                self.attempts += 1;
+                self.worker = Some(worker.clone());
+                self.progress = None;
+            }
+            EventKind::Progress { step, total } => {
+                self.progress = Some(Progress {
+                    step: *step,
+                    total: *total,
+                });
+            }
+            EventKind::Completed {
+                outputs,
+                manifest,
+                worker,
+                ..
+            } => {
+                self.state = JobState::Completed;
+                self.outputs = outputs.clone();
+                self.manifest = Some(manifest.clone());
+                if worker.is_some() {
+                    self.worker = worker.clone();
+                }
+                change.unassign = true;
+                // Its worker holds the images it made: edits of them go there first.
+                if let Some(w) = worker
+                    && matches!(
+                        self.submission.as_ref().map(|s| &s.job),
+                        Some(JobSpec::Generate(_))
+                    )
+                {
+                    change.made = Some((w.clone(), outputs.len()));
+                }
+            }
+            EventKind::Failed {
+                failure,
+                message,
+                retryable,
+            } => {
+                self.failure = Some(Failure {
+                    kind: *failure,
+                    message: message.clone(),
+                });
+                self.state = if *retryable {
+                    JobState::Retrying
+                } else {
+                    JobState::Failed
+                };
+                change.unassign = !retryable;
+            }
+            EventKind::Cancelled { .. } => {
+                self.state = JobState::Cancelled;
+                change.unassign = true;
+            }
+        }
+        // Keep one progress event while running (a resuming client needs the latest), none after.
+        if matches!(ev.event.kind, EventKind::Progress { .. })
+            && let Some(last) = self.history.last_mut()
+            && matches!(last.event.kind, EventKind::Progress { .. })
+        {
+            *last = ev;
+        } else {
+            self.history.push(ev);
+        }
+        change.terminal = self.state.is_terminal();
+        if change.terminal {
+            self.history
+                .retain(|e| !matches!(e.event.kind, EventKind::Progress { .. }));
+            self.history.shrink_to_fit();
+        }
+        change
     }
 }

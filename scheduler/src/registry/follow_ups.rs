@@ -21,7 +21,7 @@ impl Registry {
     /// were lost with its connection), recounts worker loads from the job states, and owes every
     /// unfinished job a follow-up check. O(jobs), once per takeover.
     pub fn begin_term(&mut self) {
-        let active: Vec<JobId> = self.active.iter().copied().collect();
+        let active: Vec<JobId> = self.jobs.active().iter().copied().collect();
         for w in self.workers.values_mut() {
             w.clear_assignments();
         }
@@ -140,8 +140,11 @@ impl Registry {
 
     /// A follow-up could not be published: owe it again.
     pub fn follow_up_failed(&mut self, id: JobId) {
-        if self.jobs.contains_key(&id) {
-            self.set_local(id, |l| l.finishing = false);
+        if self
+            .jobs
+            .update(id, |j| j.local.finishing = false)
+            .is_some()
+        {
             self.owed.insert(id);
         }
     }
@@ -151,7 +154,8 @@ impl Registry {
     pub fn stale_dispatches(&mut self, now: DateTime<Utc>, threshold: Duration) -> Vec<JobId> {
         let threshold = chrono::Duration::from_std(threshold).unwrap_or(chrono::Duration::MAX);
         let stale: Vec<JobId> = self
-            .awaiting_start
+            .jobs
+            .awaiting_start()
             .iter()
             .filter(|id| now - self.jobs[id].updated_at > threshold)
             .copied()

@@ -166,7 +166,7 @@ impl Registry {
         if config.policy == Policy::Affinity && config.max_batch > 1 {
             plan.yields = self.plan_yields(heartbeat_timeout);
         }
-        if let Some(&(until, _)) = self.holds.first() {
+        if let Some(&(until, _)) = self.jobs.holds().first() {
             plan.wake(until);
         }
         plan
@@ -180,7 +180,7 @@ impl Registry {
     /// move); at most one yield is outstanding per waiting interactive job.
     fn plan_yields(&mut self, timeout: Duration) -> Vec<Yield> {
         let mut yields = Vec::new();
-        for (route, ready) in &self.ready {
+        for (route, ready) in self.jobs.ready() {
             let waiting = ready.iter().take_while(|(rank, _)| *rank == 0).count();
             if waiting == 0 || self.workers.values().any(|w| w.can_take(route, timeout)) {
                 continue;
@@ -239,7 +239,7 @@ impl Registry {
 
     /// Held jobs whose wait is over go back to the ready index, not to be held again.
     fn release_holds(&mut self, now: Instant) {
-        while let Some(&(until, id)) = self.holds.first() {
+        while let Some(&(until, id)) = self.jobs.holds().first() {
             if until > now {
                 break;
             }
@@ -258,7 +258,7 @@ impl Registry {
             return false;
         }
         // A job whose holder is free waits only for its coalescing window: not released.
-        let found = self.holds.iter().map(|&(_, id)| id).find(|id| {
+        let found = self.jobs.holds().iter().map(|&(_, id)| id).find(|id| {
             let job = &self.jobs[id];
             let Some(route) = job.route() else {
                 return false;
@@ -289,7 +289,7 @@ impl Registry {
     /// batch work was among the candidates (for starvation freedom).
     fn next_head(&self, timeout: Duration) -> Option<(JobId, Route, bool)> {
         let mut candidates: Vec<((u8, JobId), &Route)> = Vec::new();
-        for (route, ready) in &self.ready {
+        for (route, ready) in self.jobs.ready() {
             let heads = [
                 ready.first().filter(|(rank, _)| *rank == 0),
                 ready.range((1, JobId(uuid::Uuid::nil()))..).next(),
@@ -327,7 +327,7 @@ impl Registry {
         free.sort_by_key(|w| (w.load(), w.id.clone()));
         for w in free {
             for key in w.keys.keys() {
-                let Some(group) = self.groups.get(key) else {
+                let Some(group) = self.jobs.group(key) else {
                     continue;
                 };
                 let Some(&(_, first)) = group.first() else {
@@ -346,7 +346,7 @@ impl Registry {
                     continue;
                 }
                 let max = config.max_batch.min(w.max_batch()) as usize;
-                let since = self.waiting_since.get(&first).copied().unwrap_or(now);
+                let since = self.jobs.waiting_since(&first).unwrap_or(now);
                 if group.len() < max && since + window > now {
                     plan.wake(since + window);
                     continue;
@@ -363,7 +363,7 @@ impl Registry {
 
     /// Whether an interactive job waits in the ready index for a route this worker serves.
     fn interactive_waits_for(&self, w: &WorkerRecord, timeout: Duration) -> bool {
-        self.ready.iter().any(|(route, ready)| {
+        self.jobs.ready().iter().any(|(route, ready)| {
             ready.first().is_some_and(|(rank, _)| *rank == 0) && w.serves(route, timeout)
         })
     }
@@ -413,7 +413,7 @@ impl Registry {
                 let Some(key) = job.group_key() else {
                     return single(fallback, Decision::LeastLoaded);
                 };
-                let group_len = self.groups.get(&key).map_or(1, |g| g.len());
+                let group_len = self.jobs.group(&key).map_or(1, |g| g.len());
                 let (worker, decision) = if route.model == ModelFamily::QwenEdit {
                     let holders: Vec<&WorkerRecord> = self
                         .workers
@@ -436,7 +436,7 @@ impl Registry {
                         // wait for it.
                         (w.id.clone(), Decision::AffinityHit)
                     } else if balanced && !hot && !interactive && !job.local.hold_expired {
-                        let since = self.waiting_since.get(&id).copied().unwrap_or(now);
+                        let since = self.jobs.waiting_since(&id).unwrap_or(now);
                         let until = since + Duration::from_millis(config.affinity_wait_ms);
                         return Placement::Hold(until.max(now + Duration::from_millis(1)));
                     } else {
@@ -466,7 +466,7 @@ impl Registry {
                     .min(self.workers[&worker].max_batch())
                     .max(1) as usize;
                 let mut jobs = vec![id];
-                if let Some(group) = self.groups.get(&key) {
+                if let Some(group) = self.jobs.group(&key) {
                     let lead_rank = self.jobs[&id].rank().0;
                     jobs.extend(
                         companions(group, lead_rank)
@@ -526,12 +526,13 @@ impl Registry {
     /// Undoes a planned dispatch that could not be published.
     pub fn dispatch_failed(&mut self, job: JobId, worker: &WorkerId) {
         self.worker_mut(worker).unassign(job);
-        if self.jobs.contains_key(&job) {
-            self.set_local(job, |l| l.dispatch_pending = false);
-            // Cancelled while its dispatch was pending: nobody else will report it.
-            if self.jobs[&job].local.cancel_requested {
-                self.owed.insert(job);
-            }
+        let cancelled = self.jobs.update(job, |j| {
+            j.local.dispatch_pending = false;
+            j.local.cancel_requested
+        });
+        // Cancelled while its dispatch was pending: nobody else will report it.
+        if cancelled == Some(true) {
+            self.owed.insert(job);
         }
     }
 }

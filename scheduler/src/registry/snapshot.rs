@@ -80,7 +80,7 @@ impl Registry {
         SnapshotView {
             next_offset: self.next_offset,
             latest: self.latest,
-            jobs: self.jobs.values().cloned().collect(),
+            jobs: self.jobs.shared(),
             finished: self.finished.clone(),
         }
     }
