@@ -23,7 +23,7 @@
 //!   not kept.
 //! - The first `queued` event with an idempotency key (or a job id) wins: a later one is a duplicate
 //!   and creates nothing, so a key makes one job however many schedulers accept it at once.
-//! - A pipeline is one `queued` event: its jobs are derived from it ([`crate::intake::pipeline_jobs`]),
+//! - A pipeline is one `queued` event: its jobs are derived from it ([`vnfarm_proto::pipeline_jobs`]),
 //!   so a pipeline is either wholly known or not at all.
 //! - A job is dispatched at most once at a time: `dispatch_pending` is set when the scheduler decides
 //!   and cleared when the `dispatched` event comes back. A worker's load counts jobs from the moment

@@ -57,7 +57,7 @@ impl Registry {
             tracing::info!(job_id = %id, first = %first, "duplicate submission of an idempotency key ignored");
             return false;
         }
-        let derived = crate::intake::pipeline_jobs(&submission, &children);
+        let derived = vnfarm_proto::pipeline_jobs(&submission, &children);
         let at = ev.event.at;
         let mut record = JobRecord::new(id, JobState::Queued, ev.seq, at);
         if let Some(key) = &submission.idempotency_key {
