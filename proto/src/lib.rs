@@ -8,6 +8,7 @@
 //! - [`work`]: what the scheduler hands a worker over RabbitMQ, and what a worker says in its heartbeat.
 //! - [`event`]: job state changes, as published to the event exchange and kept in the event stream.
 //! - [`manifest`]: the `manifest.json` written beside every job's outputs.
+//! - [`http`]: the HTTP API's contract: the job view and states, the worker view, the error body.
 //! - [`topology`]: exchange, queue and routing-key names, and the object keys of results.
 //! - [`decode`]: strict decoding of untrusted JSON, with the path of the offending field in the error.
 //!
@@ -16,6 +17,7 @@
 
 pub mod decode;
 pub mod event;
+pub mod http;
 pub mod ids;
 pub mod manifest;
 pub mod pipeline;

@@ -39,9 +39,9 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
-use serde::Serialize;
 use vnfarm_proto::event::SequencedEvent;
-use vnfarm_proto::{Heartbeat, JobId, ModelFamily, Priority, Submission, WorkerId};
+use vnfarm_proto::http::JobState;
+use vnfarm_proto::{Heartbeat, JobId, ModelFamily, Priority, WorkerId};
 
 mod apply;
 mod follow_ups;
@@ -56,7 +56,7 @@ use store::Jobs;
 
 pub use follow_ups::CancelRefusal;
 pub use plan::{Decision, Dispatch, Plan, Yield};
-pub use record::{Failure, JobRecord, JobState, Progress};
+pub use record::JobRecord;
 pub use snapshot::{Snapshot, SnapshotView};
 pub use workers::{Route, WorkerRecord};
 
@@ -82,32 +82,29 @@ impl Default for Retention {
         }
     }
 }
-/// A job as the HTTP API shows it.
-#[derive(Debug, Serialize, schemars::JsonSchema)]
-pub struct JobView<'a> {
-    pub id: JobId,
-    pub kind: &'static str,
-    pub state: JobState,
-    pub priority: Priority,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub parent: Option<JobId>,
-    #[serde(skip_serializing_if = "<[_]>::is_empty")]
-    pub children: &'a [JobId],
-    pub created_at: DateTime<Utc>,
-    pub updated_at: DateTime<Utc>,
-    pub worker: Option<&'a WorkerId>,
-    pub dispatches: u32,
-    /// Runs started, on any worker.
-    pub attempts: u32,
-    pub progress: Option<&'a Progress>,
-    pub outputs: &'a [String],
-    pub manifest: Option<&'a str>,
-    pub failure: Option<&'a Failure>,
-    /// Why a job that is not finished is not moving, in words.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub waiting_for: Option<String>,
-    pub submission: Option<&'a Submission>,
+
+/// Why an unfinished job is not moving: the facts the API puts in words.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Blocker {
+    /// A worker failed it transiently; it runs again.
+    Retrying,
+    /// Sent to a worker (the one named, when the event named one) that has not started it.
+    Starting(Option<WorkerId>),
+    /// A pipeline, waiting for its jobs to finish.
+    PipelineJobs,
+    Cancelling,
+    BeingDispatched,
+    /// Its input jobs that have not completed.
+    Inputs(Vec<JobId>),
+    /// No live worker serves its route; it runs when one does.
+    NoWorker(Route),
+    /// Held for these busy workers, which hold its input's encodings (for a while, then any
+    /// worker).
+    Holders(Vec<WorkerId>),
+    /// A free slot of a worker that serves it.
+    FreeSlot,
 }
+
 #[derive(Default)]
 pub struct Registry {
     retention: Retention,
@@ -196,87 +193,48 @@ impl Registry {
         self.jobs.backlog(model, priority)
     }
 
-    pub fn view<'a>(&'a self, job: &'a JobRecord, heartbeat_timeout: Duration) -> JobView<'a> {
-        JobView {
-            id: job.id,
-            kind: job.kind(),
-            state: job.state,
-            priority: job.priority(),
-            parent: job.parent,
-            children: &job.children,
-            created_at: job.created_at,
-            updated_at: job.updated_at,
-            worker: job.worker.as_ref(),
-            dispatches: job.dispatches,
-            attempts: job.attempts,
-            progress: job.progress.as_ref(),
-            outputs: &job.outputs,
-            manifest: job.manifest.as_deref(),
-            failure: job.failure.as_ref(),
-            waiting_for: self.waiting_for(job, heartbeat_timeout),
-            submission: job.submission.as_ref(),
-        }
-    }
-
-    /// Why an unfinished job is where it is.
-    fn waiting_for(&self, job: &JobRecord, timeout: Duration) -> Option<String> {
+    /// Why an unfinished job is where it is (`None` for a finished or running one).
+    pub fn blocker(&self, job: &JobRecord, timeout: Duration) -> Option<Blocker> {
         match job.state {
             JobState::Completed | JobState::Failed | JobState::Cancelled => None,
-            JobState::Running => None,
-            JobState::Retrying => Some(format!(
-                "a transient failure ({}); it runs again",
-                job.failure.as_ref().map_or("", |f| f.message.as_str())
-            )),
-            JobState::Dispatched => Some(match &job.worker {
-                Some(w) => format!("sent to worker {w}; waiting for it to start"),
-                None => "sent to a worker; waiting for it to start".into(),
-            }),
-            JobState::Queued if job.is_pipeline() => Some("its pipeline's jobs to finish".into()),
-            JobState::Queued if job.local.cancel_requested => Some("cancelling".into()),
-            JobState::Queued if job.local.dispatch_pending => Some("being dispatched".into()),
-            JobState::Queued if job.local.unmet > 0 => {
-                let inputs: Vec<String> = job
-                    .dependencies()
+            JobState::Running | JobState::Unknown => None,
+            JobState::Retrying => Some(Blocker::Retrying),
+            JobState::Dispatched => Some(Blocker::Starting(job.worker.clone())),
+            JobState::Queued if job.is_pipeline() => Some(Blocker::PipelineJobs),
+            JobState::Queued if job.local.cancel_requested => Some(Blocker::Cancelling),
+            JobState::Queued if job.local.dispatch_pending => Some(Blocker::BeingDispatched),
+            JobState::Queued if job.local.unmet > 0 => Some(Blocker::Inputs(
+                job.dependencies()
                     .into_iter()
                     .filter(|d| {
                         self.jobs
                             .get(d)
                             .is_some_and(|j| j.state != JobState::Completed)
                     })
-                    .map(|d| d.to_string())
-                    .collect();
-                Some(format!("input job {} to complete", inputs.join(", ")))
-            }
+                    .collect(),
+            )),
             JobState::Queued => {
                 let route = job.route()?;
                 if !self.workers.values().any(|w| w.serves(&route, timeout)) {
-                    return Some(format!(
-                        "no live worker serves {route}; it runs when one does"
-                    ));
+                    return Some(Blocker::NoWorker(route));
                 }
                 if job.local.hold_until.is_some() {
-                    let holders: Vec<String> = job
+                    let holders = job
                         .group_key()
                         .map(|key| {
                             self.workers
                                 .values()
                                 .filter(|w| w.holds(&key))
-                                .map(|w| w.id().to_string())
+                                .map(|w| w.id().clone())
                                 .collect()
                         })
                         .unwrap_or_default();
-                    return Some(format!(
-                        "worker {} to free a slot: it holds this input's encodings (for a \
-                         while, then any worker)",
-                        holders.join(" or ")
-                    ));
+                    return Some(Blocker::Holders(holders));
                 }
-                Some("a free worker slot".into())
+                Some(Blocker::FreeSlot)
             }
         }
     }
-
-    // ----- workers -----
 
     /// Changes a job's local decision flags (through the store, which keeps the indexes right).
     fn set_local(&mut self, id: JobId, f: impl FnOnce(&mut Local)) {
@@ -305,7 +263,7 @@ impl Registry {
 mod tests {
     use super::*;
     use crate::config::{DispatchConfig, Policy};
-    use vnfarm_proto::{Event, EventKind, FailureKind, ImageRef, JobSpec, WorkerState};
+    use vnfarm_proto::{Event, EventKind, FailureKind, ImageRef, JobSpec, Submission, WorkerState};
 
     impl Registry {
         /// One job per message to the least-loaded worker, as (job, worker) pairs.
@@ -601,11 +559,9 @@ mod tests {
         );
         s.dispatched(&mut r, &plan.dispatches[0]);
         assert!(plan.wake_at.is_some_and(|w| w > later(500)));
-        let view = r.view(r.job(edit).unwrap(), T);
-        assert!(
-            view.waiting_for.as_deref().unwrap().contains("worker a"),
-            "{:?}",
-            view.waiting_for
+        assert_eq!(
+            r.blocker(r.job(edit).unwrap(), T),
+            Some(Blocker::Holders(vec![wid("a")]))
         );
         // Past `affinity_wait_ms` a newly free worker takes it before younger work.
         let younger = s.queue(&mut r, generate());
@@ -787,10 +743,12 @@ mod tests {
             };
             assert!(r.plan_dispatch(&config, later(0), T).dispatches.is_empty());
         }
-        let view = r.view(r.job(job).unwrap(), T);
         assert_eq!(
-            view.waiting_for.as_deref(),
-            Some("no live worker serves sdxl checkpoint novaAnimeXL; it runs when one does")
+            r.blocker(r.job(job).unwrap(), T),
+            Some(Blocker::NoWorker(Route {
+                model: ModelFamily::Sdxl,
+                checkpoint: Some("novaAnimeXL".into()),
+            }))
         );
         r.heartbeat(Heartbeat {
             checkpoints: vec!["novaAnimeXL".into()],
@@ -1020,7 +978,7 @@ mod tests {
             ));
         }
         let job = r.job(id).unwrap();
-        assert_eq!(r.view(job, T).attempts, 2);
+        assert_eq!(job.attempts(), 2);
     }
 
     #[test]

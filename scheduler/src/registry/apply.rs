@@ -5,9 +5,10 @@ use std::time::Instant;
 
 use chrono::{DateTime, Utc};
 use vnfarm_proto::event::SequencedEvent;
+use vnfarm_proto::http::{Failure, JobState, Progress};
 use vnfarm_proto::{EventKind, ImageRef, JobId, JobSpec, WorkerId};
 
-use super::record::{Failure, JobRecord, JobState, Progress};
+use super::record::JobRecord;
 use super::{RECENT_EVENTS, Registry};
 
 impl Registry {

@@ -5,10 +5,11 @@
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use vnfarm_proto::http::JobState;
 use vnfarm_proto::{EventKind, FailureKind, JobId};
 
 use super::Registry;
-use super::record::{JobRecord, JobState};
+use super::record::JobRecord;
 
 /// Why a cancellation was refused.
 #[derive(Debug)]

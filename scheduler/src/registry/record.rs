@@ -6,72 +6,13 @@ use std::time::Instant;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use vnfarm_proto::event::SequencedEvent;
+use vnfarm_proto::http::{Failure, JobState, Progress};
 use vnfarm_proto::{
-    Event, EventKind, FailureKind, ImageRef, JobId, JobSpec, ModelFamily, Priority, Submission,
-    WorkerId,
+    Event, EventKind, ImageRef, JobId, JobSpec, ModelFamily, Priority, Submission, WorkerId,
 };
 
 use super::Route;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
-#[serde(rename_all = "snake_case")]
-pub enum JobState {
-    Queued,
-    Dispatched,
-    Running,
-    /// A worker failed it transiently; it will run again.
-    Retrying,
-    Completed,
-    Failed,
-    Cancelled,
-}
-
-impl JobState {
-    pub const ALL: [JobState; 7] = [
-        JobState::Queued,
-        JobState::Dispatched,
-        JobState::Running,
-        JobState::Retrying,
-        JobState::Completed,
-        JobState::Failed,
-        JobState::Cancelled,
-    ];
-
-    pub fn is_terminal(self) -> bool {
-        matches!(
-            self,
-            JobState::Completed | JobState::Failed | JobState::Cancelled
-        )
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            JobState::Queued => "queued",
-            JobState::Dispatched => "dispatched",
-            JobState::Running => "running",
-            JobState::Retrying => "retrying",
-            JobState::Completed => "completed",
-            JobState::Failed => "failed",
-            JobState::Cancelled => "cancelled",
-        }
-    }
-
-    pub fn parse(s: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|st| st.as_str() == s)
-    }
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize, schemars::JsonSchema)]
-pub struct Failure {
-    pub kind: FailureKind,
-    pub message: String,
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize, schemars::JsonSchema)]
-pub struct Progress {
-    pub step: u32,
-    pub total: u32,
-}
 /// Decisions taken locally and not yet confirmed by the stream. Not part of a snapshot.
 #[derive(Clone, Debug, Default)]
 pub(super) struct Local {
@@ -166,8 +107,38 @@ impl JobRecord {
         self.created_at
     }
 
+    pub fn updated_at(&self) -> DateTime<Utc> {
+        self.updated_at
+    }
+
+    /// The worker it was last sent to or ran on.
+    pub fn worker(&self) -> Option<&WorkerId> {
+        self.worker.as_ref()
+    }
+
     pub fn dispatches(&self) -> u32 {
         self.dispatches
+    }
+
+    /// Runs started, on any worker.
+    pub fn attempts(&self) -> u32 {
+        self.attempts
+    }
+
+    pub fn progress(&self) -> Option<&Progress> {
+        self.progress.as_ref()
+    }
+
+    pub fn outputs(&self) -> &[String] {
+        &self.outputs
+    }
+
+    pub fn manifest(&self) -> Option<&str> {
+        self.manifest.as_deref()
+    }
+
+    pub fn failure(&self) -> Option<&Failure> {
+        self.failure.as_ref()
     }
 
     pub fn kind(&self) -> &'static str {

@@ -14,10 +14,11 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Instant;
 
+use vnfarm_proto::http::JobState;
 use vnfarm_proto::{JobId, ModelFamily, Priority};
 
 use super::Route;
-use super::record::{JobRecord, JobState};
+use super::record::JobRecord;
 
 /// The jobs in memory and their indexes.
 #[derive(Default)]
