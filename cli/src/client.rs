@@ -1,4 +1,5 @@
-//! The scheduler's HTTP API as the command line uses it, and the job and worker shapes it reads back.
+//! The scheduler's HTTP API as the command line uses it; the job and worker views it reads back are
+//! `vnfarm_proto::http`'s.
 //!
 //! Every request carries the bearer token when one is set. A non-2xx answer becomes an
 //! [`ApiError::Api`] holding the scheduler's `{"error": {"field", "message"}}`, and a connection that
@@ -10,7 +11,8 @@ use std::time::Duration;
 use reqwest::{Method, RequestBuilder, Response, StatusCode};
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
-use vnfarm_proto::{Heartbeat, JobId, Submission, WorkerId};
+use vnfarm_proto::http::{ErrorBody, Fleet, JobView, Submitted, Worker};
+use vnfarm_proto::{JobId, Submission};
 
 /// How long a plain request (not an event stream) may take, downloads included.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(300);
@@ -67,17 +69,6 @@ fn root_cause(e: &(dyn std::error::Error + 'static)) -> String {
         cause = next;
     }
     cause.to_string()
-}
-
-#[derive(Deserialize)]
-struct ErrorBody {
-    error: ErrorDetail,
-}
-
-#[derive(Deserialize)]
-struct ErrorDetail {
-    field: String,
-    message: String,
 }
 
 #[derive(Clone, Debug)]
@@ -146,17 +137,13 @@ impl Api {
     }
 
     pub async fn submit(&self, submission: &Submission) -> Result<JobId, ApiError> {
-        #[derive(Deserialize)]
-        struct Accepted {
-            job_id: JobId,
-        }
-        let accepted: Accepted = self
+        let accepted: Submitted = self
             .json(self.request(Method::POST, "/v1/jobs").json(submission))
             .await?;
         Ok(accepted.job_id)
     }
 
-    pub async fn job(&self, id: JobId) -> Result<Job, ApiError> {
+    pub async fn job(&self, id: JobId) -> Result<JobView, ApiError> {
         self.json(self.request(Method::GET, &format!("/v1/jobs/{id}")))
             .await
     }
@@ -167,10 +154,11 @@ impl Api {
             .await
     }
 
-    pub async fn jobs(&self, query: &[(&str, String)]) -> Result<Vec<Job>, ApiError> {
+    pub async fn jobs(&self, query: &[(&str, String)]) -> Result<Vec<JobView>, ApiError> {
+        /// `GET /v1/jobs`, read as views (the image links beside each are for browsers).
         #[derive(Deserialize)]
         struct Jobs {
-            jobs: Vec<Job>,
+            jobs: Vec<JobView>,
         }
         let jobs: Jobs = self
             .json(self.request(Method::GET, "/v1/jobs").query(query))
@@ -198,12 +186,8 @@ impl Api {
     }
 
     pub async fn workers(&self) -> Result<Vec<Worker>, ApiError> {
-        #[derive(Deserialize)]
-        struct Workers {
-            workers: Vec<Worker>,
-        }
-        let workers: Workers = self.json(self.request(Method::GET, "/v1/workers")).await?;
-        Ok(workers.workers)
+        let fleet: Fleet = self.json(self.request(Method::GET, "/v1/workers")).await?;
+        Ok(fleet.workers)
     }
 
     /// Opens a job's event stream, resuming after `last_event_id` when given. No timeout: the
@@ -221,92 +205,4 @@ impl Api {
         }
         self.send(request).await
     }
-}
-
-/// A job as `GET /v1/jobs/{id}` shows it (the scheduler's `JobView`), reduced to what the command
-/// line reads. Unknown fields are ignored so that a newer scheduler still works.
-#[derive(Clone, Debug, Deserialize)]
-pub struct Job {
-    pub id: JobId,
-    pub kind: String,
-    pub state: JobState,
-    #[serde(default)]
-    pub children: Vec<JobId>,
-    pub created_at: String,
-    #[serde(default)]
-    pub progress: Option<Progress>,
-    #[serde(default)]
-    pub outputs: Vec<String>,
-    #[serde(default)]
-    pub failure: Option<Failure>,
-}
-
-impl Job {
-    pub fn is_pipeline(&self) -> bool {
-        self.kind == "pipeline"
-    }
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum JobState {
-    Queued,
-    Dispatched,
-    Running,
-    Retrying,
-    Completed,
-    Failed,
-    Cancelled,
-    /// A state this build does not know; treated as unfinished.
-    #[serde(other)]
-    Unknown,
-}
-
-impl JobState {
-    pub fn is_terminal(self) -> bool {
-        match self {
-            JobState::Completed | JobState::Failed | JobState::Cancelled => true,
-            JobState::Queued
-            | JobState::Dispatched
-            | JobState::Running
-            | JobState::Retrying
-            | JobState::Unknown => false,
-        }
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            JobState::Queued => "queued",
-            JobState::Dispatched => "dispatched",
-            JobState::Running => "running",
-            JobState::Retrying => "retrying",
-            JobState::Completed => "completed",
-            JobState::Failed => "failed",
-            JobState::Cancelled => "cancelled",
-            JobState::Unknown => "unknown",
-        }
-    }
-}
-
-#[derive(Clone, Debug, Deserialize)]
-pub struct Progress {
-    pub step: u32,
-    pub total: u32,
-}
-
-#[derive(Clone, Debug, Deserialize)]
-pub struct Failure {
-    pub kind: String,
-    pub message: String,
-}
-
-/// One entry of `GET /v1/workers`.
-#[derive(Clone, Debug, Deserialize)]
-pub struct Worker {
-    pub id: WorkerId,
-    pub alive: bool,
-    #[serde(default)]
-    pub assigned: Vec<JobId>,
-    pub heartbeat: Option<Heartbeat>,
-    pub seconds_since_heartbeat: Option<f64>,
 }

@@ -68,7 +68,7 @@ async fn list(api: &Api, args: &ListArgs) -> anyhow::Result<()> {
             j.id.to_string(),
             j.kind.clone(),
             j.state.as_str().to_owned(),
-            short_time(&j.created_at).to_owned(),
+            j.created_at.format("%Y-%m-%dT%H:%M:%S").to_string(),
             j.outputs.len().to_string(),
         ]
     });
@@ -146,11 +146,6 @@ fn worker_state(state: WorkerState) -> &'static str {
         WorkerState::Ready => "ready",
         WorkerState::Draining => "draining",
     }
-}
-
-/// `2026-01-02T03:04:05.123Z` → `2026-01-02T03:04:05`.
-fn short_time(rfc3339: &str) -> &str {
-    rfc3339.get(..19).unwrap_or(rfc3339)
 }
 
 /// Left-aligned columns, two spaces apart.

@@ -8,7 +8,9 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context as _, bail};
 use vnfarm_proto::JobId;
 
-use crate::client::{Api, Job, JobState};
+use vnfarm_proto::http::{JobState, JobView};
+
+use crate::client::Api;
 
 /// Downloads every output of `id` (of each of its jobs, for a pipeline) under `out`; prints each path.
 pub async fn fetch(api: &Api, id: JobId, out: &Path) -> anyhow::Result<()> {
@@ -47,7 +49,7 @@ pub async fn fetch(api: &Api, id: JobId, out: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn save_outputs(api: &Api, job: &Job, dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
+async fn save_outputs(api: &Api, job: &JobView, dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
     tokio::fs::create_dir_all(dir)
         .await
         .with_context(|| format!("creating {}", dir.display()))?;

@@ -13,7 +13,9 @@ use futures::StreamExt as _;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use vnfarm_proto::{EventKind, JobId, SequencedEvent};
 
-use crate::client::{Api, ApiError, Job, JobState};
+use vnfarm_proto::http::{JobState, JobView};
+
+use crate::client::{Api, ApiError};
 use crate::sse::SseParser;
 
 /// How often a pipeline is polled.
@@ -210,7 +212,7 @@ fn print_outputs(outputs: &[String]) {
     }
 }
 
-async fn watch_pipeline(api: &Api, pipeline: Job) -> anyhow::Result<Outcome> {
+async fn watch_pipeline(api: &Api, pipeline: JobView) -> anyhow::Result<Outcome> {
     let id = pipeline.id;
     let total = pipeline.children.len();
     eprintln!("pipeline {id}: {total} jobs");
@@ -269,7 +271,7 @@ async fn poll_pipeline(
     id: JobId,
     done: &mut HashSet<JobId>,
     bar: &ProgressBar,
-) -> Result<Job, ApiError> {
+) -> Result<JobView, ApiError> {
     let pipeline = api.job(id).await?;
     let mut running = Vec::new();
     for (i, child_id) in pipeline.children.iter().enumerate() {
@@ -303,9 +305,9 @@ async fn poll_pipeline(
     Ok(pipeline)
 }
 
-fn failure_text(job: &Job) -> String {
+fn failure_text(job: &JobView) -> String {
     match &job.failure {
-        Some(f) => format!("{}: {}", f.kind, f.message),
+        Some(f) => format!("{}: {}", f.kind.as_str(), f.message),
         None => job.state.as_str().to_owned(),
     }
 }

@@ -4,9 +4,11 @@
 //!
 //! - [`ids`]: job and worker identifiers, validated once at the edge.
 //! - [`spec`]: what a client submits (generate, edit, upscale, pipeline) and its validation (DESIGN §3).
+//! - [`pipeline`]: a pipeline's jobs, derived from its spec wherever its one `queued` event is read.
 //! - [`work`]: what the scheduler hands a worker over RabbitMQ, and what a worker says in its heartbeat.
 //! - [`event`]: job state changes, as published to the event exchange and kept in the event stream.
 //! - [`manifest`]: the `manifest.json` written beside every job's outputs.
+//! - [`http`]: the HTTP API's contract: the job view and states, the worker view, the error body.
 //! - [`topology`]: exchange, queue and routing-key names, and the object keys of results.
 //! - [`decode`]: strict decoding of untrusted JSON, with the path of the offending field in the error.
 //!
@@ -15,8 +17,10 @@
 
 pub mod decode;
 pub mod event;
+pub mod http;
 pub mod ids;
 pub mod manifest;
+pub mod pipeline;
 pub mod spec;
 pub mod topology;
 pub mod work;
@@ -25,6 +29,7 @@ pub use decode::{DecodeError, decode_json};
 pub use event::{Event, EventKind, FailureKind, SequencedEvent, StageTimings};
 pub use ids::{JobId, WorkerId};
 pub use manifest::{Manifest, ModelFile, ModelFileRole};
+pub use pipeline::{pipeline_jobs, pipeline_size};
 pub use spec::{
     EditSpec, GenerateSpec, ImageRef, JobSpec, LoraRef, ModelFamily, PipelineImage, PipelineSpec,
     Priority, Sampler, Submission, UpscaleSpec, ValidationError,

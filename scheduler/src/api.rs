@@ -44,6 +44,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{MethodRouter, get, post};
 use axum::{Json, Router};
 use tower_http::cors::{AllowOrigin, CorsLayer};
+use vnfarm_proto::http::{Fleet, Submitted};
 use vnfarm_proto::{JobId, MAX_MESSAGE_BYTES, SequencedEvent, Submission};
 
 use crate::config::Config;
@@ -205,18 +206,18 @@ pub fn operations(config: &Config) -> Vec<Operation> {
         Operation::new(M::POST, "/v1/jobs", "submit", "jobs", "Submit a job or a pipeline", post(jobs::submit))
             .describe("The body is a `Submission`, decoded strictly (unknown fields and schema versions are refused) and validated; a refusal names the field. A repeat of an idempotency key or job id answers 200 with the first job's id.")
             .body(Content::Json(schema::<Submission>), MAX_MESSAGE_BYTES)
-            .answers(201, "accepted; `Location` names the job", Content::Json(schema::<jobs::Submitted>))
-            .answers(200, "a repeat of a known idempotency key or job id", Content::Json(schema::<jobs::Submitted>))
+            .answers(201, "accepted; `Location` names the job", Content::Json(schema::<Submitted>))
+            .answers(200, "a repeat of a known idempotency key or job id", Content::Json(schema::<Submitted>))
             .error(413, "the body exceeds the submission limit (field `body`)")
             .error(422, "the submission does not decode or breaks a rule (field: its path)"),
         Operation::new(M::GET, "/v1/jobs", "list_jobs", "jobs", "List jobs, newest first", get(jobs::list_jobs))
             .query(schema::<jobs::ListQuery>)
-            .answers(200, "the jobs", Content::Json(schema::<jobs::JobList<'static>>))
+            .answers(200, "the jobs", Content::Json(schema::<jobs::JobList>))
             .error(400, "a query parameter is unknown or invalid (field: its name)"),
         Operation::new(M::GET, "/v1/jobs/{id}", "get_job", "jobs", "One job", get(jobs::get_job))
             .describe("A job the registry holds, or a completed one past its retention answered from its manifest (`archived`).")
             .param(job_id.0, job_id.1, job_id.2)
-            .answers(200, "the job", Content::Json(schema::<jobs::JobResource<'static>>))
+            .answers(200, "the job", Content::Json(schema::<jobs::JobResource>))
             .error(400, "`id` is not a job id")
             .error(404, "no such job"),
         Operation::new(M::POST, "/v1/jobs/{id}/cancel", "cancel_job", "jobs", "Cancel a job or a pipeline", post(jobs::cancel))
@@ -280,7 +281,7 @@ pub fn operations(config: &Config) -> Vec<Operation> {
             .error(422, "the stored object does not decode")
             .error(503, "storage is unavailable"),
         Operation::new(M::GET, "/v1/workers", "workers", "fleet", "The workers and their last heartbeat", get(fleet::workers))
-            .answers(200, "the fleet", Content::Json(schema::<fleet::Fleet>)),
+            .answers(200, "the fleet", Content::Json(schema::<Fleet>)),
         Operation::new(M::GET, "/v1/schema", "submission_schema", "meta", "JSON Schema of a submission", get(submission_schema))
             .without_registry()
             .answers(200, "the schema", Content::Json(schema::<serde_json::Value>)),

@@ -4,7 +4,7 @@
 //!
 //! Accepting is all or nothing: a job, or a whole pipeline, becomes known through exactly one
 //! `queued` event. A pipeline's event lists its jobs' ids, and their specs are derived from the
-//! pipeline's own spec by [`pipeline_jobs`] wherever the event is read, so a scheduler killed while
+//! pipeline's own spec by [`vnfarm_proto::pipeline_jobs`] wherever the event is read, so a scheduler killed while
 //! accepting leaves either nothing or the complete pipeline. Idempotency holds under concurrency
 //! because the stream decides: the first `queued` event with a key wins and later ones create
 //! nothing (`Registry::apply`); the caller learns which job its key names once its own event has
@@ -21,11 +21,11 @@ use tracing::Instrument;
 use vnfarm_bus::connect::Backoff;
 use vnfarm_bus::headers::{dead_letter_headers, delivery_count};
 use vnfarm_bus::publisher::PublishError;
-use vnfarm_proto::spec::{MAX_INLINE_IMAGE_BYTES, MAX_INPUT_SIDE, PipelineImage};
+use vnfarm_proto::spec::{MAX_INLINE_IMAGE_BYTES, MAX_INPUT_SIDE};
 use vnfarm_proto::topology::input_key;
 use vnfarm_proto::{
-    EditSpec, EventKind, FailureKind, GenerateSpec, ImageRef, JobId, JobSpec, MAX_MESSAGE_BYTES,
-    SCHEMA_VERSION, Submission, UpscaleSpec, ValidationError, decode_json,
+    EventKind, FailureKind, GenerateSpec, ImageRef, JobId, JobSpec, MAX_MESSAGE_BYTES, Submission,
+    UpscaleSpec, ValidationError, decode_json, pipeline_size,
 };
 
 use vnfarm_storage::StorageError;
@@ -481,81 +481,6 @@ pub enum Submitted {
         job_id: JobId,
         key: Option<String>,
     },
-}
-
-/// How many jobs a pipeline expands into (0 for any other job).
-fn pipeline_size(submission: &Submission) -> usize {
-    match &submission.job {
-        JobSpec::Pipeline(p) => 1 + p.edits.len() + p.upscales.len(),
-        JobSpec::Generate(_) | JobSpec::Edit(_) | JobSpec::Upscale(_) => 0,
-    }
-}
-
-/// The jobs of a pipeline with the given ids: its base generate, the edits of the base image, the
-/// upscales. Edits and upscales take their input from the job they depend on. `Some(vec![])` for a
-/// job that is not a pipeline (with no ids); `None` when the ids do not fit the spec.
-///
-/// Deterministic: the registry derives a pipeline's jobs from its one `queued` event with this, on
-/// every scheduler and on every replay.
-pub fn pipeline_jobs(submission: &Submission, ids: &[JobId]) -> Option<Vec<Submission>> {
-    if ids.len() != pipeline_size(submission) {
-        return None;
-    }
-    let JobSpec::Pipeline(p) = &submission.job else {
-        return Some(Vec::new());
-    };
-    let mut ids = ids.iter().copied();
-    let mut child = |job: JobSpec| Submission {
-        schema_version: SCHEMA_VERSION,
-        job_id: ids.next(),
-        idempotency_key: None,
-        priority: submission.priority,
-        deadline: submission.deadline,
-        job,
-    };
-    let base = child(JobSpec::Generate(p.base.clone()));
-    let base_id = base.job_id?;
-    let mut out = vec![base];
-    let mut edit_ids = Vec::new();
-    for e in &p.edits {
-        // Picture 1 is the base; the variants keep its size (floored to the model's multiple of 16),
-        // so a pipeline's images line up.
-        let inputs: Vec<ImageRef> = std::iter::once(ImageRef::JobOutput {
-            job: base_id,
-            index: 0,
-        })
-        .chain(e.references.iter().cloned())
-        .collect();
-        let edit = child(JobSpec::Edit(EditSpec {
-            input: None,
-            inputs,
-            width: Some(p.base.width / 16 * 16),
-            height: Some(p.base.height / 16 * 16),
-            instruction: e.instruction.clone(),
-            steps: e.steps,
-            cfg: e.cfg,
-            seed: e.seed,
-            loras: e.loras.clone(),
-        }));
-        edit_ids.push(edit.job_id?);
-        out.push(edit);
-    }
-    for u in &p.upscales {
-        let source = match u.of {
-            PipelineImage::Base => base_id,
-            PipelineImage::Edit(n) => *edit_ids.get(n)?,
-        };
-        out.push(child(JobSpec::Upscale(UpscaleSpec {
-            input: ImageRef::JobOutput {
-                job: source,
-                index: 0,
-            },
-            scale: u.scale,
-            tile: u.tile,
-            tile_overlap: u.tile_overlap,
-        })));
-    }
-    Some(out)
 }
 
 /// The stored images a job names, each with its field.

@@ -5,17 +5,21 @@
 //!
 //! - [`config`]: the typed configuration, validated before any I/O.
 //! - [`registry`]: jobs and workers as a projection of the event stream, with the indexes the
-//!   decisions use; encapsulated (changed only by applying events and by the decision methods).
-//! - [`intake`]: accepting a submission (inline images, the one `queued` event, pipeline
-//!   expansion, idempotency) and the intake-queue consumer.
-//! - [`dispatch`]: follow-ups, the dispatch policy and publishing, redispatch of returned jobs,
-//!   the watchdog.
-//! - [`leader`]: active and standby schedulers (the leader token).
+//!   decisions use; encapsulated (changed only by applying events and by the decision methods), a
+//!   job only through the one update function of `registry/store.rs`. The dispatch policy is
+//!   `registry/plan.rs`; terms, follow-ups and cancel `registry/follow_ups.rs`.
+//! - [`intake`]: accepting a submission (inline images, the one `queued` event, idempotency) and
+//!   handling one intake delivery; a pipeline's jobs are derived by [`vnfarm_proto::pipeline_jobs`].
+//! - [`dispatch`]: the dispatcher loop: publishing follow-ups and the policy's work messages,
+//!   redispatch of returned jobs, the watchdog.
+//! - [`leader`]: active and standby schedulers (the leader token), and the consumer loops only the
+//!   active one runs: intake, redispatch, the dead-letter watch.
 //! - [`snapshot`]: registry snapshots, so a restart replays only recent events.
 //! - [`scheduler`]: shared state and what every scheduler does: publish, apply, cancel, gauges.
 //! - [`session`]: one broker connection's life: load, replay, then read and lead concurrently.
 //! - [`api`]: the HTTP API, Server-Sent Events, uploads, signed image URLs, the OpenAPI document
-//!   and the web page (`web/`).
+//!   and the web page (`web/`); it encodes the contract types of [`vnfarm_proto::http`], a job's
+//!   view built in `api/jobs.rs`.
 //! - [`images`]: input images verified by decoding within limits; thumbnails.
 //! - [`metrics`]: Prometheus metrics.
 //!

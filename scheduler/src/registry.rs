@@ -4,14 +4,27 @@
 //! Encapsulated: every field is private. Job state changes only through [`Registry::apply`] of an
 //! event from the stream, in stream order; the local decision flags change only through the
 //! decision methods ([`Registry::plan_dispatch`], [`Registry::take_follow_ups`],
-//! [`Registry::request_cancel`], ...). Readers get views.
+//! [`Registry::request_cancel`], ...). Readers get views. A stored job changes only through the
+//! store's one update function (`store::Jobs::update`), which keeps every index right, so no
+//! change can forget one.
+//!
+//! # Layout
+//!
+//! - `record.rs`: the job record, its state and the local decision flags.
+//! - `store.rs`: the records and the indexes the decisions use, behind the one update function.
+//! - `apply.rs`: event application, in stream order; retention.
+//! - `follow_ups.rs`: terms, the follow-up events the active scheduler owes, stale dispatches,
+//!   cancellation.
+//! - `plan.rs`: the dispatch policy, with its tests. `workers.rs`: the worker records.
+//! - `testing.rs` (tests only): submissions, heartbeats and an event stream the tests share.
+//! - `snapshot.rs`: the durable part, as a snapshot writes and reads it.
 //!
 //! Invariants:
 //! - The first terminal event of a job wins; later events of a finished job change nothing and are
 //!   not kept.
 //! - The first `queued` event with an idempotency key (or a job id) wins: a later one is a duplicate
 //!   and creates nothing, so a key makes one job however many schedulers accept it at once.
-//! - A pipeline is one `queued` event: its jobs are derived from it ([`crate::intake::pipeline_jobs`]),
+//! - A pipeline is one `queued` event: its jobs are derived from it ([`vnfarm_proto::pipeline_jobs`]),
 //!   so a pipeline is either wholly known or not at all.
 //! - A job is dispatched at most once at a time: `dispatch_pending` is set when the scheduler decides
 //!   and cleared when the `dispatched` event comes back. A worker's load counts jobs from the moment
@@ -24,87 +37,36 @@
 //!   forget the same jobs.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
-use serde::{Deserialize, Serialize};
 use vnfarm_proto::event::SequencedEvent;
-use vnfarm_proto::{
-    Event, EventKind, FailureKind, Heartbeat, ImageRef, JobId, JobSpec, ModelFamily, Priority,
-    Submission, WorkerId,
-};
+use vnfarm_proto::http::JobState;
+use vnfarm_proto::{Heartbeat, JobId, ModelFamily, Priority, WorkerId};
 
+mod apply;
+mod follow_ups;
 mod plan;
+mod record;
+mod snapshot;
+mod store;
+#[cfg(test)]
+mod testing;
 mod workers;
 
+use record::Local;
+use store::Jobs;
+
+pub use follow_ups::CancelRefusal;
 pub use plan::{Decision, Dispatch, Plan, Yield};
+pub use record::JobRecord;
+pub use snapshot::{Snapshot, SnapshotView};
 pub use workers::{Route, WorkerRecord};
 
 /// How many recent events are kept for clients resuming the all-events stream.
 const RECENT_EVENTS: usize = 20_000;
 /// Interactive jobs dispatched in a row, at most, while a batch job could go (starvation freedom).
 pub const INTERACTIVE_BURST: u32 = 4;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
-#[serde(rename_all = "snake_case")]
-pub enum JobState {
-    Queued,
-    Dispatched,
-    Running,
-    /// A worker failed it transiently; it will run again.
-    Retrying,
-    Completed,
-    Failed,
-    Cancelled,
-}
-
-impl JobState {
-    pub const ALL: [JobState; 7] = [
-        JobState::Queued,
-        JobState::Dispatched,
-        JobState::Running,
-        JobState::Retrying,
-        JobState::Completed,
-        JobState::Failed,
-        JobState::Cancelled,
-    ];
-
-    pub fn is_terminal(self) -> bool {
-        matches!(
-            self,
-            JobState::Completed | JobState::Failed | JobState::Cancelled
-        )
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            JobState::Queued => "queued",
-            JobState::Dispatched => "dispatched",
-            JobState::Running => "running",
-            JobState::Retrying => "retrying",
-            JobState::Completed => "completed",
-            JobState::Failed => "failed",
-            JobState::Cancelled => "cancelled",
-        }
-    }
-
-    pub fn parse(s: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|st| st.as_str() == s)
-    }
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize, schemars::JsonSchema)]
-pub struct Failure {
-    pub kind: FailureKind,
-    pub message: String,
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize, schemars::JsonSchema)]
-pub struct Progress {
-    pub step: u32,
-    pub total: u32,
-}
 
 /// How long finished jobs stay in memory.
 #[derive(Clone, Copy, Debug)]
@@ -124,345 +86,42 @@ impl Default for Retention {
     }
 }
 
-/// Decisions taken locally and not yet confirmed by the stream. Not part of a snapshot.
-#[derive(Clone, Debug, Default)]
-struct Local {
-    dispatch_pending: bool,
-    cancel_requested: bool,
-    /// A follow-up event (pipeline finished, dependency failed) was handed out for publishing.
-    finishing: bool,
-    /// Inputs of this job not yet completed.
-    unmet: u32,
-    /// Waiting for the busy worker that holds its input's encodings, until then.
-    hold_until: Option<Instant>,
-    /// Waited once for that worker in vain: any worker may take it now.
-    hold_expired: bool,
-    /// Released from its hold to a worker that had nothing else to do.
-    idle_release: bool,
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct JobRecord {
-    id: JobId,
-    /// `None` for a job known only from a `failed` event (a submission too broken to queue).
-    submission: Option<Submission>,
-    parent: Option<JobId>,
-    children: Vec<JobId>,
-    state: JobState,
-    created_at: DateTime<Utc>,
-    updated_at: DateTime<Utc>,
-    worker: Option<WorkerId>,
-    /// The first job of the batch message it was last dispatched in, when it shared one.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    batch: Option<JobId>,
-    dispatches: u32,
-    attempts: u32,
-    progress: Option<Progress>,
-    outputs: Vec<String>,
-    manifest: Option<String>,
-    failure: Option<Failure>,
-    /// Offset of the event that made the job known: its own `queued`, or its pipeline's.
-    first_seq: u64,
-    /// The events after that one. While the job runs only its latest `progress` is kept; once it
-    /// has ended, none.
-    history: Vec<SequencedEvent>,
-    #[serde(skip)]
-    local: Local,
-}
-
-impl JobRecord {
-    fn new(id: JobId, state: JobState, seq: u64, at: DateTime<Utc>) -> Self {
-        Self {
-            id,
-            submission: None,
-            parent: None,
-            children: Vec::new(),
-            state,
-            created_at: at,
-            updated_at: at,
-            worker: None,
-            batch: None,
-            dispatches: 0,
-            attempts: 0,
-            progress: None,
-            outputs: Vec::new(),
-            manifest: None,
-            failure: None,
-            first_seq: seq,
-            history: Vec::new(),
-            local: Local::default(),
-        }
-    }
-
-    pub fn id(&self) -> JobId {
-        self.id
-    }
-
-    pub fn state(&self) -> JobState {
-        self.state
-    }
-
-    pub fn parent(&self) -> Option<JobId> {
-        self.parent
-    }
-
-    pub fn children(&self) -> &[JobId] {
-        &self.children
-    }
-
-    pub fn submission(&self) -> Option<&Submission> {
-        self.submission.as_ref()
-    }
-
-    pub fn created_at(&self) -> DateTime<Utc> {
-        self.created_at
-    }
-
-    pub fn dispatches(&self) -> u32 {
-        self.dispatches
-    }
-
-    pub fn kind(&self) -> &'static str {
-        self.submission
-            .as_ref()
-            .map_or("unknown", |s| s.job.kind_name())
-    }
-
-    pub fn model(&self) -> Option<ModelFamily> {
-        self.submission.as_ref().and_then(|s| s.job.model())
-    }
-
-    pub fn priority(&self) -> Priority {
-        self.submission
-            .as_ref()
-            .map_or(Priority::Batch, |s| s.priority)
-    }
-
-    /// When the job started running most recently.
-    pub fn started_at(&self) -> Option<DateTime<Utc>> {
-        self.history
-            .iter()
-            .rev()
-            .find(|e| matches!(e.event.kind, EventKind::Started { .. }))
-            .map(|e| e.event.at)
-    }
-
-    /// The jobs whose outputs this one takes as inputs.
-    pub fn dependencies(&self) -> Vec<JobId> {
-        let inputs = match self.submission.as_ref().map(|s| &s.job) {
-            Some(JobSpec::Edit(e)) => e.images(),
-            Some(JobSpec::Upscale(u)) => vec![&u.input],
-            Some(JobSpec::Generate(_) | JobSpec::Pipeline(_)) | None => Vec::new(),
-        };
-        let mut deps: Vec<JobId> = inputs
-            .into_iter()
-            .filter_map(|input| match input {
-                ImageRef::JobOutput { job, .. } => Some(*job),
-                ImageRef::Stored(_) | ImageRef::Inline(_) => None,
-            })
-            .collect();
-        deps.sort();
-        deps.dedup();
-        deps
-    }
-
-    /// The job's events in order, its `queued` event first (rebuilt from the submission, which is
-    /// kept once).
-    pub fn events(&self) -> Vec<SequencedEvent> {
-        let queued = self.submission.as_ref().map(|s| SequencedEvent {
-            seq: self.first_seq,
-            event: Event {
-                schema_version: vnfarm_proto::PROTOCOL_VERSION,
-                job_id: self.id,
-                at: self.created_at,
-                kind: EventKind::Queued {
-                    submission: Box::new(s.clone()),
-                    parent: self.parent,
-                    children: self.children.clone(),
-                },
-            },
-        });
-        queued
-            .into_iter()
-            .chain(self.history.iter().cloned())
-            .collect()
-    }
-
-    fn is_pipeline(&self) -> bool {
-        matches!(
-            self.submission.as_ref().map(|s| &s.job),
-            Some(JobSpec::Pipeline(_))
-        )
-    }
-
-    fn rank(&self) -> (u8, JobId) {
-        (u8::from(self.priority() != Priority::Interactive), self.id)
-    }
-
-    /// Queued with nothing in its way but a worker: in the ready index, or held for its input's
-    /// holder.
-    fn waiting(&self) -> bool {
-        self.state == JobState::Queued
-            && !self.local.dispatch_pending
-            && !self.local.cancel_requested
-            && !self.local.finishing
-            && self.local.unmet == 0
-            && self.model().is_some()
-    }
-
-    /// The workers that may run it.
-    fn route(&self) -> Option<Route> {
-        let sub = self.submission.as_ref()?;
-        Some(Route {
-            model: sub.job.model()?,
-            checkpoint: match &sub.job {
-                JobSpec::Generate(g) => g.checkpoint.clone(),
-                _ => None,
-            },
-        })
-    }
-
-    /// The key of the jobs it may share a message with: edits of the same inputs, or generates
-    /// that can share a forward pass.
-    fn group_key(&self) -> Option<String> {
-        match &self.submission.as_ref()?.job {
-            JobSpec::Edit(e) => e.affinity_key(),
-            JobSpec::Generate(g) => Some(g.batch_key()),
-            JobSpec::Upscale(_) | JobSpec::Pipeline(_) => None,
-        }
-    }
-
-    fn awaiting_start(&self) -> bool {
-        self.state == JobState::Dispatched && !self.local.dispatch_pending
-    }
-}
-
-/// A job as the HTTP API shows it.
-#[derive(Debug, Serialize, schemars::JsonSchema)]
-pub struct JobView<'a> {
-    pub id: JobId,
-    pub kind: &'static str,
-    pub state: JobState,
-    pub priority: Priority,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub parent: Option<JobId>,
-    #[serde(skip_serializing_if = "<[_]>::is_empty")]
-    pub children: &'a [JobId],
-    pub created_at: DateTime<Utc>,
-    pub updated_at: DateTime<Utc>,
-    pub worker: Option<&'a WorkerId>,
-    pub dispatches: u32,
-    /// Runs started, on any worker.
-    pub attempts: u32,
-    pub progress: Option<&'a Progress>,
-    pub outputs: &'a [String],
-    pub manifest: Option<&'a str>,
-    pub failure: Option<&'a Failure>,
-    /// Why a job that is not finished is not moving, in words.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub waiting_for: Option<String>,
-    pub submission: Option<&'a Submission>,
-}
-
-/// Why a cancellation was refused.
-#[derive(Debug)]
-pub enum CancelRefusal {
-    NotFound,
-    Finished(JobState),
-}
-
-/// The durable part of a registry at a stream offset (see [`crate::snapshot`]).
-#[derive(Debug, Deserialize)]
-pub struct Snapshot {
-    next_offset: u64,
-    latest: Option<DateTime<Utc>>,
-    jobs: Vec<JobRecord>,
-    finished: Vec<(DateTime<Utc>, JobId)>,
-}
-
-impl Snapshot {
-    pub fn next_offset(&self) -> u64 {
-        self.next_offset
-    }
-
-    pub fn jobs(&self) -> usize {
-        self.jobs.len()
-    }
-}
-
-/// The durable part of a registry taken under its lock in O(jobs) pointer copies (job records are
-/// shared, copied on write), to be serialized without the lock: the dispatcher never waits for a
-/// snapshot to be written.
-pub struct SnapshotView {
-    next_offset: u64,
-    latest: Option<DateTime<Utc>>,
-    jobs: Vec<Arc<JobRecord>>,
-    finished: VecDeque<(DateTime<Utc>, JobId)>,
-}
-
-impl SnapshotView {
-    pub fn next_offset(&self) -> u64 {
-        self.next_offset
-    }
-
-    pub fn jobs(&self) -> usize {
-        self.jobs.len()
-    }
-
-    /// Writes it as JSON, in the shape [`Snapshot`] reads.
-    pub fn write(&self, out: impl std::io::Write) -> serde_json::Result<()> {
-        serde_json::to_writer(out, self)
-    }
-}
-
-impl Serialize for SnapshotView {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        use serde::ser::SerializeStruct;
-        let mut st = s.serialize_struct("Snapshot", 4)?;
-        st.serialize_field("next_offset", &self.next_offset)?;
-        st.serialize_field("latest", &self.latest)?;
-        st.serialize_field("jobs", &JobsRef(&self.jobs))?;
-        st.serialize_field("finished", &self.finished)?;
-        st.end()
-    }
-}
-
-struct JobsRef<'a>(&'a [Arc<JobRecord>]);
-
-impl Serialize for JobsRef<'_> {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_seq(self.0.iter().map(|j| &**j))
-    }
+/// Why an unfinished job is not moving: the facts the API puts in words.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Blocker {
+    /// A worker failed it transiently; it runs again.
+    Retrying,
+    /// Sent to a worker (the one named, when the event named one) that has not started it.
+    Starting(Option<WorkerId>),
+    /// A pipeline, waiting for its jobs to finish.
+    PipelineJobs,
+    Cancelling,
+    BeingDispatched,
+    /// Its input jobs that have not completed.
+    Inputs(Vec<JobId>),
+    /// No live worker serves its route; it runs when one does.
+    NoWorker(Route),
+    /// Held for these busy workers, which hold its input's encodings (for a while, then any
+    /// worker).
+    Holders(Vec<WorkerId>),
+    /// A free slot of a worker that serves it.
+    FreeSlot,
 }
 
 #[derive(Default)]
 pub struct Registry {
     retention: Retention,
-    /// Shared with snapshots being written; changed copy-on-write.
-    jobs: BTreeMap<JobId, Arc<JobRecord>>,
-    /// Jobs not in a terminal state.
-    active: BTreeSet<JobId>,
+    /// The records and the indexes that are functions of them.
+    jobs: Jobs,
     idempotency: HashMap<String, JobId>,
     /// For each job, the waiting jobs that take its output as input.
     dependents: HashMap<JobId, Vec<JobId>>,
-    /// Waiting jobs per route, interactive first, then oldest; held jobs are not here.
-    ready: BTreeMap<Route, BTreeSet<(u8, JobId)>>,
-    /// Waiting jobs (held or not) that may share a message, by group key.
-    groups: HashMap<String, BTreeSet<(u8, JobId)>>,
-    /// Held jobs by the end of their hold.
-    holds: BTreeSet<(Instant, JobId)>,
-    /// When each waiting job began waiting (for holds and coalescing windows).
-    waiting_since: HashMap<JobId, Instant>,
     /// The worker `round_robin` chose last.
     rr_cursor: Option<WorkerId>,
-    /// Jobs dispatched and not yet started (the watchdog's only concern).
-    awaiting_start: BTreeSet<JobId>,
     /// Jobs whose follow-up (pipeline result, failed dependency) must be worked out.
     owed: BTreeSet<JobId>,
     /// Finished top-level jobs in the order they finished, with their final event's time.
     finished: VecDeque<(DateTime<Utc>, JobId)>,
-    counts: HashMap<JobState, usize>,
-    backlog: HashMap<(ModelFamily, Priority), usize>,
     workers: BTreeMap<WorkerId, WorkerRecord>,
     recent: VecDeque<SequencedEvent>,
     /// Offset of the next event to read from the stream.
@@ -488,7 +147,7 @@ impl Registry {
     }
 
     pub fn job(&self, id: JobId) -> Option<&JobRecord> {
-        self.jobs.get(&id).map(|j| &**j)
+        self.jobs.get(&id)
     }
 
     pub fn contains(&self, id: JobId) -> bool {
@@ -502,7 +161,7 @@ impl Registry {
 
     /// Jobs in memory, newest first.
     pub fn jobs_newest_first(&self) -> impl Iterator<Item = &JobRecord> {
-        self.jobs.values().rev().map(|j| &**j)
+        self.jobs.newest_first()
     }
 
     pub fn len(&self) -> usize {
@@ -510,7 +169,7 @@ impl Registry {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.jobs.is_empty()
+        self.jobs.len() == 0
     }
 
     pub fn workers(&self) -> impl Iterator<Item = &WorkerRecord> {
@@ -529,508 +188,61 @@ impl Registry {
 
     /// Jobs in memory by state.
     pub fn count(&self, state: JobState) -> usize {
-        self.counts.get(&state).copied().unwrap_or(0)
+        self.jobs.count(state)
     }
 
     /// Queued jobs of a model and priority.
     pub fn backlog(&self, model: ModelFamily, priority: Priority) -> usize {
-        self.backlog.get(&(model, priority)).copied().unwrap_or(0)
+        self.jobs.backlog(model, priority)
     }
 
-    pub fn view<'a>(&'a self, job: &'a JobRecord, heartbeat_timeout: Duration) -> JobView<'a> {
-        JobView {
-            id: job.id,
-            kind: job.kind(),
-            state: job.state,
-            priority: job.priority(),
-            parent: job.parent,
-            children: &job.children,
-            created_at: job.created_at,
-            updated_at: job.updated_at,
-            worker: job.worker.as_ref(),
-            dispatches: job.dispatches,
-            attempts: job.attempts,
-            progress: job.progress.as_ref(),
-            outputs: &job.outputs,
-            manifest: job.manifest.as_deref(),
-            failure: job.failure.as_ref(),
-            waiting_for: self.waiting_for(job, heartbeat_timeout),
-            submission: job.submission.as_ref(),
-        }
-    }
-
-    /// Why an unfinished job is where it is.
-    fn waiting_for(&self, job: &JobRecord, timeout: Duration) -> Option<String> {
+    /// Why an unfinished job is where it is (`None` for a finished or running one).
+    pub fn blocker(&self, job: &JobRecord, timeout: Duration) -> Option<Blocker> {
         match job.state {
             JobState::Completed | JobState::Failed | JobState::Cancelled => None,
-            JobState::Running => None,
-            JobState::Retrying => Some(format!(
-                "a transient failure ({}); it runs again",
-                job.failure.as_ref().map_or("", |f| f.message.as_str())
-            )),
-            JobState::Dispatched => Some(match &job.worker {
-                Some(w) => format!("sent to worker {w}; waiting for it to start"),
-                None => "sent to a worker; waiting for it to start".into(),
-            }),
-            JobState::Queued if job.is_pipeline() => Some("its pipeline's jobs to finish".into()),
-            JobState::Queued if job.local.cancel_requested => Some("cancelling".into()),
-            JobState::Queued if job.local.dispatch_pending => Some("being dispatched".into()),
-            JobState::Queued if job.local.unmet > 0 => {
-                let inputs: Vec<String> = job
-                    .dependencies()
+            JobState::Running | JobState::Unknown => None,
+            JobState::Retrying => Some(Blocker::Retrying),
+            JobState::Dispatched => Some(Blocker::Starting(job.worker.clone())),
+            JobState::Queued if job.is_pipeline() => Some(Blocker::PipelineJobs),
+            JobState::Queued if job.local.cancel_requested => Some(Blocker::Cancelling),
+            JobState::Queued if job.local.dispatch_pending => Some(Blocker::BeingDispatched),
+            JobState::Queued if job.local.unmet > 0 => Some(Blocker::Inputs(
+                job.dependencies()
                     .into_iter()
                     .filter(|d| {
                         self.jobs
                             .get(d)
                             .is_some_and(|j| j.state != JobState::Completed)
                     })
-                    .map(|d| d.to_string())
-                    .collect();
-                Some(format!("input job {} to complete", inputs.join(", ")))
-            }
+                    .collect(),
+            )),
             JobState::Queued => {
                 let route = job.route()?;
                 if !self.workers.values().any(|w| w.serves(&route, timeout)) {
-                    return Some(format!(
-                        "no live worker serves {route}; it runs when one does"
-                    ));
+                    return Some(Blocker::NoWorker(route));
                 }
                 if job.local.hold_until.is_some() {
-                    let holders: Vec<String> = job
+                    let holders = job
                         .group_key()
                         .map(|key| {
                             self.workers
                                 .values()
                                 .filter(|w| w.holds(&key))
-                                .map(|w| w.id().to_string())
+                                .map(|w| w.id().clone())
                                 .collect()
                         })
                         .unwrap_or_default();
-                    return Some(format!(
-                        "worker {} to free a slot: it holds this input's encodings (for a \
-                         while, then any worker)",
-                        holders.join(" or ")
-                    ));
+                    return Some(Blocker::Holders(holders));
                 }
-                Some("a free worker slot".into())
+                Some(Blocker::FreeSlot)
             }
         }
     }
 
-    // ----- applying the stream -----
-
-    /// Applies one event read from the stream at `ev.seq`. Returns whether it was part of a job's
-    /// history: false for a duplicate submission, a late event of a finished job and an event of a
-    /// job not known (forgotten); clients are not shown those.
-    pub fn apply(&mut self, ev: SequencedEvent) -> bool {
-        self.next_offset = self.next_offset.max(ev.seq + 1);
-        self.latest = self.latest.max(Some(ev.event.at));
-        let recent = ev.clone();
-        let applied = if matches!(ev.event.kind, EventKind::Queued { .. }) {
-            self.apply_queued(ev)
-        } else {
-            self.apply_change(ev)
-        };
-        if applied {
-            self.recent.push_back(recent);
-            if self.recent.len() > RECENT_EVENTS {
-                self.recent.pop_front();
-            }
-        }
-        self.forget_expired();
-        applied
-    }
-
-    /// A stream offset with nothing to apply (a marker, an undecodable event).
-    pub fn skip(&mut self, seq: u64) {
-        self.next_offset = self.next_offset.max(seq + 1);
-    }
-
-    fn apply_queued(&mut self, ev: SequencedEvent) -> bool {
-        let EventKind::Queued {
-            submission,
-            parent,
-            children,
-        } = ev.event.kind
-        else {
-            unreachable!("apply_queued is called for queued events only")
-        };
-        let id = ev.event.job_id;
-        if self.jobs.contains_key(&id) {
-            return false; // a resubmission of a known id
-        }
-        if let Some(key) = &submission.idempotency_key
-            && let Some(first) = self.idempotency.get(key)
-        {
-            tracing::info!(job_id = %id, first = %first, "duplicate submission of an idempotency key ignored");
-            return false;
-        }
-        let derived = crate::intake::pipeline_jobs(&submission, &children);
-        let at = ev.event.at;
-        let mut record = JobRecord::new(id, JobState::Queued, ev.seq, at);
-        if let Some(key) = &submission.idempotency_key {
-            self.idempotency.insert(key.clone(), id);
-        }
-        record.submission = Some(*submission);
-        record.parent = parent;
-        record.children = children.clone();
-        self.insert(record);
-        let Some(jobs) = derived else {
-            tracing::error!(job_id = %id, children = children.len(), "a pipeline event that does not match its spec; the pipeline fails");
-            self.owed.insert(id);
-            return true;
-        };
-        for (child_id, child) in children.into_iter().zip(jobs) {
-            if self.jobs.contains_key(&child_id) {
-                continue; // written as its own event by an older scheduler
-            }
-            let mut record = JobRecord::new(child_id, JobState::Queued, ev.seq, at);
-            record.submission = Some(child);
-            record.parent = Some(id);
-            self.insert(record);
-        }
-        true
-    }
-
-    fn job_state(&self, id: JobId) -> Option<JobState> {
-        self.jobs.get(&id).map(|j| j.state)
-    }
-
-    /// Adds a new queued job and links it to its inputs.
-    fn insert(&mut self, mut record: JobRecord) {
-        let id = record.id;
-        for dep in record.dependencies() {
-            match self.job_state(dep) {
-                Some(JobState::Completed) => {}
-                Some(JobState::Failed | JobState::Cancelled) => {
-                    self.owed.insert(id);
-                }
-                Some(_) => {
-                    record.local.unmet += 1;
-                    self.dependents.entry(dep).or_default().push(id);
-                }
-                // Forgotten long ago, or never a job here: its outputs are in storage or the
-                // worker reports the input missing.
-                None => {}
-            }
-        }
-        if !record.state.is_terminal() {
-            self.active.insert(id);
-        }
-        self.jobs.insert(id, Arc::new(record));
-        self.index_in(id);
-    }
-
-    fn apply_change(&mut self, ev: SequencedEvent) -> bool {
-        let id = ev.event.job_id;
-        let at = ev.event.at;
-        let Some(job) = self.jobs.get(&id) else {
-            // Only a failure can name a job never queued (a submission too broken to queue).
-            // Events of forgotten jobs change nothing.
-            if let EventKind::Failed {
-                failure, message, ..
-            } = &ev.event.kind
-            {
-                let mut record = JobRecord::new(id, JobState::Failed, ev.seq, at);
-                record.failure = Some(Failure {
-                    kind: *failure,
-                    message: message.clone(),
-                });
-                record.history.push(ev);
-                self.insert(record);
-                self.finished.push_back((at, id));
-                return true;
-            }
-            return false;
-        };
-        if job.state.is_terminal() {
-            return false; // the first terminal event won
-        }
-        self.index_out(id);
-        let job = Arc::make_mut(self.jobs.get_mut(&id).expect("checked above"));
-        job.updated_at = at;
-        let mut unassign = false;
-        let mut assign = None;
-        let mut made = None;
-        let mut owe_cancel = false;
-        match &ev.event.kind {
-            EventKind::Queued { .. } => unreachable!("handled by apply_queued"),
-            EventKind::Dispatched { worker, batch, .. } => {
-                if job.state == JobState::Queued {
-                    job.state = JobState::Dispatched;
-                }
-                job.local.dispatch_pending = false;
-                job.dispatches += 1;
-                job.worker = worker.clone();
-                job.batch = *batch;
-                assign = worker.clone().map(|w| (w, batch.unwrap_or(id)));
-            }
-            EventKind::Requeued { reason } => {
-                if reason == vnfarm_proto::event::YIELDED_REASON {
-                    // Asked back by the scheduler: that dispatch does not count towards the limit.
-                    job.dispatches = job.dispatches.saturating_sub(1);
-                }
-                job.state = JobState::Queued;
-                job.local.dispatch_pending = false;
-                job.worker = None;
-                job.progress = None;
-                unassign = true;
-                // Cancelled while it was out: no worker has it now to report the cancel.
-                owe_cancel = job.local.cancel_requested;
-            }
-            EventKind::Started { worker, .. } => {
-                job.state = JobState::Running;
-                // Every run counts, on whichever worker: the message's own delivery count starts
-                // again at each dispatch.
-                job.attempts += 1;
-                job.worker = Some(worker.clone());
-                job.progress = None;
-            }
-            EventKind::Progress { step, total } => {
-                job.progress = Some(Progress {
-                    step: *step,
-                    total: *total,
-                });
-            }
-            EventKind::Completed {
-                outputs,
-                manifest,
-                worker,
-                ..
-            } => {
-                job.state = JobState::Completed;
-                job.outputs = outputs.clone();
-                job.manifest = Some(manifest.clone());
-                if worker.is_some() {
-                    job.worker = worker.clone();
-                }
-                unassign = true;
-                // Its worker holds the images it made: edits of them go there first.
-                if let Some(w) = worker
-                    && matches!(
-                        job.submission.as_ref().map(|s| &s.job),
-                        Some(JobSpec::Generate(_))
-                    )
-                {
-                    made = Some((w.clone(), outputs.len()));
-                }
-            }
-            EventKind::Failed {
-                failure,
-                message,
-                retryable,
-            } => {
-                job.failure = Some(Failure {
-                    kind: *failure,
-                    message: message.clone(),
-                });
-                job.state = if *retryable {
-                    JobState::Retrying
-                } else {
-                    JobState::Failed
-                };
-                unassign = !retryable;
-            }
-            EventKind::Cancelled { .. } => {
-                job.state = JobState::Cancelled;
-                unassign = true;
-            }
-        }
-        // Keep one progress event while running (a resuming client needs the latest), none after.
-        if matches!(ev.event.kind, EventKind::Progress { .. })
-            && let Some(last) = job.history.last_mut()
-            && matches!(last.event.kind, EventKind::Progress { .. })
-        {
-            *last = ev;
-        } else {
-            job.history.push(ev);
-        }
-        let terminal = job.state.is_terminal();
-        if terminal {
-            job.history
-                .retain(|e| !matches!(e.event.kind, EventKind::Progress { .. }));
-            job.history.shrink_to_fit();
-        }
-        if let Some((w, lead)) = assign {
-            self.worker_mut(&w).assign(id, lead);
-        }
-        if unassign {
-            self.unassign(id);
-        }
-        if let Some((w, images)) = made {
-            let now = Instant::now();
-            let keys = self.worker_mut(&w);
-            for index in 0..images as u32 {
-                let input = ImageRef::JobOutput { job: id, index };
-                if let Some(key) = vnfarm_proto::EditSpec::affinity_key_of(&[&input]) {
-                    keys.keys.insert(key, now);
-                }
-            }
-        }
-        self.index_in(id);
-        if terminal {
-            self.finish(id, at);
-        }
-        if owe_cancel {
-            self.owed.insert(id);
-        }
-        true
-    }
-
-    /// A job reached its final state: its pipeline and the jobs waiting on it learn of it.
-    fn finish(&mut self, id: JobId, at: DateTime<Utc>) {
-        self.active.remove(&id);
-        let job = &self.jobs[&id];
-        let completed = job.state == JobState::Completed;
-        let parent = job.parent.filter(|p| self.active.contains(p));
-        if let Some(p) = parent {
-            self.owed.insert(p);
-        } else {
-            // Top-level (or orphaned) jobs are forgotten on their own; a pipeline's go with it.
-            self.finished.push_back((at, id));
-        }
-        for waiting in self.dependents.remove(&id).unwrap_or_default() {
-            if !self.active.contains(&waiting) {
-                continue;
-            }
-            if completed {
-                self.index_out(waiting);
-                let w = Arc::make_mut(self.jobs.get_mut(&waiting).expect("active jobs are known"));
-                w.local.unmet = w.local.unmet.saturating_sub(1);
-                self.index_in(waiting);
-            } else {
-                self.owed.insert(waiting);
-            }
-        }
-    }
-
-    /// Forgets finished jobs beyond the retention count or age.
-    fn forget_expired(&mut self) {
-        let Some(now) = self.latest else { return };
-        while let Some(&(at, id)) = self.finished.front() {
-            let too_many = self.finished.len() > self.retention.max_jobs;
-            let too_old = now - at > self.retention.max_age;
-            if !(too_many || too_old) {
-                break;
-            }
-            self.finished.pop_front();
-            self.forget(id);
-        }
-    }
-
-    fn forget(&mut self, id: JobId) {
-        let Some(job) = self.jobs.get(&id) else {
-            return;
-        };
-        if !job.state.is_terminal() {
-            return;
-        }
-        let children = job.children.clone();
-        self.index_out(id);
-        let job = self.jobs.remove(&id).expect("checked above");
-        if let Some(key) = job
-            .submission
-            .as_ref()
-            .and_then(|s| s.idempotency_key.as_ref())
-            && self.idempotency.get(key) == Some(&id)
-        {
-            self.idempotency.remove(key);
-        }
-        self.dependents.remove(&id);
-        for child in children {
-            self.forget(child);
-        }
-    }
-
-    // ----- indexes -----
-
-    /// Removes a job from the indexes its current state puts it in. Every change of a job is
-    /// bracketed by `index_out` and [`Registry::index_in`].
-    fn index_out(&mut self, id: JobId) {
-        let job = &self.jobs[&id];
-        let (state, model, priority, rank) = (job.state, job.model(), job.priority(), job.rank());
-        let awaiting = job.awaiting_start();
-        let waiting = job
-            .waiting()
-            .then(|| (job.route(), job.group_key(), job.local.hold_until));
-        if let Some(n) = self.counts.get_mut(&state) {
-            *n = n.saturating_sub(1);
-        }
-        if let (JobState::Queued, Some(m)) = (state, model)
-            && let Some(n) = self.backlog.get_mut(&(m, priority))
-        {
-            *n = n.saturating_sub(1);
-        }
-        if let Some((route, key, hold)) = waiting {
-            match (hold, route) {
-                (Some(until), _) => {
-                    self.holds.remove(&(until, id));
-                }
-                (None, Some(route)) => {
-                    if let Some(set) = self.ready.get_mut(&route) {
-                        set.remove(&rank);
-                        if set.is_empty() {
-                            self.ready.remove(&route);
-                        }
-                    }
-                }
-                (None, None) => {}
-            }
-            if let Some(key) = key
-                && let Some(set) = self.groups.get_mut(&key)
-            {
-                set.remove(&rank);
-                if set.is_empty() {
-                    self.groups.remove(&key);
-                }
-            }
-        }
-        if awaiting {
-            self.awaiting_start.remove(&id);
-        }
-    }
-
-    fn index_in(&mut self, id: JobId) {
-        let job = &self.jobs[&id];
-        let (state, model, priority, rank) = (job.state, job.model(), job.priority(), job.rank());
-        let awaiting = job.awaiting_start();
-        let waiting = job
-            .waiting()
-            .then(|| (job.route(), job.group_key(), job.local.hold_until));
-        *self.counts.entry(state).or_default() += 1;
-        if let (JobState::Queued, Some(m)) = (state, model) {
-            *self.backlog.entry((m, priority)).or_default() += 1;
-        }
-        if let Some((route, key, hold)) = waiting {
-            match (hold, route) {
-                (Some(until), _) => {
-                    self.holds.insert((until, id));
-                }
-                (None, Some(route)) => {
-                    self.ready.entry(route).or_default().insert(rank);
-                }
-                (None, None) => {}
-            }
-            if let Some(key) = key {
-                self.groups.entry(key).or_default().insert(rank);
-            }
-            self.waiting_since.entry(id).or_insert_with(Instant::now);
-        } else {
-            self.waiting_since.remove(&id);
-        }
-        if awaiting {
-            self.awaiting_start.insert(id);
-        }
-    }
-
-    /// Changes a job's local decision flags, keeping the indexes right.
+    /// Changes a job's local decision flags (through the store, which keeps the indexes right).
     fn set_local(&mut self, id: JobId, f: impl FnOnce(&mut Local)) {
-        self.index_out(id);
-        f(&mut Arc::make_mut(self.jobs.get_mut(&id).expect("a known job")).local);
-        self.index_in(id);
+        self.jobs.update(id, |job| f(&mut job.local));
     }
-
-    // ----- workers -----
 
     fn worker_mut(&mut self, id: &WorkerId) -> &mut WorkerRecord {
         self.workers
@@ -1048,838 +260,14 @@ impl Registry {
             w.unassign(job);
         }
     }
-
-    // ----- decisions (the active scheduler) -----
-
-    /// Starts a term as the active scheduler: forgets local decisions of an earlier term (they
-    /// were lost with its connection), recounts worker loads from the job states, and owes every
-    /// unfinished job a follow-up check. O(jobs), once per takeover.
-    pub fn begin_term(&mut self) {
-        let active: Vec<JobId> = self.active.iter().copied().collect();
-        for w in self.workers.values_mut() {
-            w.clear_assignments();
-        }
-        for id in &active {
-            self.set_local(*id, |l| {
-                l.dispatch_pending = false;
-                l.finishing = false;
-                l.hold_until = None;
-            });
-            let job = &self.jobs[id];
-            if matches!(
-                job.state,
-                JobState::Dispatched | JobState::Running | JobState::Retrying
-            ) && let Some(w) = job.worker.clone()
-            {
-                let lead = job.batch.unwrap_or(*id);
-                self.worker_mut(&w).assign(*id, lead);
-            }
-        }
-        self.owed = active.into_iter().collect();
-    }
-
-    /// A standby does not act on follow-ups: it drops them, and works them all out if it takes over
-    /// ([`Registry::begin_term`]).
-    pub fn drop_follow_ups(&mut self) {
-        self.owed.clear();
-    }
-
-    /// Events the scheduler owes now: finished pipelines, jobs whose input failed. Each is handed
-    /// out once (until a new term).
-    pub fn take_follow_ups(&mut self) -> Vec<(JobId, EventKind)> {
-        let owed = std::mem::take(&mut self.owed);
-        let mut out = Vec::new();
-        for id in owed {
-            let Some(job) = self.jobs.get(&id) else {
-                continue;
-            };
-            if job.local.finishing || job.state.is_terminal() {
-                continue;
-            }
-            let event = if job.is_pipeline() {
-                self.pipeline_outcome(job)
-            } else if job.state == JobState::Queued && !job.local.dispatch_pending {
-                job.dependencies()
-                    .iter()
-                    .filter_map(|d| self.jobs.get(d))
-                    .find(|dep| matches!(dep.state, JobState::Failed | JobState::Cancelled))
-                    .map(|dep| EventKind::Failed {
-                        failure: FailureKind::DependencyFailed,
-                        message: format!("input job {} did not complete", dep.id),
-                        retryable: false,
-                    })
-                    // A cancel asked while the job was out, which came back unrun: it ends here.
-                    .or_else(|| {
-                        job.local.cancel_requested.then(|| EventKind::Cancelled {
-                            reason: "cancelled by request".into(),
-                        })
-                    })
-            } else {
-                None
-            };
-            if let Some(event) = event {
-                self.set_local(id, |l| l.finishing = true);
-                out.push((id, event));
-            }
-        }
-        out
-    }
-
-    fn pipeline_outcome(&self, job: &JobRecord) -> Option<EventKind> {
-        let children: Vec<&JobRecord> = job.children.iter().filter_map(|c| self.job(*c)).collect();
-        if children.is_empty() || children.len() != job.children.len() {
-            return Some(EventKind::Failed {
-                failure: FailureKind::InvalidSpec,
-                message: "the pipeline's jobs could not be derived from its spec".into(),
-                retryable: false,
-            });
-        }
-        if children.iter().all(|c| c.state == JobState::Completed) {
-            return Some(EventKind::Completed {
-                outputs: children
-                    .iter()
-                    .flat_map(|c| c.outputs.iter().cloned())
-                    .collect(),
-                manifest: children
-                    .first()
-                    .and_then(|c| c.manifest.clone())
-                    .unwrap_or_default(),
-                worker: None,
-                timings: Default::default(),
-            });
-        }
-        let bad = children
-            .iter()
-            .find(|c| matches!(c.state, JobState::Failed | JobState::Cancelled))?;
-        Some(if job.local.cancel_requested {
-            EventKind::Cancelled {
-                reason: "pipeline cancelled".into(),
-            }
-        } else {
-            EventKind::Failed {
-                failure: FailureKind::DependencyFailed,
-                message: format!(
-                    "pipeline job {} {}",
-                    bad.id,
-                    if bad.state == JobState::Failed {
-                        "failed"
-                    } else {
-                        "was cancelled"
-                    }
-                ),
-                retryable: false,
-            }
-        })
-    }
-
-    /// A follow-up could not be published: owe it again.
-    pub fn follow_up_failed(&mut self, id: JobId) {
-        if self.jobs.contains_key(&id) {
-            self.set_local(id, |l| l.finishing = false);
-            self.owed.insert(id);
-        }
-    }
-
-    /// Jobs in `dispatched` for longer than `threshold`; each is reported once until its state
-    /// changes (see `Scheduler::requeue_stale`).
-    pub fn stale_dispatches(&mut self, now: DateTime<Utc>, threshold: Duration) -> Vec<JobId> {
-        let threshold = chrono::Duration::from_std(threshold).unwrap_or(chrono::Duration::MAX);
-        let stale: Vec<JobId> = self
-            .awaiting_start
-            .iter()
-            .filter(|id| now - self.jobs[id].updated_at > threshold)
-            .copied()
-            .collect();
-        for id in &stale {
-            // Pending until the requeue comes back, so it is not reported twice.
-            self.set_local(*id, |l| l.dispatch_pending = true);
-        }
-        stale
-    }
-
-    /// Marks a job (and a pipeline's unfinished jobs) for cancellation. Returns each job to cancel
-    /// with whether the scheduler itself must report it cancelled (it is on no worker).
-    pub fn request_cancel(&mut self, id: JobId) -> Result<Vec<(JobId, bool)>, CancelRefusal> {
-        let job = self.jobs.get(&id).ok_or(CancelRefusal::NotFound)?;
-        if job.state.is_terminal() {
-            return Err(CancelRefusal::Finished(job.state));
-        }
-        let mut ids = job.children.clone();
-        ids.push(id);
-        let mut targets = Vec::new();
-        for t in ids {
-            let Some(j) = self.jobs.get(&t) else { continue };
-            if j.state.is_terminal() {
-                continue;
-            }
-            let here = j.state == JobState::Queued && !j.local.dispatch_pending || j.is_pipeline();
-            self.set_local(t, |l| l.cancel_requested = true);
-            targets.push((t, here));
-        }
-        Ok(targets)
-    }
-
-    // ----- snapshots -----
-
-    /// The durable part (jobs, retention order, stream position), to be written without the lock.
-    pub fn snapshot(&self) -> SnapshotView {
-        SnapshotView {
-            next_offset: self.next_offset,
-            latest: self.latest,
-            jobs: self.jobs.values().cloned().collect(),
-            finished: self.finished.clone(),
-        }
-    }
-
-    /// A registry as a snapshot left it; the indexes are rebuilt.
-    pub fn restore(snapshot: Snapshot, retention: Retention) -> Self {
-        let mut r = Registry::new(retention);
-        r.next_offset = snapshot.next_offset;
-        r.latest = snapshot.latest;
-        r.finished = snapshot.finished.into();
-        // Inputs before the jobs that take them: in stream order (a pipeline's jobs share their
-        // pipeline's offset and have time-ordered ids made in order).
-        let mut jobs = snapshot.jobs;
-        jobs.sort_by_key(|j| (j.first_seq, j.id));
-        for job in jobs {
-            if let Some(key) = job
-                .submission
-                .as_ref()
-                .and_then(|s| s.idempotency_key.clone())
-            {
-                r.idempotency.entry(key).or_insert(job.id);
-            }
-            r.insert(job);
-        }
-        r.owed.clear();
-        r
-    }
 }
 
 #[cfg(test)]
 mod tests {
+    use vnfarm_proto::{EventKind, FailureKind};
+
+    use super::testing::*;
     use super::*;
-    use crate::config::{DispatchConfig, Policy};
-    use vnfarm_proto::WorkerState;
-
-    impl Registry {
-        /// One job per message to the least-loaded worker, as (job, worker) pairs.
-        fn plan_ll(&mut self) -> Vec<(JobId, WorkerId)> {
-            let config = DispatchConfig {
-                policy: Policy::LeastLoaded,
-                ..DispatchConfig::default()
-            };
-            self.plan_dispatch(&config, Instant::now(), T)
-                .dispatches
-                .into_iter()
-                .map(|d| {
-                    assert_eq!(d.jobs.len(), 1, "least_loaded sends one job per message");
-                    (d.jobs[0], d.worker)
-                })
-                .collect()
-        }
-    }
-    use vnfarm_proto::spec::{PipelineEdit, PipelineSpec};
-    use vnfarm_proto::{EditSpec, GenerateSpec, Sampler};
-
-    fn generate() -> Submission {
-        Submission {
-            schema_version: 1,
-            job_id: None,
-            idempotency_key: None,
-            priority: Priority::Batch,
-            deadline: None,
-            job: JobSpec::Generate(GenerateSpec {
-                prompt: "x".into(),
-                negative_prompt: String::new(),
-                width: 256,
-                height: 256,
-                steps: 1,
-                cfg: 1.0,
-                sampler: Sampler::Euler,
-                seed: Some(1),
-                count: 1,
-                checkpoint: None,
-                loras: Vec::new(),
-            }),
-        }
-    }
-
-    fn keyed(key: &str) -> Submission {
-        Submission {
-            idempotency_key: Some(key.into()),
-            ..generate()
-        }
-    }
-
-    fn edit_of(job: JobId) -> Submission {
-        Submission {
-            job: JobSpec::Edit(EditSpec {
-                input: Some(ImageRef::JobOutput { job, index: 0 }),
-                inputs: vec![],
-                width: None,
-                height: None,
-                instruction: "smile".into(),
-                steps: 4,
-                cfg: 1.0,
-                seed: Some(1),
-                loras: vec![],
-            }),
-            ..generate()
-        }
-    }
-
-    fn pipeline(edits: usize) -> Submission {
-        let JobSpec::Generate(base) = generate().job else {
-            unreachable!()
-        };
-        Submission {
-            job: JobSpec::Pipeline(PipelineSpec {
-                base,
-                edits: (0..edits)
-                    .map(|i| PipelineEdit {
-                        instruction: format!("variant {i}"),
-                        references: vec![],
-                        steps: 4,
-                        cfg: 1.0,
-                        seed: Some(1),
-                        loras: vec![],
-                    })
-                    .collect(),
-                upscales: vec![],
-            }),
-            ..generate()
-        }
-    }
-
-    fn worker(id: &str, slots: u32) -> Heartbeat {
-        Heartbeat {
-            schema_version: vnfarm_proto::PROTOCOL_VERSION,
-            protocols: vnfarm_proto::work::decodable_protocols(),
-            worker: id.parse().unwrap(),
-            state: WorkerState::Ready,
-            models: ModelFamily::ALL.to_vec(),
-            slots,
-            in_flight: 0,
-            running: vec![],
-            checkpoints: vec![],
-            max_batch: 1,
-            gpu_memory: None,
-            encode_cache: vec![],
-            settings: None,
-            version: "t".into(),
-            at: Utc::now(),
-        }
-    }
-
-    /// Writes events with increasing offsets and times.
-    struct Stream {
-        seq: u64,
-        at: DateTime<Utc>,
-    }
-
-    impl Stream {
-        fn new() -> Self {
-            Self {
-                seq: 0,
-                at: Utc::now(),
-            }
-        }
-        fn ev(&mut self, id: JobId, kind: EventKind) -> SequencedEvent {
-            self.seq += 1;
-            self.at += chrono::Duration::milliseconds(1);
-            SequencedEvent {
-                seq: self.seq,
-                event: Event {
-                    schema_version: vnfarm_proto::PROTOCOL_VERSION,
-                    job_id: id,
-                    at: self.at,
-                    kind,
-                },
-            }
-        }
-        fn queue(&mut self, r: &mut Registry, sub: Submission) -> JobId {
-            let id = JobId::new();
-            let children = match &sub.job {
-                JobSpec::Pipeline(p) => (0..1 + p.edits.len() + p.upscales.len())
-                    .map(|_| JobId::new())
-                    .collect(),
-                _ => vec![],
-            };
-            r.apply(self.ev(
-                id,
-                EventKind::Queued {
-                    submission: Box::new(sub),
-                    parent: None,
-                    children,
-                },
-            ));
-            id
-        }
-        fn complete(&mut self, r: &mut Registry, id: JobId) {
-            r.apply(self.ev(
-                id,
-                EventKind::Completed {
-                    outputs: vec![format!("results/{id}/0.png")],
-                    manifest: format!("results/{id}/manifest.json"),
-                    worker: None,
-                    timings: Default::default(),
-                },
-            ));
-        }
-        fn fail(&mut self, r: &mut Registry, id: JobId) {
-            r.apply(self.ev(
-                id,
-                EventKind::Failed {
-                    failure: FailureKind::BadInput,
-                    message: "x".into(),
-                    retryable: false,
-                },
-            ));
-        }
-    }
-
-    const T: Duration = Duration::from_secs(5);
-
-    fn affinity() -> DispatchConfig {
-        DispatchConfig {
-            policy: Policy::Affinity,
-            max_batch: 8,
-            affinity_wait_ms: 1_000,
-            coalesce_window_ms: 50,
-            spill_after: 6,
-            ..DispatchConfig::default()
-        }
-    }
-
-    fn batching_worker(id: &str, slots: u32, max_batch: u32) -> Heartbeat {
-        Heartbeat {
-            max_batch,
-            ..worker(id, slots)
-        }
-    }
-
-    fn wid(id: &str) -> WorkerId {
-        id.parse().unwrap()
-    }
-
-    fn later(ms: u64) -> Instant {
-        Instant::now() + Duration::from_millis(ms)
-    }
-
-    impl Stream {
-        fn dispatched(&mut self, r: &mut Registry, d: &Dispatch) {
-            let batch = (d.jobs.len() > 1).then_some(d.jobs[0]);
-            for id in &d.jobs {
-                r.apply(self.ev(
-                    *id,
-                    EventKind::Dispatched {
-                        queue: "q".into(),
-                        worker: Some(d.worker.clone()),
-                        batch,
-                        term: Some(1),
-                    },
-                ));
-            }
-        }
-        fn completed_on(&mut self, r: &mut Registry, id: JobId, worker: &str) {
-            r.apply(self.ev(
-                id,
-                EventKind::Completed {
-                    outputs: vec![format!("results/{id}/0.png")],
-                    manifest: format!("results/{id}/manifest.json"),
-                    worker: Some(worker.parse().unwrap()),
-                    timings: Default::default(),
-                },
-            ));
-        }
-    }
-
-    #[test]
-    fn edits_of_a_base_go_as_one_batch_to_the_worker_that_made_it() {
-        let mut r = Registry::default();
-        let mut s = Stream::new();
-        for w in ["a", "b", "c"] {
-            r.heartbeat(batching_worker(w, 1, 8));
-        }
-        let base = s.queue(&mut r, generate());
-        let edits: Vec<JobId> = (0..5).map(|_| s.queue(&mut r, edit_of(base))).collect();
-        let plan = r.plan_dispatch(&affinity(), later(0), T);
-        assert_eq!(plan.dispatches.len(), 1, "only the base can run");
-        s.dispatched(&mut r, &plan.dispatches[0]);
-        s.completed_on(&mut r, base, "b");
-        // Inside the coalescing window nothing goes yet, and the plan says when to look again.
-        let plan = r.plan_dispatch(&affinity(), later(0), T);
-        assert!(plan.dispatches.is_empty(), "{plan:?}");
-        assert!(plan.wake_at.is_some());
-        let plan = r.plan_dispatch(&affinity(), later(60), T);
-        assert_eq!(plan.dispatches.len(), 1, "{plan:?}");
-        let d = &plan.dispatches[0];
-        assert_eq!(d.worker.as_str(), "b");
-        assert_eq!(d.decision, Decision::AffinityHit);
-        assert_eq!(d.jobs, edits, "one message, oldest first");
-        // Their dispatched events keep the worker's one slot taken by the one message.
-        s.dispatched(&mut r, d);
-        assert_eq!(r.workers[&wid("b")].messages.len(), 1);
-        assert_eq!(r.workers[&wid("b")].load(), 5);
-    }
-
-    /// Worker `a` made `base` (so it holds the base's encodings) and is now busy with another
-    /// job; worker `b` has just joined, free. Both take `max_batch` jobs per message.
-    fn busy_holder(max_batch: u32) -> (Registry, Stream, JobId) {
-        let mut r = Registry::default();
-        let mut s = Stream::new();
-        r.heartbeat(batching_worker("a", 1, max_batch));
-        let base = s.queue(&mut r, generate());
-        let plan = r.plan_dispatch(&affinity(), later(0), T);
-        s.dispatched(&mut r, &plan.dispatches[0]);
-        s.completed_on(&mut r, base, "a");
-        let other = s.queue(&mut r, generate());
-        let plan = r.plan_dispatch(&affinity(), later(0), T);
-        assert_eq!(plan.dispatches[0].jobs, vec![other]);
-        s.dispatched(&mut r, &plan.dispatches[0]);
-        r.heartbeat(batching_worker("b", 1, max_batch));
-        (r, s, base)
-    }
-
-    #[test]
-    fn an_edit_waits_for_its_busy_holder_while_others_have_work_then_goes_elsewhere() {
-        let (mut r, mut s, base) = busy_holder(8);
-        let edit = s.queue(&mut r, edit_of(base));
-        let other = s.queue(&mut r, generate());
-        let plan = r.plan_dispatch(&affinity(), later(0), T);
-        assert_eq!(plan.dispatches.len(), 1, "{plan:?}");
-        assert_eq!(
-            plan.dispatches[0].jobs,
-            vec![other],
-            "b takes other work; a holds the edit's input"
-        );
-        s.dispatched(&mut r, &plan.dispatches[0]);
-        assert!(plan.wake_at.is_some_and(|w| w > later(500)));
-        let view = r.view(r.job(edit).unwrap(), T);
-        assert!(
-            view.waiting_for.as_deref().unwrap().contains("worker a"),
-            "{:?}",
-            view.waiting_for
-        );
-        // Past `affinity_wait_ms` a newly free worker takes it before younger work.
-        let younger = s.queue(&mut r, generate());
-        r.heartbeat(batching_worker("c", 1, 8));
-        let plan = r.plan_dispatch(&affinity(), later(1_100), T);
-        assert_eq!(plan.dispatches.len(), 1, "{plan:?}");
-        let d = &plan.dispatches[0];
-        assert_eq!((d.worker.as_str(), d.jobs.as_slice()), ("c", &[edit][..]));
-        assert_eq!(d.decision, Decision::AffinityWaitExpired);
-        assert_eq!(r.job(younger).unwrap().state, JobState::Queued);
-    }
-
-    #[test]
-    fn a_held_edit_goes_to_a_worker_that_would_otherwise_idle() {
-        let (mut r, mut s, base) = busy_holder(8);
-        s.queue(&mut r, edit_of(base));
-        let plan = r.plan_dispatch(&affinity(), later(0), T);
-        assert_eq!(plan.dispatches.len(), 1, "{plan:?}");
-        let d = &plan.dispatches[0];
-        assert_eq!(
-            (d.worker.as_str(), d.decision),
-            ("b", Decision::AffinityIdle)
-        );
-    }
-
-    #[test]
-    fn an_interactive_edit_is_not_held_and_travels_without_batch_work() {
-        let (mut r, mut s, base) = busy_holder(8);
-        let batch = s.queue(&mut r, edit_of(base));
-        let interactive = s.queue(
-            &mut r,
-            Submission {
-                priority: Priority::Interactive,
-                ..edit_of(base)
-            },
-        );
-        s.queue(&mut r, generate());
-        let plan = r.plan_dispatch(&affinity(), later(0), T);
-        let d = &plan.dispatches[0];
-        assert_eq!(
-            (d.worker.as_str(), d.decision, d.jobs.as_slice()),
-            ("b", Decision::AffinityInteractive, &[interactive][..]),
-            "{plan:?}"
-        );
-        assert_eq!(r.job(batch).unwrap().state, JobState::Queued);
-    }
-
-    #[test]
-    fn interactive_work_with_no_free_worker_asks_a_batch_message_back_once() {
-        let mut r = Registry::default();
-        let mut s = Stream::new();
-        r.heartbeat(batching_worker("a", 1, 8));
-        let base = s.queue(&mut r, generate());
-        let plan = r.plan_dispatch(&affinity(), later(0), T);
-        s.dispatched(&mut r, &plan.dispatches[0]);
-        s.completed_on(&mut r, base, "a");
-        // a takes five edits of its image in one message; b one generate.
-        let edits: Vec<JobId> = (0..5).map(|_| s.queue(&mut r, edit_of(base))).collect();
-        let plan = r.plan_dispatch(&affinity(), later(100), T);
-        assert_eq!(plan.dispatches[0].jobs, edits, "{plan:?}");
-        s.dispatched(&mut r, &plan.dispatches[0]);
-        r.heartbeat(batching_worker("b", 1, 8));
-        s.queue(&mut r, generate());
-        let plan = r.plan_dispatch(&affinity(), later(100), T);
-        s.dispatched(&mut r, &plan.dispatches[0]);
-        assert!(
-            plan.yields.is_empty(),
-            "no interactive work waits: {plan:?}"
-        );
-
-        let interactive = s.queue(
-            &mut r,
-            Submission {
-                priority: Priority::Interactive,
-                ..generate()
-            },
-        );
-        let plan = r.plan_dispatch(&affinity(), later(100), T);
-        assert!(plan.dispatches.is_empty(), "{plan:?}");
-        assert_eq!(
-            plan.yields,
-            vec![Yield {
-                worker: wid("a"),
-                jobs: edits
-                    .iter()
-                    .copied()
-                    .collect::<std::collections::BTreeSet<_>>()
-                    .into_iter()
-                    .collect(),
-            }],
-            "a's message has jobs to give back; b's single job has none"
-        );
-        let again = r.plan_dispatch(&affinity(), later(100), T);
-        assert!(
-            again.yields.is_empty(),
-            "one yield per waiting job: {again:?}"
-        );
-        // With the least-loaded policy (one job per message) there is nothing to ask back.
-        let plain = DispatchConfig {
-            max_batch: 1,
-            ..affinity()
-        };
-        assert!(r.plan_dispatch(&plain, later(100), T).yields.is_empty());
-
-        // a finishes the edit on its engine and gives the rest back: the interactive job goes to
-        // a first, the edits wait for it (their holder), and the yield did not count as a dispatch.
-        s.completed_on(&mut r, edits[0], "a");
-        for &e in &edits[1..] {
-            r.apply(s.ev(
-                e,
-                EventKind::Requeued {
-                    reason: vnfarm_proto::event::YIELDED_REASON.into(),
-                },
-            ));
-            assert_eq!(r.job(e).unwrap().dispatches(), 0);
-        }
-        let plan = r.plan_dispatch(&affinity(), later(200), T);
-        assert_eq!(plan.dispatches.len(), 1, "{plan:?}");
-        assert_eq!(
-            (
-                plan.dispatches[0].worker.as_str(),
-                plan.dispatches[0].jobs.as_slice()
-            ),
-            ("a", &[interactive][..])
-        );
-        s.dispatched(&mut r, &plan.dispatches[0]);
-        s.completed_on(&mut r, interactive, "a");
-        let plan = r.plan_dispatch(&affinity(), later(300), T);
-        assert_eq!(
-            (
-                plan.dispatches[0].worker.as_str(),
-                plan.dispatches[0].decision,
-                plan.dispatches[0].jobs.len()
-            ),
-            ("a", Decision::AffinityHit, 4),
-            "{plan:?}"
-        );
-    }
-
-    #[test]
-    fn a_hot_input_spills_to_a_second_worker_and_batches_stay_within_limits() {
-        let (mut r, mut s, base) = busy_holder(4);
-        // Six edits of a's input (spill_after) while a is busy: b takes some at once.
-        for _ in 0..6 {
-            s.queue(&mut r, edit_of(base));
-        }
-        let plan = r.plan_dispatch(&affinity(), later(0), T);
-        assert_eq!(plan.dispatches.len(), 1, "{plan:?}");
-        let d = &plan.dispatches[0];
-        assert_eq!(
-            (d.worker.as_str(), d.decision),
-            ("b", Decision::AffinitySpill)
-        );
-        assert_eq!(d.jobs.len(), 4, "the worker's own max_batch");
-    }
-
-    #[test]
-    fn a_job_naming_a_checkpoint_goes_only_to_a_worker_holding_it() {
-        let mut r = Registry::default();
-        let mut s = Stream::new();
-        r.heartbeat(worker("plain", 4));
-        let named = |c: &str| {
-            let JobSpec::Generate(g) = generate().job else {
-                unreachable!()
-            };
-            Submission {
-                job: JobSpec::Generate(GenerateSpec {
-                    checkpoint: Some(c.into()),
-                    ..g
-                }),
-                ..generate()
-            }
-        };
-        let job = s.queue(&mut r, named("novaAnimeXL"));
-        for policy in [Policy::Affinity, Policy::LeastLoaded, Policy::RoundRobin] {
-            let config = DispatchConfig {
-                policy,
-                ..affinity()
-            };
-            assert!(r.plan_dispatch(&config, later(0), T).dispatches.is_empty());
-        }
-        let view = r.view(r.job(job).unwrap(), T);
-        assert_eq!(
-            view.waiting_for.as_deref(),
-            Some("no live worker serves sdxl checkpoint novaAnimeXL; it runs when one does")
-        );
-        r.heartbeat(Heartbeat {
-            checkpoints: vec!["novaAnimeXL".into()],
-            ..worker("nova", 1)
-        });
-        let plan = r.plan_dispatch(&affinity(), later(0), T);
-        assert_eq!(plan.dispatches.len(), 1);
-        assert_eq!(plan.dispatches[0].worker.as_str(), "nova");
-        // A job naming no checkpoint may go to either.
-        s.queue(&mut r, generate());
-        let plan = r.plan_dispatch(&affinity(), later(0), T);
-        assert_eq!(plan.dispatches[0].worker.as_str(), "plain");
-    }
-
-    #[test]
-    fn round_robin_takes_workers_in_turn_and_least_loaded_by_load() {
-        let mut r = Registry::default();
-        let mut s = Stream::new();
-        for w in ["a", "b", "c"] {
-            r.heartbeat(worker(w, 4));
-        }
-        for _ in 0..6 {
-            s.queue(&mut r, generate());
-        }
-        let config = DispatchConfig {
-            policy: Policy::RoundRobin,
-            ..affinity()
-        };
-        let order: Vec<String> = r
-            .plan_dispatch(&config, later(0), T)
-            .dispatches
-            .iter()
-            .map(|d| d.worker.to_string())
-            .collect();
-        assert_eq!(order, ["a", "b", "c", "a", "b", "c"]);
-    }
-
-    #[test]
-    fn compatible_generates_share_a_message_with_a_batching_worker() {
-        let mut r = Registry::default();
-        let mut s = Stream::new();
-        r.heartbeat(batching_worker("a", 1, 3));
-        let same: Vec<JobId> = (0..4).map(|_| s.queue(&mut r, generate())).collect();
-        let JobSpec::Generate(g) = generate().job else {
-            unreachable!()
-        };
-        let bigger = s.queue(
-            &mut r,
-            Submission {
-                job: JobSpec::Generate(GenerateSpec { width: 512, ..g }),
-                ..generate()
-            },
-        );
-        let plan = r.plan_dispatch(&affinity(), later(0), T);
-        assert_eq!(plan.dispatches.len(), 1);
-        assert_eq!(plan.dispatches[0].jobs, same[..3].to_vec());
-        assert!(!plan.dispatches[0].jobs.contains(&bigger));
-        // The same workload under least_loaded: one job per message.
-        assert_eq!(r.workers[&wid("a")].messages.len(), 1);
-    }
-
-    #[test]
-    fn least_loaded_dispatch_counts_at_dispatch() {
-        let mut r = Registry::default();
-        let mut s = Stream::new();
-        r.heartbeat(worker("a", 1));
-        r.heartbeat(worker("b", 2));
-        let ids: Vec<JobId> = (0..4).map(|_| s.queue(&mut r, generate())).collect();
-        let plan = r.plan_ll();
-        // Three slots in all: a gets one, b two; the fourth job waits.
-        assert_eq!(plan.len(), 3);
-        assert_eq!(plan.iter().filter(|(_, w)| w.as_str() == "a").count(), 1);
-        assert!(
-            r.plan_ll().is_empty(),
-            "pending dispatches are not repeated"
-        );
-        let (done, w) = plan[0].clone();
-        r.apply(s.ev(
-            done,
-            EventKind::Dispatched {
-                queue: "q".into(),
-                worker: Some(w),
-                batch: None,
-                term: Some(1),
-            },
-        ));
-        s.complete(&mut r, done);
-        let next = r.plan_ll();
-        assert_eq!(next.len(), 1, "a completion frees a slot");
-        assert_eq!(next[0].0, ids[3]);
-    }
-
-    #[test]
-    fn interactive_jobs_go_first_across_models() {
-        let mut r = Registry::default();
-        let mut s = Stream::new();
-        let batch = s.queue(&mut r, generate());
-        let base = s.queue(&mut r, generate());
-        s.complete(&mut r, base);
-        let interactive = s.queue(
-            &mut r,
-            Submission {
-                priority: Priority::Interactive,
-                ..edit_of(base)
-            },
-        );
-        r.heartbeat(worker("a", 1));
-        assert_eq!(r.plan_ll(), vec![(interactive, "a".parse().unwrap())]);
-        r.heartbeat(worker("b", 1));
-        assert_eq!(r.plan_ll(), vec![(batch, "b".parse().unwrap())]);
-    }
-
-    #[test]
-    fn batch_jobs_are_not_starved_by_interactive_ones() {
-        let mut r = Registry::default();
-        let mut s = Stream::new();
-        let batch: Vec<JobId> = (0..2).map(|_| s.queue(&mut r, generate())).collect();
-        let interactive = Submission {
-            priority: Priority::Interactive,
-            ..generate()
-        };
-        for _ in 0..20 {
-            s.queue(&mut r, interactive.clone());
-        }
-        r.heartbeat(worker("a", 12));
-        let plan: Vec<JobId> = r.plan_ll().into_iter().map(|(j, _)| j).collect();
-        let burst = INTERACTIVE_BURST as usize;
-        // Four interactive jobs, then the oldest batch job, four more, the next batch job, ...
-        assert_eq!(plan[burst], batch[0], "{plan:?}");
-        assert_eq!(plan[2 * burst + 1], batch[1], "{plan:?}");
-        assert_eq!(plan.len(), 12);
-        // With no batch job waiting, interactive jobs go back to back.
-        assert!(plan[2 * burst + 2..].iter().all(|j| !batch.contains(j)));
-    }
 
     #[test]
     fn first_terminal_event_wins_and_late_events_are_not_kept() {
@@ -1975,7 +363,7 @@ mod tests {
             ));
         }
         let job = r.job(id).unwrap();
-        assert_eq!(r.view(job, T).attempts, 2);
+        assert_eq!(job.attempts(), 2);
     }
 
     #[test]

@@ -17,6 +17,7 @@ use tokio::sync::{Notify, broadcast};
 use vnfarm_bus::publisher::json_properties;
 use vnfarm_bus::{PublishError, Publisher};
 use vnfarm_proto::event::SequencedEvent;
+use vnfarm_proto::http::JobState;
 use vnfarm_proto::topology::CANCEL_ROUTING_KEY;
 use vnfarm_proto::{
     CancelRequest, Event, EventKind, FailureKind, ImageRef, JobId, ModelFamily, Priority,
@@ -25,7 +26,7 @@ use vnfarm_storage::Storage;
 
 use crate::config::Config;
 use crate::metrics::{Metrics, WORKER_STATES};
-use crate::registry::{CancelRefusal, JobState, Registry};
+use crate::registry::{CancelRefusal, Registry};
 
 #[derive(Clone)]
 pub struct Scheduler(Arc<Inner>);

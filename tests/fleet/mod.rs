@@ -297,7 +297,7 @@ fn jobs_of(events: &[SequencedEvent]) -> BTreeMap<JobId, JobTimes> {
                 ..
             } => {
                 if matches!(submission.job, JobSpec::Pipeline(_)) {
-                    let derived = vnfarm_scheduler::intake::pipeline_jobs(submission, children);
+                    let derived = vnfarm_proto::pipeline_jobs(submission, children);
                     for (child, spec) in children.iter().zip(derived.into_iter().flatten()) {
                         let j = jobs.entry(*child).or_default();
                         j.kind = spec.job.kind_name();

@@ -8,31 +8,13 @@
 use axum::Json;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use schemars::JsonSchema;
-use serde::{Deserialize, Serialize};
+use vnfarm_proto::http::{ErrorBody, ErrorDetail};
 
 /// An error answered to a client. Build it with the constructor of its status.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ApiError {
     pub status: StatusCode,
     pub field: String,
-    pub message: String,
-}
-
-/// The body of every error response.
-#[derive(Debug, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct ErrorBody {
-    pub error: ErrorDetail,
-}
-
-#[derive(Debug, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct ErrorDetail {
-    /// What to fix: a dotted path into the request body (`job.width`), a query or path parameter
-    /// (`limit`, `id`), a header (`authorization`), `body`, or `.` when the request is not at fault.
-    pub field: String,
-    /// What is wrong, in words.
     pub message: String,
 }
 

@@ -181,10 +181,10 @@ mod tests {
     use tower::ServiceExt;
     use vnfarm_storage::{Storage, StorageConfig};
 
-    use crate::api::error::ErrorBody;
     use crate::api::router;
     use crate::metrics::Metrics;
     use crate::{Config, Scheduler};
+    use vnfarm_proto::http::ErrorBody;
 
     fn png(width: u32, height: u32) -> Vec<u8> {
         let img = image::RgbImage::from_fn(width, height, |x, y| image::Rgb([x as u8, y as u8, 9]));

@@ -1,5 +1,6 @@
 //! Jobs as resources: submit, list, read, cancel, and a job's images (the original route for
-//! command-line clients, and signed links for browsers).
+//! command-line clients, and signed links for browsers). A job is shown as proto's [`JobView`],
+//! built here from the registry's record, with its [`Blocker`] put in words.
 
 use std::time::Duration;
 
@@ -10,6 +11,7 @@ use axum::response::{IntoResponse, Response};
 use chrono::{DateTime, Utc};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
+use vnfarm_proto::http::{Failure, JobState, JobView, Submitted};
 use vnfarm_proto::topology::{manifest_key, output_key};
 use vnfarm_proto::{JobId, Manifest, Submission, Task, WorkerId, decode_json};
 use vnfarm_storage::StorageError;
@@ -19,21 +21,14 @@ use super::error::ApiError;
 use super::extract::{Body, Path, Query};
 use super::files::ImageLinks;
 use crate::intake::AcceptError;
-use crate::registry::{JobState, JobView};
+use crate::registry::{Blocker, JobRecord, Registry};
 use crate::scheduler::CancelError;
-
-/// The answer to an accepted submission.
-#[derive(Debug, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct Submitted {
-    pub job_id: JobId,
-}
 
 /// A job the registry holds, with links to its images.
 #[derive(Debug, Serialize, JsonSchema)]
-pub struct Job<'a> {
+pub struct Job {
     #[serde(flatten)]
-    pub view: JobView<'a>,
+    pub view: JobView,
     /// One per output, in order: signed URLs a browser may fetch without the token.
     pub images: Vec<ImageLinks>,
 }
@@ -56,17 +51,19 @@ pub struct ArchivedJob {
 }
 
 /// `GET /v1/jobs/{id}`: a job the registry holds, or an archived one.
+// Built once per request and encoded at once: the size of its variants does not matter.
+#[expect(clippy::large_enum_variant)]
 #[derive(Debug, Serialize, JsonSchema)]
 #[serde(untagged)]
-pub enum JobResource<'a> {
-    Live(Job<'a>),
+pub enum JobResource {
+    Live(Job),
     Archived(ArchivedJob),
 }
 
 #[derive(Debug, Serialize, JsonSchema)]
-pub struct JobList<'a> {
+pub struct JobList {
     /// Newest first.
-    pub jobs: Vec<Job<'a>>,
+    pub jobs: Vec<Job>,
 }
 
 /// The answer to a cancel request: the job stops between steps and reports `cancelled`.
@@ -91,6 +88,66 @@ pub struct ListQuery {
     /// Include the jobs of pipelines (default: only top-level jobs).
     #[serde(default)]
     pub all: bool,
+}
+
+/// A job as the API shows it, with why it is not moving in words.
+pub fn view(reg: &Registry, job: &JobRecord, heartbeat_timeout: Duration) -> JobView {
+    JobView {
+        id: job.id(),
+        kind: job.kind().to_owned(),
+        state: job.state(),
+        priority: job.priority(),
+        parent: job.parent(),
+        children: job.children().to_vec(),
+        created_at: job.created_at(),
+        updated_at: job.updated_at(),
+        worker: job.worker().cloned(),
+        dispatches: job.dispatches(),
+        attempts: job.attempts(),
+        progress: job.progress().cloned(),
+        outputs: job.outputs().to_vec(),
+        manifest: job.manifest().map(str::to_owned),
+        failure: job.failure().cloned(),
+        waiting_for: reg
+            .blocker(job, heartbeat_timeout)
+            .map(|b| waiting_for(&b, job.failure())),
+        submission: job.submission().cloned(),
+    }
+}
+
+/// A blocker in words, for people reading a job.
+fn waiting_for(blocker: &Blocker, failure: Option<&Failure>) -> String {
+    match blocker {
+        Blocker::Retrying => format!(
+            "a transient failure ({}); it runs again",
+            failure.map_or("", |f| f.message.as_str())
+        ),
+        Blocker::Starting(Some(w)) => format!("sent to worker {w}; waiting for it to start"),
+        Blocker::Starting(None) => "sent to a worker; waiting for it to start".into(),
+        Blocker::PipelineJobs => "its pipeline's jobs to finish".into(),
+        Blocker::Cancelling => "cancelling".into(),
+        Blocker::BeingDispatched => "being dispatched".into(),
+        Blocker::Inputs(jobs) => format!(
+            "input job {} to complete",
+            jobs.iter()
+                .map(JobId::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+        Blocker::NoWorker(route) => {
+            format!("no live worker serves {route}; it runs when one does")
+        }
+        Blocker::Holders(workers) => format!(
+            "worker {} to free a slot: it holds this input's encodings (for a while, then any \
+             worker)",
+            workers
+                .iter()
+                .map(WorkerId::to_string)
+                .collect::<Vec<_>>()
+                .join(" or ")
+        ),
+        Blocker::FreeSlot => "a free worker slot".into(),
+    }
 }
 
 /// A job id from the path, or 400 naming `id`.
@@ -129,13 +186,14 @@ pub async fn submit(State(api): State<Api>, Body(body): Body) -> Result<Response
 
 pub async fn get_job(State(api): State<Api>, Path(id): Path<String>) -> Result<Response, ApiError> {
     let id = parse_id(&id)?;
-    {
+    let view = {
         let reg = api.scheduler.registry();
-        if let Some(job) = reg.job(id) {
-            let view = reg.view(job, api.scheduler.heartbeat_timeout());
-            let images = api.image_links(view.outputs);
-            return Ok(Json(JobResource::Live(Job { view, images })).into_response());
-        }
+        reg.job(id)
+            .map(|job| view(&reg, job, api.scheduler.heartbeat_timeout()))
+    };
+    if let Some(view) = view {
+        let images = api.image_links(&view.outputs);
+        return Ok(Json(JobResource::Live(Job { view, images })).into_response());
     }
     archived_job(&api, id)
         .await
@@ -201,17 +259,21 @@ pub async fn list_jobs(
     }
     let limit = q.limit.unwrap_or(100).min(1000);
     let timeout = api.scheduler.heartbeat_timeout();
-    let reg = api.scheduler.registry();
-    let jobs: Vec<Job<'_>> = reg
-        .jobs_newest_first()
-        .filter(|j| q.all || j.parent().is_none())
-        .filter(|j| state.is_none_or(|st| j.state() == st))
-        .filter(|j| q.kind.as_deref().is_none_or(|k| j.kind() == k))
-        .take(limit)
-        .map(|j| {
-            let view = reg.view(j, timeout);
-            let images = api.image_links(view.outputs);
-            Job { view, images }
+    let views: Vec<JobView> = {
+        let reg = api.scheduler.registry();
+        reg.jobs_newest_first()
+            .filter(|j| q.all || j.parent().is_none())
+            .filter(|j| state.is_none_or(|st| j.state() == st))
+            .filter(|j| q.kind.as_deref().is_none_or(|k| j.kind() == k))
+            .take(limit)
+            .map(|j| view(&reg, j, timeout))
+            .collect()
+    };
+    let jobs = views
+        .into_iter()
+        .map(|view| Job {
+            images: api.image_links(&view.outputs),
+            view,
         })
         .collect();
     Ok(Json(JobList { jobs }).into_response())
@@ -256,5 +318,31 @@ pub async fn output(
             api.scheduler.metrics.storage_error("get", &e);
             Err(ApiError::unavailable(e.to_string()))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use vnfarm_proto::ModelFamily;
+
+    use super::*;
+    use crate::registry::Route;
+
+    #[test]
+    fn a_blocker_reads_as_what_the_job_waits_for() {
+        let route = Route {
+            model: ModelFamily::Sdxl,
+            checkpoint: Some("novaAnimeXL".into()),
+        };
+        assert_eq!(
+            waiting_for(&Blocker::NoWorker(route), None),
+            "no live worker serves sdxl checkpoint novaAnimeXL; it runs when one does"
+        );
+        let holders = Blocker::Holders(vec!["a".parse().unwrap(), "b".parse().unwrap()]);
+        assert!(
+            waiting_for(&holders, None).starts_with("worker a or b to free a slot"),
+            "{}",
+            waiting_for(&holders, None)
+        );
     }
 }

@@ -18,8 +18,8 @@ use schemars::generate::{Contract, SchemaSettings};
 use schemars::{JsonSchema, Schema, SchemaGenerator};
 use serde_json::{Map, Value, json};
 
-use super::error::ErrorBody;
 use super::{Access, Content, Operation, Param};
+use vnfarm_proto::http::ErrorBody;
 
 /// A schema of `T` from the generator of its direction (a `$ref` into the components for named
 /// types).

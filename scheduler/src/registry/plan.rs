@@ -166,7 +166,7 @@ impl Registry {
         if config.policy == Policy::Affinity && config.max_batch > 1 {
             plan.yields = self.plan_yields(heartbeat_timeout);
         }
-        if let Some(&(until, _)) = self.holds.first() {
+        if let Some(&(until, _)) = self.jobs.holds().first() {
             plan.wake(until);
         }
         plan
@@ -180,7 +180,7 @@ impl Registry {
     /// move); at most one yield is outstanding per waiting interactive job.
     fn plan_yields(&mut self, timeout: Duration) -> Vec<Yield> {
         let mut yields = Vec::new();
-        for (route, ready) in &self.ready {
+        for (route, ready) in self.jobs.ready() {
             let waiting = ready.iter().take_while(|(rank, _)| *rank == 0).count();
             if waiting == 0 || self.workers.values().any(|w| w.can_take(route, timeout)) {
                 continue;
@@ -239,7 +239,7 @@ impl Registry {
 
     /// Held jobs whose wait is over go back to the ready index, not to be held again.
     fn release_holds(&mut self, now: Instant) {
-        while let Some(&(until, id)) = self.holds.first() {
+        while let Some(&(until, id)) = self.jobs.holds().first() {
             if until > now {
                 break;
             }
@@ -258,7 +258,7 @@ impl Registry {
             return false;
         }
         // A job whose holder is free waits only for its coalescing window: not released.
-        let found = self.holds.iter().map(|&(_, id)| id).find(|id| {
+        let found = self.jobs.holds().iter().map(|&(_, id)| id).find(|id| {
             let job = &self.jobs[id];
             let Some(route) = job.route() else {
                 return false;
@@ -289,7 +289,7 @@ impl Registry {
     /// batch work was among the candidates (for starvation freedom).
     fn next_head(&self, timeout: Duration) -> Option<(JobId, Route, bool)> {
         let mut candidates: Vec<((u8, JobId), &Route)> = Vec::new();
-        for (route, ready) in &self.ready {
+        for (route, ready) in self.jobs.ready() {
             let heads = [
                 ready.first().filter(|(rank, _)| *rank == 0),
                 ready.range((1, JobId(uuid::Uuid::nil()))..).next(),
@@ -327,7 +327,7 @@ impl Registry {
         free.sort_by_key(|w| (w.load(), w.id.clone()));
         for w in free {
             for key in w.keys.keys() {
-                let Some(group) = self.groups.get(key) else {
+                let Some(group) = self.jobs.group(key) else {
                     continue;
                 };
                 let Some(&(_, first)) = group.first() else {
@@ -346,7 +346,7 @@ impl Registry {
                     continue;
                 }
                 let max = config.max_batch.min(w.max_batch()) as usize;
-                let since = self.waiting_since.get(&first).copied().unwrap_or(now);
+                let since = self.jobs.waiting_since(&first).unwrap_or(now);
                 if group.len() < max && since + window > now {
                     plan.wake(since + window);
                     continue;
@@ -363,7 +363,7 @@ impl Registry {
 
     /// Whether an interactive job waits in the ready index for a route this worker serves.
     fn interactive_waits_for(&self, w: &WorkerRecord, timeout: Duration) -> bool {
-        self.ready.iter().any(|(route, ready)| {
+        self.jobs.ready().iter().any(|(route, ready)| {
             ready.first().is_some_and(|(rank, _)| *rank == 0) && w.serves(route, timeout)
         })
     }
@@ -413,7 +413,7 @@ impl Registry {
                 let Some(key) = job.group_key() else {
                     return single(fallback, Decision::LeastLoaded);
                 };
-                let group_len = self.groups.get(&key).map_or(1, |g| g.len());
+                let group_len = self.jobs.group(&key).map_or(1, |g| g.len());
                 let (worker, decision) = if route.model == ModelFamily::QwenEdit {
                     let holders: Vec<&WorkerRecord> = self
                         .workers
@@ -436,7 +436,7 @@ impl Registry {
                         // wait for it.
                         (w.id.clone(), Decision::AffinityHit)
                     } else if balanced && !hot && !interactive && !job.local.hold_expired {
-                        let since = self.waiting_since.get(&id).copied().unwrap_or(now);
+                        let since = self.jobs.waiting_since(&id).unwrap_or(now);
                         let until = since + Duration::from_millis(config.affinity_wait_ms);
                         return Placement::Hold(until.max(now + Duration::from_millis(1)));
                     } else {
@@ -466,7 +466,7 @@ impl Registry {
                     .min(self.workers[&worker].max_batch())
                     .max(1) as usize;
                 let mut jobs = vec![id];
-                if let Some(group) = self.groups.get(&key) {
+                if let Some(group) = self.jobs.group(&key) {
                     let lead_rank = self.jobs[&id].rank().0;
                     jobs.extend(
                         companions(group, lead_rank)
@@ -526,12 +526,409 @@ impl Registry {
     /// Undoes a planned dispatch that could not be published.
     pub fn dispatch_failed(&mut self, job: JobId, worker: &WorkerId) {
         self.worker_mut(worker).unassign(job);
-        if self.jobs.contains_key(&job) {
-            self.set_local(job, |l| l.dispatch_pending = false);
-            // Cancelled while its dispatch was pending: nobody else will report it.
-            if self.jobs[&job].local.cancel_requested {
-                self.owed.insert(job);
-            }
+        let cancelled = self.jobs.update(job, |j| {
+            j.local.dispatch_pending = false;
+            j.local.cancel_requested
+        });
+        // Cancelled while its dispatch was pending: nobody else will report it.
+        if cancelled == Some(true) {
+            self.owed.insert(job);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use vnfarm_proto::{EventKind, GenerateSpec, Heartbeat, JobSpec, Priority, Submission};
+
+    use super::*;
+    use crate::registry::Blocker;
+    use crate::registry::testing::*;
+    use vnfarm_proto::http::JobState;
+
+    #[test]
+    fn edits_of_a_base_go_as_one_batch_to_the_worker_that_made_it() {
+        let mut r = Registry::default();
+        let mut s = Stream::new();
+        for w in ["a", "b", "c"] {
+            r.heartbeat(batching_worker(w, 1, 8));
+        }
+        let base = s.queue(&mut r, generate());
+        let edits: Vec<JobId> = (0..5).map(|_| s.queue(&mut r, edit_of(base))).collect();
+        let plan = r.plan_dispatch(&affinity(), later(0), T);
+        assert_eq!(plan.dispatches.len(), 1, "only the base can run");
+        s.dispatched(&mut r, &plan.dispatches[0]);
+        s.completed_on(&mut r, base, "b");
+        // Inside the coalescing window nothing goes yet, and the plan says when to look again.
+        let plan = r.plan_dispatch(&affinity(), later(0), T);
+        assert!(plan.dispatches.is_empty(), "{plan:?}");
+        assert!(plan.wake_at.is_some());
+        let plan = r.plan_dispatch(&affinity(), later(60), T);
+        assert_eq!(plan.dispatches.len(), 1, "{plan:?}");
+        let d = &plan.dispatches[0];
+        assert_eq!(d.worker.as_str(), "b");
+        assert_eq!(d.decision, Decision::AffinityHit);
+        assert_eq!(d.jobs, edits, "one message, oldest first");
+        // Their dispatched events keep the worker's one slot taken by the one message.
+        s.dispatched(&mut r, d);
+        assert_eq!(r.workers[&wid("b")].messages.len(), 1);
+        assert_eq!(r.workers[&wid("b")].load(), 5);
+    }
+
+    /// Worker `a` made `base` (so it holds the base's encodings) and is now busy with another
+    /// job; worker `b` has just joined, free. Both take `max_batch` jobs per message.
+    fn busy_holder(max_batch: u32) -> (Registry, Stream, JobId) {
+        let mut r = Registry::default();
+        let mut s = Stream::new();
+        r.heartbeat(batching_worker("a", 1, max_batch));
+        let base = s.queue(&mut r, generate());
+        let plan = r.plan_dispatch(&affinity(), later(0), T);
+        s.dispatched(&mut r, &plan.dispatches[0]);
+        s.completed_on(&mut r, base, "a");
+        let other = s.queue(&mut r, generate());
+        let plan = r.plan_dispatch(&affinity(), later(0), T);
+        assert_eq!(plan.dispatches[0].jobs, vec![other]);
+        s.dispatched(&mut r, &plan.dispatches[0]);
+        r.heartbeat(batching_worker("b", 1, max_batch));
+        (r, s, base)
+    }
+
+    #[test]
+    fn an_edit_waits_for_its_busy_holder_while_others_have_work_then_goes_elsewhere() {
+        let (mut r, mut s, base) = busy_holder(8);
+        let edit = s.queue(&mut r, edit_of(base));
+        let other = s.queue(&mut r, generate());
+        let plan = r.plan_dispatch(&affinity(), later(0), T);
+        assert_eq!(plan.dispatches.len(), 1, "{plan:?}");
+        assert_eq!(
+            plan.dispatches[0].jobs,
+            vec![other],
+            "b takes other work; a holds the edit's input"
+        );
+        s.dispatched(&mut r, &plan.dispatches[0]);
+        assert!(plan.wake_at.is_some_and(|w| w > later(500)));
+        assert_eq!(
+            r.blocker(r.job(edit).unwrap(), T),
+            Some(Blocker::Holders(vec![wid("a")]))
+        );
+        // Past `affinity_wait_ms` a newly free worker takes it before younger work.
+        let younger = s.queue(&mut r, generate());
+        r.heartbeat(batching_worker("c", 1, 8));
+        let plan = r.plan_dispatch(&affinity(), later(1_100), T);
+        assert_eq!(plan.dispatches.len(), 1, "{plan:?}");
+        let d = &plan.dispatches[0];
+        assert_eq!((d.worker.as_str(), d.jobs.as_slice()), ("c", &[edit][..]));
+        assert_eq!(d.decision, Decision::AffinityWaitExpired);
+        assert_eq!(r.job(younger).unwrap().state, JobState::Queued);
+    }
+
+    #[test]
+    fn a_held_edit_goes_to_a_worker_that_would_otherwise_idle() {
+        let (mut r, mut s, base) = busy_holder(8);
+        s.queue(&mut r, edit_of(base));
+        let plan = r.plan_dispatch(&affinity(), later(0), T);
+        assert_eq!(plan.dispatches.len(), 1, "{plan:?}");
+        let d = &plan.dispatches[0];
+        assert_eq!(
+            (d.worker.as_str(), d.decision),
+            ("b", Decision::AffinityIdle)
+        );
+    }
+
+    #[test]
+    fn an_interactive_edit_is_not_held_and_travels_without_batch_work() {
+        let (mut r, mut s, base) = busy_holder(8);
+        let batch = s.queue(&mut r, edit_of(base));
+        let interactive = s.queue(
+            &mut r,
+            Submission {
+                priority: Priority::Interactive,
+                ..edit_of(base)
+            },
+        );
+        s.queue(&mut r, generate());
+        let plan = r.plan_dispatch(&affinity(), later(0), T);
+        let d = &plan.dispatches[0];
+        assert_eq!(
+            (d.worker.as_str(), d.decision, d.jobs.as_slice()),
+            ("b", Decision::AffinityInteractive, &[interactive][..]),
+            "{plan:?}"
+        );
+        assert_eq!(r.job(batch).unwrap().state, JobState::Queued);
+    }
+
+    #[test]
+    fn interactive_work_with_no_free_worker_asks_a_batch_message_back_once() {
+        let mut r = Registry::default();
+        let mut s = Stream::new();
+        r.heartbeat(batching_worker("a", 1, 8));
+        let base = s.queue(&mut r, generate());
+        let plan = r.plan_dispatch(&affinity(), later(0), T);
+        s.dispatched(&mut r, &plan.dispatches[0]);
+        s.completed_on(&mut r, base, "a");
+        // a takes five edits of its image in one message; b one generate.
+        let edits: Vec<JobId> = (0..5).map(|_| s.queue(&mut r, edit_of(base))).collect();
+        let plan = r.plan_dispatch(&affinity(), later(100), T);
+        assert_eq!(plan.dispatches[0].jobs, edits, "{plan:?}");
+        s.dispatched(&mut r, &plan.dispatches[0]);
+        r.heartbeat(batching_worker("b", 1, 8));
+        s.queue(&mut r, generate());
+        let plan = r.plan_dispatch(&affinity(), later(100), T);
+        s.dispatched(&mut r, &plan.dispatches[0]);
+        assert!(
+            plan.yields.is_empty(),
+            "no interactive work waits: {plan:?}"
+        );
+
+        let interactive = s.queue(
+            &mut r,
+            Submission {
+                priority: Priority::Interactive,
+                ..generate()
+            },
+        );
+        let plan = r.plan_dispatch(&affinity(), later(100), T);
+        assert!(plan.dispatches.is_empty(), "{plan:?}");
+        assert_eq!(
+            plan.yields,
+            vec![Yield {
+                worker: wid("a"),
+                jobs: edits
+                    .iter()
+                    .copied()
+                    .collect::<std::collections::BTreeSet<_>>()
+                    .into_iter()
+                    .collect(),
+            }],
+            "a's message has jobs to give back; b's single job has none"
+        );
+        let again = r.plan_dispatch(&affinity(), later(100), T);
+        assert!(
+            again.yields.is_empty(),
+            "one yield per waiting job: {again:?}"
+        );
+        // With the least-loaded policy (one job per message) there is nothing to ask back.
+        let plain = DispatchConfig {
+            max_batch: 1,
+            ..affinity()
+        };
+        assert!(r.plan_dispatch(&plain, later(100), T).yields.is_empty());
+
+        // a finishes the edit on its engine and gives the rest back: the interactive job goes to
+        // a first, the edits wait for it (their holder), and the yield did not count as a dispatch.
+        s.completed_on(&mut r, edits[0], "a");
+        for &e in &edits[1..] {
+            r.apply(s.ev(
+                e,
+                EventKind::Requeued {
+                    reason: vnfarm_proto::event::YIELDED_REASON.into(),
+                },
+            ));
+            assert_eq!(r.job(e).unwrap().dispatches(), 0);
+        }
+        let plan = r.plan_dispatch(&affinity(), later(200), T);
+        assert_eq!(plan.dispatches.len(), 1, "{plan:?}");
+        assert_eq!(
+            (
+                plan.dispatches[0].worker.as_str(),
+                plan.dispatches[0].jobs.as_slice()
+            ),
+            ("a", &[interactive][..])
+        );
+        s.dispatched(&mut r, &plan.dispatches[0]);
+        s.completed_on(&mut r, interactive, "a");
+        let plan = r.plan_dispatch(&affinity(), later(300), T);
+        assert_eq!(
+            (
+                plan.dispatches[0].worker.as_str(),
+                plan.dispatches[0].decision,
+                plan.dispatches[0].jobs.len()
+            ),
+            ("a", Decision::AffinityHit, 4),
+            "{plan:?}"
+        );
+    }
+
+    #[test]
+    fn a_hot_input_spills_to_a_second_worker_and_batches_stay_within_limits() {
+        let (mut r, mut s, base) = busy_holder(4);
+        // Six edits of a's input (spill_after) while a is busy: b takes some at once.
+        for _ in 0..6 {
+            s.queue(&mut r, edit_of(base));
+        }
+        let plan = r.plan_dispatch(&affinity(), later(0), T);
+        assert_eq!(plan.dispatches.len(), 1, "{plan:?}");
+        let d = &plan.dispatches[0];
+        assert_eq!(
+            (d.worker.as_str(), d.decision),
+            ("b", Decision::AffinitySpill)
+        );
+        assert_eq!(d.jobs.len(), 4, "the worker's own max_batch");
+    }
+
+    #[test]
+    fn a_job_naming_a_checkpoint_goes_only_to_a_worker_holding_it() {
+        let mut r = Registry::default();
+        let mut s = Stream::new();
+        r.heartbeat(worker("plain", 4));
+        let named = |c: &str| {
+            let JobSpec::Generate(g) = generate().job else {
+                unreachable!()
+            };
+            Submission {
+                job: JobSpec::Generate(GenerateSpec {
+                    checkpoint: Some(c.into()),
+                    ..g
+                }),
+                ..generate()
+            }
+        };
+        let job = s.queue(&mut r, named("novaAnimeXL"));
+        for policy in [Policy::Affinity, Policy::LeastLoaded, Policy::RoundRobin] {
+            let config = DispatchConfig {
+                policy,
+                ..affinity()
+            };
+            assert!(r.plan_dispatch(&config, later(0), T).dispatches.is_empty());
+        }
+        assert_eq!(
+            r.blocker(r.job(job).unwrap(), T),
+            Some(Blocker::NoWorker(Route {
+                model: ModelFamily::Sdxl,
+                checkpoint: Some("novaAnimeXL".into()),
+            }))
+        );
+        r.heartbeat(Heartbeat {
+            checkpoints: vec!["novaAnimeXL".into()],
+            ..worker("nova", 1)
+        });
+        let plan = r.plan_dispatch(&affinity(), later(0), T);
+        assert_eq!(plan.dispatches.len(), 1);
+        assert_eq!(plan.dispatches[0].worker.as_str(), "nova");
+        // A job naming no checkpoint may go to either.
+        s.queue(&mut r, generate());
+        let plan = r.plan_dispatch(&affinity(), later(0), T);
+        assert_eq!(plan.dispatches[0].worker.as_str(), "plain");
+    }
+
+    #[test]
+    fn round_robin_takes_workers_in_turn_and_least_loaded_by_load() {
+        let mut r = Registry::default();
+        let mut s = Stream::new();
+        for w in ["a", "b", "c"] {
+            r.heartbeat(worker(w, 4));
+        }
+        for _ in 0..6 {
+            s.queue(&mut r, generate());
+        }
+        let config = DispatchConfig {
+            policy: Policy::RoundRobin,
+            ..affinity()
+        };
+        let order: Vec<String> = r
+            .plan_dispatch(&config, later(0), T)
+            .dispatches
+            .iter()
+            .map(|d| d.worker.to_string())
+            .collect();
+        assert_eq!(order, ["a", "b", "c", "a", "b", "c"]);
+    }
+
+    #[test]
+    fn compatible_generates_share_a_message_with_a_batching_worker() {
+        let mut r = Registry::default();
+        let mut s = Stream::new();
+        r.heartbeat(batching_worker("a", 1, 3));
+        let same: Vec<JobId> = (0..4).map(|_| s.queue(&mut r, generate())).collect();
+        let JobSpec::Generate(g) = generate().job else {
+            unreachable!()
+        };
+        let bigger = s.queue(
+            &mut r,
+            Submission {
+                job: JobSpec::Generate(GenerateSpec { width: 512, ..g }),
+                ..generate()
+            },
+        );
+        let plan = r.plan_dispatch(&affinity(), later(0), T);
+        assert_eq!(plan.dispatches.len(), 1);
+        assert_eq!(plan.dispatches[0].jobs, same[..3].to_vec());
+        assert!(!plan.dispatches[0].jobs.contains(&bigger));
+        // The same workload under least_loaded: one job per message.
+        assert_eq!(r.workers[&wid("a")].messages.len(), 1);
+    }
+
+    #[test]
+    fn least_loaded_dispatch_counts_at_dispatch() {
+        let mut r = Registry::default();
+        let mut s = Stream::new();
+        r.heartbeat(worker("a", 1));
+        r.heartbeat(worker("b", 2));
+        let ids: Vec<JobId> = (0..4).map(|_| s.queue(&mut r, generate())).collect();
+        let plan = r.plan_ll();
+        // Three slots in all: a gets one, b two; the fourth job waits.
+        assert_eq!(plan.len(), 3);
+        assert_eq!(plan.iter().filter(|(_, w)| w.as_str() == "a").count(), 1);
+        assert!(
+            r.plan_ll().is_empty(),
+            "pending dispatches are not repeated"
+        );
+        let (done, w) = plan[0].clone();
+        r.apply(s.ev(
+            done,
+            EventKind::Dispatched {
+                queue: "q".into(),
+                worker: Some(w),
+                batch: None,
+                term: Some(1),
+            },
+        ));
+        s.complete(&mut r, done);
+        let next = r.plan_ll();
+        assert_eq!(next.len(), 1, "a completion frees a slot");
+        assert_eq!(next[0].0, ids[3]);
+    }
+
+    #[test]
+    fn interactive_jobs_go_first_across_models() {
+        let mut r = Registry::default();
+        let mut s = Stream::new();
+        let batch = s.queue(&mut r, generate());
+        let base = s.queue(&mut r, generate());
+        s.complete(&mut r, base);
+        let interactive = s.queue(
+            &mut r,
+            Submission {
+                priority: Priority::Interactive,
+                ..edit_of(base)
+            },
+        );
+        r.heartbeat(worker("a", 1));
+        assert_eq!(r.plan_ll(), vec![(interactive, "a".parse().unwrap())]);
+        r.heartbeat(worker("b", 1));
+        assert_eq!(r.plan_ll(), vec![(batch, "b".parse().unwrap())]);
+    }
+
+    #[test]
+    fn batch_jobs_are_not_starved_by_interactive_ones() {
+        let mut r = Registry::default();
+        let mut s = Stream::new();
+        let batch: Vec<JobId> = (0..2).map(|_| s.queue(&mut r, generate())).collect();
+        let interactive = Submission {
+            priority: Priority::Interactive,
+            ..generate()
+        };
+        for _ in 0..20 {
+            s.queue(&mut r, interactive.clone());
+        }
+        r.heartbeat(worker("a", 12));
+        let plan: Vec<JobId> = r.plan_ll().into_iter().map(|(j, _)| j).collect();
+        let burst = INTERACTIVE_BURST as usize;
+        // Four interactive jobs, then the oldest batch job, four more, the next batch job, ...
+        assert_eq!(plan[burst], batch[0], "{plan:?}");
+        assert_eq!(plan[2 * burst + 1], batch[1], "{plan:?}");
+        assert_eq!(plan.len(), 12);
+        // With no batch job waiting, interactive jobs go back to back.
+        assert!(plan[2 * burst + 2..].iter().all(|j| !batch.contains(j)));
     }
 }

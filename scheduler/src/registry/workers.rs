@@ -189,3 +189,52 @@ impl WorkerRecord {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::registry::testing::worker;
+
+    #[test]
+    fn a_messages_slot_frees_with_its_last_job() {
+        let mut w = WorkerRecord::new("a".parse().unwrap());
+        w.heartbeat(worker("a", 1), Instant::now());
+        let (lead, other) = (JobId::new(), JobId::new());
+        w.assign(lead, lead);
+        w.assign(other, lead);
+        assert!(!w.has_slot(), "one message takes the one slot");
+        assert_eq!(w.load(), 2);
+        w.unassign(lead);
+        assert!(!w.has_slot(), "its other job is still on the worker");
+        w.unassign(other);
+        assert!(w.has_slot());
+        assert_eq!(w.load(), 0);
+    }
+
+    #[test]
+    fn a_job_assigned_again_leaves_its_old_message() {
+        let mut w = WorkerRecord::new("a".parse().unwrap());
+        w.heartbeat(worker("a", 2), Instant::now());
+        let (job, first, second) = (JobId::new(), JobId::new(), JobId::new());
+        w.assign(job, first);
+        w.assign(job, second);
+        assert_eq!(w.load(), 1);
+        assert_eq!(w.messages.len(), 1, "{:?}", w.messages);
+        assert_eq!(w.jobs_of(second).collect::<Vec<_>>(), [job]);
+    }
+
+    #[test]
+    fn a_key_the_worker_stops_listing_is_forgotten_after_its_grace() {
+        let mut w = WorkerRecord::new("a".parse().unwrap());
+        let now = Instant::now();
+        let listing = Heartbeat {
+            encode_cache: vec!["qwen_edit:k".into()],
+            ..worker("a", 1)
+        };
+        w.heartbeat(listing, now);
+        w.heartbeat(worker("a", 1), now + KEY_GRACE / 2);
+        assert!(w.holds("qwen_edit:k"), "within its grace");
+        w.heartbeat(worker("a", 1), now + KEY_GRACE);
+        assert!(!w.holds("qwen_edit:k"));
+    }
+}

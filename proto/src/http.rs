@@ -1,0 +1,187 @@
+//! The HTTP API's contract (DESIGN §7a): the job view, job states, the worker view and the one
+//! error body. The scheduler encodes these types and its clients (the command line, the tests)
+//! decode them. A reader ignores fields it does not know and reads a job state it does not know
+//! as [`JobState::Unknown`], so a newer scheduler still serves an older client.
+
+use chrono::{DateTime, Utc};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::{FailureKind, Heartbeat, JobId, Priority, Submission, WorkerId};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum JobState {
+    Queued,
+    Dispatched,
+    Running,
+    /// A worker failed it transiently; it will run again.
+    Retrying,
+    Completed,
+    Failed,
+    Cancelled,
+    /// A state a newer scheduler added, read by this build; treated as unfinished. This build's
+    /// scheduler never writes it (nor does the API document it).
+    #[serde(other)]
+    #[schemars(skip)]
+    Unknown,
+}
+
+impl JobState {
+    /// The states this build's scheduler puts jobs in.
+    pub const ALL: [JobState; 7] = [
+        JobState::Queued,
+        JobState::Dispatched,
+        JobState::Running,
+        JobState::Retrying,
+        JobState::Completed,
+        JobState::Failed,
+        JobState::Cancelled,
+    ];
+
+    pub fn is_terminal(self) -> bool {
+        match self {
+            JobState::Completed | JobState::Failed | JobState::Cancelled => true,
+            JobState::Queued
+            | JobState::Dispatched
+            | JobState::Running
+            | JobState::Retrying
+            | JobState::Unknown => false,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobState::Queued => "queued",
+            JobState::Dispatched => "dispatched",
+            JobState::Running => "running",
+            JobState::Retrying => "retrying",
+            JobState::Completed => "completed",
+            JobState::Failed => "failed",
+            JobState::Cancelled => "cancelled",
+            JobState::Unknown => "unknown",
+        }
+    }
+
+    /// One of [`JobState::ALL`] by its name.
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|st| st.as_str() == s)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Failure {
+    pub kind: FailureKind,
+    pub message: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Progress {
+    pub step: u32,
+    pub total: u32,
+}
+
+/// A job as the HTTP API shows it.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct JobView {
+    pub id: JobId,
+    pub kind: String,
+    pub state: JobState,
+    pub priority: Priority,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<JobId>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub children: Vec<JobId>,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+    pub worker: Option<WorkerId>,
+    pub dispatches: u32,
+    /// Runs started, on any worker.
+    pub attempts: u32,
+    pub progress: Option<Progress>,
+    pub outputs: Vec<String>,
+    pub manifest: Option<String>,
+    pub failure: Option<Failure>,
+    /// Why a job that is not finished is not moving, in words.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waiting_for: Option<String>,
+    pub submission: Option<Submission>,
+}
+
+impl JobView {
+    pub fn is_pipeline(&self) -> bool {
+        self.kind == "pipeline"
+    }
+}
+
+/// The answer to an accepted submission.
+#[derive(Debug, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Submitted {
+    pub job_id: JobId,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct Fleet {
+    pub workers: Vec<Worker>,
+}
+
+/// One worker and its last heartbeat.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct Worker {
+    pub id: WorkerId,
+    /// Heard from within the heartbeat timeout.
+    pub alive: bool,
+    /// `ready`, `warming`, `draining` or `gone` (silent past the heartbeat timeout).
+    pub state: String,
+    /// Jobs the scheduler sent it that have not finished.
+    pub assigned: Vec<JobId>,
+    pub heartbeat: Option<Heartbeat>,
+    pub seconds_since_heartbeat: Option<f64>,
+}
+
+/// The body of every error response.
+#[derive(Debug, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+#[derive(Debug, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ErrorDetail {
+    /// What to fix: a dotted path into the request body (`job.width`), a query or path parameter
+    /// (`limit`, `id`), a header (`authorization`), `body`, or `.` when the request is not at fault.
+    pub field: String,
+    /// What is wrong, in words.
+    pub message: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_job_state_a_newer_scheduler_added_reads_as_unknown() {
+        let state: JobState = serde_json::from_str(r#""paused""#).unwrap();
+        assert_eq!(state, JobState::Unknown);
+        assert!(!state.is_terminal());
+        for known in JobState::ALL {
+            let json = serde_json::to_string(&known).unwrap();
+            assert_eq!(json, format!("\"{}\"", known.as_str()));
+            assert_eq!(serde_json::from_str::<JobState>(&json).unwrap(), known);
+        }
+    }
+
+    #[test]
+    fn the_documented_states_are_the_ones_the_scheduler_writes() {
+        let schema = serde_json::to_string(&schemars::schema_for!(JobState)).unwrap();
+        assert!(!schema.contains("unknown"), "{schema}");
+        for known in JobState::ALL {
+            assert!(
+                schema.contains(&format!("\"{}\"", known.as_str())),
+                "{schema}"
+            );
+        }
+    }
+}
