@@ -184,4 +184,38 @@ mod tests {
             );
         }
     }
+
+    /// The scheduler's answer decodes as the view it encoded (the command line reads it so).
+    #[test]
+    fn a_job_view_decodes_as_it_was_encoded() {
+        let submission: Submission = crate::decode_json(
+            br#"{"schema_version": 1, "job": {"kind": "pipeline", "base": {"prompt": "x"},
+                "edits": [{"instruction": "smile"}]}}"#,
+        )
+        .unwrap();
+        let view = JobView {
+            id: JobId::new(),
+            kind: "pipeline".into(),
+            state: JobState::Queued,
+            priority: Priority::Batch,
+            parent: None,
+            children: vec![],
+            created_at: Utc::now(),
+            updated_at: Utc::now(),
+            worker: None,
+            dispatches: 0,
+            attempts: 0,
+            progress: None,
+            outputs: vec![],
+            manifest: None,
+            failure: None,
+            waiting_for: None,
+            submission: Some(submission),
+        };
+        let json = serde_json::to_value(&view).unwrap();
+        assert!(json.get("children").is_none() && json.get("parent").is_none());
+        let back: JobView = serde_json::from_value(json).unwrap();
+        assert_eq!(back.submission, view.submission);
+        assert_eq!((back.id, back.state), (view.id, view.state));
+    }
 }

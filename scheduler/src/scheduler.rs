@@ -27,6 +27,7 @@ use vnfarm_storage::Storage;
 use crate::config::Config;
 use crate::metrics::{Metrics, WORKER_STATES};
 use crate::registry::{CancelRefusal, Registry};
+use crate::snapshot::SnapshotDue;
 
 #[derive(Clone)]
 pub struct Scheduler(Arc<Inner>);
@@ -55,9 +56,8 @@ pub struct Inner {
     /// The current term's number while this scheduler leads: the stream offset of the marker its
     /// term began with, so a later term always has a larger one (0: none yet).
     term: AtomicU64,
-    /// Events applied since the last snapshot was written.
-    pub(crate) since_snapshot: AtomicU64,
-    pub(crate) last_snapshot: Mutex<Option<std::time::Instant>>,
+    /// When the next snapshot is due (the snapshot writer's state, see [`crate::snapshot`]).
+    pub(crate) snapshot_due: SnapshotDue,
     /// Cancelled at shutdown; long-lived HTTP streams end on it.
     pub shutdown: tokio_util::sync::CancellationToken,
 }
@@ -105,8 +105,7 @@ impl Scheduler {
             active: AtomicBool::new(false),
             markers: Mutex::new(VecDeque::new()),
             term: AtomicU64::new(0),
-            since_snapshot: AtomicU64::new(0),
-            last_snapshot: Mutex::new(None),
+            snapshot_due: SnapshotDue::default(),
             shutdown,
         }))
     }
@@ -188,7 +187,7 @@ impl Scheduler {
             reg.apply(ev.clone())
         };
         self.metrics.events_applied_total.inc();
-        self.since_snapshot.fetch_add(1, Ordering::Relaxed);
+        self.snapshot_due.event_applied();
         if applied {
             // No SSE client listening is fine.
             let _ = self.events.send(ev);
