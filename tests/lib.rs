@@ -12,6 +12,7 @@
 
 pub mod access;
 pub mod fleet;
+pub mod sse;
 pub mod stream;
 
 use std::path::PathBuf;
@@ -694,16 +695,14 @@ impl Farm {
         until: impl Fn(&[Value]) -> bool,
     ) -> anyhow::Result<Vec<Value>> {
         let response = self.http.get(self.url("/v1/events?after=0")).send().await?;
-        let mut body = response.bytes_stream();
-        let mut buffer = String::new();
+        let mut body = std::pin::pin!(sse::json(response.bytes_stream()));
         let mut events = Vec::new();
         let deadline = tokio::time::Instant::now() + timeout;
         while !until(&events) {
-            let chunk = tokio::time::timeout_at(deadline, body.next())
+            let event = tokio::time::timeout_at(deadline, body.next())
                 .await?
                 .ok_or_else(|| anyhow::anyhow!("event stream ended"))??;
-            buffer.push_str(&String::from_utf8_lossy(&chunk));
-            events.extend(take_sse_data(&mut buffer)?);
+            events.push(event);
         }
         Ok(events)
     }
@@ -796,21 +795,6 @@ impl Drop for Farm {
         });
         let _ = cleanup.join();
     }
-}
-
-/// Takes the complete Server-Sent Events blocks off the front of `buffer` (what a stream sent so
-/// far) and returns the JSON of their `data:` lines; an incomplete block stays for the next chunk.
-pub fn take_sse_data(buffer: &mut String) -> anyhow::Result<Vec<Value>> {
-    let mut out = Vec::new();
-    while let Some(end) = buffer.find("\n\n") {
-        let block: String = buffer.drain(..end + 2).collect();
-        for line in block.lines() {
-            if let Some(data) = line.strip_prefix("data:") {
-                out.push(serde_json::from_str(data.trim())?);
-            }
-        }
-    }
-    Ok(out)
 }
 
 /// Mean absolute difference, in 1/255 units, of a PNG and a float reference image `[H, W, 3]` in

@@ -6,7 +6,6 @@
 //! - [`args`]: the grammar (commands, flags, defaults).
 //! - [`submission`]: flags → a `vnfarm_proto::Submission`.
 //! - [`client`]: the scheduler's HTTP API and its error shapes.
-//! - [`sse`]: an incremental Server-Sent Events parser.
 //! - [`watch`]: following a job (its events) or a pipeline (polling) to the end.
 //! - [`fetch`]: downloading output images.
 //! - [`commands`]: dispatch, and the small commands.
@@ -15,7 +14,6 @@ mod args;
 mod client;
 mod commands;
 mod fetch;
-mod sse;
 mod submission;
 mod watch;
 
