@@ -4,6 +4,7 @@
 //! # Layout
 //!
 //! - [`args`]: the grammar (commands, flags, defaults).
+//! - [`values`]: what one flag's value means (`--input`, `--lora`, `--upscale`, `--scale`).
 //! - [`submission`]: flags → a `vnfarm_proto::Submission`.
 //! - [`client`]: the scheduler's HTTP API and its error shapes.
 //! - [`watch`]: following a job (its events) or a pipeline (polling) to the end.
@@ -15,6 +16,7 @@ mod client;
 mod commands;
 mod fetch;
 mod submission;
+mod values;
 mod watch;
 
 use std::process::ExitCode;
