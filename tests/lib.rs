@@ -1,6 +1,7 @@
 //! Harness for vnfarm's end-to-end tests: real RabbitMQ (on `VNFARM_TEST_AMQP_URL`, default
 //! 127.0.0.1:5672), a real S3 server (`s3s-fs`, started here on a free port), and the real scheduler
-//! and worker binaries as child processes, so that tests can SIGKILL and SIGTERM them.
+//! and worker: the binaries as child processes, so that tests can SIGKILL and SIGTERM them, or, for
+//! the tests that kill nothing, the crates' `serve` in the test's own process ([`in_process`]).
 //!
 //! Every test gets its own broker prefix (queues, exchanges, stream) and its own bucket, so tests run
 //! side by side on one broker. Waits poll a condition with a deadline; there are no fixed sleeps.
@@ -12,6 +13,8 @@
 
 pub mod access;
 pub mod fleet;
+mod in_process;
+pub mod sse;
 pub mod stream;
 
 use std::path::PathBuf;
@@ -21,6 +24,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use futures::StreamExt;
+use in_process::InProcess;
 use serde_json::Value;
 use vnfarm_storage::{Storage, StorageConfig};
 
@@ -210,19 +214,54 @@ pub enum Role {
     Standby,
 }
 
-/// One scheduler of a farm: a fixed HTTP port and log, and the process while one runs there. A
+/// How a farm runs its schedulers and workers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Servers {
+    /// The binaries as child processes, which a test may SIGKILL, SIGTERM and start again.
+    Processes,
+    /// The crates' `serve` in this process, for tests that kill nothing (see [`in_process`]).
+    InProcess,
+}
+
+/// A running scheduler or worker.
+enum Running {
+    Process(Child),
+    InProcess(InProcess),
+}
+
+impl Running {
+    /// Stops it at once: SIGKILLs and reaps a process, drops an in-process server.
+    fn kill(self) {
+        match self {
+            Running::Process(mut child) => {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+            Running::InProcess(server) => drop(server),
+        }
+    }
+
+    fn child(&mut self) -> &mut Child {
+        match self {
+            Running::Process(child) => child,
+            Running::InProcess(_) => panic!("an in-process server has no process: use Farm::new"),
+        }
+    }
+}
+
+/// One scheduler of a farm: a fixed HTTP port and log, and the server while one runs there. A
 /// replacement for a killed scheduler starts in the same slot, so clients keep their addresses.
 struct SchedulerSlot {
     port: u16,
     log: String,
-    child: Option<Child>,
+    running: Option<Running>,
 }
 
-/// A worker process, with the options it was started with (to start it again after a kill).
+/// A worker, with the options it was started with (to start it again after a kill).
 struct WorkerProcess {
     id: String,
     options: WorkerOptions,
-    child: Child,
+    running: Option<Running>,
 }
 
 /// One test's installation: a broker prefix, a bucket, and the processes it started.
@@ -239,6 +278,7 @@ pub struct Farm {
     pub scheduler_env: Vec<(String, String)>,
     pub http: reqwest::Client,
     pub storage: Storage,
+    servers: Servers,
     schedulers: Vec<SchedulerSlot>,
     workers: Vec<WorkerProcess>,
     logs: tempfile::TempDir,
@@ -261,17 +301,24 @@ impl Default for WorkerOptions {
 }
 
 impl Farm {
-    /// A farm on the shared S3 server.
+    /// A farm of processes on the shared S3 server.
     pub async fn new(name: &str) -> anyhow::Result<Self> {
-        Self::on(name, None).await
+        Self::on(name, None, Servers::Processes).await
     }
 
-    /// A farm with an S3 server of its own (`own_s3`), which the test may stop and restart.
+    /// A farm whose servers run in this process, on the shared S3 server: for a test that kills
+    /// no scheduler or worker and reads no log file.
+    pub async fn in_process(name: &str) -> anyhow::Result<Self> {
+        Self::on(name, None, Servers::InProcess).await
+    }
+
+    /// A farm of processes with an S3 server of its own (`own_s3`), which the test may stop and
+    /// restart.
     pub async fn with_own_s3(name: &str) -> anyhow::Result<Self> {
-        Self::on(name, Some(S3Server::start()?)).await
+        Self::on(name, Some(S3Server::start()?), Servers::Processes).await
     }
 
-    async fn on(name: &str, own_s3: Option<S3Server>) -> anyhow::Result<Self> {
+    async fn on(name: &str, own_s3: Option<S3Server>, servers: Servers) -> anyhow::Result<Self> {
         let unique = format!("{name}-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
         let prefix = format!("t-{unique}");
         let bucket = format!("t-{unique}").to_lowercase().replace('_', "-");
@@ -284,7 +331,7 @@ impl Farm {
         let first = SchedulerSlot {
             port: free_port(),
             log: "scheduler.log".into(),
-            child: None,
+            running: None,
         };
         Ok(Self {
             prefix,
@@ -295,6 +342,7 @@ impl Farm {
             scheduler_env: Vec::new(),
             http: reqwest::Client::new(),
             storage,
+            servers,
             schedulers: vec![first],
             workers: Vec::new(),
             logs: tempfile::tempdir()?,
@@ -323,17 +371,25 @@ impl Farm {
             ("VNFARM_STORAGE__ENDPOINT", self.s3_endpoint.clone()),
             ("VNFARM_STORAGE__ACCESS_KEY_ID", S3_KEY.into()),
             ("VNFARM_STORAGE__SECRET_ACCESS_KEY", S3_SECRET.into()),
-            (
-                "RUST_LOG",
-                "info,lapin=warn,lapin::returned_messages=error,aws=warn".into(),
-            ),
+            ("RUST_LOG", in_process::LOG_FILTER.into()),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_owned(), v))
         .collect()
     }
 
-    fn spawn(&self, bin: &str, log: &str, env: Vec<(String, String)>) -> anyhow::Result<Child> {
+    /// Starts the binary `bin` with `env`, or for an in-process farm its crate's `serve` with the
+    /// configuration that `env` gives.
+    fn spawn(&self, bin: &str, log: &str, env: Vec<(String, String)>) -> anyhow::Result<Running> {
+        if self.servers == Servers::InProcess {
+            let server = match bin {
+                "vnfarm-scheduler" => {
+                    InProcess::scheduler(vnfarm_scheduler::Config::load(None, env)?)
+                }
+                _ => InProcess::worker(vnfarm_worker::Config::load(None, env)?),
+            };
+            return Ok(Running::InProcess(server?));
+        }
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -344,7 +400,8 @@ impl Farm {
             .envs(env)
             .stdout(log.try_clone()?)
             .stderr(log)
-            .spawn()?)
+            .spawn()
+            .map(Running::Process)?)
     }
 
     pub fn url(&self, path: &str) -> String {
@@ -363,7 +420,7 @@ impl Farm {
         self.schedulers.push(SchedulerSlot {
             port: free_port(),
             log: format!("scheduler-{slot}.log"),
-            child: None,
+            running: None,
         });
         slot
     }
@@ -405,13 +462,16 @@ impl Farm {
         env.push(("VNFARM_DISPATCH_TTL_MS".into(), "2000".into()));
         env.extend(self.scheduler_env.iter().cloned());
         let log = self.schedulers[slot].log.clone();
-        self.schedulers[slot].child = Some(self.spawn("vnfarm-scheduler", &log, env)?);
+        self.schedulers[slot].running = Some(self.spawn("vnfarm-scheduler", &log, env)?);
         Ok(())
     }
 
-    /// The process id of the scheduler running in `slot`, if one runs there.
+    /// The process id of the scheduler running in `slot`, if a process runs there.
     pub fn scheduler_pid(&self, slot: usize) -> Option<u32> {
-        self.schedulers[slot].child.as_ref().map(Child::id)
+        match &self.schedulers[slot].running {
+            Some(Running::Process(child)) => Some(child.id()),
+            Some(Running::InProcess(_)) | None => None,
+        }
     }
 
     /// The name of the log file of `slot`'s schedulers (for [`Farm::full_log`]).
@@ -495,19 +555,19 @@ impl Farm {
         env.push(("VNFARM_ENGINE__TEST_PATTERN__ENCODE_MS".into(), "5".into()));
         env.push(("VNFARM_ENGINE__TEST_PATTERN__DECODE_MS".into(), "5".into()));
         env.extend(options.extra_env.iter().cloned());
-        let child = self.spawn("vnfarm-worker", &format!("{id}.log"), env)?;
+        let running = self.spawn("vnfarm-worker", &format!("{id}.log"), env)?;
         match self.workers.iter_mut().find(|w| w.id == id) {
             Some(known) => {
                 // Started again: reap the old process (killed, or exited on its own) first.
-                let _ = known.child.kill();
-                let _ = known.child.wait();
-                known.child = child;
+                if let Some(old) = known.running.replace(running) {
+                    old.kill();
+                }
                 known.options = options;
             }
             None => self.workers.push(WorkerProcess {
                 id: id.to_owned(),
                 options,
-                child,
+                running: Some(running),
             }),
         }
         Ok(())
@@ -515,9 +575,9 @@ impl Farm {
 
     /// SIGKILLs a worker and reaps it; [`Farm::relaunch_worker`] starts it again.
     pub fn kill_worker(&mut self, id: &str) {
-        let child = &mut self.worker(id).child;
-        let _ = child.kill();
-        let _ = child.wait();
+        if let Some(running) = self.worker(id).running.take() {
+            running.kill();
+        }
     }
 
     /// Starts a worker again with the id and options it had, without waiting for it.
@@ -538,8 +598,13 @@ impl Farm {
             .expect("a started worker")
     }
 
+    /// The process of a worker that runs (not killed by [`Farm::kill_worker`]).
     pub fn worker_mut(&mut self, id: &str) -> &mut Child {
-        &mut self.worker(id).child
+        self.worker(id)
+            .running
+            .as_mut()
+            .expect("a running worker")
+            .child()
     }
 
     pub fn signal_worker(&mut self, id: &str, signal: i32) {
@@ -557,9 +622,8 @@ impl Farm {
 
     /// SIGKILLs the scheduler in `slot`, if one runs there, and reaps it.
     pub fn kill_scheduler_at(&mut self, slot: usize) {
-        if let Some(mut child) = self.schedulers[slot].child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
+        if let Some(running) = self.schedulers[slot].running.take() {
+            running.kill();
         }
     }
 
@@ -570,6 +634,9 @@ impl Farm {
 
     /// The tail of one process's log, for failure messages.
     pub fn log(&self, name: &str) -> String {
+        if self.servers == Servers::InProcess {
+            return format!("--- {name}: in-process, logged in the test's output ---");
+        }
         let text = std::fs::read_to_string(self.logs.path().join(name)).unwrap_or_default();
         let tail: Vec<&str> = text.lines().rev().take(40).collect();
         format!(
@@ -694,16 +761,14 @@ impl Farm {
         until: impl Fn(&[Value]) -> bool,
     ) -> anyhow::Result<Vec<Value>> {
         let response = self.http.get(self.url("/v1/events?after=0")).send().await?;
-        let mut body = response.bytes_stream();
-        let mut buffer = String::new();
+        let mut body = std::pin::pin!(sse::json(response.bytes_stream()));
         let mut events = Vec::new();
         let deadline = tokio::time::Instant::now() + timeout;
         while !until(&events) {
-            let chunk = tokio::time::timeout_at(deadline, body.next())
+            let event = tokio::time::timeout_at(deadline, body.next())
                 .await?
                 .ok_or_else(|| anyhow::anyhow!("event stream ended"))??;
-            buffer.push_str(&String::from_utf8_lossy(&chunk));
-            events.extend(take_sse_data(&mut buffer)?);
+            events.push(event);
         }
         Ok(events)
     }
@@ -761,8 +826,9 @@ impl Farm {
 impl Drop for Farm {
     fn drop(&mut self) {
         for worker in &mut self.workers {
-            let _ = worker.child.kill();
-            let _ = worker.child.wait();
+            if let Some(running) = worker.running.take() {
+                running.kill();
+            }
         }
         for slot in 0..self.schedulers.len() {
             self.kill_scheduler_at(slot);
@@ -796,21 +862,6 @@ impl Drop for Farm {
         });
         let _ = cleanup.join();
     }
-}
-
-/// Takes the complete Server-Sent Events blocks off the front of `buffer` (what a stream sent so
-/// far) and returns the JSON of their `data:` lines; an incomplete block stays for the next chunk.
-pub fn take_sse_data(buffer: &mut String) -> anyhow::Result<Vec<Value>> {
-    let mut out = Vec::new();
-    while let Some(end) = buffer.find("\n\n") {
-        let block: String = buffer.drain(..end + 2).collect();
-        for line in block.lines() {
-            if let Some(data) = line.strip_prefix("data:") {
-                out.push(serde_json::from_str(data.trim())?);
-            }
-        }
-    }
-    Ok(out)
 }
 
 /// Mean absolute difference, in 1/255 units, of a PNG and a float reference image `[H, W, 3]` in

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use vnfarm_proto::{JobId, LoraRef, PipelineImage, Priority, Sampler};
 
-use crate::submission::{InputArg, parse_input, parse_lora, parse_pipeline_image, parse_scale};
+use crate::values::{InputArg, parse_input, parse_lora, parse_pipeline_image, parse_scale};
 
 #[derive(Debug, Parser)]
 #[command(

@@ -4,9 +4,9 @@
 //! # Layout
 //!
 //! - [`args`]: the grammar (commands, flags, defaults).
+//! - [`values`]: what one flag's value means (`--input`, `--lora`, `--upscale`, `--scale`).
 //! - [`submission`]: flags → a `vnfarm_proto::Submission`.
 //! - [`client`]: the scheduler's HTTP API and its error shapes.
-//! - [`sse`]: an incremental Server-Sent Events parser.
 //! - [`watch`]: following a job (its events) or a pipeline (polling) to the end.
 //! - [`fetch`]: downloading output images.
 //! - [`commands`]: dispatch, and the small commands.
@@ -15,8 +15,8 @@ mod args;
 mod client;
 mod commands;
 mod fetch;
-mod sse;
 mod submission;
+mod values;
 mod watch;
 
 use std::process::ExitCode;

@@ -1,120 +1,22 @@
-//! Turning `submit` flags into a [`Submission`]: the flag value parsers and the builders.
+//! Turning `submit` flags into a [`Submission`]: the builders (the flags' values are parsed by
+//! [`crate::values`]).
 //!
 //! Everything here builds the typed `vnfarm_proto` structures and leaves bounds to
 //! [`Submission::validate`] on the scheduler, which names the offending field; only what the
 //! scheduler cannot see (a file that is not there, a flag that does not parse) is checked locally.
 
 use std::io::Read as _;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use anyhow::{Context as _, bail};
-use base64::Engine as _;
-use vnfarm_proto::spec::{MAX_INLINE_IMAGE_BYTES, PipelineEdit, PipelineUpscale};
+use anyhow::Context as _;
+use vnfarm_proto::spec::{PipelineEdit, PipelineUpscale};
 use vnfarm_proto::{
-    EditSpec, GenerateSpec, ImageRef, JobId, JobSpec, LoraRef, PipelineImage, PipelineSpec,
-    SCHEMA_VERSION, Submission, UpscaleSpec, decode_json,
+    EditSpec, GenerateSpec, JobSpec, PipelineSpec, SCHEMA_VERSION, Submission, UpscaleSpec,
+    decode_json,
 };
 
 use crate::args::{BaseArgs, SubmitCommand, SubmitOptions};
-
-/// An `--input` as given: a file still to be read, or a reference the scheduler resolves.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum InputArg {
-    File(PathBuf),
-    Ref(ImageRef),
-}
-
-impl InputArg {
-    /// Reads a file input into an inline (base64) reference.
-    pub fn resolve(&self) -> anyhow::Result<ImageRef> {
-        match self {
-            InputArg::Ref(image) => Ok(image.clone()),
-            InputArg::File(path) => {
-                let bytes =
-                    std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-                if bytes.len() > MAX_INLINE_IMAGE_BYTES {
-                    bail!(
-                        "{}: {} bytes is over the {} MiB limit for an inline image",
-                        path.display(),
-                        bytes.len(),
-                        MAX_INLINE_IMAGE_BYTES / (1024 * 1024)
-                    );
-                }
-                Ok(ImageRef::Inline(
-                    base64::engine::general_purpose::STANDARD.encode(bytes),
-                ))
-            }
-        }
-    }
-}
-
-/// `KEY` (under `inputs/` or `results/`), `@file.png`, or `job:<uuid>[:index]`.
-pub fn parse_input(s: &str) -> Result<InputArg, String> {
-    if let Some(path) = s.strip_prefix('@') {
-        if path.is_empty() {
-            return Err("@ must be followed by a file path".into());
-        }
-        return Ok(InputArg::File(PathBuf::from(path)));
-    }
-    if let Some(rest) = s.strip_prefix("job:") {
-        let (id, index) = rest.split_once(':').unwrap_or((rest, "0"));
-        let job: JobId = id
-            .parse()
-            .map_err(|e| format!("{id:?} is not a job id: {e}"))?;
-        let index = index
-            .parse()
-            .map_err(|_| format!("{index:?} is not an output index"))?;
-        return Ok(InputArg::Ref(ImageRef::JobOutput { job, index }));
-    }
-    if s.starts_with("inputs/") || s.starts_with("results/") {
-        return Ok(InputArg::Ref(ImageRef::Stored(s.to_owned())));
-    }
-    Err("expected a key under inputs/ or results/, @file.png, or job:<uuid>[:index]".into())
-}
-
-/// `name` or `name:weight`.
-pub fn parse_lora(s: &str) -> Result<LoraRef, String> {
-    let (name, weight) = match s.rsplit_once(':') {
-        Some((name, weight)) => {
-            let w: f32 = weight
-                .parse()
-                .map_err(|_| format!("{weight:?} is not a LoRA weight"))?;
-            if !w.is_finite() {
-                return Err(format!("{weight:?} is not a finite LoRA weight"));
-            }
-            (name, w)
-        }
-        None => (s, 1.0),
-    };
-    if name.is_empty() {
-        return Err("the LoRA name is empty".into());
-    }
-    Ok(LoraRef {
-        name: name.to_owned(),
-        weight,
-    })
-}
-
-/// `base` or `edit:N`.
-pub fn parse_pipeline_image(s: &str) -> Result<PipelineImage, String> {
-    if s == "base" {
-        return Ok(PipelineImage::Base);
-    }
-    let n = s
-        .strip_prefix("edit:")
-        .ok_or_else(|| format!("{s:?} is not `base` or `edit:N`"))?;
-    n.parse()
-        .map(PipelineImage::Edit)
-        .map_err(|_| format!("{n:?} is not an edit index"))
-}
-
-pub fn parse_scale(s: &str) -> Result<u32, String> {
-    match s {
-        "2" => Ok(2),
-        "4" => Ok(4),
-        _ => Err(format!("{s:?}: the scale is 2 or 4")),
-    }
-}
+use crate::values::InputArg;
 
 impl SubmitCommand {
     pub fn options(&self) -> &SubmitOptions {
@@ -248,10 +150,11 @@ fn read_submission(path: &Path) -> anyhow::Result<Submission> {
 #[cfg(test)]
 mod tests {
     use clap::Parser as _;
-    use vnfarm_proto::{Priority, Sampler};
+    use vnfarm_proto::{ImageRef, JobId, LoraRef, Priority, Sampler};
 
     use super::*;
     use crate::args::{Cli, Command};
+    use crate::values::parse_lora;
 
     fn submission(args: &[&str]) -> Submission {
         let cli = Cli::try_parse_from(["vnfarm", "submit"].iter().chain(args)).unwrap();
@@ -381,37 +284,6 @@ mod tests {
             "upscales": [{"of": "base", "scale": 4}, {"of": {"edit": 1}, "scale": 4}]}}),
         );
         assert_eq!(sub, expected);
-    }
-
-    #[test]
-    fn inputs_parse_into_image_refs() {
-        let id = JobId::new();
-        assert_eq!(
-            parse_input(&format!("job:{id}:1")),
-            Ok(InputArg::Ref(ImageRef::JobOutput { job: id, index: 1 }))
-        );
-        assert_eq!(
-            parse_input(&format!("job:{id}")),
-            Ok(InputArg::Ref(ImageRef::JobOutput { job: id, index: 0 }))
-        );
-        assert_eq!(
-            parse_input("inputs/a.png"),
-            Ok(InputArg::Ref(ImageRef::Stored("inputs/a.png".into())))
-        );
-        assert_eq!(
-            parse_input("results/x/0.png"),
-            Ok(InputArg::Ref(ImageRef::Stored("results/x/0.png".into())))
-        );
-        for bad in [
-            "a.png",
-            "/etc/passwd",
-            "job:nope",
-            &format!("job:{id}:x"),
-            "@",
-            "s3://b/inputs/a",
-        ] {
-            assert!(parse_input(bad).is_err(), "{bad}");
-        }
     }
 
     #[test]

@@ -11,12 +11,12 @@ use std::time::Duration;
 use anyhow::Context as _;
 use futures::StreamExt as _;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use sse_stream::SseByteStream;
 use vnfarm_proto::{EventKind, JobId, SequencedEvent};
 
 use vnfarm_proto::http::{JobState, JobView};
 
 use crate::client::{Api, ApiError};
-use crate::sse::SseParser;
 
 /// How often a pipeline is polled.
 const POLL_INTERVAL: Duration = Duration::from_millis(500);
@@ -76,27 +76,27 @@ async fn watch_events(api: &Api, id: JobId) -> anyhow::Result<Outcome> {
                 continue;
             }
         };
-        let mut parser = SseParser::new();
-        let mut body = response.bytes_stream();
-        while let Some(chunk) = body.next().await {
-            // A broken stream is reopened below, like one that ended early.
-            let Ok(chunk) = chunk else { break };
-            for sse in parser.feed(&chunk) {
-                retry.reset();
-                if let Some(seq) = &sse.id {
-                    last_event_id = Some(seq.clone());
-                }
-                match serde_json::from_str::<SequencedEvent>(&sse.data) {
-                    Ok(event) => {
-                        if let Some(outcome) = view.show(event) {
-                            return Ok(outcome);
-                        }
+        // `sse-stream` keeps an unfinished line (or UTF-8 character) until the next chunk completes it.
+        let mut blocks = SseByteStream::new(response.bytes_stream());
+        while let Some(block) = blocks.next().await {
+            // A broken stream, or one that is not UTF-8, is reopened below like one that ended early.
+            let Ok(block) = block else { break };
+            if let Some(seq) = block.id {
+                last_event_id = Some(seq);
+            }
+            // A block without data (the keep-alive comments) is no event, as in the specification.
+            let Some(data) = block.data else { continue };
+            retry.reset();
+            match serde_json::from_str::<SequencedEvent>(&data) {
+                Ok(event) => {
+                    if let Some(outcome) = view.show(event) {
+                        return Ok(outcome);
                     }
-                    Err(e) => view.line(&format!(
-                        "(skipping a `{}` event this build cannot read: {e})",
-                        sse.event
-                    )),
                 }
+                Err(e) => view.line(&format!(
+                    "(skipping a `{}` event this build cannot read: {e})",
+                    block.event.as_deref().unwrap_or("message")
+                )),
             }
         }
         retry.after(ApiError::StreamEnded(id)).await?;

@@ -11,7 +11,7 @@ use crate::FINISH;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn invalid_specs_over_http_get_4xx_naming_the_field() -> anyhow::Result<()> {
-    let mut farm = Farm::new("invalid").await?;
+    let mut farm = Farm::in_process("invalid").await?;
     farm.start_scheduler().await?;
     let cases = [
         (
@@ -103,7 +103,7 @@ fn header_text(props: &BasicProperties, name: &str) -> Option<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_and_oversized_messages_are_dead_lettered_with_a_failed_event()
 -> anyhow::Result<()> {
-    let mut farm = Farm::new("malformed").await?;
+    let mut farm = Farm::in_process("malformed").await?;
     farm.start_scheduler().await?;
     farm.start_worker("w1", WorkerOptions::default()).await?;
     let conn = farm.connect_amqp().await?;

@@ -45,7 +45,7 @@ async fn assert_outputs(farm: &Farm, job: &Value) -> anyhow::Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pipeline_over_http_completes_with_every_output_and_event() -> anyhow::Result<()> {
-    let mut farm = Farm::new("pipeline").await?;
+    let mut farm = Farm::in_process("pipeline").await?;
     farm.start_scheduler().await?;
     farm.start_worker("w1", WorkerOptions::default()).await?;
     farm.start_worker("w2", WorkerOptions::default()).await?;
@@ -133,7 +133,7 @@ async fn pipeline_over_http_completes_with_every_output_and_event() -> anyhow::R
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_foreign_producer_can_publish_to_the_intake_queue() -> anyhow::Result<()> {
-    let mut farm = Farm::new("foreign").await?;
+    let mut farm = Farm::in_process("foreign").await?;
     farm.start_scheduler().await?;
     farm.start_worker("w1", WorkerOptions::default()).await?;
 

@@ -3,8 +3,10 @@
 
 use std::time::Duration;
 
+use futures::TryStreamExt;
 use serde_json::{Value, json};
-use vnfarm_tests::{Farm, WorkerOptions, wait_for};
+use sse_stream::Sse;
+use vnfarm_tests::{Farm, WorkerOptions, sse, wait_for};
 
 use crate::FINISH;
 
@@ -80,12 +82,10 @@ async fn a_worker_killed_mid_job_loses_nothing() -> anyhow::Result<()> {
 }
 
 async fn job_events(farm: &Farm, id: &str) -> anyhow::Result<Vec<&'static str>> {
-    let text = farm
+    let response = farm
         .http
         .get(farm.url(&format!("/v1/jobs/{id}/events")))
         .send()
-        .await?
-        .text()
         .await?;
     let known = [
         "queued",
@@ -97,10 +97,11 @@ async fn job_events(farm: &Farm, id: &str) -> anyhow::Result<Vec<&'static str>> 
         "failed",
         "cancelled",
     ];
-    Ok(text
-        .lines()
-        .filter_map(|l| l.strip_prefix("event:"))
-        .filter_map(|e| known.iter().find(|k| **k == e.trim()).copied())
+    let events: Vec<Sse> = sse::events(response.bytes_stream()).try_collect().await?;
+    Ok(events
+        .iter()
+        .filter_map(|e| e.event.as_deref())
+        .filter_map(|e| known.iter().find(|k| **k == e).copied())
         .collect())
 }
 

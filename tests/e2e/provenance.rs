@@ -29,7 +29,7 @@ async fn a_manifest_names_each_model_file_by_its_sha256_and_size() -> anyhow::Re
     let cache = dir.path().join("hash-cache");
     let paths: Vec<String> = files.iter().map(|(p, _)| p.display().to_string()).collect();
 
-    let mut farm = Farm::new("provenance").await?;
+    let mut farm = Farm::in_process("provenance").await?;
     farm.start_scheduler().await?;
     farm.start_worker(
         "holder",

@@ -238,17 +238,15 @@ fn error_field(body: &Value) -> &str {
     body["error"]["field"].as_str().unwrap_or("<none>")
 }
 
-/// Reads Server-Sent Events until `n` data lines came (or the stream ended); returns their JSON.
+/// Reads Server-Sent Events until `n` events came (or the stream ended); returns their JSON.
 async fn sse_data(response: reqwest::Response, n: usize) -> anyhow::Result<Vec<Value>> {
-    let mut body = response.bytes_stream();
-    let mut buffer = String::new();
+    let mut events = std::pin::pin!(vnfarm_tests::sse::json(response.bytes_stream()));
     let mut out = Vec::new();
     while out.len() < n {
-        let Some(chunk) = tokio::time::timeout(FINISH, body.next()).await? else {
+        let Some(event) = tokio::time::timeout(FINISH, events.next()).await? else {
             break;
         };
-        buffer.push_str(&String::from_utf8_lossy(&chunk?));
-        out.extend(vnfarm_tests::take_sse_data(&mut buffer)?);
+        out.push(event?);
     }
     Ok(out)
 }

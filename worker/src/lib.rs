@@ -63,8 +63,9 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<
     serve(config, listener, shutdown).await
 }
 
-/// [`run`] on an already bound listener (an embedding program may bind port 0 and read the port
-/// back; the end-to-end tests run the binaries instead, and no test calls this yet).
+/// [`run`] on an already bound listener. The end-to-end tests' in-process farm
+/// (`tests/in_process.rs`, for the tests that kill nothing) calls it on a listener it bound itself;
+/// the tests that kill or signal a worker run the binary, which calls [`run`].
 pub async fn serve(
     config: Config,
     listener: TcpListener,
