@@ -27,7 +27,6 @@ use vnfarm_storage::Storage;
 use crate::config::Config;
 use crate::metrics::{Metrics, WORKER_STATES};
 use crate::registry::{CancelRefusal, Registry};
-use crate::snapshot::SnapshotDue;
 
 #[derive(Clone)]
 pub struct Scheduler(Arc<Inner>);
@@ -56,8 +55,9 @@ pub struct Inner {
     /// The current term's number while this scheduler leads: the stream offset of the marker its
     /// term began with, so a later term always has a larger one (0: none yet).
     term: AtomicU64,
-    /// When the next snapshot is due (the snapshot writer's state, see [`crate::snapshot`]).
-    pub(crate) snapshot_due: SnapshotDue,
+    /// Events applied since the last snapshot was written.
+    pub(crate) since_snapshot: AtomicU64,
+    pub(crate) last_snapshot: Mutex<Option<std::time::Instant>>,
     /// Cancelled at shutdown; long-lived HTTP streams end on it.
     pub shutdown: tokio_util::sync::CancellationToken,
 }
@@ -105,7 +105,8 @@ impl Scheduler {
             active: AtomicBool::new(false),
             markers: Mutex::new(VecDeque::new()),
             term: AtomicU64::new(0),
-            snapshot_due: SnapshotDue::default(),
+            since_snapshot: AtomicU64::new(0),
+            last_snapshot: Mutex::new(None),
             shutdown,
         }))
     }
@@ -187,7 +188,7 @@ impl Scheduler {
             reg.apply(ev.clone())
         };
         self.metrics.events_applied_total.inc();
-        self.snapshot_due.event_applied();
+        self.since_snapshot.fetch_add(1, Ordering::Relaxed);
         if applied {
             // No SSE client listening is fine.
             let _ = self.events.send(ev);

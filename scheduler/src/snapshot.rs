@@ -12,8 +12,7 @@
 //! way (retention is measured on event times), so a scheduler started from a snapshot and one that
 //! has been running all along hold the same jobs.
 
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -35,40 +34,6 @@ const SNAPSHOT_AT_LEAST_EVERY: Duration = Duration::from_secs(300);
 /// How often the snapshot writer checks whether one is due.
 const SNAPSHOT_CHECK_EVERY: Duration = Duration::from_secs(1);
 
-/// When the next snapshot is due: the snapshot writer's own state, which only this module
-/// changes (every applied event counts towards it).
-#[derive(Debug, Default)]
-pub struct SnapshotDue {
-    /// Events applied since the last snapshot was taken.
-    since: AtomicU64,
-    last: Mutex<Option<Instant>>,
-}
-
-impl SnapshotDue {
-    pub(crate) fn event_applied(&self) {
-        self.since.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// The events a snapshot taken now covers, when one is due; the count starts again.
-    fn take(&self, every_events: u64) -> Option<u64> {
-        let since = self.since.load(Ordering::Relaxed);
-        let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
-        let due = since >= every_events
-            || (since > 0 && last.is_none_or(|t| t.elapsed() >= SNAPSHOT_AT_LEAST_EVERY));
-        if !due {
-            return None;
-        }
-        self.since.fetch_sub(since, Ordering::Relaxed);
-        *last = Some(Instant::now());
-        Some(since)
-    }
-
-    /// A snapshot taken was not written: its events are owed again.
-    fn not_written(&self, since: u64) {
-        self.since.fetch_add(since, Ordering::Relaxed);
-    }
-}
-
 impl Scheduler {
     /// The active scheduler's snapshot writer, a task of its own beside the dispatcher: the
     /// registry lock is held only to take a [`crate::registry::SnapshotView`] (pointer copies);
@@ -85,13 +50,19 @@ impl Scheduler {
     }
 
     async fn maybe_snapshot(&self) {
-        let Some(since) = self.snapshot_due.take(self.config.snapshot_every_events) else {
+        let since = self.since_snapshot.load(Ordering::Relaxed);
+        let last = *self.last_snapshot.lock().unwrap_or_else(|p| p.into_inner());
+        let due = since >= self.config.snapshot_every_events
+            || (since > 0 && last.is_none_or(|t| t.elapsed() >= SNAPSHOT_AT_LEAST_EVERY));
+        if !due {
             return;
-        };
+        }
         let started = Instant::now();
         let view = self.registry().snapshot();
         let locked = started.elapsed();
         let (offset, jobs) = (view.next_offset(), view.jobs());
+        self.since_snapshot.fetch_sub(since, Ordering::Relaxed);
+        *self.last_snapshot.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
         let serialized = tokio::task::spawn_blocking(move || {
             let mut bytes = Vec::new();
             view.write(&mut bytes).map(|()| bytes)
@@ -161,7 +132,7 @@ impl Scheduler {
 
     /// Owes the snapshot again at the next check.
     fn snapshot_not_written(&self, since: u64, outcome: &str) {
-        self.snapshot_due.not_written(since);
+        self.since_snapshot.fetch_add(since, Ordering::Relaxed);
         self.metrics
             .snapshots_total
             .with_label_values(&[outcome])
