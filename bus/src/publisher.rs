@@ -135,7 +135,10 @@ impl Publisher {
                 .await?
                 .await
         };
-        match self.within_confirm_timeout(exchange, routing_key, publish).await?? {
+        match self
+            .within_confirm_timeout(exchange, routing_key, publish)
+            .await??
+        {
             Confirmation::Ack(None) | Confirmation::NotRequested => Ok(()),
             Confirmation::Ack(Some(_returned)) => Err(PublishError::Unroutable {
                 exchange: exchange.into(),
