@@ -68,7 +68,10 @@ pub fn load<T: DeserializeOwned>(
         .into_iter()
         .filter(|(k, _)| k.starts_with("VNFARM_") && k.len() > "VNFARM_".len() && !is_reserved(k))
         .collect();
-    overrides.sort();
+    // By key only, and stable: of a key given twice (an in-process test's list of settings, where
+    // a test's own value follows the farm's default) the later one wins, as in a process's
+    // environment. Sorting whole pairs made the larger value win, whichever came last.
+    overrides.sort_by(|a, b| a.0.cmp(&b.0));
     for (key, value) in overrides {
         let path: Vec<String> = key["VNFARM_".len()..]
             .split("__")
@@ -195,6 +198,15 @@ mod tests {
                 }
             }
         );
+    }
+
+    #[test]
+    fn of_a_key_given_twice_the_later_value_wins() {
+        for (first, last) in [("b", "a"), ("a", "b")] {
+            let got: Demo =
+                load(None, env(&[("VNFARM_NAME", first), ("VNFARM_NAME", last)])).unwrap();
+            assert_eq!(got.name, last);
+        }
     }
 
     #[test]
