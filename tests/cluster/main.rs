@@ -68,18 +68,20 @@ impl Settings {
                 .collect::<anyhow::Result<_>>()?,
             Err(_) => Fault::ALL.to_vec(),
         };
-        let number = |name: &str, default: u64| -> anyhow::Result<u64> {
-            std::env::var(name).map_or(Ok(default), |text| {
-                text.parse()
-                    .map_err(|e| anyhow::anyhow!("{name}={text:?}: {e}"))
-            })
-        };
         Ok(Self {
             faults,
-            rounds: u32::try_from(number("VNFARM_CLUSTER_ROUNDS", 1)?)?,
-            seed: number("VNFARM_CHAOS_SEED", rand::random())?,
+            rounds: u32::try_from(env_number("VNFARM_CLUSTER_ROUNDS", 1)?)?,
+            seed: env_number("VNFARM_CHAOS_SEED", rand::random())?,
         })
     }
+}
+
+/// The number in the environment variable `name`, or `default` when it is not set.
+fn env_number(name: &str, default: u64) -> anyhow::Result<u64> {
+    std::env::var(name).map_or(Ok(default), |text| {
+        text.parse()
+            .map_err(|e| anyhow::anyhow!("{name}={text:?}: {e}"))
+    })
 }
 
 /// Ignored by `cargo test --workspace` only because it needs root: `./farm test` runs it (as root,
@@ -225,14 +227,9 @@ async fn a_three_box_farm_loses_nothing_under_real_faults() -> anyhow::Result<()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "a benchmark, as root: ./farm cluster-bench"]
 async fn the_cluster_and_one_node_run_the_same_workload() -> anyhow::Result<()> {
-    let number = |name: &str, default: usize| -> anyhow::Result<usize> {
-        std::env::var(name).map_or(Ok(default), |t| {
-            t.parse().map_err(|e| anyhow::anyhow!("{name}={t:?}: {e}"))
-        })
-    };
-    let items = number("VNFARM_CLUSTER_BENCH_ITEMS", 120)?;
-    let rounds = number("VNFARM_CLUSTER_BENCH_ROUNDS", 2)?;
-    let seed = u64::try_from(number("VNFARM_CHAOS_SEED", 7)?)?;
+    let items = usize::try_from(env_number("VNFARM_CLUSTER_BENCH_ITEMS", 120)?)?;
+    let rounds = env_number("VNFARM_CLUSTER_BENCH_ROUNDS", 2)?;
+    let seed = env_number("VNFARM_CHAOS_SEED", 7)?;
     let workload = bench::workload(items, seed);
     let jobs: usize = workload.iter().map(|(_, _, jobs)| jobs).sum();
     println!(
