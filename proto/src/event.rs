@@ -171,6 +171,11 @@ pub enum FailureKind {
     NoWorker,
     /// A job this one depends on failed or was cancelled.
     DependencyFailed,
+    /// A kind a newer build added, read by this one (an event or a job view from a newer worker or
+    /// scheduler during a rolling upgrade). This build never writes it, nor documents it.
+    #[serde(other)]
+    #[schemars(skip)]
+    Unknown,
 }
 
 impl FailureKind {
@@ -186,6 +191,7 @@ impl FailureKind {
             FailureKind::DeliveryLimit => "delivery_limit",
             FailureKind::NoWorker => "no_worker",
             FailureKind::DependencyFailed => "dependency_failed",
+            FailureKind::Unknown => "unknown",
         }
     }
 }

@@ -1,7 +1,8 @@
 //! The HTTP API's contract (DESIGN §7a): the job view, job states, the worker view and the one
 //! error body. The scheduler encodes these types and its clients (the command line, the tests)
-//! decode them. A reader ignores fields it does not know and reads a job state it does not know
-//! as [`JobState::Unknown`], so a newer scheduler still serves an older client.
+//! decode them. A reader ignores fields it does not know, reads a job state or failure kind it does
+//! not know as `Unknown`, and a recorded submission it cannot read as none, so a newer scheduler
+//! still serves an older client. (What a client *sends*, the submission, is strict: see `spec`.)
 
 use chrono::{DateTime, Utc};
 use schemars::JsonSchema;
@@ -105,7 +106,18 @@ pub struct JobView {
     /// Why a job that is not finished is not moving, in words.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub waiting_for: Option<String>,
+    /// The submission as the scheduler recorded it. One this build cannot decode (a field or a job
+    /// kind a newer scheduler accepts; a submission is decoded strictly) reads as none rather than
+    /// failing the whole view.
+    #[serde(default, deserialize_with = "readable_submission")]
     pub submission: Option<Submission>,
+}
+
+fn readable_submission<'de, D: serde::Deserializer<'de>>(
+    de: D,
+) -> Result<Option<Submission>, D::Error> {
+    let value = Option::<serde_json::Value>::deserialize(de)?;
+    Ok(value.and_then(|v| serde_json::from_value(v).ok()))
 }
 
 impl JobView {
@@ -116,7 +128,6 @@ impl JobView {
 
 /// The answer to an accepted submission.
 #[derive(Debug, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
 pub struct Submitted {
     pub job_id: JobId,
 }
@@ -142,13 +153,11 @@ pub struct Worker {
 
 /// The body of every error response.
 #[derive(Debug, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
 pub struct ErrorBody {
     pub error: ErrorDetail,
 }
 
 #[derive(Debug, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
 pub struct ErrorDetail {
     /// What to fix: a dotted path into the request body (`job.width`), a query or path parameter
     /// (`limit`, `id`), a header (`authorization`), `body`, or `.` when the request is not at fault.
@@ -217,5 +226,44 @@ mod tests {
         let back: JobView = serde_json::from_value(json).unwrap();
         assert_eq!(back.submission, view.submission);
         assert_eq!((back.id, back.state), (view.id, view.state));
+    }
+
+    /// What a newer scheduler may answer: a field this build does not know in the view, the error
+    /// body and the answer to a submission; a job state and a failure kind it does not know; a
+    /// recorded submission with a field this build's strict decoding refuses.
+    #[test]
+    fn an_older_client_reads_a_newer_schedulers_answers() {
+        let view: JobView = serde_json::from_value(serde_json::json!({
+            "id": JobId::new(), "kind": "edit", "state": "paused", "priority": "batch",
+            "created_at": Utc::now(), "updated_at": Utc::now(), "worker": null,
+            "dispatches": 1, "attempts": 1, "progress": null, "outputs": [], "manifest": null,
+            "failure": {"kind": "quota_exceeded", "message": "over the day's quota", "owner": "ann"},
+            "owner": "ann", "eta": {"start": "2026-12-02T10:00:00Z"},
+            "submission": {"schema_version": 1, "job": {"kind": "generate", "prompt": "x",
+                "lora_catalogue": "sha256:00"}},
+        }))
+        .unwrap();
+        assert_eq!(view.state, JobState::Unknown);
+        let failure = view.failure.unwrap();
+        assert_eq!(failure.kind, FailureKind::Unknown);
+        assert_eq!(failure.message, "over the day's quota");
+        assert!(view.submission.is_none());
+        let error: ErrorBody = serde_json::from_value(serde_json::json!({
+            "error": {"field": "job.width", "message": "too wide", "hint": "≤ 2048"},
+            "request_id": "r1",
+        }))
+        .unwrap();
+        assert_eq!(error.error.field, "job.width");
+        let id = JobId::new();
+        let submitted: Submitted =
+            serde_json::from_value(serde_json::json!({"job_id": id, "eta": null})).unwrap();
+        assert_eq!(submitted.job_id, id);
+    }
+
+    #[test]
+    fn the_documented_failure_kinds_are_the_ones_this_build_writes() {
+        let schema = serde_json::to_string(&schemars::schema_for!(FailureKind)).unwrap();
+        assert!(!schema.contains("\"unknown\""), "{schema}");
+        assert!(schema.contains("\"dependency_failed\""), "{schema}");
     }
 }
