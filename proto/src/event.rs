@@ -19,7 +19,7 @@ use crate::spec::Submission;
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct Event {
     /// The protocol version it is written in (absent before version 2).
-    #[serde(default = "one")]
+    #[serde(default = "crate::defaults::one")]
     pub schema_version: u32,
     pub job_id: JobId,
     pub at: DateTime<Utc>,
@@ -205,10 +205,6 @@ impl StageTimings {
     pub fn add(&mut self, stage: &str, seconds: f64) {
         *self.0.entry(stage.to_owned()).or_default() += seconds;
     }
-}
-
-fn one() -> u32 {
-    1
 }
 
 #[cfg(test)]

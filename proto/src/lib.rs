@@ -11,10 +11,12 @@
 //! - [`http`]: the HTTP API's contract: the job view and states, the worker view, the error body.
 //! - [`topology`]: exchange, queue and routing-key names, and the object keys of results.
 //! - [`decode`]: strict decoding of untrusted JSON, with the path of the offending field in the error.
+//! - `defaults.rs`: the values optional fields of the wire types take when a message leaves them out.
 //!
 //! Every type that a client or a foreign producer writes rejects unknown fields and unknown schema
 //! versions rather than guessing.
 
+mod defaults;
 pub mod decode;
 pub mod event;
 pub mod http;

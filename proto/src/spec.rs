@@ -137,13 +137,13 @@ pub struct GenerateSpec {
     pub prompt: String,
     #[serde(default)]
     pub negative_prompt: String,
-    #[serde(default = "default_side")]
+    #[serde(default = "crate::defaults::side")]
     pub width: u32,
-    #[serde(default = "default_side")]
+    #[serde(default = "crate::defaults::side")]
     pub height: u32,
-    #[serde(default = "default_generate_steps")]
+    #[serde(default = "crate::defaults::generate_steps")]
     pub steps: u32,
-    #[serde(default = "default_generate_cfg")]
+    #[serde(default = "crate::defaults::generate_cfg")]
     pub cfg: f32,
     #[serde(default)]
     pub sampler: Sampler,
@@ -151,7 +151,7 @@ pub struct GenerateSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub seed: Option<u64>,
     /// Images from this job; image `n` uses seed `seed + n`.
-    #[serde(default = "one")]
+    #[serde(default = "crate::defaults::one")]
     pub count: u32,
     /// The SDXL checkpoint by name, as the workers that hold it advertise it. Omitted: the fleet's
     /// default (the scheduler's `default_checkpoint`, recorded at submission), or any SDXL worker
@@ -181,9 +181,9 @@ pub struct EditSpec {
     pub width: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub height: Option<u32>,
-    #[serde(default = "default_edit_steps")]
+    #[serde(default = "crate::defaults::edit_steps")]
     pub steps: u32,
-    #[serde(default = "default_edit_cfg")]
+    #[serde(default = "crate::defaults::edit_cfg")]
     pub cfg: f32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub seed: Option<u64>,
@@ -197,7 +197,7 @@ pub struct EditSpec {
 pub struct UpscaleSpec {
     pub input: ImageRef,
     /// Output size ÷ input size, 2 or 4 (a model of another scale resamples its output).
-    #[serde(default = "default_scale")]
+    #[serde(default = "crate::defaults::scale")]
     pub scale: u32,
     /// Side of a tile in input pixels, 64–2048: the image runs through the model tile by tile.
     /// Absent: the worker's setting (`engine.esrgan.tile`), the measured fastest.
@@ -230,9 +230,9 @@ pub struct PipelineEdit {
     /// references, at most two.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub references: Vec<ImageRef>,
-    #[serde(default = "default_edit_steps")]
+    #[serde(default = "crate::defaults::edit_steps")]
     pub steps: u32,
-    #[serde(default = "default_edit_cfg")]
+    #[serde(default = "crate::defaults::edit_cfg")]
     pub cfg: f32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub seed: Option<u64>,
@@ -246,7 +246,7 @@ pub struct PipelineEdit {
 pub struct PipelineUpscale {
     /// Which image of the pipeline to upscale.
     pub of: PipelineImage,
-    #[serde(default = "default_scale")]
+    #[serde(default = "crate::defaults::scale")]
     pub scale: u32,
     /// As [`UpscaleSpec::tile`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -282,33 +282,8 @@ pub enum ImageRef {
 #[serde(deny_unknown_fields)]
 pub struct LoraRef {
     pub name: String,
-    #[serde(default = "one_f32")]
+    #[serde(default = "crate::defaults::one_f32")]
     pub weight: f32,
-}
-
-fn default_side() -> u32 {
-    1024
-}
-fn default_generate_steps() -> u32 {
-    20
-}
-fn default_generate_cfg() -> f32 {
-    4.5
-}
-fn default_edit_steps() -> u32 {
-    4
-}
-fn default_edit_cfg() -> f32 {
-    1.0
-}
-fn default_scale() -> u32 {
-    2
-}
-fn one() -> u32 {
-    1
-}
-fn one_f32() -> f32 {
-    1.0
 }
 
 /// A submission that breaks a rule; `field` is the dotted path of the offending field.

@@ -150,7 +150,7 @@ pub enum WorkerState {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct Heartbeat {
     /// The protocol version it is written in (absent before version 2).
-    #[serde(default = "one")]
+    #[serde(default = "crate::defaults::one")]
     pub schema_version: u32,
     /// The protocol versions of work messages it decodes. Workers before version 2 send none and
     /// decode version 1 only.
@@ -171,7 +171,7 @@ pub struct Heartbeat {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub checkpoints: Vec<String>,
     /// The most jobs it runs as one batch message (1: no batching).
-    #[serde(default = "one")]
+    #[serde(default = "crate::defaults::one")]
     pub max_batch: u32,
     /// Device memory, when its engine runs on a GPU.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -221,14 +221,6 @@ fn version_1_only() -> Vec<u32> {
     vec![1]
 }
 
-fn one() -> u32 {
-    1
-}
-
-fn is_one(v: &u32) -> bool {
-    *v == 1
-}
-
 /// A GPU's memory as the device and libtorch's caching allocator see it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct GpuMemory {
@@ -246,7 +238,7 @@ pub struct CancelRequest {
     /// The protocol version it is written in. Control messages reach every worker, so they are
     /// written in the oldest version any worker reads ([`crate::MIN_PROTOCOL_VERSION`]): version 1,
     /// which has no field for it (its readers refuse unknown fields).
-    #[serde(default = "one", skip_serializing_if = "is_one")]
+    #[serde(default = "crate::defaults::one", skip_serializing_if = "crate::defaults::is_one")]
     pub schema_version: u32,
     pub job_id: JobId,
 }
@@ -266,7 +258,7 @@ impl CancelRequest {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct YieldRequest {
     /// The protocol version it is written in: as for [`CancelRequest::schema_version`].
-    #[serde(default = "one", skip_serializing_if = "is_one")]
+    #[serde(default = "crate::defaults::one", skip_serializing_if = "crate::defaults::is_one")]
     pub schema_version: u32,
     pub worker: WorkerId,
     pub jobs: Vec<JobId>,
