@@ -8,90 +8,68 @@ use vnfarm_bus::AmqpConfig;
 use vnfarm_config::ConfigError;
 use vnfarm_storage::StorageConfig;
 
+/// Every key is optional: a missing one takes its value from [`Config::default`].
 #[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct Config {
-    #[serde(default)]
     pub amqp: AmqpConfig,
-    #[serde(default = "default_storage")]
     pub storage: StorageConfig,
     /// HTTP API address. Port 0 picks a free port.
-    #[serde(default = "default_listen")]
     pub listen: SocketAddr,
     /// Bearer token required on `/v1/*`. Required when `listen` is not a loopback address.
-    #[serde(default)]
     pub api_token: Option<String>,
     /// A worker silent for this long is considered gone and gets no new jobs.
-    #[serde(default = "default_heartbeat_timeout_ms")]
     pub heartbeat_timeout_ms: u64,
     /// How long a dispatched job may wait in a worker's queue before it comes back to be dispatched
     /// elsewhere (the worker died or stalled). Jobs are only sent to a free slot, so a live worker
     /// takes them at once.
-    #[serde(default = "default_dispatch_ttl_ms")]
     pub dispatch_ttl_ms: u64,
     /// A job dispatched this many times without finishing fails with `delivery_limit`.
-    #[serde(default = "default_max_dispatches")]
     pub max_dispatches: u32,
     /// Finished jobs kept in memory (a pipeline counts once, with its jobs). Older ones are
     /// answered from their manifest in storage; their idempotency keys are forgotten with them.
-    #[serde(default = "default_retain_jobs")]
     pub retain_jobs: usize,
     /// Finished jobs older than this (by their final event's time) are forgotten.
-    #[serde(default = "default_retain_age_s")]
     pub retain_age_s: u64,
     /// The active scheduler snapshots its registry after this many events (and at least every
     /// five minutes while events arrive), so a restart replays no more than that.
-    #[serde(default = "default_snapshot_every_events")]
     pub snapshot_every_events: u64,
     /// The SDXL checkpoint (by the name workers advertise) of generate jobs that name none,
     /// recorded in the job at submission. Unset: such jobs go to any SDXL worker.
-    #[serde(default)]
     pub default_checkpoint: Option<String>,
-    #[serde(default)]
     pub dispatch: DispatchConfig,
     /// Origins (`https://studio.example:8443`) whose pages may call the API from a browser (CORS).
-    #[serde(default)]
     pub cors_origins: Vec<String>,
     /// Largest input image `POST /v1/uploads` takes, in bytes.
-    #[serde(default = "default_upload_max_bytes")]
     pub upload_max_bytes: usize,
     /// Most pixels (width × height) of an input image, checked from its header before decoding.
-    #[serde(default = "default_upload_max_pixels")]
     pub upload_max_pixels: u64,
     /// How long the image URLs in the API's answers stay valid (signed URLs, presigned S3 URLs).
-    #[serde(default = "default_url_ttl_s")]
     pub url_ttl_s: u64,
 }
 
 /// How jobs are matched to workers (DESIGN §5).
 #[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct DispatchConfig {
-    #[serde(default)]
     pub policy: Policy,
     /// Most jobs in one batch message (a worker's own `max_batch` may lower it); 1 sends one job
     /// per message. Default 8: each job of a message is reported when its own run ends, and a
     /// message of batch work gives its unstarted jobs back when interactive work needs the worker
     /// (a yield), so batch messages keep an input's edits on one worker without holding up
     /// interactive arrivals (docs/performance.md, fleet attempts 4 and 5).
-    #[serde(default = "default_max_batch")]
     pub max_batch: u32,
     /// How long an edit waits for the busy worker that holds its input's encodings before any
     /// worker may take it.
-    #[serde(default = "default_affinity_wait_ms")]
     pub affinity_wait_ms: u64,
     /// Edits of an input that arrive this soon after the first are sent with it, in one batch.
-    #[serde(default = "default_coalesce_window_ms")]
     pub coalesce_window_ms: u64,
     /// With this many edits of one input waiting, a second worker takes some (a hot input).
-    #[serde(default = "default_spill_after")]
     pub spill_after: u32,
     /// Affinity yields to the least-loaded worker when the holder has more than `imbalance_abs`
     /// jobs more than the least-loaded worker of the model and more than `imbalance_rel` times
     /// its load (SGLang's cache-aware router's rule).
-    #[serde(default = "default_imbalance_abs")]
     pub imbalance_abs: u32,
-    #[serde(default = "default_imbalance_rel")]
     pub imbalance_rel: f64,
 }
 
@@ -125,33 +103,14 @@ impl Default for DispatchConfig {
     fn default() -> Self {
         Self {
             policy: Policy::default(),
-            max_batch: default_max_batch(),
-            affinity_wait_ms: default_affinity_wait_ms(),
-            coalesce_window_ms: default_coalesce_window_ms(),
-            spill_after: default_spill_after(),
-            imbalance_abs: default_imbalance_abs(),
-            imbalance_rel: default_imbalance_rel(),
+            max_batch: 8,
+            affinity_wait_ms: 3_000,
+            coalesce_window_ms: 50,
+            spill_after: 12,
+            imbalance_abs: 8,
+            imbalance_rel: 2.0,
         }
     }
-}
-
-fn default_max_batch() -> u32 {
-    8
-}
-fn default_affinity_wait_ms() -> u64 {
-    3_000
-}
-fn default_coalesce_window_ms() -> u64 {
-    50
-}
-fn default_spill_after() -> u32 {
-    12
-}
-fn default_imbalance_abs() -> u32 {
-    8
-}
-fn default_imbalance_rel() -> f64 {
-    2.0
 }
 
 impl DispatchConfig {
@@ -175,40 +134,29 @@ impl DispatchConfig {
     }
 }
 
-fn default_storage() -> StorageConfig {
-    StorageConfig::Local {
-        root: "vnfarm-data".into(),
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            amqp: AmqpConfig::default(),
+            storage: StorageConfig::Local {
+                root: "vnfarm-data".into(),
+            },
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            api_token: None,
+            heartbeat_timeout_ms: 6_000,
+            dispatch_ttl_ms: 15_000,
+            max_dispatches: 4,
+            retain_jobs: 10_000,
+            retain_age_s: 7 * 24 * 3600,
+            snapshot_every_events: 5_000,
+            default_checkpoint: None,
+            dispatch: DispatchConfig::default(),
+            cors_origins: Vec::new(),
+            upload_max_bytes: 32 * 1024 * 1024,
+            upload_max_pixels: 4096 * 4096,
+            url_ttl_s: 3600,
+        }
     }
-}
-fn default_listen() -> SocketAddr {
-    SocketAddr::from(([127, 0, 0, 1], 8080))
-}
-fn default_heartbeat_timeout_ms() -> u64 {
-    6_000
-}
-fn default_dispatch_ttl_ms() -> u64 {
-    15_000
-}
-fn default_max_dispatches() -> u32 {
-    4
-}
-fn default_retain_jobs() -> usize {
-    10_000
-}
-fn default_retain_age_s() -> u64 {
-    7 * 24 * 3600
-}
-fn default_snapshot_every_events() -> u64 {
-    5_000
-}
-fn default_upload_max_bytes() -> usize {
-    32 * 1024 * 1024
-}
-fn default_upload_max_pixels() -> u64 {
-    4096 * 4096
-}
-fn default_url_ttl_s() -> u64 {
-    3600
 }
 
 /// An origin as a browser sends it: scheme, host, optional port; no path.
@@ -315,6 +263,43 @@ mod tests {
     #[test]
     fn defaults_are_valid() {
         Config::load(None, env(&[])).unwrap();
+    }
+
+    /// The values a missing key takes, from an empty file and from a file with only a section.
+    #[test]
+    fn an_empty_file_takes_the_documented_defaults() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("scheduler.toml");
+        for text in ["", "[dispatch]\n"] {
+            std::fs::write(&path, text).unwrap();
+            let c = Config::load(Some(&path), env(&[])).unwrap();
+            assert_eq!(c.listen, "127.0.0.1:8080".parse::<SocketAddr>().unwrap());
+            assert!(
+                matches!(&c.storage, StorageConfig::Local { root } if root.as_os_str() == "vnfarm-data")
+            );
+            assert_eq!(c.api_token, None);
+            assert_eq!(
+                (c.heartbeat_timeout_ms, c.dispatch_ttl_ms, c.max_dispatches),
+                (6_000, 15_000, 4)
+            );
+            assert_eq!(
+                (c.retain_jobs, c.retain_age_s, c.snapshot_every_events),
+                (10_000, 604_800, 5_000)
+            );
+            assert_eq!(c.default_checkpoint, None);
+            assert!(c.cors_origins.is_empty());
+            assert_eq!(
+                (c.upload_max_bytes, c.upload_max_pixels, c.url_ttl_s),
+                (33_554_432, 16_777_216, 3600)
+            );
+            let d = &c.dispatch;
+            assert_eq!(d.policy, Policy::Affinity);
+            assert_eq!(
+                (d.max_batch, d.affinity_wait_ms, d.coalesce_window_ms),
+                (8, 3_000, 50)
+            );
+            assert_eq!((d.spill_after, d.imbalance_abs, d.imbalance_rel), (12, 8, 2.0));
+        }
     }
 
     #[test]
