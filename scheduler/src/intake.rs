@@ -16,6 +16,7 @@ use bytes::Bytes;
 use lapin::Channel;
 use lapin::message::Delivery;
 use lapin::options::BasicAckOptions;
+use lapin::types::FieldTable;
 use sha2::{Digest, Sha256};
 use tracing::Instrument;
 use vnfarm_bus::connect::Backoff;
@@ -426,11 +427,21 @@ impl Scheduler {
             .properties
             .clone()
             .with_message_id(id.to_string().into())
-            .with_delivery_mode(2);
+            .with_delivery_mode(2)
+            .with_headers(uncounted(delivery.properties.headers().as_ref()));
         self.publisher()?
             .publish("", &self.topology.intake_queue(), &delivery.data, props)
             .await
     }
+}
+
+/// The headers of a delivery without the broker's delivery count. A quorum queue sets
+/// `x-delivery-count` only on a delivery after the first, so a renewed copy that kept it would read
+/// as counted when first delivered and be renewed again at once, on every failed attempt.
+fn uncounted(headers: Option<&FieldTable>) -> FieldTable {
+    let mut kept = headers.map(|h| h.inner().clone()).unwrap_or_default();
+    kept.retain(|name, _| name.as_str() != "x-delivery-count");
+    FieldTable::from(kept)
 }
 
 /// What became of a held intake delivery.
@@ -515,4 +526,27 @@ fn stored_inputs(job: &JobSpec) -> Vec<(String, &str)> {
         JobSpec::Generate(_) => {}
     }
     found
+}
+
+#[cfg(test)]
+mod tests {
+    use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+
+    /// A renewed copy keeps the producer's headers but not the broker's count of the old delivery.
+    #[test]
+    fn a_renewed_copy_is_not_counted_as_delivered() {
+        let mut headers = FieldTable::default();
+        headers.insert(
+            ShortString::from("x-delivery-count"),
+            AMQPValue::LongLongInt(1),
+        );
+        headers.insert(
+            ShortString::from("traceparent"),
+            AMQPValue::LongString(LongString::from("00-ab-cd-01")),
+        );
+        let copy = super::uncounted(Some(&headers));
+        let names: Vec<&str> = copy.inner().keys().map(ShortString::as_str).collect();
+        assert_eq!(names, ["traceparent"]);
+        assert!(super::uncounted(None).inner().is_empty());
+    }
 }
