@@ -142,7 +142,9 @@ impl Worker {
                             tracing::warn!(worker = %this.id, error = %e, "heartbeat refused by the broker");
                         }
                         Err(
-                            e @ (PublishError::Broker(_) | PublishError::ConfirmTimeout { .. }),
+                            e @ (PublishError::Broker(_)
+                            | PublishError::ConfirmTimeout { .. }
+                            | PublishError::Untrusted { .. }),
                         ) => {
                             // The publishing channel is gone (or stopped confirming), and with it
                             // every event this session could send: reconnect now rather than at
