@@ -139,7 +139,7 @@ impl EventView {
                     None => line(format!("dispatched to {queue}{with}")),
                 }
             }
-            EventKind::Requeued { reason } => {
+            EventKind::Requeued { reason, .. } => {
                 self.bar.set_position(0);
                 line(format!("requeued: {reason}"));
             }

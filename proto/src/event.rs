@@ -85,6 +85,11 @@ pub enum EventKind {
     /// the scheduler asked back unstarted, which does not count as a dispatch).
     Requeued {
         reason: String,
+        /// The dispatch it returns, by the job's count of dispatches then: a job dispatched again
+        /// since keeps its new dispatch. Absent: whatever dispatch the job is in (every requeue
+        /// before this field, and those that come back from the broker).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        dispatch: Option<u32>,
     },
     /// A worker began it. `attempt` counts deliveries (1 for the first).
     Started {

@@ -3,7 +3,7 @@
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
-use crate::event::StageTimings;
+use crate::event::{EventKind, StageTimings};
 use crate::ids::{JobId, WorkerId};
 use crate::work::Task;
 
@@ -22,6 +22,20 @@ pub struct Manifest {
     pub timings: StageTimings,
     pub versions: Versions,
     pub finished_at: DateTime<Utc>,
+}
+
+impl Manifest {
+    /// The `completed` event of the run that wrote this manifest, as that run published it:
+    /// credited to the worker that made the outputs, whoever republishes it (a worker that gets
+    /// the job again, or the scheduler when the run's own event never reached the stream).
+    pub fn completed(self) -> EventKind {
+        EventKind::Completed {
+            outputs: self.outputs.into_iter().map(|o| o.key).collect(),
+            manifest: crate::topology::manifest_key(self.job_id),
+            worker: Some(self.worker),
+            timings: self.timings,
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -166,6 +166,12 @@ pub struct Heartbeat {
     /// The jobs on the engine now (several for a batch).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub running: Vec<JobId>,
+    /// The unsettled jobs of the message in hand: each from before its `started` event until its
+    /// final event is confirmed. A started job that a worker's beats stop listing has ended there
+    /// without its final event reaching the stream, and the scheduler dispatches it again. Absent
+    /// from workers before this field: the scheduler then trusts their events alone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub holding: Option<Vec<JobId>>,
     /// SDXL checkpoints it holds warm, by name: jobs that name a checkpoint go only to a worker
     /// that advertises it.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -238,7 +244,10 @@ pub struct CancelRequest {
     /// The protocol version it is written in. Control messages reach every worker, so they are
     /// written in the oldest version any worker reads ([`crate::MIN_PROTOCOL_VERSION`]): version 1,
     /// which has no field for it (its readers refuse unknown fields).
-    #[serde(default = "crate::defaults::one", skip_serializing_if = "crate::defaults::is_one")]
+    #[serde(
+        default = "crate::defaults::one",
+        skip_serializing_if = "crate::defaults::is_one"
+    )]
     pub schema_version: u32,
     pub job_id: JobId,
 }
@@ -258,7 +267,10 @@ impl CancelRequest {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct YieldRequest {
     /// The protocol version it is written in: as for [`CancelRequest::schema_version`].
-    #[serde(default = "crate::defaults::one", skip_serializing_if = "crate::defaults::is_one")]
+    #[serde(
+        default = "crate::defaults::one",
+        skip_serializing_if = "crate::defaults::is_one"
+    )]
     pub schema_version: u32,
     pub worker: WorkerId,
     pub jobs: Vec<JobId>,

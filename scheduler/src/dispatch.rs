@@ -14,10 +14,11 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 use vnfarm_bus::PublishError;
 use vnfarm_bus::publisher::json_properties;
-use vnfarm_proto::topology::YIELD_ROUTING_KEY;
+use vnfarm_proto::topology::{YIELD_ROUTING_KEY, manifest_key};
 use vnfarm_proto::{
-    BatchedJob, EventKind, FailureKind, JobId, JobSpec, Task, WorkMessage, YieldRequest,
+    BatchedJob, EventKind, FailureKind, JobId, JobSpec, Manifest, Task, WorkMessage, YieldRequest,
 };
+use vnfarm_storage::StorageError;
 
 use crate::registry::Dispatch;
 
@@ -51,6 +52,7 @@ impl Scheduler {
             wake_at = self.settle().await?;
             if timer {
                 self.requeue_stale().await?;
+                self.recover_unheld().await?;
             }
         }
     }
@@ -215,6 +217,7 @@ impl Scheduler {
                         *id,
                         EventKind::Requeued {
                             reason: format!("dispatch failed: {e}"),
+                            dispatch: None,
                         },
                     )
                     .await;
@@ -245,9 +248,49 @@ impl Scheduler {
                 id,
                 EventKind::Requeued {
                     reason: "dispatched but never started".into(),
+                    dispatch: None,
                 },
             )
             .await?;
+        }
+        Ok(())
+    }
+
+    /// Ends the runs whose final event never reached the stream (see `Registry::unheld_runs`):
+    /// `completed` again from the run's manifest, as the run published it; without a manifest the
+    /// run did not complete, and the dispatch it ran in is requeued (a requeue of that dispatch
+    /// only, so a job that has been dispatched again since keeps running where it is). Storage
+    /// that cannot be read leaves the job for the next tick.
+    pub(crate) async fn recover_unheld(&self) -> Result<(), PublishError> {
+        let grace = 2 * self.heartbeat_timeout();
+        let runs = self.registry().unheld_runs(grace);
+        for (id, dispatches) in runs {
+            let kind = match self.storage.get(&manifest_key(id)).await {
+                Ok(bytes) => match serde_json::from_slice::<Manifest>(&bytes) {
+                    Ok(manifest) if manifest.job_id == id => {
+                        tracing::warn!(job_id = %id, "its worker holds it no longer and its manifest is stored: completed, as the run's own event was lost");
+                        manifest.completed()
+                    }
+                    _ => {
+                        tracing::warn!(job_id = %id, "its worker holds it no longer and its stored manifest is unreadable; requeueing it");
+                        unheld_requeue(dispatches)
+                    }
+                },
+                Err(StorageError::NotFound { .. }) => {
+                    tracing::warn!(job_id = %id, "its worker holds it no longer and it left no manifest; requeueing it");
+                    unheld_requeue(dispatches)
+                }
+                Err(e) => {
+                    self.metrics.storage_error("get", &e);
+                    tracing::warn!(job_id = %id, error = %e, "cannot read the manifest of a job its worker holds no longer; trying again later");
+                    self.registry().recovery_failed(id);
+                    continue;
+                }
+            };
+            if let Err(e) = self.publish_event(id, kind).await {
+                self.registry().recovery_failed(id);
+                return Err(e);
+            }
         }
         Ok(())
     }
@@ -353,6 +396,21 @@ impl Scheduler {
             tracing::warn!(job_id = %id, reason, "job came back from its worker; dispatching it again");
             format!("returned from a worker queue ({reason})")
         };
-        self.publish_event(id, EventKind::Requeued { reason }).await
+        self.publish_event(
+            id,
+            EventKind::Requeued {
+                reason,
+                dispatch: None,
+            },
+        )
+        .await
+    }
+}
+
+/// The requeue of a run whose worker holds it no longer: of the dispatch it ran in only.
+fn unheld_requeue(dispatches: u32) -> EventKind {
+    EventKind::Requeued {
+        reason: "its worker holds it no longer, and it ended without a final event".into(),
+        dispatch: Some(dispatches),
     }
 }

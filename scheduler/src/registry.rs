@@ -251,8 +251,55 @@ impl Registry {
     }
 
     pub fn heartbeat(&mut self, hb: Heartbeat) {
-        let w = self.worker_mut(&hb.worker.clone());
-        w.heartbeat(hb, Instant::now());
+        self.heartbeat_at(hb, Instant::now());
+    }
+
+    fn heartbeat_at(&mut self, hb: Heartbeat, now: Instant) {
+        let id = hb.worker.clone();
+        // Started here, by the stream: what the beat should list as held.
+        let running: Vec<JobId> = self.workers.get(&id).map_or_else(Vec::new, |w| {
+            w.assigned()
+                .filter(|job| {
+                    self.jobs.get(job).is_some_and(|j| {
+                        j.state == JobState::Running && j.worker.as_ref() == Some(&id)
+                    })
+                })
+                .collect()
+        });
+        let w = self.worker_mut(&id);
+        w.heartbeat(hb, now);
+        w.check_held(&running, now);
+    }
+
+    /// Runs that ended on their worker without their final event reaching the stream (a broker
+    /// can lose a confirmed message in a stream leader's fail-over): jobs started on a worker
+    /// whose beats have not listed them among the jobs it holds for `grace`. Each is handed out
+    /// once, with its count of dispatches, until an event of it comes back or
+    /// [`Registry::recovery_failed`]; the scheduler republishes `completed` from the run's manifest
+    /// or, without one, requeues that dispatch.
+    pub fn unheld_runs(&mut self, grace: Duration) -> Vec<(JobId, u32)> {
+        let unheld: Vec<JobId> = self
+            .workers
+            .values()
+            .flat_map(|w| w.unheld_for(grace))
+            .collect();
+        let mut runs = Vec::new();
+        for id in unheld {
+            let Some(job) = self.jobs.get(&id) else {
+                continue;
+            };
+            if job.state != JobState::Running || job.local.recovering {
+                continue;
+            }
+            runs.push((id, job.dispatches));
+            self.set_local(id, |l| l.recovering = true);
+        }
+        runs
+    }
+
+    /// The recovery of a run could not be published: hand it out again.
+    pub fn recovery_failed(&mut self, id: JobId) {
+        self.set_local(id, |l| l.recovering = false);
     }
 
     fn unassign(&mut self, job: JobId) {
@@ -359,6 +406,7 @@ mod tests {
                 id,
                 EventKind::Requeued {
                     reason: "worker died".into(),
+                    dispatch: None,
                 },
             ));
         }
@@ -490,6 +538,89 @@ mod tests {
         assert_eq!(r.plan_ll(), vec![(id, "a".parse().unwrap())]);
     }
 
+    /// A run whose final event never reached the stream: its worker's beats stop listing it, and
+    /// after the grace (counted in beats newer than the first that missed it) it is handed out
+    /// once; a listed job, a job of a worker whose beats say nothing of what they hold, and a
+    /// job not running are never handed out.
+    #[test]
+    fn a_started_job_its_worker_stops_holding_is_handed_out_once_after_the_grace() {
+        let grace = Duration::from_secs(12);
+        let mut r = Registry::default();
+        let mut s = Stream::new();
+        let (lost, held) = (s.queue(&mut r, generate()), s.queue(&mut r, generate()));
+        let t0 = Instant::now();
+        let beat = |holding: Option<Vec<JobId>>| Heartbeat {
+            holding,
+            ..worker("a", 2)
+        };
+        r.heartbeat_at(beat(Some(vec![])), t0);
+        for id in [lost, held] {
+            for kind in [
+                EventKind::Dispatched {
+                    queue: "q".into(),
+                    worker: Some("a".parse().unwrap()),
+                    batch: None,
+                    term: Some(1),
+                },
+                EventKind::Started {
+                    worker: "a".parse().unwrap(),
+                    attempt: 1,
+                },
+            ] {
+                r.apply(s.ev(id, kind));
+            }
+        }
+        r.heartbeat_at(beat(Some(vec![lost, held])), t0 + grace / 4);
+        r.heartbeat_at(beat(Some(vec![held])), t0 + grace / 2);
+        r.heartbeat_at(beat(Some(vec![held])), t0 + grace);
+        assert!(r.unheld_runs(grace).is_empty(), "within its grace");
+        r.heartbeat_at(beat(Some(vec![held])), t0 + grace / 2 + grace);
+        assert_eq!(r.unheld_runs(grace), vec![(lost, 1)]);
+        assert!(r.unheld_runs(grace).is_empty(), "handed out once");
+        r.recovery_failed(lost);
+        assert_eq!(
+            r.unheld_runs(grace),
+            vec![(lost, 1)],
+            "again after a failed publish"
+        );
+
+        // An older worker's beats say nothing of what it holds: its events alone are trusted.
+        r.heartbeat_at(beat(None), t0 + 3 * grace);
+        r.heartbeat_at(beat(None), t0 + 5 * grace);
+        r.recovery_failed(lost);
+        assert!(r.unheld_runs(grace).is_empty());
+    }
+
+    /// A requeue names the dispatch it returns: once the job has been dispatched again it keeps
+    /// its new dispatch (a late requeue of the old one would let two workers run it).
+    #[test]
+    fn a_requeue_of_an_earlier_dispatch_leaves_the_job_where_it_is() {
+        let mut r = Registry::default();
+        let mut s = Stream::new();
+        let id = s.queue(&mut r, generate());
+        let dispatched = |w: &str| EventKind::Dispatched {
+            queue: "q".into(),
+            worker: Some(w.parse().unwrap()),
+            batch: None,
+            term: Some(1),
+        };
+        let requeued = |dispatch| EventKind::Requeued {
+            reason: "its worker holds it no longer".into(),
+            dispatch,
+        };
+        r.apply(s.ev(id, dispatched("a")));
+        r.apply(s.ev(id, requeued(None)));
+        r.apply(s.ev(id, dispatched("b")));
+        r.apply(s.ev(id, requeued(Some(1))));
+        let job = r.job(id).unwrap();
+        assert_eq!(
+            (job.state(), job.worker()),
+            (JobState::Dispatched, Some(&"b".parse().unwrap()))
+        );
+        r.apply(s.ev(id, requeued(Some(2))));
+        assert_eq!(r.job(id).unwrap().state(), JobState::Queued);
+    }
+
     /// A cancel that finds the job on its way to a worker only reaches the workers; if the job
     /// then comes back unrun (its worker was cut off), the scheduler itself owes its `cancelled`
     /// (the cluster test once saw such a job stay queued for good).
@@ -522,6 +653,7 @@ mod tests {
             id,
             EventKind::Requeued {
                 reason: "returned from a worker queue (expired)".into(),
+                dispatch: None,
             },
         ));
         let owed = r.take_follow_ups();

@@ -101,7 +101,7 @@ pub fn measure(
     let yielded_jobs: BTreeSet<JobId> = events
         .iter()
         .filter(
-            |e| matches!(&e.event.kind, EventKind::Requeued { reason } if reason == YIELDED_REASON),
+            |e| matches!(&e.event.kind, EventKind::Requeued { reason, .. } if reason == YIELDED_REASON),
         )
         .map(|e| e.event.job_id)
         .collect();

@@ -23,9 +23,7 @@ use tracing::Instrument;
 use vnfarm_bus::headers::{dead_letter_headers, delivery_count};
 use vnfarm_bus::publisher::json_properties;
 use vnfarm_bus::{PublishError, Publisher};
-use vnfarm_proto::topology::{
-    HEADER_FAILURE, HEADER_JOB_ID, HEADER_REASON, HEADER_YIELDED, manifest_key,
-};
+use vnfarm_proto::topology::{HEADER_FAILURE, HEADER_JOB_ID, HEADER_REASON, HEADER_YIELDED};
 use vnfarm_proto::{
     BatchedJob, Event, EventKind, FailureKind, JobId, MAX_MESSAGE_BYTES, Manifest, WorkMessage,
     decode_json, work::decodable_protocols,
@@ -452,7 +450,7 @@ impl Worker {
     ) -> Result<(), Lost> {
         let job_id = manifest.job_id;
         let made_by = manifest.worker.clone();
-        self.publish_event(publisher, job_id, completed_from(manifest))
+        self.publish_event(publisher, job_id, manifest.completed())
             .await
             .map_err(broker)?;
         self.metrics
@@ -679,22 +677,11 @@ fn broker(e: PublishError) -> Lost {
     Lost(e.to_string())
 }
 
-/// The `completed` event of a job an earlier delivery finished, as that run would have published
-/// it: credited to the worker that made the outputs (the manifest's), not the one republishing it.
-fn completed_from(manifest: Manifest) -> EventKind {
-    EventKind::Completed {
-        outputs: manifest.outputs.into_iter().map(|o| o.key).collect(),
-        manifest: manifest_key(manifest.job_id),
-        worker: Some(manifest.worker),
-        timings: manifest.timings,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::end::tests::manifest;
-    use vnfarm_proto::topology::output_key;
+    use vnfarm_proto::topology::{manifest_key, output_key};
 
     #[test]
     fn completed_is_rebuilt_from_the_manifest_and_credits_the_worker_that_made_it() {
@@ -705,7 +692,7 @@ mod tests {
             manifest: key,
             worker,
             timings,
-        } = completed_from(stored.clone())
+        } = stored.clone().completed()
         else {
             panic!("a completed event")
         };

@@ -246,6 +246,7 @@ impl Worker {
                 tracing::warn!(error = %e, "reading the GPU's memory failed");
                 None
             });
+        let in_hand = self.in_hand();
         Heartbeat {
             schema_version: vnfarm_proto::PROTOCOL_VERSION,
             protocols: crate::job::protocols(),
@@ -253,8 +254,9 @@ impl Worker {
             state: self.state(),
             models: self.engine.models().to_vec(),
             slots: u32::from(self.config.prefetch),
-            in_flight: u32::try_from(self.in_hand().len()).unwrap_or(u32::MAX),
+            in_flight: u32::try_from(in_hand.len()).unwrap_or(u32::MAX),
             running: self.running(),
+            holding: Some(in_hand),
             checkpoints: self.engine.checkpoints().to_vec(),
             max_batch: self.config.batch_jobs,
             gpu_memory,

@@ -248,6 +248,14 @@ impl JobRecord {
     fn apply(&mut self, ev: SequencedEvent) -> Change {
         let id = self.id;
         let mut change = Change::default();
+        if let EventKind::Requeued {
+            dispatch: Some(n), ..
+        } = &ev.event.kind
+            && *n != self.dispatches
+        {
+            // It returns a dispatch the job has left since: the job keeps its new one.
+            return change;
+        }
         self.updated_at = ev.event.at;
         match &ev.event.kind {
             EventKind::Queued { .. } => unreachable!("handled by apply_queued"),
@@ -261,13 +269,14 @@ impl JobRecord {
                 self.batch = *batch;
                 change.assign = worker.clone().map(|w| (w, batch.unwrap_or(id)));
             }
-            EventKind::Requeued { reason } => {
+            EventKind::Requeued { reason, .. } => {
                 if reason == vnfarm_proto::event::YIELDED_REASON {
                     // Asked back by the scheduler: that dispatch does not count towards the limit.
                     self.dispatches = self.dispatches.saturating_sub(1);
                 }
                 self.state = JobState::Queued;
                 self.local.dispatch_pending = false;
+                self.local.recovering = false;
                 self.worker = None;
                 self.progress = None;
                 change.unassign = true;
@@ -275,6 +284,7 @@ impl JobRecord {
             }
             EventKind::Started { worker, .. } => {
                 self.state = JobState::Running;
+                self.local.recovering = false;
                 // Every run counts, on whichever worker: the message's own delivery count starts
                 // again at each dispatch.
                 self.attempts += 1;

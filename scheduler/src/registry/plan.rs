@@ -722,6 +722,7 @@ mod tests {
                 e,
                 EventKind::Requeued {
                     reason: vnfarm_proto::event::YIELDED_REASON.into(),
+                    dispatch: None,
                 },
             ));
             assert_eq!(r.job(e).unwrap().dispatches(), 0);

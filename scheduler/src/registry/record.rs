@@ -28,6 +28,9 @@ pub(super) struct Local {
     pub(super) hold_expired: bool,
     /// Released from its hold to a worker that had nothing else to do.
     pub(super) idle_release: bool,
+    /// Its worker's beats stopped listing it while it ran, and the event that ends the run here
+    /// was handed out for publishing (see `Registry::unheld_runs`).
+    pub(super) recovering: bool,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

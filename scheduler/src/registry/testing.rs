@@ -111,6 +111,7 @@ pub(super) fn worker(id: &str, slots: u32) -> Heartbeat {
         slots,
         in_flight: 0,
         running: vec![],
+        holding: None,
         checkpoints: vec![],
         max_batch: 1,
         gpu_memory: None,

@@ -44,6 +44,8 @@ pub struct WorkerRecord {
     /// Messages on it (by their first job) whose unstarted jobs this scheduler asked back (a
     /// yield), until the message's last job leaves it.
     pub(super) yields: HashSet<JobId>,
+    /// Jobs that started here and that its beats no longer list, with the first beat that did not.
+    pub(super) unheld: HashMap<JobId, Instant>,
 }
 
 impl WorkerRecord {
@@ -55,6 +57,7 @@ impl WorkerRecord {
             messages: HashMap::new(),
             keys: HashMap::new(),
             yields: HashSet::new(),
+            unheld: HashMap::new(),
         }
     }
 
@@ -145,9 +148,40 @@ impl WorkerRecord {
 
     /// Takes a job off it; its message's slot frees with the message's last job.
     pub(super) fn unassign(&mut self, job: JobId) {
+        self.unheld.remove(&job);
         if let Some(message) = self.assigned.remove(&job) {
             self.release(message);
         }
+    }
+
+    /// Notes which of `running` (jobs started here, by the stream) its latest beat lists as held;
+    /// a worker whose beats say nothing of what it holds (one before that field) is trusted.
+    pub(super) fn check_held(&mut self, running: &[JobId], now: Instant) {
+        let Some(holding) = self
+            .last_heartbeat
+            .as_ref()
+            .and_then(|(_, hb)| hb.holding.as_ref())
+        else {
+            self.unheld.clear();
+            return;
+        };
+        self.unheld.retain(|job, _| running.contains(job));
+        for job in running {
+            if holding.contains(job) {
+                self.unheld.remove(job);
+            } else {
+                self.unheld.entry(*job).or_insert(now);
+            }
+        }
+    }
+
+    /// The jobs of `unheld` that no beat has listed for `grace`, by a beat newer than that.
+    pub(super) fn unheld_for(&self, grace: Duration) -> impl Iterator<Item = JobId> + '_ {
+        let latest = self.last_heartbeat.as_ref().map(|(at, _)| *at);
+        self.unheld
+            .iter()
+            .filter(move |(_, since)| latest.is_some_and(|at| at >= **since + grace))
+            .map(|(job, _)| *job)
     }
 
     fn release(&mut self, message: JobId) {
