@@ -16,8 +16,8 @@
 //! Every type that a client or a foreign producer writes rejects unknown fields and unknown schema
 //! versions rather than guessing.
 
-mod defaults;
 pub mod decode;
+mod defaults;
 pub mod event;
 pub mod http;
 pub mod ids;

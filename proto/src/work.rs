@@ -238,7 +238,10 @@ pub struct CancelRequest {
     /// The protocol version it is written in. Control messages reach every worker, so they are
     /// written in the oldest version any worker reads ([`crate::MIN_PROTOCOL_VERSION`]): version 1,
     /// which has no field for it (its readers refuse unknown fields).
-    #[serde(default = "crate::defaults::one", skip_serializing_if = "crate::defaults::is_one")]
+    #[serde(
+        default = "crate::defaults::one",
+        skip_serializing_if = "crate::defaults::is_one"
+    )]
     pub schema_version: u32,
     pub job_id: JobId,
 }
@@ -258,7 +261,10 @@ impl CancelRequest {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct YieldRequest {
     /// The protocol version it is written in: as for [`CancelRequest::schema_version`].
-    #[serde(default = "crate::defaults::one", skip_serializing_if = "crate::defaults::is_one")]
+    #[serde(
+        default = "crate::defaults::one",
+        skip_serializing_if = "crate::defaults::is_one"
+    )]
     pub schema_version: u32,
     pub worker: WorkerId,
     pub jobs: Vec<JobId>,

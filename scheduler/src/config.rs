@@ -298,7 +298,10 @@ mod tests {
                 (d.max_batch, d.affinity_wait_ms, d.coalesce_window_ms),
                 (8, 3_000, 50)
             );
-            assert_eq!((d.spill_after, d.imbalance_abs, d.imbalance_rel), (12, 8, 2.0));
+            assert_eq!(
+                (d.spill_after, d.imbalance_abs, d.imbalance_rel),
+                (12, 8, 2.0)
+            );
         }
     }
 

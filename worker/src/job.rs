@@ -251,7 +251,7 @@ impl Worker {
         };
         if let JobError::Engine(EngineError::DeviceLost(reason)) = &error {
             // Stop taking jobs before this one is given back, so it goes to another worker.
-            self.device_lost(reason);
+            self.device_loss().latch(reason);
         }
         self.count_failure(job, &error.disposition(), started);
         match error.disposition() {
@@ -348,7 +348,7 @@ impl Worker {
             Err(error) => error,
         };
         if let JobError::Engine(EngineError::DeviceLost(reason)) = &error {
-            self.device_lost(reason);
+            self.device_loss().latch(reason);
         }
         let disposition = error.disposition();
         self.count_failure(job, &disposition, started);

@@ -10,7 +10,8 @@
 //! - [`engine`]: the engines and the dedicated engine thread they run on, and which settings they
 //!   run (`engine/settings.rs`).
 //! - [`gpu_runtime`]: the GPU runtime libtorch loaded, looked up by name (memory, device facts).
-//! - [`worker`]: shared state (identity, storage, engine host, what is running, cancellations).
+//! - [`worker`]: shared state (identity, storage, engine host, what is running, cancellations);
+//!   the device-loss latch in `worker/device_loss.rs`.
 //! - [`session`]: one broker connection's life: declare, consume, heartbeat, handle.
 //! - [`job`]: one delivery from message to ack (one job, or a batch of jobs each settled on its own).
 //! - [`execute`]: running a message's jobs: skipped, started, inputs, the engine, outputs stored.
@@ -151,10 +152,10 @@ pub async fn serve(
     };
     {
         // A device failure drains the worker like a SIGTERM; `serve` then returns the error.
-        let fatal = worker.fatal.clone();
+        let lost = worker.device_loss().latched();
         let shutdown = shutdown.clone();
         tokio::spawn(async move {
-            fatal.cancelled().await;
+            lost.await;
             shutdown.cancel();
         });
     }
@@ -193,7 +194,7 @@ pub async fn serve(
     } else if let Ok(Err(e)) = loaded.await {
         return Err(e.context("loading the engine"));
     }
-    match worker.fatal_reason() {
+    match worker.device_loss().reason() {
         Some(reason) => anyhow::bail!("stopped after a device failure: {reason}"),
         None => Ok(()),
     }

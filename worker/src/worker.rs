@@ -15,6 +15,10 @@ use crate::engine::{Cancel, CancelReason, EngineHost};
 use crate::metrics::Metrics;
 use crate::provenance::FileHashes;
 
+mod device_loss;
+
+pub use device_loss::DeviceLoss;
+
 /// How many cancelled job ids a worker remembers (to skip them if they arrive later).
 const CANCELLED_MEMORY: usize = 10_000;
 
@@ -33,10 +37,7 @@ pub struct Inner {
     status: Mutex<Status>,
     /// Cancelled once the engine is loaded and warm: the worker takes jobs from then on.
     pub ready: tokio_util::sync::CancellationToken,
-    /// Cancelled when the device failed (see [`Worker::device_lost`]); the reason is kept for the
-    /// exit status.
-    pub fatal: tokio_util::sync::CancellationToken,
-    fatal_reason: Mutex<Option<String>>,
+    device_loss: DeviceLoss,
 }
 
 struct Status {
@@ -83,8 +84,7 @@ impl Worker {
             metrics,
             status: Mutex::new(status),
             ready: tokio_util::sync::CancellationToken::new(),
-            fatal: tokio_util::sync::CancellationToken::new(),
-            fatal_reason: Mutex::new(None),
+            device_loss: DeviceLoss::default(),
         }))
     }
 
@@ -202,23 +202,9 @@ impl Worker {
         self.status().cancelled.contains(&job_id)
     }
 
-    /// The device failed: stop taking jobs and exit with an error once the job in hand is given
-    /// back, so that a supervisor restarts the worker with a fresh device context.
-    pub fn device_lost(&self, reason: &str) {
-        tracing::error!(%reason, "device failure: this worker stops taking jobs and exits");
-        self.fatal_reason
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get_or_insert_with(|| reason.to_owned());
-        self.fatal.cancel();
-    }
-
-    /// Why the worker must exit with an error, if it must.
-    pub fn fatal_reason(&self) -> Option<String> {
-        self.fatal_reason
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+    /// The device-loss latch, set by a job's `DeviceLost` failure.
+    pub fn device_loss(&self) -> &DeviceLoss {
+        &self.device_loss
     }
 
     /// Interrupts the jobs in hand so that they go back to the queue (shutdown past the grace
