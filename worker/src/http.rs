@@ -31,7 +31,7 @@ async fn healthz(State(worker): State<Worker>) -> impl IntoResponse {
     };
     let body = serde_json::json!({
         "worker": worker.id,
-        "state": worker.state(),
+        "state": worker.lifecycle().state(),
         "amqp_connected": connected,
         "engine": worker.engine.name(),
         "running": worker.running(),

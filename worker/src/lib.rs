@@ -11,7 +11,8 @@
 //!   run (`engine/settings.rs`).
 //! - [`gpu_runtime`]: the GPU runtime libtorch loaded, looked up by name (memory, device facts).
 //! - [`worker`]: shared state (identity, storage, engine host, what is running, cancellations);
-//!   the device-loss latch in `worker/device_loss.rs`.
+//!   the lifecycle (warming, ready, draining) in `worker/lifecycle.rs`, the device-loss latch in
+//!   `worker/device_loss.rs`.
 //! - [`session`]: one broker connection's life: declare, consume, heartbeat, handle.
 //! - [`job`]: one delivery from message to ack (one job, or a batch of jobs each settled on its own).
 //! - [`execute`]: running a message's jobs: skipped, started, inputs, the engine, outputs stored.
@@ -129,7 +130,7 @@ pub async fn serve(
                         .settings_info
                         .with_label_values(&[source, id])
                         .set(1);
-                    worker.engine_ready();
+                    worker.lifecycle().engine_ready();
                 }
                 Err(e) => {
                     tracing::error!(error = %format!("{e:#}"), "the engine failed to load; stopping");

@@ -124,10 +124,10 @@ impl Worker {
                         // Say "draining" the moment shutdown starts, so no new job is sent here.
                         _ = shutdown.cancelled(), if !draining => {
                             draining = true;
-                            this.drain();
+                            this.lifecycle().drain();
                         }
                         // Say "ready" the moment the engine is.
-                        _ = this.ready.cancelled(), if !announced_ready => {
+                        _ = this.lifecycle().warm(), if !announced_ready => {
                             announced_ready = true;
                         }
                     }
@@ -159,14 +159,14 @@ impl Worker {
         self.metrics.amqp_connected.set(1);
 
         // Jobs only once the engine is warm; until then the heartbeats say `warming`.
-        if !self.ready.is_cancelled() {
+        if !self.lifecycle().is_warm() {
             tracing::info!(worker = %self.id, engine = self.engine.name(), "connected; the engine is warming up");
         }
         tokio::select! {
             biased;
             _ = shutdown.cancelled() => return Ok(self.announce_draining(&publisher).await),
             Some(reason) = lost.recv() => return Ok(SessionEnd::Lost(reason)),
-            _ = self.ready.cancelled() => {}
+            _ = self.lifecycle().warm() => {}
         }
         channel
             .basic_qos(self.config.prefetch, BasicQosOptions::default())
@@ -202,7 +202,7 @@ impl Worker {
     /// Shutdown: tell the scheduler at once, so it stops sending jobs here. If that fails the
     /// scheduler learns it from the missing heartbeats instead; shutdown goes on.
     async fn announce_draining(&self, publisher: &Publisher) -> SessionEnd {
-        self.drain();
+        self.lifecycle().drain();
         if let Err(e) = self.heartbeat(publisher).await {
             tracing::warn!(worker = %self.id, error = %e, "could not announce draining");
         }
@@ -248,7 +248,7 @@ impl Worker {
             schema_version: vnfarm_proto::PROTOCOL_VERSION,
             protocols: crate::job::protocols(),
             worker: self.id.clone(),
-            state: self.state(),
+            state: self.lifecycle().state(),
             models: self.engine.models().to_vec(),
             slots: u32::from(self.config.prefetch),
             in_flight: u32::try_from(self.in_hand().len()).unwrap_or(u32::MAX),

@@ -7,7 +7,7 @@ use std::ops::Deref;
 use std::sync::{Arc, Mutex};
 
 use vnfarm_proto::topology::Topology;
-use vnfarm_proto::{JobId, WorkerId, WorkerState};
+use vnfarm_proto::{JobId, WorkerId};
 use vnfarm_storage::Storage;
 
 use crate::config::Config;
@@ -16,8 +16,10 @@ use crate::metrics::Metrics;
 use crate::provenance::FileHashes;
 
 mod device_loss;
+mod lifecycle;
 
 pub use device_loss::DeviceLoss;
+pub use lifecycle::Lifecycle;
 
 /// How many cancelled job ids a worker remembers (to skip them if they arrive later).
 const CANCELLED_MEMORY: usize = 10_000;
@@ -35,13 +37,11 @@ pub struct Inner {
     pub hashes: FileHashes,
     pub metrics: Metrics,
     status: Mutex<Status>,
-    /// Cancelled once the engine is loaded and warm: the worker takes jobs from then on.
-    pub ready: tokio_util::sync::CancellationToken,
+    lifecycle: Lifecycle,
     device_loss: DeviceLoss,
 }
 
 struct Status {
-    state: WorkerState,
     /// The unsettled jobs of the message in hand, with their cancellation flags.
     in_hand: Vec<(JobId, Cancel)>,
     /// Those of them on the engine now.
@@ -68,7 +68,6 @@ impl Worker {
         let id = config.worker_id();
         let topology = config.amqp.topology();
         let status = Status {
-            state: WorkerState::Warming,
             in_hand: Vec::new(),
             running: Vec::new(),
             cancelled: HashSet::new(),
@@ -83,7 +82,7 @@ impl Worker {
             hashes,
             metrics,
             status: Mutex::new(status),
-            ready: tokio_util::sync::CancellationToken::new(),
+            lifecycle: Lifecycle::default(),
             device_loss: DeviceLoss::default(),
         }))
     }
@@ -93,24 +92,9 @@ impl Worker {
         self.status.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    pub fn state(&self) -> WorkerState {
-        self.status().state
-    }
-
-    /// Starts draining: no new jobs, and the heartbeat says so.
-    pub fn drain(&self) {
-        self.status().state = WorkerState::Draining;
-    }
-
-    /// The engine is loaded and warm: ready for jobs, unless already draining.
-    pub fn engine_ready(&self) {
-        {
-            let mut status = self.status();
-            if status.state == WorkerState::Warming {
-                status.state = WorkerState::Ready;
-            }
-        }
-        self.ready.cancel();
+    /// Warming, ready, draining, as the heartbeats say.
+    pub fn lifecycle(&self) -> &Lifecycle {
+        &self.lifecycle
     }
 
     /// The jobs on the engine now.
