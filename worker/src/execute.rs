@@ -53,7 +53,7 @@ impl Worker {
             let _ = ends.send((i, end));
         };
         let ids: Vec<JobId> = jobs.iter().map(|j| j.job_id).collect();
-        let cancels = self.take_in_hand(&ids);
+        let cancels = self.hand().take(&ids);
         let skipped: Vec<Option<JobEnd>> = join_all(jobs.iter().map(|job| self.skip(job))).await;
 
         let mut timings: Vec<StageTimings> = jobs.iter().map(|_| StageTimings::default()).collect();
@@ -113,7 +113,7 @@ impl Worker {
                         tracing::error!(index = k, "the engine answered a job twice or out of range");
                         continue;
                     }
-                    self.off_engine(ids[on_engine[k]]);
+                    self.hand().off_engine(ids[on_engine[k]]);
                     let job_timings = std::mem::take(&mut timings[on_engine[k]]);
                     stores.push(finish(k, result, job_timings));
                 }
@@ -172,7 +172,7 @@ impl Worker {
     /// Whether the job ends before it starts: cancelled before it came, or finished by an earlier
     /// delivery.
     async fn skip(&self, job: &BatchedJob) -> Option<JobEnd> {
-        if self.is_cancelled(job.job_id) {
+        if self.hand().is_cancelled(job.job_id) {
             tracing::info!(job_id = %job.job_id, "skipping a job cancelled before it started");
             return Some(Ok(Ended::CancelledBefore));
         }
@@ -294,7 +294,7 @@ impl Worker {
         tokio::task::JoinHandle<()>,
     ) {
         let ids: Vec<JobId> = jobs.iter().map(|j| j.job_id).collect();
-        self.set_running(ids.clone());
+        self.hand().set_running(ids.clone());
         let (progress_tx, mut progress_rx) =
             tokio::sync::mpsc::unbounded_channel::<(usize, Progress)>();
         let forwarder = {
@@ -327,7 +327,7 @@ impl Worker {
     /// The engine has answered every job of the message: idle, and its progress events are out.
     async fn engine_done(&self, forwarder: tokio::task::JoinHandle<()>) {
         self.metrics.engine_idle(Instant::now());
-        self.set_running(Vec::new());
+        self.hand().set_running(Vec::new());
         if let Err(e) = forwarder.await {
             tracing::warn!(error = %e, "progress forwarder failed");
         }

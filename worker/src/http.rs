@@ -34,7 +34,7 @@ async fn healthz(State(worker): State<Worker>) -> impl IntoResponse {
         "state": worker.lifecycle().state(),
         "amqp_connected": connected,
         "engine": worker.engine.name(),
-        "running": worker.running(),
+        "running": worker.hand().running(),
     });
     (status, axum::Json(body))
 }

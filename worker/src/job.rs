@@ -225,7 +225,7 @@ impl Worker {
             .instrument(span)
             .await
         };
-        self.drop_in_hand();
+        self.hand().clear();
         settled
     }
 
@@ -311,7 +311,7 @@ impl Worker {
             }
             self.settle_member(publisher, &jobs[i], end, started)
                 .await?;
-            self.settled(jobs[i].job_id);
+            self.hand().settled(jobs[i].job_id);
         }
         for (i, job) in jobs.iter().enumerate().filter(|(i, _)| !seen[*i]) {
             // `execute` ends every job; should one be missed, it fails with a reason, not silently.
@@ -320,7 +320,7 @@ impl Worker {
                 "no end for the job".into(),
             )));
             self.settle_member(publisher, job, missing, started).await?;
-            self.settled(jobs[i].job_id);
+            self.hand().settled(jobs[i].job_id);
         }
         if !retries.is_empty() {
             // Back off once before giving jobs back, so a broken dependency is not hammered (the
@@ -330,7 +330,7 @@ impl Worker {
         for (i, end) in retries {
             self.settle_member(publisher, &jobs[i], end, started)
                 .await?;
-            self.settled(jobs[i].job_id);
+            self.hand().settled(jobs[i].job_id);
         }
         Ok(())
     }

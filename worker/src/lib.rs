@@ -10,8 +10,8 @@
 //! - [`engine`]: the engines and the dedicated engine thread they run on, and which settings they
 //!   run (`engine/settings.rs`).
 //! - [`gpu_runtime`]: the GPU runtime libtorch loaded, looked up by name (memory, device facts).
-//! - [`worker`]: shared state (identity, storage, engine host, what is running, cancellations);
-//!   the lifecycle (warming, ready, draining) in `worker/lifecycle.rs`, the device-loss latch in
+//! - [`worker`]: shared state (identity, storage, engine host); the jobs in hand, those on the
+//!   engine and the cancellations in `worker/hand.rs`, the lifecycle (warming, ready, draining) in `worker/lifecycle.rs`, the device-loss latch in
 //!   `worker/device_loss.rs`.
 //! - [`session`]: one broker connection's life: declare, consume, heartbeat, handle.
 //! - [`job`]: one delivery from message to ack (one job, or a batch of jobs each settled on its own).
@@ -167,7 +167,7 @@ pub async fn serve(
             shutdown.cancelled().await;
             tokio::time::sleep(Duration::from_secs(worker.config.drain_grace_s)).await;
             tracing::warn!("drain grace period over; interrupting the job in hand");
-            worker.interrupt_for_shutdown();
+            worker.hand().interrupt_for_shutdown();
         });
     }
 

@@ -79,7 +79,7 @@ impl Worker {
                     if delivery.routing_key.as_str() == YIELD_ROUTING_KEY {
                         match decode_json::<YieldRequest>(&delivery.data) {
                             Ok(req) if req.worker == this.id => {
-                                let in_hand = this.yield_jobs(&req.jobs);
+                                let in_hand = this.hand().yield_jobs(&req.jobs);
                                 tracing::info!(
                                     jobs = req.jobs.len(),
                                     in_hand,
@@ -96,7 +96,7 @@ impl Worker {
                     match decode_json::<CancelRequest>(&delivery.data) {
                         Ok(req) => {
                             tracing::info!(job_id = %req.job_id, "cancel requested");
-                            this.cancel(req.job_id);
+                            this.hand().cancel(req.job_id);
                         }
                         Err(e) => tracing::warn!(error = %e, "ignoring a malformed cancel request"),
                     }
@@ -251,8 +251,8 @@ impl Worker {
             state: self.lifecycle().state(),
             models: self.engine.models().to_vec(),
             slots: u32::from(self.config.prefetch),
-            in_flight: u32::try_from(self.in_hand().len()).unwrap_or(u32::MAX),
-            running: self.running(),
+            in_flight: u32::try_from(self.hand().jobs().len()).unwrap_or(u32::MAX),
+            running: self.hand().running(),
             checkpoints: self.engine.checkpoints().to_vec(),
             max_batch: self.config.batch_jobs,
             gpu_memory,
