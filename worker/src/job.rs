@@ -180,7 +180,7 @@ impl Worker {
         let msg = match parse(&pending.0) {
             Parsed::Work(msg) => msg,
             Parsed::Malformed(job_ids, reason) => {
-                self.metrics.malformed_messages_total.inc();
+                self.metrics().malformed_messages_total.inc();
                 tracing::warn!(job_ids = ?job_ids, %reason, "dead-lettering a malformed work message");
                 self.dead_letter(publisher, &body, &job_ids, FailureKind::Malformed, &reason)
                     .await?;
@@ -193,7 +193,7 @@ impl Worker {
             }
         };
         let jobs: Vec<BatchedJob> = msg.jobs().collect();
-        self.metrics.batch_jobs.observe(jobs.len() as f64);
+        self.metrics().batch_jobs.observe(jobs.len() as f64);
         let (ends, mut ended) = tokio::sync::mpsc::unbounded_channel();
         let settled = if jobs.len() == 1 {
             let job = &jobs[0];
@@ -404,7 +404,7 @@ impl Worker {
         let kind = job.task.kind_name();
         match ended {
             Ended::CancelledBefore => {
-                self.metrics
+                self.metrics()
                     .jobs_total
                     .with_label_values(&[kind, "cancelled"])
                     .inc();
@@ -419,20 +419,20 @@ impl Worker {
                 manifest,
                 timings,
             }) => {
-                self.metrics
+                self.metrics()
                     .job_seconds
                     .with_label_values(&[kind])
                     .observe(started.elapsed().as_secs_f64());
                 let event = EventKind::Completed {
                     outputs,
                     manifest,
-                    worker: Some(self.id.clone()),
+                    worker: Some(self.id().clone()),
                     timings,
                 };
                 self.publish_event(publisher, job_id, event)
                     .await
                     .map_err(broker)?;
-                self.metrics
+                self.metrics()
                     .jobs_total
                     .with_label_values(&[kind, "completed"])
                     .inc();
@@ -455,7 +455,7 @@ impl Worker {
         self.publish_event(publisher, job_id, completed_from(manifest))
             .await
             .map_err(broker)?;
-        self.metrics
+        self.metrics()
             .jobs_total
             .with_label_values(&[kind, "already_completed"])
             .inc();
@@ -491,12 +491,12 @@ impl Worker {
             // Nothing is settled: the message comes back. A yield is no outcome: the job runs later.
             Disposition::Abandon | Disposition::Yield => return,
         };
-        self.metrics
+        self.metrics()
             .jobs_total
             .with_label_values(&[kind, outcome])
             .inc();
         if outcome != "cancelled" {
-            self.metrics
+            self.metrics()
                 .job_seconds
                 .with_label_values(&[kind])
                 .observe(started.elapsed().as_secs_f64());
@@ -536,13 +536,13 @@ impl Worker {
             .with_delivery_mode(2)
             .with_headers(dead_letter_headers(reason, failure.as_str(), id.as_deref()));
         if let Err(e) = publisher
-            .publish(&self.topology.dead_exchange(), "", body, props)
+            .publish(&self.topology().dead_exchange(), "", body, props)
             .await
         {
             tracing::warn!(job_ids = ?job_ids, error = %e, "could not dead-letter the message; it stays unsettled");
             return Err(broker(e));
         }
-        self.metrics
+        self.metrics()
             .dead_letters_total
             .with_label_values(&[failure.as_str()])
             .inc();
@@ -570,7 +570,7 @@ impl Worker {
     ) -> Result<(), Lost> {
         let reason = format!(
             "given back by worker {}: written in protocol version {version}; it reads {:?}",
-            self.id,
+            self.id(),
             protocols()
         );
         tracing::warn!(%reason, "giving back a work message it cannot read");
@@ -585,7 +585,7 @@ impl Worker {
         }
         publisher
             .publish(
-                &self.topology.give_back_exchange(),
+                &self.topology().give_back_exchange(),
                 "",
                 &delivery.data,
                 props,
@@ -615,7 +615,7 @@ impl Worker {
         };
         put(
             HEADER_REASON,
-            format!("given back by worker {}: {reason}", self.id),
+            format!("given back by worker {}: {reason}", self.id()),
         );
         put(HEADER_JOB_ID, id.clone());
         match why {
@@ -630,7 +630,7 @@ impl Worker {
             .with_headers(headers);
         let body = single_job_body(job);
         if let Err(e) = publisher
-            .publish(&self.topology.give_back_exchange(), "", &body, props)
+            .publish(&self.topology().give_back_exchange(), "", &body, props)
             .await
         {
             tracing::warn!(job_id = %job.job_id, error = %e, "could not give the job back; the message stays unsettled");
@@ -648,7 +648,7 @@ impl Worker {
         let event = Event::now(job_id, kind);
         let result = publisher
             .publish_json(
-                &self.topology.events_exchange(),
+                &self.topology().events_exchange(),
                 &event.routing_key(),
                 &event,
                 json_properties(),

@@ -1,9 +1,10 @@
-//! The worker's shared state: identity, storage, the engine host, metrics, and the state of the
-//! roles, each in a type of its own that keeps its rule: the jobs in hand and the cancellations
-//! ([`Hand`]), the lifecycle ([`Lifecycle`]) and the device-loss latch ([`DeviceLoss`]). Cheap to
-//! clone (one `Arc`).
+//! The handle every role of the worker is given (session, job, execute, the HTTP endpoints): the
+//! configuration, identity, storage, engine host, hashes and metrics, and the state of the roles,
+//! each in a type of its own that keeps its rule: the jobs in hand and the cancellations
+//! ([`Hand`], `worker/hand.rs`), the lifecycle ([`Lifecycle`], `worker/lifecycle.rs`) and the
+//! device-loss latch ([`DeviceLoss`], `worker/device_loss.rs`). No field is public and there is no
+//! `Deref`: a role reaches each part through its accessor. Cheap to clone (one `Arc`).
 
-use std::ops::Deref;
 use std::sync::Arc;
 
 use vnfarm_proto::WorkerId;
@@ -24,27 +25,19 @@ pub use hand::Hand;
 pub use lifecycle::Lifecycle;
 
 #[derive(Clone)]
-pub struct Worker(Arc<Inner>);
+pub struct Worker(Arc<Parts>);
 
-pub struct Inner {
-    pub config: Config,
-    pub id: WorkerId,
-    pub topology: Topology,
-    pub storage: Storage,
-    pub engine: EngineHost,
-    /// The sha256 of the model files, for manifests.
-    pub hashes: FileHashes,
-    pub metrics: Metrics,
+struct Parts {
+    config: Config,
+    id: WorkerId,
+    topology: Topology,
+    storage: Storage,
+    engine: EngineHost,
+    hashes: FileHashes,
+    metrics: Metrics,
     hand: Hand,
     lifecycle: Lifecycle,
     device_loss: DeviceLoss,
-}
-
-impl Deref for Worker {
-    type Target = Inner;
-    fn deref(&self) -> &Inner {
-        &self.0
-    }
 }
 
 impl Worker {
@@ -57,7 +50,7 @@ impl Worker {
     ) -> Self {
         let id = config.worker_id();
         let topology = config.amqp.topology();
-        Self(Arc::new(Inner {
+        Self(Arc::new(Parts {
             config,
             id,
             topology,
@@ -71,18 +64,48 @@ impl Worker {
         }))
     }
 
+    pub fn config(&self) -> &Config {
+        &self.0.config
+    }
+
+    pub fn id(&self) -> &WorkerId {
+        &self.0.id
+    }
+
+    /// The broker names this worker's configuration gives.
+    pub fn topology(&self) -> &Topology {
+        &self.0.topology
+    }
+
+    pub fn storage(&self) -> &Storage {
+        &self.0.storage
+    }
+
+    pub fn engine(&self) -> &EngineHost {
+        &self.0.engine
+    }
+
+    /// The sha256 of the model files, for manifests.
+    pub fn hashes(&self) -> &FileHashes {
+        &self.0.hashes
+    }
+
+    pub fn metrics(&self) -> &Metrics {
+        &self.0.metrics
+    }
+
     /// The jobs of the message in hand, which of them are on the engine, the cancellations.
     pub fn hand(&self) -> &Hand {
-        &self.hand
+        &self.0.hand
     }
 
     /// Warming, ready, draining, as the heartbeats say.
     pub fn lifecycle(&self) -> &Lifecycle {
-        &self.lifecycle
+        &self.0.lifecycle
     }
 
     /// The device-loss latch, set by a job's `DeviceLost` failure.
     pub fn device_loss(&self) -> &DeviceLoss {
-        &self.device_loss
+        &self.0.device_loss
     }
 }
