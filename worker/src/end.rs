@@ -98,7 +98,7 @@ impl JobError {
             JobError::Engine(EngineError::Failed(_)) => {
                 Disposition::DeadLetter(FailureKind::Engine)
             }
-            // Not the job's fault: another worker tries it (this one stops, see `device_lost`).
+            // Not the job's fault: another worker tries it (this one stops, see `DeviceLoss`).
             JobError::Engine(EngineError::DeviceLost(_)) => Disposition::Retry(FailureKind::Engine),
             // The scheduler routed it to a worker that does not hold its model or checkpoint.
             JobError::Engine(EngineError::Unsupported(_) | EngineError::NoCheckpoint(_)) => {

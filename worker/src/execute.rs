@@ -53,7 +53,7 @@ impl Worker {
             let _ = ends.send((i, end));
         };
         let ids: Vec<JobId> = jobs.iter().map(|j| j.job_id).collect();
-        let cancels = self.take_in_hand(&ids);
+        let cancels = self.hand().take(&ids);
         let skipped: Vec<Option<JobEnd>> = join_all(jobs.iter().map(|job| self.skip(job))).await;
 
         let mut timings: Vec<StageTimings> = jobs.iter().map(|_| StageTimings::default()).collect();
@@ -113,7 +113,7 @@ impl Worker {
                         tracing::error!(index = k, "the engine answered a job twice or out of range");
                         continue;
                     }
-                    self.off_engine(ids[on_engine[k]]);
+                    self.hand().off_engine(ids[on_engine[k]]);
                     let job_timings = std::mem::take(&mut timings[on_engine[k]]);
                     stores.push(finish(k, result, job_timings));
                 }
@@ -152,7 +152,7 @@ impl Worker {
             Err(e) => return Err(JobError::Engine(e)),
         };
         if let Some(lookup) = output.encode_cache {
-            self.metrics
+            self.metrics()
                 .encode_cache_total
                 .with_label_values(&[lookup.as_str()])
                 .inc();
@@ -172,7 +172,7 @@ impl Worker {
     /// Whether the job ends before it starts: cancelled before it came, or finished by an earlier
     /// delivery.
     async fn skip(&self, job: &BatchedJob) -> Option<JobEnd> {
-        if self.is_cancelled(job.job_id) {
+        if self.hand().is_cancelled(job.job_id) {
             tracing::info!(job_id = %job.job_id, "skipping a job cancelled before it started");
             return Some(Ok(Ended::CancelledBefore));
         }
@@ -197,7 +197,7 @@ impl Worker {
         // `NotFound` is the usual answer here, not a storage error: it is a value for the retries.
         let stored = self
             .with_storage_retries("get", &key, || async {
-                match self.storage.get(&key).await {
+                match self.storage().get(&key).await {
                     Ok(bytes) => Ok(Some(bytes)),
                     Err(StorageError::NotFound { .. }) => Ok(None),
                     Err(e) => Err(e),
@@ -233,7 +233,7 @@ impl Worker {
             publisher,
             job.job_id,
             EventKind::Started {
-                worker: self.id.clone(),
+                worker: self.id().clone(),
                 attempt,
             },
         )
@@ -294,7 +294,7 @@ impl Worker {
         tokio::task::JoinHandle<()>,
     ) {
         let ids: Vec<JobId> = jobs.iter().map(|j| j.job_id).collect();
-        self.set_running(ids.clone());
+        self.hand().set_running(ids.clone());
         let (progress_tx, mut progress_rx) =
             tokio::sync::mpsc::unbounded_channel::<(usize, Progress)>();
         let forwarder = {
@@ -320,14 +320,14 @@ impl Worker {
                 }
             })
         };
-        self.metrics.engine_busy(Instant::now());
-        (self.engine.run_batch(jobs, progress_tx), forwarder)
+        self.metrics().engine_busy(Instant::now());
+        (self.engine().run_batch(jobs, progress_tx), forwarder)
     }
 
     /// The engine has answered every job of the message: idle, and its progress events are out.
     async fn engine_done(&self, forwarder: tokio::task::JoinHandle<()>) {
-        self.metrics.engine_idle(Instant::now());
-        self.set_running(Vec::new());
+        self.metrics().engine_idle(Instant::now());
+        self.hand().set_running(Vec::new());
         if let Err(e) = forwarder.await {
             tracing::warn!(error = %e, "progress forwarder failed");
         }
@@ -384,7 +384,7 @@ impl Worker {
         }
         timings.add("upload", started.elapsed().as_secs_f64());
         for (stage, seconds) in &timings.0 {
-            self.metrics
+            self.metrics()
                 .stage_seconds
                 .with_label_values(&[kind, stage])
                 .observe(*seconds);
@@ -394,9 +394,9 @@ impl Worker {
             job_id,
             task: job.task.clone(),
             outputs: manifest_outputs,
-            worker: self.id.clone(),
+            worker: self.id().clone(),
             attempt,
-            engine: self.engine.name().to_owned(),
+            engine: self.engine().name().to_owned(),
             model_files,
             timings: timings.clone(),
             versions: Versions {
@@ -427,7 +427,7 @@ impl Worker {
         files: &[UsedFile],
     ) -> Result<Vec<ModelFile>, JobError> {
         let started = Instant::now();
-        let hashed = join_all(files.iter().map(|f| self.hashes.hash(&f.path))).await;
+        let hashed = join_all(files.iter().map(|f| self.hashes().hash(&f.path))).await;
         let seconds = started.elapsed().as_secs_f64();
         if seconds > 1.0 {
             tracing::info!(job_id = %job_id, seconds, "waited for model files to be hashed");
@@ -469,7 +469,7 @@ impl Worker {
         if steps == 0 {
             return;
         }
-        self.metrics
+        self.metrics()
             .denoise_step_seconds
             .with_label_values(&[
                 task.model().as_str(),
@@ -519,7 +519,7 @@ impl Worker {
     }
 
     async fn get_with_retries(&self, key: &str) -> Result<Bytes, JobError> {
-        self.with_storage_retries("get", key, || self.storage.get(key))
+        self.with_storage_retries("get", key, || self.storage().get(key))
             .await
     }
 
@@ -530,7 +530,7 @@ impl Worker {
         content_type: &str,
     ) -> Result<(), JobError> {
         self.with_storage_retries("put", key, || {
-            self.storage.put(key, body.clone(), content_type)
+            self.storage().put(key, body.clone(), content_type)
         })
         .await
     }
@@ -553,12 +553,12 @@ impl Worker {
             match attempt().await {
                 Ok(value) => return Ok(value),
                 Err(e) => {
-                    self.metrics
+                    self.metrics()
                         .storage_errors_total
                         .with_label_values(&[op])
                         .inc();
                     let transient = matches!(e, StorageError::Unavailable { .. });
-                    if !transient || tries >= self.config.storage_attempts {
+                    if !transient || tries >= self.config().storage_attempts {
                         return Err(JobError::Storage(e));
                     }
                     tracing::warn!(key, op, error = %e, "storage operation failed; retrying");

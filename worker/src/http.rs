@@ -18,23 +18,23 @@ pub fn router(worker: Worker) -> Router {
 async fn metrics(State(worker): State<Worker>) -> impl IntoResponse {
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        worker.metrics.render(),
+        worker.metrics().render(),
     )
 }
 
 async fn healthz(State(worker): State<Worker>) -> impl IntoResponse {
-    let connected = worker.metrics.amqp_connected.get() == 1;
+    let connected = worker.metrics().amqp_connected.get() == 1;
     let status = if connected {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
     let body = serde_json::json!({
-        "worker": worker.id,
-        "state": worker.state(),
+        "worker": worker.id(),
+        "state": worker.lifecycle().state(),
         "amqp_connected": connected,
-        "engine": worker.engine.name(),
-        "running": worker.running(),
+        "engine": worker.engine().name(),
+        "running": worker.hand().running(),
     });
     (status, axum::Json(body))
 }

@@ -178,7 +178,7 @@ impl Worker {
         let msg = match parse(&pending.0) {
             Parsed::Work(msg) => msg,
             Parsed::Malformed(job_ids, reason) => {
-                self.metrics.malformed_messages_total.inc();
+                self.metrics().malformed_messages_total.inc();
                 tracing::warn!(job_ids = ?job_ids, %reason, "dead-lettering a malformed work message");
                 self.dead_letter(publisher, &body, &job_ids, FailureKind::Malformed, &reason)
                     .await?;
@@ -191,7 +191,7 @@ impl Worker {
             }
         };
         let jobs: Vec<BatchedJob> = msg.jobs().collect();
-        self.metrics.batch_jobs.observe(jobs.len() as f64);
+        self.metrics().batch_jobs.observe(jobs.len() as f64);
         let (ends, mut ended) = tokio::sync::mpsc::unbounded_channel();
         let settled = if jobs.len() == 1 {
             let job = &jobs[0];
@@ -223,7 +223,7 @@ impl Worker {
             .instrument(span)
             .await
         };
-        self.drop_in_hand();
+        self.hand().clear();
         settled
     }
 
@@ -249,7 +249,7 @@ impl Worker {
         };
         if let JobError::Engine(EngineError::DeviceLost(reason)) = &error {
             // Stop taking jobs before this one is given back, so it goes to another worker.
-            self.device_lost(reason);
+            self.device_loss().latch(reason);
         }
         self.count_failure(job, &error.disposition(), started);
         match error.disposition() {
@@ -309,7 +309,7 @@ impl Worker {
             }
             self.settle_member(publisher, &jobs[i], end, started)
                 .await?;
-            self.settled(jobs[i].job_id);
+            self.hand().settled(jobs[i].job_id);
         }
         for (i, job) in jobs.iter().enumerate().filter(|(i, _)| !seen[*i]) {
             // `execute` ends every job; should one be missed, it fails with a reason, not silently.
@@ -318,7 +318,7 @@ impl Worker {
                 "no end for the job".into(),
             )));
             self.settle_member(publisher, job, missing, started).await?;
-            self.settled(jobs[i].job_id);
+            self.hand().settled(jobs[i].job_id);
         }
         if !retries.is_empty() {
             // Back off once before giving jobs back, so a broken dependency is not hammered (the
@@ -328,7 +328,7 @@ impl Worker {
         for (i, end) in retries {
             self.settle_member(publisher, &jobs[i], end, started)
                 .await?;
-            self.settled(jobs[i].job_id);
+            self.hand().settled(jobs[i].job_id);
         }
         Ok(())
     }
@@ -346,7 +346,7 @@ impl Worker {
             Err(error) => error,
         };
         if let JobError::Engine(EngineError::DeviceLost(reason)) = &error {
-            self.device_lost(reason);
+            self.device_loss().latch(reason);
         }
         let disposition = error.disposition();
         self.count_failure(job, &disposition, started);
@@ -402,7 +402,7 @@ impl Worker {
         let kind = job.task.kind_name();
         match ended {
             Ended::CancelledBefore => {
-                self.metrics
+                self.metrics()
                     .jobs_total
                     .with_label_values(&[kind, "cancelled"])
                     .inc();
@@ -417,20 +417,20 @@ impl Worker {
                 manifest,
                 timings,
             }) => {
-                self.metrics
+                self.metrics()
                     .job_seconds
                     .with_label_values(&[kind])
                     .observe(started.elapsed().as_secs_f64());
                 let event = EventKind::Completed {
                     outputs,
                     manifest,
-                    worker: Some(self.id.clone()),
+                    worker: Some(self.id().clone()),
                     timings,
                 };
                 self.publish_event(publisher, job_id, event)
                     .await
                     .map_err(broker)?;
-                self.metrics
+                self.metrics()
                     .jobs_total
                     .with_label_values(&[kind, "completed"])
                     .inc();
@@ -453,7 +453,7 @@ impl Worker {
         self.publish_event(publisher, job_id, manifest.completed())
             .await
             .map_err(broker)?;
-        self.metrics
+        self.metrics()
             .jobs_total
             .with_label_values(&[kind, "already_completed"])
             .inc();
@@ -489,12 +489,12 @@ impl Worker {
             // Nothing is settled: the message comes back. A yield is no outcome: the job runs later.
             Disposition::Abandon | Disposition::Yield => return,
         };
-        self.metrics
+        self.metrics()
             .jobs_total
             .with_label_values(&[kind, outcome])
             .inc();
         if outcome != "cancelled" {
-            self.metrics
+            self.metrics()
                 .job_seconds
                 .with_label_values(&[kind])
                 .observe(started.elapsed().as_secs_f64());
@@ -534,13 +534,13 @@ impl Worker {
             .with_delivery_mode(2)
             .with_headers(dead_letter_headers(reason, failure.as_str(), id.as_deref()));
         if let Err(e) = publisher
-            .publish(&self.topology.dead_exchange(), "", body, props)
+            .publish(&self.topology().dead_exchange(), "", body, props)
             .await
         {
             tracing::warn!(job_ids = ?job_ids, error = %e, "could not dead-letter the message; it stays unsettled");
             return Err(broker(e));
         }
-        self.metrics
+        self.metrics()
             .dead_letters_total
             .with_label_values(&[failure.as_str()])
             .inc();
@@ -568,7 +568,7 @@ impl Worker {
     ) -> Result<(), Lost> {
         let reason = format!(
             "given back by worker {}: written in protocol version {version}; it reads {:?}",
-            self.id,
+            self.id(),
             protocols()
         );
         tracing::warn!(%reason, "giving back a work message it cannot read");
@@ -583,7 +583,7 @@ impl Worker {
         }
         publisher
             .publish(
-                &self.topology.give_back_exchange(),
+                &self.topology().give_back_exchange(),
                 "",
                 &delivery.data,
                 props,
@@ -613,7 +613,7 @@ impl Worker {
         };
         put(
             HEADER_REASON,
-            format!("given back by worker {}: {reason}", self.id),
+            format!("given back by worker {}: {reason}", self.id()),
         );
         put(HEADER_JOB_ID, id.clone());
         match why {
@@ -628,7 +628,7 @@ impl Worker {
             .with_headers(headers);
         let body = single_job_body(job);
         if let Err(e) = publisher
-            .publish(&self.topology.give_back_exchange(), "", &body, props)
+            .publish(&self.topology().give_back_exchange(), "", &body, props)
             .await
         {
             tracing::warn!(job_id = %job.job_id, error = %e, "could not give the job back; the message stays unsettled");
@@ -646,7 +646,7 @@ impl Worker {
         let event = Event::now(job_id, kind);
         let result = publisher
             .publish_json(
-                &self.topology.events_exchange(),
+                &self.topology().events_exchange(),
                 &event.routing_key(),
                 &event,
                 json_properties(),

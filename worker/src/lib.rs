@@ -10,7 +10,10 @@
 //! - [`engine`]: the engines and the dedicated engine thread they run on, and which settings they
 //!   run (`engine/settings.rs`).
 //! - [`gpu_runtime`]: the GPU runtime libtorch loaded, looked up by name (memory, device facts).
-//! - [`worker`]: shared state (identity, storage, engine host, what is running, cancellations).
+//! - [`worker`]: the handle every role is given (configuration, identity, storage, engine host,
+//!   hashes, metrics), behind accessors, and each role's state in a type of its own: the jobs in
+//!   hand, those on the engine and the cancellations in `worker/hand.rs`, the lifecycle (warming,
+//!   ready, draining) in `worker/lifecycle.rs`, the device-loss latch in `worker/device_loss.rs`.
 //! - [`session`]: one broker connection's life: declare, consume, heartbeat, handle.
 //! - [`job`]: one delivery from message to ack (one job, or a batch of jobs each settled on its own).
 //! - [`execute`]: running a message's jobs: skipped, started, inputs, the engine, outputs stored.
@@ -93,11 +96,11 @@ pub async fn serve(
     hashes.prefetch(config.engine.files().into_iter().map(|f| f.path));
     let worker = Worker::new(config, storage, engine, hashes, metrics);
     worker
-        .metrics
+        .metrics()
         .info
         .with_label_values(&[
-            worker.id.as_str(),
-            worker.engine.name(),
+            worker.id().as_str(),
+            worker.engine().name(),
             env!("CARGO_PKG_VERSION"),
         ])
         .set(1);
@@ -109,9 +112,9 @@ pub async fn serve(
             match &loaded {
                 Ok(()) => {
                     let seconds = started.elapsed().as_secs_f64();
-                    worker.metrics.model_load_seconds.observe(seconds);
-                    tracing::info!(engine = worker.engine.name(), seconds, "engine loaded");
-                    let settings = worker.engine.settings();
+                    worker.metrics().model_load_seconds.observe(seconds);
+                    tracing::info!(engine = worker.engine().name(), seconds, "engine loaded");
+                    let settings = worker.engine().settings();
                     let (source, id) = match &settings {
                         Some(s) => (
                             match s.source {
@@ -124,11 +127,11 @@ pub async fn serve(
                         None => ("none", ""),
                     };
                     worker
-                        .metrics
+                        .metrics()
                         .settings_info
                         .with_label_values(&[source, id])
                         .set(1);
-                    worker.engine_ready();
+                    worker.lifecycle().engine_ready();
                 }
                 Err(e) => {
                     tracing::error!(error = %format!("{e:#}"), "the engine failed to load; stopping");
@@ -151,10 +154,10 @@ pub async fn serve(
     };
     {
         // A device failure drains the worker like a SIGTERM; `serve` then returns the error.
-        let fatal = worker.fatal.clone();
+        let lost = worker.device_loss().latched();
         let shutdown = shutdown.clone();
         tokio::spawn(async move {
-            fatal.cancelled().await;
+            lost.await;
             shutdown.cancel();
         });
     }
@@ -163,20 +166,20 @@ pub async fn serve(
         let shutdown = shutdown.clone();
         tokio::spawn(async move {
             shutdown.cancelled().await;
-            tokio::time::sleep(Duration::from_secs(worker.config.drain_grace_s)).await;
+            tokio::time::sleep(Duration::from_secs(worker.config().drain_grace_s)).await;
             tracing::warn!("drain grace period over; interrupting the job in hand");
-            worker.interrupt_for_shutdown();
+            worker.hand().interrupt_for_shutdown();
         });
     }
 
-    let name = format!("vnfarm-worker {}", worker.id);
+    let name = format!("vnfarm-worker {}", worker.id());
     let this = &worker;
     let until = &shutdown;
     vnfarm_bus::run_sessions(
-        &worker.config.amqp,
+        &worker.config().amqp,
         &name,
         &shutdown,
-        || worker.metrics.amqp_reconnects_total.inc(),
+        || worker.metrics().amqp_reconnects_total.inc(),
         move |connection| async move { this.session(&connection, until).await },
     )
     .await;
@@ -186,14 +189,14 @@ pub async fn serve(
         Ok(Err(e)) => tracing::warn!(error = %e, "the metrics server failed"),
         Err(e) => tracing::warn!(error = %e, "the metrics server task panicked"),
     }
-    tracing::info!(worker = %worker.id, "worker stopped");
+    tracing::info!(worker = %worker.id(), "worker stopped");
     // Stopped while still loading: the load's outcome no longer matters.
     if !loaded.is_finished() {
         loaded.abort();
     } else if let Ok(Err(e)) = loaded.await {
         return Err(e.context("loading the engine"));
     }
-    match worker.fatal_reason() {
+    match worker.device_loss().reason() {
         Some(reason) => anyhow::bail!("stopped after a device failure: {reason}"),
         None => Ok(()),
     }

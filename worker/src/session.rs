@@ -29,7 +29,7 @@ impl Worker {
             Ok(end) => end,
             Err(e) => SessionEnd::Lost(e.to_string()),
         };
-        self.metrics.amqp_connected.set(0);
+        self.metrics().amqp_connected.set(0);
         end
     }
 
@@ -40,20 +40,21 @@ impl Worker {
     ) -> anyhow::Result<SessionEnd> {
         let publisher = Publisher::open(connection)
             .await?
-            .with_confirm_timeout(self.config.amqp.confirm_timeout());
+            .with_confirm_timeout(self.config().amqp.confirm_timeout());
         let channel = connection.create_channel().await?;
         // Where the broker user may configure only this worker's own queue, the scheduler alone
         // declares the shared topology (`amqp.declare_topology`).
-        if self.config.amqp.declare_topology {
-            topology::declare_core(&channel, &self.config.amqp).await?;
+        if self.config().amqp.declare_topology {
+            topology::declare_core(&channel, &self.config().amqp).await?;
         }
-        let queue = topology::declare_worker_queue(&channel, &self.config.amqp, &self.id).await?;
+        let queue =
+            topology::declare_worker_queue(&channel, &self.config().amqp, self.id()).await?;
 
         // Cancellations and yield requests fan out to every worker through a private,
         // auto-deleted queue.
         let mut cancels = vnfarm_bus::topology::subscribe_private_keys(
             connection,
-            &self.topology.events_exchange(),
+            &self.topology().events_exchange(),
             &[CANCEL_ROUTING_KEY, YIELD_ROUTING_KEY],
             "control",
         )
@@ -78,8 +79,8 @@ impl Worker {
                     };
                     if delivery.routing_key.as_str() == YIELD_ROUTING_KEY {
                         match decode_json::<YieldRequest>(&delivery.data) {
-                            Ok(req) if req.worker == this.id => {
-                                let in_hand = this.yield_jobs(&req.jobs);
+                            Ok(req) if &req.worker == this.id() => {
+                                let in_hand = this.hand().yield_jobs(&req.jobs);
                                 tracing::info!(
                                     jobs = req.jobs.len(),
                                     in_hand,
@@ -96,7 +97,7 @@ impl Worker {
                     match decode_json::<CancelRequest>(&delivery.data) {
                         Ok(req) => {
                             tracing::info!(job_id = %req.job_id, "cancel requested");
-                            this.cancel(req.job_id);
+                            this.hand().cancel(req.job_id);
                         }
                         Err(e) => tracing::warn!(error = %e, "ignoring a malformed cancel request"),
                     }
@@ -113,8 +114,9 @@ impl Worker {
             let shutdown = shutdown.clone();
             let helper_lost = helper_lost.clone();
             tokio::spawn(async move {
-                let mut tick =
-                    tokio::time::interval(Duration::from_millis(this.config.heartbeat_interval_ms));
+                let mut tick = tokio::time::interval(Duration::from_millis(
+                    this.config().heartbeat_interval_ms,
+                ));
                 let mut draining = false;
                 let mut announced_ready = false;
                 loop {
@@ -124,10 +126,10 @@ impl Worker {
                         // Say "draining" the moment shutdown starts, so no new job is sent here.
                         _ = shutdown.cancelled(), if !draining => {
                             draining = true;
-                            this.drain();
+                            this.lifecycle().drain();
                         }
                         // Say "ready" the moment the engine is.
-                        _ = this.ready.cancelled(), if !announced_ready => {
+                        _ = this.lifecycle().warm(), if !announced_ready => {
                             announced_ready = true;
                         }
                     }
@@ -139,7 +141,7 @@ impl Worker {
                         Err(
                             e @ (PublishError::Nacked { .. } | PublishError::Unroutable { .. }),
                         ) => {
-                            tracing::warn!(worker = %this.id, error = %e, "heartbeat refused by the broker");
+                            tracing::warn!(worker = %this.id(), error = %e, "heartbeat refused by the broker");
                         }
                         Err(
                             e @ (PublishError::Broker(_)
@@ -149,7 +151,7 @@ impl Worker {
                             // The publishing channel is gone (or stopped confirming), and with it
                             // every event this session could send: reconnect now rather than at
                             // the next job.
-                            tracing::warn!(worker = %this.id, error = %e, "heartbeat not delivered; ending the session");
+                            tracing::warn!(worker = %this.id(), error = %e, "heartbeat not delivered; ending the session");
                             report_lost(&helper_lost, format!("heartbeat: {e}")).await;
                             return;
                         }
@@ -158,30 +160,30 @@ impl Worker {
             });
         }
         drop(helper_lost);
-        self.metrics.amqp_connected.set(1);
+        self.metrics().amqp_connected.set(1);
 
         // Jobs only once the engine is warm; until then the heartbeats say `warming`.
-        if !self.ready.is_cancelled() {
-            tracing::info!(worker = %self.id, engine = self.engine.name(), "connected; the engine is warming up");
+        if !self.lifecycle().is_warm() {
+            tracing::info!(worker = %self.id(), engine = self.engine().name(), "connected; the engine is warming up");
         }
         tokio::select! {
             biased;
             _ = shutdown.cancelled() => return Ok(self.announce_draining(&publisher).await),
             Some(reason) = lost.recv() => return Ok(SessionEnd::Lost(reason)),
-            _ = self.ready.cancelled() => {}
+            _ = self.lifecycle().warm() => {}
         }
         channel
-            .basic_qos(self.config.prefetch, BasicQosOptions::default())
+            .basic_qos(self.config().prefetch, BasicQosOptions::default())
             .await?;
         let mut jobs = channel
             .basic_consume(
                 queue.as_str().into(),
-                format!("worker-{}", self.id).into(),
+                format!("worker-{}", self.id()).into(),
                 BasicConsumeOptions::default(),
                 FieldTable::default(),
             )
             .await?;
-        tracing::info!(worker = %self.id, queue, engine = self.engine.name(), "worker ready");
+        tracing::info!(worker = %self.id(), queue, engine = self.engine().name(), "worker ready");
         loop {
             let next = tokio::select! {
                 biased;
@@ -204,19 +206,19 @@ impl Worker {
     /// Shutdown: tell the scheduler at once, so it stops sending jobs here. If that fails the
     /// scheduler learns it from the missing heartbeats instead; shutdown goes on.
     async fn announce_draining(&self, publisher: &Publisher) -> SessionEnd {
-        self.drain();
+        self.lifecycle().drain();
         if let Err(e) = self.heartbeat(publisher).await {
-            tracing::warn!(worker = %self.id, error = %e, "could not announce draining");
+            tracing::warn!(worker = %self.id(), error = %e, "could not announce draining");
         }
         SessionEnd::Shutdown
     }
 
     pub(crate) async fn heartbeat(&self, publisher: &Publisher) -> Result<(), PublishError> {
         let beat = self.describe().await;
-        self.metrics.set_state(beat.state);
-        self.metrics.account_busy(std::time::Instant::now());
+        self.metrics().set_state(beat.state);
+        self.metrics().account_busy(std::time::Instant::now());
         if let Some(memory) = &beat.gpu_memory {
-            let gauge = &self.metrics.gpu_memory_bytes;
+            let gauge = &self.metrics().gpu_memory_bytes;
             gauge
                 .with_label_values(&["total"])
                 .set(saturating_i64(memory.total_bytes));
@@ -228,8 +230,8 @@ impl Worker {
         // No scheduler listening right now is not an error for a heartbeat.
         publisher
             .broadcast_json(
-                &self.topology.events_exchange(),
-                &heartbeat_routing_key(&self.id),
+                &self.topology().events_exchange(),
+                &heartbeat_routing_key(self.id()),
                 &beat,
                 props,
             )
@@ -240,28 +242,28 @@ impl Worker {
     pub(crate) async fn describe(&self) -> Heartbeat {
         let this = self.clone();
         // A device query, however quick, is not made on the async runtime.
-        let gpu_memory = tokio::task::spawn_blocking(move || this.engine.gpu_memory())
+        let gpu_memory = tokio::task::spawn_blocking(move || this.engine().gpu_memory())
             .await
             .unwrap_or_else(|e| {
                 tracing::warn!(error = %e, "reading the GPU's memory failed");
                 None
             });
-        let in_hand = self.in_hand();
+        let in_hand = self.hand().jobs();
         Heartbeat {
             schema_version: vnfarm_proto::PROTOCOL_VERSION,
             protocols: crate::job::protocols(),
-            worker: self.id.clone(),
-            state: self.state(),
-            models: self.engine.models().to_vec(),
-            slots: u32::from(self.config.prefetch),
+            worker: self.id().clone(),
+            state: self.lifecycle().state(),
+            models: self.engine().models().to_vec(),
+            slots: u32::from(self.config().prefetch),
             in_flight: u32::try_from(in_hand.len()).unwrap_or(u32::MAX),
-            running: self.running(),
+            running: self.hand().running(),
             holding: Some(in_hand),
-            checkpoints: self.engine.checkpoints().to_vec(),
-            max_batch: self.config.batch_jobs,
+            checkpoints: self.engine().checkpoints().to_vec(),
+            max_batch: self.config().batch_jobs,
             gpu_memory,
-            encode_cache: self.engine.encode_cache_keys(),
-            settings: self.engine.settings(),
+            encode_cache: self.engine().encode_cache_keys(),
+            settings: self.engine().settings(),
             version: env!("CARGO_PKG_VERSION").to_owned(),
             at: chrono::Utc::now(),
         }

@@ -1,59 +1,43 @@
-//! The worker's shared state: identity, storage, the engine host, metrics, the jobs in hand (those of
-//! the message being handled, each with its cancellation flag) and which of them are on the engine,
-//! and which jobs were cancelled. Cheap to clone (one `Arc`).
+//! The handle every role of the worker is given (session, job, execute, the HTTP endpoints): the
+//! configuration, identity, storage, engine host, hashes and metrics, and the state of the roles,
+//! each in a type of its own that keeps its rule: the jobs in hand and the cancellations
+//! ([`Hand`], `worker/hand.rs`), the lifecycle ([`Lifecycle`], `worker/lifecycle.rs`) and the
+//! device-loss latch ([`DeviceLoss`], `worker/device_loss.rs`). No field is public and there is no
+//! `Deref`: a role reaches each part through its accessor. Cheap to clone (one `Arc`).
 
-use std::collections::{HashSet, VecDeque};
-use std::ops::Deref;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
+use vnfarm_proto::WorkerId;
 use vnfarm_proto::topology::Topology;
-use vnfarm_proto::{JobId, WorkerId, WorkerState};
 use vnfarm_storage::Storage;
 
 use crate::config::Config;
-use crate::engine::{Cancel, CancelReason, EngineHost};
+use crate::engine::EngineHost;
 use crate::metrics::Metrics;
 use crate::provenance::FileHashes;
 
-/// How many cancelled job ids a worker remembers (to skip them if they arrive later).
-const CANCELLED_MEMORY: usize = 10_000;
+mod device_loss;
+mod hand;
+mod lifecycle;
+
+pub use device_loss::DeviceLoss;
+pub use hand::Hand;
+pub use lifecycle::Lifecycle;
 
 #[derive(Clone)]
-pub struct Worker(Arc<Inner>);
+pub struct Worker(Arc<Parts>);
 
-pub struct Inner {
-    pub config: Config,
-    pub id: WorkerId,
-    pub topology: Topology,
-    pub storage: Storage,
-    pub engine: EngineHost,
-    /// The sha256 of the model files, for manifests.
-    pub hashes: FileHashes,
-    pub metrics: Metrics,
-    status: Mutex<Status>,
-    /// Cancelled once the engine is loaded and warm: the worker takes jobs from then on.
-    pub ready: tokio_util::sync::CancellationToken,
-    /// Cancelled when the device failed (see [`Worker::device_lost`]); the reason is kept for the
-    /// exit status.
-    pub fatal: tokio_util::sync::CancellationToken,
-    fatal_reason: Mutex<Option<String>>,
-}
-
-struct Status {
-    state: WorkerState,
-    /// The unsettled jobs of the message in hand, with their cancellation flags.
-    in_hand: Vec<(JobId, Cancel)>,
-    /// Those of them on the engine now.
-    running: Vec<JobId>,
-    cancelled: HashSet<JobId>,
-    cancelled_order: VecDeque<JobId>,
-}
-
-impl Deref for Worker {
-    type Target = Inner;
-    fn deref(&self) -> &Inner {
-        &self.0
-    }
+struct Parts {
+    config: Config,
+    id: WorkerId,
+    topology: Topology,
+    storage: Storage,
+    engine: EngineHost,
+    hashes: FileHashes,
+    metrics: Metrics,
+    hand: Hand,
+    lifecycle: Lifecycle,
+    device_loss: DeviceLoss,
 }
 
 impl Worker {
@@ -66,14 +50,7 @@ impl Worker {
     ) -> Self {
         let id = config.worker_id();
         let topology = config.amqp.topology();
-        let status = Status {
-            state: WorkerState::Warming,
-            in_hand: Vec::new(),
-            running: Vec::new(),
-            cancelled: HashSet::new(),
-            cancelled_order: VecDeque::new(),
-        };
-        Self(Arc::new(Inner {
+        Self(Arc::new(Parts {
             config,
             id,
             topology,
@@ -81,151 +58,54 @@ impl Worker {
             engine,
             hashes,
             metrics,
-            status: Mutex::new(status),
-            ready: tokio_util::sync::CancellationToken::new(),
-            fatal: tokio_util::sync::CancellationToken::new(),
-            fatal_reason: Mutex::new(None),
+            hand: Hand::default(),
+            lifecycle: Lifecycle::default(),
+            device_loss: DeviceLoss::default(),
         }))
     }
 
-    fn status(&self) -> std::sync::MutexGuard<'_, Status> {
-        // A panic while holding this lock leaves plain data behind; keep serving.
-        self.status.lock().unwrap_or_else(|p| p.into_inner())
+    pub fn config(&self) -> &Config {
+        &self.0.config
     }
 
-    pub fn state(&self) -> WorkerState {
-        self.status().state
+    pub fn id(&self) -> &WorkerId {
+        &self.0.id
     }
 
-    /// Starts draining: no new jobs, and the heartbeat says so.
-    pub fn drain(&self) {
-        self.status().state = WorkerState::Draining;
+    /// The broker names this worker's configuration gives.
+    pub fn topology(&self) -> &Topology {
+        &self.0.topology
     }
 
-    /// The engine is loaded and warm: ready for jobs, unless already draining.
-    pub fn engine_ready(&self) {
-        {
-            let mut status = self.status();
-            if status.state == WorkerState::Warming {
-                status.state = WorkerState::Ready;
-            }
-        }
-        self.ready.cancel();
+    pub fn storage(&self) -> &Storage {
+        &self.0.storage
     }
 
-    /// The jobs on the engine now.
-    pub fn running(&self) -> Vec<JobId> {
-        self.status().running.clone()
+    pub fn engine(&self) -> &EngineHost {
+        &self.0.engine
     }
 
-    /// The unsettled jobs of the message in hand.
-    pub fn in_hand(&self) -> Vec<JobId> {
-        self.status().in_hand.iter().map(|(id, _)| *id).collect()
+    /// The sha256 of the model files, for manifests.
+    pub fn hashes(&self) -> &FileHashes {
+        &self.0.hashes
     }
 
-    /// Takes the jobs of a message in hand, each with a fresh cancellation flag (already raised for
-    /// a job cancelled before it came).
-    pub(crate) fn take_in_hand(&self, jobs: &[JobId]) -> Vec<Cancel> {
-        let mut status = self.status();
-        let cancels: Vec<Cancel> = jobs
-            .iter()
-            .map(|id| {
-                let cancel = Cancel::default();
-                if status.cancelled.contains(id) {
-                    cancel.request(CancelReason::User);
-                }
-                cancel
-            })
-            .collect();
-        status.in_hand = jobs.iter().copied().zip(cancels.iter().cloned()).collect();
-        status.running.clear();
-        cancels
+    pub fn metrics(&self) -> &Metrics {
+        &self.0.metrics
     }
 
-    /// The message in hand is settled (or abandoned).
-    pub(crate) fn drop_in_hand(&self) {
-        let mut status = self.status();
-        status.in_hand.clear();
-        status.running.clear();
+    /// The jobs of the message in hand, which of them are on the engine, the cancellations.
+    pub fn hand(&self) -> &Hand {
+        &self.0.hand
     }
 
-    /// A job of the message in hand is settled.
-    pub(crate) fn settled(&self, job_id: JobId) {
-        let mut status = self.status();
-        status.in_hand.retain(|(id, _)| *id != job_id);
-        status.running.retain(|id| *id != job_id);
+    /// Warming, ready, draining, as the heartbeats say.
+    pub fn lifecycle(&self) -> &Lifecycle {
+        &self.0.lifecycle
     }
 
-    pub(crate) fn set_running(&self, running: Vec<JobId>) {
-        self.status().running = running;
-    }
-
-    /// The engine has answered this job.
-    pub(crate) fn off_engine(&self, job_id: JobId) {
-        self.status().running.retain(|id| *id != job_id);
-    }
-
-    /// The scheduler asks for these jobs back, should they not have started on the engine (to make
-    /// room for interactive work): the engine host gives back those whose run has not begun. Jobs
-    /// not in hand here are not this worker's: ignored. Returns how many are in hand.
-    pub fn yield_jobs(&self, jobs: &[JobId]) -> usize {
-        let status = self.status();
-        let mut asked = 0;
-        for (id, cancel) in &status.in_hand {
-            if jobs.contains(id) {
-                cancel.request_yield();
-                asked += 1;
-            }
-        }
-        asked
-    }
-
-    /// Records a cancellation; stops the job if it is in hand here.
-    pub fn cancel(&self, job_id: JobId) {
-        let mut status = self.status();
-        if status.cancelled.insert(job_id) {
-            status.cancelled_order.push_back(job_id);
-            if status.cancelled_order.len() > CANCELLED_MEMORY
-                && let Some(old) = status.cancelled_order.pop_front()
-            {
-                status.cancelled.remove(&old);
-            }
-        }
-        for (id, cancel) in &status.in_hand {
-            if *id == job_id {
-                cancel.request(CancelReason::User);
-            }
-        }
-    }
-
-    pub fn is_cancelled(&self, job_id: JobId) -> bool {
-        self.status().cancelled.contains(&job_id)
-    }
-
-    /// The device failed: stop taking jobs and exit with an error once the job in hand is given
-    /// back, so that a supervisor restarts the worker with a fresh device context.
-    pub fn device_lost(&self, reason: &str) {
-        tracing::error!(%reason, "device failure: this worker stops taking jobs and exits");
-        self.fatal_reason
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get_or_insert_with(|| reason.to_owned());
-        self.fatal.cancel();
-    }
-
-    /// Why the worker must exit with an error, if it must.
-    pub fn fatal_reason(&self) -> Option<String> {
-        self.fatal_reason
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
-    }
-
-    /// Interrupts the jobs in hand so that they go back to the queue (shutdown past the grace
-    /// period).
-    pub fn interrupt_for_shutdown(&self) {
-        for (_, cancel) in &self.status().in_hand {
-            cancel.request(CancelReason::Shutdown);
-        }
+    /// The device-loss latch, set by a job's `DeviceLost` failure.
+    pub fn device_loss(&self) -> &DeviceLoss {
+        &self.0.device_loss
     }
 }
