@@ -94,11 +94,6 @@ impl Publisher {
         self.stuck.cancelled().await
     }
 
-    /// A publish on this channel has timed out waiting for its confirm (see [`Publisher::stuck`]).
-    pub fn is_stuck(&self) -> bool {
-        self.stuck.is_cancelled()
-    }
-
     /// Publishes and waits for the broker's confirm; an unroutable message is an error (`mandatory`).
     pub async fn publish(
         &self,
@@ -135,7 +130,7 @@ impl Publisher {
         properties: BasicProperties,
         mandatory: bool,
     ) -> Result<(), PublishError> {
-        if self.is_stuck() {
+        if self.stuck.is_cancelled() {
             return Err(PublishError::Untrusted {
                 exchange: exchange.into(),
                 routing_key: routing_key.into(),

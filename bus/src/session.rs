@@ -23,10 +23,6 @@ pub enum SessionEnd {
     Shutdown,
     /// The connection, a channel or a consumer failed (the reason, for the log): reconnect.
     Lost(String),
-    /// A publish got no confirm in time (the reason, for the log): reconnect, to the next node
-    /// first. The node may be behind a cut link, whose connection is not yet seen to fail: the
-    /// three-box test saw a standby spend 5 s on its cut-off node after such a session.
-    Unconfirmed(String),
 }
 
 /// A session shorter than this that ends in [`SessionEnd::Lost`] counts as failing at once (a
@@ -83,14 +79,13 @@ pub async fn run_sessions<F, Fut>(
             // After a lost session the connection is usually gone already: nothing left to close.
             tracing::debug!(connection = name, error = %e, "closing the broker connection failed");
         }
-        let (reason, unconfirmed) = match end {
+        let reason = match end {
             SessionEnd::Shutdown => return,
-            SessionEnd::Lost(reason) => (reason, false),
-            SessionEnd::Unconfirmed(reason) => (reason, true),
+            SessionEnd::Lost(reason) => reason,
         };
         on_reconnect();
         tracing::warn!(connection = name, %reason, connection_failed, "broker session lost; reconnecting");
-        nodes.session_lost(connection_failed || unconfirmed);
+        nodes.session_lost(connection_failed);
         if began.elapsed() >= STEADY {
             quick_losses.reset();
             continue;

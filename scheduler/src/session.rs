@@ -145,8 +145,8 @@ impl Scheduler {
             r = self.watch_queues(connection) => r.map(|()| SessionEnd::Lost("queue watcher ended".into())),
             () = self.housekeeping() => unreachable!("housekeeping runs until dropped"),
             // A publish from anywhere (the API, intake, dispatch) that got no confirm in time.
-            () = publisher.stuck() => Ok(SessionEnd::Unconfirmed("an event publish got no confirm in time".into())),
-            () = snapshots.stuck() => Ok(SessionEnd::Unconfirmed("a snapshot publish got no confirm in time".into())),
+            () = publisher.stuck() => Ok(SessionEnd::Lost("an event publish got no confirm in time".into())),
+            () = snapshots.stuck() => Ok(SessionEnd::Lost("a snapshot publish got no confirm in time".into())),
         }
     }
 

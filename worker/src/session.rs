@@ -25,28 +25,22 @@ impl Worker {
         connection: &Connection,
         shutdown: &CancellationToken,
     ) -> SessionEnd {
-        let publisher = match Publisher::open(connection).await {
-            Ok(publisher) => publisher.with_confirm_timeout(self.config().amqp.confirm_timeout()),
-            Err(e) => return SessionEnd::Lost(e.to_string()),
-        };
-        let end = match self.session_inner(connection, &publisher, shutdown).await {
+        let end = match self.session_inner(connection, shutdown).await {
             Ok(end) => end,
             Err(e) => SessionEnd::Lost(e.to_string()),
         };
         self.metrics().amqp_connected.set(0);
-        match end {
-            // Whatever ended it, a publish went unconfirmed: the node may be cut off.
-            SessionEnd::Lost(reason) if publisher.is_stuck() => SessionEnd::Unconfirmed(reason),
-            end => end,
-        }
+        end
     }
 
     async fn session_inner(
         &self,
         connection: &Connection,
-        publisher: &Publisher,
         shutdown: &CancellationToken,
     ) -> anyhow::Result<SessionEnd> {
+        let publisher = Publisher::open(connection)
+            .await?
+            .with_confirm_timeout(self.config().amqp.confirm_timeout());
         let channel = connection.create_channel().await?;
         // Where the broker user may configure only this worker's own queue, the scheduler alone
         // declares the shared topology (`amqp.declare_topology`).
@@ -174,7 +168,7 @@ impl Worker {
         }
         tokio::select! {
             biased;
-            _ = shutdown.cancelled() => return Ok(self.announce_draining(publisher).await),
+            _ = shutdown.cancelled() => return Ok(self.announce_draining(&publisher).await),
             Some(reason) = lost.recv() => return Ok(SessionEnd::Lost(reason)),
             _ = self.lifecycle().warm() => {}
         }
@@ -193,13 +187,13 @@ impl Worker {
         loop {
             let next = tokio::select! {
                 biased;
-                _ = shutdown.cancelled() => return Ok(self.announce_draining(publisher).await),
+                _ = shutdown.cancelled() => return Ok(self.announce_draining(&publisher).await),
                 Some(reason) = lost.recv() => return Ok(SessionEnd::Lost(reason)),
                 next = jobs.next() => next,
             };
             match next {
                 Some(Ok(delivery)) => {
-                    if let Err(lost) = self.handle(publisher, delivery).await {
+                    if let Err(lost) = self.handle(&publisher, delivery).await {
                         return Ok(SessionEnd::Lost(lost.to_string()));
                     }
                 }
