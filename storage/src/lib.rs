@@ -1,8 +1,10 @@
 //! Result storage (DESIGN §7): an S3-compatible bucket through `aws-sdk-s3`, or a local directory
 //! (the embedded default for one box). Both take the same keys (`results/<job>/<n>.png`, `inputs/..`);
-//! writes replace whole objects, so a re-run overwrites rather than forks.
+//! writes replace whole objects, so a re-run overwrites rather than forks. Every operation goes
+//! through one retry policy ([`Retries`], `retry.rs`) whichever the store.
 
 mod local;
+mod retry;
 mod s3;
 
 use std::path::PathBuf;
@@ -11,11 +13,19 @@ use bytes::Bytes;
 use serde::Deserialize;
 
 pub use local::LocalStore;
+pub use retry::Retries;
 pub use s3::S3Store;
 
-/// Where results go. Closed set, so an enum rather than a trait object.
+/// Where results go, and how its operations are retried ([`Retries`]).
 #[derive(Clone, Debug)]
-pub enum Storage {
+pub struct Storage {
+    store: Store,
+    retries: Retries,
+}
+
+/// The stores: a closed set, so an enum rather than a trait object.
+#[derive(Clone, Debug)]
+enum Store {
     S3(S3Store),
     Local(LocalStore),
 }
@@ -117,13 +127,21 @@ pub enum StorageError {
 }
 
 impl Storage {
+    /// Opens the store, with [`Retries::DEFAULT`].
     pub async fn open(config: &StorageConfig) -> Result<Self, StorageError> {
-        match config {
-            StorageConfig::S3 { .. } => Ok(Storage::S3(S3Store::open(config).await?)),
-            StorageConfig::Local { root } => {
-                Ok(Storage::Local(LocalStore::open(root.clone()).await?))
-            }
-        }
+        let store = match config {
+            StorageConfig::S3 { .. } => Store::S3(S3Store::open(config).await?),
+            StorageConfig::Local { root } => Store::Local(LocalStore::open(root.clone()).await?),
+        };
+        Ok(Self {
+            store,
+            retries: Retries::DEFAULT,
+        })
+    }
+
+    /// This store with another retry policy.
+    pub fn with_retries(self, retries: Retries) -> Self {
+        Self { retries, ..self }
     }
 
     pub async fn put(
@@ -133,67 +151,88 @@ impl Storage {
         content_type: &str,
     ) -> Result<(), StorageError> {
         check_key(key)?;
-        match self {
-            Storage::S3(s) => s.put(key, body, content_type).await,
-            Storage::Local(l) => l.put(key, body).await,
-        }
+        self.retries
+            .run("put", key, || async {
+                match &self.store {
+                    Store::S3(s) => s.put(key, body.clone(), content_type).await,
+                    Store::Local(l) => l.put(key, body.clone()).await,
+                }
+            })
+            .await
     }
 
     pub async fn get(&self, key: &str) -> Result<Bytes, StorageError> {
         check_key(key)?;
-        match self {
-            Storage::S3(s) => s.get(key).await,
-            Storage::Local(l) => l.get(key).await,
-        }
+        self.retries
+            .run("get", key, || async {
+                match &self.store {
+                    Store::S3(s) => s.get(key).await,
+                    Store::Local(l) => l.get(key).await,
+                }
+            })
+            .await
     }
 
     /// Whether an object is stored under `key` (without reading it).
     pub async fn exists(&self, key: &str) -> Result<bool, StorageError> {
         check_key(key)?;
-        match self {
-            Storage::S3(s) => s.exists(key).await,
-            Storage::Local(l) => l.exists(key).await,
-        }
+        self.retries
+            .run("head", key, || async {
+                match &self.store {
+                    Store::S3(s) => s.exists(key).await,
+                    Store::Local(l) => l.exists(key).await,
+                }
+            })
+            .await
     }
 
     /// Where a browser can fetch `key` until `expires_in` has passed, without the farm's
     /// credentials: a presigned GET URL of the bucket, or `None` for a local directory (the
-    /// scheduler serves those itself, see its API).
+    /// scheduler serves those itself, see its API). Signing makes no request, so nothing is retried.
     pub async fn presigned_get(
         &self,
         key: &str,
         expires_in: std::time::Duration,
     ) -> Result<Option<String>, StorageError> {
         check_key(key)?;
-        match self {
-            Storage::S3(s) => s.presigned_get(key, expires_in).await.map(Some),
-            Storage::Local(_) => Ok(None),
+        match &self.store {
+            Store::S3(s) => s.presigned_get(key, expires_in).await.map(Some),
+            Store::Local(_) => Ok(None),
         }
     }
 
     /// Keys under `prefix`, sorted.
     pub async fn list(&self, prefix: &str) -> Result<Vec<String>, StorageError> {
-        let mut keys = match self {
-            Storage::S3(s) => s.list(prefix).await?,
-            Storage::Local(l) => l.list(prefix).await?,
-        };
+        let mut keys = self
+            .retries
+            .run("list", prefix, || async {
+                match &self.store {
+                    Store::S3(s) => s.list(prefix).await,
+                    Store::Local(l) => l.list(prefix).await,
+                }
+            })
+            .await?;
         keys.sort();
         Ok(keys)
     }
 
     /// Cheap reachability check (for readiness and start-up).
     pub async fn check(&self) -> Result<(), StorageError> {
-        match self {
-            Storage::S3(s) => s.check().await,
-            Storage::Local(l) => l.check().await,
-        }
+        self.retries
+            .run("check", "", || async {
+                match &self.store {
+                    Store::S3(s) => s.check().await,
+                    Store::Local(l) => l.check().await,
+                }
+            })
+            .await
     }
 
     /// A human-readable location, e.g. `s3://bucket` or `/var/lib/vnfarm`.
     pub fn describe(&self) -> String {
-        match self {
-            Storage::S3(s) => format!("s3://{}", s.bucket()),
-            Storage::Local(l) => l.root().display().to_string(),
+        match &self.store {
+            Store::S3(s) => format!("s3://{}", s.bucket()),
+            Store::Local(l) => l.root().display().to_string(),
         }
     }
 }

@@ -2,11 +2,12 @@
 //! credentials for MinIO and other S3 servers, or the AWS default chain.
 
 use aws_sdk_s3::Client;
+use aws_sdk_s3::config::retry::RetryConfig;
 use aws_sdk_s3::error::{DisplayErrorContext, ProvideErrorMetadata, SdkError};
 use aws_sdk_s3::primitives::ByteStream;
 use bytes::Bytes;
 
-use crate::{StorageConfig, StorageError};
+use crate::{Retries, StorageConfig, StorageError};
 
 #[derive(Clone, Debug)]
 pub struct S3Store {
@@ -70,8 +71,10 @@ impl S3Store {
             loader = loader.endpoint_url(endpoint);
         }
         let shared = loader.load().await;
+        // The SDK's retries are off: `Retries` is the one policy (see `retry.rs` for why).
         let s3_config = aws_sdk_s3::config::Builder::from(&shared)
             .force_path_style(*path_style)
+            .retry_config(RetryConfig::disabled())
             .build();
         let client = Client::from_conf(s3_config);
         let presigner = match public_endpoint {
@@ -89,7 +92,9 @@ impl S3Store {
             bucket: bucket.clone(),
         };
         if *create_bucket {
-            store.create_bucket_if_missing().await?;
+            Retries::DEFAULT
+                .run("create bucket", bucket, || store.create_bucket_if_missing())
+                .await?;
         }
         Ok(store)
     }

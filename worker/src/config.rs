@@ -36,8 +36,8 @@ pub struct Config {
     pub batch_jobs: u32,
     /// After SIGTERM, how long the job in hand may run before it is interrupted and requeued.
     pub drain_grace_s: u64,
-    /// Storage operations are retried this many times, with exponential backoff, before the job is
-    /// requeued.
+    /// Storage operations are tried this many times while storage is unavailable, 200 ms apart and
+    /// twice as long each time up to 5 s (`vnfarm_storage::Retries`), before the job is requeued.
     pub storage_attempts: u32,
     /// Where the sha256 of model files persists (`model-hashes.json`), so that a restarted worker
     /// does not hash its checkpoints again.

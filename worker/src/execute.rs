@@ -194,16 +194,12 @@ impl Worker {
     /// cannot answer is a transient failure like any other: the job is retried, not guessed about.
     async fn finished_before(&self, job_id: JobId) -> Result<Option<Manifest>, JobError> {
         let key = manifest_key(job_id);
-        // `NotFound` is the usual answer here, not a storage error: it is a value for the retries.
-        let stored = self
-            .with_storage_retries("get", &key, || async {
-                match self.storage().get(&key).await {
-                    Ok(bytes) => Ok(Some(bytes)),
-                    Err(StorageError::NotFound { .. }) => Ok(None),
-                    Err(e) => Err(e),
-                }
-            })
-            .await?;
+        // `NotFound` is the usual answer here, not a storage error.
+        let stored = match self.storage().get(&key).await {
+            Ok(bytes) => Some(bytes),
+            Err(StorageError::NotFound { .. }) => None,
+            Err(e) => return Err(self.storage_failed("get", e)),
+        };
         let Some(bytes) = stored else {
             return Ok(None);
         };
@@ -371,8 +367,7 @@ impl Worker {
         for (n, ((width, height, png), seed)) in encoded.into_iter().zip(output.seeds).enumerate() {
             let key = output_key(job_id, n as u32);
             let sha256 = hex::encode(Sha256::digest(&png));
-            self.put_with_retries(&key, Bytes::from(png), "image/png")
-                .await?;
+            self.put(&key, Bytes::from(png), "image/png").await?;
             manifest_outputs.push(ManifestOutput {
                 key: key.clone(),
                 width,
@@ -408,7 +403,7 @@ impl Worker {
         // takes as proof that the job is done, so it must never exist before its outputs do.
         let key = manifest_key(job_id);
         let body = serde_json::to_vec_pretty(&manifest).expect("manifests serialize to JSON");
-        self.put_with_retries(&key, Bytes::from(body), "application/json")
+        self.put(&key, Bytes::from(body), "application/json")
             .await?;
         Ok(Done {
             outputs,
@@ -482,10 +477,8 @@ impl Worker {
     async fn fetch_input(&self, input: &ImageRef, layout: Layout) -> Result<InputImage, JobError> {
         let bytes =
             match input {
-                ImageRef::Stored(key) => self.get_with_retries(key).await?,
-                ImageRef::JobOutput { job, index } => {
-                    self.get_with_retries(&output_key(*job, *index)).await?
-                }
+                ImageRef::Stored(key) => self.get(key).await?,
+                ImageRef::JobOutput { job, index } => self.get(&output_key(*job, *index)).await?,
                 ImageRef::Inline(_) => {
                     let Some(decoded) = input.inline_bytes() else {
                         unreachable!("inline_bytes is Some for Inline")
@@ -518,56 +511,28 @@ impl Worker {
         decoded.map_err(|e| JobError::BadInput(e.to_string()))
     }
 
-    async fn get_with_retries(&self, key: &str) -> Result<Bytes, JobError> {
-        self.with_storage_retries("get", key, || self.storage().get(key))
+    /// `key` from storage, which retries it while unavailable (`storage_attempts` times in all).
+    async fn get(&self, key: &str) -> Result<Bytes, JobError> {
+        self.storage()
+            .get(key)
             .await
+            .map_err(|e| self.storage_failed("get", e))
     }
 
-    async fn put_with_retries(
-        &self,
-        key: &str,
-        body: Bytes,
-        content_type: &str,
-    ) -> Result<(), JobError> {
-        self.with_storage_retries("put", key, || {
-            self.storage().put(key, body.clone(), content_type)
-        })
-        .await
+    async fn put(&self, key: &str, body: Bytes, content_type: &str) -> Result<(), JobError> {
+        self.storage()
+            .put(key, body, content_type)
+            .await
+            .map_err(|e| self.storage_failed("put", e))
     }
 
-    /// Retries `attempt` while storage is unavailable, with exponential backoff (200 ms doubling to
-    /// 5 s), up to `storage_attempts` times; other errors and the last failure are returned.
-    async fn with_storage_retries<T, F, Fut>(
-        &self,
-        op: &'static str,
-        key: &str,
-        mut attempt: F,
-    ) -> Result<T, JobError>
-    where
-        F: FnMut() -> Fut,
-        Fut: std::future::Future<Output = Result<T, StorageError>>,
-    {
-        let mut delay = std::time::Duration::from_millis(200);
-        let mut tries = 1;
-        loop {
-            match attempt().await {
-                Ok(value) => return Ok(value),
-                Err(e) => {
-                    self.metrics()
-                        .storage_errors_total
-                        .with_label_values(&[op])
-                        .inc();
-                    let transient = matches!(e, StorageError::Unavailable { .. });
-                    if !transient || tries >= self.config().storage_attempts {
-                        return Err(JobError::Storage(e));
-                    }
-                    tracing::warn!(key, op, error = %e, "storage operation failed; retrying");
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(std::time::Duration::from_secs(5));
-                    tries += 1;
-                }
-            }
-        }
+    /// A storage operation's failure after its retries, counted, as the job's error.
+    fn storage_failed(&self, op: &'static str, e: StorageError) -> JobError {
+        self.metrics()
+            .storage_errors_total
+            .with_label_values(&[op])
+            .inc();
+        JobError::Storage(e)
     }
 }
 

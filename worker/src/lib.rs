@@ -47,7 +47,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
-use vnfarm_storage::Storage;
+use vnfarm_storage::{Retries, Storage};
 
 pub use config::Config;
 use engine::EngineHost;
@@ -86,7 +86,8 @@ pub async fn serve(
         EngineHost::start(config.engine.clone(), shared.clone()).context("starting the engine")?;
     let storage = Storage::open(&config.storage)
         .await
-        .context("opening storage")?;
+        .context("opening storage")?
+        .with_retries(Retries::attempts(config.storage_attempts));
     if let Some(shared) = &shared {
         shared.attach(storage.clone());
     }
