@@ -25,6 +25,7 @@ mod flow_match;
 mod fused_kernels_emulated;
 mod fused_kernels_hip_compile;
 mod lora;
+mod qwen_fixtures;
 mod qwen_pipeline;
 mod qwen_text_encoder;
 mod qwen_transformer;

@@ -10,8 +10,6 @@
 //! sequential position ids (`PositionMode::Sequential`, see `qwen2_5_vl::rope`); the tests use that
 //! mode to match them.
 
-use std::path::{Path, PathBuf};
-
 use image::RgbImage;
 use serde_json::Value;
 use tch::{Device, Kind, Tensor};
@@ -26,11 +24,8 @@ use vnfarm_models::qwen_image::pipeline::{
 use vnfarm_models::qwen2_5_vl::rope::PositionMode;
 use vnfarm_models::schedulers::FlowMatchConfig;
 
+use crate::qwen_fixtures::fixtures;
 use crate::support;
-
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/qwen")
-}
 
 struct Reference {
     file: SafetensorsFile,

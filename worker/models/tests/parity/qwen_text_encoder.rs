@@ -17,7 +17,7 @@
 //! numbers.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use tch::{Device, Kind, Tensor};
@@ -36,39 +36,13 @@ use vnfarm_models::qwen2_5_vl::rope::{
 use vnfarm_models::qwen2_5_vl::text_encoder::{QwenTextEncoder, TextEncoderOptions};
 use vnfarm_models::qwen2_5_vl::tokenizer::QwenTokenizer;
 
+use crate::qwen_fixtures::{Reference, fixtures, ints, reroot, tiny_dir};
 use crate::support;
-use crate::support::{check, load_reference, rel_err};
+use crate::support::{check, rel_err};
 
 const TOL: f64 = 1e-5;
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("fixtures")
-        .join("qwen")
-}
-
-struct Reference {
-    tensors: HashMap<String, Tensor>,
-    meta: serde_json::Value,
-}
-
 impl Reference {
-    fn load() -> Self {
-        let (tensors, f) = load_reference(
-            &fixtures()
-                .join("reference")
-                .join("text_encoder.safetensors"),
-        );
-        let meta = serde_json::from_str(&f.metadata()["fixture"]).expect("fixture metadata");
-        Self { tensors, meta }
-    }
-
-    fn get(&self, name: &str) -> &Tensor {
-        self.tensors
-            .get(name)
-            .unwrap_or_else(|| panic!("reference tensor {name}"))
-    }
-
     fn grid(&self, name: &str) -> Vec<(i64, i64, i64)> {
         let v = ints(self.get(name));
         v.chunks(3).map(|g| (g[0], g[1], g[2])).collect()
@@ -82,10 +56,6 @@ impl Reference {
     }
 }
 
-fn ints(t: &Tensor) -> Vec<i64> {
-    Vec::<i64>::try_from(t.to_kind(Kind::Int64).flatten(0, -1)).expect("int64 tensor")
-}
-
 fn rgb(t: &Tensor) -> image::RgbImage {
     let (h, w, _) = t.size3().expect("[h, w, 3]");
     let data = Vec::<u8>::try_from(t.flatten(0, -1)).expect("u8");
@@ -96,27 +66,6 @@ fn input_image(name: &str) -> image::RgbImage {
     image::open(fixtures().join("inputs").join(format!("{name}.png")))
         .expect("fixture input")
         .to_rgb8()
-}
-
-/// transformers-5 names ↔ older names (`model.X` ↔ `model.language_model.X`, `visual.` ↔
-/// `model.visual.`), so that both layouts are tested whichever the fixture writer saved.
-fn reroot(key: &str) -> Option<String> {
-    let k = if let Some(rest) = key.strip_prefix("model.language_model.") {
-        format!("model.{rest}")
-    } else if let Some(rest) = key.strip_prefix("model.visual.") {
-        format!("visual.{rest}")
-    } else if let Some(rest) = key.strip_prefix("visual.") {
-        format!("model.visual.{rest}")
-    } else if let Some(rest) = key.strip_prefix("model.") {
-        format!("model.language_model.{rest}")
-    } else {
-        key.to_string()
-    };
-    Some(k)
-}
-
-fn tiny_dir() -> PathBuf {
-    fixtures().join("qwen_tiny")
 }
 
 /// `comfy/text_encoder_fp8_scaled.safetensors`, written from the folder's shards at test time.
@@ -221,7 +170,7 @@ fn tokenizer_matches_the_cases() {
 
 #[test]
 fn smart_resize_and_calculate_dimensions_match() {
-    let r = Reference::load();
+    let r = Reference::load("text_encoder.safetensors");
     for c in r.meta["smart_resize"].as_array().expect("cases") {
         let v: Vec<i64> = c
             .as_array()
@@ -249,7 +198,7 @@ fn smart_resize_and_calculate_dimensions_match() {
 /// The condition resize and the image processor are bit-exact (Pillow-exact LANCZOS / BICUBIC).
 #[test]
 fn processor_is_bit_exact() {
-    let r = Reference::load();
+    let r = Reference::load("text_encoder.safetensors");
     let names: Vec<String> = r.meta["images"]
         .as_array()
         .expect("names")
@@ -294,7 +243,7 @@ fn processor_is_bit_exact() {
 
 #[test]
 fn rope_index_matches() {
-    let r = Reference::load();
+    let r = Reference::load("text_encoder.safetensors");
     let ids = ints(r.get("rope.input_ids"));
     let grids = r.grid("rope.grid_thw");
     let pos = get_rope_index(&ids, 151655, &grids, 2).expect("rope index");
@@ -352,7 +301,7 @@ fn rope_index_matches() {
 /// measured: 0 with SDPA, 9.9e-8 with matmul (every load).
 #[test]
 fn language_model_matches() {
-    let r = Reference::load();
+    let r = Reference::load("text_encoder.safetensors");
     let dir = tiny_dir().join("text_encoder");
     let stores: Vec<(&str, WeightStore, Fp8Mode)> = vec![
         (
@@ -443,7 +392,7 @@ fn language_model_matches() {
 /// measured: ≤ 1.8e-7 (SDPA), ≤ 2.4e-7 (matmul), every load and position mode.
 #[test]
 fn encode_prompt_matches_the_pipeline() {
-    let r = Reference::load();
+    let r = Reference::load("text_encoder.safetensors");
     let pv = r.get("proc.pixel_values");
     let grids = r.grid("proc.grid_thw");
     // Image a alone: its patches are the first t·h·w rows.
@@ -504,7 +453,7 @@ fn encode_prompt_matches_the_pipeline() {
 /// End to end from the PNG inputs (condition resize, processor, vision, LM), on the folder.
 #[test]
 fn encode_images_from_png_matches_the_pipeline() {
-    let r = Reference::load();
+    let r = Reference::load("text_encoder.safetensors");
     let mut enc = QwenTextEncoder::load_diffusers(&tiny_dir(), TextEncoderOptions::default())
         .expect("tiny folder");
     enc.processor.condition_image_size = 56 * 56;
@@ -532,7 +481,7 @@ fn encode_images_from_png_matches_the_pipeline() {
 fn bad_requests_are_errors() {
     let enc = QwenTextEncoder::load_diffusers(&tiny_dir(), TextEncoderOptions::default())
         .expect("tiny folder");
-    let r = Reference::load();
+    let r = Reference::load("text_encoder.safetensors");
     let grids = r.grid("proc.grid_thw");
     let two = enc
         .encode_pixel_values(r.get("proc.pixel_values"), &grids)
@@ -661,7 +610,7 @@ fn pipeline_fixture_cases_match() {
 /// measured: 7.0e-3 (tolerance 5e-2: bf16 has 8 mantissa bits).
 #[test]
 fn bf16_is_close_to_the_fp32_reference() {
-    let r = Reference::load();
+    let r = Reference::load("text_encoder.safetensors");
     let o = TextEncoderOptions {
         kind: Kind::BFloat16,
         ..TextEncoderOptions::default()

@@ -12,7 +12,7 @@
 //! fp32 ulp of cos/sin).
 
 use std::collections::{BTreeSet, HashMap};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use tch::{Device, Kind, Tensor};
@@ -27,6 +27,7 @@ use vnfarm_models::qwen_image::transformer::{
     transformer_store,
 };
 
+use crate::qwen_fixtures::fixtures;
 use crate::support;
 use crate::support::{check, load_reference, rel_err};
 
@@ -34,12 +35,6 @@ const TOL: f64 = 1e-5;
 
 const SHAPES_A: [(i64, i64, i64); 1] = [(1, 4, 4)];
 const SHAPES_B: [(i64, i64, i64); 2] = [(1, 4, 4), (1, 3, 5)];
-
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("fixtures")
-        .join("qwen")
-}
 
 fn folder() -> PathBuf {
     fixtures().join("qwen_tiny").join("transformer")

@@ -10,7 +10,7 @@
 //! activations must stay within 5e-2 of the fp32 reference (measured: at most 2.4e-2).
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use tch::{Device, Kind, Tensor};
@@ -22,17 +22,12 @@ use vnfarm_models::nn::tiling::Tiling;
 use vnfarm_models::qwen_image::keys::{VaeNaming, vae_weight_store, wan_vae_key};
 use vnfarm_models::qwen_image::vae::{QwenVae, QwenVaeConfig};
 
+use crate::qwen_fixtures::fixtures;
 use crate::support;
 use crate::support::{check, load_reference, rel_err};
 
 const TOL_FP32: f64 = 1e-5;
 const TOL_BF16: f64 = 5e-2;
-
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("fixtures")
-        .join("qwen")
-}
 
 fn vae_dir() -> PathBuf {
     fixtures().join("qwen_tiny").join("vae")

@@ -12,7 +12,6 @@
 //! resident give the fp32 numbers). The rotary table and window layout are exact.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use tch::{Device, Kind, Tensor};
@@ -25,38 +24,15 @@ use vnfarm_models::qwen2_5_vl::vision::{
     VisionConfig, VisionLayout, VisionTransformer, vision_prefix,
 };
 
+use crate::qwen_fixtures::{Reference, fixtures, ints, reroot, tiny_dir};
 use crate::support;
-use crate::support::{check, load_reference};
+use crate::support::check;
 
 const TOL: f64 = 1e-5;
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("fixtures")
-        .join("qwen")
-}
-
-/// All tensors of `reference/vision.safetensors` (floats as fp32, integers as int64) and the
-/// grids from its `fixture` metadata.
-struct Reference {
-    tensors: HashMap<String, Tensor>,
-    meta: serde_json::Value,
-}
-
 impl Reference {
-    fn load() -> Self {
-        let (tensors, f) = load_reference(&fixtures().join("reference").join("vision.safetensors"));
-        let meta = serde_json::from_str(&f.metadata()["fixture"]).expect("fixture metadata");
-        Self { tensors, meta }
-    }
-
-    fn get(&self, name: &str) -> &Tensor {
-        self.tensors
-            .get(name)
-            .unwrap_or_else(|| panic!("reference tensor {name}"))
-    }
-
-    fn grid(&self, case: &str) -> Vec<(i64, i64, i64)> {
+    /// A case's `grid_thw` from the metadata.
+    fn case_grid(&self, case: &str) -> Vec<(i64, i64, i64)> {
         self.meta[case]["grid_thw"]
             .as_array()
             .expect("grid_thw list")
@@ -74,26 +50,10 @@ impl Reference {
     }
 }
 
-fn ints(t: &Tensor) -> Vec<i64> {
-    Vec::<i64>::try_from(t.to_kind(Kind::Int64).flatten(0, -1)).expect("int64 tensor")
-}
-
-/// `visual.*` ↔ `model.visual.*`: the folder under the other vision root, so that both layouts
-/// are tested whichever one the fixture writer's transformers saves.
-fn reroot(key: &str) -> Option<String> {
-    Some(match key.strip_prefix("model.visual.") {
-        Some(rest) => format!("visual.{rest}"),
-        None => match key.strip_prefix("visual.") {
-            Some(rest) => format!("model.visual.{rest}"),
-            None => key.to_string(),
-        },
-    })
-}
-
 /// The tiny text encoder's stores: the sharded folder (as written and re-rooted) and ComfyUI's
 /// scaled-fp8 file.
 fn stores(fp8: Fp8Mode) -> Vec<(&'static str, WeightStore)> {
-    let dir = fixtures().join("qwen_tiny").join("text_encoder");
+    let dir = tiny_dir().join("text_encoder");
     let folder = component_store(&dir, "model", |k| Some(k.to_string())).expect("tiny folder");
     let rerooted = component_store(&dir, "model", reroot).expect("tiny folder");
     let comfy = SafetensorsFile::open(support::derived::qwen_text_encoder_fp8_scaled(
@@ -131,10 +91,10 @@ fn the_vision_prefix_is_found_in_both_layouts() {
 
 #[test]
 fn the_layout_matches_transformers_window_index_and_rotary_table() {
-    let r = Reference::load();
+    let r = Reference::load("vision.safetensors");
     let c = VisionConfig::tiny();
     for case in ["one", "two", "frames"] {
-        let layout = VisionLayout::new(&c, &r.grid(case)).expect("valid grid");
+        let layout = VisionLayout::new(&c, &r.case_grid(case)).expect("valid grid");
         assert_eq!(
             layout.window_index,
             ints(r.get(&format!("{case}.window_index"))),
@@ -147,7 +107,7 @@ fn the_layout_matches_transformers_window_index_and_rotary_table() {
         );
     }
     for case in ["two", "frames"] {
-        let layout = VisionLayout::new(&c, &r.grid(case)).expect("valid grid");
+        let layout = VisionLayout::new(&c, &r.case_grid(case)).expect("valid grid");
         assert_eq!(
             layout.cu_seqlens,
             ints(r.get(&format!("{case}.cu_seqlens"))),
@@ -156,7 +116,7 @@ fn the_layout_matches_transformers_window_index_and_rotary_table() {
     }
 
     let rot = tower(stores(Fp8Mode::Upcast).remove(0).1, AttentionImpl::Sdpa)
-        .rot_pos_emb(&r.grid("one"))
+        .rot_pos_emb(&r.case_grid("one"))
         .expect("valid grid");
     // Products of small integers and fp32 powers computed with the same ops: bit-identical.
     check("rot_pos_emb", &rot, r.get("one.rot_pos_emb"), 0.0);
@@ -164,7 +124,7 @@ fn the_layout_matches_transformers_window_index_and_rotary_table() {
 
 #[test]
 fn the_tiny_tower_matches_transformers() {
-    let r = Reference::load();
+    let r = Reference::load("vision.safetensors");
     let mut worst: f64 = 0.0;
     for fp8 in [Fp8Mode::Upcast, Fp8Mode::Resident] {
         for (what, store) in stores(fp8) {
@@ -176,7 +136,7 @@ fn the_tiny_tower_matches_transformers() {
                     VisionTransformer::new(&w, &VisionConfig::tiny(), imp).expect("tiny tower");
                 for case in ["one", "two", "frames"] {
                     let pixels = r.get(&format!("{case}.pixel_values"));
-                    let out = model.forward(pixels, &r.grid(case)).expect("forward");
+                    let out = model.forward(pixels, &r.case_grid(case)).expect("forward");
                     let e = check(
                         &format!("{what} {fp8:?} {imp:?} {case}"),
                         &out,
@@ -205,10 +165,10 @@ fn the_tiny_tower_matches_transformers() {
 #[test]
 fn images_are_independent() {
     // The two-image call gives each image what it gets alone: no attention across images.
-    let r = Reference::load();
+    let r = Reference::load("vision.safetensors");
     let model = tower(stores(Fp8Mode::Upcast).remove(0).1, AttentionImpl::Sdpa);
     let pixels = r.get("two.pixel_values");
-    let grids = r.grid("two");
+    let grids = r.case_grid("two");
     let both = model.forward(pixels, &grids).expect("forward");
     let first = grids[0].0 * grids[0].1 * grids[0].2;
     let a = model
