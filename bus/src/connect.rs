@@ -1,9 +1,13 @@
-//! Connecting to the broker: the nodes of the cluster in turn, retrying with exponential backoff
-//! until one answers or shutdown.
+//! Connecting to the broker: the nodes of the cluster raced with a stagger, retrying with
+//! exponential backoff until one answers or shutdown.
 
+use std::pin::pin;
 use std::time::Duration;
 
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
 use lapin::{Connection, ConnectionProperties};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::redacted;
@@ -12,13 +16,19 @@ use crate::config::redacted;
 /// stays silent until TCP gives up (minutes), while the next node may be alive.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// How long an attempt has alone before the next node is tried beside it (RFC 8305's "connection
+/// attempt delay", the Happy Eyeballs idea applied to a cluster's nodes): a node that answers
+/// within it is kept, so a box's processes stay on its own node while it lives, and a silent one
+/// costs this instead of [`CONNECT_TIMEOUT`]. A refused attempt starts the next one at once.
+const STAGGER: Duration = Duration::from_secs(1);
+
 /// The broker nodes to try, in turn: from a random one, so that a fleet started together spreads
 /// over the cluster. A session lost while its connection stayed up (a channel that stopped
 /// confirming, a queue leader that moved) reconnects to the same node first. A session whose
 /// connection failed (no heartbeat: the node or the link is gone; a reset: the node died) moves on
-/// to the next node: behind a cut link, the same node would cost [`CONNECT_TIMEOUT`] before the
-/// next one is tried (the three-box test saw a standby whose node was on the cut-off active
-/// scheduler's box spend 5 s on it, then take over after 28.6 s). A failed attempt moves on too.
+/// to the next node first: behind a cut link, the same node would cost [`STAGGER`] before the next
+/// one is tried (the three-box test saw a standby whose node was on the cut-off active scheduler's
+/// box spend the whole connect timeout on it, then, 5 s, take over after 28.6 s).
 #[derive(Clone, Debug)]
 pub struct Nodes {
     urls: Vec<String>,
@@ -42,12 +52,12 @@ impl Nodes {
         }
     }
 
-    /// The node to try now: the one that served last, until an attempt on it fails.
+    /// The node to try first: the one that served last, until an attempt on it fails.
     pub fn current(&self) -> &str {
         &self.urls[self.current]
     }
 
-    /// An attempt on [`Nodes::current`] failed: the next node is tried.
+    /// An attempt on [`Nodes::current`] failed: the next node is tried first.
     pub fn failed(&mut self) {
         self.current = (self.current + 1) % self.urls.len();
     }
@@ -60,6 +70,12 @@ impl Nodes {
         }
     }
 
+    /// Every node's index, from the current one.
+    fn in_turn(&self) -> impl Iterator<Item = usize> + use<> {
+        let (n, first) = (self.urls.len(), self.current);
+        (0..n).map(move |k| (first + k) % n)
+    }
+
     pub fn len(&self) -> usize {
         self.urls.len()
     }
@@ -69,9 +85,12 @@ impl Nodes {
     }
 }
 
-/// Connects to the first of `nodes` that answers, from its current node, trying each in turn and waiting with [`Backoff`]
-/// (100 ms doubling to `max_backoff`) after every round in which none did. `None` means shutdown
-/// came first. `on_failure` is called after each failed attempt (for a reconnect counter).
+/// Connects to the first of `nodes` that answers: [`Nodes::current`] first, the next one beside it
+/// after [`STAGGER`] or as soon as an attempt fails, and so on (every attempt within
+/// [`CONNECT_TIMEOUT`]); after a round in which none answered, waits with [`Backoff`] (100 ms
+/// doubling to `max_backoff`). The node that answered becomes the current one. `None` means
+/// shutdown came first. `on_failure` is called after each failed attempt (for a reconnect
+/// counter).
 pub async fn connect_with_backoff(
     nodes: &mut Nodes,
     max_backoff: Duration,
@@ -81,25 +100,13 @@ pub async fn connect_with_backoff(
 ) -> Option<Connection> {
     let mut backoff = Backoff::new(max_backoff);
     loop {
-        for _ in 0..nodes.len() {
-            let url = nodes.current().to_owned();
-            let props =
-                ConnectionProperties::default().with_connection_name(name.to_owned().into());
-            let attempt = tokio::select! {
-                _ = shutdown.cancelled() => return None,
-                r = tokio::time::timeout(CONNECT_TIMEOUT, Connection::connect(&url, props)) => r,
-            };
-            let error = match attempt {
-                Ok(Ok(conn)) => {
-                    tracing::info!(url = %redacted(&url), connection = name, "connected to the broker");
-                    return Some(conn);
-                }
-                Ok(Err(e)) => e.to_string(),
-                Err(_) => format!("no answer within {CONNECT_TIMEOUT:?}"),
-            };
-            on_failure();
-            nodes.failed();
-            tracing::warn!(url = %redacted(&url), %error, "broker connection failed");
+        let conn = tokio::select! {
+            _ = shutdown.cancelled() => return None,
+            conn = race(nodes, name, &mut on_failure) => conn,
+        };
+        if let Some((index, conn)) = conn {
+            nodes.current = index;
+            return Some(conn);
         }
         let delay = backoff.next_delay();
         tracing::warn!(
@@ -112,6 +119,82 @@ pub async fn connect_with_backoff(
             _ = tokio::time::sleep(delay) => {}
         }
     }
+}
+
+/// One round of [`connect_with_backoff`]: the index and connection of the first node to answer, or
+/// `None` when every attempt failed. Attempts still under way when one wins are left to finish in
+/// a task of their own, which closes any connection they open.
+async fn race(
+    nodes: &Nodes,
+    name: &str,
+    on_failure: &mut impl FnMut(),
+) -> Option<(usize, Connection)> {
+    let attempt = |index: usize| {
+        let url = nodes.urls[index].clone();
+        let props = ConnectionProperties::default().with_connection_name(name.to_owned().into());
+        async move {
+            let result =
+                match tokio::time::timeout(CONNECT_TIMEOUT, Connection::connect(&url, props)).await
+                {
+                    Ok(Ok(conn)) => Ok(conn),
+                    Ok(Err(e)) => Err(e.to_string()),
+                    Err(_) => Err(format!("no answer within {CONNECT_TIMEOUT:?}")),
+                };
+            (index, url, result)
+        }
+    };
+    let mut waiting = nodes.in_turn();
+    let mut running = FuturesUnordered::new();
+    running.extend(waiting.next().map(attempt));
+    let mut stagger = pin!(tokio::time::sleep(STAGGER));
+    loop {
+        let start_next = tokio::select! {
+            finished = running.next() => match finished {
+                Some((index, url, Ok(conn))) => {
+                    tracing::info!(url = %redacted(&url), connection = name, "connected to the broker");
+                    close_latecomers(running);
+                    return Some((index, conn));
+                }
+                Some((_, url, Err(error))) => {
+                    on_failure();
+                    tracing::warn!(url = %redacted(&url), %error, "broker connection failed");
+                    true
+                }
+                None => return None,
+            },
+            _ = &mut stagger => true,
+        };
+        if start_next {
+            match waiting.next() {
+                Some(index) => {
+                    running.push(attempt(index));
+                    stagger.as_mut().reset(Instant::now() + STAGGER);
+                }
+                // Nothing left to start: wait for the attempts under way (the timer stays
+                // spent, so only they can wake this loop).
+                None if running.is_empty() => return None,
+                None => stagger.as_mut().reset(Instant::now() + CONNECT_TIMEOUT * 2),
+            }
+        }
+    }
+}
+
+/// Lets the attempts that lost a [`race`] finish on their own and closes what they connect, so that
+/// no connection is left open on a node nobody uses.
+fn close_latecomers<F>(mut running: FuturesUnordered<F>)
+where
+    F: std::future::Future<Output = (usize, String, Result<Connection, String>)> + Send + 'static,
+{
+    if running.is_empty() {
+        return;
+    }
+    tokio::spawn(async move {
+        while let Some((_, _, result)) = running.next().await {
+            if let Ok(conn) = result {
+                let _ = conn.close(200, "another node answered first".into()).await;
+            }
+        }
+    });
 }
 
 /// Exponential backoff: 100 ms, doubling on each call to [`Backoff::next_delay`], capped at a
@@ -217,6 +300,38 @@ mod tests {
         .expect("the live node (is RabbitMQ running on VNFARM_TEST_AMQP_URL?)");
         assert!(conn.status().connected());
         assert_eq!(failures, 1);
+        conn.close(200, "test over".into()).await.expect("closing");
+    }
+
+    #[tokio::test]
+    async fn a_silent_node_is_raced_by_the_next_one() {
+        let live = std::env::var("VNFARM_TEST_AMQP_URL")
+            .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+        // A listener that never accepts: the TCP handshake completes in its backlog, and the AMQP
+        // one never starts (a node behind a cut link is silent the same way).
+        let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("a loopback port");
+        let silent = format!(
+            "amqp://guest:guest@{}/%2f",
+            silent.local_addr().expect("bound")
+        );
+        let mut nodes = Nodes::starting_at(&[silent, live.clone()], 0);
+        let mut failures = 0;
+        let shutdown = CancellationToken::new();
+        let conn = connect_with_backoff(
+            &mut nodes,
+            Duration::from_secs(5),
+            "vnfarm-bus connect race test",
+            &shutdown,
+            || failures += 1,
+        )
+        .await
+        .expect("the live node (is RabbitMQ running on VNFARM_TEST_AMQP_URL?)");
+        assert!(conn.status().connected());
+        assert_eq!(
+            failures, 0,
+            "the live node answered while the silent one was still being waited for"
+        );
+        assert_eq!(nodes.current(), live, "the node that answered is kept");
         conn.close(200, "test over".into()).await.expect("closing");
     }
 
