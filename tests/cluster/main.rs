@@ -18,7 +18,9 @@
 //! Settings (environment): `VNFARM_CLUSTER_FAULTS`, a comma-separated list of faults to run in
 //! order (default: all five, each once: `broker_node_kill,link_cut,active_partition,box_kill,
 //! storage_cut`); `VNFARM_CLUSTER_ROUNDS`, how many times the list runs (default 1, the bounded
-//! run; more for a longer one); `VNFARM_CHAOS_SEED`, to replay the workload's choices.
+//! run; more for a longer one); `VNFARM_CHAOS_SEED`, to replay the workload's choices;
+//! `VNFARM_CLUSTER_KEEP_LOGS=1` keeps the processes' logs after a run that passed too (a failed run
+//! always keeps them).
 
 mod bench;
 mod broker;
@@ -196,6 +198,9 @@ async fn a_three_box_farm_loses_nothing_under_real_faults() -> anyhow::Result<()
         "a takeover was measured but the stream shows {} dispatching term(s)",
         report.terms
     );
+    if std::env::var_os("VNFARM_CLUSTER_KEEP_LOGS").is_some_and(|v| v == "1") {
+        println!("logs kept in {}", farm.keep_logs().display());
+    }
     if !report.is_clean() {
         let logs = farm.keep_logs();
         anyhow::bail!(
