@@ -58,7 +58,7 @@ impl Scheduler {
     /// reproducible when the default changes.
     fn default_checkpoint(&self, g: &mut GenerateSpec) {
         if g.checkpoint.is_none() {
-            g.checkpoint.clone_from(&self.config.default_checkpoint);
+            g.checkpoint.clone_from(&self.config().default_checkpoint);
         }
     }
 
@@ -127,7 +127,7 @@ impl Scheduler {
         )
         .await
         .map_err(|e| AcceptError::Unavailable(e.to_string()))?;
-        self.metrics
+        self.metrics()
             .jobs_submitted_total
             .with_label_values(&[kind])
             .inc();
@@ -156,7 +156,7 @@ impl Scheduler {
         };
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
-            let notified = self.applied.notified();
+            let notified = self.applied().notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
             {
@@ -194,7 +194,7 @@ impl Scheduler {
                 message,
             })
         };
-        match self.storage.exists(key).await {
+        match self.storage().exists(key).await {
             Ok(true) => Ok(()),
             Ok(false) => Err(invalid(format!(
                 "no stored image `{key}` (upload it first: POST /v1/uploads)"
@@ -239,9 +239,9 @@ impl Scheduler {
     /// The bounds of an input image (uploads; inline inputs also keep the 8 MiB message bound).
     pub fn input_limits(&self) -> InputLimits {
         InputLimits {
-            max_bytes: self.config.upload_max_bytes,
+            max_bytes: self.config().upload_max_bytes,
             max_side: MAX_INPUT_SIDE,
-            max_pixels: self.config.upload_max_pixels,
+            max_pixels: self.config().upload_max_pixels,
         }
     }
 
@@ -260,11 +260,11 @@ impl Scheduler {
         let sha256 = hex::encode(Sha256::digest(&bytes));
         let key = input_key(&sha256, image.format.extension());
         let size = bytes.len();
-        self.storage
+        self.storage()
             .put(&key, bytes, image.format.content_type())
             .await
             .map_err(|e| {
-                self.metrics.storage_error("put", &e);
+                self.metrics().storage_error("put", &e);
                 InputError::Unavailable(e.to_string())
             })?;
         Ok(StoredInput {
@@ -335,7 +335,7 @@ impl Scheduler {
             Err((kind, message)) => Some((id_hint, kind, message)),
         };
         if let Some((job_id, failure, message)) = rejected {
-            self.metrics.malformed_messages_total.inc();
+            self.metrics().malformed_messages_total.inc();
             // A failed event needs an id: the producer's, or a fresh one reported in the dead letter.
             let job_id = job_id.unwrap_or_default();
             tracing::warn!(job_id = %job_id, failure = failure.as_str(), %message, "submission rejected");
@@ -416,7 +416,7 @@ impl Scheduler {
             if attempts == 1 || attempts.is_power_of_two() {
                 tracing::warn!(%reason, attempts, retry_in_ms = delay.as_millis() as u64, "cannot accept a submission now; holding it");
             }
-            self.metrics.intake_held_retries_total.inc();
+            self.metrics().intake_held_retries_total.inc();
             tokio::time::sleep(delay).await;
         }
     }
@@ -430,7 +430,7 @@ impl Scheduler {
             .with_delivery_mode(2)
             .with_headers(uncounted(delivery.properties.headers().as_ref()));
         self.publisher()?
-            .publish("", &self.topology.intake_queue(), &delivery.data, props)
+            .publish("", &self.topology().intake_queue(), &delivery.data, props)
             .await
     }
 }

@@ -41,16 +41,21 @@ impl Scheduler {
     ) -> anyhow::Result<()> {
         let channel = connection.create_channel().await?;
         let ready_tokens =
-            vnfarm_bus::topology::declare_scheduler(&channel, &self.config.amqp).await?;
+            vnfarm_bus::topology::declare_scheduler(&channel, &self.config().amqp).await?;
         if ready_tokens == 0 {
             self.publisher()?
-                .publish("", &self.topology.leader_queue(), b"{}", json_properties())
+                .publish(
+                    "",
+                    &self.topology().leader_queue(),
+                    b"{}",
+                    json_properties(),
+                )
                 .await?;
         }
         channel.basic_qos(4, BasicQosOptions::default()).await?;
         let mut tokens = channel
             .basic_consume(
-                self.topology.leader_queue().into(),
+                self.topology().leader_queue().into(),
                 "leader".into(),
                 BasicConsumeOptions::default(),
                 FieldTable::default(),
@@ -107,7 +112,7 @@ impl Scheduler {
         channel.basic_qos(32, BasicQosOptions::default()).await?;
         let mut intake = channel
             .basic_consume(
-                self.topology.intake_queue().into(),
+                self.topology().intake_queue().into(),
                 "intake".into(),
                 BasicConsumeOptions::default(),
                 FieldTable::default(),
@@ -139,7 +144,7 @@ impl Scheduler {
         channel.basic_qos(32, BasicQosOptions::default()).await?;
         let mut returned = channel
             .basic_consume(
-                self.topology.redispatch_queue().into(),
+                self.topology().redispatch_queue().into(),
                 "redispatch".into(),
                 BasicConsumeOptions::default(),
                 FieldTable::default(),
@@ -174,7 +179,7 @@ impl Scheduler {
         channel.basic_qos(8, BasicQosOptions::default()).await?;
         let mut dead = channel
             .basic_consume(
-                self.topology.dead_watch_queue().into(),
+                self.topology().dead_watch_queue().into(),
                 "dead-watch".into(),
                 BasicConsumeOptions::default(),
                 FieldTable::default(),
@@ -199,9 +204,9 @@ impl Scheduler {
         }
         let queue = death_queue(props).unwrap_or_default();
         let reason = death_reason(props).unwrap_or_else(|| "unknown".into());
-        if queue == self.topology.redispatch_queue() {
+        if queue == self.topology().redispatch_queue() {
             self.returned(body, props, &reason).await?;
-        } else if queue == self.topology.intake_queue() {
+        } else if queue == self.topology().intake_queue() {
             let id = vnfarm_proto::decode_json::<Submission>(body)
                 .ok()
                 .and_then(|s| s.job_id)
@@ -248,7 +253,7 @@ impl Scheduler {
             tracing::warn!(queue, %reason, "a message the broker dead-lettered from another queue; it stays in the dead-letter queue");
             return Ok(());
         }
-        self.metrics.dead_letters_watched_total.inc();
+        self.metrics().dead_letters_watched_total.inc();
         Ok(())
     }
 }

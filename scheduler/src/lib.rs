@@ -78,12 +78,12 @@ pub async fn serve(
                 .await
         })
     };
-    tracing::info!(%addr, storage = %scheduler.storage.describe(), "scheduler listening");
-    let metrics = scheduler.metrics.clone();
+    tracing::info!(%addr, storage = %scheduler.storage().describe(), "scheduler listening");
+    let metrics = scheduler.metrics().clone();
     let this = &scheduler;
     let stop = &shutdown;
     vnfarm_bus::run_sessions(
-        &scheduler.config.amqp,
+        &scheduler.config().amqp,
         "vnfarm-scheduler",
         &shutdown,
         || metrics.amqp_reconnects_total.inc(),

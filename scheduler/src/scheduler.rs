@@ -31,20 +31,20 @@ use crate::registry::{CancelRefusal, Registry};
 #[derive(Clone)]
 pub struct Scheduler(Arc<Inner>);
 
-pub struct Inner {
-    pub config: Config,
-    pub topology: vnfarm_proto::topology::Topology,
-    pub storage: Storage,
-    pub metrics: Metrics,
+struct Inner {
+    config: Config,
+    topology: vnfarm_proto::topology::Topology,
+    storage: Storage,
+    metrics: Metrics,
     registry: Mutex<Registry>,
     publisher: RwLock<Option<Publisher>>,
     snapshot_publisher: RwLock<Option<Publisher>>,
     /// Every event applied from the stream, for live SSE clients.
-    pub events: broadcast::Sender<SequencedEvent>,
+    events: broadcast::Sender<SequencedEvent>,
     /// Woken on every applied event (submitters wait for their job to appear).
-    pub applied: Notify,
+    applied: Notify,
     /// Woken when dispatching may be possible (new job, freed slot, new worker).
-    pub dispatch_wanted: Notify,
+    dispatch_wanted: Notify,
     /// The event stream has been read up to this process's marker at least once.
     ready: AtomicBool,
     /// This scheduler holds the leader token (see [`crate::leader`]).
@@ -56,17 +56,10 @@ pub struct Inner {
     /// term began with, so a later term always has a larger one (0: none yet).
     term: AtomicU64,
     /// Events applied since the last snapshot was written.
-    pub(crate) since_snapshot: AtomicU64,
-    pub(crate) last_snapshot: Mutex<Option<std::time::Instant>>,
+    since_snapshot: AtomicU64,
+    last_snapshot: Mutex<Option<std::time::Instant>>,
     /// Cancelled at shutdown; long-lived HTTP streams end on it.
-    pub shutdown: tokio_util::sync::CancellationToken,
-}
-
-impl std::ops::Deref for Scheduler {
-    type Target = Inner;
-    fn deref(&self) -> &Inner {
-        &self.0
-    }
+    shutdown: tokio_util::sync::CancellationToken,
 }
 
 /// Why a cancellation was refused.
@@ -111,9 +104,56 @@ impl Scheduler {
         }))
     }
 
+    pub fn config(&self) -> &Config {
+        &self.0.config
+    }
+
+    /// The broker names of this installation (its prefix applied).
+    pub fn topology(&self) -> &vnfarm_proto::topology::Topology {
+        &self.0.topology
+    }
+
+    pub fn storage(&self) -> &Storage {
+        &self.0.storage
+    }
+
+    pub fn metrics(&self) -> &Metrics {
+        &self.0.metrics
+    }
+
+    /// Cancelled at shutdown; long-lived HTTP streams end on it.
+    pub fn shutdown(&self) -> &tokio_util::sync::CancellationToken {
+        &self.0.shutdown
+    }
+
+    /// Every event applied from the stream from now on, for a live SSE client.
+    pub fn subscribe(&self) -> broadcast::Receiver<SequencedEvent> {
+        self.0.events.subscribe()
+    }
+
+    /// Woken on every applied event (submitters wait for their job to appear).
+    pub(crate) fn applied(&self) -> &Notify {
+        &self.0.applied
+    }
+
+    /// Woken when dispatching may be possible (new job, freed slot, new worker).
+    pub(crate) fn dispatch_wanted(&self) -> &Notify {
+        &self.0.dispatch_wanted
+    }
+
+    /// Events applied since the last snapshot was written.
+    pub(crate) fn since_snapshot(&self) -> &AtomicU64 {
+        &self.0.since_snapshot
+    }
+
+    /// When the last snapshot was written.
+    pub(crate) fn last_snapshot(&self) -> &Mutex<Option<std::time::Instant>> {
+        &self.0.last_snapshot
+    }
+
     pub fn registry(&self) -> MutexGuard<'_, Registry> {
         // Registry updates do not panic midway (no user code runs under the lock); keep serving.
-        self.registry.lock().unwrap_or_else(|p| p.into_inner())
+        self.0.registry.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Replaces the registry (a snapshot loaded before the first replay).
@@ -122,39 +162,40 @@ impl Scheduler {
     }
 
     pub fn is_ready(&self) -> bool {
-        self.ready.load(Ordering::SeqCst)
+        self.0.ready.load(Ordering::SeqCst)
     }
 
     pub(crate) fn set_ready(&self) {
-        self.ready.store(true, Ordering::SeqCst);
+        self.0.ready.store(true, Ordering::SeqCst);
     }
 
     pub fn is_active(&self) -> bool {
-        self.active.load(Ordering::SeqCst)
+        self.0.active.load(Ordering::SeqCst)
     }
 
     pub(crate) fn set_active(&self, active: bool) {
-        self.active.store(active, Ordering::SeqCst);
-        self.metrics.scheduler_active.set(i64::from(active));
+        self.0.active.store(active, Ordering::SeqCst);
+        self.metrics().scheduler_active.set(i64::from(active));
     }
 
     pub(crate) fn set_publisher(&self, publisher: Option<Publisher>) {
-        *self.publisher.write().unwrap_or_else(|p| p.into_inner()) = publisher;
+        *self.0.publisher.write().unwrap_or_else(|p| p.into_inner()) = publisher;
     }
 
     pub(crate) fn set_snapshot_publisher(&self, publisher: Option<Publisher>) {
         *self
+            .0
             .snapshot_publisher
             .write()
             .unwrap_or_else(|p| p.into_inner()) = publisher;
     }
 
     pub(crate) fn publisher(&self) -> Result<Publisher, PublishError> {
-        current(&self.publisher)
+        current(&self.0.publisher)
     }
 
     pub(crate) fn snapshot_publisher(&self) -> Result<Publisher, PublishError> {
-        current(&self.snapshot_publisher)
+        current(&self.0.snapshot_publisher)
     }
 
     pub(crate) async fn publish_event(
@@ -165,7 +206,7 @@ impl Scheduler {
         let event = Event::now(job_id, kind);
         self.publisher()?
             .publish_json(
-                &self.topology.events_exchange(),
+                &self.topology().events_exchange(),
                 &event.routing_key(),
                 &event,
                 json_properties(),
@@ -174,7 +215,7 @@ impl Scheduler {
     }
 
     pub(crate) fn heartbeat_timeout(&self) -> Duration {
-        Duration::from_millis(self.config.heartbeat_timeout_ms)
+        Duration::from_millis(self.config().heartbeat_timeout_ms)
     }
 
     /// Applies one event from the stream. `live`: read after this process's first catch-up, so it
@@ -187,14 +228,14 @@ impl Scheduler {
             }
             reg.apply(ev.clone())
         };
-        self.metrics.events_applied_total.inc();
-        self.since_snapshot.fetch_add(1, Ordering::Relaxed);
+        self.metrics().events_applied_total.inc();
+        self.0.since_snapshot.fetch_add(1, Ordering::Relaxed);
         if applied {
             // No SSE client listening is fine.
-            let _ = self.events.send(ev);
+            let _ = self.0.events.send(ev);
         }
-        self.applied.notify_waiters();
-        self.dispatch_wanted.notify_one();
+        self.0.applied.notify_waiters();
+        self.0.dispatch_wanted.notify_one();
     }
 
     /// A marker came back from the stream.
@@ -202,20 +243,20 @@ impl Scheduler {
         if let Some(seq) = seq {
             self.registry().skip(seq);
         }
-        let mut markers = self.markers.lock().unwrap_or_else(|p| p.into_inner());
+        let mut markers = self.0.markers.lock().unwrap_or_else(|p| p.into_inner());
         markers.push_back((routing_key.to_owned(), seq));
         if markers.len() > 64 {
             markers.pop_front();
         }
         drop(markers);
-        self.applied.notify_waiters();
+        self.0.applied.notify_waiters();
     }
 
     /// Waits until the stream has been read up to the marker with `routing_key`; returns the
     /// marker's offset in the stream.
     pub(crate) async fn wait_marker(&self, routing_key: &str) -> Option<u64> {
         loop {
-            let notified = self.applied.notified();
+            let notified = self.0.applied.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
             if let Some((_, seq)) = self
@@ -233,12 +274,12 @@ impl Scheduler {
 
     /// Begins a term numbered `term` (see [`Inner::term`]).
     pub(crate) fn set_term(&self, term: u64) {
-        self.term.store(term, Ordering::SeqCst);
+        self.0.term.store(term, Ordering::SeqCst);
     }
 
     /// The current term's number, recorded on every `dispatched` event of the term.
     pub(crate) fn current_term(&self) -> Option<u64> {
-        Some(self.term.load(Ordering::SeqCst)).filter(|t| *t > 0)
+        Some(self.0.term.load(Ordering::SeqCst)).filter(|t| *t > 0)
     }
 
     /// Metrics for an event about to be applied live.
@@ -255,18 +296,18 @@ impl Scheduler {
         };
         match &ev.event.kind {
             EventKind::Started { .. } => self
-                .metrics
+                .metrics()
                 .queue_wait_seconds
                 .with_label_values(&[kind])
                 .observe(seconds(job.created_at())),
             EventKind::Completed { .. } => {
                 if let Some(started) = job.started_at() {
-                    self.metrics
+                    self.metrics()
                         .job_run_seconds
                         .with_label_values(&[kind])
                         .observe(seconds(started));
                 }
-                self.metrics
+                self.metrics()
                     .jobs_finished_total
                     .with_label_values(&[kind, "completed"])
                     .inc();
@@ -274,12 +315,12 @@ impl Scheduler {
             EventKind::Failed {
                 retryable: false, ..
             } => self
-                .metrics
+                .metrics()
                 .jobs_finished_total
                 .with_label_values(&[kind, "failed"])
                 .inc(),
             EventKind::Cancelled { .. } => self
-                .metrics
+                .metrics()
                 .jobs_finished_total
                 .with_label_values(&[kind, "cancelled"])
                 .inc(),
@@ -308,7 +349,7 @@ impl Scheduler {
             // With no worker connected nobody hears it, and none has the job.
             publisher
                 .broadcast_json(
-                    &self.topology.events_exchange(),
+                    &self.topology().events_exchange(),
                     CANCEL_ROUTING_KEY,
                     &request,
                     props,
@@ -340,9 +381,9 @@ impl Scheduler {
             .with_delivery_mode(2)
             .with_headers(headers);
         self.publisher()?
-            .publish(&self.topology.dead_exchange(), "", body, props)
+            .publish(&self.topology().dead_exchange(), "", body, props)
             .await?;
-        self.metrics
+        self.metrics()
             .dead_letters_total
             .with_label_values(&[failure.as_str()])
             .inc();
@@ -354,18 +395,18 @@ impl Scheduler {
         let reg = self.registry();
         let timeout = self.heartbeat_timeout();
         for state in JobState::ALL.into_iter().filter(|s| !s.is_terminal()) {
-            self.metrics
+            self.metrics()
                 .jobs
                 .with_label_values(&[state.as_str()])
                 .set(reg.count(state) as i64);
         }
-        self.metrics.registry_jobs.set(reg.len() as i64);
+        self.metrics().registry_jobs.set(reg.len() as i64);
         for model in ModelFamily::ALL {
             for (priority, label) in [
                 (Priority::Interactive, "interactive"),
                 (Priority::Batch, "batch"),
             ] {
-                self.metrics
+                self.metrics()
                     .backlog
                     .with_label_values(&[model.as_str(), label])
                     .set(reg.backlog(model, priority) as i64);
@@ -381,12 +422,12 @@ impl Scheduler {
             }
         }
         for (state, n) in counts {
-            self.metrics.workers.with_label_values(&[state]).set(n);
+            self.metrics().workers.with_label_values(&[state]).set(n);
         }
         for model in ModelFamily::ALL {
             for state in WORKER_STATES {
                 let n = by_model.get(&(model, state)).copied().unwrap_or(0);
-                self.metrics
+                self.metrics()
                     .model_workers
                     .with_label_values(&[model.as_str(), state])
                     .set(n);

@@ -40,7 +40,7 @@ impl Scheduler {
         self.set_active(false);
         self.set_publisher(None);
         self.set_snapshot_publisher(None);
-        self.metrics.amqp_connected.set(0);
+        self.metrics().amqp_connected.set(0);
         match end {
             Ok(end) => end,
             Err(e) => SessionEnd::Lost(format!("{e:#}")),
@@ -52,20 +52,20 @@ impl Scheduler {
         connection: &Connection,
         shutdown: &CancellationToken,
     ) -> anyhow::Result<SessionEnd> {
-        let confirm_timeout = self.config.amqp.confirm_timeout();
+        let confirm_timeout = self.config().amqp.confirm_timeout();
         let publisher = Publisher::open(connection)
             .await?
             .with_confirm_timeout(confirm_timeout);
         let channel = connection.create_channel().await?;
-        topology::declare_core(&channel, &self.config.amqp).await?;
-        topology::declare_scheduler(&channel, &self.config.amqp).await?;
+        topology::declare_core(&channel, &self.config().amqp).await?;
+        topology::declare_scheduler(&channel, &self.config().amqp).await?;
         self.set_publisher(Some(publisher.clone()));
         // Snapshots travel on a channel of their own, so a large one never delays an event.
         let snapshots = Publisher::open(connection)
             .await?
             .with_confirm_timeout(confirm_timeout);
         self.set_snapshot_publisher(Some(snapshots.clone()));
-        self.metrics.amqp_connected.set(1);
+        self.metrics().amqp_connected.set(1);
 
         if !self.is_ready()
             && self.registry().next_offset() == 0
@@ -76,7 +76,7 @@ impl Scheduler {
 
         let mut heartbeats = topology::subscribe_private(
             connection,
-            &self.topology.events_exchange(),
+            &self.topology().events_exchange(),
             HEARTBEAT_ROUTING_PATTERN,
             "heartbeats",
         )
@@ -97,7 +97,7 @@ impl Scheduler {
         args.insert("x-stream-offset".into(), offset);
         let mut stream = stream_channel
             .basic_consume(
-                self.topology.events_stream().into(),
+                self.topology().events_stream().into(),
                 "events".into(),
                 BasicConsumeOptions::default(),
                 args,
@@ -155,7 +155,7 @@ impl Scheduler {
         let key = format!("{MARKER_ROUTING_PREFIX}.{}", JobId::new());
         self.publisher()?
             .publish(
-                &self.topology.events_exchange(),
+                &self.topology().events_exchange(),
                 &key,
                 b"{}",
                 json_properties(),
@@ -180,7 +180,7 @@ impl Scheduler {
             match decode_json::<Heartbeat>(&d?.data) {
                 Ok(hb) => {
                     self.registry().heartbeat(hb);
-                    self.dispatch_wanted.notify_one();
+                    self.dispatch_wanted().notify_one();
                 }
                 Err(e) => tracing::warn!(error = %e, "ignoring a malformed heartbeat"),
             }
@@ -209,9 +209,9 @@ impl Scheduler {
     async fn watch_queues(&self, connection: &Connection) -> anyhow::Result<()> {
         let channel = connection.create_channel().await?;
         let queues = [
-            ("intake", self.topology.intake_queue()),
-            ("redispatch", self.topology.redispatch_queue()),
-            ("dead", self.topology.dead_queue()),
+            ("intake", self.topology().intake_queue()),
+            ("redispatch", self.topology().redispatch_queue()),
+            ("dead", self.topology().dead_queue()),
         ];
         let passive = QueueDeclareOptions {
             passive: true,
@@ -224,7 +224,7 @@ impl Scheduler {
                 let queue = channel
                     .queue_declare(name.as_str().into(), passive, FieldTable::default())
                     .await?;
-                self.metrics
+                self.metrics()
                     .queue_messages
                     .with_label_values(&[label])
                     .set(i64::from(queue.message_count()));

@@ -50,9 +50,12 @@ impl Scheduler {
     }
 
     async fn maybe_snapshot(&self) {
-        let since = self.since_snapshot.load(Ordering::Relaxed);
-        let last = *self.last_snapshot.lock().unwrap_or_else(|p| p.into_inner());
-        let due = since >= self.config.snapshot_every_events
+        let since = self.since_snapshot().load(Ordering::Relaxed);
+        let last = *self
+            .last_snapshot()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let due = since >= self.config().snapshot_every_events
             || (since > 0 && last.is_none_or(|t| t.elapsed() >= SNAPSHOT_AT_LEAST_EVERY));
         if !due {
             return;
@@ -61,8 +64,11 @@ impl Scheduler {
         let view = self.registry().snapshot();
         let locked = started.elapsed();
         let (offset, jobs) = (view.next_offset(), view.jobs());
-        self.since_snapshot.fetch_sub(since, Ordering::Relaxed);
-        *self.last_snapshot.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
+        self.since_snapshot().fetch_sub(since, Ordering::Relaxed);
+        *self
+            .last_snapshot()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
         let serialized = tokio::task::spawn_blocking(move || {
             let mut bytes = Vec::new();
             view.write(&mut bytes).map(|()| bytes)
@@ -87,7 +93,7 @@ impl Scheduler {
                 jobs,
                 "registry snapshot too large to write; a restart replays from the previous one"
             );
-            self.metrics
+            self.metrics()
                 .snapshots_total
                 .with_label_values(&["too_large"])
                 .inc();
@@ -98,7 +104,7 @@ impl Scheduler {
             Ok(p) => {
                 p.publish(
                     "",
-                    &self.topology.snapshot_stream(),
+                    &self.topology().snapshot_stream(),
                     &bytes,
                     json_properties(),
                 )
@@ -109,11 +115,11 @@ impl Scheduler {
         drop(bytes);
         match published {
             Ok(()) => {
-                self.metrics
+                self.metrics()
                     .snapshots_total
                     .with_label_values(&["written"])
                     .inc();
-                self.metrics.snapshot_bytes.set(size as i64);
+                self.metrics().snapshot_bytes.set(size as i64);
                 tracing::info!(
                     offset,
                     jobs,
@@ -132,8 +138,8 @@ impl Scheduler {
 
     /// Owes the snapshot again at the next check.
     fn snapshot_not_written(&self, since: u64, outcome: &str) {
-        self.since_snapshot.fetch_add(since, Ordering::Relaxed);
-        self.metrics
+        self.since_snapshot().fetch_add(since, Ordering::Relaxed);
+        self.metrics()
             .snapshots_total
             .with_label_values(&[outcome])
             .inc();
@@ -157,7 +163,7 @@ impl Scheduler {
         );
         let mut consumer = channel
             .basic_consume(
-                self.topology.snapshot_stream().into(),
+                self.topology().snapshot_stream().into(),
                 "snapshot-loader".into(),
                 BasicConsumeOptions::default(),
                 args,
@@ -184,7 +190,7 @@ impl Scheduler {
         match serde_json::from_slice::<Snapshot>(&bytes) {
             Ok(snapshot) => {
                 let (next, jobs) = (snapshot.next_offset(), snapshot.jobs());
-                let registry = Registry::restore(snapshot, self.config.retention());
+                let registry = Registry::restore(snapshot, self.config().retention());
                 tracing::info!(
                     snapshot_offset = offset,
                     events_from = next,
