@@ -36,6 +36,7 @@ pub mod intake;
 pub mod leader;
 pub mod metrics;
 pub mod registry;
+pub mod replica;
 pub mod scheduler;
 pub mod session;
 pub mod snapshot;

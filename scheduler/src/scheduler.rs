@@ -1,12 +1,10 @@
-//! The scheduler's shared state: configuration, the registry behind its lock, the broker publishers
-//! of the current session, whether this scheduler is the active one, and the operations every
-//! scheduler performs whatever its role: publishing events, applying the stream, cancelling, the
-//! gauges.
-//!
-//! The registry sits behind a `std::sync::Mutex` that is never held across an `.await`: decisions
-//! are taken under the lock, then published without it.
+//! The handle every role of a scheduler is given: configuration, storage, metrics, the replica of
+//! the stream ([`crate::replica`]), the broker publishers of the current session, whether this
+//! scheduler is the active one, and the operations every scheduler performs whatever its role:
+//! publishing events, cancelling, the gauges. No field is public: a role reaches what it may touch
+//! through a method.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
@@ -27,6 +25,7 @@ use vnfarm_storage::Storage;
 use crate::config::Config;
 use crate::metrics::{Metrics, WORKER_STATES};
 use crate::registry::{CancelRefusal, Registry};
+use crate::replica::Replica;
 
 #[derive(Clone)]
 pub struct Scheduler(Arc<Inner>);
@@ -36,22 +35,13 @@ struct Inner {
     topology: vnfarm_proto::topology::Topology,
     storage: Storage,
     metrics: Metrics,
-    registry: Mutex<Registry>,
+    replica: Replica,
     publisher: RwLock<Option<Publisher>>,
     snapshot_publisher: RwLock<Option<Publisher>>,
-    /// Every event applied from the stream, for live SSE clients.
-    events: broadcast::Sender<SequencedEvent>,
-    /// Woken on every applied event (submitters wait for their job to appear).
-    applied: Notify,
     /// Woken when dispatching may be possible (new job, freed slot, new worker).
     dispatch_wanted: Notify,
-    /// The event stream has been read up to this process's marker at least once.
-    ready: AtomicBool,
     /// This scheduler holds the leader token (see [`crate::leader`]).
     active: AtomicBool,
-    /// Markers this process has read back from the stream (the most recent few), with their
-    /// offsets.
-    markers: Mutex<VecDeque<(String, Option<u64>)>>,
     /// The current term's number while this scheduler leads: the stream offset of the marker its
     /// term began with, so a later term always has a larger one (0: none yet).
     term: AtomicU64,
@@ -81,22 +71,17 @@ impl Scheduler {
         shutdown: tokio_util::sync::CancellationToken,
     ) -> Self {
         let topology = config.amqp.topology();
-        let (events, _) = broadcast::channel(4096);
         let registry = Registry::new(config.retention());
         Self(Arc::new(Inner {
             config,
             topology,
             storage,
             metrics,
-            registry: Mutex::new(registry),
+            replica: Replica::new(registry),
             publisher: RwLock::new(None),
             snapshot_publisher: RwLock::new(None),
-            events,
-            applied: Notify::new(),
             dispatch_wanted: Notify::new(),
-            ready: AtomicBool::new(false),
             active: AtomicBool::new(false),
-            markers: Mutex::new(VecDeque::new()),
             term: AtomicU64::new(0),
             since_snapshot: AtomicU64::new(0),
             last_snapshot: Mutex::new(None),
@@ -128,12 +113,12 @@ impl Scheduler {
 
     /// Every event applied from the stream from now on, for a live SSE client.
     pub fn subscribe(&self) -> broadcast::Receiver<SequencedEvent> {
-        self.0.events.subscribe()
+        self.0.replica.subscribe()
     }
 
     /// Woken on every applied event (submitters wait for their job to appear).
     pub(crate) fn applied(&self) -> &Notify {
-        &self.0.applied
+        self.0.replica.applied()
     }
 
     /// Woken when dispatching may be possible (new job, freed slot, new worker).
@@ -152,21 +137,20 @@ impl Scheduler {
     }
 
     pub fn registry(&self) -> MutexGuard<'_, Registry> {
-        // Registry updates do not panic midway (no user code runs under the lock); keep serving.
-        self.0.registry.lock().unwrap_or_else(|p| p.into_inner())
+        self.0.replica.registry()
     }
 
     /// Replaces the registry (a snapshot loaded before the first replay).
     pub(crate) fn set_registry(&self, registry: Registry) {
-        *self.registry() = registry;
+        self.0.replica.replace(registry);
     }
 
     pub fn is_ready(&self) -> bool {
-        self.0.ready.load(Ordering::SeqCst)
+        self.0.replica.is_ready()
     }
 
     pub(crate) fn set_ready(&self) {
-        self.0.ready.store(true, Ordering::SeqCst);
+        self.0.replica.set_ready();
     }
 
     pub fn is_active(&self) -> bool {
@@ -218,58 +202,23 @@ impl Scheduler {
         Duration::from_millis(self.config().heartbeat_timeout_ms)
     }
 
-    /// Applies one event from the stream. `live`: read after this process's first catch-up, so it
-    /// feeds the metrics (replayed history does not).
+    /// Applies one event from the stream (see [`Replica::apply`]), owes the snapshot writer one
+    /// more event and wakes the dispatcher.
     pub(crate) fn apply(&self, ev: SequencedEvent, live: bool) {
-        let applied = {
-            let mut reg = self.registry();
-            if live {
-                self.observe(&reg, &ev);
-            }
-            reg.apply(ev.clone())
-        };
-        self.metrics().events_applied_total.inc();
+        self.0.replica.apply(ev, live, &self.0.metrics);
         self.0.since_snapshot.fetch_add(1, Ordering::Relaxed);
-        if applied {
-            // No SSE client listening is fine.
-            let _ = self.0.events.send(ev);
-        }
-        self.0.applied.notify_waiters();
         self.0.dispatch_wanted.notify_one();
     }
 
     /// A marker came back from the stream.
     pub(crate) fn marker_seen(&self, routing_key: &str, seq: Option<u64>) {
-        if let Some(seq) = seq {
-            self.registry().skip(seq);
-        }
-        let mut markers = self.0.markers.lock().unwrap_or_else(|p| p.into_inner());
-        markers.push_back((routing_key.to_owned(), seq));
-        if markers.len() > 64 {
-            markers.pop_front();
-        }
-        drop(markers);
-        self.0.applied.notify_waiters();
+        self.0.replica.marker_seen(routing_key, seq);
     }
 
     /// Waits until the stream has been read up to the marker with `routing_key`; returns the
     /// marker's offset in the stream.
     pub(crate) async fn wait_marker(&self, routing_key: &str) -> Option<u64> {
-        loop {
-            let notified = self.0.applied.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            if let Some((_, seq)) = self
-                .markers
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .iter()
-                .find(|(m, _)| m == routing_key)
-            {
-                return *seq;
-            }
-            notified.await;
-        }
+        self.0.replica.wait_marker(routing_key).await
     }
 
     /// Begins a term numbered `term` (see [`Inner::term`]).
@@ -280,56 +229,6 @@ impl Scheduler {
     /// The current term's number, recorded on every `dispatched` event of the term.
     pub(crate) fn current_term(&self) -> Option<u64> {
         Some(self.0.term.load(Ordering::SeqCst)).filter(|t| *t > 0)
-    }
-
-    /// Metrics for an event about to be applied live.
-    fn observe(&self, reg: &Registry, ev: &SequencedEvent) {
-        let Some(job) = reg.job(ev.event.job_id) else {
-            return;
-        };
-        if job.state().is_terminal() {
-            return;
-        }
-        let kind = job.kind();
-        let seconds = |from: chrono::DateTime<chrono::Utc>| {
-            (ev.event.at - from).num_milliseconds().max(0) as f64 / 1000.0
-        };
-        match &ev.event.kind {
-            EventKind::Started { .. } => self
-                .metrics()
-                .queue_wait_seconds
-                .with_label_values(&[kind])
-                .observe(seconds(job.created_at())),
-            EventKind::Completed { .. } => {
-                if let Some(started) = job.started_at() {
-                    self.metrics()
-                        .job_run_seconds
-                        .with_label_values(&[kind])
-                        .observe(seconds(started));
-                }
-                self.metrics()
-                    .jobs_finished_total
-                    .with_label_values(&[kind, "completed"])
-                    .inc();
-            }
-            EventKind::Failed {
-                retryable: false, ..
-            } => self
-                .metrics()
-                .jobs_finished_total
-                .with_label_values(&[kind, "failed"])
-                .inc(),
-            EventKind::Cancelled { .. } => self
-                .metrics()
-                .jobs_finished_total
-                .with_label_values(&[kind, "cancelled"])
-                .inc(),
-            EventKind::Queued { .. }
-            | EventKind::Dispatched { .. }
-            | EventKind::Requeued { .. }
-            | EventKind::Progress { .. }
-            | EventKind::Failed { .. } => {}
-        }
     }
 
     /// Cancels a job (and a pipeline's unfinished jobs). Queued jobs are cancelled at once; jobs on a
