@@ -24,6 +24,7 @@ use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
+use vnfarm_bus::Publisher;
 use vnfarm_bus::headers::{death_queue, death_reason, delivery_count, string_header};
 use vnfarm_bus::publisher::json_properties;
 use vnfarm_proto::topology::HEADER_FAILURE;
@@ -38,6 +39,7 @@ impl Scheduler {
         &self,
         connection: &Connection,
         stop: &CancellationToken,
+        snapshots: &Publisher,
     ) -> anyhow::Result<()> {
         let channel = connection.create_channel().await?;
         let ready_tokens =
@@ -70,7 +72,7 @@ impl Scheduler {
                 None => anyhow::bail!("the leader queue's consumer was cancelled"),
             },
         };
-        let result = self.term(connection, stop, &mut tokens).await;
+        let result = self.term(connection, stop, snapshots, &mut tokens).await;
         self.set_active(false);
         if let Err(e) = channel.close(200, "leadership over".into()).await {
             tracing::debug!(error = %e, "closing the leader channel");
@@ -82,6 +84,7 @@ impl Scheduler {
         &self,
         connection: &Connection,
         stop: &CancellationToken,
+        snapshots: &Publisher,
         tokens: &mut lapin::Consumer,
     ) -> anyhow::Result<()> {
         let marker = self.publish_marker().await?;
@@ -101,7 +104,7 @@ impl Scheduler {
             r = self.consume_redispatch(connection) => r,
             r = self.watch_dead_letters(connection) => r,
             r = self.dispatcher(stop.clone()) => r,
-            r = self.snapshot_writer() => r,
+            r = self.snapshots().run(self.replica(), snapshots) => r,
         }
     }
 

@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::sync::{Arc, MutexGuard, RwLock};
 use std::time::Duration;
 
 use base64::Engine as _;
@@ -26,6 +26,7 @@ use crate::config::Config;
 use crate::metrics::{Metrics, WORKER_STATES};
 use crate::registry::{CancelRefusal, Registry};
 use crate::replica::Replica;
+use crate::snapshot::SnapshotWriter;
 
 #[derive(Clone)]
 pub struct Scheduler(Arc<Inner>);
@@ -37,7 +38,6 @@ struct Inner {
     metrics: Metrics,
     replica: Replica,
     publisher: RwLock<Option<Publisher>>,
-    snapshot_publisher: RwLock<Option<Publisher>>,
     /// Woken when dispatching may be possible (new job, freed slot, new worker).
     dispatch_wanted: Notify,
     /// This scheduler holds the leader token (see [`crate::leader`]).
@@ -45,9 +45,7 @@ struct Inner {
     /// The current term's number while this scheduler leads: the stream offset of the marker its
     /// term began with, so a later term always has a larger one (0: none yet).
     term: AtomicU64,
-    /// Events applied since the last snapshot was written.
-    since_snapshot: AtomicU64,
-    last_snapshot: Mutex<Option<std::time::Instant>>,
+    snapshots: SnapshotWriter,
     /// Cancelled at shutdown; long-lived HTTP streams end on it.
     shutdown: tokio_util::sync::CancellationToken,
 }
@@ -72,6 +70,11 @@ impl Scheduler {
     ) -> Self {
         let topology = config.amqp.topology();
         let registry = Registry::new(config.retention());
+        let snapshots = SnapshotWriter::new(
+            config.snapshot_every_events,
+            topology.snapshot_stream(),
+            metrics.clone(),
+        );
         Self(Arc::new(Inner {
             config,
             topology,
@@ -79,12 +82,10 @@ impl Scheduler {
             metrics,
             replica: Replica::new(registry),
             publisher: RwLock::new(None),
-            snapshot_publisher: RwLock::new(None),
             dispatch_wanted: Notify::new(),
             active: AtomicBool::new(false),
             term: AtomicU64::new(0),
-            since_snapshot: AtomicU64::new(0),
-            last_snapshot: Mutex::new(None),
+            snapshots,
             shutdown,
         }))
     }
@@ -126,14 +127,13 @@ impl Scheduler {
         &self.0.dispatch_wanted
     }
 
-    /// Events applied since the last snapshot was written.
-    pub(crate) fn since_snapshot(&self) -> &AtomicU64 {
-        &self.0.since_snapshot
+    /// The copy of the stream every scheduler keeps.
+    pub(crate) fn replica(&self) -> &Replica {
+        &self.0.replica
     }
 
-    /// When the last snapshot was written.
-    pub(crate) fn last_snapshot(&self) -> &Mutex<Option<std::time::Instant>> {
-        &self.0.last_snapshot
+    pub(crate) fn snapshots(&self) -> &SnapshotWriter {
+        &self.0.snapshots
     }
 
     pub fn registry(&self) -> MutexGuard<'_, Registry> {
@@ -166,20 +166,8 @@ impl Scheduler {
         *self.0.publisher.write().unwrap_or_else(|p| p.into_inner()) = publisher;
     }
 
-    pub(crate) fn set_snapshot_publisher(&self, publisher: Option<Publisher>) {
-        *self
-            .0
-            .snapshot_publisher
-            .write()
-            .unwrap_or_else(|p| p.into_inner()) = publisher;
-    }
-
     pub(crate) fn publisher(&self) -> Result<Publisher, PublishError> {
         current(&self.0.publisher)
-    }
-
-    pub(crate) fn snapshot_publisher(&self) -> Result<Publisher, PublishError> {
-        current(&self.0.snapshot_publisher)
     }
 
     pub(crate) async fn publish_event(
@@ -206,7 +194,7 @@ impl Scheduler {
     /// more event and wakes the dispatcher.
     pub(crate) fn apply(&self, ev: SequencedEvent, live: bool) {
         self.0.replica.apply(ev, live, &self.0.metrics);
-        self.0.since_snapshot.fetch_add(1, Ordering::Relaxed);
+        self.0.snapshots.event_applied();
         self.0.dispatch_wanted.notify_one();
     }
 

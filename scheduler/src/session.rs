@@ -23,6 +23,7 @@ use vnfarm_proto::topology::{HEARTBEAT_ROUTING_PATTERN, MARKER_ROUTING_PREFIX};
 use vnfarm_proto::{Event, Heartbeat, JobId, decode_json};
 
 use crate::scheduler::Scheduler;
+use crate::snapshot;
 
 /// How often the depths of the shared queues are read.
 const QUEUE_DEPTH_INTERVAL: Duration = Duration::from_secs(2);
@@ -39,7 +40,6 @@ impl Scheduler {
         let end = self.session_inner(connection, shutdown).await;
         self.set_active(false);
         self.set_publisher(None);
-        self.set_snapshot_publisher(None);
         self.metrics().amqp_connected.set(0);
         match end {
             Ok(end) => end,
@@ -64,12 +64,16 @@ impl Scheduler {
         let snapshots = Publisher::open(connection)
             .await?
             .with_confirm_timeout(confirm_timeout);
-        self.set_snapshot_publisher(Some(snapshots.clone()));
         self.metrics().amqp_connected.set(1);
 
         if !self.is_ready()
             && self.registry().next_offset() == 0
-            && let Some(registry) = self.load_snapshot(connection).await?
+            && let Some(registry) = snapshot::load(
+                connection,
+                &self.topology().snapshot_stream(),
+                self.config().retention(),
+            )
+            .await?
         {
             self.set_registry(registry);
         }
@@ -141,7 +145,7 @@ impl Scheduler {
             _ = shutdown.cancelled() => Ok(SessionEnd::Shutdown),
             r = self.read_stream(&mut stream) => r.map(|()| SessionEnd::Lost("event stream ended".into())),
             r = self.read_heartbeats(&mut heartbeats) => r.map(|()| SessionEnd::Lost("heartbeat consumer ended".into())),
-            r = self.lead(connection, &stop) => r.map(|()| SessionEnd::Shutdown),
+            r = self.lead(connection, &stop, &snapshots) => r.map(|()| SessionEnd::Shutdown),
             r = self.watch_queues(connection) => r.map(|()| SessionEnd::Lost("queue watcher ended".into())),
             () = self.housekeeping() => unreachable!("housekeeping runs until dropped"),
             // A publish from anywhere (the API, intake, dispatch) that got no confirm in time.
