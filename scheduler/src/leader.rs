@@ -17,14 +17,18 @@
 //! leader published (its dispatches in particular) is applied before it decides anything, then
 //! starts a new term ([`crate::registry::Registry::begin_term`]).
 
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
 use futures::StreamExt;
 use lapin::BasicProperties;
 use lapin::Connection;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
+use prometheus::IntGauge;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
-use vnfarm_bus::Publisher;
 use vnfarm_bus::headers::{death_queue, death_reason, delivery_count, string_header};
 use vnfarm_bus::publisher::json_properties;
 use vnfarm_proto::topology::HEADER_FAILURE;
@@ -32,14 +36,68 @@ use vnfarm_proto::{EventKind, FailureKind, Submission};
 
 use crate::scheduler::Scheduler;
 
+/// The active scheduler's work (consuming, dispatching, writing snapshots), which the session hands
+/// to [`Scheduler::lead`] to run while this scheduler holds the token. Boxed: the session's future
+/// holds it, and inline it made that future large enough to overflow a 2 MiB thread stack (the
+/// in-process test farm's).
+pub(crate) type ActiveWork<'a> = Pin<Box<dyn Future<Output = anyhow::Result<()>> + Send + 'a>>;
+
+/// Whether this scheduler leads, and its term. Changed only here: [`Leadership::lead`] when a term
+/// begins, [`Leadership::step_down`] when it ends or the session does; the
+/// `vnfarm_scheduler_active` gauge follows the flag.
+pub(crate) struct Leadership {
+    /// This scheduler holds the leader token.
+    active: AtomicBool,
+    /// The current term's number while this scheduler leads: the stream offset of the marker its
+    /// term began with, plus one, so a later term always has a larger one (0: none yet).
+    term: AtomicU64,
+    /// `vnfarm_scheduler_active`.
+    gauge: IntGauge,
+}
+
+impl Leadership {
+    pub(crate) fn new(gauge: IntGauge) -> Self {
+        Self {
+            active: AtomicBool::new(false),
+            term: AtomicU64::new(0),
+            gauge,
+        }
+    }
+
+    pub(crate) fn is_active(&self) -> bool {
+        self.active.load(Ordering::SeqCst)
+    }
+
+    /// The current term's number, recorded on every `dispatched` event of the term.
+    pub(crate) fn current_term(&self) -> Option<u64> {
+        Some(self.term.load(Ordering::SeqCst)).filter(|t| *t > 0)
+    }
+
+    /// Begins the term numbered `term`, active from now on.
+    fn lead(&self, term: u64) {
+        self.term.store(term, Ordering::SeqCst);
+        self.set_active(true);
+    }
+
+    /// No longer active (the term's number stays until the next term replaces it).
+    pub(crate) fn step_down(&self) {
+        self.set_active(false);
+    }
+
+    fn set_active(&self, active: bool) {
+        self.active.store(active, Ordering::SeqCst);
+        self.gauge.set(i64::from(active));
+    }
+}
+
 impl Scheduler {
-    /// Waits for the leader token as a standby, then does the active scheduler's work until the
-    /// session ends (an error) or `stop`.
+    /// Waits for the leader token as a standby, then runs `active` (the active scheduler's work)
+    /// until the session ends (an error) or `stop`.
     pub(crate) async fn lead(
         &self,
         connection: &Connection,
         stop: &CancellationToken,
-        snapshots: &Publisher,
+        active: ActiveWork<'_>,
     ) -> anyhow::Result<()> {
         let channel = connection.create_channel().await?;
         let ready_tokens =
@@ -72,45 +130,43 @@ impl Scheduler {
                 None => anyhow::bail!("the leader queue's consumer was cancelled"),
             },
         };
-        let result = self.term(connection, stop, snapshots, &mut tokens).await;
-        self.set_active(false);
+        let result = self.term(stop, &mut tokens, active).await;
+        self.leadership().step_down();
         if let Err(e) = channel.close(200, "leadership over".into()).await {
             tracing::debug!(error = %e, "closing the leader channel");
         }
         result
     }
 
+    /// One term: read the stream up to a marker of this term's, begin the term, then do the active
+    /// work until it ends or `stop`.
     async fn term(
         &self,
-        connection: &Connection,
         stop: &CancellationToken,
-        snapshots: &Publisher,
         tokens: &mut lapin::Consumer,
+        active: ActiveWork<'_>,
     ) -> anyhow::Result<()> {
         let marker = self.publish_marker().await?;
         let offset = tokio::select! {
             _ = stop.cancelled() => return Ok(()),
             offset = self.wait_marker(&marker) => offset,
         };
-        // The marker's offset numbers the term: every later term's marker comes after it.
-        self.set_term(offset.map_or(0, |o| o + 1));
         self.registry().begin_term();
-        self.set_active(true);
+        // The marker's offset numbers the term: every later term's marker comes after it.
+        self.leadership().lead(offset.map_or(0, |o| o + 1));
         tracing::info!("this scheduler is the active one");
         tokio::select! {
             _ = stop.cancelled() => Ok(()),
             r = discard_extra_tokens(tokens) => r,
-            r = self.consume_intake(connection) => r,
-            r = self.consume_redispatch(connection) => r,
-            r = self.watch_dead_letters(connection) => r,
-            r = self.dispatcher(stop.clone()) => r,
-            r = self.snapshots().run(self.replica(), snapshots) => r,
+            r = active => r,
         }
     }
+}
 
+impl Scheduler {
     /// Takes submissions from the intake queue, each accepted in a task of its own (at most the
     /// channel's prefetch at once); the tasks end with this future.
-    async fn consume_intake(&self, connection: &Connection) -> anyhow::Result<()> {
+    pub(crate) async fn consume_intake(&self, connection: &Connection) -> anyhow::Result<()> {
         let channel = connection.create_channel().await?;
         channel.basic_qos(32, BasicQosOptions::default()).await?;
         let mut intake = channel
@@ -142,7 +198,7 @@ impl Scheduler {
     }
 
     /// Jobs that came back from worker queues.
-    async fn consume_redispatch(&self, connection: &Connection) -> anyhow::Result<()> {
+    pub(crate) async fn consume_redispatch(&self, connection: &Connection) -> anyhow::Result<()> {
         let channel = connection.create_channel().await?;
         channel.basic_qos(32, BasicQosOptions::default()).await?;
         let mut returned = channel
@@ -177,7 +233,7 @@ impl Scheduler {
 impl Scheduler {
     /// Messages the broker dead-lettered: each gets the `failed` event its client reads (see
     /// [`Scheduler::dead_lettered`]).
-    async fn watch_dead_letters(&self, connection: &Connection) -> anyhow::Result<()> {
+    pub(crate) async fn watch_dead_letters(&self, connection: &Connection) -> anyhow::Result<()> {
         let channel = connection.create_channel().await?;
         channel.basic_qos(8, BasicQosOptions::default()).await?;
         let mut dead = channel

@@ -5,7 +5,6 @@
 //! through a method.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, MutexGuard, RwLock};
 use std::time::Duration;
 
@@ -23,6 +22,7 @@ use vnfarm_proto::{
 use vnfarm_storage::Storage;
 
 use crate::config::Config;
+use crate::leader::Leadership;
 use crate::metrics::{Metrics, WORKER_STATES};
 use crate::registry::{CancelRefusal, Registry};
 use crate::replica::Replica;
@@ -40,11 +40,7 @@ struct Inner {
     publisher: RwLock<Option<Publisher>>,
     /// Woken when dispatching may be possible (new job, freed slot, new worker).
     dispatch_wanted: Notify,
-    /// This scheduler holds the leader token (see [`crate::leader`]).
-    active: AtomicBool,
-    /// The current term's number while this scheduler leads: the stream offset of the marker its
-    /// term began with, so a later term always has a larger one (0: none yet).
-    term: AtomicU64,
+    leadership: Leadership,
     snapshots: SnapshotWriter,
     /// Cancelled at shutdown; long-lived HTTP streams end on it.
     shutdown: tokio_util::sync::CancellationToken,
@@ -75,6 +71,7 @@ impl Scheduler {
             topology.snapshot_stream(),
             metrics.clone(),
         );
+        let leadership = Leadership::new(metrics.scheduler_active.clone());
         Self(Arc::new(Inner {
             config,
             topology,
@@ -83,8 +80,7 @@ impl Scheduler {
             replica: Replica::new(registry),
             publisher: RwLock::new(None),
             dispatch_wanted: Notify::new(),
-            active: AtomicBool::new(false),
-            term: AtomicU64::new(0),
+            leadership,
             snapshots,
             shutdown,
         }))
@@ -153,13 +149,13 @@ impl Scheduler {
         self.0.replica.set_ready();
     }
 
+    /// Whether this scheduler holds the leader token (see [`crate::leader`]).
     pub fn is_active(&self) -> bool {
-        self.0.active.load(Ordering::SeqCst)
+        self.0.leadership.is_active()
     }
 
-    pub(crate) fn set_active(&self, active: bool) {
-        self.0.active.store(active, Ordering::SeqCst);
-        self.metrics().scheduler_active.set(i64::from(active));
+    pub(crate) fn leadership(&self) -> &Leadership {
+        &self.0.leadership
     }
 
     pub(crate) fn set_publisher(&self, publisher: Option<Publisher>) {
@@ -209,14 +205,9 @@ impl Scheduler {
         self.0.replica.wait_marker(routing_key).await
     }
 
-    /// Begins a term numbered `term` (see [`Inner::term`]).
-    pub(crate) fn set_term(&self, term: u64) {
-        self.0.term.store(term, Ordering::SeqCst);
-    }
-
     /// The current term's number, recorded on every `dispatched` event of the term.
     pub(crate) fn current_term(&self) -> Option<u64> {
-        Some(self.0.term.load(Ordering::SeqCst)).filter(|t| *t > 0)
+        self.0.leadership.current_term()
     }
 
     /// Cancels a job (and a pipeline's unfinished jobs). Queued jobs are cancelled at once; jobs on a

@@ -22,6 +22,7 @@ use vnfarm_proto::event::SequencedEvent;
 use vnfarm_proto::topology::{HEARTBEAT_ROUTING_PATTERN, MARKER_ROUTING_PREFIX};
 use vnfarm_proto::{Event, Heartbeat, JobId, decode_json};
 
+use crate::leader::ActiveWork;
 use crate::scheduler::Scheduler;
 use crate::snapshot;
 
@@ -38,7 +39,7 @@ impl Scheduler {
         shutdown: &CancellationToken,
     ) -> SessionEnd {
         let end = self.session_inner(connection, shutdown).await;
-        self.set_active(false);
+        self.leadership().step_down();
         self.set_publisher(None);
         self.metrics().amqp_connected.set(0);
         match end {
@@ -145,13 +146,33 @@ impl Scheduler {
             _ = shutdown.cancelled() => Ok(SessionEnd::Shutdown),
             r = self.read_stream(&mut stream) => r.map(|()| SessionEnd::Lost("event stream ended".into())),
             r = self.read_heartbeats(&mut heartbeats) => r.map(|()| SessionEnd::Lost("heartbeat consumer ended".into())),
-            r = self.lead(connection, &stop, &snapshots) => r.map(|()| SessionEnd::Shutdown),
+            r = self.lead(connection, &stop, self.active_work(connection, &stop, &snapshots)) => r.map(|()| SessionEnd::Shutdown),
             r = self.watch_queues(connection) => r.map(|()| SessionEnd::Lost("queue watcher ended".into())),
             () = self.housekeeping() => unreachable!("housekeeping runs until dropped"),
             // A publish from anywhere (the API, intake, dispatch) that got no confirm in time.
             () = publisher.stuck() => Ok(SessionEnd::Lost("an event publish got no confirm in time".into())),
             () = snapshots.stuck() => Ok(SessionEnd::Lost("a snapshot publish got no confirm in time".into())),
         }
+    }
+
+    /// What only the active scheduler does, for [`Scheduler::lead`] to run while it leads: consume
+    /// the intake, redispatch and dead-letter watch queues, dispatch (and the watchdog), write
+    /// snapshots on this session's snapshot publisher.
+    fn active_work<'a>(
+        &'a self,
+        connection: &'a Connection,
+        stop: &'a CancellationToken,
+        snapshots: &'a Publisher,
+    ) -> ActiveWork<'a> {
+        Box::pin(async move {
+            tokio::select! {
+                r = self.consume_intake(connection) => r,
+                r = self.consume_redispatch(connection) => r,
+                r = self.watch_dead_letters(connection) => r,
+                r = self.dispatcher(stop.clone()) => r,
+                r = self.snapshots().run(self.replica(), snapshots) => r,
+            }
+        })
     }
 
     /// Publishes a marker to the event stream and returns its routing key.
