@@ -9,7 +9,10 @@
 
 use std::time::{Duration, Instant};
 
-use lapin::BasicProperties;
+use futures::StreamExt;
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
+use lapin::types::FieldTable;
+use lapin::{BasicProperties, Connection};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 use vnfarm_bus::PublishError;
@@ -293,6 +296,38 @@ impl Scheduler {
             }
         }
         Ok(())
+    }
+
+    /// Jobs that came back from worker queues.
+    pub(crate) async fn consume_redispatch(&self, connection: &Connection) -> anyhow::Result<()> {
+        let channel = connection.create_channel().await?;
+        channel.basic_qos(32, BasicQosOptions::default()).await?;
+        let mut returned = channel
+            .basic_consume(
+                self.topology().redispatch_queue().into(),
+                "redispatch".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        while let Some(d) = returned.next().await {
+            let d = d?;
+            let yielded = vnfarm_bus::headers::string_header(
+                &d.properties,
+                vnfarm_proto::topology::HEADER_YIELDED,
+            )
+            .is_some();
+            let reason = vnfarm_bus::headers::death_reason(&d.properties).unwrap_or_else(|| {
+                if yielded {
+                    YIELDED.into()
+                } else {
+                    GIVEN_BACK.into()
+                }
+            });
+            self.returned(&d.data, &d.properties, &reason).await?;
+            d.acker.ack(BasicAckOptions::default()).await?;
+        }
+        anyhow::bail!("the redispatch consumer was cancelled")
     }
 
     /// A job came back from a worker queue (the message expired there or hit the delivery limit):

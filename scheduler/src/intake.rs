@@ -13,11 +13,13 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use lapin::Channel;
+use futures::StreamExt;
 use lapin::message::Delivery;
-use lapin::options::BasicAckOptions;
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
+use lapin::{Channel, Connection};
 use sha2::{Digest, Sha256};
+use tokio::task::JoinSet;
 use tracing::Instrument;
 use vnfarm_bus::connect::Backoff;
 use vnfarm_bus::headers::{dead_letter_headers, delivery_count};
@@ -275,17 +277,46 @@ impl Scheduler {
         })
     }
 
+    /// Takes submissions from the intake queue, each accepted in a task of its own (at most the
+    /// channel's prefetch at once); the tasks end with this future.
+    pub(crate) async fn consume_intake(&self, connection: &Connection) -> anyhow::Result<()> {
+        let channel = connection.create_channel().await?;
+        channel.basic_qos(32, BasicQosOptions::default()).await?;
+        let mut intake = channel
+            .basic_consume(
+                self.topology().intake_queue().into(),
+                "intake".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        let mut tasks = JoinSet::new();
+        loop {
+            tokio::select! {
+                d = intake.next() => {
+                    let Some(d) = d else { anyhow::bail!("the intake consumer was cancelled") };
+                    let d = d?;
+                    let this = self.clone();
+                    let channel = channel.clone();
+                    tasks.spawn(async move {
+                        if let Err(e) = this.on_intake(d, channel).await {
+                            // Unsettled: the broker delivers it again on the next session.
+                            tracing::error!(error = %e, "an intake message could not be settled");
+                        }
+                    });
+                }
+                Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+            }
+        }
+    }
+
     /// A submission from a producer on the intake queue, handled in a task of its own so that a
     /// slow store never holds up the scheduler's other work. Invalid ones are dead-lettered with a
     /// `failed` event. One that cannot be accepted now (storage or the broker is unavailable) waits
     /// here, held, for as long as the outage lasts: see [`Scheduler::hold`]. The ack comes after the
     /// `queued` event is confirmed, so a scheduler killed in between leaves the message to be
     /// delivered again, and the key or id makes the repeat harmless.
-    pub(crate) async fn on_intake(
-        &self,
-        delivery: Delivery,
-        channel: Channel,
-    ) -> anyhow::Result<()> {
+    async fn on_intake(&self, delivery: Delivery, channel: Channel) -> anyhow::Result<()> {
         let id_hint = delivery
             .properties
             .message_id()

@@ -30,6 +30,7 @@
 
 pub mod api;
 pub mod config;
+pub mod dead_letters;
 pub mod dispatch;
 pub mod images;
 pub mod intake;
