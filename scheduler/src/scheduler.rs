@@ -1,8 +1,9 @@
-//! The handle every role of a scheduler is given: configuration, storage, metrics, the replica of
-//! the stream ([`crate::replica`]), the broker publishers of the current session, whether this
-//! scheduler is the active one, and the operations every scheduler performs whatever its role:
-//! publishing events, cancelling, the gauges. No field is public: a role reaches what it may touch
-//! through a method.
+//! The handle every role of a scheduler is given: configuration, storage, metrics, the event
+//! publisher of the current session, and each role's state in a type of its own: the replica of the
+//! stream ([`crate::replica`]), leadership ([`crate::leader`]), the snapshot writer
+//! ([`crate::snapshot`]). No field is public: a role reaches what it may touch through a method.
+//! Here too the operations every scheduler performs whatever its role: publishing events,
+//! cancelling, the gauges.
 
 use std::collections::HashMap;
 use std::sync::{Arc, MutexGuard, RwLock};
@@ -28,6 +29,7 @@ use crate::registry::{CancelRefusal, Registry};
 use crate::replica::Replica;
 use crate::snapshot::SnapshotWriter;
 
+/// A scheduler, cheap to clone (every HTTP handler and intake task holds one).
 #[derive(Clone)]
 pub struct Scheduler(Arc<Inner>);
 
