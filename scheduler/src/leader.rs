@@ -2,7 +2,7 @@
 //! active. All of them read the event stream and heartbeats (so a standby's registry is current),
 //! and all serve the HTTP API: reads, submissions and cancellations, which only publish events.
 //! Only the active one consumes the intake, redispatch and dead-letter watch queues, dispatches,
-//! runs the watchdog and writes snapshots: the work the session hands [`Scheduler::lead`] as an
+//! runs the watchdog and writes snapshots: the work the session hands [`Leadership::lead`] as an
 //! [`ActiveWork`]. This file holds only leadership itself: the token, the start of a term, and
 //! [`Leadership`], the active flag and the term's number.
 //!
@@ -30,17 +30,19 @@ use lapin::types::FieldTable;
 use prometheus::IntGauge;
 use tokio_util::sync::CancellationToken;
 use vnfarm_bus::publisher::json_properties;
+use vnfarm_bus::{AmqpConfig, Publisher};
+use vnfarm_proto::topology::Topology;
 
-use crate::scheduler::Scheduler;
+use crate::replica::{Replica, publish_marker};
 
 /// The active scheduler's work (consuming, dispatching, writing snapshots), which the session hands
-/// to [`Scheduler::lead`] to run while this scheduler holds the token. Boxed: the session's future
+/// to [`Leadership::lead`] to run while this scheduler holds the token. Boxed: the session's future
 /// holds it, and inline it made that future large enough to overflow a 2 MiB thread stack (the
 /// in-process test farm's).
 pub(crate) type ActiveWork<'a> = Pin<Box<dyn Future<Output = anyhow::Result<()>> + Send + 'a>>;
 
-/// Whether this scheduler leads, and its term. Changed only here: [`Leadership::lead`] when a term
-/// begins, [`Leadership::step_down`] when it ends or the session does; the
+/// Whether this scheduler leads, and its term. Changed only here: when a term of [`Leadership::lead`]
+/// begins, and by [`Leadership::step_down`] when it ends or the session does; the
 /// `vnfarm_scheduler_active` gauge follows the flag.
 pub(crate) struct Leadership {
     /// This scheduler holds the leader token.
@@ -70,49 +72,30 @@ impl Leadership {
         Some(self.term.load(Ordering::SeqCst)).filter(|t| *t > 0)
     }
 
-    /// Begins the term numbered `term`, active from now on.
-    fn lead(&self, term: u64) {
-        self.term.store(term, Ordering::SeqCst);
-        self.set_active(true);
-    }
-
-    /// No longer active (the term's number stays until the next term replaces it).
-    pub(crate) fn step_down(&self) {
-        self.set_active(false);
-    }
-
-    fn set_active(&self, active: bool) {
-        self.active.store(active, Ordering::SeqCst);
-        self.gauge.set(i64::from(active));
-    }
-}
-
-impl Scheduler {
     /// Waits for the leader token as a standby, then runs `active` (the active scheduler's work)
-    /// until the session ends (an error) or `stop`.
+    /// until the session ends (an error) or `stop`. `publisher` is the session's event publisher,
+    /// `replica` the stream this scheduler has read.
     pub(crate) async fn lead(
         &self,
         connection: &Connection,
+        amqp: &AmqpConfig,
+        publisher: &Publisher,
+        replica: &Replica,
         stop: &CancellationToken,
         active: ActiveWork<'_>,
     ) -> anyhow::Result<()> {
+        let topology = amqp.topology();
         let channel = connection.create_channel().await?;
-        let ready_tokens =
-            vnfarm_bus::topology::declare_scheduler(&channel, &self.config().amqp).await?;
+        let ready_tokens = vnfarm_bus::topology::declare_scheduler(&channel, amqp).await?;
         if ready_tokens == 0 {
-            self.publisher()?
-                .publish(
-                    "",
-                    &self.topology().leader_queue(),
-                    b"{}",
-                    json_properties(),
-                )
+            publisher
+                .publish("", &topology.leader_queue(), b"{}", json_properties())
                 .await?;
         }
         channel.basic_qos(4, BasicQosOptions::default()).await?;
         let mut tokens = channel
             .basic_consume(
-                self.topology().leader_queue().into(),
+                topology.leader_queue().into(),
                 "leader".into(),
                 BasicConsumeOptions::default(),
                 FieldTable::default(),
@@ -127,8 +110,10 @@ impl Scheduler {
                 None => anyhow::bail!("the leader queue's consumer was cancelled"),
             },
         };
-        let result = self.term(stop, &mut tokens, active).await;
-        self.leadership().step_down();
+        let result = self
+            .term(&topology, publisher, replica, stop, &mut tokens, active)
+            .await;
+        self.step_down();
         if let Err(e) = channel.close(200, "leadership over".into()).await {
             tracing::debug!(error = %e, "closing the leader channel");
         }
@@ -139,24 +124,43 @@ impl Scheduler {
     /// work until it ends or `stop`.
     async fn term(
         &self,
+        topology: &Topology,
+        publisher: &Publisher,
+        replica: &Replica,
         stop: &CancellationToken,
         tokens: &mut lapin::Consumer,
         active: ActiveWork<'_>,
     ) -> anyhow::Result<()> {
-        let marker = self.publish_marker().await?;
+        let marker = publish_marker(publisher, topology).await?;
         let offset = tokio::select! {
             _ = stop.cancelled() => return Ok(()),
-            offset = self.wait_marker(&marker) => offset,
+            offset = replica.wait_marker(&marker) => offset,
         };
-        self.registry().begin_term();
+        replica.registry().begin_term();
         // The marker's offset numbers the term: every later term's marker comes after it.
-        self.leadership().lead(offset.map_or(0, |o| o + 1));
+        self.begin(offset.map_or(0, |o| o + 1));
         tracing::info!("this scheduler is the active one");
         tokio::select! {
             _ = stop.cancelled() => Ok(()),
             r = discard_extra_tokens(tokens) => r,
             r = active => r,
         }
+    }
+
+    /// Begins the term numbered `term`, active from now on.
+    fn begin(&self, term: u64) {
+        self.term.store(term, Ordering::SeqCst);
+        self.set_active(true);
+    }
+
+    /// No longer active (the term's number stays until the next term replaces it).
+    pub(crate) fn step_down(&self) {
+        self.set_active(false);
+    }
+
+    fn set_active(&self, active: bool) {
+        self.active.store(active, Ordering::SeqCst);
+        self.gauge.set(i64::from(active));
     }
 }
 

@@ -9,8 +9,8 @@
 //!   job only through the one update function of `registry/store.rs`. The dispatch policy is
 //!   `registry/plan.rs`; terms, follow-ups and cancel `registry/follow_ups.rs`.
 //! - [`replica`]: `Replica`, the copy of the stream every scheduler keeps: the registry behind its
-//!   lock, the SSE broadcast, the notify submitters wait on, the ready flag, the markers read back;
-//!   applying an event.
+//!   lock, the SSE broadcast, the notify submitters wait on, the ready flag, the markers (publishing
+//!   one, waiting to read it back); applying an event.
 //! - [`intake`]: accepting a submission (inline images, the one `queued` event, idempotency), the
 //!   intake consumer and handling one intake delivery; a pipeline's jobs are derived by
 //!   [`vnfarm_proto::pipeline_jobs`].

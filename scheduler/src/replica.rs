@@ -12,8 +12,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use tokio::sync::{Notify, broadcast};
-use vnfarm_proto::EventKind;
+use vnfarm_bus::Publisher;
+use vnfarm_bus::publisher::json_properties;
 use vnfarm_proto::event::SequencedEvent;
+use vnfarm_proto::topology::{MARKER_ROUTING_PREFIX, Topology};
+use vnfarm_proto::{EventKind, JobId};
 
 use crate::metrics::Metrics;
 use crate::registry::Registry;
@@ -173,4 +176,17 @@ fn observe(metrics: &Metrics, reg: &Registry, ev: &SequencedEvent) {
         | EventKind::Progress { .. }
         | EventKind::Failed { .. } => {}
     }
+}
+
+/// Publishes a marker to the event stream and returns its routing key: once the replica has read
+/// it back ([`Replica::wait_marker`]), it holds every event published before.
+pub(crate) async fn publish_marker(
+    publisher: &Publisher,
+    topology: &Topology,
+) -> anyhow::Result<String> {
+    let key = format!("{MARKER_ROUTING_PREFIX}.{}", JobId::new());
+    publisher
+        .publish(&topology.events_exchange(), &key, b"{}", json_properties())
+        .await?;
+    Ok(key)
 }

@@ -201,12 +201,6 @@ impl Scheduler {
         self.0.replica.marker_seen(routing_key, seq);
     }
 
-    /// Waits until the stream has been read up to the marker with `routing_key`; returns the
-    /// marker's offset in the stream.
-    pub(crate) async fn wait_marker(&self, routing_key: &str) -> Option<u64> {
-        self.0.replica.wait_marker(routing_key).await
-    }
-
     /// The current term's number, recorded on every `dispatched` event of the term.
     pub(crate) fn current_term(&self) -> Option<u64> {
         self.0.leadership.current_term()

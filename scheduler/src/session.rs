@@ -16,13 +16,13 @@ use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{Connection, Consumer};
 use tokio_util::sync::CancellationToken;
 use vnfarm_bus::headers::stream_offset;
-use vnfarm_bus::publisher::json_properties;
 use vnfarm_bus::{Publisher, SessionEnd, topology};
 use vnfarm_proto::event::SequencedEvent;
 use vnfarm_proto::topology::{HEARTBEAT_ROUTING_PATTERN, MARKER_ROUTING_PREFIX};
-use vnfarm_proto::{Event, Heartbeat, JobId, decode_json};
+use vnfarm_proto::{Event, Heartbeat, decode_json};
 
 use crate::leader::ActiveWork;
+use crate::replica::publish_marker;
 use crate::scheduler::Scheduler;
 use crate::snapshot;
 
@@ -110,7 +110,7 @@ impl Scheduler {
             .await?;
 
         // Catch up: everything before our marker is history.
-        let marker = self.publish_marker().await?;
+        let marker = publish_marker(&publisher, self.topology()).await?;
         let replay_started = std::time::Instant::now();
         let mut replayed = 0u64;
         let live = self.is_ready();
@@ -146,7 +146,14 @@ impl Scheduler {
             _ = shutdown.cancelled() => Ok(SessionEnd::Shutdown),
             r = self.read_stream(&mut stream) => r.map(|()| SessionEnd::Lost("event stream ended".into())),
             r = self.read_heartbeats(&mut heartbeats) => r.map(|()| SessionEnd::Lost("heartbeat consumer ended".into())),
-            r = self.lead(connection, &stop, self.active_work(connection, &stop, &snapshots)) => r.map(|()| SessionEnd::Shutdown),
+            r = self.leadership().lead(
+                connection,
+                &self.config().amqp,
+                &publisher,
+                self.replica(),
+                &stop,
+                self.active_work(connection, &stop, &snapshots),
+            ) => r.map(|()| SessionEnd::Shutdown),
             r = self.watch_queues(connection) => r.map(|()| SessionEnd::Lost("queue watcher ended".into())),
             () = self.housekeeping() => unreachable!("housekeeping runs until dropped"),
             // A publish from anywhere (the API, intake, dispatch) that got no confirm in time.
@@ -155,7 +162,7 @@ impl Scheduler {
         }
     }
 
-    /// What only the active scheduler does, for [`Scheduler::lead`] to run while it leads: consume
+    /// What only the active scheduler does, for [`Leadership::lead`](crate::leader::Leadership::lead) to run while it leads: consume
     /// the intake, redispatch and dead-letter watch queues, dispatch (and the watchdog), write
     /// snapshots on this session's snapshot publisher.
     fn active_work<'a>(
@@ -173,20 +180,6 @@ impl Scheduler {
                 r = self.snapshots().run(self.replica(), snapshots) => r,
             }
         })
-    }
-
-    /// Publishes a marker to the event stream and returns its routing key.
-    pub(crate) async fn publish_marker(&self) -> anyhow::Result<String> {
-        let key = format!("{MARKER_ROUTING_PREFIX}.{}", JobId::new());
-        self.publisher()?
-            .publish(
-                &self.topology().events_exchange(),
-                &key,
-                b"{}",
-                json_properties(),
-            )
-            .await?;
-        Ok(key)
     }
 
     async fn read_stream(&self, stream: &mut Consumer) -> anyhow::Result<()> {
