@@ -315,7 +315,7 @@ pub fn openapi_document() -> serde_json::Value {
 }
 
 pub fn router(scheduler: Scheduler) -> Router {
-    let config = scheduler.config.clone();
+    let config = scheduler.config().clone();
     let signer = UrlSigner::new(
         config.api_token.as_deref(),
         Duration::from_secs(config.url_ttl_s),
@@ -379,14 +379,14 @@ async fn submission_schema() -> Json<serde_json::Value> {
 }
 
 async fn openapi_json(State(api): State<Api>) -> Json<serde_json::Value> {
-    Json(openapi::document(&operations(&api.scheduler.config)))
+    Json(openapi::document(&operations(api.scheduler.config())))
 }
 
 async fn metrics(State(api): State<Api>) -> Response {
     api.scheduler.update_gauges();
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        api.scheduler.metrics.render(),
+        api.scheduler.metrics().render(),
     )
         .into_response()
 }
@@ -404,7 +404,7 @@ pub struct Health {
 async fn healthz(State(api): State<Api>) -> (StatusCode, Json<Health>) {
     let s = &api.scheduler;
     let ready = s.is_ready();
-    let connected = s.metrics.amqp_connected.get() == 1;
+    let connected = s.metrics().amqp_connected.get() == 1;
     let status = if ready && connected {
         StatusCode::OK
     } else {

@@ -9,7 +9,10 @@
 
 use std::time::{Duration, Instant};
 
-use lapin::BasicProperties;
+use futures::StreamExt;
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
+use lapin::types::FieldTable;
+use lapin::{BasicProperties, Connection};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 use vnfarm_bus::PublishError;
@@ -45,7 +48,7 @@ impl Scheduler {
             };
             let timer = tokio::select! {
                 _ = stop.cancelled() => return Ok(()),
-                _ = self.dispatch_wanted.notified() => false,
+                _ = self.dispatch_wanted().notified() => false,
                 _ = wake => false,
                 _ = tick.tick() => true,
             };
@@ -74,7 +77,7 @@ impl Scheduler {
     /// Plans with the configured policy and sends each planned message.
     async fn dispatch(&self) -> Result<Option<Instant>, PublishError> {
         let plan = self.registry().plan_dispatch(
-            &self.config.dispatch,
+            &self.config().dispatch,
             Instant::now(),
             self.heartbeat_timeout(),
         );
@@ -115,11 +118,11 @@ impl Scheduler {
             let _in_span = span.enter();
             match sent {
                 Ok(()) => {
-                    self.metrics
+                    self.metrics()
                         .dispatches_total
                         .with_label_values(&[d.decision.as_str()])
                         .inc();
-                    self.metrics
+                    self.metrics()
                         .dispatch_batch_jobs
                         .observe(d.jobs.len() as f64);
                     tracing::info!(
@@ -144,13 +147,13 @@ impl Scheduler {
             // means the session is lost, like a failed dispatch.
             self.publisher()?
                 .broadcast_json(
-                    &self.topology.events_exchange(),
+                    &self.topology().events_exchange(),
                     YIELD_ROUTING_KEY,
                     &request,
                     props,
                 )
                 .await?;
-            self.metrics.yields_total.inc();
+            self.metrics().yields_total.inc();
             tracing::info!(worker = %y.worker, jobs = y.jobs.len(), "asked a worker for the unstarted jobs of its message back, for interactive work");
         }
         Ok(plan.wake_at)
@@ -189,10 +192,10 @@ impl Scheduler {
     /// that fails too, or the scheduler dies in between, the watchdog ([`Scheduler::requeue_stale`])
     /// requeues them.
     async fn send(&self, d: &Dispatch, message: &WorkMessage) -> Result<(), PublishError> {
-        let queue = self.topology.worker_queue(&d.worker);
+        let queue = self.topology().worker_queue(&d.worker);
         let props = json_properties()
             .with_message_id(message.job_id.to_string().into())
-            .with_expiration(self.config.dispatch_ttl_ms.to_string().into());
+            .with_expiration(self.config().dispatch_ttl_ms.to_string().into());
         let batch = (d.jobs.len() > 1).then_some(message.job_id);
         futures::future::try_join_all(d.jobs.iter().map(|id| {
             self.publish_event(
@@ -237,7 +240,7 @@ impl Scheduler {
     /// finds the job's manifest if the other run finished first, and does not run it again.
     pub(crate) async fn requeue_stale(&self) -> Result<(), PublishError> {
         let threshold = Duration::from_millis(
-            2 * self.config.dispatch_ttl_ms + self.config.heartbeat_timeout_ms,
+            2 * self.config().dispatch_ttl_ms + self.config().heartbeat_timeout_ms,
         );
         let stale = self
             .registry()
@@ -265,7 +268,7 @@ impl Scheduler {
         let grace = 2 * self.heartbeat_timeout();
         let runs = self.registry().unheld_runs(grace);
         for (id, dispatches) in runs {
-            let kind = match self.storage.get(&manifest_key(id)).await {
+            let kind = match self.storage().get(&manifest_key(id)).await {
                 Ok(bytes) => match serde_json::from_slice::<Manifest>(&bytes) {
                     Ok(manifest) if manifest.job_id == id => {
                         tracing::warn!(job_id = %id, "its worker holds it no longer and its manifest is stored: completed, as the run's own event was lost");
@@ -281,7 +284,7 @@ impl Scheduler {
                     unheld_requeue(dispatches)
                 }
                 Err(e) => {
-                    self.metrics.storage_error("get", &e);
+                    self.metrics().storage_error("get", &e);
                     tracing::warn!(job_id = %id, error = %e, "cannot read the manifest of a job its worker holds no longer; trying again later");
                     self.registry().recovery_failed(id);
                     continue;
@@ -295,6 +298,38 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Jobs that came back from worker queues.
+    pub(crate) async fn consume_redispatch(&self, connection: &Connection) -> anyhow::Result<()> {
+        let channel = connection.create_channel().await?;
+        channel.basic_qos(32, BasicQosOptions::default()).await?;
+        let mut returned = channel
+            .basic_consume(
+                self.topology().redispatch_queue().into(),
+                "redispatch".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        while let Some(d) = returned.next().await {
+            let d = d?;
+            let yielded = vnfarm_bus::headers::string_header(
+                &d.properties,
+                vnfarm_proto::topology::HEADER_YIELDED,
+            )
+            .is_some();
+            let reason = vnfarm_bus::headers::death_reason(&d.properties).unwrap_or_else(|| {
+                if yielded {
+                    YIELDED.into()
+                } else {
+                    GIVEN_BACK.into()
+                }
+            });
+            self.returned(&d.data, &d.properties, &reason).await?;
+            d.acker.ack(BasicAckOptions::default()).await?;
+        }
+        anyhow::bail!("the redispatch consumer was cancelled")
+    }
+
     /// A job came back from a worker queue (the message expired there or hit the delivery limit):
     /// back to the backlog, or, past `max_dispatches` or the delivery limit, failed and
     /// dead-lettered.
@@ -305,7 +340,7 @@ impl Scheduler {
         reason: &str,
     ) -> Result<(), PublishError> {
         let Ok(msg) = vnfarm_proto::decode_json::<WorkMessage>(body) else {
-            self.metrics.malformed_messages_total.inc();
+            self.metrics().malformed_messages_total.inc();
             tracing::warn!(
                 reason,
                 "an undecodable message came back from a worker queue; dead-lettered"
@@ -343,7 +378,7 @@ impl Scheduler {
         let expired = reason == "expired" || reason == GIVEN_BACK;
         // Asked back by this scheduler: no failure, and no step towards `max_dispatches`.
         let yielded = reason == YIELDED;
-        self.metrics
+        self.metrics()
             .requeues_total
             .with_label_values(&[match reason {
                 "expired" => "expired",
@@ -364,7 +399,7 @@ impl Scheduler {
             return Ok(());
         }
         let count = vnfarm_bus::headers::delivery_count(props);
-        if !yielded && (!expired || dispatches >= self.config.max_dispatches) {
+        if !yielded && (!expired || dispatches >= self.config().max_dispatches) {
             let message = format!(
                 "gave up after {dispatches} dispatches and {count} deliveries (last: {reason})"
             );

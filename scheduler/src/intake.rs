@@ -13,11 +13,13 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use lapin::Channel;
+use futures::StreamExt;
 use lapin::message::Delivery;
-use lapin::options::BasicAckOptions;
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
+use lapin::{Channel, Connection};
 use sha2::{Digest, Sha256};
+use tokio::task::JoinSet;
 use tracing::Instrument;
 use vnfarm_bus::connect::Backoff;
 use vnfarm_bus::headers::{dead_letter_headers, delivery_count};
@@ -58,7 +60,7 @@ impl Scheduler {
     /// reproducible when the default changes.
     fn default_checkpoint(&self, g: &mut GenerateSpec) {
         if g.checkpoint.is_none() {
-            g.checkpoint.clone_from(&self.config.default_checkpoint);
+            g.checkpoint.clone_from(&self.config().default_checkpoint);
         }
     }
 
@@ -127,7 +129,7 @@ impl Scheduler {
         )
         .await
         .map_err(|e| AcceptError::Unavailable(e.to_string()))?;
-        self.metrics
+        self.metrics()
             .jobs_submitted_total
             .with_label_values(&[kind])
             .inc();
@@ -156,7 +158,7 @@ impl Scheduler {
         };
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
-            let notified = self.applied.notified();
+            let notified = self.applied().notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
             {
@@ -194,7 +196,7 @@ impl Scheduler {
                 message,
             })
         };
-        match self.storage.exists(key).await {
+        match self.storage().exists(key).await {
             Ok(true) => Ok(()),
             Ok(false) => Err(invalid(format!(
                 "no stored image `{key}` (upload it first: POST /v1/uploads)"
@@ -239,9 +241,9 @@ impl Scheduler {
     /// The bounds of an input image (uploads; inline inputs also keep the 8 MiB message bound).
     pub fn input_limits(&self) -> InputLimits {
         InputLimits {
-            max_bytes: self.config.upload_max_bytes,
+            max_bytes: self.config().upload_max_bytes,
             max_side: MAX_INPUT_SIDE,
-            max_pixels: self.config.upload_max_pixels,
+            max_pixels: self.config().upload_max_pixels,
         }
     }
 
@@ -260,11 +262,11 @@ impl Scheduler {
         let sha256 = hex::encode(Sha256::digest(&bytes));
         let key = input_key(&sha256, image.format.extension());
         let size = bytes.len();
-        self.storage
+        self.storage()
             .put(&key, bytes, image.format.content_type())
             .await
             .map_err(|e| {
-                self.metrics.storage_error("put", &e);
+                self.metrics().storage_error("put", &e);
                 InputError::Unavailable(e.to_string())
             })?;
         Ok(StoredInput {
@@ -275,17 +277,46 @@ impl Scheduler {
         })
     }
 
+    /// Takes submissions from the intake queue, each accepted in a task of its own (at most the
+    /// channel's prefetch at once); the tasks end with this future.
+    pub(crate) async fn consume_intake(&self, connection: &Connection) -> anyhow::Result<()> {
+        let channel = connection.create_channel().await?;
+        channel.basic_qos(32, BasicQosOptions::default()).await?;
+        let mut intake = channel
+            .basic_consume(
+                self.topology().intake_queue().into(),
+                "intake".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        let mut tasks = JoinSet::new();
+        loop {
+            tokio::select! {
+                d = intake.next() => {
+                    let Some(d) = d else { anyhow::bail!("the intake consumer was cancelled") };
+                    let d = d?;
+                    let this = self.clone();
+                    let channel = channel.clone();
+                    tasks.spawn(async move {
+                        if let Err(e) = this.on_intake(d, channel).await {
+                            // Unsettled: the broker delivers it again on the next session.
+                            tracing::error!(error = %e, "an intake message could not be settled");
+                        }
+                    });
+                }
+                Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+            }
+        }
+    }
+
     /// A submission from a producer on the intake queue, handled in a task of its own so that a
     /// slow store never holds up the scheduler's other work. Invalid ones are dead-lettered with a
     /// `failed` event. One that cannot be accepted now (storage or the broker is unavailable) waits
     /// here, held, for as long as the outage lasts: see [`Scheduler::hold`]. The ack comes after the
     /// `queued` event is confirmed, so a scheduler killed in between leaves the message to be
     /// delivered again, and the key or id makes the repeat harmless.
-    pub(crate) async fn on_intake(
-        &self,
-        delivery: Delivery,
-        channel: Channel,
-    ) -> anyhow::Result<()> {
+    async fn on_intake(&self, delivery: Delivery, channel: Channel) -> anyhow::Result<()> {
         let id_hint = delivery
             .properties
             .message_id()
@@ -335,7 +366,7 @@ impl Scheduler {
             Err((kind, message)) => Some((id_hint, kind, message)),
         };
         if let Some((job_id, failure, message)) = rejected {
-            self.metrics.malformed_messages_total.inc();
+            self.metrics().malformed_messages_total.inc();
             // A failed event needs an id: the producer's, or a fresh one reported in the dead letter.
             let job_id = job_id.unwrap_or_default();
             tracing::warn!(job_id = %job_id, failure = failure.as_str(), %message, "submission rejected");
@@ -416,7 +447,7 @@ impl Scheduler {
             if attempts == 1 || attempts.is_power_of_two() {
                 tracing::warn!(%reason, attempts, retry_in_ms = delay.as_millis() as u64, "cannot accept a submission now; holding it");
             }
-            self.metrics.intake_held_retries_total.inc();
+            self.metrics().intake_held_retries_total.inc();
             tokio::time::sleep(delay).await;
         }
     }
@@ -430,7 +461,7 @@ impl Scheduler {
             .with_delivery_mode(2)
             .with_headers(uncounted(delivery.properties.headers().as_ref()));
         self.publisher()?
-            .publish("", &self.topology.intake_queue(), &delivery.data, props)
+            .publish("", &self.topology().intake_queue(), &delivery.data, props)
             .await
     }
 }

@@ -8,15 +8,23 @@
 //!   decisions use; encapsulated (changed only by applying events and by the decision methods), a
 //!   job only through the one update function of `registry/store.rs`. The dispatch policy is
 //!   `registry/plan.rs`; terms, follow-ups and cancel `registry/follow_ups.rs`.
-//! - [`intake`]: accepting a submission (inline images, the one `queued` event, idempotency) and
-//!   handling one intake delivery; a pipeline's jobs are derived by [`vnfarm_proto::pipeline_jobs`].
-//! - [`dispatch`]: the dispatcher loop: publishing follow-ups and the policy's work messages,
-//!   redispatch of returned jobs, the watchdog.
-//! - [`leader`]: active and standby schedulers (the leader token), and the consumer loops only the
-//!   active one runs: intake, redispatch, the dead-letter watch.
-//! - [`snapshot`]: registry snapshots, so a restart replays only recent events.
-//! - [`scheduler`]: shared state and what every scheduler does: publish, apply, cancel, gauges.
-//! - [`session`]: one broker connection's life: load, replay, then read and lead concurrently.
+//! - [`replica`]: `Replica`, the copy of the stream every scheduler keeps: the registry behind its
+//!   lock, the SSE broadcast, the notify submitters wait on, the ready flag, the markers (publishing
+//!   one, waiting to read it back); applying an event.
+//! - [`intake`]: accepting a submission (inline images, the one `queued` event, idempotency), the
+//!   intake consumer and handling one intake delivery; a pipeline's jobs are derived by
+//!   [`vnfarm_proto::pipeline_jobs`].
+//! - [`dispatch`]: the dispatcher loop: publishing follow-ups and the policy's work messages, the
+//!   redispatch consumer and returned jobs, the watchdog.
+//! - [`dead_letters`]: the dead-letter watch: an event for what the broker dead-lettered itself.
+//! - [`leader`]: active and standby schedulers: the leader token, a term's start, and
+//!   `Leadership` (the active flag, its gauge, the term's number).
+//! - [`snapshot`]: registry snapshots, so a restart replays only recent events: `SnapshotWriter`
+//!   (the events owed a snapshot, writing one) and loading the latest.
+//! - [`scheduler`]: the handle every role is given, no field public, and what every scheduler
+//!   does: publish, cancel, gauges.
+//! - [`session`]: one broker connection's life: load, replay, then read and lead concurrently; the
+//!   active work it hands leadership.
 //! - [`api`]: the HTTP API, Server-Sent Events, uploads, signed image URLs, the OpenAPI document
 //!   and the web page (`web/`); it encodes the contract types of [`vnfarm_proto::http`], a job's
 //!   view built in `api/jobs.rs`.
@@ -30,12 +38,14 @@
 
 pub mod api;
 pub mod config;
+pub mod dead_letters;
 pub mod dispatch;
 pub mod images;
 pub mod intake;
 pub mod leader;
 pub mod metrics;
 pub mod registry;
+pub mod replica;
 pub mod scheduler;
 pub mod session;
 pub mod snapshot;
@@ -78,12 +88,12 @@ pub async fn serve(
                 .await
         })
     };
-    tracing::info!(%addr, storage = %scheduler.storage.describe(), "scheduler listening");
-    let metrics = scheduler.metrics.clone();
+    tracing::info!(%addr, storage = %scheduler.storage().describe(), "scheduler listening");
+    let metrics = scheduler.metrics().clone();
     let this = &scheduler;
     let stop = &shutdown;
     vnfarm_bus::run_sessions(
-        &scheduler.config.amqp,
+        &scheduler.config().amqp,
         "vnfarm-scheduler",
         &shutdown,
         || metrics.amqp_reconnects_total.inc(),

@@ -1,14 +1,12 @@
-//! The scheduler's shared state: configuration, the registry behind its lock, the broker publishers
-//! of the current session, whether this scheduler is the active one, and the operations every
-//! scheduler performs whatever its role: publishing events, applying the stream, cancelling, the
-//! gauges.
-//!
-//! The registry sits behind a `std::sync::Mutex` that is never held across an `.await`: decisions
-//! are taken under the lock, then published without it.
+//! The handle every role of a scheduler is given: configuration, storage, metrics, the event
+//! publisher of the current session, and each role's state in a type of its own: the replica of the
+//! stream ([`crate::replica`]), leadership ([`crate::leader`]), the snapshot writer
+//! ([`crate::snapshot`]). No field is public: a role reaches what it may touch through a method.
+//! Here too the operations every scheduler performs whatever its role: publishing events,
+//! cancelling, the gauges.
 
-use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::collections::HashMap;
+use std::sync::{Arc, MutexGuard, RwLock};
 use std::time::Duration;
 
 use base64::Engine as _;
@@ -25,48 +23,29 @@ use vnfarm_proto::{
 use vnfarm_storage::Storage;
 
 use crate::config::Config;
+use crate::leader::Leadership;
 use crate::metrics::{Metrics, WORKER_STATES};
 use crate::registry::{CancelRefusal, Registry};
+use crate::replica::Replica;
+use crate::snapshot::SnapshotWriter;
 
+/// A scheduler, cheap to clone (every HTTP handler and intake task holds one).
 #[derive(Clone)]
 pub struct Scheduler(Arc<Inner>);
 
-pub struct Inner {
-    pub config: Config,
-    pub topology: vnfarm_proto::topology::Topology,
-    pub storage: Storage,
-    pub metrics: Metrics,
-    registry: Mutex<Registry>,
+struct Inner {
+    config: Config,
+    topology: vnfarm_proto::topology::Topology,
+    storage: Storage,
+    metrics: Metrics,
+    replica: Replica,
     publisher: RwLock<Option<Publisher>>,
-    snapshot_publisher: RwLock<Option<Publisher>>,
-    /// Every event applied from the stream, for live SSE clients.
-    pub events: broadcast::Sender<SequencedEvent>,
-    /// Woken on every applied event (submitters wait for their job to appear).
-    pub applied: Notify,
     /// Woken when dispatching may be possible (new job, freed slot, new worker).
-    pub dispatch_wanted: Notify,
-    /// The event stream has been read up to this process's marker at least once.
-    ready: AtomicBool,
-    /// This scheduler holds the leader token (see [`crate::leader`]).
-    active: AtomicBool,
-    /// Markers this process has read back from the stream (the most recent few), with their
-    /// offsets.
-    markers: Mutex<VecDeque<(String, Option<u64>)>>,
-    /// The current term's number while this scheduler leads: the stream offset of the marker its
-    /// term began with, so a later term always has a larger one (0: none yet).
-    term: AtomicU64,
-    /// Events applied since the last snapshot was written.
-    pub(crate) since_snapshot: AtomicU64,
-    pub(crate) last_snapshot: Mutex<Option<std::time::Instant>>,
+    dispatch_wanted: Notify,
+    leadership: Leadership,
+    snapshots: SnapshotWriter,
     /// Cancelled at shutdown; long-lived HTTP streams end on it.
-    pub shutdown: tokio_util::sync::CancellationToken,
-}
-
-impl std::ops::Deref for Scheduler {
-    type Target = Inner;
-    fn deref(&self) -> &Inner {
-        &self.0
-    }
+    shutdown: tokio_util::sync::CancellationToken,
 }
 
 /// Why a cancellation was refused.
@@ -88,73 +67,105 @@ impl Scheduler {
         shutdown: tokio_util::sync::CancellationToken,
     ) -> Self {
         let topology = config.amqp.topology();
-        let (events, _) = broadcast::channel(4096);
         let registry = Registry::new(config.retention());
+        let snapshots = SnapshotWriter::new(
+            config.snapshot_every_events,
+            topology.snapshot_stream(),
+            metrics.clone(),
+        );
+        let leadership = Leadership::new(metrics.scheduler_active.clone());
         Self(Arc::new(Inner {
             config,
             topology,
             storage,
             metrics,
-            registry: Mutex::new(registry),
+            replica: Replica::new(registry),
             publisher: RwLock::new(None),
-            snapshot_publisher: RwLock::new(None),
-            events,
-            applied: Notify::new(),
             dispatch_wanted: Notify::new(),
-            ready: AtomicBool::new(false),
-            active: AtomicBool::new(false),
-            markers: Mutex::new(VecDeque::new()),
-            term: AtomicU64::new(0),
-            since_snapshot: AtomicU64::new(0),
-            last_snapshot: Mutex::new(None),
+            leadership,
+            snapshots,
             shutdown,
         }))
     }
 
+    pub fn config(&self) -> &Config {
+        &self.0.config
+    }
+
+    /// The broker names of this installation (its prefix applied).
+    pub fn topology(&self) -> &vnfarm_proto::topology::Topology {
+        &self.0.topology
+    }
+
+    pub fn storage(&self) -> &Storage {
+        &self.0.storage
+    }
+
+    pub fn metrics(&self) -> &Metrics {
+        &self.0.metrics
+    }
+
+    /// Cancelled at shutdown; long-lived HTTP streams end on it.
+    pub fn shutdown(&self) -> &tokio_util::sync::CancellationToken {
+        &self.0.shutdown
+    }
+
+    /// Every event applied from the stream from now on, for a live SSE client.
+    pub fn subscribe(&self) -> broadcast::Receiver<SequencedEvent> {
+        self.0.replica.subscribe()
+    }
+
+    /// Woken on every applied event (submitters wait for their job to appear).
+    pub(crate) fn applied(&self) -> &Notify {
+        self.0.replica.applied()
+    }
+
+    /// Woken when dispatching may be possible (new job, freed slot, new worker).
+    pub(crate) fn dispatch_wanted(&self) -> &Notify {
+        &self.0.dispatch_wanted
+    }
+
+    /// The copy of the stream every scheduler keeps.
+    pub(crate) fn replica(&self) -> &Replica {
+        &self.0.replica
+    }
+
+    pub(crate) fn snapshots(&self) -> &SnapshotWriter {
+        &self.0.snapshots
+    }
+
     pub fn registry(&self) -> MutexGuard<'_, Registry> {
-        // Registry updates do not panic midway (no user code runs under the lock); keep serving.
-        self.registry.lock().unwrap_or_else(|p| p.into_inner())
+        self.0.replica.registry()
     }
 
     /// Replaces the registry (a snapshot loaded before the first replay).
     pub(crate) fn set_registry(&self, registry: Registry) {
-        *self.registry() = registry;
+        self.0.replica.replace(registry);
     }
 
     pub fn is_ready(&self) -> bool {
-        self.ready.load(Ordering::SeqCst)
+        self.0.replica.is_ready()
     }
 
     pub(crate) fn set_ready(&self) {
-        self.ready.store(true, Ordering::SeqCst);
+        self.0.replica.set_ready();
     }
 
+    /// Whether this scheduler holds the leader token (see [`crate::leader`]).
     pub fn is_active(&self) -> bool {
-        self.active.load(Ordering::SeqCst)
+        self.0.leadership.is_active()
     }
 
-    pub(crate) fn set_active(&self, active: bool) {
-        self.active.store(active, Ordering::SeqCst);
-        self.metrics.scheduler_active.set(i64::from(active));
+    pub(crate) fn leadership(&self) -> &Leadership {
+        &self.0.leadership
     }
 
     pub(crate) fn set_publisher(&self, publisher: Option<Publisher>) {
-        *self.publisher.write().unwrap_or_else(|p| p.into_inner()) = publisher;
-    }
-
-    pub(crate) fn set_snapshot_publisher(&self, publisher: Option<Publisher>) {
-        *self
-            .snapshot_publisher
-            .write()
-            .unwrap_or_else(|p| p.into_inner()) = publisher;
+        *self.0.publisher.write().unwrap_or_else(|p| p.into_inner()) = publisher;
     }
 
     pub(crate) fn publisher(&self) -> Result<Publisher, PublishError> {
-        current(&self.publisher)
-    }
-
-    pub(crate) fn snapshot_publisher(&self) -> Result<Publisher, PublishError> {
-        current(&self.snapshot_publisher)
+        current(&self.0.publisher)
     }
 
     pub(crate) async fn publish_event(
@@ -165,7 +176,7 @@ impl Scheduler {
         let event = Event::now(job_id, kind);
         self.publisher()?
             .publish_json(
-                &self.topology.events_exchange(),
+                &self.topology().events_exchange(),
                 &event.routing_key(),
                 &event,
                 json_properties(),
@@ -174,121 +185,25 @@ impl Scheduler {
     }
 
     pub(crate) fn heartbeat_timeout(&self) -> Duration {
-        Duration::from_millis(self.config.heartbeat_timeout_ms)
+        Duration::from_millis(self.config().heartbeat_timeout_ms)
     }
 
-    /// Applies one event from the stream. `live`: read after this process's first catch-up, so it
-    /// feeds the metrics (replayed history does not).
+    /// Applies one event from the stream (see [`Replica::apply`]), owes the snapshot writer one
+    /// more event and wakes the dispatcher.
     pub(crate) fn apply(&self, ev: SequencedEvent, live: bool) {
-        let applied = {
-            let mut reg = self.registry();
-            if live {
-                self.observe(&reg, &ev);
-            }
-            reg.apply(ev.clone())
-        };
-        self.metrics.events_applied_total.inc();
-        self.since_snapshot.fetch_add(1, Ordering::Relaxed);
-        if applied {
-            // No SSE client listening is fine.
-            let _ = self.events.send(ev);
-        }
-        self.applied.notify_waiters();
-        self.dispatch_wanted.notify_one();
+        self.0.replica.apply(ev, live, &self.0.metrics);
+        self.0.snapshots.event_applied();
+        self.0.dispatch_wanted.notify_one();
     }
 
     /// A marker came back from the stream.
     pub(crate) fn marker_seen(&self, routing_key: &str, seq: Option<u64>) {
-        if let Some(seq) = seq {
-            self.registry().skip(seq);
-        }
-        let mut markers = self.markers.lock().unwrap_or_else(|p| p.into_inner());
-        markers.push_back((routing_key.to_owned(), seq));
-        if markers.len() > 64 {
-            markers.pop_front();
-        }
-        drop(markers);
-        self.applied.notify_waiters();
-    }
-
-    /// Waits until the stream has been read up to the marker with `routing_key`; returns the
-    /// marker's offset in the stream.
-    pub(crate) async fn wait_marker(&self, routing_key: &str) -> Option<u64> {
-        loop {
-            let notified = self.applied.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            if let Some((_, seq)) = self
-                .markers
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .iter()
-                .find(|(m, _)| m == routing_key)
-            {
-                return *seq;
-            }
-            notified.await;
-        }
-    }
-
-    /// Begins a term numbered `term` (see [`Inner::term`]).
-    pub(crate) fn set_term(&self, term: u64) {
-        self.term.store(term, Ordering::SeqCst);
+        self.0.replica.marker_seen(routing_key, seq);
     }
 
     /// The current term's number, recorded on every `dispatched` event of the term.
     pub(crate) fn current_term(&self) -> Option<u64> {
-        Some(self.term.load(Ordering::SeqCst)).filter(|t| *t > 0)
-    }
-
-    /// Metrics for an event about to be applied live.
-    fn observe(&self, reg: &Registry, ev: &SequencedEvent) {
-        let Some(job) = reg.job(ev.event.job_id) else {
-            return;
-        };
-        if job.state().is_terminal() {
-            return;
-        }
-        let kind = job.kind();
-        let seconds = |from: chrono::DateTime<chrono::Utc>| {
-            (ev.event.at - from).num_milliseconds().max(0) as f64 / 1000.0
-        };
-        match &ev.event.kind {
-            EventKind::Started { .. } => self
-                .metrics
-                .queue_wait_seconds
-                .with_label_values(&[kind])
-                .observe(seconds(job.created_at())),
-            EventKind::Completed { .. } => {
-                if let Some(started) = job.started_at() {
-                    self.metrics
-                        .job_run_seconds
-                        .with_label_values(&[kind])
-                        .observe(seconds(started));
-                }
-                self.metrics
-                    .jobs_finished_total
-                    .with_label_values(&[kind, "completed"])
-                    .inc();
-            }
-            EventKind::Failed {
-                retryable: false, ..
-            } => self
-                .metrics
-                .jobs_finished_total
-                .with_label_values(&[kind, "failed"])
-                .inc(),
-            EventKind::Cancelled { .. } => self
-                .metrics
-                .jobs_finished_total
-                .with_label_values(&[kind, "cancelled"])
-                .inc(),
-            EventKind::Queued { .. }
-            | EventKind::Dispatched { .. }
-            | EventKind::Requeued { .. }
-            | EventKind::Progress { .. }
-            | EventKind::Failed { .. } => {}
-        }
+        self.0.leadership.current_term()
     }
 
     /// Cancels a job (and a pipeline's unfinished jobs). Queued jobs are cancelled at once; jobs on a
@@ -308,7 +223,7 @@ impl Scheduler {
             // With no worker connected nobody hears it, and none has the job.
             publisher
                 .broadcast_json(
-                    &self.topology.events_exchange(),
+                    &self.topology().events_exchange(),
                     CANCEL_ROUTING_KEY,
                     &request,
                     props,
@@ -340,9 +255,9 @@ impl Scheduler {
             .with_delivery_mode(2)
             .with_headers(headers);
         self.publisher()?
-            .publish(&self.topology.dead_exchange(), "", body, props)
+            .publish(&self.topology().dead_exchange(), "", body, props)
             .await?;
-        self.metrics
+        self.metrics()
             .dead_letters_total
             .with_label_values(&[failure.as_str()])
             .inc();
@@ -354,18 +269,18 @@ impl Scheduler {
         let reg = self.registry();
         let timeout = self.heartbeat_timeout();
         for state in JobState::ALL.into_iter().filter(|s| !s.is_terminal()) {
-            self.metrics
+            self.metrics()
                 .jobs
                 .with_label_values(&[state.as_str()])
                 .set(reg.count(state) as i64);
         }
-        self.metrics.registry_jobs.set(reg.len() as i64);
+        self.metrics().registry_jobs.set(reg.len() as i64);
         for model in ModelFamily::ALL {
             for (priority, label) in [
                 (Priority::Interactive, "interactive"),
                 (Priority::Batch, "batch"),
             ] {
-                self.metrics
+                self.metrics()
                     .backlog
                     .with_label_values(&[model.as_str(), label])
                     .set(reg.backlog(model, priority) as i64);
@@ -381,12 +296,12 @@ impl Scheduler {
             }
         }
         for (state, n) in counts {
-            self.metrics.workers.with_label_values(&[state]).set(n);
+            self.metrics().workers.with_label_values(&[state]).set(n);
         }
         for model in ModelFamily::ALL {
             for state in WORKER_STATES {
                 let n = by_model.get(&(model, state)).copied().unwrap_or(0);
-                self.metrics
+                self.metrics()
                     .model_workers
                     .with_label_values(&[model.as_str(), state])
                     .set(n);

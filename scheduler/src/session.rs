@@ -16,13 +16,15 @@ use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{Connection, Consumer};
 use tokio_util::sync::CancellationToken;
 use vnfarm_bus::headers::stream_offset;
-use vnfarm_bus::publisher::json_properties;
 use vnfarm_bus::{Publisher, SessionEnd, topology};
 use vnfarm_proto::event::SequencedEvent;
 use vnfarm_proto::topology::{HEARTBEAT_ROUTING_PATTERN, MARKER_ROUTING_PREFIX};
-use vnfarm_proto::{Event, Heartbeat, JobId, decode_json};
+use vnfarm_proto::{Event, Heartbeat, decode_json};
 
+use crate::leader::ActiveWork;
+use crate::replica::publish_marker;
 use crate::scheduler::Scheduler;
+use crate::snapshot;
 
 /// How often the depths of the shared queues are read.
 const QUEUE_DEPTH_INTERVAL: Duration = Duration::from_secs(2);
@@ -37,10 +39,9 @@ impl Scheduler {
         shutdown: &CancellationToken,
     ) -> SessionEnd {
         let end = self.session_inner(connection, shutdown).await;
-        self.set_active(false);
+        self.leadership().step_down();
         self.set_publisher(None);
-        self.set_snapshot_publisher(None);
-        self.metrics.amqp_connected.set(0);
+        self.metrics().amqp_connected.set(0);
         match end {
             Ok(end) => end,
             Err(e) => SessionEnd::Lost(format!("{e:#}")),
@@ -52,31 +53,35 @@ impl Scheduler {
         connection: &Connection,
         shutdown: &CancellationToken,
     ) -> anyhow::Result<SessionEnd> {
-        let confirm_timeout = self.config.amqp.confirm_timeout();
+        let confirm_timeout = self.config().amqp.confirm_timeout();
         let publisher = Publisher::open(connection)
             .await?
             .with_confirm_timeout(confirm_timeout);
         let channel = connection.create_channel().await?;
-        topology::declare_core(&channel, &self.config.amqp).await?;
-        topology::declare_scheduler(&channel, &self.config.amqp).await?;
+        topology::declare_core(&channel, &self.config().amqp).await?;
+        topology::declare_scheduler(&channel, &self.config().amqp).await?;
         self.set_publisher(Some(publisher.clone()));
         // Snapshots travel on a channel of their own, so a large one never delays an event.
         let snapshots = Publisher::open(connection)
             .await?
             .with_confirm_timeout(confirm_timeout);
-        self.set_snapshot_publisher(Some(snapshots.clone()));
-        self.metrics.amqp_connected.set(1);
+        self.metrics().amqp_connected.set(1);
 
         if !self.is_ready()
             && self.registry().next_offset() == 0
-            && let Some(registry) = self.load_snapshot(connection).await?
+            && let Some(registry) = snapshot::load(
+                connection,
+                &self.topology().snapshot_stream(),
+                self.config().retention(),
+            )
+            .await?
         {
             self.set_registry(registry);
         }
 
         let mut heartbeats = topology::subscribe_private(
             connection,
-            &self.topology.events_exchange(),
+            &self.topology().events_exchange(),
             HEARTBEAT_ROUTING_PATTERN,
             "heartbeats",
         )
@@ -97,7 +102,7 @@ impl Scheduler {
         args.insert("x-stream-offset".into(), offset);
         let mut stream = stream_channel
             .basic_consume(
-                self.topology.events_stream().into(),
+                self.topology().events_stream().into(),
                 "events".into(),
                 BasicConsumeOptions::default(),
                 args,
@@ -105,7 +110,7 @@ impl Scheduler {
             .await?;
 
         // Catch up: everything before our marker is history.
-        let marker = self.publish_marker().await?;
+        let marker = publish_marker(&publisher, self.topology()).await?;
         let replay_started = std::time::Instant::now();
         let mut replayed = 0u64;
         let live = self.is_ready();
@@ -141,7 +146,14 @@ impl Scheduler {
             _ = shutdown.cancelled() => Ok(SessionEnd::Shutdown),
             r = self.read_stream(&mut stream) => r.map(|()| SessionEnd::Lost("event stream ended".into())),
             r = self.read_heartbeats(&mut heartbeats) => r.map(|()| SessionEnd::Lost("heartbeat consumer ended".into())),
-            r = self.lead(connection, &stop) => r.map(|()| SessionEnd::Shutdown),
+            r = self.leadership().lead(
+                connection,
+                &self.config().amqp,
+                &publisher,
+                self.replica(),
+                &stop,
+                self.active_work(connection, &stop, &snapshots),
+            ) => r.map(|()| SessionEnd::Shutdown),
             r = self.watch_queues(connection) => r.map(|()| SessionEnd::Lost("queue watcher ended".into())),
             () = self.housekeeping() => unreachable!("housekeeping runs until dropped"),
             // A publish from anywhere (the API, intake, dispatch) that got no confirm in time.
@@ -150,18 +162,24 @@ impl Scheduler {
         }
     }
 
-    /// Publishes a marker to the event stream and returns its routing key.
-    pub(crate) async fn publish_marker(&self) -> anyhow::Result<String> {
-        let key = format!("{MARKER_ROUTING_PREFIX}.{}", JobId::new());
-        self.publisher()?
-            .publish(
-                &self.topology.events_exchange(),
-                &key,
-                b"{}",
-                json_properties(),
-            )
-            .await?;
-        Ok(key)
+    /// What only the active scheduler does, for [`Leadership::lead`](crate::leader::Leadership::lead) to run while it leads: consume
+    /// the intake, redispatch and dead-letter watch queues, dispatch (and the watchdog), write
+    /// snapshots on this session's snapshot publisher.
+    fn active_work<'a>(
+        &'a self,
+        connection: &'a Connection,
+        stop: &'a CancellationToken,
+        snapshots: &'a Publisher,
+    ) -> ActiveWork<'a> {
+        Box::pin(async move {
+            tokio::select! {
+                r = self.consume_intake(connection) => r,
+                r = self.consume_redispatch(connection) => r,
+                r = self.watch_dead_letters(connection) => r,
+                r = self.dispatcher(stop.clone()) => r,
+                r = self.snapshots().run(self.replica(), snapshots) => r,
+            }
+        })
     }
 
     async fn read_stream(&self, stream: &mut Consumer) -> anyhow::Result<()> {
@@ -180,7 +198,7 @@ impl Scheduler {
             match decode_json::<Heartbeat>(&d?.data) {
                 Ok(hb) => {
                     self.registry().heartbeat(hb);
-                    self.dispatch_wanted.notify_one();
+                    self.dispatch_wanted().notify_one();
                 }
                 Err(e) => tracing::warn!(error = %e, "ignoring a malformed heartbeat"),
             }
@@ -209,9 +227,9 @@ impl Scheduler {
     async fn watch_queues(&self, connection: &Connection) -> anyhow::Result<()> {
         let channel = connection.create_channel().await?;
         let queues = [
-            ("intake", self.topology.intake_queue()),
-            ("redispatch", self.topology.redispatch_queue()),
-            ("dead", self.topology.dead_queue()),
+            ("intake", self.topology().intake_queue()),
+            ("redispatch", self.topology().redispatch_queue()),
+            ("dead", self.topology().dead_queue()),
         ];
         let passive = QueueDeclareOptions {
             passive: true,
@@ -224,7 +242,7 @@ impl Scheduler {
                 let queue = channel
                     .queue_declare(name.as_str().into(), passive, FieldTable::default())
                     .await?;
-                self.metrics
+                self.metrics()
                     .queue_messages
                     .with_label_values(&[label])
                     .set(i64::from(queue.message_count()));

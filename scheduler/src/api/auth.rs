@@ -34,7 +34,7 @@ pub fn token_matches(given: &str, expected: &str) -> bool {
 
 /// The token check.
 pub async fn gate(State(api): State<Api>, request: Request, next: Next) -> Response {
-    if let Some(token) = &api.scheduler.config.api_token {
+    if let Some(token) = &api.scheduler.config().api_token {
         let given = request
             .headers()
             .get(header::AUTHORIZATION)

@@ -57,7 +57,7 @@ pub async fn job_events(
     let id = parse_id(&id)?;
     let after = resume_from(&headers, q.after);
     // Subscribe before reading the history, so nothing falls between the two.
-    let live = s.events.subscribe();
+    let live = s.subscribe();
     let (history, finished) = {
         let reg = s.registry();
         let Some(job) = reg.job(id) else {
@@ -86,7 +86,7 @@ pub async fn all_events(
 ) -> Response {
     let s = &api.scheduler;
     let after = resume_from(&headers, q.after);
-    let live = s.events.subscribe();
+    let live = s.subscribe();
     let history: Vec<SequencedEvent> = match after {
         Some(a) => s.registry().recent_after(a),
         None => Vec::new(),
@@ -116,8 +116,8 @@ fn event_stream(
     after: Option<u64>,
     scope: Scope,
 ) -> Response {
-    let metrics = s.metrics.clone();
-    let shutdown = s.shutdown.clone();
+    let metrics = s.metrics().clone();
+    let shutdown = s.shutdown().clone();
     let stream = async_stream(move |tx| async move {
         metrics.sse_clients.inc();
         let mut last = after;

@@ -78,7 +78,7 @@ fn storage_error(api: &Api, op: &'static str, e: StorageError) -> ApiError {
             ApiError::bad_request("key", format!("{key:?}: {reason}"))
         }
         e @ StorageError::Unavailable { .. } => {
-            api.scheduler.metrics.storage_error(op, &e);
+            api.scheduler.metrics().storage_error(op, &e);
             ApiError::unavailable(e.to_string())
         }
     }
@@ -100,7 +100,7 @@ pub async fn file(
     check_servable(&key)?;
     let presigned = api
         .scheduler
-        .storage
+        .storage()
         .presigned_get(&key, api.signer.ttl())
         .await
         .map_err(|e| storage_error(&api, "presign", e))?;
@@ -109,7 +109,7 @@ pub async fn file(
     }
     let bytes = api
         .scheduler
-        .storage
+        .storage()
         .get(&key)
         .await
         .map_err(|e| storage_error(&api, "get", e))?;
@@ -132,7 +132,7 @@ pub async fn thumbnail(
     api.signer
         .verify(&format!("/v1/thumbnails/{key}"), &signed)?;
     check_servable(&key)?;
-    let storage = &api.scheduler.storage;
+    let storage = api.scheduler.storage();
     let cached = format!("thumbnails/{key}.jpg");
     let bytes = match storage.get(&cached).await {
         Ok(bytes) => bytes,
@@ -154,7 +154,7 @@ pub async fn thumbnail(
             let small = Bytes::from(small);
             // The thumbnail is served either way; a failed store only means it is made again.
             if let Err(e) = storage.put(&cached, small.clone(), "image/jpeg").await {
-                api.scheduler.metrics.storage_error("put", &e);
+                api.scheduler.metrics().storage_error("put", &e);
                 tracing::warn!(key = %cached, error = %e, "thumbnail not kept");
             }
             small

@@ -212,11 +212,11 @@ async fn archived_job(api: &Api, id: JobId) -> Result<ArchivedJob, ApiError> {
         )
     };
     let key = manifest_key(id);
-    let bytes = match api.scheduler.storage.get(&key).await {
+    let bytes = match api.scheduler.storage().get(&key).await {
         Ok(bytes) => bytes,
         Err(StorageError::NotFound { .. }) => return Err(not_found()),
         Err(e) => {
-            api.scheduler.metrics.storage_error("get", &e);
+            api.scheduler.metrics().storage_error("get", &e);
             return Err(ApiError::unavailable(e.to_string()));
         }
     };
@@ -309,13 +309,13 @@ pub async fn output(
     let n: u32 = n
         .parse()
         .map_err(|_| ApiError::bad_request("n", format!("{n:?} is not an image index")))?;
-    match api.scheduler.storage.get(&output_key(id, n)).await {
+    match api.scheduler.storage().get(&output_key(id, n)).await {
         Ok(bytes) => Ok(([(header::CONTENT_TYPE, "image/png")], bytes).into_response()),
         Err(StorageError::NotFound { key }) => {
             Err(ApiError::not_found("n", format!("{key} not found")))
         }
         Err(e) => {
-            api.scheduler.metrics.storage_error("get", &e);
+            api.scheduler.metrics().storage_error("get", &e);
             Err(ApiError::unavailable(e.to_string()))
         }
     }
