@@ -34,7 +34,7 @@ use vnfarm_proto::{
 use vnfarm_storage::StorageError;
 
 use crate::images::{self, InputLimits, VerifiedImage};
-use crate::scheduler::Scheduler;
+use crate::scheduler::{Lane, Scheduler};
 
 /// Why a submission was not accepted.
 #[derive(Debug, thiserror::Error)]
@@ -68,6 +68,16 @@ impl Scheduler {
     /// `queued` event. Returns once the event is confirmed by the broker, before it is read back:
     /// see [`Scheduler::accepted`] for the job it names.
     pub async fn accept(&self, submission: Submission) -> Result<Submitted, AcceptError> {
+        self.accept_on(Lane::Requests, submission).await
+    }
+
+    /// [`Scheduler::accept`], its event published on `lane` (the intake consumer's on the
+    /// session's own).
+    async fn accept_on(
+        &self,
+        lane: Lane,
+        submission: Submission,
+    ) -> Result<Submitted, AcceptError> {
         let mut submission = submission.validate(&mut || rand::random::<u64>() >> 11)?;
         let key = submission.idempotency_key.clone();
         if let Some(known) = self.known(key.as_deref(), submission.job_id) {
@@ -75,7 +85,7 @@ impl Scheduler {
         }
         // The id first, so that every line logged about the job carries it (its `job` span).
         let id = *submission.job_id.get_or_insert_with(JobId::new);
-        self.accept_new(id, submission, key)
+        self.accept_new(lane, id, submission, key)
             .instrument(tracing::info_span!("job", job_id = %id))
             .await
     }
@@ -83,6 +93,7 @@ impl Scheduler {
     /// [`Scheduler::accept`] of a job it did not know, once named `id`.
     async fn accept_new(
         &self,
+        lane: Lane,
         id: JobId,
         mut submission: Submission,
         key: Option<String>,
@@ -119,7 +130,8 @@ impl Scheduler {
             .map(|_| JobId::new())
             .collect();
         let jobs = 1 + children.len();
-        self.publish_event(
+        self.publish_event_on(
+            lane,
             id,
             EventKind::Queued {
                 submission: Box::new(submission),
@@ -411,7 +423,7 @@ impl Scheduler {
         let mut backoff = Backoff::new(HOLD_MAX_DELAY);
         let mut attempts = 0u32;
         loop {
-            let reason = match self.accept(submission.clone()).await {
+            let reason = match self.accept_on(Lane::Session, submission.clone()).await {
                 Ok(_) => {
                     if attempts > 0 {
                         tracing::info!(

@@ -46,6 +46,7 @@ pub struct Metrics {
     pub requeues_total: IntCounterVec,
     pub amqp_connected: IntGauge,
     pub amqp_reconnects_total: IntCounter,
+    pub requests_channel_renewals_total: IntCounter,
     pub malformed_messages_total: IntCounter,
     /// Retries of intake submissions held while storage or the broker was unavailable.
     pub intake_held_retries_total: IntCounter,
@@ -212,6 +213,12 @@ impl Metrics {
                 r
             )
             .unwrap(),
+            requests_channel_renewals_total: register_int_counter_with_registry!(
+                "requests_channel_renewals_total",
+                "Fresh channels for the API's requests after one of their publishes got no confirm in time",
+                r
+            )
+            .unwrap(),
             malformed_messages_total: register_int_counter_with_registry!(
                 "malformed_messages_total",
                 "Messages dead-lettered as undecodable, too large or invalid",
@@ -368,6 +375,11 @@ mod tests {
         ("vnfarm_yield_requests_total", MetricType::COUNTER, &[]),
         ("vnfarm_amqp_connected", MetricType::GAUGE, &[]),
         ("vnfarm_amqp_reconnects_total", MetricType::COUNTER, &[]),
+        (
+            "vnfarm_requests_channel_renewals_total",
+            MetricType::COUNTER,
+            &[],
+        ),
         ("vnfarm_malformed_messages_total", MetricType::COUNTER, &[]),
         ("vnfarm_intake_held_retries_total", MetricType::COUNTER, &[]),
         (

@@ -40,12 +40,30 @@ struct Inner {
     metrics: Metrics,
     replica: Replica,
     publisher: RwLock<Option<Publisher>>,
+    /// The publisher of the API's requests (see [`Lane::Requests`]).
+    requests: RwLock<Option<Publisher>>,
     /// Woken when dispatching may be possible (new job, freed slot, new worker).
     dispatch_wanted: Notify,
     leadership: Leadership,
     snapshots: SnapshotWriter,
     /// Cancelled at shutdown; long-lived HTTP streams end on it.
     shutdown: tokio_util::sync::CancellationToken,
+}
+
+/// Which of the session's publishers a publish goes on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Lane {
+    /// What the scheduler decides and the active one's work (dispatches, intake, follow-ups,
+    /// markers): a publish that gets no confirm in time ends the session, which reads the stream
+    /// again before it decides anything more (`PublishError::Untrusted`).
+    Session,
+    /// The HTTP API's requests (a submission's `queued` event, a cancellation): each stands alone
+    /// and its client is told when it was not confirmed (503), so a publish that gets no confirm
+    /// in time costs this lane a fresh channel, not the session. A standby whose API published
+    /// into a stream whose leader was on a box just cut off lost its session to that publish's
+    /// 10 s timeout exactly when the leader token came free (the three-box test's takeovers of
+    /// 14–22 s).
+    Requests,
 }
 
 /// Why a cancellation was refused.
@@ -81,6 +99,7 @@ impl Scheduler {
             metrics,
             replica: Replica::new(registry),
             publisher: RwLock::new(None),
+            requests: RwLock::new(None),
             dispatch_wanted: Notify::new(),
             leadership,
             snapshots,
@@ -168,13 +187,35 @@ impl Scheduler {
         current(&self.0.publisher)
     }
 
+    /// The session's publisher for the API's requests (see [`Lane::Requests`]); the session
+    /// replaces it when it stops confirming.
+    pub(crate) fn set_requests_publisher(&self, publisher: Option<Publisher>) {
+        *self.0.requests.write().unwrap_or_else(|p| p.into_inner()) = publisher;
+    }
+
+    pub(crate) fn publisher_on(&self, lane: Lane) -> Result<Publisher, PublishError> {
+        match lane {
+            Lane::Session => self.publisher(),
+            Lane::Requests => current(&self.0.requests),
+        }
+    }
+
     pub(crate) async fn publish_event(
         &self,
         job_id: JobId,
         kind: EventKind,
     ) -> Result<(), PublishError> {
+        self.publish_event_on(Lane::Session, job_id, kind).await
+    }
+
+    pub(crate) async fn publish_event_on(
+        &self,
+        lane: Lane,
+        job_id: JobId,
+        kind: EventKind,
+    ) -> Result<(), PublishError> {
         let event = Event::now(job_id, kind);
-        self.publisher()?
+        self.publisher_on(lane)?
             .publish_json(
                 &self.topology().events_exchange(),
                 &event.routing_key(),
@@ -217,7 +258,7 @@ impl Scheduler {
         })?;
         let unavailable = |e: PublishError| CancelError::Unavailable(e.to_string());
         for (t, here) in targets {
-            let publisher = self.publisher().map_err(unavailable)?;
+            let publisher = self.publisher_on(Lane::Requests).map_err(unavailable)?;
             let request = CancelRequest::new(t);
             let props = json_properties().with_delivery_mode(1);
             // With no worker connected nobody hears it, and none has the job.
@@ -231,7 +272,8 @@ impl Scheduler {
                 .await
                 .map_err(unavailable)?;
             if here {
-                self.publish_event(
+                self.publish_event_on(
+                    Lane::Requests,
                     t,
                     EventKind::Cancelled {
                         reason: "cancelled by request".into(),

@@ -41,6 +41,7 @@ impl Scheduler {
         let end = self.session_inner(connection, shutdown).await;
         self.leadership().step_down();
         self.set_publisher(None);
+        self.set_requests_publisher(None);
         self.metrics().amqp_connected.set(0);
         match end {
             Ok(end) => end,
@@ -53,6 +54,7 @@ impl Scheduler {
         connection: &Connection,
         shutdown: &CancellationToken,
     ) -> anyhow::Result<SessionEnd> {
+        let began = std::time::Instant::now();
         let confirm_timeout = self.config().amqp.confirm_timeout();
         let publisher = Publisher::open(connection)
             .await?
@@ -61,6 +63,10 @@ impl Scheduler {
         topology::declare_core(&channel, &self.config().amqp).await?;
         topology::declare_scheduler(&channel, &self.config().amqp).await?;
         self.set_publisher(Some(publisher.clone()));
+        let requests = Publisher::open(connection)
+            .await?
+            .with_confirm_timeout(confirm_timeout);
+        self.set_requests_publisher(Some(requests.clone()));
         // Snapshots travel on a channel of their own, so a large one never delays an event.
         let snapshots = Publisher::open(connection)
             .await?
@@ -111,6 +117,7 @@ impl Scheduler {
 
         // Catch up: everything before our marker is history.
         let marker = publish_marker(&publisher, self.topology()).await?;
+        let set_up = began.elapsed();
         let replay_started = std::time::Instant::now();
         let mut replayed = 0u64;
         let live = self.is_ready();
@@ -135,6 +142,8 @@ impl Scheduler {
             events = replayed,
             from_offset = from,
             seconds = replay_started.elapsed().as_secs_f64(),
+            // Channels, declarations, the snapshot, the consumers and the marker's confirm.
+            set_up_seconds = set_up.as_secs_f64(),
             "event stream replayed"
         );
         self.set_ready();
@@ -159,6 +168,7 @@ impl Scheduler {
             // A publish from anywhere (the API, intake, dispatch) that got no confirm in time.
             () = publisher.stuck() => Ok(SessionEnd::Lost("an event publish got no confirm in time".into())),
             () = snapshots.stuck() => Ok(SessionEnd::Lost("a snapshot publish got no confirm in time".into())),
+            r = self.renew_requests_publisher(connection, requests) => r.map(|()| SessionEnd::Lost("the requests' publisher ended".into())),
         }
     }
 
@@ -191,6 +201,27 @@ impl Scheduler {
             ack_stream(&d, n, false).await?;
         }
         Ok(())
+    }
+
+    /// Gives the API's requests a fresh publisher each time theirs stops confirming (see
+    /// [`crate::scheduler::Lane::Requests`]); returns only when a channel cannot be opened (the
+    /// connection is gone: the session ends).
+    async fn renew_requests_publisher(
+        &self,
+        connection: &Connection,
+        mut requests: Publisher,
+    ) -> anyhow::Result<()> {
+        loop {
+            requests.stuck().await;
+            tracing::warn!(
+                "a request's publish got no confirm in time; requests go on a fresh channel"
+            );
+            self.metrics().requests_channel_renewals_total.inc();
+            requests = Publisher::open(connection)
+                .await?
+                .with_confirm_timeout(self.config().amqp.confirm_timeout());
+            self.set_requests_publisher(Some(requests.clone()));
+        }
     }
 
     async fn read_heartbeats(&self, heartbeats: &mut Consumer) -> anyhow::Result<()> {
