@@ -74,7 +74,9 @@ impl Leadership {
 
     /// Waits for the leader token as a standby, then runs `active` (the active scheduler's work)
     /// until the session ends (an error) or `stop`. `publisher` is the session's event publisher,
-    /// `replica` the stream this scheduler has read.
+    /// `replica` the stream this scheduler has read; `install` makes the term's own publisher the
+    /// one the active work publishes on.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) async fn lead(
         &self,
         connection: &Connection,
@@ -83,6 +85,7 @@ impl Leadership {
         replica: &Replica,
         stop: &CancellationToken,
         active: ActiveWork<'_>,
+        install: &(dyn Fn(Publisher) + Send + Sync),
     ) -> anyhow::Result<()> {
         let topology = amqp.topology();
         let channel = connection.create_channel().await?;
@@ -110,8 +113,24 @@ impl Leadership {
                 None => anyhow::bail!("the leader queue's consumer was cancelled"),
             },
         };
+        // The term publishes on a channel opened now. A channel that published into a stream
+        // before the stream's leader moved can go unconfirmed for minutes while fresh ones work
+        // (shared/reference/fleet.md, trap 2): the three-box test saw a standby take the token 11 s
+        // after the active box was cut and its marker, on the session's channel, wait out the
+        // whole confirm timeout before a new session took over (20.6 s).
+        let term_publisher = Publisher::open(connection)
+            .await?
+            .with_confirm_timeout(amqp.confirm_timeout());
+        install(term_publisher.clone());
         let result = self
-            .term(&topology, publisher, replica, stop, &mut tokens, active)
+            .term(
+                &topology,
+                &term_publisher,
+                replica,
+                stop,
+                &mut tokens,
+                active,
+            )
             .await;
         self.step_down();
         if let Err(e) = channel.close(200, "leadership over".into()).await {
@@ -144,6 +163,9 @@ impl Leadership {
             _ = stop.cancelled() => Ok(()),
             r = discard_extra_tokens(tokens) => r,
             r = active => r,
+            // The term's decisions go on this publisher: one that got no confirm in time is
+            // untrusted, and the session reads the stream again (a new term) before it decides more.
+            () = publisher.stuck() => anyhow::bail!("a publish of this term got no confirm in time"),
         }
     }
 

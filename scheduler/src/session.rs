@@ -151,6 +151,7 @@ impl Scheduler {
         let stop = shutdown.child_token();
         let _stop_on_exit = stop.clone().drop_guard();
         tracing::info!("scheduler ready");
+        let install_term_publisher = |p: Publisher| self.set_publisher(Some(p));
         tokio::select! {
             _ = shutdown.cancelled() => Ok(SessionEnd::Shutdown),
             r = self.read_stream(&mut stream) => r.map(|()| SessionEnd::Lost("event stream ended".into())),
@@ -162,10 +163,12 @@ impl Scheduler {
                 self.replica(),
                 &stop,
                 self.active_work(connection, &stop, &snapshots),
+                &install_term_publisher,
             ) => r.map(|()| SessionEnd::Shutdown),
             r = self.watch_queues(connection) => r.map(|()| SessionEnd::Lost("queue watcher ended".into())),
             () = self.housekeeping() => unreachable!("housekeeping runs until dropped"),
-            // A publish from anywhere (the API, intake, dispatch) that got no confirm in time.
+            // A publish of the session's (a marker, a token) that got no confirm in time; the
+            // term's own publisher is watched by the term.
             () = publisher.stuck() => Ok(SessionEnd::Lost("an event publish got no confirm in time".into())),
             () = snapshots.stuck() => Ok(SessionEnd::Lost("a snapshot publish got no confirm in time".into())),
             r = self.renew_requests_publisher(connection, requests) => r.map(|()| SessionEnd::Lost("the requests' publisher ended".into())),
