@@ -17,6 +17,7 @@ mod in_process;
 pub mod sse;
 pub mod stream;
 
+use std::fmt::Display;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
@@ -26,6 +27,8 @@ use anyhow::{Context, bail};
 use futures::StreamExt;
 use in_process::InProcess;
 use serde_json::Value;
+use vnfarm_proto::JobId;
+use vnfarm_proto::http::{ErrorBody, Fleet, JobView, Submitted, Worker};
 use vnfarm_storage::{Storage, StorageConfig};
 
 pub const S3_KEY: &str = "vnfarm-test";
@@ -300,6 +303,10 @@ impl Default for WorkerOptions {
     }
 }
 
+/// The scheduler's answer to a submission: the job it made (or the one of the same key), or why
+/// it refused.
+pub type Reply = Result<Submitted, ErrorBody>;
+
 impl Farm {
     /// A farm of processes on the shared S3 server.
     pub async fn new(name: &str) -> anyhow::Result<Self> {
@@ -525,11 +532,10 @@ impl Farm {
             // Covers loading and warming up a model engine on a loaded CI machine.
             Duration::from_secs(120),
             || async {
-                let workers = self.get_json("/v1/workers").await.ok()?;
-                workers["workers"]
-                    .as_array()?
+                let workers = self.workers().await.ok()?;
+                workers
                     .iter()
-                    .any(|w| w["id"] == id.as_str() && w["alive"] == true)
+                    .any(|w| w.id.as_str() == id && w.alive)
                     .then_some(())
             },
         )
@@ -655,19 +661,36 @@ impl Farm {
         Ok(body)
     }
 
-    /// POSTs a submission; returns (status, body).
-    pub async fn submit(&self, body: &Value) -> anyhow::Result<(reqwest::StatusCode, Value)> {
+    /// POSTs a submission; returns the status and the answer: the job, or the error body.
+    pub async fn submit(&self, body: &Value) -> anyhow::Result<(reqwest::StatusCode, Reply)> {
         let r = self
             .http
             .post(self.url("/v1/jobs"))
             .json(body)
             .send()
             .await?;
-        Ok((r.status(), r.json().await?))
+        let status = r.status();
+        let bytes = r.bytes().await?;
+        let reply = if status.is_success() {
+            Ok(serde_json::from_slice(&bytes)
+                .with_context(|| format!("{status}: {}", String::from_utf8_lossy(&bytes)))?)
+        } else {
+            Err(serde_json::from_slice(&bytes)
+                .with_context(|| format!("{status}: {}", String::from_utf8_lossy(&bytes)))?)
+        };
+        Ok((status, reply))
+    }
+
+    /// POSTs a submission that must make a new job (201); returns its id.
+    pub async fn submit_new(&self, body: &Value) -> anyhow::Result<JobId> {
+        match self.submit(body).await? {
+            (reqwest::StatusCode::CREATED, Ok(submitted)) => Ok(submitted.job_id),
+            (status, reply) => bail!("submitting {body}: {status} {reply:?}"),
+        }
     }
 
     /// Asks the scheduler to cancel a job; fails unless the request is accepted.
-    pub async fn cancel(&self, id: &str) -> anyhow::Result<()> {
+    pub async fn cancel(&self, id: impl Display) -> anyhow::Result<()> {
         let r = self
             .http
             .post(self.url(&format!("/v1/jobs/{id}/cancel")))
@@ -690,35 +713,51 @@ impl Farm {
             .await?)
     }
 
-    pub async fn job(&self, id: &str) -> anyhow::Result<Value> {
-        self.get_json(&format!("/v1/jobs/{id}")).await
+    /// A job the registry holds, as the API's view.
+    pub async fn job(&self, id: impl Display) -> anyhow::Result<JobView> {
+        let job = self.get_json(&format!("/v1/jobs/{id}")).await?;
+        serde_json::from_value(job.clone()).with_context(|| format!("job {id} as a view: {job}"))
+    }
+
+    /// `GET /v1/jobs` with `query` (`all=true&limit=1000`), as views.
+    pub async fn jobs(&self, query: &str) -> anyhow::Result<Vec<JobView>> {
+        let mut list = self.get_json(&format!("/v1/jobs?{query}")).await?;
+        Ok(serde_json::from_value(list["jobs"].take())?)
+    }
+
+    /// The workers the scheduler lists.
+    pub async fn workers(&self) -> anyhow::Result<Vec<Worker>> {
+        let fleet: Fleet = serde_json::from_value(self.get_json("/v1/workers").await?)?;
+        Ok(fleet.workers)
     }
 
     /// Waits until the job has reported denoising step `step` (or a later one).
-    pub async fn wait_step(&self, id: &str, step: u64, timeout: Duration) -> anyhow::Result<()> {
+    pub async fn wait_step(
+        &self,
+        id: impl Display,
+        step: u32,
+        timeout: Duration,
+    ) -> anyhow::Result<()> {
         wait_for(
             &format!("job {id} to reach step {step}"),
             timeout,
             || async {
-                let job = self.job(id).await.ok()?;
-                job["progress"]["step"]
-                    .as_u64()
-                    .filter(|s| *s >= step)
-                    .map(|_| ())
+                let job = self.job(&id).await.ok()?;
+                job.progress.filter(|p| p.step >= step).map(|_| ())
             },
         )
         .await
     }
 
     /// Waits until the job is in a final state and returns it.
-    pub async fn wait_finished(&self, id: &str, timeout: Duration) -> anyhow::Result<Value> {
+    pub async fn wait_finished(
+        &self,
+        id: impl Display,
+        timeout: Duration,
+    ) -> anyhow::Result<JobView> {
         wait_for(&format!("job {id} to finish"), timeout, || async {
-            let job = self.job(id).await.ok()?;
-            matches!(
-                job["state"].as_str(),
-                Some("completed" | "failed" | "cancelled")
-            )
-            .then_some(job)
+            let job = self.job(&id).await.ok()?;
+            job.state.is_terminal().then_some(job)
         })
         .await
         .map_err(|e| {

@@ -14,6 +14,8 @@ use vnfarm_models::esrgan::rrdbnet::MemoryFormat;
 use vnfarm_models::esrgan::tiling::{Blend, TileSettings};
 use vnfarm_models::esrgan::upscaler::{UpscaleOptions, Upscaler};
 use vnfarm_models::loading::safetensors::SafetensorsFile;
+use vnfarm_proto::ModelFamily;
+use vnfarm_proto::http::{JobState, JobView, Progress};
 use vnfarm_scheduler::scheduler::inline_image;
 use vnfarm_tests::{Farm, WorkerOptions};
 
@@ -61,8 +63,8 @@ fn esrgan_worker(with_sdxl: bool) -> WorkerOptions {
     }
 }
 
-async fn output(farm: &Farm, job: &Value) -> anyhow::Result<DynamicImage> {
-    let key = job["outputs"][0].as_str().expect("an output");
+async fn output(farm: &Farm, job: &JobView) -> anyhow::Result<DynamicImage> {
+    let key = job.outputs.first().expect("an output");
     Ok(image::load_from_memory(&farm.storage.get(key).await?)?)
 }
 
@@ -101,29 +103,31 @@ fn library_upscaler() -> anyhow::Result<Upscaler> {
 /// The job's last progress is `tiles` of `tiles`. A job dispatched twice (its first dispatch was
 /// given back under load, and the redelivery found the finished manifest) has no progress of its
 /// last run to show, which is fine.
-fn assert_tiles(job: &Value, tiles: u64) {
-    if job["progress"].is_null() && job["dispatches"].as_u64().unwrap_or(0) > 1 {
-        println!("progress not kept over a redispatch: {job}");
+fn assert_tiles(job: &JobView, tiles: u32) {
+    if job.progress.is_none() && job.dispatches > 1 {
+        println!("progress not kept over a redispatch: {job:?}");
         return;
     }
-    assert_eq!(
-        job["progress"],
-        json!({"step": tiles, "total": tiles}),
-        "{job}"
-    );
+    let all = Progress {
+        step: tiles,
+        total: tiles,
+    };
+    assert_eq!(job.progress, Some(all), "{job:?}");
 }
 
-async fn upscale(farm: &Farm, image: &[u8], scale: u32) -> anyhow::Result<Value> {
+async fn upscale(farm: &Farm, image: &[u8], scale: u32) -> anyhow::Result<JobView> {
     let input = serde_json::to_value(inline_image(image))?;
-    let (status, body) = farm
-        .submit(&json!({"schema_version": 1,
+    let id = farm
+        .submit_new(&json!({"schema_version": 1,
             "job": {"kind": "upscale", "input": input, "scale": scale}}))
         .await?;
-    assert_eq!(status, 201, "{body}");
-    let job = farm
-        .wait_finished(body["job_id"].as_str().unwrap(), FINISH)
-        .await?;
-    assert_eq!(job["state"], "completed", "{job}\n{}", farm.worker_logs());
+    let job = farm.wait_finished(id, FINISH).await?;
+    assert_eq!(
+        job.state,
+        JobState::Completed,
+        "{job:?}\n{}",
+        farm.worker_logs()
+    );
     Ok(job)
 }
 
@@ -139,12 +143,9 @@ async fn upscales_keep_alpha_grey_and_16_bits_and_match_realesrgan() -> anyhow::
     let mut farm = Farm::new("esrgan-upscale").await?;
     farm.start_scheduler().await?;
     farm.start_worker("esrgan-1", esrgan_worker(false)).await?;
-    let workers = farm.get_json("/v1/workers").await?;
-    assert_eq!(
-        workers["workers"][0]["heartbeat"]["models"],
-        json!(["esrgan"]),
-        "{workers}"
-    );
+    let workers = farm.workers().await?;
+    let models = workers[0].heartbeat.as_ref().map(|h| h.models.clone());
+    assert_eq!(models, Some(vec![ModelFamily::Esrgan]), "{workers:?}");
 
     // 37×29 fits one 64-pixel tile: Real-ESRGAN's full-frame references apply.
     let cases = [
@@ -201,7 +202,7 @@ async fn upscales_keep_alpha_grey_and_16_bits_and_match_realesrgan() -> anyhow::
     let model = fixtures().join("esrgan/tiny_x4.pth");
     let bytes = std::fs::read(&model)?;
     // `results/<job>/0.png` → `results/<job>/manifest.json`.
-    let output = job["outputs"][0].as_str().expect("an output");
+    let output = job.outputs.first().expect("an output");
     let manifest_key = output.replace("0.png", "manifest.json");
     let manifest: Value = serde_json::from_slice(&farm.storage.get(&manifest_key).await?)?;
     assert_eq!(
@@ -225,24 +226,21 @@ async fn a_pipeline_upscales_its_base_and_a_cancel_stops_between_tiles() -> anyh
     let mut farm = Farm::new("esrgan-pipeline").await?;
     farm.start_scheduler().await?;
     farm.start_worker("esrgan-2", esrgan_worker(true)).await?;
-    let (status, body) = farm
-        .submit(&json!({"schema_version": 1, "job": {"kind": "pipeline",
+    let id = farm
+        .submit_new(&json!({"schema_version": 1, "job": {"kind": "pipeline",
             "base": {"prompt": "1girl, classroom", "width": 256, "height": 256, "steps": 2, "seed": 5},
             "upscales": [{"of": "base", "scale": 2}]}}))
         .await?;
-    assert_eq!(status, 201, "{body}");
-    let pipeline = farm
-        .wait_finished(body["job_id"].as_str().unwrap(), FINISH)
-        .await?;
+    let pipeline = farm.wait_finished(id, FINISH).await?;
     assert_eq!(
-        pipeline["state"],
-        "completed",
-        "{pipeline}\n{}",
+        pipeline.state,
+        JobState::Completed,
+        "{pipeline:?}\n{}",
         farm.worker_logs()
     );
-    let children = pipeline["children"].as_array().unwrap().clone();
-    let base = output(&farm, &farm.job(children[0].as_str().unwrap()).await?).await?;
-    let upscaled = farm.job(children[1].as_str().unwrap()).await?;
+    let children = &pipeline.children;
+    let base = output(&farm, &farm.job(children[0]).await?).await?;
+    let upscaled = farm.job(children[1]).await?;
     assert_tiles(&upscaled, 16);
     let out = output(&farm, &upscaled).await?;
     assert_eq!((out.width(), out.height()), (512, 512));
@@ -271,16 +269,16 @@ async fn a_pipeline_upscales_its_base_and_a_cancel_stops_between_tiles() -> anyh
     let mut png = Vec::new();
     img.write_to(&mut std::io::Cursor::new(&mut png), image::ImageFormat::Png)?;
     let input = serde_json::to_value(inline_image(&png))?;
-    let (_, body) = farm
-        .submit(&json!({"schema_version": 1,
+    let id = farm
+        .submit_new(&json!({"schema_version": 1,
             "job": {"kind": "upscale", "input": input, "scale": 4}}))
         .await?;
-    let id = body["job_id"].as_str().unwrap().to_owned();
-    farm.wait_step(&id, 1, FINISH).await?;
-    farm.cancel(&id).await?;
-    let job = farm.wait_finished(&id, FINISH).await?;
-    assert_eq!(job["state"], "cancelled", "{job}");
-    assert!(job["progress"]["step"].as_u64().unwrap_or(0) < 256, "{job}");
+    farm.wait_step(id, 1, FINISH).await?;
+    farm.cancel(id).await?;
+    let job = farm.wait_finished(id, FINISH).await?;
+    assert_eq!(job.state, JobState::Cancelled, "{job:?}");
+    let step = job.progress.as_ref().map_or(0, |p| p.step);
+    assert!(step < 256, "{job:?}");
     assert!(
         farm.storage
             .list(&format!("results/{id}/"))

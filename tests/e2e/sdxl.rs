@@ -10,6 +10,8 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use tch::{Device, Kind};
 use vnfarm_models::loading::safetensors::SafetensorsFile;
+use vnfarm_proto::ModelFamily;
+use vnfarm_proto::http::{JobState, JobView};
 use vnfarm_tests::{Farm, WorkerOptions, wait_for};
 
 use crate::FINISH;
@@ -137,10 +139,10 @@ impl Reference {
     }
 }
 
-async fn output_pngs(farm: &Farm, job: &Value) -> anyhow::Result<Vec<Vec<u8>>> {
+async fn output_pngs(farm: &Farm, job: &JobView) -> anyhow::Result<Vec<Vec<u8>>> {
     let mut pngs = Vec::new();
-    for key in job["outputs"].as_array().unwrap() {
-        pngs.push(farm.storage.get(key.as_str().unwrap()).await?.to_vec());
+    for key in &job.outputs {
+        pngs.push(farm.storage.get(key).await?.to_vec());
     }
     Ok(pngs)
 }
@@ -157,23 +159,26 @@ async fn generate_jobs_on_the_sdxl_engine_match_diffusers() -> anyhow::Result<()
     farm.start_worker("sdxl-1", sdxl_worker(&checkpoint, 1))
         .await?;
     println!("worker ready {:?} after the start", started.elapsed());
-    let workers = farm.get_json("/v1/workers").await?;
+    let workers = farm.workers().await?;
     assert_eq!(
-        workers["workers"][0]["heartbeat"]["models"],
-        json!(["sdxl"]),
-        "a tch worker advertises only the models it loaded: {workers}"
+        workers[0].heartbeat.as_ref().map(|h| h.models.clone()),
+        Some(vec![ModelFamily::Sdxl]),
+        "a tch worker advertises only the models it loaded: {workers:?}"
     );
 
     // Euler ancestral draws fresh noise every step, from each image's own generator.
     let mut jobs = Vec::new();
     for case in ["w_euler_a", "w_dpmpp"] {
-        let (status, body) = farm.submit(&reference.submission(case)).await?;
-        assert_eq!(status, 201, "{body}");
-        jobs.push((case, body["job_id"].as_str().unwrap().to_owned()));
+        jobs.push((case, farm.submit_new(&reference.submission(case)).await?));
     }
     for (case, id) in &jobs {
         let job = farm.wait_finished(id, FINISH).await?;
-        assert_eq!(job["state"], "completed", "{job}\n{}", farm.worker_logs());
+        assert_eq!(
+            job.state,
+            JobState::Completed,
+            "{job:?}\n{}",
+            farm.worker_logs()
+        );
         println!("{case}: finished {:?} after the start", started.elapsed());
         let pngs = output_pngs(&farm, &job).await?;
         let count = reference.submission(case)["job"]["count"].as_u64().unwrap();
@@ -190,6 +195,7 @@ async fn generate_jobs_on_the_sdxl_engine_match_diffusers() -> anyhow::Result<()
 
     // Progress after every denoising step, counted over the job's batches.
     let (case, id) = &jobs[0];
+    let id = id.to_string();
     let steps = reference.submission(case)["job"]["steps"].as_u64().unwrap();
     let events = farm
         .collect_events(FINISH, |evs| {
@@ -219,14 +225,12 @@ async fn cancelling_a_generate_stops_it_between_steps() -> anyhow::Result<()> {
         .await?;
     let mut long = reference.submission("w_dpmpp");
     long["job"]["steps"] = json!(150);
-    let (status, body) = farm.submit(&long).await?;
-    assert_eq!(status, 201, "{body}");
-    let id = body["job_id"].as_str().unwrap().to_owned();
-    farm.wait_step(&id, 1, FINISH).await?;
-    farm.cancel(&id).await?;
-    let job = farm.wait_finished(&id, FINISH).await?;
-    assert_eq!(job["state"], "cancelled", "{job}");
-    let step = job["progress"]["step"].as_u64().unwrap_or(0);
+    let id = farm.submit_new(&long).await?;
+    farm.wait_step(id, 1, FINISH).await?;
+    farm.cancel(id).await?;
+    let job = farm.wait_finished(id, FINISH).await?;
+    assert_eq!(job.state, JobState::Cancelled, "{job:?}");
+    let step = job.progress.as_ref().map_or(0, |p| p.step);
     assert!(step < 150, "stopped at step {step} of 150");
     assert!(
         farm.storage
@@ -236,11 +240,9 @@ async fn cancelling_a_generate_stops_it_between_steps() -> anyhow::Result<()> {
         "a cancelled job leaves nothing in storage"
     );
     // The engine is free again.
-    let (_, body) = farm.submit(&reference.submission("w_dpmpp")).await?;
-    let next = farm
-        .wait_finished(body["job_id"].as_str().unwrap(), FINISH)
-        .await?;
-    assert_eq!(next["state"], "completed", "{next}");
+    let next = farm.submit_new(&reference.submission("w_dpmpp")).await?;
+    let next = farm.wait_finished(next, FINISH).await?;
+    assert_eq!(next.state, JobState::Completed, "{next:?}");
     Ok(())
 }
 
@@ -263,8 +265,8 @@ async fn a_worker_with_a_broken_checkpoint_exits_naming_the_file() -> anyhow::Re
         log.contains("truncated.safetensors") && log.contains("truncated:"),
         "the error names the file and the problem:\n{log}"
     );
-    let workers = farm.get_json("/v1/workers").await?;
-    assert_eq!(workers["workers"], json!([]), "it never registered");
+    let workers = farm.workers().await?;
+    assert!(workers.is_empty(), "it never registered: {workers:?}");
     Ok(())
 }
 
@@ -305,10 +307,8 @@ async fn generate_jobs_with_loras_match_diffusers_and_leave_the_base_as_it_was()
     let run = |submission: Value| {
         let farm = &farm;
         async move {
-            let (status, body) = farm.submit(&submission).await?;
-            anyhow::ensure!(status == 201, "{body}");
-            let id = body["job_id"].as_str().unwrap().to_owned();
-            let job = farm.wait_finished(&id, FINISH).await?;
+            let id = farm.submit_new(&submission).await?;
+            let job = farm.wait_finished(id, FINISH).await?;
             anyhow::Ok((id, job))
         }
     };
@@ -328,7 +328,12 @@ async fn generate_jobs_with_loras_match_diffusers_and_leave_the_base_as_it_was()
             "w_dpmpp"
         };
         let (id, job) = run(submission).await?;
-        assert_eq!(job["state"], "completed", "{job}\n{}", farm.worker_logs());
+        assert_eq!(
+            job.state,
+            JobState::Completed,
+            "{job:?}\n{}",
+            farm.worker_logs()
+        );
         let pngs = output_pngs(&farm, &job).await?;
         let mae = reference.mae(case, 0, &pngs[0]);
         println!("{name}: mean abs difference {mae:.4}/255 from diffusers");
@@ -338,7 +343,6 @@ async fn generate_jobs_with_loras_match_diffusers_and_leave_the_base_as_it_was()
             let text = parameters(&pngs[0]);
             assert!(text.contains("horse <lora:kohya:0.8>\n"), "{text}");
             assert!(text.contains("Lora hashes: \"kohya: "), "{text}");
-            let id: vnfarm_proto::JobId = id.parse()?;
             let manifest: vnfarm_proto::Manifest = vnfarm_proto::decode_json(
                 &farm
                     .storage
@@ -366,13 +370,13 @@ async fn generate_jobs_with_loras_match_diffusers_and_leave_the_base_as_it_was()
         let mut submission = base.submission("w_dpmpp");
         submission["job"]["loras"] = json!([{"name": lora}]);
         let (_, job) = run(submission).await?;
-        assert_eq!(job["state"], "failed", "{job}");
-        let message = job["failure"]["message"].as_str().unwrap_or_default();
-        assert!(message.contains(names), "{lora}: {job}");
+        assert_eq!(job.state, JobState::Failed, "{job:?}");
+        let message = job.failure.as_ref().map_or("", |f| f.message.as_str());
+        assert!(message.contains(names), "{lora}: {job:?}");
     }
     // The worker still serves, from the base weights.
     let (_, job) = run(base.submission("w_dpmpp")).await?;
-    assert_eq!(job["state"], "completed", "{job}");
+    assert_eq!(job.state, JobState::Completed, "{job:?}");
     let mae = base.mae("w_dpmpp", 0, &output_pngs(&farm, &job).await?[0]);
     assert!(mae <= 1.0, "after the failures: {mae:.3}/255");
     Ok(())

@@ -14,6 +14,7 @@ use anyhow::{Context, bail, ensure};
 use fantoccini::{Client, Locator};
 use futures::StreamExt;
 use serde_json::{Value, json};
+use vnfarm_proto::http::JobState;
 use vnfarm_tests::{Farm, WorkerOptions, bin_dir, free_port, png_bytes, wait_for};
 
 use crate::FINISH;
@@ -447,7 +448,7 @@ async fn the_api_answers_as_its_document_says() -> anyhow::Result<()> {
         )?;
     }
     let job = farm.wait_finished(&id, FINISH).await?;
-    ensure!(job["state"] == "completed", "{job}");
+    ensure!(job.state == JobState::Completed, "{job:?}");
     let (status, job) = c
         .call(h.get(url(&format!("/v1/jobs/{id}"))), "/v1/jobs/{id}")
         .await?;
@@ -615,7 +616,7 @@ async fn the_api_answers_as_its_document_says() -> anyhow::Result<()> {
     ensure!(status == 201, "{body}");
     let edit_id = body["job_id"].as_str().context("job_id")?.to_owned();
     let done = farm.wait_finished(&edit_id, FINISH).await?;
-    ensure!(done["state"] == "completed", "{done}");
+    ensure!(done.state == JobState::Completed, "{done:?}");
 
     // Cancel: finished and unknown jobs are refused by name.
     let (status, body) = c
