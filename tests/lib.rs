@@ -303,6 +303,15 @@ impl Default for WorkerOptions {
     }
 }
 
+impl WorkerOptions {
+    /// These options with `env` added to the worker's settings (later ones win, for a process and
+    /// for an in-process worker alike).
+    pub fn with_env(mut self, env: impl IntoIterator<Item = (String, String)>) -> Self {
+        self.extra_env.extend(env);
+        self
+    }
+}
+
 /// The scheduler's answer to a submission: the job it made (or the one of the same key), or why
 /// it refused.
 pub type Reply = Result<Submitted, ErrorBody>;
@@ -711,6 +720,21 @@ impl Farm {
             .error_for_status()?
             .text()
             .await?)
+    }
+
+    /// Submits a job that must be new and waits until it is in a final state (whichever).
+    pub async fn run(&self, body: &Value, timeout: Duration) -> anyhow::Result<JobView> {
+        let id = self.submit_new(body).await?;
+        self.wait_finished(id, timeout).await
+    }
+
+    /// The bytes of each of a job's outputs, in order, from storage.
+    pub async fn outputs(&self, job: &JobView) -> anyhow::Result<Vec<bytes::Bytes>> {
+        let mut outputs = Vec::with_capacity(job.outputs.len());
+        for key in &job.outputs {
+            outputs.push(self.storage.get(key).await?);
+        }
+        Ok(outputs)
     }
 
     /// A job the registry holds, as the API's view.

@@ -5,8 +5,6 @@
 //! the SDXL base it follows; progress counts tiles; a cancel stops between tiles; the manifest names
 //! the network's file by its sha256 and size.
 
-use std::path::{Path, PathBuf};
-
 use image::DynamicImage;
 use serde_json::{Value, json};
 use tch::{Device, Kind};
@@ -20,52 +18,36 @@ use vnfarm_scheduler::scheduler::inline_image;
 use vnfarm_tests::{Farm, WorkerOptions};
 
 use crate::FINISH;
-
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../worker/models/fixtures")
-}
+use crate::engines::{engine_env, models, sdxl_folder, tiny_sdxl};
 
 /// The tiny ×4 model with 64-pixel tiles and a 16-pixel overlap, feathered; optionally SDXL too.
 fn esrgan_worker(with_sdxl: bool) -> WorkerOptions {
-    let mut env: Vec<(String, String)> = [
-        (
-            "MODEL",
-            fixtures().join("esrgan/tiny_x4.pth").display().to_string(),
-        ),
-        ("DEVICE", "cpu".into()),
-        ("DTYPE", "fp32".into()),
-        ("SETTINGS__TILE", "64".into()),
-        ("SETTINGS__TILE_OVERLAP", "16".into()),
-    ]
-    .into_iter()
-    .map(|(k, v)| (format!("VNFARM_ENGINE__ESRGAN__{k}"), v))
-    .collect();
-    if with_sdxl {
-        env.extend(
-            [
-                (
-                    "CHECKPOINT",
-                    fixtures().join("sdxl/sdxl_tiny").display().to_string(),
-                ),
-                ("DEVICE", "cpu".into()),
-                ("DTYPE", "fp32".into()),
-                ("VAE_DTYPE", "fp32".into()),
-                ("WARM_UP", "[[256, 256]]".into()),
-                ("VAE_TILING", "never".into()),
-            ]
-            .into_iter()
-            .map(|(k, v)| (format!("VNFARM_ENGINE__SDXL__{k}"), v.to_string())),
-        );
-    }
-    WorkerOptions {
-        extra_env: env,
-        ..WorkerOptions::default()
-    }
+    let esrgan = engine_env(
+        "ESRGAN",
+        [
+            (
+                "MODEL",
+                models().join("esrgan/tiny_x4.pth").display().to_string(),
+            ),
+            ("DEVICE", "cpu".into()),
+            ("DTYPE", "fp32".into()),
+            ("SETTINGS__TILE", "64".into()),
+            ("SETTINGS__TILE_OVERLAP", "16".into()),
+        ],
+    );
+    let sdxl = if with_sdxl {
+        tiny_sdxl(&sdxl_folder())
+    } else {
+        Vec::new()
+    };
+    WorkerOptions::default().with_env(esrgan).with_env(sdxl)
 }
 
 async fn output(farm: &Farm, job: &JobView) -> anyhow::Result<DynamicImage> {
-    let key = job.outputs.first().expect("an output");
-    Ok(image::load_from_memory(&farm.storage.get(key).await?)?)
+    let outputs = farm.outputs(job).await?;
+    Ok(image::load_from_memory(
+        outputs.first().expect("an output"),
+    )?)
 }
 
 /// The image's samples against a reference tensor of the fixture (`[H, W, C]` or `[H, W]`):
@@ -92,7 +74,7 @@ fn max_diff(img: &DynamicImage, reference: &tch::Tensor) -> i64 {
 /// The tiny model as the worker runs it (its default memory format, channels-last).
 fn library_upscaler() -> anyhow::Result<Upscaler> {
     let mut up = Upscaler::load(
-        &fixtures().join("esrgan/tiny_x4.pth"),
+        &models().join("esrgan/tiny_x4.pth"),
         Device::Cpu,
         Kind::Float,
     )?;
@@ -117,11 +99,13 @@ fn assert_tiles(job: &JobView, tiles: u32) {
 
 async fn upscale(farm: &Farm, image: &[u8], scale: u32) -> anyhow::Result<JobView> {
     let input = serde_json::to_value(inline_image(image))?;
-    let id = farm
-        .submit_new(&json!({"schema_version": 1,
-            "job": {"kind": "upscale", "input": input, "scale": scale}}))
+    let job = farm
+        .run(
+            &json!({"schema_version": 1,
+                "job": {"kind": "upscale", "input": input, "scale": scale}}),
+            FINISH,
+        )
         .await?;
-    let job = farm.wait_finished(id, FINISH).await?;
     assert_eq!(
         job.state,
         JobState::Completed,
@@ -133,19 +117,19 @@ async fn upscale(farm: &Farm, image: &[u8], scale: u32) -> anyhow::Result<JobVie
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn upscales_keep_alpha_grey_and_16_bits_and_match_realesrgan() -> anyhow::Result<()> {
-    let reference = SafetensorsFile::open(fixtures().join("esrgan/reference/esrgan.safetensors"))?;
+    let reference = SafetensorsFile::open(models().join("esrgan/reference/esrgan.safetensors"))?;
     let want = |name: &str| {
         reference
             .load(name, Device::Cpu, Kind::Int64)
             .expect("reference image")
     };
-    let inputs = fixtures().join("esrgan/inputs");
-    let mut farm = Farm::new("esrgan-upscale").await?;
+    let inputs = models().join("esrgan/inputs");
+    let mut farm = Farm::in_process("esrgan-upscale").await?;
     farm.start_scheduler().await?;
     farm.start_worker("esrgan-1", esrgan_worker(false)).await?;
     let workers = farm.workers().await?;
-    let models = workers[0].heartbeat.as_ref().map(|h| h.models.clone());
-    assert_eq!(models, Some(vec![ModelFamily::Esrgan]), "{workers:?}");
+    let loaded = workers[0].heartbeat.as_ref().map(|h| h.models.clone());
+    assert_eq!(loaded, Some(vec![ModelFamily::Esrgan]), "{workers:?}");
 
     // 37×29 fits one 64-pixel tile: Real-ESRGAN's full-frame references apply.
     let cases = [
@@ -199,7 +183,7 @@ async fn upscales_keep_alpha_grey_and_16_bits_and_match_realesrgan() -> anyhow::
     );
 
     // Provenance through the real engine: the manifest names the network's file by its bytes.
-    let model = fixtures().join("esrgan/tiny_x4.pth");
+    let model = models().join("esrgan/tiny_x4.pth");
     let bytes = std::fs::read(&model)?;
     // `results/<job>/0.png` → `results/<job>/manifest.json`.
     let output = job.outputs.first().expect("an output");
@@ -223,15 +207,17 @@ async fn upscales_keep_alpha_grey_and_16_bits_and_match_realesrgan() -> anyhow::
 /// upscale cancelled between tiles.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pipeline_upscales_its_base_and_a_cancel_stops_between_tiles() -> anyhow::Result<()> {
-    let mut farm = Farm::new("esrgan-pipeline").await?;
+    let mut farm = Farm::in_process("esrgan-pipeline").await?;
     farm.start_scheduler().await?;
     farm.start_worker("esrgan-2", esrgan_worker(true)).await?;
-    let id = farm
-        .submit_new(&json!({"schema_version": 1, "job": {"kind": "pipeline",
-            "base": {"prompt": "1girl, classroom", "width": 256, "height": 256, "steps": 2, "seed": 5},
-            "upscales": [{"of": "base", "scale": 2}]}}))
+    let pipeline = farm
+        .run(
+            &json!({"schema_version": 1, "job": {"kind": "pipeline",
+                "base": {"prompt": "1girl, classroom", "width": 256, "height": 256, "steps": 2, "seed": 5},
+                "upscales": [{"of": "base", "scale": 2}]}}),
+            FINISH,
+        )
         .await?;
-    let pipeline = farm.wait_finished(id, FINISH).await?;
     assert_eq!(
         pipeline.state,
         JobState::Completed,

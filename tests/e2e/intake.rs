@@ -27,7 +27,7 @@ async fn all_jobs(farm: &Farm) -> anyhow::Result<BTreeMap<JobId, JobState>> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn same_key_submissions_sent_together_make_one_job() -> anyhow::Result<()> {
-    let mut farm = Farm::new("same-key").await?;
+    let mut farm = Farm::in_process("same-key").await?;
     farm.start_scheduler().await?;
     let amqp = farm.connect_amqp().await?;
     let channel = amqp.create_channel().await?;

@@ -5,6 +5,7 @@
 mod batches;
 mod check;
 mod deploy;
+mod engines;
 mod esrgan;
 mod failures;
 mod fleet;

@@ -181,7 +181,7 @@ impl Drop for Installation {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_rabbitmq_role_does_its_work_and_nothing_else() -> anyhow::Result<()> {
-    let mut farm = Farm::new("permissions").await?;
+    let mut farm = Farm::in_process("permissions").await?;
     let installation = Installation::import(&farm.prefix).await?;
     let t = Topology::new(farm.prefix.clone());
     let box1: WorkerId = "box-1".parse().expect("a worker id");

@@ -5,8 +5,6 @@
 //! images with two inputs, the encode cache in heartbeats, encodings shared between workers
 //! through storage, and cancellation between steps.
 
-use std::path::{Path, PathBuf};
-
 use serde_json::{Value, json};
 use tch::{Device, Kind};
 use vnfarm_models::loading::safetensors::SafetensorsFile;
@@ -16,27 +14,13 @@ use vnfarm_scheduler::scheduler::inline_image;
 use vnfarm_tests::{Farm, WorkerOptions};
 
 use crate::FINISH;
-
-fn models() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../worker/models/fixtures")
-}
+use crate::engines::{engine_env, models, sdxl_folder, tiny_sdxl};
 
 /// One worker with the tiny SDXL (diffusers folder) and the tiny Qwen edit model (ComfyUI-style
 /// single files, written from the tiny diffusers folder at test time and sized by its configs), on
 /// the CPU in fp32.
 fn farm_worker(condition_area: u64, vae_area: u64, scheduler: &str) -> WorkerOptions {
     let qwen = models().join("qwen");
-    let sdxl = [
-        (
-            "CHECKPOINT",
-            models().join("sdxl/sdxl_tiny").display().to_string(),
-        ),
-        ("DEVICE", "cpu".into()),
-        ("DTYPE", "fp32".into()),
-        ("VAE_DTYPE", "fp32".into()),
-        ("WARM_UP", "[[256, 256]]".into()),
-        ("VAE_TILING", "never".into()),
-    ];
     let qwen_edit = [
         (
             "TRANSFORMER",
@@ -68,19 +52,9 @@ fn farm_worker(condition_area: u64, vae_area: u64, scheduler: &str) -> WorkerOpt
         ("VAE_IMAGE_AREA", vae_area.to_string()),
         ("WARM_UP", "[[256, 256]]".into()),
     ];
-    let env = sdxl
-        .into_iter()
-        .map(|(k, v)| (format!("VNFARM_ENGINE__SDXL__{k}"), v))
-        .chain(
-            qwen_edit
-                .into_iter()
-                .map(|(k, v)| (format!("VNFARM_ENGINE__QWEN_EDIT__{k}"), v)),
-        )
-        .collect();
-    WorkerOptions {
-        extra_env: env,
-        ..WorkerOptions::default()
-    }
+    WorkerOptions::default()
+        .with_env(tiny_sdxl(&sdxl_folder()))
+        .with_env(engine_env("QWEN_EDIT", qwen_edit))
 }
 
 /// Mean absolute difference, in 1/255 units, of `png` and the float image `name` of `file`.
@@ -92,8 +66,8 @@ fn mae(file: &SafetensorsFile, name: &str, png: &[u8]) -> f64 {
 }
 
 async fn png(farm: &Farm, job: &JobView) -> anyhow::Result<Vec<u8>> {
-    let key = job.outputs.first().expect("an output");
-    Ok(farm.storage.get(key).await?.to_vec())
+    let outputs = farm.outputs(job).await?;
+    Ok(outputs.first().expect("an output").to_vec())
 }
 
 /// The keys of the encode cache the first worker's last heartbeat lists.
@@ -128,8 +102,7 @@ async fn a_pipeline_runs_on_sdxl_then_qwen_edits_and_matches_diffusers() -> anyh
         "one worker holds both models warm: {workers:?}"
     );
 
-    let id = farm.submit_new(&meta["submission"]).await?;
-    let pipeline = farm.wait_finished(id, FINISH).await?;
+    let pipeline = farm.run(&meta["submission"], FINISH).await?;
     assert_eq!(
         pipeline.state,
         JobState::Completed,
@@ -189,8 +162,7 @@ async fn a_pipeline_runs_on_sdxl_then_qwen_edits_and_matches_diffusers() -> anyh
     let base_spec = &meta["submission"]["job"]["base"];
     again["job"]["width"] = base_spec["width"].clone();
     again["job"]["height"] = base_spec["height"].clone();
-    let rerun = farm.submit_new(&again).await?;
-    let rerun = farm.wait_finished(rerun, FINISH).await?;
+    let rerun = farm.run(&again, FINISH).await?;
     assert_eq!(
         rerun.state,
         JobState::Completed,
@@ -222,18 +194,20 @@ async fn edits_of_uploaded_images_take_two_inputs_and_cancel_between_steps() -> 
     let inputs = models().join("qwen/inputs");
     let a = std::fs::read(inputs.join("a_48x40.png"))?;
     let b = std::fs::read(inputs.join("b_32x56.png"))?;
-    let mut farm = Farm::new("qwen-edit").await?;
+    let mut farm = Farm::in_process("qwen-edit").await?;
     farm.start_scheduler().await?;
     farm.start_worker("studio-2", farm_worker(56 * 56, 64 * 64, "model"))
         .await?;
     let inline = |bytes: &[u8]| serde_json::to_value(inline_image(bytes)).expect("an ImageRef");
-    let id = farm
-        .submit_new(&json!({"schema_version": 1, "job": {"kind": "edit",
-            "inputs": [inline(&a), inline(&b)],
-            "instruction": "put the hat from picture 2 on her",
-            "width": 256, "height": 256, "steps": 2, "seed": 11}}))
+    let job = farm
+        .run(
+            &json!({"schema_version": 1, "job": {"kind": "edit",
+                "inputs": [inline(&a), inline(&b)],
+                "instruction": "put the hat from picture 2 on her",
+                "width": 256, "height": 256, "steps": 2, "seed": 11}}),
+            FINISH,
+        )
         .await?;
-    let job = farm.wait_finished(id, FINISH).await?;
     assert_eq!(
         job.state,
         JobState::Completed,

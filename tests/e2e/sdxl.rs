@@ -11,15 +11,11 @@ use serde_json::{Value, json};
 use tch::{Device, Kind};
 use vnfarm_models::loading::safetensors::SafetensorsFile;
 use vnfarm_proto::ModelFamily;
-use vnfarm_proto::http::{JobState, JobView};
+use vnfarm_proto::http::JobState;
 use vnfarm_tests::{Farm, WorkerOptions, wait_for};
 
 use crate::FINISH;
-
-/// The model crate's fixture folder.
-fn models() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../worker/models/fixtures")
-}
+use crate::engines::{engine_env, models, tiny_sdxl};
 
 fn fixtures() -> PathBuf {
     models().join("sdxl")
@@ -30,30 +26,22 @@ fn ldm_checkpoint() -> PathBuf {
     crate::derived::sdxl_tiny_ldm(&models())
 }
 
-/// A worker serving SDXL from `checkpoint` on the CPU in fp32 (the precision of the references).
+/// A worker serving the tiny SDXL from `checkpoint` (see [`tiny_sdxl`]).
 fn sdxl_worker(checkpoint: &Path, max_batch: u32) -> WorkerOptions {
-    let env = [
-        ("CHECKPOINT", checkpoint.display().to_string()),
-        // The tiny model's component sizes and 1000-token tokenizers.
-        (
-            "CONFIG_DIR",
-            fixtures().join("sdxl_tiny").display().to_string(),
-        ),
-        ("DEVICE", "cpu".into()),
-        ("DTYPE", "fp32".into()),
-        ("VAE_DTYPE", "fp32".into()),
-        ("WARM_UP", "[[256, 256]]".into()),
-        // diffusers made the references without VAE tiling (the tiny VAE would tile above 128 px).
-        ("VAE_TILING", "never".into()),
-        ("MAX_BATCH", max_batch.to_string()),
-    ];
-    WorkerOptions {
-        extra_env: env
-            .into_iter()
-            .map(|(k, v)| (format!("VNFARM_ENGINE__SDXL__{k}"), v))
-            .collect(),
-        ..WorkerOptions::default()
-    }
+    let sizes = engine_env(
+        "SDXL",
+        [
+            // The tiny model's component sizes and 1000-token tokenizers.
+            (
+                "CONFIG_DIR",
+                fixtures().join("sdxl_tiny").display().to_string(),
+            ),
+            ("MAX_BATCH", max_batch.to_string()),
+        ],
+    );
+    WorkerOptions::default()
+        .with_env(tiny_sdxl(checkpoint))
+        .with_env(sizes)
 }
 
 /// diffusers' reference images and the parameters that made them (see
@@ -139,19 +127,11 @@ impl Reference {
     }
 }
 
-async fn output_pngs(farm: &Farm, job: &JobView) -> anyhow::Result<Vec<Vec<u8>>> {
-    let mut pngs = Vec::new();
-    for key in &job.outputs {
-        pngs.push(farm.storage.get(key).await?.to_vec());
-    }
-    Ok(pngs)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn generate_jobs_on_the_sdxl_engine_match_diffusers() -> anyhow::Result<()> {
     let started = std::time::Instant::now();
     let reference = Reference::open();
-    let mut farm = Farm::new("sdxl").await?;
+    let mut farm = Farm::in_process("sdxl").await?;
     farm.start_scheduler().await?;
     // One image per UNet forward: a job of two images runs as two batches and image n must still
     // get seed + n.
@@ -180,7 +160,7 @@ async fn generate_jobs_on_the_sdxl_engine_match_diffusers() -> anyhow::Result<()
             farm.worker_logs()
         );
         println!("{case}: finished {:?} after the start", started.elapsed());
-        let pngs = output_pngs(&farm, &job).await?;
+        let pngs = farm.outputs(&job).await?;
         let count = reference.submission(case)["job"]["count"].as_u64().unwrap();
         assert_eq!(pngs.len() as u64, count, "{case}: one PNG per image");
         for (n, png) in pngs.iter().enumerate() {
@@ -218,7 +198,7 @@ async fn generate_jobs_on_the_sdxl_engine_match_diffusers() -> anyhow::Result<()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancelling_a_generate_stops_it_between_steps() -> anyhow::Result<()> {
     let reference = Reference::open();
-    let mut farm = Farm::new("sdxl-cancel").await?;
+    let mut farm = Farm::in_process("sdxl-cancel").await?;
     farm.start_scheduler().await?;
     let checkpoint = ldm_checkpoint();
     farm.start_worker("sdxl-c", sdxl_worker(&checkpoint, 4))
@@ -240,8 +220,7 @@ async fn cancelling_a_generate_stops_it_between_steps() -> anyhow::Result<()> {
         "a cancelled job leaves nothing in storage"
     );
     // The engine is free again.
-    let next = farm.submit_new(&reference.submission("w_dpmpp")).await?;
-    let next = farm.wait_finished(next, FINISH).await?;
+    let next = farm.run(&reference.submission("w_dpmpp"), FINISH).await?;
     assert_eq!(next.state, JobState::Completed, "{next:?}");
     Ok(())
 }
@@ -293,7 +272,7 @@ async fn generate_jobs_with_loras_match_diffusers_and_leave_the_base_as_it_was()
 -> anyhow::Result<()> {
     let base = Reference::open();
     let loras = Reference::loras();
-    let mut farm = Farm::new("sdxl-lora").await?;
+    let mut farm = Farm::in_process("sdxl-lora").await?;
     farm.start_scheduler().await?;
     let checkpoint = ldm_checkpoint();
     let mut worker = sdxl_worker(&checkpoint, 4);
@@ -304,14 +283,6 @@ async fn generate_jobs_with_loras_match_diffusers_and_leave_the_base_as_it_was()
     farm.start_worker("sdxl-l", worker).await?;
 
     // One job at a time, so that each runs with the weights the previous one left.
-    let run = |submission: Value| {
-        let farm = &farm;
-        async move {
-            let id = farm.submit_new(&submission).await?;
-            let job = farm.wait_finished(id, FINISH).await?;
-            anyhow::Ok((id, job))
-        }
-    };
     let lora_job = loras.submission("e2e_kohya");
     assert_eq!(
         lora_job["job"]["loras"],
@@ -327,14 +298,14 @@ async fn generate_jobs_with_loras_match_diffusers_and_leave_the_base_as_it_was()
         } else {
             "w_dpmpp"
         };
-        let (id, job) = run(submission).await?;
+        let job = farm.run(&submission, FINISH).await?;
         assert_eq!(
             job.state,
             JobState::Completed,
             "{job:?}\n{}",
             farm.worker_logs()
         );
-        let pngs = output_pngs(&farm, &job).await?;
+        let pngs = farm.outputs(&job).await?;
         let mae = reference.mae(case, 0, &pngs[0]);
         println!("{name}: mean abs difference {mae:.4}/255 from diffusers");
         assert!(mae <= 1.0, "{name}: {mae:.3}/255 from diffusers");
@@ -346,7 +317,7 @@ async fn generate_jobs_with_loras_match_diffusers_and_leave_the_base_as_it_was()
             let manifest: vnfarm_proto::Manifest = vnfarm_proto::decode_json(
                 &farm
                     .storage
-                    .get(&vnfarm_proto::topology::manifest_key(id))
+                    .get(&vnfarm_proto::topology::manifest_key(job.id))
                     .await?,
             )?;
             let lora = manifest
@@ -369,15 +340,15 @@ async fn generate_jobs_with_loras_match_diffusers_and_leave_the_base_as_it_was()
     ] {
         let mut submission = base.submission("w_dpmpp");
         submission["job"]["loras"] = json!([{"name": lora}]);
-        let (_, job) = run(submission).await?;
+        let job = farm.run(&submission, FINISH).await?;
         assert_eq!(job.state, JobState::Failed, "{job:?}");
         let message = job.failure.as_ref().map_or("", |f| f.message.as_str());
         assert!(message.contains(names), "{lora}: {job:?}");
     }
     // The worker still serves, from the base weights.
-    let (_, job) = run(base.submission("w_dpmpp")).await?;
+    let job = farm.run(&base.submission("w_dpmpp"), FINISH).await?;
     assert_eq!(job.state, JobState::Completed, "{job:?}");
-    let mae = base.mae("w_dpmpp", 0, &output_pngs(&farm, &job).await?[0]);
+    let mae = base.mae("w_dpmpp", 0, &farm.outputs(&job).await?[0]);
     assert!(mae <= 1.0, "after the failures: {mae:.3}/255");
     Ok(())
 }
