@@ -28,7 +28,7 @@ use futures::StreamExt;
 use in_process::InProcess;
 use serde_json::Value;
 use vnfarm_proto::JobId;
-use vnfarm_proto::http::{ErrorBody, Fleet, JobView, Submitted, Worker};
+use vnfarm_proto::http::{ErrorBody, Fleet, JobAnswer, JobView, Submitted, Worker};
 use vnfarm_storage::{Storage, StorageConfig};
 
 pub const S3_KEY: &str = "vnfarm-test";
@@ -749,6 +749,13 @@ impl Farm {
         Ok(serde_json::from_value(list["jobs"].take())?)
     }
 
+    /// A job as `GET /v1/jobs/{id}` answers it: the registry's view, or an archived job's.
+    pub async fn job_answer(&self, id: impl Display) -> anyhow::Result<JobAnswer> {
+        Ok(serde_json::from_value(
+            self.get_json(&format!("/v1/jobs/{id}")).await?,
+        )?)
+    }
+
     /// The workers the scheduler lists.
     pub async fn workers(&self) -> anyhow::Result<Vec<Worker>> {
         let fleet: Fleet = serde_json::from_value(self.get_json("/v1/workers").await?)?;
@@ -773,7 +780,8 @@ impl Farm {
         .await
     }
 
-    /// Waits until the job is in a final state and returns it.
+    /// Waits until the job is in a final state and returns it: for a job the registry holds (see
+    /// [`Farm::wait_finished_or_archived`] where retention may have archived it).
     pub async fn wait_finished(
         &self,
         id: impl Display,
@@ -791,6 +799,19 @@ impl Farm {
                 self.worker_logs()
             ))
         })
+    }
+
+    /// Waits until the job is in a final state, as the registry's view or as an archived job.
+    pub async fn wait_finished_or_archived(
+        &self,
+        id: impl Display,
+        timeout: Duration,
+    ) -> anyhow::Result<JobAnswer> {
+        wait_for(&format!("job {id} to finish"), timeout, || async {
+            let job = self.job_answer(&id).await.ok()?;
+            job.state().is_terminal().then_some(job)
+        })
+        .await
     }
 
     pub fn worker_logs(&self) -> String {

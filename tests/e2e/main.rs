@@ -4,6 +4,7 @@
 
 mod batches;
 mod check;
+mod cli;
 mod deploy;
 mod engines;
 mod esrgan;
