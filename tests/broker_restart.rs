@@ -4,21 +4,20 @@
 
 use std::time::Duration;
 
-use serde_json::{Value, json};
+use serde_json::json;
+use vnfarm_proto::JobId;
+use vnfarm_proto::http::JobState;
 use vnfarm_tests::{Farm, WorkerOptions, restart_rabbitmq};
 
 const FINISH: Duration = Duration::from_secs(120);
 
-async fn submit(farm: &Farm, prompt: &str, steps: u32) -> anyhow::Result<String> {
-    let (status, body) = farm
-        .submit(&json!({"schema_version": 1, "job": {
-            "kind": "generate", "prompt": prompt, "steps": steps, "width": 512, "height": 512}}))
-        .await?;
-    anyhow::ensure!(status == 201, "submit: {status} {body}");
-    Ok(body["job_id"].as_str().unwrap().to_owned())
+async fn submit(farm: &Farm, prompt: &str, steps: u32) -> anyhow::Result<JobId> {
+    farm.submit_new(&json!({"schema_version": 1, "job": {
+        "kind": "generate", "prompt": prompt, "steps": steps, "width": 512, "height": 512}}))
+        .await
 }
 
-async fn outputs(farm: &Farm, id: &str) -> anyhow::Result<Vec<String>> {
+async fn outputs(farm: &Farm, id: JobId) -> anyhow::Result<Vec<String>> {
     let mut keys = farm.storage.list(&format!("results/{id}/")).await?;
     keys.sort();
     Ok(keys)
@@ -37,20 +36,20 @@ async fn a_broker_restart_mid_job_loses_nothing() -> anyhow::Result<()> {
     )
     .await?;
     let id = submit(&farm, "before the restart", 40).await?;
-    farm.wait_step(&id, 2, FINISH).await?;
+    farm.wait_step(id, 2, FINISH).await?;
 
     restart_rabbitmq(Duration::from_secs(2)).await?;
 
-    let job: Value = farm.wait_finished(&id, FINISH).await?;
+    let job = farm.wait_finished(id, FINISH).await?;
     assert_eq!(
-        job["state"],
-        "completed",
-        "{job}\n{}\n{}",
+        job.state,
+        JobState::Completed,
+        "{job:?}\n{}\n{}",
         farm.log("scheduler.log"),
         farm.worker_logs()
     );
     assert_eq!(
-        outputs(&farm, &id).await?,
+        outputs(&farm, id).await?,
         [
             format!("results/{id}/0.png"),
             format!("results/{id}/manifest.json")
@@ -68,8 +67,8 @@ async fn a_broker_restart_mid_job_loses_nothing() -> anyhow::Result<()> {
 
     // New work flows after the restart.
     let after = submit(&farm, "after the restart", 5).await?;
-    let job = farm.wait_finished(&after, FINISH).await?;
-    assert_eq!(job["state"], "completed", "{job}");
+    let job = farm.wait_finished(after, FINISH).await?;
+    assert_eq!(job.state, JobState::Completed, "{job:?}");
 
     // The scheduler's metrics show the lost session and the connection back (what the dashboards
     // and the VnfarmAmqpDisconnected alert read).

@@ -17,6 +17,7 @@ mod in_process;
 pub mod sse;
 pub mod stream;
 
+use std::fmt::Display;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
@@ -26,6 +27,8 @@ use anyhow::{Context, bail};
 use futures::StreamExt;
 use in_process::InProcess;
 use serde_json::Value;
+use vnfarm_proto::JobId;
+use vnfarm_proto::http::{ErrorBody, Fleet, JobAnswer, JobView, Submitted, Worker};
 use vnfarm_storage::{Storage, StorageConfig};
 
 pub const S3_KEY: &str = "vnfarm-test";
@@ -300,6 +303,19 @@ impl Default for WorkerOptions {
     }
 }
 
+impl WorkerOptions {
+    /// These options with `env` added to the worker's settings (later ones win, for a process and
+    /// for an in-process worker alike).
+    pub fn with_env(mut self, env: impl IntoIterator<Item = (String, String)>) -> Self {
+        self.extra_env.extend(env);
+        self
+    }
+}
+
+/// The scheduler's answer to a submission: the job it made (or the one of the same key), or why
+/// it refused.
+pub type Reply = Result<Submitted, ErrorBody>;
+
 impl Farm {
     /// A farm of processes on the shared S3 server.
     pub async fn new(name: &str) -> anyhow::Result<Self> {
@@ -525,11 +541,10 @@ impl Farm {
             // Covers loading and warming up a model engine on a loaded CI machine.
             Duration::from_secs(120),
             || async {
-                let workers = self.get_json("/v1/workers").await.ok()?;
-                workers["workers"]
-                    .as_array()?
+                let workers = self.workers().await.ok()?;
+                workers
                     .iter()
-                    .any(|w| w["id"] == id.as_str() && w["alive"] == true)
+                    .any(|w| w.id.as_str() == id && w.alive)
                     .then_some(())
             },
         )
@@ -655,19 +670,36 @@ impl Farm {
         Ok(body)
     }
 
-    /// POSTs a submission; returns (status, body).
-    pub async fn submit(&self, body: &Value) -> anyhow::Result<(reqwest::StatusCode, Value)> {
+    /// POSTs a submission; returns the status and the answer: the job, or the error body.
+    pub async fn submit(&self, body: &Value) -> anyhow::Result<(reqwest::StatusCode, Reply)> {
         let r = self
             .http
             .post(self.url("/v1/jobs"))
             .json(body)
             .send()
             .await?;
-        Ok((r.status(), r.json().await?))
+        let status = r.status();
+        let bytes = r.bytes().await?;
+        let reply = if status.is_success() {
+            Ok(serde_json::from_slice(&bytes)
+                .with_context(|| format!("{status}: {}", String::from_utf8_lossy(&bytes)))?)
+        } else {
+            Err(serde_json::from_slice(&bytes)
+                .with_context(|| format!("{status}: {}", String::from_utf8_lossy(&bytes)))?)
+        };
+        Ok((status, reply))
+    }
+
+    /// POSTs a submission that must make a new job (201); returns its id.
+    pub async fn submit_new(&self, body: &Value) -> anyhow::Result<JobId> {
+        match self.submit(body).await? {
+            (reqwest::StatusCode::CREATED, Ok(submitted)) => Ok(submitted.job_id),
+            (status, reply) => bail!("submitting {body}: {status} {reply:?}"),
+        }
     }
 
     /// Asks the scheduler to cancel a job; fails unless the request is accepted.
-    pub async fn cancel(&self, id: &str) -> anyhow::Result<()> {
+    pub async fn cancel(&self, id: impl Display) -> anyhow::Result<()> {
         let r = self
             .http
             .post(self.url(&format!("/v1/jobs/{id}/cancel")))
@@ -690,35 +722,74 @@ impl Farm {
             .await?)
     }
 
-    pub async fn job(&self, id: &str) -> anyhow::Result<Value> {
-        self.get_json(&format!("/v1/jobs/{id}")).await
+    /// Submits a job that must be new and waits until it is in a final state (whichever).
+    pub async fn run(&self, body: &Value, timeout: Duration) -> anyhow::Result<JobView> {
+        let id = self.submit_new(body).await?;
+        self.wait_finished(id, timeout).await
+    }
+
+    /// The bytes of each of a job's outputs, in order, from storage.
+    pub async fn outputs(&self, job: &JobView) -> anyhow::Result<Vec<bytes::Bytes>> {
+        let mut outputs = Vec::with_capacity(job.outputs.len());
+        for key in &job.outputs {
+            outputs.push(self.storage.get(key).await?);
+        }
+        Ok(outputs)
+    }
+
+    /// A job the registry holds, as the API's view.
+    pub async fn job(&self, id: impl Display) -> anyhow::Result<JobView> {
+        let job = self.get_json(&format!("/v1/jobs/{id}")).await?;
+        serde_json::from_value(job.clone()).with_context(|| format!("job {id} as a view: {job}"))
+    }
+
+    /// `GET /v1/jobs` with `query` (`all=true&limit=1000`), as views.
+    pub async fn jobs(&self, query: &str) -> anyhow::Result<Vec<JobView>> {
+        let mut list = self.get_json(&format!("/v1/jobs?{query}")).await?;
+        Ok(serde_json::from_value(list["jobs"].take())?)
+    }
+
+    /// A job as `GET /v1/jobs/{id}` answers it: the registry's view, or an archived job's.
+    pub async fn job_answer(&self, id: impl Display) -> anyhow::Result<JobAnswer> {
+        Ok(serde_json::from_value(
+            self.get_json(&format!("/v1/jobs/{id}")).await?,
+        )?)
+    }
+
+    /// The workers the scheduler lists.
+    pub async fn workers(&self) -> anyhow::Result<Vec<Worker>> {
+        let fleet: Fleet = serde_json::from_value(self.get_json("/v1/workers").await?)?;
+        Ok(fleet.workers)
     }
 
     /// Waits until the job has reported denoising step `step` (or a later one).
-    pub async fn wait_step(&self, id: &str, step: u64, timeout: Duration) -> anyhow::Result<()> {
+    pub async fn wait_step(
+        &self,
+        id: impl Display,
+        step: u32,
+        timeout: Duration,
+    ) -> anyhow::Result<()> {
         wait_for(
             &format!("job {id} to reach step {step}"),
             timeout,
             || async {
-                let job = self.job(id).await.ok()?;
-                job["progress"]["step"]
-                    .as_u64()
-                    .filter(|s| *s >= step)
-                    .map(|_| ())
+                let job = self.job(&id).await.ok()?;
+                job.progress.filter(|p| p.step >= step).map(|_| ())
             },
         )
         .await
     }
 
-    /// Waits until the job is in a final state and returns it.
-    pub async fn wait_finished(&self, id: &str, timeout: Duration) -> anyhow::Result<Value> {
+    /// Waits until the job is in a final state and returns it: for a job the registry holds (see
+    /// [`Farm::wait_finished_or_archived`] where retention may have archived it).
+    pub async fn wait_finished(
+        &self,
+        id: impl Display,
+        timeout: Duration,
+    ) -> anyhow::Result<JobView> {
         wait_for(&format!("job {id} to finish"), timeout, || async {
-            let job = self.job(id).await.ok()?;
-            matches!(
-                job["state"].as_str(),
-                Some("completed" | "failed" | "cancelled")
-            )
-            .then_some(job)
+            let job = self.job(&id).await.ok()?;
+            job.state.is_terminal().then_some(job)
         })
         .await
         .map_err(|e| {
@@ -728,6 +799,19 @@ impl Farm {
                 self.worker_logs()
             ))
         })
+    }
+
+    /// Waits until the job is in a final state, as the registry's view or as an archived job.
+    pub async fn wait_finished_or_archived(
+        &self,
+        id: impl Display,
+        timeout: Duration,
+    ) -> anyhow::Result<JobAnswer> {
+        wait_for(&format!("job {id} to finish"), timeout, || async {
+            let job = self.job_answer(&id).await.ok()?;
+            job.state().is_terminal().then_some(job)
+        })
+        .await
     }
 
     pub fn worker_logs(&self) -> String {

@@ -1,5 +1,5 @@
 //! The scheduler's HTTP API as the command line uses it; the job and worker views it reads back are
-//! `vnfarm_proto::http`'s.
+//! `vnfarm_proto::http`'s (a job as its [`JobAnswer`]: the registry's view, or an archived job's).
 //!
 //! Every request carries the bearer token when one is set. A non-2xx answer becomes an
 //! [`ApiError::Api`] holding the scheduler's `{"error": {"field", "message"}}`, and a connection that
@@ -11,7 +11,7 @@ use std::time::Duration;
 use reqwest::{Method, RequestBuilder, Response, StatusCode};
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
-use vnfarm_proto::http::{ErrorBody, Fleet, JobView, Submitted, Worker};
+use vnfarm_proto::http::{ErrorBody, Fleet, JobAnswer, JobView, Submitted, Worker};
 use vnfarm_proto::{JobId, Submission};
 
 /// How long a plain request (not an event stream) may take, downloads included.
@@ -143,7 +143,8 @@ impl Api {
         Ok(accepted.job_id)
     }
 
-    pub async fn job(&self, id: JobId) -> Result<JobView, ApiError> {
+    /// A job: the registry's view, or a completed job's past the retention (from its manifest).
+    pub async fn job(&self, id: JobId) -> Result<JobAnswer, ApiError> {
         self.json(self.request(Method::GET, &format!("/v1/jobs/{id}")))
             .await
     }

@@ -14,7 +14,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use sse_stream::SseByteStream;
 use vnfarm_proto::{EventKind, JobId, SequencedEvent};
 
-use vnfarm_proto::http::{JobState, JobView};
+use vnfarm_proto::http::{JobAnswer, JobState, JobView};
 
 use crate::client::{Api, ApiError};
 
@@ -32,12 +32,16 @@ pub enum Outcome {
 }
 
 /// Watches a job until it ends: a pipeline by polling, anything else by its event stream.
+/// An archived job (past the registry's retention) completed long ago: its outputs are printed.
 pub async fn watch(api: &Api, id: JobId) -> anyhow::Result<Outcome> {
-    let job = api.job(id).await?;
-    if job.is_pipeline() {
-        watch_pipeline(api, job).await
-    } else {
-        watch_events(api, id).await
+    match api.job(id).await? {
+        JobAnswer::Live(job) if job.is_pipeline() => watch_pipeline(api, job).await,
+        JobAnswer::Live(_) => watch_events(api, id).await,
+        JobAnswer::Archived(job) => {
+            eprintln!("{} {id} completed (archived)", job.kind);
+            print_outputs(&job.outputs);
+            Ok(Outcome::Completed)
+        }
     }
 }
 
@@ -227,7 +231,13 @@ async fn watch_pipeline(api: &Api, pipeline: JobView) -> anyhow::Result<Outcome>
         tick.tick().await;
         let polled = poll_pipeline(api, id, &mut done, &bar).await;
         let pipeline = match polled {
-            Ok(pipeline) => pipeline,
+            Ok(JobAnswer::Live(pipeline)) => pipeline,
+            Ok(JobAnswer::Archived(job)) => {
+                bar.finish_and_clear();
+                eprintln!("pipeline completed (archived)");
+                print_outputs(&job.outputs);
+                return Ok(Outcome::Completed);
+            }
             Err(e) => {
                 retry
                     .after(e)
@@ -271,20 +281,30 @@ async fn poll_pipeline(
     id: JobId,
     done: &mut HashSet<JobId>,
     bar: &ProgressBar,
-) -> Result<JobView, ApiError> {
-    let pipeline = api.job(id).await?;
+) -> Result<JobAnswer, ApiError> {
+    let answer = api.job(id).await?;
+    // A pipeline leaves no manifest, so the scheduler never answers one as archived; if it did,
+    // the job completed, and the caller says so.
+    let JobAnswer::Live(pipeline) = &answer else {
+        return Ok(answer);
+    };
     let mut running = Vec::new();
     for (i, child_id) in pipeline.children.iter().enumerate() {
         if done.contains(child_id) {
             continue;
         }
-        let child = api.job(*child_id).await?;
-        let label = format!(
-            "[{}/{}] {} {child_id}",
-            i + 1,
-            pipeline.children.len(),
-            child.kind
-        );
+        let label =
+            |kind: &str| format!("[{}/{}] {kind} {child_id}", i + 1, pipeline.children.len());
+        let child = match api.job(*child_id).await? {
+            JobAnswer::Live(child) => child,
+            JobAnswer::Archived(child) => {
+                let label = label(&child.kind);
+                bar.suspend(|| eprintln!("{label} completed: {}", child.outputs.join(", ")));
+                done.insert(*child_id);
+                continue;
+            }
+        };
+        let label = label(&child.kind);
         // Not `bar.println`, which prints nothing when stderr is not a terminal.
         let line = |text: String| bar.suspend(|| eprintln!("{label} {text}"));
         match child.state {
@@ -302,7 +322,7 @@ async fn poll_pipeline(
         }
     }
     bar.set_message(running.join(", "));
-    Ok(pipeline)
+    Ok(answer)
 }
 
 fn failure_text(job: &JobView) -> String {

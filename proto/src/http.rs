@@ -1,14 +1,15 @@
-//! The HTTP API's contract (DESIGN §7a): the job view, job states, the worker view and the one
-//! error body. The scheduler encodes these types and its clients (the command line, the tests)
-//! decode them. A reader ignores fields it does not know, reads a job state or failure kind it does
-//! not know as `Unknown`, and a recorded submission it cannot read as none, so a newer scheduler
-//! still serves an older client. (What a client *sends*, the submission, is strict: see `spec`.)
+//! The HTTP API's contract (DESIGN §7a): the job view (and the archived job's, for a completed job
+//! past the registry's retention), job states, the worker view and the one error body. The
+//! scheduler encodes these types and its clients (the command line, the tests) decode them. A
+//! reader ignores fields it does not know, reads a job state or failure kind it does not know as
+//! `Unknown`, and a recorded submission or task it cannot read as none, so a newer scheduler still
+//! serves an older client. (What a client *sends*, the submission, is strict: see `spec`.)
 
 use chrono::{DateTime, Utc};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::{FailureKind, Heartbeat, JobId, Priority, Submission, WorkerId};
+use crate::{FailureKind, Heartbeat, JobId, Priority, Submission, Task, WorkerId};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
@@ -109,13 +110,14 @@ pub struct JobView {
     /// The submission as the scheduler recorded it. One this build cannot decode (a field or a job
     /// kind a newer scheduler accepts; a submission is decoded strictly) reads as none rather than
     /// failing the whole view.
-    #[serde(default, deserialize_with = "readable_submission")]
+    #[serde(default, deserialize_with = "readable")]
     pub submission: Option<Submission>,
 }
 
-fn readable_submission<'de, D: serde::Deserializer<'de>>(
+/// A value this build decodes strictly (a submission, a task), or none when it cannot.
+fn readable<'de, D: serde::Deserializer<'de>, T: serde::de::DeserializeOwned>(
     de: D,
-) -> Result<Option<Submission>, D::Error> {
+) -> Result<Option<T>, D::Error> {
     let value = Option::<serde_json::Value>::deserialize(de)?;
     Ok(value.and_then(|v| serde_json::from_value(v).ok()))
 }
@@ -123,6 +125,77 @@ fn readable_submission<'de, D: serde::Deserializer<'de>>(
 impl JobView {
     pub fn is_pipeline(&self) -> bool {
         self.kind == "pipeline"
+    }
+}
+
+/// A completed job past the registry's retention, as the API answers it from the job's manifest in
+/// storage: what the manifest records, which is less than a [`JobView`] (no priority, creation
+/// time, dispatches or submission; a pipeline leaves no manifest, so it is never archived).
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct ArchivedJobView {
+    pub id: JobId,
+    pub kind: String,
+    /// Always `completed`: only a completed job leaves a manifest.
+    pub state: JobState,
+    /// Always true: only a manifest is left of this job.
+    pub archived: bool,
+    pub worker: WorkerId,
+    pub attempts: u32,
+    pub outputs: Vec<String>,
+    pub manifest: String,
+    pub updated_at: DateTime<Utc>,
+    /// What the job ran, as the manifest recorded it. One this build cannot decode (a field a newer
+    /// worker writes; a task is decoded strictly) reads as none rather than failing the answer.
+    #[serde(deserialize_with = "readable")]
+    #[schemars(with = "Task")]
+    pub task: Option<Task>,
+}
+
+/// `GET /v1/jobs/{id}` as a client reads it: a job the registry holds, or an archived one (told
+/// apart by the archived answer's `archived: true`).
+// Decoded once per request and read at once: the size of its variants does not matter.
+#[expect(clippy::large_enum_variant)]
+#[derive(Clone, Debug, Serialize)]
+#[serde(untagged)]
+pub enum JobAnswer {
+    Live(JobView),
+    Archived(ArchivedJobView),
+}
+
+impl<'de> Deserialize<'de> for JobAnswer {
+    fn deserialize<D: serde::Deserializer<'de>>(de: D) -> Result<Self, D::Error> {
+        use serde::de::Error as _;
+        let value = serde_json::Value::deserialize(de)?;
+        let archived = value.get("archived").and_then(serde_json::Value::as_bool) == Some(true);
+        if archived {
+            ArchivedJobView::deserialize(value).map(JobAnswer::Archived)
+        } else {
+            JobView::deserialize(value).map(JobAnswer::Live)
+        }
+        .map_err(D::Error::custom)
+    }
+}
+
+impl JobAnswer {
+    pub fn id(&self) -> JobId {
+        match self {
+            JobAnswer::Live(job) => job.id,
+            JobAnswer::Archived(job) => job.id,
+        }
+    }
+
+    pub fn state(&self) -> JobState {
+        match self {
+            JobAnswer::Live(job) => job.state,
+            JobAnswer::Archived(job) => job.state,
+        }
+    }
+
+    pub fn outputs(&self) -> &[String] {
+        match self {
+            JobAnswer::Live(job) => &job.outputs,
+            JobAnswer::Archived(job) => &job.outputs,
+        }
     }
 }
 
@@ -258,6 +331,42 @@ mod tests {
         let submitted: Submitted =
             serde_json::from_value(serde_json::json!({"job_id": id, "eta": null})).unwrap();
         assert_eq!(submitted.job_id, id);
+    }
+
+    /// Both answers of `GET /v1/jobs/{id}` decode as what they are; an archived one whose task
+    /// this build cannot read still decodes, without it.
+    #[test]
+    fn a_job_answer_is_live_or_archived() {
+        let id = JobId::new();
+        let archived = serde_json::json!({
+            "id": id, "kind": "generate", "state": "completed", "archived": true,
+            "worker": "w1", "attempts": 1, "outputs": [format!("results/{id}/0.png")],
+            "manifest": format!("results/{id}/manifest.json"), "updated_at": Utc::now(),
+            "task": {"kind": "generate", "prompt": "x"}, "images": [],
+        });
+        let JobAnswer::Archived(view) = serde_json::from_value(archived.clone()).unwrap() else {
+            panic!("an archived job");
+        };
+        assert_eq!((view.id, view.state), (id, JobState::Completed));
+        assert!(matches!(view.task, Some(Task::Generate(_))));
+        let mut newer = archived;
+        newer["task"]["lora_catalogue"] = "sha256:00".into();
+        let answer: JobAnswer = serde_json::from_value(newer).unwrap();
+        assert!(matches!(
+            answer,
+            JobAnswer::Archived(ArchivedJobView { task: None, .. })
+        ));
+        assert_eq!(answer.outputs(), [format!("results/{id}/0.png")]);
+
+        let live = serde_json::json!({
+            "id": id, "kind": "edit", "state": "running", "priority": "batch",
+            "created_at": Utc::now(), "updated_at": Utc::now(), "worker": "w1",
+            "dispatches": 1, "attempts": 1, "progress": {"step": 2, "total": 8}, "outputs": [],
+            "manifest": null, "failure": null, "images": [],
+        });
+        let answer: JobAnswer = serde_json::from_value(live).unwrap();
+        assert!(matches!(&answer, JobAnswer::Live(job) if job.progress.is_some()));
+        assert_eq!((answer.id(), answer.state()), (id, JobState::Running));
     }
 
     #[test]

@@ -8,6 +8,8 @@ use std::process::Command;
 use std::time::Duration;
 
 use serde_json::{Value, json};
+use vnfarm_proto::SettingsSource;
+use vnfarm_proto::http::JobState;
 use vnfarm_tests::{Farm, WorkerOptions, bin_dir, wait_for};
 
 use crate::FINISH;
@@ -223,25 +225,26 @@ async fn a_box_checks_itself_and_the_worker_runs_what_it_measured() -> anyhow::R
         "a heartbeat with the settings",
         Duration::from_secs(60),
         || async {
-            let workers = farm.get_json("/v1/workers").await.ok()?;
-            let s = workers["workers"][0]["heartbeat"]["settings"].clone();
-            (!s.is_null()).then_some(s)
+            let workers = farm.workers().await.ok()?;
+            workers.into_iter().next()?.heartbeat?.settings
         },
     )
     .await?;
-    assert_eq!(in_use["source"], "measured", "{in_use:#}");
-    assert_eq!(in_use["id"].as_str().unwrap().len(), 12, "{in_use}");
-    let (status, body) = farm
-        .submit(&json!({"schema_version": 1, "job": {
+    assert_eq!(in_use.source, SettingsSource::Measured, "{in_use:#?}");
+    assert_eq!(in_use.id.len(), 12, "{in_use:?}");
+    let id = farm
+        .submit_new(&json!({"schema_version": 1, "job": {
             "kind": "generate", "prompt": "1girl", "seed": 1, "steps": 2,
             "width": 256, "height": 256, "cfg": 4.5,
         }}))
         .await?;
-    assert_eq!(status, 201, "{body}");
-    let job = farm
-        .wait_finished(body["job_id"].as_str().unwrap(), FINISH)
-        .await?;
-    assert_eq!(job["state"], "completed", "{job}\n{}", farm.worker_logs());
+    let job = farm.wait_finished(id, FINISH).await?;
+    assert_eq!(
+        job.state,
+        JobState::Completed,
+        "{job:?}\n{}",
+        farm.worker_logs()
+    );
 
     // The same file claiming another device: refused, with what to do.
     let mut foreign = settings.clone();

@@ -5,8 +5,6 @@
 //! the SDXL base it follows; progress counts tiles; a cancel stops between tiles; the manifest names
 //! the network's file by its sha256 and size.
 
-use std::path::{Path, PathBuf};
-
 use image::DynamicImage;
 use serde_json::{Value, json};
 use tch::{Device, Kind};
@@ -14,56 +12,42 @@ use vnfarm_models::esrgan::rrdbnet::MemoryFormat;
 use vnfarm_models::esrgan::tiling::{Blend, TileSettings};
 use vnfarm_models::esrgan::upscaler::{UpscaleOptions, Upscaler};
 use vnfarm_models::loading::safetensors::SafetensorsFile;
+use vnfarm_proto::ModelFamily;
+use vnfarm_proto::http::{JobState, JobView, Progress};
 use vnfarm_scheduler::scheduler::inline_image;
 use vnfarm_tests::{Farm, WorkerOptions};
 
 use crate::FINISH;
-
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../worker/models/fixtures")
-}
+use crate::engines::{engine_env, models, sdxl_folder, tiny_sdxl};
 
 /// The tiny ×4 model with 64-pixel tiles and a 16-pixel overlap, feathered; optionally SDXL too.
 fn esrgan_worker(with_sdxl: bool) -> WorkerOptions {
-    let mut env: Vec<(String, String)> = [
-        (
-            "MODEL",
-            fixtures().join("esrgan/tiny_x4.pth").display().to_string(),
-        ),
-        ("DEVICE", "cpu".into()),
-        ("DTYPE", "fp32".into()),
-        ("SETTINGS__TILE", "64".into()),
-        ("SETTINGS__TILE_OVERLAP", "16".into()),
-    ]
-    .into_iter()
-    .map(|(k, v)| (format!("VNFARM_ENGINE__ESRGAN__{k}"), v))
-    .collect();
-    if with_sdxl {
-        env.extend(
-            [
-                (
-                    "CHECKPOINT",
-                    fixtures().join("sdxl/sdxl_tiny").display().to_string(),
-                ),
-                ("DEVICE", "cpu".into()),
-                ("DTYPE", "fp32".into()),
-                ("VAE_DTYPE", "fp32".into()),
-                ("WARM_UP", "[[256, 256]]".into()),
-                ("VAE_TILING", "never".into()),
-            ]
-            .into_iter()
-            .map(|(k, v)| (format!("VNFARM_ENGINE__SDXL__{k}"), v.to_string())),
-        );
-    }
-    WorkerOptions {
-        extra_env: env,
-        ..WorkerOptions::default()
-    }
+    let esrgan = engine_env(
+        "ESRGAN",
+        [
+            (
+                "MODEL",
+                models().join("esrgan/tiny_x4.pth").display().to_string(),
+            ),
+            ("DEVICE", "cpu".into()),
+            ("DTYPE", "fp32".into()),
+            ("SETTINGS__TILE", "64".into()),
+            ("SETTINGS__TILE_OVERLAP", "16".into()),
+        ],
+    );
+    let sdxl = if with_sdxl {
+        tiny_sdxl(&sdxl_folder())
+    } else {
+        Vec::new()
+    };
+    WorkerOptions::default().with_env(esrgan).with_env(sdxl)
 }
 
-async fn output(farm: &Farm, job: &Value) -> anyhow::Result<DynamicImage> {
-    let key = job["outputs"][0].as_str().expect("an output");
-    Ok(image::load_from_memory(&farm.storage.get(key).await?)?)
+async fn output(farm: &Farm, job: &JobView) -> anyhow::Result<DynamicImage> {
+    let outputs = farm.outputs(job).await?;
+    Ok(image::load_from_memory(
+        outputs.first().expect("an output"),
+    )?)
 }
 
 /// The image's samples against a reference tensor of the fixture (`[H, W, C]` or `[H, W]`):
@@ -90,7 +74,7 @@ fn max_diff(img: &DynamicImage, reference: &tch::Tensor) -> i64 {
 /// The tiny model as the worker runs it (its default memory format, channels-last).
 fn library_upscaler() -> anyhow::Result<Upscaler> {
     let mut up = Upscaler::load(
-        &fixtures().join("esrgan/tiny_x4.pth"),
+        &models().join("esrgan/tiny_x4.pth"),
         Device::Cpu,
         Kind::Float,
     )?;
@@ -101,50 +85,51 @@ fn library_upscaler() -> anyhow::Result<Upscaler> {
 /// The job's last progress is `tiles` of `tiles`. A job dispatched twice (its first dispatch was
 /// given back under load, and the redelivery found the finished manifest) has no progress of its
 /// last run to show, which is fine.
-fn assert_tiles(job: &Value, tiles: u64) {
-    if job["progress"].is_null() && job["dispatches"].as_u64().unwrap_or(0) > 1 {
-        println!("progress not kept over a redispatch: {job}");
+fn assert_tiles(job: &JobView, tiles: u32) {
+    if job.progress.is_none() && job.dispatches > 1 {
+        println!("progress not kept over a redispatch: {job:?}");
         return;
     }
-    assert_eq!(
-        job["progress"],
-        json!({"step": tiles, "total": tiles}),
-        "{job}"
-    );
+    let all = Progress {
+        step: tiles,
+        total: tiles,
+    };
+    assert_eq!(job.progress, Some(all), "{job:?}");
 }
 
-async fn upscale(farm: &Farm, image: &[u8], scale: u32) -> anyhow::Result<Value> {
+async fn upscale(farm: &Farm, image: &[u8], scale: u32) -> anyhow::Result<JobView> {
     let input = serde_json::to_value(inline_image(image))?;
-    let (status, body) = farm
-        .submit(&json!({"schema_version": 1,
-            "job": {"kind": "upscale", "input": input, "scale": scale}}))
-        .await?;
-    assert_eq!(status, 201, "{body}");
     let job = farm
-        .wait_finished(body["job_id"].as_str().unwrap(), FINISH)
+        .run(
+            &json!({"schema_version": 1,
+                "job": {"kind": "upscale", "input": input, "scale": scale}}),
+            FINISH,
+        )
         .await?;
-    assert_eq!(job["state"], "completed", "{job}\n{}", farm.worker_logs());
+    assert_eq!(
+        job.state,
+        JobState::Completed,
+        "{job:?}\n{}",
+        farm.worker_logs()
+    );
     Ok(job)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn upscales_keep_alpha_grey_and_16_bits_and_match_realesrgan() -> anyhow::Result<()> {
-    let reference = SafetensorsFile::open(fixtures().join("esrgan/reference/esrgan.safetensors"))?;
+    let reference = SafetensorsFile::open(models().join("esrgan/reference/esrgan.safetensors"))?;
     let want = |name: &str| {
         reference
             .load(name, Device::Cpu, Kind::Int64)
             .expect("reference image")
     };
-    let inputs = fixtures().join("esrgan/inputs");
-    let mut farm = Farm::new("esrgan-upscale").await?;
+    let inputs = models().join("esrgan/inputs");
+    let mut farm = Farm::in_process("esrgan-upscale").await?;
     farm.start_scheduler().await?;
     farm.start_worker("esrgan-1", esrgan_worker(false)).await?;
-    let workers = farm.get_json("/v1/workers").await?;
-    assert_eq!(
-        workers["workers"][0]["heartbeat"]["models"],
-        json!(["esrgan"]),
-        "{workers}"
-    );
+    let workers = farm.workers().await?;
+    let loaded = workers[0].heartbeat.as_ref().map(|h| h.models.clone());
+    assert_eq!(loaded, Some(vec![ModelFamily::Esrgan]), "{workers:?}");
 
     // 37×29 fits one 64-pixel tile: Real-ESRGAN's full-frame references apply.
     let cases = [
@@ -198,10 +183,10 @@ async fn upscales_keep_alpha_grey_and_16_bits_and_match_realesrgan() -> anyhow::
     );
 
     // Provenance through the real engine: the manifest names the network's file by its bytes.
-    let model = fixtures().join("esrgan/tiny_x4.pth");
+    let model = models().join("esrgan/tiny_x4.pth");
     let bytes = std::fs::read(&model)?;
     // `results/<job>/0.png` → `results/<job>/manifest.json`.
-    let output = job["outputs"][0].as_str().expect("an output");
+    let output = job.outputs.first().expect("an output");
     let manifest_key = output.replace("0.png", "manifest.json");
     let manifest: Value = serde_json::from_slice(&farm.storage.get(&manifest_key).await?)?;
     assert_eq!(
@@ -222,27 +207,26 @@ async fn upscales_keep_alpha_grey_and_16_bits_and_match_realesrgan() -> anyhow::
 /// upscale cancelled between tiles.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pipeline_upscales_its_base_and_a_cancel_stops_between_tiles() -> anyhow::Result<()> {
-    let mut farm = Farm::new("esrgan-pipeline").await?;
+    let mut farm = Farm::in_process("esrgan-pipeline").await?;
     farm.start_scheduler().await?;
     farm.start_worker("esrgan-2", esrgan_worker(true)).await?;
-    let (status, body) = farm
-        .submit(&json!({"schema_version": 1, "job": {"kind": "pipeline",
-            "base": {"prompt": "1girl, classroom", "width": 256, "height": 256, "steps": 2, "seed": 5},
-            "upscales": [{"of": "base", "scale": 2}]}}))
-        .await?;
-    assert_eq!(status, 201, "{body}");
     let pipeline = farm
-        .wait_finished(body["job_id"].as_str().unwrap(), FINISH)
+        .run(
+            &json!({"schema_version": 1, "job": {"kind": "pipeline",
+                "base": {"prompt": "1girl, classroom", "width": 256, "height": 256, "steps": 2, "seed": 5},
+                "upscales": [{"of": "base", "scale": 2}]}}),
+            FINISH,
+        )
         .await?;
     assert_eq!(
-        pipeline["state"],
-        "completed",
-        "{pipeline}\n{}",
+        pipeline.state,
+        JobState::Completed,
+        "{pipeline:?}\n{}",
         farm.worker_logs()
     );
-    let children = pipeline["children"].as_array().unwrap().clone();
-    let base = output(&farm, &farm.job(children[0].as_str().unwrap()).await?).await?;
-    let upscaled = farm.job(children[1].as_str().unwrap()).await?;
+    let children = &pipeline.children;
+    let base = output(&farm, &farm.job(children[0]).await?).await?;
+    let upscaled = farm.job(children[1]).await?;
     assert_tiles(&upscaled, 16);
     let out = output(&farm, &upscaled).await?;
     assert_eq!((out.width(), out.height()), (512, 512));
@@ -271,16 +255,16 @@ async fn a_pipeline_upscales_its_base_and_a_cancel_stops_between_tiles() -> anyh
     let mut png = Vec::new();
     img.write_to(&mut std::io::Cursor::new(&mut png), image::ImageFormat::Png)?;
     let input = serde_json::to_value(inline_image(&png))?;
-    let (_, body) = farm
-        .submit(&json!({"schema_version": 1,
+    let id = farm
+        .submit_new(&json!({"schema_version": 1,
             "job": {"kind": "upscale", "input": input, "scale": 4}}))
         .await?;
-    let id = body["job_id"].as_str().unwrap().to_owned();
-    farm.wait_step(&id, 1, FINISH).await?;
-    farm.cancel(&id).await?;
-    let job = farm.wait_finished(&id, FINISH).await?;
-    assert_eq!(job["state"], "cancelled", "{job}");
-    assert!(job["progress"]["step"].as_u64().unwrap_or(0) < 256, "{job}");
+    farm.wait_step(id, 1, FINISH).await?;
+    farm.cancel(id).await?;
+    let job = farm.wait_finished(id, FINISH).await?;
+    assert_eq!(job.state, JobState::Cancelled, "{job:?}");
+    let step = job.progress.as_ref().map_or(0, |p| p.step);
+    assert!(step < 256, "{job:?}");
     assert!(
         farm.storage
             .list(&format!("results/{id}/"))

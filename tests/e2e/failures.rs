@@ -5,6 +5,7 @@ use lapin::BasicProperties;
 use lapin::options::{BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::AMQPValue;
 use serde_json::json;
+use vnfarm_proto::http::JobState;
 use vnfarm_tests::{Farm, WorkerOptions};
 
 use crate::FINISH;
@@ -71,9 +72,10 @@ async fn invalid_specs_over_http_get_4xx_naming_the_field() -> anyhow::Result<()
     ];
     for (body, field) in cases {
         let (status, reply) = farm.submit(&body).await?;
-        assert_eq!(status, 422, "{body} -> {reply}");
-        assert_eq!(reply["error"]["field"], field, "{body} -> {reply}");
-        assert!(!reply["error"]["message"].as_str().unwrap_or("").is_empty());
+        assert_eq!(status, 422, "{body} -> {reply:?}");
+        let refused = reply.expect_err("a refusal");
+        assert_eq!(refused.error.field, field, "{body} -> {refused:?}");
+        assert!(!refused.error.message.is_empty());
     }
     let r = farm
         .http
@@ -167,16 +169,16 @@ async fn malformed_and_oversized_messages_are_dead_lettered_with_a_failed_event(
         (&to_worker, "malformed"),
     ] {
         let job = farm.wait_finished(id, FINISH).await?;
-        assert_eq!(job["state"], "failed", "{job}");
-        assert_eq!(job["failure"]["kind"], failure, "{job}");
+        assert_eq!(job.state, JobState::Failed, "{job:?}");
+        let kind = job.failure.as_ref().map(|f| f.kind.as_str());
+        assert_eq!(kind, Some(failure), "{job:?}");
     }
     let job = farm.job(&invalid).await?;
     assert!(
-        job["failure"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("job.width"),
-        "{job}"
+        job.failure
+            .as_ref()
+            .is_some_and(|f| f.message.contains("job.width")),
+        "{job:?}"
     );
 
     // All four wait in the dead-letter queue with their reasons.
@@ -208,23 +210,18 @@ async fn malformed_and_oversized_messages_are_dead_lettered_with_a_failed_event(
     );
 
     // Both binaries still serve.
-    let (status, body) = farm.submit(&json!({"schema_version": 1, "job": {"kind": "generate", "prompt": "still alive", "width": 256, "height": 256, "steps": 2}})).await?;
-    assert_eq!(status, 201);
-    let job = farm
-        .wait_finished(body["job_id"].as_str().unwrap(), FINISH)
-        .await?;
-    assert_eq!(job["state"], "completed", "{job}");
+    let id = farm.submit_new(&json!({"schema_version": 1, "job": {"kind": "generate", "prompt": "still alive", "width": 256, "height": 256, "steps": 2}})).await?;
+    let job = farm.wait_finished(id, FINISH).await?;
+    assert_eq!(job.state, JobState::Completed, "{job:?}");
 
     // An input that is not an image is a permanent failure of that job only.
     vnfarm_tests::put_undecodable(&farm.storage, "inputs/garbage.png").await?;
-    let (_, body) = farm.submit(&json!({"schema_version": 1, "job": {"kind": "upscale", "input": {"stored": "inputs/garbage.png"}}})).await?;
-    let job = farm
-        .wait_finished(body["job_id"].as_str().unwrap(), FINISH)
-        .await?;
+    let id = farm.submit_new(&json!({"schema_version": 1, "job": {"kind": "upscale", "input": {"stored": "inputs/garbage.png"}}})).await?;
+    let job = farm.wait_finished(id, FINISH).await?;
     assert_eq!(
-        (job["state"].as_str(), job["failure"]["kind"].as_str()),
-        (Some("failed"), Some("bad_input")),
-        "{job}"
+        (job.state, job.failure.as_ref().map(|f| f.kind.as_str())),
+        (JobState::Failed, Some("bad_input")),
+        "{job:?}"
     );
     Ok(())
 }

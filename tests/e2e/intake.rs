@@ -8,6 +8,8 @@ use std::time::Duration;
 use lapin::BasicProperties;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use serde_json::{Value, json};
+use vnfarm_proto::JobId;
+use vnfarm_proto::http::{JobAnswer, JobState};
 use vnfarm_tests::{Farm, WorkerOptions, wait_for};
 
 use crate::FINISH;
@@ -18,24 +20,14 @@ fn keyed_generate(key: &str) -> Value {
 }
 
 /// Every job the scheduler lists, pipeline jobs included, as id → state.
-async fn all_jobs(farm: &Farm) -> anyhow::Result<BTreeMap<String, String>> {
-    let list = farm.get_json("/v1/jobs?all=true&limit=1000").await?;
-    Ok(list["jobs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|j| {
-            (
-                j["id"].as_str().unwrap().to_owned(),
-                j["state"].as_str().unwrap().to_owned(),
-            )
-        })
-        .collect())
+async fn all_jobs(farm: &Farm) -> anyhow::Result<BTreeMap<JobId, JobState>> {
+    let jobs = farm.jobs("all=true&limit=1000").await?;
+    Ok(jobs.into_iter().map(|j| (j.id, j.state)).collect())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn same_key_submissions_sent_together_make_one_job() -> anyhow::Result<()> {
-    let mut farm = Farm::new("same-key").await?;
+    let mut farm = Farm::in_process("same-key").await?;
     farm.start_scheduler().await?;
     let amqp = farm.connect_amqp().await?;
     let channel = amqp.create_channel().await?;
@@ -80,21 +72,19 @@ async fn same_key_submissions_sent_together_make_one_job() -> anyhow::Result<()>
     for p in published {
         p?;
     }
-    let mut by_key: BTreeMap<String, HashSet<String>> = BTreeMap::new();
+    let mut by_key: BTreeMap<String, HashSet<JobId>> = BTreeMap::new();
     let mut created = 0;
     for (i, reply) in replies.into_iter().enumerate() {
         let (status, body) = reply?;
-        assert!(status == 200 || status == 201, "{status} {body}");
+        assert!(status == 200 || status == 201, "{status} {body:?}");
         created += usize::from(status == 201);
         let key = if i < 16 {
             http_keys[i / 2].clone()
         } else {
             mixed_keys[i - 16].clone()
         };
-        by_key
-            .entry(key)
-            .or_default()
-            .insert(body["job_id"].as_str().unwrap().to_owned());
+        let submitted = body.expect("an accepted submission");
+        by_key.entry(key).or_default().insert(submitted.job_id);
     }
     for (key, ids) in &by_key {
         assert_eq!(ids.len(), 1, "key {key} answered with {ids:?}");
@@ -109,15 +99,15 @@ async fn same_key_submissions_sent_together_make_one_job() -> anyhow::Result<()>
     .await?;
     assert_eq!(jobs.len(), 12, "{jobs:?}");
     for ids in by_key.values() {
-        assert!(jobs.contains_key(ids.iter().next().unwrap()));
+        assert!(ids.iter().all(|id| jobs.contains_key(id)), "{ids:?}");
     }
 
     // Each runs once.
     farm.start_worker("w1", WorkerOptions::default()).await?;
     for id in jobs.keys() {
         let job = farm.wait_finished(id, FINISH).await?;
-        assert_eq!(job["state"], "completed", "{job}");
-        assert_eq!(job["attempts"], 1, "{job}");
+        assert_eq!(job.state, JobState::Completed, "{job:?}");
+        assert_eq!(job.attempts, 1, "{job:?}");
     }
     Ok(())
 }
@@ -145,12 +135,11 @@ async fn a_scheduler_restarted_from_its_snapshot_knows_what_the_running_one_knew
     .await?;
     let mut ids = Vec::new();
     for i in 0..30 {
-        let (status, body) = farm.submit(&keyed_generate(&format!("k{i}"))).await?;
-        assert_eq!(status, 201, "{body}");
-        ids.push(body["job_id"].as_str().unwrap().to_owned());
+        ids.push(farm.submit_new(&keyed_generate(&format!("k{i}"))).await?);
     }
     for id in &ids {
-        farm.wait_finished(id, FINISH).await?;
+        // The newest twelve finished are kept: an earlier one may be archived by now.
+        farm.wait_finished_or_archived(id, FINISH).await?;
     }
     // Retention keeps the newest twelve finished jobs; the running scheduler has forgotten the rest.
     let before = wait_for("retention to settle", Duration::from_secs(10), || async {
@@ -158,10 +147,13 @@ async fn a_scheduler_restarted_from_its_snapshot_knows_what_the_running_one_knew
         (jobs.len() == 12).then_some(jobs)
     })
     .await?;
-    assert!(before.values().all(|s| s == "completed"), "{before:?}");
+    assert!(
+        before.values().all(|s| *s == JobState::Completed),
+        "{before:?}"
+    );
     assert_eq!(
-        before.keys().cloned().collect::<HashSet<_>>(),
-        ids[18..].iter().cloned().collect()
+        before.keys().copied().collect::<HashSet<_>>(),
+        ids[18..].iter().copied().collect()
     );
     wait_for("a snapshot", Duration::from_secs(10), || async {
         farm.full_log("scheduler.log")
@@ -181,13 +173,15 @@ async fn a_scheduler_restarted_from_its_snapshot_knows_what_the_running_one_knew
     );
 
     // A forgotten job that completed is answered from its manifest.
-    let old = farm.job(&ids[0]).await?;
-    assert_eq!(old["state"], "completed", "{old}");
-    assert_eq!(old["archived"], true, "{old}");
-    assert_eq!(old["outputs"], json!([format!("results/{}/0.png", ids[0])]));
+    let JobAnswer::Archived(old) = farm.job_answer(ids[0]).await? else {
+        panic!("job {} is archived", ids[0]);
+    };
+    assert_eq!(old.state, JobState::Completed, "{old:?}");
+    assert_eq!(old.outputs, [format!("results/{}/0.png", ids[0])]);
     // A recent one still has its history, without progress events.
-    let recent = farm.job(&ids[29]).await?;
-    assert!(recent.get("archived").is_none(), "{recent}");
-    assert_eq!(recent["attempts"], 1);
+    let JobAnswer::Live(recent) = farm.job_answer(ids[29]).await? else {
+        panic!("job {} is in the registry", ids[29]);
+    };
+    assert_eq!(recent.attempts, 1, "{recent:?}");
     Ok(())
 }

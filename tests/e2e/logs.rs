@@ -5,6 +5,7 @@
 use serde_json::{Value, json};
 use std::time::Duration;
 
+use vnfarm_proto::http::JobState;
 use vnfarm_tests::{Farm, WorkerOptions, wait_for};
 
 use crate::FINISH;
@@ -31,14 +32,13 @@ async fn json_logs_carry_the_job_id_in_both_binaries() -> anyhow::Result<()> {
         },
     )
     .await?;
-    let (status, reply) = farm
-        .submit(&json!({"schema_version": 1, "job": {"kind": "generate",
+    let id = farm
+        .submit_new(&json!({"schema_version": 1, "job": {"kind": "generate",
             "prompt": "logged", "width": 256, "height": 256, "steps": 2}}))
-        .await?;
-    anyhow::ensure!(status == 201, "submit: {status} {reply}");
-    let id = reply["job_id"].as_str().expect("a job id").to_owned();
+        .await?
+        .to_string();
     let job = farm.wait_finished(&id, FINISH).await?;
-    assert_eq!(job["state"], "completed", "{job}");
+    assert_eq!(job.state, JobState::Completed, "{job:?}");
 
     for (log, message) in [
         ("logger.log", "job completed"),

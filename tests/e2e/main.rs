@@ -1,8 +1,12 @@
-//! End-to-end tests: the real binaries against a real RabbitMQ and a real S3 server (see `tests/lib.rs`).
+//! End-to-end tests: the real scheduler and workers against a real RabbitMQ and a real S3 server (see
+//! `tests/lib.rs`): as child processes where a test kills, signals or restarts them or reads their
+//! logs, in the test's own process otherwise. `engines.rs` holds the tiny model engines' settings.
 
 mod batches;
 mod check;
+mod cli;
 mod deploy;
+mod engines;
 mod esrgan;
 mod failures;
 mod fleet;

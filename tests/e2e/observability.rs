@@ -26,6 +26,7 @@ use anyhow::{Context, bail, ensure};
 use lapin::BasicProperties;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use serde_json::{Value, json};
+use vnfarm_proto::http::JobState;
 use vnfarm_tests::{Farm, WorkerOptions, free_port, wait_for};
 
 use crate::FINISH;
@@ -594,45 +595,37 @@ const FED: &[&str] = &[
 /// The farm's workload: see the module's note.
 async fn workload(farm: &mut Farm, worker_metrics: &[String]) -> anyhow::Result<()> {
     // A pipeline: a generate, three edits of its base (one encode, then the cache), an upscale.
-    let (status, body) = farm
-        .submit(&json!({"schema_version": 1, "job": {"kind": "pipeline",
+    let pipeline = farm
+        .submit_new(&json!({"schema_version": 1, "job": {"kind": "pipeline",
             "base": {"prompt": "a lighthouse at dusk", "width": 256, "height": 256, "steps": 4},
             "edits": [{"instruction": "make it snow"}, {"instruction": "make it rain"},
                       {"instruction": "add a moon"}],
             "upscales": [{"of": {"edit": 0}, "scale": 2}]}}))
         .await?;
-    ensure!(status == 201, "{body}");
-    let pipeline = body["job_id"].as_str().unwrap_or_default().to_owned();
-    let done = farm.wait_finished(&pipeline, FINISH).await?;
-    ensure!(done["state"] == "completed", "{done}");
-    let base = done["children"][0].as_str().unwrap_or_default().to_owned();
+    let done = farm.wait_finished(pipeline, FINISH).await?;
+    ensure!(done.state == JobState::Completed, "{done:?}");
+    let base = *done.children.first().context("the pipeline's base")?;
 
     // More edits of the base, one at a time: the worker holding its encodings takes each
     // (affinity_hit) and finds them in its cache.
     for instruction in ["make it foggy", "make it night"] {
-        let (status, body) = farm
-            .submit(&json!({"schema_version": 1, "job": {"kind": "edit",
+        let id = farm
+            .submit_new(&json!({"schema_version": 1, "job": {"kind": "edit",
                 "input": {"job_output": {"job": base, "index": 0}},
                 "instruction": instruction, "steps": 2}}))
             .await?;
-        ensure!(status == 201, "{body}");
-        let job = farm
-            .wait_finished(body["job_id"].as_str().unwrap_or_default(), FINISH)
-            .await?;
-        ensure!(job["state"] == "completed", "{job}");
+        let job = farm.wait_finished(id, FINISH).await?;
+        ensure!(job.state == JobState::Completed, "{job:?}");
     }
 
     // A job that fails for good: its input is not an image. The worker dead-letters it.
     vnfarm_tests::put_undecodable(&farm.storage, "inputs/garbage.png").await?;
-    let (status, body) = farm
-        .submit(&json!({"schema_version": 1, "job": {"kind": "upscale",
+    let id = farm
+        .submit_new(&json!({"schema_version": 1, "job": {"kind": "upscale",
             "input": {"stored": "inputs/garbage.png"}}}))
         .await?;
-    ensure!(status == 201, "{body}");
-    let job = farm
-        .wait_finished(body["job_id"].as_str().unwrap_or_default(), FINISH)
-        .await?;
-    ensure!(job["state"] == "failed", "{job}");
+    let job = farm.wait_finished(id, FINISH).await?;
+    ensure!(job.state == JobState::Failed, "{job:?}");
 
     // Garbage on the intake queue: the scheduler dead-letters it.
     let conn = farm.connect_amqp().await?;
@@ -652,19 +645,17 @@ async fn workload(farm: &mut Farm, worker_metrics: &[String]) -> anyhow::Result<
         .await?
         .await?;
     let job = farm.wait_finished(&garbage, FINISH).await?;
-    ensure!(job["state"] == "failed", "{job}");
+    ensure!(job.state == JobState::Failed, "{job:?}");
     drop(channel);
     drop(conn);
 
     // S3 down: a worker's storage operations fail (and are retried), so does the scheduler's
     // fetch of an output; the job completes once S3 is back.
     farm.own_s3.as_mut().expect("the farm's own S3").stop();
-    let (status, body) = farm
-        .submit(&json!({"schema_version": 1, "job": {"kind": "generate",
+    let during = farm
+        .submit_new(&json!({"schema_version": 1, "job": {"kind": "generate",
             "prompt": "during an outage", "width": 256, "height": 256, "steps": 2}}))
         .await?;
-    ensure!(status == 201, "{body}");
-    let during = body["job_id"].as_str().unwrap_or_default().to_owned();
     let output = farm
         .http
         .get(farm.url(&format!("/v1/jobs/{base}/outputs/0")))
@@ -687,8 +678,8 @@ async fn workload(farm: &mut Farm, worker_metrics: &[String]) -> anyhow::Result<
     })
     .await?;
     farm.own_s3.as_mut().expect("the farm's own S3").restart()?;
-    let job = farm.wait_finished(&during, FINISH).await?;
-    ensure!(job["state"] == "completed", "{job}");
+    let job = farm.wait_finished(during, FINISH).await?;
+    ensure!(job.state == JobState::Completed, "{job:?}");
     Ok(())
 }
 

@@ -4,6 +4,8 @@ use std::time::Duration;
 
 use lapin::BasicProperties;
 use serde_json::json;
+use vnfarm_proto::WorkerId;
+use vnfarm_proto::http::JobState;
 use vnfarm_scheduler::scheduler::inline_image;
 use vnfarm_tests::{Farm, Role, WorkerOptions, png_bytes, wait_for};
 
@@ -22,14 +24,13 @@ async fn an_s3_outage_mid_job_delays_the_job_and_loses_nothing() -> anyhow::Resu
         extra_env: vec![("VNFARM_STORAGE_ATTEMPTS".into(), "2".into())],
     };
     farm.start_worker("w1", options).await?;
-    let (status, body) = farm
-        .submit(&json!({"schema_version": 1, "job": {
+    let job_id = farm
+        .submit_new(&json!({"schema_version": 1, "job": {
             "kind": "generate", "prompt": "rooftop at dusk", "steps": 20, "count": 2,
             "width": 512, "height": 512}}))
         .await?;
-    assert_eq!(status, 201, "{body}");
-    let id = body["job_id"].as_str().unwrap().to_owned();
-    farm.wait_step(&id, 1, FINISH).await?;
+    let id = job_id.to_string();
+    farm.wait_step(job_id, 1, FINISH).await?;
 
     farm.own_s3.as_mut().expect("own S3").stop();
     let events = farm
@@ -51,18 +52,17 @@ async fn an_s3_outage_mid_job_delays_the_job_and_loses_nothing() -> anyhow::Resu
     );
     // The job is not final while S3 is down.
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let job = farm.job(&id).await?;
-    assert!(
-        !matches!(
-            job["state"].as_str(),
-            Some("completed" | "failed" | "cancelled")
-        ),
-        "{job}"
-    );
+    let job = farm.job(job_id).await?;
+    assert!(!job.state.is_terminal(), "{job:?}");
 
     farm.own_s3.as_mut().expect("own S3").restart()?;
-    let job = farm.wait_finished(&id, FINISH).await?;
-    assert_eq!(job["state"], "completed", "{job}\n{}", farm.worker_logs());
+    let job = farm.wait_finished(job_id, FINISH).await?;
+    assert_eq!(
+        job.state,
+        JobState::Completed,
+        "{job:?}\n{}",
+        farm.worker_logs()
+    );
     let mut keys = farm.storage.list(&format!("results/{id}/")).await?;
     keys.sort();
     assert_eq!(
@@ -93,12 +93,11 @@ async fn a_device_failure_moves_the_job_and_stops_the_worker() -> anyhow::Result
         ..WorkerOptions::default()
     };
     farm.start_worker("w-bad", broken).await?;
-    let (status, body) = farm
-        .submit(&json!({"schema_version": 1, "job": {
+    let job_id = farm
+        .submit_new(&json!({"schema_version": 1, "job": {
             "kind": "generate", "prompt": TRIGGER, "steps": 4, "width": 512, "height": 512}}))
         .await?;
-    assert_eq!(status, 201, "{body}");
-    let id = body["job_id"].as_str().unwrap().to_owned();
+    let id = job_id.to_string();
 
     let exit = vnfarm_tests::wait_for("the broken worker to exit", FINISH, || {
         std::future::ready(farm.worker_mut("w-bad").try_wait().ok().flatten())
@@ -110,9 +109,15 @@ async fn a_device_failure_moves_the_job_and_stops_the_worker() -> anyhow::Result
 
     farm.start_worker("w-good", WorkerOptions::default())
         .await?;
-    let job = farm.wait_finished(&id, FINISH).await?;
-    assert_eq!(job["state"], "completed", "{job}\n{}", farm.worker_logs());
-    assert_eq!(job["worker"], "w-good", "{job}");
+    let job = farm.wait_finished(job_id, FINISH).await?;
+    assert_eq!(
+        job.state,
+        JobState::Completed,
+        "{job:?}\n{}",
+        farm.worker_logs()
+    );
+    let worker = job.worker.as_ref().map(WorkerId::as_str);
+    assert_eq!(worker, Some("w-good"), "{job:?}");
     let events = farm
         .collect_events(FINISH, |evs| {
             evs.iter()
@@ -194,9 +199,9 @@ async fn a_submission_waits_out_a_storage_outage_longer_than_any_retry_budget() 
     farm.own_s3.as_mut().expect("own S3").restart()?;
     let job = farm.wait_finished(&id, FINISH).await?;
     assert_eq!(
-        job["state"],
-        "completed",
-        "{job}\n{}",
+        job.state,
+        JobState::Completed,
+        "{job:?}\n{}",
         farm.scheduler_logs()
     );
     assert_eq!(farm.queue_depth("dead").await?, 0, "nothing dead-lettered");
@@ -232,10 +237,10 @@ async fn a_submission_the_broker_dead_letters_gets_a_failed_event() -> anyhow::R
 
     farm.start_scheduler().await?;
     let job = farm.wait_finished(&id, FINISH).await?;
-    assert_eq!(job["state"], "failed", "{job}");
-    assert_eq!(job["failure"]["kind"], "deadline_exceeded", "{job}");
-    let message = job["failure"]["message"].as_str().unwrap_or_default();
-    assert!(message.contains("expired"), "{job}");
+    assert_eq!(job.state, JobState::Failed, "{job:?}");
+    let failure = job.failure.as_ref().expect("a failure");
+    assert_eq!(failure.kind.as_str(), "deadline_exceeded", "{job:?}");
+    assert!(failure.message.contains("expired"), "{job:?}");
     assert_eq!(farm.queue_depth("dead").await?, 1, "kept for operators");
     Ok(())
 }

@@ -16,6 +16,7 @@ use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 use serde_json::{Value, json};
 use vnfarm_proto::WorkerId;
+use vnfarm_proto::http::JobState;
 use vnfarm_proto::topology::Topology;
 use vnfarm_tests::access::{Refused, Roles, Try, wrong_outcomes};
 use vnfarm_tests::{Farm, WorkerOptions, wait_for};
@@ -180,7 +181,7 @@ impl Drop for Installation {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_rabbitmq_role_does_its_work_and_nothing_else() -> anyhow::Result<()> {
-    let mut farm = Farm::new("permissions").await?;
+    let mut farm = Farm::in_process("permissions").await?;
     let installation = Installation::import(&farm.prefix).await?;
     let t = Topology::new(farm.prefix.clone());
     let box1: WorkerId = "box-1".parse().expect("a worker id");
@@ -232,7 +233,7 @@ async fn each_rabbitmq_role_does_its_work_and_nothing_else() -> anyhow::Result<(
         .await?;
     assert!(confirm.is_ack());
     let job = farm.wait_finished(&job_id, FINISH).await?;
-    assert_eq!(job["state"], "completed", "{job}");
+    assert_eq!(job.state, JobState::Completed, "{job:?}");
 
     // The queues' arguments in the definitions are the ones declare_core gives them.
     let scheduler = installation.connect("vnfarm-scheduler").await?;
@@ -266,7 +267,7 @@ async fn each_rabbitmq_role_does_its_work_and_nothing_else() -> anyhow::Result<(
 
     // The job system still works after the probes: nothing they did broke the installation.
     let job = farm.job(&job_id).await?;
-    assert_eq!(job["state"], "completed", "{job}");
+    assert_eq!(job.state, JobState::Completed, "{job:?}");
     drop(farm);
     drop(installation);
     Ok(())

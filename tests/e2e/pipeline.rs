@@ -2,27 +2,24 @@
 
 use lapin::BasicProperties;
 use serde_json::{Value, json};
+use vnfarm_proto::http::{JobState, JobView};
+use vnfarm_proto::{ImageRef, JobId, JobSpec};
 use vnfarm_tests::{Farm, WorkerOptions};
 
 use crate::FINISH;
 
-fn states_of(events: &[Value], job: &str) -> Vec<String> {
+fn states_of(events: &[Value], job: JobId) -> Vec<String> {
     events
         .iter()
-        .filter(|e| e["job_id"] == job)
+        .filter(|e| e["job_id"] == job.to_string())
         .map(|e| e["event"].as_str().unwrap_or("?").to_owned())
         .collect()
 }
 
-async fn assert_outputs(farm: &Farm, job: &Value) -> anyhow::Result<()> {
-    let id = job["id"].as_str().unwrap();
+async fn assert_outputs(farm: &Farm, job: &JobView) -> anyhow::Result<()> {
+    let id = job.id;
     let keys = farm.storage.list(&format!("results/{id}/")).await?;
-    let outputs: Vec<String> = job["outputs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|o| o.as_str().unwrap().to_owned())
-        .collect();
+    let outputs = &job.outputs;
     let mut expected = outputs.clone();
     expected.push(format!("results/{id}/manifest.json"));
     expected.sort();
@@ -33,7 +30,7 @@ async fn assert_outputs(farm: &Farm, job: &Value) -> anyhow::Result<()> {
             .get(&format!("results/{id}/manifest.json"))
             .await?,
     )?;
-    assert_eq!(manifest["job_id"], id);
+    assert_eq!(manifest["job_id"], id.to_string());
     for (n, key) in outputs.iter().enumerate() {
         let png = farm.storage.get(key).await?;
         let img = image::load_from_memory(&png)?;
@@ -50,28 +47,21 @@ async fn pipeline_over_http_completes_with_every_output_and_event() -> anyhow::R
     farm.start_worker("w1", WorkerOptions::default()).await?;
     farm.start_worker("w2", WorkerOptions::default()).await?;
 
-    let (status, body) = farm
-        .submit(&json!({"schema_version": 1, "job": {"kind": "pipeline",
+    let pipeline_id = farm
+        .submit_new(&json!({"schema_version": 1, "job": {"kind": "pipeline",
             "base": {"prompt": "a girl, (red hair:1.2)", "width": 512, "height": 384, "steps": 6},
             "edits": [{"instruction": "make her smile"}, {"instruction": "make her angry"}, {"instruction": "make her cry"}],
             "upscales": [{"of": {"edit": 0}, "scale": 2}]}}))
         .await?;
-    assert_eq!(status, 201, "{body}");
-    let pipeline_id = body["job_id"].as_str().unwrap().to_owned();
-    let pipeline = farm.wait_finished(&pipeline_id, FINISH).await?;
-    assert_eq!(pipeline["state"], "completed", "{pipeline}");
-    let children: Vec<String> = pipeline["children"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c.as_str().unwrap().to_owned())
-        .collect();
+    let pipeline = farm.wait_finished(pipeline_id, FINISH).await?;
+    assert_eq!(pipeline.state, JobState::Completed, "{pipeline:?}");
+    let children = pipeline.children;
     assert_eq!(children.len(), 5);
 
     let events = farm
         .collect_events(FINISH, |evs| {
             evs.iter()
-                .any(|e| e["job_id"] == pipeline_id.as_str() && e["event"] == "completed")
+                .any(|e| e["job_id"] == pipeline_id.to_string() && e["event"] == "completed")
         })
         .await?;
     let seqs: Vec<u64> = events.iter().map(|e| e["seq"].as_u64().unwrap()).collect();
@@ -84,17 +74,17 @@ async fn pipeline_over_http_completes_with_every_output_and_event() -> anyhow::R
     // jobs have no `queued` event of their own in the stream.
     let queued: Vec<&Value> = events.iter().filter(|e| e["event"] == "queued").collect();
     assert_eq!(queued.len(), 1, "{queued:?}");
-    assert_eq!(queued[0]["job_id"], pipeline_id.as_str());
+    assert_eq!(queued[0]["job_id"], pipeline_id.to_string());
     assert_eq!(queued[0]["children"], json!(children));
 
     for (i, child) in children.iter().enumerate() {
         let job = farm.job(child).await?;
-        assert_eq!(job["state"], "completed", "{job}");
-        assert_eq!(job["parent"], pipeline_id.as_str());
+        assert_eq!(job.state, JobState::Completed, "{job:?}");
+        assert_eq!(job.parent, Some(pipeline_id));
         assert_outputs(&farm, &job).await?;
         // Every state after the pipeline's `queued`, in order: dispatched, started, progress...,
         // completed.
-        let states = states_of(&events, child);
+        let states = states_of(&events, *child);
         let compact: Vec<&str> = states
             .iter()
             .map(String::as_str)
@@ -115,11 +105,18 @@ async fn pipeline_over_http_completes_with_every_output_and_event() -> anyhow::R
         );
     }
     // Edits take the base image as picture 1 and keep its size; the upscale doubles its edit.
-    let edit = farm.job(&children[1]).await?;
-    let job = &edit["submission"]["job"];
-    assert_eq!(job["inputs"][0]["job_output"]["job"], children[0].as_str());
-    assert_eq!(job["inputs"].as_array().map(Vec::len), Some(1));
-    assert_eq!((&job["width"], &job["height"]), (&json!(512), &json!(384)));
+    let edit = farm.job(children[1]).await?;
+    let Some(JobSpec::Edit(spec)) = edit.submission.map(|s| s.job) else {
+        panic!("the edit's submission is an edit");
+    };
+    assert_eq!(
+        spec.inputs,
+        [ImageRef::JobOutput {
+            job: children[0],
+            index: 0
+        }]
+    );
+    assert_eq!((spec.width, spec.height), (Some(512), Some(384)));
     let upscaled = image::load_from_memory(
         &farm
             .storage
@@ -127,7 +124,7 @@ async fn pipeline_over_http_completes_with_every_output_and_event() -> anyhow::R
             .await?,
     )?;
     assert_eq!((upscaled.width(), upscaled.height()), (1024, 768));
-    assert_eq!(states_of(&events, &pipeline_id), ["queued", "completed"]);
+    assert_eq!(states_of(&events, pipeline_id), ["queued", "completed"]);
     Ok(())
 }
 
@@ -144,8 +141,8 @@ async fn a_foreign_producer_can_publish_to_the_intake_queue() -> anyhow::Result<
         .await?;
 
     let job = farm.wait_finished(&job_id, FINISH).await?;
-    assert_eq!(job["state"], "completed", "{job}");
-    assert_eq!(job["outputs"].as_array().unwrap().len(), 2);
+    assert_eq!(job.state, JobState::Completed, "{job:?}");
+    assert_eq!(job.outputs.len(), 2);
     assert_outputs(&farm, &job).await?;
     let manifest: Value = serde_json::from_slice(
         &farm

@@ -6,6 +6,8 @@ use std::time::Duration;
 use futures::TryStreamExt;
 use serde_json::{Value, json};
 use sse_stream::Sse;
+use vnfarm_proto::http::JobState;
+use vnfarm_proto::{JobId, WorkerId};
 use vnfarm_tests::{Farm, WorkerOptions, sse, wait_for};
 
 use crate::FINISH;
@@ -14,22 +16,16 @@ fn generate(prompt: &str, steps: u32) -> Value {
     json!({"schema_version": 1, "job": {"kind": "generate", "prompt": prompt, "width": 256, "height": 256, "steps": steps}})
 }
 
-async fn submit_id(farm: &Farm, body: &Value) -> anyhow::Result<String> {
-    let (status, reply) = farm.submit(body).await?;
-    anyhow::ensure!(status == 201, "submit: {status} {reply}");
-    Ok(reply["job_id"].as_str().unwrap().to_owned())
-}
-
-async fn wait_running_on(farm: &Farm, id: &str, worker: &str) -> anyhow::Result<()> {
+async fn wait_running_on(farm: &Farm, id: JobId, worker: &str) -> anyhow::Result<()> {
     wait_for(
         &format!("job {id} running on {worker}"),
         Duration::from_secs(30),
         || async {
             let job = farm.job(id).await.ok()?;
-            (job["state"] == "running"
-                && job["worker"] == worker
-                && job["progress"]["step"].as_u64().unwrap_or(0) >= 1)
-                .then_some(())
+            (job.state == JobState::Running
+                && job.worker.as_ref().map(WorkerId::as_str) == Some(worker)
+                && job.progress.is_some_and(|p| p.step >= 1))
+            .then_some(())
         },
     )
     .await
@@ -47,16 +43,16 @@ async fn a_worker_killed_mid_job_loses_nothing() -> anyhow::Result<()> {
         },
     )
     .await?;
-    let id = submit_id(&farm, &generate("killed midway", 30)).await?;
-    wait_running_on(&farm, &id, "doomed").await?;
+    let id = farm.submit_new(&generate("killed midway", 30)).await?;
+    wait_running_on(&farm, id, "doomed").await?;
     farm.signal_worker("doomed", libc::SIGKILL);
     let _ = farm.worker_mut("doomed").wait();
 
     farm.start_worker("rescuer", WorkerOptions::default())
         .await?;
-    let job = farm.wait_finished(&id, FINISH).await?;
-    assert_eq!(job["state"], "completed", "{job}");
-    assert_eq!(job["worker"], "rescuer");
+    let job = farm.wait_finished(id, FINISH).await?;
+    assert_eq!(job.state, JobState::Completed, "{job:?}");
+    assert_eq!(job.worker.as_ref().map(WorkerId::as_str), Some("rescuer"));
     // Exactly one set of outputs: one image and one manifest, written by the rescuer.
     let keys = farm.storage.list(&format!("results/{id}/")).await?;
     assert_eq!(
@@ -73,7 +69,7 @@ async fn a_worker_killed_mid_job_loses_nothing() -> anyhow::Result<()> {
             .await?,
     )?;
     assert_eq!(manifest["worker"], "rescuer");
-    let events: Vec<&str> = job_events(&farm, &id).await?;
+    let events: Vec<&str> = job_events(&farm, id).await?;
     assert!(
         events.contains(&"requeued"),
         "the job came back to the scheduler: {events:?}"
@@ -81,7 +77,7 @@ async fn a_worker_killed_mid_job_loses_nothing() -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn job_events(farm: &Farm, id: &str) -> anyhow::Result<Vec<&'static str>> {
+async fn job_events(farm: &Farm, id: JobId) -> anyhow::Result<Vec<&'static str>> {
     let response = farm
         .http
         .get(farm.url(&format!("/v1/jobs/{id}/events")))
@@ -117,9 +113,9 @@ async fn sigterm_finishes_the_job_in_hand_then_exits_zero() -> anyhow::Result<()
         },
     )
     .await?;
-    let first = submit_id(&farm, &generate("in hand", 15)).await?;
-    let second = submit_id(&farm, &generate("next in line", 3)).await?;
-    wait_running_on(&farm, &first, "drainer").await?;
+    let first = farm.submit_new(&generate("in hand", 15)).await?;
+    let second = farm.submit_new(&generate("next in line", 3)).await?;
+    wait_running_on(&farm, first, "drainer").await?;
     farm.signal_worker("drainer", libc::SIGTERM);
 
     let status = tokio::task::block_in_place(|| farm.worker_mut("drainer").wait())?;
@@ -128,28 +124,29 @@ async fn sigterm_finishes_the_job_in_hand_then_exits_zero() -> anyhow::Result<()
         "exit status {status}\n{}",
         farm.worker_logs()
     );
-    let job = farm.job(&first).await?;
+    let job = farm.job(first).await?;
     assert_eq!(
-        job["state"], "completed",
-        "the job in hand finished before exit: {job}"
+        job.state,
+        JobState::Completed,
+        "the job in hand finished before exit: {job:?}"
     );
-    let waiting = farm.job(&second).await?;
+    let waiting = farm.job(second).await?;
     assert!(
-        matches!(waiting["state"].as_str(), Some("queued" | "dispatched")),
-        "{waiting}"
+        matches!(waiting.state, JobState::Queued | JobState::Dispatched),
+        "{waiting:?}"
     );
     assert_eq!(
-        waiting["attempts"], 0,
-        "the draining worker took no new job: {waiting}"
+        waiting.attempts, 0,
+        "the draining worker took no new job: {waiting:?}"
     );
 
     farm.start_worker("successor", WorkerOptions::default())
         .await?;
-    let job = farm.wait_finished(&second, FINISH).await?;
+    let job = farm.wait_finished(second, FINISH).await?;
     assert_eq!(
-        (job["state"].as_str(), job["worker"].as_str()),
-        (Some("completed"), Some("successor")),
-        "{job}"
+        (job.state, job.worker.as_ref().map(WorkerId::as_str)),
+        (JobState::Completed, Some("successor")),
+        "{job:?}"
     );
     Ok(())
 }
@@ -169,9 +166,12 @@ async fn a_restarted_scheduler_answers_for_every_job_and_they_complete() -> anyh
     let pipeline = json!({"schema_version": 1, "job": {"kind": "pipeline",
         "base": {"prompt": "a knight", "width": 256, "height": 256, "steps": 10},
         "edits": [{"instruction": "smile"}, {"instruction": "frown"}], "upscales": [{"of": "base"}]}});
-    let mut ids = vec![submit_id(&farm, &pipeline).await?];
+    let mut ids = vec![farm.submit_new(&pipeline).await?];
     for n in 0..4 {
-        ids.push(submit_id(&farm, &generate(&format!("queued {n}"), 10)).await?);
+        ids.push(
+            farm.submit_new(&generate(&format!("queued {n}"), 10))
+                .await?,
+        );
     }
     // Kill it while some jobs run and others wait.
     wait_for("a job to be running", Duration::from_secs(30), || async {
@@ -187,17 +187,16 @@ async fn a_restarted_scheduler_answers_for_every_job_and_they_complete() -> anyh
 
     for id in &ids {
         let job = farm.job(id).await?;
-        assert_ne!(job["state"], "failed", "{job}");
+        assert_ne!(job.state, JobState::Failed, "{job:?}");
     }
     for id in &ids {
         let job = farm.wait_finished(id, FINISH).await?;
-        assert_eq!(job["state"], "completed", "{job}");
-        for child in job["children"].as_array().into_iter().flatten() {
-            let child = farm.job(child.as_str().unwrap()).await?;
-            assert_eq!(child["state"], "completed", "{child}");
-            let outputs = child["outputs"].as_array().unwrap();
-            assert_eq!(outputs.len(), 1);
-            farm.storage.get(outputs[0].as_str().unwrap()).await?;
+        assert_eq!(job.state, JobState::Completed, "{job:?}");
+        for child in &job.children {
+            let child = farm.job(child).await?;
+            assert_eq!(child.state, JobState::Completed, "{child:?}");
+            assert_eq!(child.outputs.len(), 1);
+            farm.storage.get(&child.outputs[0]).await?;
         }
     }
     Ok(())

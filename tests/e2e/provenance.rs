@@ -6,6 +6,7 @@ use std::path::Path;
 
 use serde_json::json;
 use sha2::{Digest, Sha256};
+use vnfarm_proto::http::JobState;
 use vnfarm_proto::manifest::ModelFileRole;
 use vnfarm_proto::topology::{manifest_key, output_key};
 use vnfarm_proto::{Manifest, decode_json};
@@ -45,17 +46,14 @@ async fn a_manifest_names_each_model_file_by_its_sha256_and_size() -> anyhow::Re
         },
     )
     .await?;
-    let (status, reply) = farm
-        .submit(&json!({"schema_version": 1, "job": {"kind": "generate",
+    let job_id = farm
+        .submit_new(&json!({"schema_version": 1, "job": {"kind": "generate",
             "prompt": "a lighthouse, at dusk", "width": 256, "height": 256, "steps": 2,
             "sampler": "dpmpp_two_m_karras", "seed": 11}}))
         .await?;
-    anyhow::ensure!(status == 201, "submit: {status} {reply}");
-    let id = reply["job_id"].as_str().expect("a job id").to_owned();
-    let job = farm.wait_finished(&id, FINISH).await?;
-    assert_eq!(job["state"], "completed", "{job}");
+    let job = farm.wait_finished(job_id, FINISH).await?;
+    assert_eq!(job.state, JobState::Completed, "{job:?}");
 
-    let job_id = id.parse()?;
     let manifest: Manifest = decode_json(&farm.storage.get(&manifest_key(job_id)).await?)?;
     assert_eq!(manifest.model_files.len(), files.len(), "{manifest:?}");
     for ((path, bytes), listed) in files.iter().zip(&manifest.model_files) {

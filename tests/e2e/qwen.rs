@@ -5,36 +5,22 @@
 //! images with two inputs, the encode cache in heartbeats, encodings shared between workers
 //! through storage, and cancellation between steps.
 
-use std::path::{Path, PathBuf};
-
 use serde_json::{Value, json};
 use tch::{Device, Kind};
 use vnfarm_models::loading::safetensors::SafetensorsFile;
+use vnfarm_proto::ModelFamily;
+use vnfarm_proto::http::{JobState, JobView, Worker};
 use vnfarm_scheduler::scheduler::inline_image;
 use vnfarm_tests::{Farm, WorkerOptions};
 
 use crate::FINISH;
-
-fn models() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../worker/models/fixtures")
-}
+use crate::engines::{engine_env, models, sdxl_folder, tiny_sdxl};
 
 /// One worker with the tiny SDXL (diffusers folder) and the tiny Qwen edit model (ComfyUI-style
 /// single files, written from the tiny diffusers folder at test time and sized by its configs), on
 /// the CPU in fp32.
 fn farm_worker(condition_area: u64, vae_area: u64, scheduler: &str) -> WorkerOptions {
     let qwen = models().join("qwen");
-    let sdxl = [
-        (
-            "CHECKPOINT",
-            models().join("sdxl/sdxl_tiny").display().to_string(),
-        ),
-        ("DEVICE", "cpu".into()),
-        ("DTYPE", "fp32".into()),
-        ("VAE_DTYPE", "fp32".into()),
-        ("WARM_UP", "[[256, 256]]".into()),
-        ("VAE_TILING", "never".into()),
-    ];
     let qwen_edit = [
         (
             "TRANSFORMER",
@@ -66,19 +52,9 @@ fn farm_worker(condition_area: u64, vae_area: u64, scheduler: &str) -> WorkerOpt
         ("VAE_IMAGE_AREA", vae_area.to_string()),
         ("WARM_UP", "[[256, 256]]".into()),
     ];
-    let env = sdxl
-        .into_iter()
-        .map(|(k, v)| (format!("VNFARM_ENGINE__SDXL__{k}"), v))
-        .chain(
-            qwen_edit
-                .into_iter()
-                .map(|(k, v)| (format!("VNFARM_ENGINE__QWEN_EDIT__{k}"), v)),
-        )
-        .collect();
-    WorkerOptions {
-        extra_env: env,
-        ..WorkerOptions::default()
-    }
+    WorkerOptions::default()
+        .with_env(tiny_sdxl(&sdxl_folder()))
+        .with_env(engine_env("QWEN_EDIT", qwen_edit))
 }
 
 /// Mean absolute difference, in 1/255 units, of `png` and the float image `name` of `file`.
@@ -89,9 +65,18 @@ fn mae(file: &SafetensorsFile, name: &str, png: &[u8]) -> f64 {
     vnfarm_tests::png_mae(png, &want)
 }
 
-async fn png(farm: &Farm, job: &Value) -> anyhow::Result<Vec<u8>> {
-    let key = job["outputs"][0].as_str().expect("an output");
-    Ok(farm.storage.get(key).await?.to_vec())
+async fn png(farm: &Farm, job: &JobView) -> anyhow::Result<Vec<u8>> {
+    let outputs = farm.outputs(job).await?;
+    Ok(outputs.first().expect("an output").to_vec())
+}
+
+/// The keys of the encode cache the first worker's last heartbeat lists.
+fn encode_cache(workers: &[Worker]) -> Vec<String> {
+    workers
+        .first()
+        .and_then(|w| w.heartbeat.as_ref())
+        .map(|h| h.encode_cache.clone())
+        .unwrap_or_default()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -110,35 +95,31 @@ async fn a_pipeline_runs_on_sdxl_then_qwen_edits_and_matches_diffusers() -> anyh
     );
     farm.start_worker("studio-1", options.clone()).await?;
     println!("worker ready {:?} after the start", started.elapsed());
-    let workers = farm.get_json("/v1/workers").await?;
+    let workers = farm.workers().await?;
     assert_eq!(
-        workers["workers"][0]["heartbeat"]["models"],
-        json!(["sdxl", "qwen-edit"]),
-        "one worker holds both models warm: {workers}"
+        workers[0].heartbeat.as_ref().map(|h| h.models.clone()),
+        Some(vec![ModelFamily::Sdxl, ModelFamily::QwenEdit]),
+        "one worker holds both models warm: {workers:?}"
     );
 
-    let (status, body) = farm.submit(&meta["submission"]).await?;
-    assert_eq!(status, 201, "{body}");
-    let pipeline = farm
-        .wait_finished(body["job_id"].as_str().unwrap(), FINISH)
-        .await?;
+    let pipeline = farm.run(&meta["submission"], FINISH).await?;
     assert_eq!(
-        pipeline["state"],
-        "completed",
-        "{pipeline}\n{}",
+        pipeline.state,
+        JobState::Completed,
+        "{pipeline:?}\n{}",
         farm.worker_logs()
     );
     println!("pipeline finished {:?} after the start", started.elapsed());
-    let children = pipeline["children"].as_array().unwrap().clone();
-    assert_eq!(children.len(), 3, "{pipeline}");
+    let children = pipeline.children.clone();
+    assert_eq!(children.len(), 3, "{pipeline:?}");
 
-    let base = farm.job(children[0].as_str().unwrap()).await?;
+    let base = farm.job(children[0]).await?;
     let base_mae = mae(&reference, "base.image", &png(&farm, &base).await?);
     println!("base: mean abs difference {base_mae:.4}/255 from diffusers");
     assert!(base_mae <= 1.0, "base: {base_mae:.3}/255 from diffusers");
     for (n, child) in children[1..].iter().enumerate() {
-        let edit = farm.job(child.as_str().unwrap()).await?;
-        assert_eq!(edit["state"], "completed", "{edit}");
+        let edit = farm.job(child).await?;
+        assert_eq!(edit.state, JobState::Completed, "{edit:?}");
         let d = mae(
             &reference,
             &format!("edit{n}.image"),
@@ -149,21 +130,13 @@ async fn a_pipeline_runs_on_sdxl_then_qwen_edits_and_matches_diffusers() -> anyh
     }
 
     // Both edits share one input: it was encoded once and the worker says it holds it.
-    let workers = farm.get_json("/v1/workers").await?;
-    let keys = workers["workers"][0]["heartbeat"]["encode_cache"].clone();
-    assert_eq!(
-        keys.as_array().map(Vec::len),
-        Some(1),
-        "one cached input set: {workers}"
-    );
-    assert!(
-        keys[0].as_str().unwrap().starts_with("qwen-edit:"),
-        "{keys}"
-    );
+    let keys = encode_cache(&farm.workers().await?);
+    assert_eq!(keys.len(), 1, "one cached input set: {keys:?}");
+    assert!(keys[0].starts_with("qwen-edit:"), "{keys:?}");
     // The first edit of the input encoded it; the second found it in the cache.
     let mut encoded = Vec::new();
     for child in &children[1..] {
-        let key = format!("results/{}/manifest.json", child.as_str().unwrap());
+        let key = format!("results/{child}/manifest.json");
         let manifest: Value = serde_json::from_slice(&farm.storage.get(&key).await?)?;
         encoded.push(manifest["timings"].get("encode").is_some());
     }
@@ -189,18 +162,14 @@ async fn a_pipeline_runs_on_sdxl_then_qwen_edits_and_matches_diffusers() -> anyh
     let base_spec = &meta["submission"]["job"]["base"];
     again["job"]["width"] = base_spec["width"].clone();
     again["job"]["height"] = base_spec["height"].clone();
-    let (status, body) = farm.submit(&again).await?;
-    assert_eq!(status, 201, "{body}");
-    let rerun = farm
-        .wait_finished(body["job_id"].as_str().unwrap(), FINISH)
-        .await?;
+    let rerun = farm.run(&again, FINISH).await?;
     assert_eq!(
-        rerun["state"],
-        "completed",
-        "{rerun}\n{}",
+        rerun.state,
+        JobState::Completed,
+        "{rerun:?}\n{}",
         farm.worker_logs()
     );
-    let key = format!("results/{}/manifest.json", body["job_id"].as_str().unwrap());
+    let key = format!("results/{}/manifest.json", rerun.id);
     let manifest: Value = serde_json::from_slice(&farm.storage.get(&key).await?)?;
     assert_eq!(manifest["worker"], "studio-2", "{manifest}");
     let timings = &manifest["timings"];
@@ -209,7 +178,7 @@ async fn a_pipeline_runs_on_sdxl_then_qwen_edits_and_matches_diffusers() -> anyh
         "fetched, not encoded: {timings}"
     );
     // The same pixels (the PNGs' parameters name their own jobs).
-    let first = farm.job(children[1].as_str().unwrap()).await?;
+    let first = farm.job(children[1]).await?;
     let pixels = |png: Vec<u8>| image::load_from_memory(&png).map(|i| i.to_rgb8().into_raw());
     assert!(
         pixels(png(&farm, &rerun).await?)? == pixels(png(&farm, &first).await?)?,
@@ -225,47 +194,48 @@ async fn edits_of_uploaded_images_take_two_inputs_and_cancel_between_steps() -> 
     let inputs = models().join("qwen/inputs");
     let a = std::fs::read(inputs.join("a_48x40.png"))?;
     let b = std::fs::read(inputs.join("b_32x56.png"))?;
-    let mut farm = Farm::new("qwen-edit").await?;
+    let mut farm = Farm::in_process("qwen-edit").await?;
     farm.start_scheduler().await?;
     farm.start_worker("studio-2", farm_worker(56 * 56, 64 * 64, "model"))
         .await?;
     let inline = |bytes: &[u8]| serde_json::to_value(inline_image(bytes)).expect("an ImageRef");
-    let (status, body) = farm
-        .submit(&json!({"schema_version": 1, "job": {"kind": "edit",
-            "inputs": [inline(&a), inline(&b)],
-            "instruction": "put the hat from picture 2 on her",
-            "width": 256, "height": 256, "steps": 2, "seed": 11}}))
-        .await?;
-    assert_eq!(status, 201, "{body}");
     let job = farm
-        .wait_finished(body["job_id"].as_str().unwrap(), FINISH)
+        .run(
+            &json!({"schema_version": 1, "job": {"kind": "edit",
+                "inputs": [inline(&a), inline(&b)],
+                "instruction": "put the hat from picture 2 on her",
+                "width": 256, "height": 256, "steps": 2, "seed": 11}}),
+            FINISH,
+        )
         .await?;
-    assert_eq!(job["state"], "completed", "{job}\n{}", farm.worker_logs());
+    assert_eq!(
+        job.state,
+        JobState::Completed,
+        "{job:?}\n{}",
+        farm.worker_logs()
+    );
     let img = image::load_from_memory(&png(&farm, &job).await?)?;
     assert_eq!((img.width(), img.height()), (256, 256));
-    let workers = farm.get_json("/v1/workers").await?;
-    let key = workers["workers"][0]["heartbeat"]["encode_cache"][0]
-        .as_str()
-        .unwrap_or_default()
-        .to_owned();
+    let keys = encode_cache(&farm.workers().await?);
     assert_eq!(
-        key.strip_prefix("qwen-edit:").map(|k| k.split('+').count()),
+        keys.first()
+            .and_then(|k| k.strip_prefix("qwen-edit:"))
+            .map(|k| k.split('+').count()),
         Some(2),
-        "the cache key names both inputs: {workers}"
+        "the cache key names both inputs: {keys:?}"
     );
 
     // A long edit stops between steps when cancelled, stores nothing, and frees the engine.
-    let (_, body) = farm
-        .submit(&json!({"schema_version": 1, "job": {"kind": "edit",
+    let id = farm
+        .submit_new(&json!({"schema_version": 1, "job": {"kind": "edit",
             "inputs": [inline(&a)], "instruction": "make her smile",
             "width": 256, "height": 256, "steps": 100, "seed": 3}}))
         .await?;
-    let id = body["job_id"].as_str().unwrap().to_owned();
-    farm.wait_step(&id, 1, FINISH).await?;
-    farm.cancel(&id).await?;
-    let job = farm.wait_finished(&id, FINISH).await?;
-    assert_eq!(job["state"], "cancelled", "{job}");
-    assert!(job["progress"]["step"].as_u64().unwrap_or(0) < 100);
+    farm.wait_step(id, 1, FINISH).await?;
+    farm.cancel(id).await?;
+    let job = farm.wait_finished(id, FINISH).await?;
+    assert_eq!(job.state, JobState::Cancelled, "{job:?}");
+    assert!(job.progress.as_ref().map_or(0, |p| p.step) < 100);
     assert!(
         farm.storage
             .list(&format!("results/{id}/"))

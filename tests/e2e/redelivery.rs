@@ -5,8 +5,9 @@ use futures::StreamExt;
 use serde_json::{Value, json};
 use vnfarm_bus::Publisher;
 use vnfarm_bus::publisher::json_properties;
+use vnfarm_proto::http::JobState;
 use vnfarm_proto::topology::{Topology, manifest_key};
-use vnfarm_proto::{JobId, Manifest, SCHEMA_VERSION, WorkMessage, WorkerId, decode_json};
+use vnfarm_proto::{Manifest, SCHEMA_VERSION, WorkMessage, WorkerId, decode_json};
 use vnfarm_tests::{Farm, WorkerOptions, wait_for};
 
 use crate::FINISH;
@@ -19,15 +20,13 @@ async fn a_redelivered_completed_job_is_not_run_again() -> anyhow::Result<()> {
     let mut farm = Farm::new("redelivered").await?;
     farm.start_scheduler().await?;
     farm.start_worker("w1", WorkerOptions::default()).await?;
-    let (status, reply) = farm
-        .submit(&json!({"schema_version": 1, "job": {
+    let job_id = farm
+        .submit_new(&json!({"schema_version": 1, "job": {
             "kind": "generate", "prompt": "a lighthouse", "steps": 4, "width": 256, "height": 256}}))
         .await?;
-    assert_eq!(status, 201, "{reply}");
-    let id = reply["job_id"].as_str().unwrap().to_owned();
-    let job = farm.wait_finished(&id, FINISH).await?;
-    assert_eq!(job["state"], "completed", "{job}");
-    let job_id: JobId = id.parse()?;
+    let id = job_id.to_string();
+    let job = farm.wait_finished(job_id, FINISH).await?;
+    assert_eq!(job.state, JobState::Completed, "{job:?}");
     let stored = farm.storage.get(&manifest_key(job_id)).await?;
     let manifest: Manifest = decode_json(&stored)?;
 
@@ -86,8 +85,8 @@ async fn a_redelivered_completed_job_is_not_run_again() -> anyhow::Result<()> {
         stored,
         "the stored manifest was not rewritten"
     );
-    let job = farm.job(&id).await?;
-    assert_eq!(job["state"], "completed", "{job}");
-    assert_eq!(job["attempts"], 1, "one `started` in all: {job}");
+    let job = farm.job(job_id).await?;
+    assert_eq!(job.state, JobState::Completed, "{job:?}");
+    assert_eq!(job.attempts, 1, "one `started` in all: {job:?}");
     Ok(())
 }

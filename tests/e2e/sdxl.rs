@@ -10,14 +10,12 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use tch::{Device, Kind};
 use vnfarm_models::loading::safetensors::SafetensorsFile;
+use vnfarm_proto::ModelFamily;
+use vnfarm_proto::http::JobState;
 use vnfarm_tests::{Farm, WorkerOptions, wait_for};
 
 use crate::FINISH;
-
-/// The model crate's fixture folder.
-fn models() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../worker/models/fixtures")
-}
+use crate::engines::{engine_env, models, tiny_sdxl};
 
 fn fixtures() -> PathBuf {
     models().join("sdxl")
@@ -28,30 +26,22 @@ fn ldm_checkpoint() -> PathBuf {
     crate::derived::sdxl_tiny_ldm(&models())
 }
 
-/// A worker serving SDXL from `checkpoint` on the CPU in fp32 (the precision of the references).
+/// A worker serving the tiny SDXL from `checkpoint` (see [`tiny_sdxl`]).
 fn sdxl_worker(checkpoint: &Path, max_batch: u32) -> WorkerOptions {
-    let env = [
-        ("CHECKPOINT", checkpoint.display().to_string()),
-        // The tiny model's component sizes and 1000-token tokenizers.
-        (
-            "CONFIG_DIR",
-            fixtures().join("sdxl_tiny").display().to_string(),
-        ),
-        ("DEVICE", "cpu".into()),
-        ("DTYPE", "fp32".into()),
-        ("VAE_DTYPE", "fp32".into()),
-        ("WARM_UP", "[[256, 256]]".into()),
-        // diffusers made the references without VAE tiling (the tiny VAE would tile above 128 px).
-        ("VAE_TILING", "never".into()),
-        ("MAX_BATCH", max_batch.to_string()),
-    ];
-    WorkerOptions {
-        extra_env: env
-            .into_iter()
-            .map(|(k, v)| (format!("VNFARM_ENGINE__SDXL__{k}"), v))
-            .collect(),
-        ..WorkerOptions::default()
-    }
+    let sizes = engine_env(
+        "SDXL",
+        [
+            // The tiny model's component sizes and 1000-token tokenizers.
+            (
+                "CONFIG_DIR",
+                fixtures().join("sdxl_tiny").display().to_string(),
+            ),
+            ("MAX_BATCH", max_batch.to_string()),
+        ],
+    );
+    WorkerOptions::default()
+        .with_env(tiny_sdxl(checkpoint))
+        .with_env(sizes)
 }
 
 /// diffusers' reference images and the parameters that made them (see
@@ -137,19 +127,11 @@ impl Reference {
     }
 }
 
-async fn output_pngs(farm: &Farm, job: &Value) -> anyhow::Result<Vec<Vec<u8>>> {
-    let mut pngs = Vec::new();
-    for key in job["outputs"].as_array().unwrap() {
-        pngs.push(farm.storage.get(key.as_str().unwrap()).await?.to_vec());
-    }
-    Ok(pngs)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn generate_jobs_on_the_sdxl_engine_match_diffusers() -> anyhow::Result<()> {
     let started = std::time::Instant::now();
     let reference = Reference::open();
-    let mut farm = Farm::new("sdxl").await?;
+    let mut farm = Farm::in_process("sdxl").await?;
     farm.start_scheduler().await?;
     // One image per UNet forward: a job of two images runs as two batches and image n must still
     // get seed + n.
@@ -157,25 +139,28 @@ async fn generate_jobs_on_the_sdxl_engine_match_diffusers() -> anyhow::Result<()
     farm.start_worker("sdxl-1", sdxl_worker(&checkpoint, 1))
         .await?;
     println!("worker ready {:?} after the start", started.elapsed());
-    let workers = farm.get_json("/v1/workers").await?;
+    let workers = farm.workers().await?;
     assert_eq!(
-        workers["workers"][0]["heartbeat"]["models"],
-        json!(["sdxl"]),
-        "a tch worker advertises only the models it loaded: {workers}"
+        workers[0].heartbeat.as_ref().map(|h| h.models.clone()),
+        Some(vec![ModelFamily::Sdxl]),
+        "a tch worker advertises only the models it loaded: {workers:?}"
     );
 
     // Euler ancestral draws fresh noise every step, from each image's own generator.
     let mut jobs = Vec::new();
     for case in ["w_euler_a", "w_dpmpp"] {
-        let (status, body) = farm.submit(&reference.submission(case)).await?;
-        assert_eq!(status, 201, "{body}");
-        jobs.push((case, body["job_id"].as_str().unwrap().to_owned()));
+        jobs.push((case, farm.submit_new(&reference.submission(case)).await?));
     }
     for (case, id) in &jobs {
         let job = farm.wait_finished(id, FINISH).await?;
-        assert_eq!(job["state"], "completed", "{job}\n{}", farm.worker_logs());
+        assert_eq!(
+            job.state,
+            JobState::Completed,
+            "{job:?}\n{}",
+            farm.worker_logs()
+        );
         println!("{case}: finished {:?} after the start", started.elapsed());
-        let pngs = output_pngs(&farm, &job).await?;
+        let pngs = farm.outputs(&job).await?;
         let count = reference.submission(case)["job"]["count"].as_u64().unwrap();
         assert_eq!(pngs.len() as u64, count, "{case}: one PNG per image");
         for (n, png) in pngs.iter().enumerate() {
@@ -190,6 +175,7 @@ async fn generate_jobs_on_the_sdxl_engine_match_diffusers() -> anyhow::Result<()
 
     // Progress after every denoising step, counted over the job's batches.
     let (case, id) = &jobs[0];
+    let id = id.to_string();
     let steps = reference.submission(case)["job"]["steps"].as_u64().unwrap();
     let events = farm
         .collect_events(FINISH, |evs| {
@@ -212,21 +198,19 @@ async fn generate_jobs_on_the_sdxl_engine_match_diffusers() -> anyhow::Result<()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancelling_a_generate_stops_it_between_steps() -> anyhow::Result<()> {
     let reference = Reference::open();
-    let mut farm = Farm::new("sdxl-cancel").await?;
+    let mut farm = Farm::in_process("sdxl-cancel").await?;
     farm.start_scheduler().await?;
     let checkpoint = ldm_checkpoint();
     farm.start_worker("sdxl-c", sdxl_worker(&checkpoint, 4))
         .await?;
     let mut long = reference.submission("w_dpmpp");
     long["job"]["steps"] = json!(150);
-    let (status, body) = farm.submit(&long).await?;
-    assert_eq!(status, 201, "{body}");
-    let id = body["job_id"].as_str().unwrap().to_owned();
-    farm.wait_step(&id, 1, FINISH).await?;
-    farm.cancel(&id).await?;
-    let job = farm.wait_finished(&id, FINISH).await?;
-    assert_eq!(job["state"], "cancelled", "{job}");
-    let step = job["progress"]["step"].as_u64().unwrap_or(0);
+    let id = farm.submit_new(&long).await?;
+    farm.wait_step(id, 1, FINISH).await?;
+    farm.cancel(id).await?;
+    let job = farm.wait_finished(id, FINISH).await?;
+    assert_eq!(job.state, JobState::Cancelled, "{job:?}");
+    let step = job.progress.as_ref().map_or(0, |p| p.step);
     assert!(step < 150, "stopped at step {step} of 150");
     assert!(
         farm.storage
@@ -236,11 +220,8 @@ async fn cancelling_a_generate_stops_it_between_steps() -> anyhow::Result<()> {
         "a cancelled job leaves nothing in storage"
     );
     // The engine is free again.
-    let (_, body) = farm.submit(&reference.submission("w_dpmpp")).await?;
-    let next = farm
-        .wait_finished(body["job_id"].as_str().unwrap(), FINISH)
-        .await?;
-    assert_eq!(next["state"], "completed", "{next}");
+    let next = farm.run(&reference.submission("w_dpmpp"), FINISH).await?;
+    assert_eq!(next.state, JobState::Completed, "{next:?}");
     Ok(())
 }
 
@@ -263,8 +244,8 @@ async fn a_worker_with_a_broken_checkpoint_exits_naming_the_file() -> anyhow::Re
         log.contains("truncated.safetensors") && log.contains("truncated:"),
         "the error names the file and the problem:\n{log}"
     );
-    let workers = farm.get_json("/v1/workers").await?;
-    assert_eq!(workers["workers"], json!([]), "it never registered");
+    let workers = farm.workers().await?;
+    assert!(workers.is_empty(), "it never registered: {workers:?}");
     Ok(())
 }
 
@@ -291,7 +272,7 @@ async fn generate_jobs_with_loras_match_diffusers_and_leave_the_base_as_it_was()
 -> anyhow::Result<()> {
     let base = Reference::open();
     let loras = Reference::loras();
-    let mut farm = Farm::new("sdxl-lora").await?;
+    let mut farm = Farm::in_process("sdxl-lora").await?;
     farm.start_scheduler().await?;
     let checkpoint = ldm_checkpoint();
     let mut worker = sdxl_worker(&checkpoint, 4);
@@ -302,16 +283,6 @@ async fn generate_jobs_with_loras_match_diffusers_and_leave_the_base_as_it_was()
     farm.start_worker("sdxl-l", worker).await?;
 
     // One job at a time, so that each runs with the weights the previous one left.
-    let run = |submission: Value| {
-        let farm = &farm;
-        async move {
-            let (status, body) = farm.submit(&submission).await?;
-            anyhow::ensure!(status == 201, "{body}");
-            let id = body["job_id"].as_str().unwrap().to_owned();
-            let job = farm.wait_finished(&id, FINISH).await?;
-            anyhow::Ok((id, job))
-        }
-    };
     let lora_job = loras.submission("e2e_kohya");
     assert_eq!(
         lora_job["job"]["loras"],
@@ -327,9 +298,14 @@ async fn generate_jobs_with_loras_match_diffusers_and_leave_the_base_as_it_was()
         } else {
             "w_dpmpp"
         };
-        let (id, job) = run(submission).await?;
-        assert_eq!(job["state"], "completed", "{job}\n{}", farm.worker_logs());
-        let pngs = output_pngs(&farm, &job).await?;
+        let job = farm.run(&submission, FINISH).await?;
+        assert_eq!(
+            job.state,
+            JobState::Completed,
+            "{job:?}\n{}",
+            farm.worker_logs()
+        );
+        let pngs = farm.outputs(&job).await?;
         let mae = reference.mae(case, 0, &pngs[0]);
         println!("{name}: mean abs difference {mae:.4}/255 from diffusers");
         assert!(mae <= 1.0, "{name}: {mae:.3}/255 from diffusers");
@@ -338,11 +314,10 @@ async fn generate_jobs_with_loras_match_diffusers_and_leave_the_base_as_it_was()
             let text = parameters(&pngs[0]);
             assert!(text.contains("horse <lora:kohya:0.8>\n"), "{text}");
             assert!(text.contains("Lora hashes: \"kohya: "), "{text}");
-            let id: vnfarm_proto::JobId = id.parse()?;
             let manifest: vnfarm_proto::Manifest = vnfarm_proto::decode_json(
                 &farm
                     .storage
-                    .get(&vnfarm_proto::topology::manifest_key(id))
+                    .get(&vnfarm_proto::topology::manifest_key(job.id))
                     .await?,
             )?;
             let lora = manifest
@@ -365,15 +340,15 @@ async fn generate_jobs_with_loras_match_diffusers_and_leave_the_base_as_it_was()
     ] {
         let mut submission = base.submission("w_dpmpp");
         submission["job"]["loras"] = json!([{"name": lora}]);
-        let (_, job) = run(submission).await?;
-        assert_eq!(job["state"], "failed", "{job}");
-        let message = job["failure"]["message"].as_str().unwrap_or_default();
-        assert!(message.contains(names), "{lora}: {job}");
+        let job = farm.run(&submission, FINISH).await?;
+        assert_eq!(job.state, JobState::Failed, "{job:?}");
+        let message = job.failure.as_ref().map_or("", |f| f.message.as_str());
+        assert!(message.contains(names), "{lora}: {job:?}");
     }
     // The worker still serves, from the base weights.
-    let (_, job) = run(base.submission("w_dpmpp")).await?;
-    assert_eq!(job["state"], "completed", "{job}");
-    let mae = base.mae("w_dpmpp", 0, &output_pngs(&farm, &job).await?[0]);
+    let job = farm.run(&base.submission("w_dpmpp"), FINISH).await?;
+    assert_eq!(job.state, JobState::Completed, "{job:?}");
+    let mae = base.mae("w_dpmpp", 0, &farm.outputs(&job).await?[0]);
     assert!(mae <= 1.0, "after the failures: {mae:.3}/255");
     Ok(())
 }

@@ -12,7 +12,9 @@
 
 use std::collections::BTreeMap;
 
-use serde_json::{Value, json};
+use serde_json::json;
+use vnfarm_proto::JobId;
+use vnfarm_proto::http::{JobState, JobView};
 use vnfarm_tests::{Farm, WorkerOptions, wait_for};
 
 use crate::FINISH;
@@ -26,7 +28,7 @@ fn previous_release(step_ms: u64) -> WorkerOptions {
 
 /// Submits a generate, a pipeline of a generate with three edits and an upscale, and two edits of
 /// one stored input (an affinity batch); returns the ids of every job to wait for.
-async fn workload(farm: &Farm, tag: &str) -> anyhow::Result<Vec<String>> {
+async fn workload(farm: &Farm, tag: &str) -> anyhow::Result<Vec<JobId>> {
     let input = format!("inputs/upgrade-{tag}.png");
     farm.storage
         .put(
@@ -52,8 +54,10 @@ async fn workload(farm: &Farm, tag: &str) -> anyhow::Result<Vec<String>> {
     let mut ids = Vec::new();
     for body in &bodies {
         let (status, answer) = farm.submit(body).await?;
-        anyhow::ensure!(status.is_success(), "{status}: {answer}");
-        let id = answer["job_id"].as_str().unwrap_or_default().to_owned();
+        let id = match answer {
+            Ok(submitted) => submitted.job_id,
+            Err(refused) => anyhow::bail!("{status}: {refused:?}"),
+        };
         if !ids.contains(&id) {
             ids.push(id);
         }
@@ -62,14 +66,12 @@ async fn workload(farm: &Farm, tag: &str) -> anyhow::Result<Vec<String>> {
 }
 
 /// Waits for every job, and the jobs of every pipeline among them; returns each one's final view.
-async fn finish_all(farm: &Farm, ids: &[String]) -> anyhow::Result<BTreeMap<String, Value>> {
+async fn finish_all(farm: &Farm, ids: &[JobId]) -> anyhow::Result<BTreeMap<JobId, JobView>> {
     let mut out = BTreeMap::new();
-    let mut todo: Vec<String> = ids.to_vec();
+    let mut todo: Vec<JobId> = ids.to_vec();
     while let Some(id) = todo.pop() {
-        let job = farm.wait_finished(&id, FINISH).await?;
-        for child in job["children"].as_array().into_iter().flatten() {
-            todo.push(child.as_str().unwrap_or_default().to_owned());
-        }
+        let job = farm.wait_finished(id, FINISH).await?;
+        todo.extend(job.children.iter().copied());
         out.insert(id, job);
     }
     Ok(out)
@@ -85,7 +87,8 @@ async fn a_worker_of_the_previous_release_works_beside_current_ones_and_is_upgra
     let mut ids = workload(&farm, "old").await?;
     let jobs = finish_all(&farm, &ids).await?;
     assert!(
-        jobs.values().any(|j| j["worker"] == "box-1"),
+        jobs.values()
+            .any(|j| j.worker.as_ref().is_some_and(|w| w.as_str() == "box-1")),
         "the previous release's worker ran jobs: {jobs:?}"
     );
 
@@ -98,15 +101,13 @@ async fn a_worker_of_the_previous_release_works_beside_current_ones_and_is_upgra
     // on box-1 (what they held is dispatched again).
     farm.kill_worker("box-2");
     farm.kill_worker("box-3");
-    let (status, long) = farm
-        .submit(
+    let long = farm
+        .submit_new(
             &json!({"schema_version": 1, "job": {"kind": "generate", "prompt": "long one",
             "width": 256, "height": 256, "steps": 40}}),
         )
         .await?;
-    anyhow::ensure!(status.is_success(), "{long}");
-    let long = long["job_id"].as_str().unwrap_or_default().to_owned();
-    farm.wait_step(&long, 1, FINISH).await?;
+    farm.wait_step(long, 1, FINISH).await?;
     farm.signal_worker("box-1", libc::SIGTERM);
     wait_for("the drained worker to exit", FINISH, || {
         std::future::ready(farm.worker_mut("box-1").try_wait().ok().flatten())
@@ -121,9 +122,9 @@ async fn a_worker_of_the_previous_release_works_beside_current_ones_and_is_upgra
     let jobs = finish_all(&farm, &ids).await?;
     for (id, job) in &jobs {
         assert_eq!(
-            job["state"],
-            "completed",
-            "{id}: {job}\n{}",
+            job.state,
+            JobState::Completed,
+            "{id}: {job:?}\n{}",
             farm.worker_logs()
         );
     }
@@ -134,13 +135,7 @@ async fn a_worker_of_the_previous_release_works_beside_current_ones_and_is_upgra
     );
     // Every output and manifest is in storage.
     for (id, job) in &jobs {
-        let keys = job["outputs"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .chain(std::iter::once(&job["manifest"]))
-            .filter_map(Value::as_str);
-        for key in keys {
+        for key in job.outputs.iter().chain(&job.manifest) {
             farm.storage
                 .get(key)
                 .await

@@ -14,6 +14,7 @@ use anyhow::{Context, bail, ensure};
 use fantoccini::{Client, Locator};
 use futures::StreamExt;
 use serde_json::{Value, json};
+use vnfarm_proto::http::JobState;
 use vnfarm_tests::{Farm, WorkerOptions, bin_dir, free_port, png_bytes, wait_for};
 
 use crate::FINISH;
@@ -23,10 +24,9 @@ const STUDIO: &str = "http://studio.test:3000";
 /// Small, so that a test body just over it is sent whole before the answer comes.
 const UPLOAD_MAX_BYTES: usize = 1024 * 1024;
 
-/// A farm whose scheduler wants the token and answers the studio's origin, with `workers`
+/// `farm` with a scheduler that wants the token and answers the studio's origin, and `workers`
 /// test-pattern workers; the farm's own HTTP client sends the token.
-async fn farm(name: &str, workers: &[&str], step_ms: u64) -> anyhow::Result<Farm> {
-    let mut farm = Farm::new(name).await?;
+async fn serve(mut farm: Farm, workers: &[&str], step_ms: u64) -> anyhow::Result<Farm> {
     farm.scheduler_env.extend([
         ("VNFARM_API_TOKEN".to_owned(), TOKEN.to_owned()),
         ("VNFARM_CORS_ORIGINS".to_owned(), format!(r#"["{STUDIO}"]"#)),
@@ -253,7 +253,7 @@ async fn sse_data(response: reqwest::Response, n: usize) -> anyhow::Result<Vec<V
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_api_answers_as_its_document_says() -> anyhow::Result<()> {
-    let farm = farm("web-api", &["api-1"], 5).await?;
+    let farm = serve(Farm::in_process("web-api").await?, &["api-1"], 5).await?;
     // Without the token, and without following redirects (a signed URL's 302 is checked).
     let anonymous = reqwest::Client::builder()
         .redirect(reqwest::redirect::Policy::none())
@@ -447,7 +447,7 @@ async fn the_api_answers_as_its_document_says() -> anyhow::Result<()> {
         )?;
     }
     let job = farm.wait_finished(&id, FINISH).await?;
-    ensure!(job["state"] == "completed", "{job}");
+    ensure!(job.state == JobState::Completed, "{job:?}");
     let (status, job) = c
         .call(h.get(url(&format!("/v1/jobs/{id}"))), "/v1/jobs/{id}")
         .await?;
@@ -615,7 +615,7 @@ async fn the_api_answers_as_its_document_says() -> anyhow::Result<()> {
     ensure!(status == 201, "{body}");
     let edit_id = body["job_id"].as_str().context("job_id")?.to_owned();
     let done = farm.wait_finished(&edit_id, FINISH).await?;
-    ensure!(done["state"] == "completed", "{done}");
+    ensure!(done.state == JobState::Completed, "{done:?}");
 
     // Cancel: finished and unknown jobs are refused by name.
     let (status, body) = c
@@ -824,7 +824,8 @@ impl Drop for Browser {
 #[tokio::test(flavor = "multi_thread")]
 async fn the_page_runs_a_pipeline_from_submit_to_compare() -> anyhow::Result<()> {
     // Slow enough steps that progress shows between events (the 40-step base takes about 4 s).
-    let mut farm = farm("web-page", &["page-1", "page-2"], 100).await?;
+    // Processes: the page's event stream is dropped by killing the scheduler.
+    let mut farm = serve(Farm::new("web-page").await?, &["page-1", "page-2"], 100).await?;
     let mut b = Browser::start("page").await?;
     let result = drive_page(&mut farm, &mut b).await;
     if result.is_err() {

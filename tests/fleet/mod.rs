@@ -253,11 +253,7 @@ pub async fn run_policy(
 async fn finished_count(farm: &Farm, ids: &[JobId]) -> anyhow::Result<usize> {
     let mut n = 0;
     for id in ids {
-        let job = farm.job(&id.to_string()).await?;
-        if matches!(
-            job["state"].as_str(),
-            Some("completed" | "failed" | "cancelled")
-        ) {
+        if farm.job(id).await?.state.is_terminal() {
             n += 1;
         } else {
             return Ok(n);

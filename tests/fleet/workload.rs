@@ -150,14 +150,10 @@ pub async fn submit(farm: &Farm, workload: &Workload) -> anyhow::Result<Vec<Subm
         let post = |job: Value| {
             let body = json!({"schema_version": 1, "priority": priority, "job": job});
             async move {
-                let (status, answer) = farm.submit(&body).await?;
-                if !status.is_success() {
-                    bail!("submission refused ({status}): {answer}");
+                match farm.submit(&body).await? {
+                    (_, Ok(answer)) => Ok(answer.job_id),
+                    (status, Err(refused)) => bail!("submission refused ({status}): {refused:?}"),
                 }
-                answer["job_id"]
-                    .as_str()
-                    .and_then(|s| s.parse::<JobId>().ok())
-                    .ok_or_else(|| anyhow::anyhow!("no job id in {answer}"))
             }
         };
         let item = match &timed.item {
@@ -168,9 +164,11 @@ pub async fn submit(farm: &Farm, workload: &Workload) -> anyhow::Result<Vec<Subm
                 let job = json!({"kind": "pipeline", "base": {"prompt": format!("fleet pipeline {n}"),
                     "width": SIDE, "height": SIDE, "steps": 20}, "edits": edits});
                 let id = post(job).await?;
-                let base = farm.job(&id.to_string()).await?["children"][0]
-                    .as_str()
-                    .and_then(|s| s.parse().ok())
+                let base = *farm
+                    .job(id)
+                    .await?
+                    .children
+                    .first()
                     .ok_or_else(|| anyhow::anyhow!("pipeline {id} lists no jobs"))?;
                 Submitted {
                     top: vec![id],

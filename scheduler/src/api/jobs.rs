@@ -8,12 +8,11 @@ use axum::Json;
 use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use chrono::{DateTime, Utc};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
-use vnfarm_proto::http::{Failure, JobState, JobView, Submitted};
+use vnfarm_proto::http::{ArchivedJobView, Failure, JobState, JobView, Submitted};
 use vnfarm_proto::topology::{manifest_key, output_key};
-use vnfarm_proto::{JobId, Manifest, Submission, Task, WorkerId, decode_json};
+use vnfarm_proto::{JobId, Manifest, Submission, WorkerId, decode_json};
 use vnfarm_storage::StorageError;
 
 use super::Api;
@@ -33,20 +32,12 @@ pub struct Job {
     pub images: Vec<ImageLinks>,
 }
 
-/// A completed job past the registry's retention, answered from its manifest in storage.
+/// A completed job past the registry's retention, answered from its manifest in storage, with
+/// links to its images.
 #[derive(Debug, Serialize, JsonSchema)]
 pub struct ArchivedJob {
-    pub id: JobId,
-    pub kind: &'static str,
-    pub state: JobState,
-    /// Always true: only a manifest is left of this job.
-    pub archived: bool,
-    pub worker: WorkerId,
-    pub attempts: u32,
-    pub outputs: Vec<String>,
-    pub manifest: String,
-    pub updated_at: DateTime<Utc>,
-    pub task: Task,
+    #[serde(flatten)]
+    pub view: ArchivedJobView,
     pub images: Vec<ImageLinks>,
 }
 
@@ -223,17 +214,19 @@ async fn archived_job(api: &Api, id: JobId) -> Result<ArchivedJob, ApiError> {
     let manifest = serde_json::from_slice::<Manifest>(&bytes).map_err(|_| not_found())?;
     let outputs: Vec<String> = manifest.outputs.iter().map(|o| o.key.clone()).collect();
     Ok(ArchivedJob {
-        id,
-        kind: manifest.task.kind_name(),
-        state: JobState::Completed,
-        archived: true,
-        worker: manifest.worker,
-        attempts: manifest.attempt,
         images: api.image_links(&outputs),
-        outputs,
-        manifest: key,
-        updated_at: manifest.finished_at,
-        task: manifest.task,
+        view: ArchivedJobView {
+            id,
+            kind: manifest.task.kind_name().to_owned(),
+            state: JobState::Completed,
+            archived: true,
+            worker: manifest.worker,
+            attempts: manifest.attempt,
+            outputs,
+            manifest: key,
+            updated_at: manifest.finished_at,
+            task: Some(manifest.task),
+        },
     })
 }
 

@@ -123,13 +123,13 @@ async fn live(farm: &Farm, shape: Shape) -> anyhow::Result<Live> {
         history::write(&connection, &topology, shape, (shape.events() / 10).max(1)).await?;
     connection.close(200, "history written".into()).await?;
     let writing_done = Instant::now();
-    let last = written.last_job.to_string();
+    let last = written.last_job;
     wait_for(
         "the live scheduler to apply the whole history",
         SERVE_LIMIT,
         || async {
-            let job = farm.job(&last).await.ok()?;
-            (job["state"] == "completed").then_some(())
+            let job = farm.job(last).await.ok()?;
+            (job.state == vnfarm_proto::http::JobState::Completed).then_some(())
         },
     )
     .await?;
