@@ -94,6 +94,12 @@ impl Publisher {
         self.stuck.cancelled().await
     }
 
+    /// Whether a publish on this channel already timed out (see [`Publisher::stuck`]): every later
+    /// publish is refused ([`PublishError::Untrusted`]).
+    pub fn is_stuck(&self) -> bool {
+        self.stuck.is_cancelled()
+    }
+
     /// Publishes and waits for the broker's confirm; an unroutable message is an error (`mandatory`).
     pub async fn publish(
         &self,

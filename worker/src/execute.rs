@@ -16,7 +16,7 @@ use futures::StreamExt;
 use futures::future::join_all;
 use futures::stream::FuturesUnordered;
 use sha2::{Digest, Sha256};
-use vnfarm_bus::Publisher;
+use vnfarm_bus::{PublishError, Publisher};
 use vnfarm_proto::manifest::{ManifestOutput, ModelFile, Versions};
 use vnfarm_proto::spec::MAX_UPSCALE_OUTPUT_SIDE;
 use vnfarm_proto::topology::{manifest_key, output_key};
@@ -100,7 +100,7 @@ impl Worker {
             async move {
                 (
                     i,
-                    self.finish(&jobs[i], attempt, result, timings, cancel)
+                    self.finish(publisher, &jobs[i], attempt, result, timings, cancel)
                         .await,
                 )
             }
@@ -137,6 +137,7 @@ impl Worker {
     /// engine's error.
     async fn finish(
         &self,
+        publisher: &Publisher,
         job: &BatchedJob,
         attempt: u32,
         result: Result<EngineOutput, EngineError>,
@@ -156,6 +157,17 @@ impl Worker {
                 .encode_cache_total
                 .with_label_values(&[lookup.as_str()])
                 .inc();
+        }
+        // The message's channel missed a confirm: this run cannot report any more, its session
+        // ends and the message comes back (or expires) to run again. Its results are not stored,
+        // so they cannot land over that run's: the three-box test saw a worker whose node stalled
+        // after a heal wait 10 s on a `progress`, then store a job that had meanwhile run and
+        // completed on another box, over that run's manifest.
+        if publisher.is_stuck() {
+            return Err(JobError::Broker(PublishError::Untrusted {
+                exchange: self.topology().events_exchange(),
+                routing_key: format!("job.{}.completed", job.job_id),
+            }));
         }
         // Finished elsewhere while it ran here (a worker cut off from the broker runs on while the
         // job is dispatched again, and stores once the link is back): the first stored run stands,
