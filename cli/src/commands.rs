@@ -31,6 +31,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             .await
             .map(|()| ExitCode::SUCCESS),
         Command::Workers => workers(&api).await.map(|()| ExitCode::SUCCESS),
+        Command::Models { storage, command } => crate::models::run(&storage, &command)
+            .await
+            .map(|()| ExitCode::SUCCESS),
     }
 }
 
@@ -149,7 +152,7 @@ fn worker_state(state: WorkerState) -> &'static str {
 }
 
 /// Left-aligned columns, two spaces apart.
-fn print_table(header: &[&str], rows: impl Iterator<Item = Vec<String>>) {
+pub(crate) fn print_table(header: &[&str], rows: impl Iterator<Item = Vec<String>>) {
     let rows: Vec<Vec<String>> = rows.collect();
     let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
     for row in &rows {
