@@ -1,6 +1,7 @@
 //! End-to-end tests: the real binaries against a real RabbitMQ and a real S3 server (see `tests/lib.rs`).
 
 mod batches;
+mod catalogue;
 mod check;
 mod deploy;
 mod esrgan;

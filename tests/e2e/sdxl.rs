@@ -19,17 +19,17 @@ fn models() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../worker/models/fixtures")
 }
 
-fn fixtures() -> PathBuf {
+pub(crate) fn fixtures() -> PathBuf {
     models().join("sdxl")
 }
 
 /// The tiny SDXL as one ldm single file, written from its diffusers folder at test time.
-fn ldm_checkpoint() -> PathBuf {
+pub(crate) fn ldm_checkpoint() -> PathBuf {
     crate::derived::sdxl_tiny_ldm(&models())
 }
 
 /// A worker serving SDXL from `checkpoint` on the CPU in fp32 (the precision of the references).
-fn sdxl_worker(checkpoint: &Path, max_batch: u32) -> WorkerOptions {
+pub(crate) fn sdxl_worker(checkpoint: &Path, max_batch: u32) -> WorkerOptions {
     let env = [
         ("CHECKPOINT", checkpoint.display().to_string()),
         // The tiny model's component sizes and 1000-token tokenizers.
@@ -56,18 +56,18 @@ fn sdxl_worker(checkpoint: &Path, max_batch: u32) -> WorkerOptions {
 
 /// diffusers' reference images and the parameters that made them (see
 /// `worker/models/fixtures/sdxl/make_sdxl_fixtures.py`, `WORKER_CASES`).
-struct Reference {
+pub(crate) struct Reference {
     file: SafetensorsFile,
     meta: Value,
 }
 
 impl Reference {
-    fn open() -> Self {
+    pub(crate) fn open() -> Self {
         Self::open_file("reference/pipeline.safetensors")
     }
 
     /// diffusers' images with LoRAs fused (`make_sdxl_lora_fixtures.py`, `CASES`).
-    fn loras() -> Self {
+    pub(crate) fn loras() -> Self {
         Self::open_file("reference/lora.safetensors")
     }
 
@@ -79,7 +79,7 @@ impl Reference {
 
     /// The submission of case `name`: `[name, sampler, prediction, seed, steps, count, h, w, cfg]`,
     /// or in the LoRA reference `[name, [[lora, weight]…], sampler, seed, …]`.
-    fn submission(&self, name: &str) -> Value {
+    pub(crate) fn submission(&self, name: &str) -> Value {
         let with_loras = self.meta.get("worker_cases").is_none();
         let cases = if with_loras {
             &self.meta["cases"]
@@ -127,7 +127,7 @@ impl Reference {
     }
 
     /// Mean absolute difference, in 1/255 units, of `png` and reference image `index` of `name`.
-    fn mae(&self, name: &str, index: i64, png: &[u8]) -> f64 {
+    pub(crate) fn mae(&self, name: &str, index: i64, png: &[u8]) -> f64 {
         let want = self
             .file
             .load(&format!("{name}.image"), Device::Cpu, Kind::Float)
@@ -137,7 +137,7 @@ impl Reference {
     }
 }
 
-async fn output_pngs(farm: &Farm, job: &Value) -> anyhow::Result<Vec<Vec<u8>>> {
+pub(crate) async fn output_pngs(farm: &Farm, job: &Value) -> anyhow::Result<Vec<Vec<u8>>> {
     let mut pngs = Vec::new();
     for key in job["outputs"].as_array().unwrap() {
         pngs.push(farm.storage.get(key.as_str().unwrap()).await?.to_vec());
