@@ -11,6 +11,7 @@
 //! - [`fetch`]: downloading output images.
 //! - [`models`]: the model catalogue in the bucket (`vnfarm models push|list`).
 //! - [`commands`]: dispatch, and the small commands.
+//! - [`table`]: the listings' columns.
 
 mod args;
 mod client;
@@ -18,6 +19,7 @@ mod commands;
 mod fetch;
 mod models;
 mod submission;
+mod table;
 mod values;
 mod watch;
 

@@ -9,7 +9,7 @@ use serde::Deserialize;
 use vnfarm_storage::{Catalogue, Storage, StorageConfig};
 
 use crate::args::ModelsCommand;
-use crate::commands::print_table;
+use crate::table::print_table;
 
 /// The part of a configuration file this command reads.
 #[derive(Deserialize)]
