@@ -564,6 +564,14 @@ impl Farm {
             self.logs.path().join("hash-cache").display().to_string(),
         ));
         env.push((
+            "VNFARM_MODEL_CACHE__DIR".into(),
+            self.logs
+                .path()
+                .join(format!("model-cache-{id}"))
+                .display()
+                .to_string(),
+        ));
+        env.push((
             "VNFARM_ENGINE__TEST_PATTERN__STEP_MS".into(),
             options.step_ms.to_string(),
         ));

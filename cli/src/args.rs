@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use vnfarm_proto::{JobId, LoraRef, PipelineImage, Priority, Sampler};
+use vnfarm_proto::{JobId, LoraRef, ModelFileRole, PipelineImage, Priority, Sampler};
 
 use crate::values::{InputArg, parse_input, parse_lora, parse_pipeline_image, parse_scale};
 
@@ -54,6 +54,30 @@ pub enum Command {
     },
     /// List the workers the scheduler knows and their last heartbeat.
     Workers,
+    /// The model catalogue in the bucket: files jobs name by catalogue name or sha256:<hex>.
+    Models {
+        /// A TOML file with the store's `[storage]` table (a worker's configuration file will do).
+        #[arg(long, env = "VNFARM_STORAGE_CONFIG")]
+        storage: PathBuf,
+        #[command(subcommand)]
+        command: ModelsCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ModelsCommand {
+    /// Upload a safetensors file (once, under its sha256) and name it in the catalogue.
+    Push {
+        file: PathBuf,
+        /// What the file is: lora, checkpoint, component, transformer, text_encoder, vae, upscaler.
+        #[arg(long, value_parser = str::parse::<ModelFileRole>)]
+        role: ModelFileRole,
+        /// The catalogue name (default: the file name without `.safetensors`).
+        #[arg(long)]
+        name: Option<String>,
+    },
+    /// List the catalogue's names.
+    List,
 }
 
 #[derive(Debug, Subcommand)]
@@ -65,8 +89,8 @@ pub enum SubmitCommand {
         /// Images to make; image n uses seed + n.
         #[arg(long, default_value_t = 1)]
         count: u32,
-        /// A LoRA from the worker's LoRA folder, as name[:weight] (weight 1 when omitted);
-        /// repeatable.
+        /// A LoRA, as name[:weight] (weight 1 when omitted): a file of the worker's LoRA folder,
+        /// else the model catalogue's name, or sha256:<hex>[:weight]; repeatable.
         #[arg(long = "lora", value_parser = parse_lora)]
         loras: Vec<LoraRef>,
         #[command(flatten)]

@@ -7,6 +7,7 @@ use vnfarm_proto::{JobId, SettingsInUse, SettingsSource, WorkerState};
 
 use crate::args::{Cli, Command, ListArgs, SubmitCommand};
 use crate::client::Api;
+use crate::table::print_table;
 use crate::watch::{Outcome, watch};
 use crate::{fetch, submission};
 
@@ -31,6 +32,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             .await
             .map(|()| ExitCode::SUCCESS),
         Command::Workers => workers(&api).await.map(|()| ExitCode::SUCCESS),
+        Command::Models { storage, command } => crate::models::run(&storage, &command)
+            .await
+            .map(|()| ExitCode::SUCCESS),
     }
 }
 
@@ -145,28 +149,5 @@ fn worker_state(state: WorkerState) -> &'static str {
         WorkerState::Warming => "warming",
         WorkerState::Ready => "ready",
         WorkerState::Draining => "draining",
-    }
-}
-
-/// Left-aligned columns, two spaces apart.
-fn print_table(header: &[&str], rows: impl Iterator<Item = Vec<String>>) {
-    let rows: Vec<Vec<String>> = rows.collect();
-    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
-    for row in &rows {
-        for (w, cell) in widths.iter_mut().zip(row) {
-            *w = (*w).max(cell.chars().count());
-        }
-    }
-    let render = |cells: Vec<&str>| {
-        let padded: Vec<String> = cells
-            .iter()
-            .zip(&widths)
-            .map(|(c, w)| format!("{c:<w$}"))
-            .collect();
-        println!("{}", padded.join("  ").trim_end());
-    };
-    render(header.to_vec());
-    for row in &rows {
-        render(row.iter().map(String::as_str).collect());
     }
 }

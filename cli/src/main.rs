@@ -9,13 +9,17 @@
 //! - [`client`]: the scheduler's HTTP API and its error shapes.
 //! - [`watch`]: following a job (its events) or a pipeline (polling) to the end.
 //! - [`fetch`]: downloading output images.
+//! - [`models`]: the model catalogue in the bucket (`vnfarm models push|list`).
 //! - [`commands`]: dispatch, and the small commands.
+//! - [`table`]: the listings' columns.
 
 mod args;
 mod client;
 mod commands;
 mod fetch;
+mod models;
 mod submission;
+mod table;
 mod values;
 mod watch;
 

@@ -423,6 +423,19 @@ mod tests {
                 weight: 2.0
             })
         );
+        let hash = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08";
+        for (arg, weight) in [
+            (format!("sha256:{hash}"), 1.0),
+            (format!("sha256:{hash}:0.5"), 0.5),
+        ] {
+            assert_eq!(
+                parse_lora(&arg),
+                Ok(LoraRef {
+                    name: format!("sha256:{hash}"),
+                    weight
+                })
+            );
+        }
     }
 
     #[test]

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context as _, bail};
 use base64::Engine as _;
+use vnfarm_proto::catalogue::HASH_REF_PREFIX;
 use vnfarm_proto::spec::MAX_INLINE_IMAGE_BYTES;
 use vnfarm_proto::{ImageRef, JobId, LoraRef, PipelineImage};
 
@@ -66,6 +67,11 @@ pub fn parse_input(s: &str) -> Result<InputArg, String> {
 
 /// `name` or `name:weight`.
 pub fn parse_lora(s: &str) -> Result<LoraRef, String> {
+    // `sha256:<hex>[:weight]`: the first colon is the reference's own.
+    let (prefix, s) = match s.strip_prefix(HASH_REF_PREFIX) {
+        Some(rest) => (HASH_REF_PREFIX, rest),
+        None => ("", s),
+    };
     let (name, weight) = match s.rsplit_once(':') {
         Some((name, weight)) => {
             let w: f32 = weight
@@ -82,7 +88,7 @@ pub fn parse_lora(s: &str) -> Result<LoraRef, String> {
         return Err("the LoRA name is empty".into());
     }
     Ok(LoraRef {
-        name: name.to_owned(),
+        name: format!("{prefix}{name}"),
         weight,
     })
 }

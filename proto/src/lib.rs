@@ -10,12 +10,15 @@
 //! - [`manifest`]: the `manifest.json` written beside every job's outputs.
 //! - [`http`]: the HTTP API's contract: the job view and states, the worker view, the error body.
 //! - [`topology`]: exchange, queue and routing-key names, and the object keys of results.
+//! - [`catalogue`]: the model catalogue in the bucket (content-addressed files, names pointing at
+//!   them) and how a job names a file in it.
 //! - [`decode`]: strict decoding of untrusted JSON, with the path of the offending field in the error.
 //! - `defaults.rs`: the values optional fields of the wire types take when a message leaves them out.
 //!
 //! Every type that a client or a foreign producer writes rejects unknown fields and unknown schema
 //! versions rather than guessing.
 
+pub mod catalogue;
 pub mod decode;
 mod defaults;
 pub mod event;
@@ -27,6 +30,7 @@ pub mod spec;
 pub mod topology;
 pub mod work;
 
+pub use catalogue::{CatalogueEntry, ContentHash, ModelRef};
 pub use decode::{DecodeError, decode_json};
 pub use event::{Event, EventKind, FailureKind, SequencedEvent, StageTimings};
 pub use ids::{JobId, WorkerId};

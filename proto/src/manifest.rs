@@ -90,6 +90,45 @@ pub enum ModelFileRole {
     Upscaler,
 }
 
+impl ModelFileRole {
+    pub const ALL: [ModelFileRole; 7] = [
+        ModelFileRole::Checkpoint,
+        ModelFileRole::Component,
+        ModelFileRole::Transformer,
+        ModelFileRole::TextEncoder,
+        ModelFileRole::Vae,
+        ModelFileRole::Lora,
+        ModelFileRole::Upscaler,
+    ];
+
+    /// The name it has on the wire (`text_encoder`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ModelFileRole::Checkpoint => "checkpoint",
+            ModelFileRole::Component => "component",
+            ModelFileRole::Transformer => "transformer",
+            ModelFileRole::TextEncoder => "text_encoder",
+            ModelFileRole::Vae => "vae",
+            ModelFileRole::Lora => "lora",
+            ModelFileRole::Upscaler => "upscaler",
+        }
+    }
+}
+
+impl std::str::FromStr for ModelFileRole {
+    type Err = String;
+
+    fn from_str(name: &str) -> Result<Self, String> {
+        Self::ALL
+            .into_iter()
+            .find(|r| r.as_str() == name)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Self::ALL.iter().map(|r| r.as_str()).collect();
+                format!("{name:?} is not a role ({})", names.join(", "))
+            })
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Versions {
     pub vnfarm: String,

@@ -277,7 +277,8 @@ pub enum ImageRef {
     Inline(String),
 }
 
-/// A LoRA file from the worker's LoRA directory, fused at the given strength.
+/// A LoRA fused at the given strength: a file of the worker's LoRA directory by name, else the
+/// model catalogue's file of that name, or the catalogue's file `sha256:<hex>`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct LoraRef {
@@ -344,10 +345,14 @@ fn check_loras(field: &str, loras: &[LoraRef]) -> Result<(), ValidationError> {
         return Err(err(field, format!("at most {MAX_LORAS} LoRAs")));
     }
     for (i, lora) in loras.iter().enumerate() {
-        if !is_file_name(&lora.name) {
+        let by_hash = matches!(
+            crate::catalogue::ModelRef::parse(&lora.name),
+            Some(crate::catalogue::ModelRef::Hash(_))
+        );
+        if !(is_file_name(&lora.name) || by_hash) {
             return Err(err(
                 format!("{field}[{i}].name"),
-                "must be a file name of [A-Za-z0-9._-], not starting with '.'",
+                "must be a file name of [A-Za-z0-9._-], not starting with '.', or sha256:<64 hex digits>",
             ));
         }
         if !lora.weight.is_finite() {
@@ -721,7 +726,8 @@ mod tests {
             serde_json::json!({"schema_version": 1, "job": {"kind": "generate", "prompt": "(a cat:1.2) BREAK hat",
                 "negative_prompt": "blurry", "width": 1280, "height": 720, "steps": 30, "cfg": 5.0,
                 "sampler": "dpmpp_two_m_karras", "seed": 42, "count": 4,
-                "loras": [{"name": "ink_style", "weight": 0.8}, {"name": "detail.safetensors"}]}}),
+                "loras": [{"name": "ink_style", "weight": 0.8}, {"name": "detail.safetensors"},
+                    {"name": "sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"}]}}),
             serde_json::json!({"schema_version": 1, "priority": "interactive", "idempotency_key": "k1",
                 "job": {"kind": "edit", "input": {"job_output": {"job": job_id, "index": 0}},
                 "instruction": "make her smile", "loras": [{"name": "lightning.safetensors", "weight": 1.0}]}}),
@@ -862,6 +868,11 @@ mod tests {
                 serde_json::json!({"schema_version": 1, "job": {"kind": "generate", "prompt": "x",
                 "loras": [{"name": "a"}, {"name": ".hidden"}]}}),
                 "job.loras[1].name",
+            ),
+            (
+                serde_json::json!({"schema_version": 1, "job": {"kind": "generate", "prompt": "x",
+                "loras": [{"name": "sha256:abc"}]}}),
+                "job.loras[0].name",
             ),
             (
                 serde_json::json!({"schema_version": 1, "job": {"kind": "pipeline", "base": {"prompt": "x",

@@ -172,6 +172,11 @@ pub struct Heartbeat {
     /// from workers before this field: the scheduler then trusts their events alone.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub holding: Option<Vec<JobId>>,
+    /// The sha256 (hex) of the catalogue files its model cache holds ([`crate::catalogue`]), least
+    /// recently used first: a job naming one of them needs no download there. Absent from workers
+    /// before this field, and from workers without a model cache.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_cache: Option<Vec<String>>,
     /// SDXL checkpoints it holds warm, by name: jobs that name a checkpoint go only to a worker
     /// that advertises it.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

@@ -1,18 +1,23 @@
 //! Result storage (DESIGN §7): an S3-compatible bucket through `aws-sdk-s3`, or a local directory
 //! (the embedded default for one box). Both take the same keys (`results/<job>/<n>.png`, `inputs/..`);
 //! writes replace whole objects, so a re-run overwrites rather than forks. Every operation goes
-//! through one retry policy ([`Retries`], `retry.rs`) whichever the store.
+//! through one retry policy ([`Retries`], `retry.rs`) whichever the store. Large files (the model
+//! catalogue's, DESIGN §7b) go between a file on disk and the store without passing through
+//! memory: [`Storage::put_file`], and [`Storage::get_into_file`], which resumes with ranged reads.
 
+pub mod catalogue;
 mod local;
 mod retry;
 mod s3;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use bytes::Bytes;
 use serde::Deserialize;
 
+pub use catalogue::{Catalogue, CatalogueError};
 pub use local::LocalStore;
+use local::unavailable as io_unavailable;
 pub use retry::Retries;
 pub use s3::S3Store;
 
@@ -173,6 +178,87 @@ impl Storage {
             .await
     }
 
+    /// Uploads the file at `path` as `key`, read from disk as it is sent (a multipart upload for
+    /// a large file on S3), so a file of any size never passes through memory; its size in bytes.
+    pub async fn put_file(
+        &self,
+        key: &str,
+        path: &Path,
+        content_type: &str,
+    ) -> Result<u64, StorageError> {
+        check_key(key)?;
+        let size = tokio::fs::metadata(path)
+            .await
+            .map_err(|e| io_unavailable("put", key, e))?
+            .len();
+        self.retries
+            .run("put", key, || async {
+                match &self.store {
+                    Store::S3(s) => s.put_file(key, path, size, content_type).await,
+                    Store::Local(l) => l.put_file(key, path).await,
+                }
+            })
+            .await?;
+        Ok(size)
+    }
+
+    /// The size in bytes of the object under `key`, `None` when there is none.
+    pub async fn head(&self, key: &str) -> Result<Option<u64>, StorageError> {
+        check_key(key)?;
+        self.retries
+            .run("head", key, || async {
+                match &self.store {
+                    Store::S3(s) => s.head(key).await,
+                    Store::Local(l) => l.head(key).await,
+                }
+            })
+            .await
+    }
+
+    /// Downloads `key` into the file at `path`, written as it arrives and resumed from what the
+    /// file already holds: every attempt (a retry after a cut connection, or a later call after
+    /// the retries ran out) reads on from the file's end with a ranged read. At most `limit + 1`
+    /// bytes are kept, so that an object longer than the caller expects shows without filling the
+    /// disk. Returns the file's length; checking the bytes is the caller's business.
+    pub async fn get_into_file(
+        &self,
+        key: &str,
+        path: &Path,
+        limit: u64,
+    ) -> Result<u64, StorageError> {
+        check_key(key)?;
+        self.retries
+            .run("get", key, || async {
+                let mut file = tokio::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(path)
+                    .await
+                    .map_err(|e| io_unavailable("get", key, e))?;
+                let offset = file
+                    .metadata()
+                    .await
+                    .map_err(|e| io_unavailable("get", key, e))?
+                    .len();
+                if offset > limit {
+                    return Ok(offset);
+                }
+                let read = match &self.store {
+                    Store::S3(s) => s.get_range_into(key, offset, limit, &mut file).await,
+                    Store::Local(l) => l.get_range_into(key, offset, limit, &mut file).await,
+                };
+                // What arrived before a failure stays: the next attempt starts after it.
+                let flushed = file
+                    .sync_data()
+                    .await
+                    .map_err(|e| io_unavailable("get", key, e));
+                let written = read?;
+                flushed?;
+                Ok(offset + written)
+            })
+            .await
+    }
+
     /// Whether an object is stored under `key` (without reading it).
     pub async fn exists(&self, key: &str) -> Result<bool, StorageError> {
         check_key(key)?;
@@ -270,6 +356,52 @@ mod tests {
         for bad in ["", "/abs", "a//b", "a/../b", "a/./b", "a\\b", "a/b/"] {
             assert!(check_key(bad).is_err(), "{bad:?}");
         }
+    }
+
+    #[tokio::test]
+    async fn a_file_goes_in_streamed_and_comes_back_resumed_from_what_arrived() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Storage::open(&StorageConfig::Local {
+            root: dir.path().join("store"),
+        })
+        .await
+        .unwrap();
+        let bytes: Vec<u8> = (0..10_000u32).map(|i| (i % 251) as u8).collect();
+        let source = dir.path().join("model.safetensors");
+        std::fs::write(&source, &bytes).unwrap();
+        let size = store
+            .put_file("models/sha256/x", &source, "application/octet-stream")
+            .await
+            .unwrap();
+        assert_eq!(size, 10_000);
+        assert_eq!(store.head("models/sha256/x").await.unwrap(), Some(10_000));
+        assert_eq!(store.head("models/sha256/y").await.unwrap(), None);
+
+        // A download cut after 4000 bytes goes on from there.
+        let part = dir.path().join("x.part");
+        std::fs::write(&part, &bytes[..4000]).unwrap();
+        let got = store
+            .get_into_file("models/sha256/x", &part, 10_000)
+            .await
+            .unwrap();
+        assert_eq!(got, 10_000);
+        assert_eq!(std::fs::read(&part).unwrap(), bytes);
+        // Whole already: nothing more is read.
+        let again = store.get_into_file("models/sha256/x", &part, 10_000).await;
+        assert_eq!(again.unwrap(), 10_000);
+
+        // One byte past the limit shows a longer object; the rest is not read.
+        let short = dir.path().join("short.part");
+        let got = store
+            .get_into_file("models/sha256/x", &short, 99)
+            .await
+            .unwrap();
+        assert_eq!(got, 100);
+        let missing = dir.path().join("missing.part");
+        assert!(matches!(
+            store.get_into_file("models/sha256/y", &missing, 99).await,
+            Err(StorageError::NotFound { .. })
+        ));
     }
 
     #[tokio::test]

@@ -4,6 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use bytes::Bytes;
+use tokio::io::{AsyncReadExt as _, AsyncSeekExt as _};
 
 use crate::StorageError;
 
@@ -12,7 +13,7 @@ pub struct LocalStore {
     root: PathBuf,
 }
 
-fn unavailable(op: &'static str, key: &str, e: std::io::Error) -> StorageError {
+pub(crate) fn unavailable(op: &'static str, key: &str, e: std::io::Error) -> StorageError {
     StorageError::Unavailable {
         op,
         key: key.to_owned(),
@@ -46,6 +47,60 @@ impl LocalStore {
         tokio::fs::rename(&tmp, &path)
             .await
             .map_err(|e| unavailable("put", key, e))
+    }
+
+    /// Copies the file at `path` in as `key` (streamed by the kernel, renamed into place whole).
+    pub async fn put_file(&self, key: &str, path: &Path) -> Result<(), StorageError> {
+        let target = self.root.join(key);
+        if let Some(dir) = target.parent() {
+            tokio::fs::create_dir_all(dir)
+                .await
+                .map_err(|e| unavailable("put", key, e))?;
+        }
+        let tmp = target.with_extension(format!("tmp-{}", std::process::id()));
+        tokio::fs::copy(path, &tmp)
+            .await
+            .map_err(|e| unavailable("put", key, e))?;
+        tokio::fs::rename(&tmp, &target)
+            .await
+            .map_err(|e| unavailable("put", key, e))
+    }
+
+    pub async fn head(&self, key: &str) -> Result<Option<u64>, StorageError> {
+        match tokio::fs::metadata(self.root.join(key)).await {
+            Ok(meta) if meta.is_file() => Ok(Some(meta.len())),
+            Ok(_) => Ok(None),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(unavailable("head", key, e)),
+        }
+    }
+
+    /// Appends bytes `offset..=last` of `key` (fewer where it is shorter) to `file`; the bytes
+    /// written.
+    pub async fn get_range_into(
+        &self,
+        key: &str,
+        offset: u64,
+        last: u64,
+        file: &mut tokio::fs::File,
+    ) -> Result<u64, StorageError> {
+        let mut source = match tokio::fs::File::open(self.root.join(key)).await {
+            Ok(source) => source,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(StorageError::NotFound {
+                    key: key.to_owned(),
+                });
+            }
+            Err(e) => return Err(unavailable("get", key, e)),
+        };
+        source
+            .seek(std::io::SeekFrom::Start(offset))
+            .await
+            .map_err(|e| unavailable("get", key, e))?;
+        let wanted = (last + 1).saturating_sub(offset);
+        tokio::io::copy(&mut source.take(wanted), file)
+            .await
+            .map_err(|e| unavailable("get", key, e))
     }
 
     pub async fn get(&self, key: &str) -> Result<Bytes, StorageError> {

@@ -17,17 +17,17 @@ use vnfarm_tests::{Farm, WorkerOptions, wait_for};
 use crate::FINISH;
 use crate::engines::{engine_env, models, tiny_sdxl};
 
-fn fixtures() -> PathBuf {
+pub(crate) fn fixtures() -> PathBuf {
     models().join("sdxl")
 }
 
 /// The tiny SDXL as one ldm single file, written from its diffusers folder at test time.
-fn ldm_checkpoint() -> PathBuf {
+pub(crate) fn ldm_checkpoint() -> PathBuf {
     crate::derived::sdxl_tiny_ldm(&models())
 }
 
 /// A worker serving the tiny SDXL from `checkpoint` (see [`tiny_sdxl`]).
-fn sdxl_worker(checkpoint: &Path, max_batch: u32) -> WorkerOptions {
+pub(crate) fn sdxl_worker(checkpoint: &Path, max_batch: u32) -> WorkerOptions {
     let sizes = engine_env(
         "SDXL",
         [
@@ -46,18 +46,18 @@ fn sdxl_worker(checkpoint: &Path, max_batch: u32) -> WorkerOptions {
 
 /// diffusers' reference images and the parameters that made them (see
 /// `worker/models/fixtures/sdxl/make_sdxl_fixtures.py`, `WORKER_CASES`).
-struct Reference {
+pub(crate) struct Reference {
     file: SafetensorsFile,
     meta: Value,
 }
 
 impl Reference {
-    fn open() -> Self {
+    pub(crate) fn open() -> Self {
         Self::open_file("reference/pipeline.safetensors")
     }
 
     /// diffusers' images with LoRAs fused (`make_sdxl_lora_fixtures.py`, `CASES`).
-    fn loras() -> Self {
+    pub(crate) fn loras() -> Self {
         Self::open_file("reference/lora.safetensors")
     }
 
@@ -69,7 +69,7 @@ impl Reference {
 
     /// The submission of case `name`: `[name, sampler, prediction, seed, steps, count, h, w, cfg]`,
     /// or in the LoRA reference `[name, [[lora, weight]…], sampler, seed, …]`.
-    fn submission(&self, name: &str) -> Value {
+    pub(crate) fn submission(&self, name: &str) -> Value {
         let with_loras = self.meta.get("worker_cases").is_none();
         let cases = if with_loras {
             &self.meta["cases"]
@@ -117,7 +117,7 @@ impl Reference {
     }
 
     /// Mean absolute difference, in 1/255 units, of `png` and reference image `index` of `name`.
-    fn mae(&self, name: &str, index: i64, png: &[u8]) -> f64 {
+    pub(crate) fn mae(&self, name: &str, index: i64, png: &[u8]) -> f64 {
         let want = self
             .file
             .load(&format!("{name}.image"), Device::Cpu, Kind::Float)

@@ -11,6 +11,7 @@ use vnfarm_storage::StorageConfig;
 
 use crate::engine::EngineConfig;
 use crate::engine::shared_encodings::SharedEncodingsConfig;
+use crate::model_cache::ModelCacheConfig;
 
 /// Every key may be left out: `#[serde(default)]` takes it from [`Config::default`].
 #[derive(Clone, Debug, Deserialize)]
@@ -42,6 +43,9 @@ pub struct Config {
     /// Where the sha256 of model files persists (`model-hashes.json`), so that a restarted worker
     /// does not hash its checkpoints again.
     pub hash_cache_dir: PathBuf,
+    /// Files of the model catalogue fetched for jobs that name them (DESIGN §7b): where, and how
+    /// many bytes at most.
+    pub model_cache: ModelCacheConfig,
 }
 
 impl Default for Config {
@@ -61,6 +65,7 @@ impl Default for Config {
             drain_grace_s: 600,
             storage_attempts: 5,
             hash_cache_dir: "vnfarm-cache".into(),
+            model_cache: ModelCacheConfig::default(),
         }
     }
 }
@@ -113,7 +118,7 @@ impl vnfarm_config::Validate for Config {
         if self.storage_attempts == 0 {
             return Err("storage_attempts: must be at least 1".into());
         }
-        Ok(())
+        self.model_cache.validate()
     }
 }
 
@@ -156,6 +161,13 @@ mod tests {
         assert_eq!(c.drain_grace_s, 600);
         assert_eq!(c.storage_attempts, 5);
         assert_eq!(c.hash_cache_dir, PathBuf::from("vnfarm-cache"));
+        assert_eq!(
+            c.model_cache,
+            ModelCacheConfig {
+                dir: "vnfarm-models".into(),
+                max_bytes: 100 << 30
+            }
+        );
         assert!(c.shared_encodings.enabled);
         assert_eq!(c.shared_encodings.fetch_timeout_ms, 2_000);
         assert_eq!(c.engine, EngineConfig::default());

@@ -27,12 +27,14 @@ use vnfarm_proto::{
 use vnfarm_storage::StorageError;
 
 use crate::end::{Done, Ended, JobEnd, JobError};
+use crate::engine::config::EngineKind;
 use crate::engine::{
-    Answer, Cancel, CancelReason, EngineError, EngineJob, EngineOutput, InputImage, Progress,
-    UsedFile,
+    Answer, Cancel, CancelReason, EngineError, EngineJob, EngineOutput, FetchedLoras, InputImage,
+    LoraDir, Progress, UsedFile,
 };
 use crate::image_io::{decode_input_as_stored, encode_png, flatten_to_rgb8};
 use crate::infotext;
+use crate::model_cache::{ModelCacheError, Pinned};
 use crate::worker::Worker;
 
 impl Worker {
@@ -60,6 +62,9 @@ impl Worker {
         let mut fetched = HashMap::new();
         let mut engine_jobs = Vec::new();
         let mut on_engine = Vec::new();
+        // The catalogue files each job uses, pinned in the model cache until it is settled (its
+        // manifest hashes them after the engine is done).
+        let mut pins: Vec<Vec<Pinned>> = jobs.iter().map(|_| Vec::new()).collect();
         for ((i, job), skipped) in jobs.iter().enumerate().zip(skipped) {
             if let Some(skipped) = skipped {
                 end(i, skipped);
@@ -74,13 +79,15 @@ impl Worker {
                 (Ok(_), Some(reason)) => {
                     end(i, Err(JobError::Engine(EngineError::Cancelled(reason))));
                 }
-                (Ok(inputs), None) => {
+                (Ok((inputs, loras, pinned)), None) => {
                     on_engine.push(i);
+                    pins[i] = pinned;
                     engine_jobs.push(EngineJob {
                         job_id: job.job_id,
                         task: job.task.clone(),
                         inputs,
                         cancel: cancels[i].clone(),
+                        fetched: loras,
                     });
                 }
             }
@@ -94,10 +101,14 @@ impl Worker {
         let (mut answers, forwarder) = self.run_on_engine(publisher, engine_jobs);
         let mut answered = vec![false; n];
         let mut stores = FuturesUnordered::new();
+        let pins = &pins;
         let finish = |k: usize, result: Result<EngineOutput, EngineError>, timings| {
             let i = on_engine[k];
             let cancel = cancels[i].clone();
             async move {
+                if let Err(e) = &result {
+                    self.condemn_unusable(e, &pins[i]);
+                }
                 (
                     i,
                     self.finish(publisher, &jobs[i], attempt, result, timings, cancel)
@@ -225,7 +236,7 @@ impl Worker {
     }
 
     /// Starts a job: its deadline, `started`, its inputs (from `fetched` when another job of the
-    /// message fetched them already).
+    /// message fetched them already), its LoRAs from the model catalogue (pinned).
     async fn start(
         &self,
         publisher: &Publisher,
@@ -233,7 +244,7 @@ impl Worker {
         attempt: u32,
         fetched: &mut HashMap<(String, Layout), InputImage>,
         timings: &mut StageTimings,
-    ) -> Result<Vec<InputImage>, JobError> {
+    ) -> Result<(Vec<InputImage>, FetchedLoras, Vec<Pinned>), JobError> {
         if job.deadline.is_some_and(|d| d < Utc::now()) {
             return Err(JobError::DeadlineExceeded);
         }
@@ -247,8 +258,12 @@ impl Worker {
         )
         .await?;
         let started = Instant::now();
+        let (loras, pins) = self.catalogue_loras(&job.task).await?;
         let refs = match &job.task {
-            Task::Generate(_) => return Ok(Vec::new()),
+            Task::Generate(_) => {
+                timings.add("download", started.elapsed().as_secs_f64());
+                return Ok((Vec::new(), loras, pins));
+            }
             Task::Edit(e) => e.images(),
             Task::Upscale(u) => vec![&u.input],
         };
@@ -284,7 +299,87 @@ impl Worker {
             }
         }
         timings.add("download", started.elapsed().as_secs_f64());
-        Ok(inputs)
+        Ok((inputs, loras, pins))
+    }
+
+    /// The job's LoRAs that its engine's folder lacks, from the model catalogue: found in the
+    /// model cache or fetched into it, and pinned. Only for an engine that takes LoRAs (the test
+    /// pattern ignores them, and fetches none).
+    async fn catalogue_loras(&self, task: &Task) -> Result<(FetchedLoras, Vec<Pinned>), JobError> {
+        let engine = &self.config().engine;
+        let tch = engine.kind() == EngineKind::Tch;
+        let (loras, folder, setting) = match task {
+            Task::Generate(g) if tch && engine.sdxl.is_some() => (
+                &g.loras,
+                engine.sdxl.as_ref().and_then(|c| c.lora_dir.clone()),
+                "engine.sdxl.lora_dir",
+            ),
+            Task::Edit(e) if tch && engine.qwen_edit.is_some() => (
+                &e.loras,
+                engine.qwen_edit.as_ref().and_then(|c| c.lora_dir.clone()),
+                "engine.qwen_edit.lora_dir",
+            ),
+            Task::Generate(_) | Task::Edit(_) | Task::Upscale(_) => {
+                return Ok((FetchedLoras::default(), Vec::new()));
+            }
+        };
+        let folder = LoraDir::new(folder, setting);
+        let mut fetched = FetchedLoras::default();
+        let mut pins = Vec::new();
+        for lora in loras {
+            if folder.local(&lora.name).is_some() || fetched.get(&lora.name).is_some() {
+                continue;
+            }
+            let pinned = match self.model_cache().fetch(&lora.name).await {
+                Ok(pinned) => pinned,
+                Err(e) => {
+                    let failed = match e {
+                        // The folder's own words: neither there nor in the catalogue.
+                        ModelCacheError::Unknown(_) => match folder
+                            .resolve(std::slice::from_ref(lora), &FetchedLoras::default())
+                        {
+                            Err(e) => JobError::Engine(e),
+                            Ok(_) => unreachable!("a LoRA the folder lacks does not resolve"),
+                        },
+                        ModelCacheError::Bad { .. } => {
+                            JobError::BadInput(format!("LoRA `{}`: {e}", lora.name))
+                        }
+                        ModelCacheError::NoRoom { .. } | ModelCacheError::Failed(_) => {
+                            JobError::Engine(EngineError::Failed(format!(
+                                "LoRA `{}`: {e}",
+                                lora.name
+                            )))
+                        }
+                        ModelCacheError::Storage(e) => self.storage_failed("get", e),
+                    };
+                    return Err(failed);
+                }
+            };
+            fetched.push(lora.name.clone(), pinned.path().to_owned());
+            pins.push(pinned);
+        }
+        Ok((fetched, pins))
+    }
+
+    /// A catalogue file the engine could not use (a LoRA that matches nothing, a header it
+    /// refuses: its error names the file's path) is condemned, so it never reaches the engine
+    /// again.
+    fn condemn_unusable(&self, error: &EngineError, pins: &[Pinned]) {
+        let message = match error {
+            EngineError::InvalidInput(m) | EngineError::Failed(m) => m,
+            EngineError::Cancelled(_)
+            | EngineError::OutOfMemory(_)
+            | EngineError::DeviceLost(_)
+            | EngineError::Unsupported(_)
+            | EngineError::NoCheckpoint(_)
+            | EngineError::Yielded => return,
+        };
+        for pin in pins {
+            if message.contains(&*pin.path().to_string_lossy()) {
+                self.model_cache()
+                    .condemn(pin.sha256(), format!("the engine refused it: {message}"));
+            }
+        }
     }
 
     /// Starts the jobs on the engine; they are `running` until each is answered. Progress events

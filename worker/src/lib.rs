@@ -11,7 +11,7 @@
 //!   run (`engine/settings.rs`).
 //! - [`gpu_runtime`]: the GPU runtime libtorch loaded, looked up by name (memory, device facts).
 //! - [`worker`]: the handle every role is given (configuration, identity, storage, engine host,
-//!   hashes, metrics), behind accessors, and each role's state in a type of its own: the jobs in
+//!   hashes, model cache, metrics), behind accessors, and each role's state in a type of its own: the jobs in
 //!   hand, those on the engine and the cancellations in `worker/hand.rs`, the lifecycle (warming,
 //!   ready, draining) in `worker/lifecycle.rs`, the device-loss latch in `worker/device_loss.rs`.
 //! - [`session`]: one broker connection's life: declare, consume, heartbeat, handle.
@@ -22,6 +22,8 @@
 //! - [`image_io`]: decoding inputs within limits, encoding PNG outputs with their parameters.
 //! - [`infotext`]: those parameters, in the layout AUTOMATIC1111 writes.
 //! - [`provenance`]: the sha256 of the model files, hashed once in the background, for manifests.
+//! - [`model_cache`]: files of the model catalogue fetched for the jobs that name them, into a
+//!   directory bounded in bytes (verified, pinned while used, one fetch per file).
 //! - [`metrics`], [`http`]: Prometheus metrics and the `/metrics` and `/healthz` endpoints.
 //!
 //! [`run`] is the whole worker; `main` only parses configuration and handles signals.
@@ -37,6 +39,7 @@ pub mod image_io;
 pub mod infotext;
 pub mod job;
 pub mod metrics;
+pub mod model_cache;
 pub mod provenance;
 pub mod session;
 pub mod tuning;
@@ -53,6 +56,7 @@ pub use config::Config;
 use engine::EngineHost;
 use engine::shared_encodings::SharedEncodings;
 use metrics::Metrics;
+use model_cache::ModelCache;
 use provenance::FileHashes;
 use worker::Worker;
 
@@ -95,7 +99,9 @@ pub async fn serve(
     let hashes =
         FileHashes::start(Some(&config.hash_cache_dir)).context("starting model hashing")?;
     hashes.prefetch(config.engine.files().into_iter().map(|f| f.path));
-    let worker = Worker::new(config, storage, engine, hashes, metrics);
+    let model_cache =
+        ModelCache::open(&config.model_cache, storage.clone()).context("opening model_cache")?;
+    let worker = Worker::new(config, storage, engine, hashes, model_cache, metrics);
     worker
         .metrics()
         .info

@@ -259,6 +259,7 @@ impl Worker {
             in_flight: u32::try_from(in_hand.len()).unwrap_or(u32::MAX),
             running: self.hand().running(),
             holding: Some(in_hand),
+            model_cache: Some(self.model_cache().hashes()),
             checkpoints: self.engine().checkpoints().to_vec(),
             max_batch: self.config().batch_jobs,
             gpu_memory,

@@ -1,5 +1,5 @@
 //! The handle every role of the worker is given (session, job, execute, the HTTP endpoints): the
-//! configuration, identity, storage, engine host, hashes and metrics, and the state of the roles,
+//! configuration, identity, storage, engine host, hashes, model cache and metrics, and the state of the roles,
 //! each in a type of its own that keeps its rule: the jobs in hand and the cancellations
 //! ([`Hand`], `worker/hand.rs`), the lifecycle ([`Lifecycle`], `worker/lifecycle.rs`) and the
 //! device-loss latch ([`DeviceLoss`], `worker/device_loss.rs`). No field is public and there is no
@@ -14,6 +14,7 @@ use vnfarm_storage::Storage;
 use crate::config::Config;
 use crate::engine::EngineHost;
 use crate::metrics::Metrics;
+use crate::model_cache::ModelCache;
 use crate::provenance::FileHashes;
 
 mod device_loss;
@@ -34,6 +35,7 @@ struct Parts {
     storage: Storage,
     engine: EngineHost,
     hashes: FileHashes,
+    model_cache: ModelCache,
     metrics: Metrics,
     hand: Hand,
     lifecycle: Lifecycle,
@@ -46,6 +48,7 @@ impl Worker {
         storage: Storage,
         engine: EngineHost,
         hashes: FileHashes,
+        model_cache: ModelCache,
         metrics: Metrics,
     ) -> Self {
         let id = config.worker_id();
@@ -57,6 +60,7 @@ impl Worker {
             storage,
             engine,
             hashes,
+            model_cache,
             metrics,
             hand: Hand::default(),
             lifecycle: Lifecycle::default(),
@@ -88,6 +92,11 @@ impl Worker {
     /// The sha256 of the model files, for manifests.
     pub fn hashes(&self) -> &FileHashes {
         &self.0.hashes
+    }
+
+    /// The catalogue files fetched for jobs.
+    pub fn model_cache(&self) -> &ModelCache {
+        &self.0.model_cache
     }
 
     pub fn metrics(&self) -> &Metrics {

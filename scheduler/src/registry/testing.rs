@@ -112,6 +112,7 @@ pub(super) fn worker(id: &str, slots: u32) -> Heartbeat {
         in_flight: 0,
         running: vec![],
         holding: None,
+        model_cache: None,
         checkpoints: vec![],
         max_batch: 1,
         gpu_memory: None,

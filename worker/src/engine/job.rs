@@ -7,6 +7,7 @@ use vnfarm_proto::{JobId, ModelFamily, StageTimings, Task};
 use super::cancel::Cancel;
 use super::encode_cache::CacheLookup;
 use super::files::UsedFile;
+use super::lora_dir::FetchedLoras;
 
 /// One unit of work for an engine: a task with its decoded input images, in the task's order, and
 /// the job's own cancellation flag.
@@ -16,6 +17,9 @@ pub struct EngineJob {
     pub task: Task,
     pub inputs: Vec<InputImage>,
     pub cancel: Cancel,
+    /// Its LoRAs from the model catalogue, fetched before it came (the folder's own are found by
+    /// the engine).
+    pub fetched: FetchedLoras,
 }
 
 /// A decoded input image and the sha256 (hex) of the bytes it was decoded from: the key of its
@@ -76,6 +80,7 @@ pub(crate) mod tests {
             task,
             inputs: Vec::new(),
             cancel: Cancel::default(),
+            fetched: FetchedLoras::default(),
         }
     }
 

@@ -52,7 +52,7 @@ pub use files::{UsedFile, weight_files};
 pub use gpu_memory::GpuMemoryProbe;
 pub use host::{Answer, EngineHost, EngineLoading};
 pub use job::{EngineJob, EngineOutput, InputImage, Progress, content_key};
-pub use lora_dir::LoraDir;
+pub use lora_dir::{FetchedLoras, LoraDir};
 pub use qwen_edit::{QwenEditEngine, QwenEditEngineConfig};
 pub use sdxl::{SdxlConfig, SdxlEngine};
 use settings::EngineSettings;
@@ -166,6 +166,7 @@ impl Engine {
                                 task: job.task.clone(),
                                 inputs: job.inputs.clone(),
                                 cancel: job.cancel.clone(),
+                                fetched: job.fetched.clone(),
                             };
                             e.run(owned, &mut |p| progress(k, p), &job.cancel)
                         })
@@ -209,7 +210,7 @@ impl Engine {
 
     /// The files a job's images are made from: what the engine of its family loaded, and the
     /// job's own LoRAs.
-    pub fn files(&self, task: &Task) -> Vec<UsedFile> {
+    pub fn files(&self, job: &EngineJob) -> Vec<UsedFile> {
         match self {
             Engine::TestPattern(e) => e.files(),
             Engine::Tch {
@@ -217,12 +218,9 @@ impl Engine {
                 qwen_edit,
                 esrgan,
                 ..
-            } => match task {
-                Task::Generate(_) => sdxl.as_ref().map(|e| e.files(task)).unwrap_or_default(),
-                Task::Edit(_) => qwen_edit
-                    .as_ref()
-                    .map(|e| e.files(task))
-                    .unwrap_or_default(),
+            } => match &job.task {
+                Task::Generate(_) => sdxl.as_ref().map(|e| e.files(job)).unwrap_or_default(),
+                Task::Edit(_) => qwen_edit.as_ref().map(|e| e.files(job)).unwrap_or_default(),
                 Task::Upscale(_) => esrgan.as_ref().map(|e| e.files()).unwrap_or_default(),
             },
         }
@@ -235,7 +233,7 @@ impl Engine {
     ) -> Vec<Result<EngineOutput, EngineError>> {
         for (job, result) in jobs.iter().zip(&mut results) {
             if let Ok(output) = result {
-                output.files = self.files(&job.task);
+                output.files = self.files(job);
             }
         }
         results

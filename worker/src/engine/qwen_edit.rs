@@ -266,10 +266,10 @@ impl QwenEditEngine {
     }
 
     /// The files an edit is made from: the loaded ones, then the job's LoRAs (by the job's names).
-    pub fn files(&self, task: &Task) -> Vec<UsedFile> {
+    pub fn files(&self, job: &EngineJob) -> Vec<UsedFile> {
         let mut files = self.files.clone();
-        if let Task::Edit(e) = task {
-            files.extend(self.lora_dir.used_files(&e.loras));
+        if let Task::Edit(e) = &job.task {
+            files.extend(self.lora_dir.used_files(&e.loras, &job.fetched));
         }
         files
     }
@@ -340,7 +340,7 @@ impl QwenEditEngine {
         };
         Ok(Prepared {
             request: edit_request(spec)?,
-            loras: self.lora_dir.resolve(&spec.loras)?,
+            loras: self.lora_dir.resolve(&spec.loras, &job.fetched)?,
         })
     }
 

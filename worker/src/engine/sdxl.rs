@@ -256,10 +256,10 @@ impl SdxlEngine {
 
     /// The files a generate's images are made from: the checkpoint's, then the job's LoRAs (by
     /// the job's names, with their weights).
-    pub fn files(&self, task: &Task) -> Vec<UsedFile> {
+    pub fn files(&self, job: &EngineJob) -> Vec<UsedFile> {
         let mut files = self.files.clone();
-        if let Task::Generate(g) = task {
-            files.extend(self.lora_dir.used_files(&g.loras));
+        if let Task::Generate(g) = &job.task {
+            files.extend(self.lora_dir.used_files(&g.loras, &job.fetched));
         }
         files
     }
@@ -341,7 +341,7 @@ impl SdxlEngine {
             }
             Some(_) | None => {}
         }
-        self.lora_dir.resolve(&spec.loras)
+        self.lora_dir.resolve(&spec.loras, &job.fetched)
     }
 
     /// Generates the images of `together` (indices into `jobs`, compatible generates) in forwards of
