@@ -225,11 +225,15 @@ async fn a_box_checks_itself_and_the_worker_runs_what_it_measured() -> anyhow::R
         "a heartbeat with the settings",
         Duration::from_secs(60),
         || async {
-            let workers = farm.workers().await.ok()?;
-            workers.into_iter().next()?.heartbeat?.settings
+            let workers = farm.get_json("/v1/workers").await.ok()?;
+            let s = workers["workers"][0]["heartbeat"]["settings"].clone();
+            (!s.is_null()).then_some(s)
         },
     )
-    .await?;
+    .await
+    .map_err(|e| e.context(farm.worker_logs()))?;
+    let in_use: vnfarm_proto::SettingsInUse = serde_json::from_value(in_use.clone())
+        .map_err(|e| anyhow::anyhow!("the heartbeat's settings {in_use}: {e}"))?;
     assert_eq!(in_use.source, SettingsSource::Measured, "{in_use:#?}");
     assert_eq!(in_use.id.len(), 12, "{in_use:?}");
     let id = farm
