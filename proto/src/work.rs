@@ -177,6 +177,13 @@ pub struct Heartbeat {
     /// before this field, and from workers without a model cache.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model_cache: Option<Vec<String>>,
+    /// The files of its own LoRA folders (`lora_dir`), by file name: a job may name one of them
+    /// (as `<name>` or `<name>.safetensors`) without the catalogue. The scheduler refuses a LoRA
+    /// name that is neither here on any worker nor in the catalogue; absent from workers before
+    /// this field (and from the test-pattern engine unless it claims some), and then it refuses
+    /// none, as it cannot tell.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loras: Option<Vec<String>>,
     /// SDXL checkpoints it holds warm, by name: jobs that name a checkpoint go only to a worker
     /// that advertises it.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

@@ -37,6 +37,11 @@ pub struct Config {
     /// The SDXL checkpoint (by the name workers advertise) of generate jobs that name none,
     /// recorded in the job at submission. Unset: such jobs go to any SDXL worker.
     pub default_checkpoint: Option<String>,
+    /// A generate naming a checkpoint that workers have advertised (or the model catalogue holds)
+    /// but that no live worker serves while other workers of its model are up waits this long
+    /// after its last change, then fails with `no_worker`. 0: it waits for as long as it takes. A
+    /// name no worker ever advertised and the catalogue does not hold is refused at submission.
+    pub checkpoint_wait_s: u64,
     pub dispatch: DispatchConfig,
     /// Origins (`https://studio.example:8443`) whose pages may call the API from a browser (CORS).
     pub cors_origins: Vec<String>,
@@ -150,6 +155,7 @@ impl Default for Config {
             retain_age_s: 7 * 24 * 3600,
             snapshot_every_events: 5_000,
             default_checkpoint: None,
+            checkpoint_wait_s: 900,
             dispatch: DispatchConfig::default(),
             cors_origins: Vec::new(),
             upload_max_bytes: 32 * 1024 * 1024,

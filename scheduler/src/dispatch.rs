@@ -56,6 +56,7 @@ impl Scheduler {
             if timer {
                 self.requeue_stale().await?;
                 self.recover_unheld().await?;
+                self.fail_unserved().await?;
             }
         }
     }
@@ -252,6 +253,38 @@ impl Scheduler {
                 EventKind::Requeued {
                     reason: "dispatched but never started".into(),
                     dispatch: None,
+                },
+            )
+            .await?;
+        }
+        Ok(())
+    }
+
+    /// Fails the generates whose checkpoint has had no live worker for `checkpoint_wait_s` while
+    /// other workers of their model are up (see `Registry::unserved_checkpoints`). A repeat before
+    /// the event comes back is harmless: a finished job's later events change nothing.
+    pub(crate) async fn fail_unserved(&self) -> Result<(), PublishError> {
+        let wait = self.config().checkpoint_wait_s;
+        if wait == 0 {
+            return Ok(());
+        }
+        let before =
+            chrono::Utc::now() - chrono::Duration::seconds(wait.min(i64::MAX as u64) as i64);
+        let unserved = self
+            .registry()
+            .unserved_checkpoints(before, self.heartbeat_timeout());
+        for (id, route) in unserved {
+            let message = format!(
+                "no live worker served {route} for {wait} s (checkpoint_wait_s), while other \
+                 workers of its model were up"
+            );
+            tracing::warn!(job_id = %id, %message, "job failed");
+            self.publish_event(
+                id,
+                EventKind::Failed {
+                    failure: FailureKind::NoWorker,
+                    message,
+                    retryable: false,
                 },
             )
             .await?;

@@ -98,6 +98,7 @@ impl Scheduler {
         mut submission: Submission,
         key: Option<String>,
     ) -> Result<Submitted, AcceptError> {
+        self.check_names(&submission.job).await?;
         match &mut submission.job {
             JobSpec::Edit(edit) => {
                 if let Some(input) = &mut edit.input {

@@ -44,6 +44,7 @@ pub mod images;
 pub mod intake;
 pub mod leader;
 pub mod metrics;
+pub mod names;
 pub mod registry;
 pub mod replica;
 pub mod scheduler;

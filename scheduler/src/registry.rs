@@ -16,6 +16,7 @@
 //! - `follow_ups.rs`: terms, the follow-up events the active scheduler owes, stale dispatches,
 //!   cancellation.
 //! - `plan.rs`: the dispatch policy, with its tests. `workers.rs`: the worker records.
+//! - `names.rs`: the model names workers advertise; jobs whose named checkpoint left the farm.
 //! - `testing.rs` (tests only): submissions, heartbeats and an event stream the tests share.
 //! - `snapshot.rs`: the durable part, as a snapshot writes and reads it.
 //!
@@ -46,6 +47,7 @@ use vnfarm_proto::{Heartbeat, JobId, ModelFamily, Priority, WorkerId};
 
 mod apply;
 mod follow_ups;
+mod names;
 mod plan;
 mod record;
 mod snapshot;
@@ -58,6 +60,7 @@ use record::Local;
 use store::Jobs;
 
 pub use follow_ups::CancelRefusal;
+pub use names::AdvertisedNames;
 pub use plan::{Decision, Dispatch, Plan, Yield};
 pub use record::JobRecord;
 pub use snapshot::{Snapshot, SnapshotView};

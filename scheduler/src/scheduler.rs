@@ -48,6 +48,8 @@ struct Inner {
     snapshots: SnapshotWriter,
     /// Cancelled at shutdown; long-lived HTTP streams end on it.
     shutdown: tokio_util::sync::CancellationToken,
+    /// When it started: it has heard every live worker once a heartbeat timeout has passed.
+    started: std::time::Instant,
 }
 
 /// Which of the session's publishers a publish goes on.
@@ -104,6 +106,7 @@ impl Scheduler {
             leadership,
             snapshots,
             shutdown,
+            started: std::time::Instant::now(),
         }))
     }
 
@@ -164,6 +167,12 @@ impl Scheduler {
 
     pub fn is_ready(&self) -> bool {
         self.0.replica.is_ready()
+    }
+
+    /// Whether it has been listening to heartbeats long enough to have heard every live worker
+    /// (what the workers advertise is complete).
+    pub(crate) fn has_heard_the_fleet(&self) -> bool {
+        self.0.started.elapsed() >= self.heartbeat_timeout()
     }
 
     pub(crate) fn set_ready(&self) {

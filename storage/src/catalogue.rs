@@ -141,37 +141,52 @@ fn default_name(path: &Path) -> String {
     }
 }
 
-/// The sha256 and size of a safetensors file, read in 1 MiB pieces.
-fn hash_file(path: &Path) -> Result<(ContentHash, u64), CatalogueError> {
-    let failed = |e: std::io::Error| CatalogueError::File {
-        path: path.display().to_string(),
-        message: e.to_string(),
-    };
-    let mut file = std::fs::File::open(path).map_err(failed)?;
-    let size = file.metadata().map_err(failed)?.len();
+/// Why a file has no safetensors hash.
+#[derive(Debug, thiserror::Error)]
+pub enum HashError {
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    #[error("not a safetensors file")]
+    NotSafetensors,
+}
+
+/// The sha256 and size of a safetensors file (its header checked on the first piece), read in
+/// 1 MiB pieces: what a push names a file by and what a worker checks a download against.
+pub fn hash_safetensors(path: &Path) -> Result<(ContentHash, u64), HashError> {
+    let mut file = std::fs::File::open(path)?;
+    let size = file.metadata()?.len();
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     let mut first = true;
     loop {
-        let n = file.read(&mut buf).map_err(failed)?;
+        let n = file.read(&mut buf)?;
         if n == 0 {
             break;
         }
         if std::mem::take(&mut first) && !looks_like_safetensors(&buf[..n], size) {
-            return Err(CatalogueError::NotSafetensors {
-                path: path.display().to_string(),
-            });
+            return Err(HashError::NotSafetensors);
         }
         hasher.update(&buf[..n]);
     }
     if first {
-        return Err(CatalogueError::NotSafetensors {
-            path: path.display().to_string(),
-        });
+        return Err(HashError::NotSafetensors);
     }
     let hash = ContentHash::try_from(hex::encode(hasher.finalize()))
         .expect("a sha256 digest is 64 hex digits");
     Ok((hash, size))
+}
+
+/// [`hash_safetensors`] for a push, its errors naming the file.
+fn hash_file(path: &Path) -> Result<(ContentHash, u64), CatalogueError> {
+    hash_safetensors(path).map_err(|e| match e {
+        HashError::Io(e) => CatalogueError::File {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        },
+        HashError::NotSafetensors => CatalogueError::NotSafetensors {
+            path: path.display().to_string(),
+        },
+    })
 }
 
 #[cfg(test)]

@@ -13,6 +13,7 @@ mod failures;
 mod fleet;
 mod intake;
 mod logs;
+mod names;
 mod observability;
 mod outages;
 mod permissions;

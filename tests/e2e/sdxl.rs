@@ -265,8 +265,9 @@ fn parameters(png: &[u8]) -> String {
 }
 
 /// A generate with a LoRA matches diffusers with it fused; the next job without one matches the
-/// base again (the weights were restored); a LoRA that is not in the folder, or a file the loader
-/// cannot use, fails the job with an error naming it, and the worker goes on.
+/// base again (the weights were restored); a LoRA that exists nowhere is refused at submission
+/// naming the ones that do; a file the loader cannot use fails the job with an error naming it,
+/// and the worker goes on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn generate_jobs_with_loras_match_diffusers_and_leave_the_base_as_it_was()
 -> anyhow::Result<()> {
@@ -334,17 +335,28 @@ async fn generate_jobs_with_loras_match_diffusers_and_leave_the_base_as_it_was()
         }
     }
 
-    for (lora, names) in [
-        ("nope", "LoRA `nope` is not in"),
-        ("unsupported", "hada_w1_a"),
-    ] {
-        let mut submission = base.submission("w_dpmpp");
-        submission["job"]["loras"] = json!([{"name": lora}]);
-        let job = farm.run(&submission, FINISH).await?;
-        assert_eq!(job.state, JobState::Failed, "{job:?}");
-        let message = job.failure.as_ref().map_or("", |f| f.message.as_str());
-        assert!(message.contains(names), "{lora}: {job:?}");
-    }
+    // A name in neither the folder (which the worker's heartbeat lists) nor the catalogue is
+    // refused at submission, with the names that exist.
+    let mut nope = base.submission("w_dpmpp");
+    nope["job"]["loras"] = json!([{"name": "nope"}]);
+    let (status, reply) = farm.submit(&nope).await?;
+    let error = reply.expect_err("a LoRA that exists nowhere").error;
+    assert_eq!(
+        (status.as_u16(), error.field.as_str()),
+        (422, "job.loras[0].name"),
+        "{error:?}"
+    );
+    assert!(
+        error.message.contains("LoRA `nope`") && error.message.contains("kohya.safetensors"),
+        "{error:?}"
+    );
+    // A file the loader cannot use fails its job on the worker.
+    let mut unsupported = base.submission("w_dpmpp");
+    unsupported["job"]["loras"] = json!([{"name": "unsupported"}]);
+    let job = farm.run(&unsupported, FINISH).await?;
+    assert_eq!(job.state, JobState::Failed, "{job:?}");
+    let message = job.failure.as_ref().map_or("", |f| f.message.as_str());
+    assert!(message.contains("hada_w1_a"), "{job:?}");
     // The worker still serves, from the base weights.
     let job = farm.run(&base.submission("w_dpmpp"), FINISH).await?;
     assert_eq!(job.state, JobState::Completed, "{job:?}");

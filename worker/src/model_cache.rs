@@ -17,15 +17,15 @@
 //!   reaches the engine twice.
 
 use std::collections::HashMap;
-use std::io::Read as _;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use serde::Deserialize;
-use sha2::{Digest as _, Sha256};
-use vnfarm_proto::catalogue::{ContentHash, ModelRef, blob_key, looks_like_safetensors};
-use vnfarm_storage::{Catalogue, CatalogueError, Storage, StorageError};
+use vnfarm_proto::catalogue::{ContentHash, ModelRef, blob_key};
+use vnfarm_storage::{
+    Catalogue, CatalogueError, HashError, Storage, StorageError, hash_safetensors,
+};
 
 /// The `[model_cache]` section of the worker's configuration.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
@@ -452,26 +452,11 @@ fn check(part: &Path, expected: &ContentHash, size: u64, got: u64) -> Result<(),
             "the stored object is longer than the catalogue's {size} bytes"
         ));
     }
-    let failed = |e: std::io::Error| format!("reading {}: {e}", part.display());
-    let mut file = std::fs::File::open(part).map_err(failed)?;
-    let mut hasher = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    let mut first = true;
-    loop {
-        let n = file.read(&mut buf).map_err(failed)?;
-        if n == 0 {
-            break;
-        }
-        if std::mem::take(&mut first) && !looks_like_safetensors(&buf[..n], size) {
-            return Err("not a safetensors file".into());
-        }
-        hasher.update(&buf[..n]);
-    }
-    if first {
-        return Err("not a safetensors file (empty)".into());
-    }
-    let actual = hex::encode(hasher.finalize());
-    if actual != expected.as_str() {
+    let (actual, _) = hash_safetensors(part).map_err(|e| match e {
+        HashError::Io(e) => format!("reading {}: {e}", part.display()),
+        HashError::NotSafetensors => "not a safetensors file".into(),
+    })?;
+    if actual != *expected {
         return Err(format!("its bytes hash to {actual}"));
     }
     Ok(())
@@ -483,6 +468,8 @@ mod tests {
     use vnfarm_proto::ModelFileRole;
     use vnfarm_proto::catalogue::{CatalogueEntry, entry_key};
     use vnfarm_storage::StorageConfig;
+
+    use sha2::{Digest as _, Sha256};
 
     use super::*;
 

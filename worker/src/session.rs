@@ -241,13 +241,15 @@ impl Worker {
     /// What the heartbeat says: the state, what the engine serves and holds, and the jobs here.
     pub(crate) async fn describe(&self) -> Heartbeat {
         let this = self.clone();
-        // A device query, however quick, is not made on the async runtime.
-        let gpu_memory = tokio::task::spawn_blocking(move || this.engine().gpu_memory())
-            .await
-            .unwrap_or_else(|e| {
-                tracing::warn!(error = %e, "reading the GPU's memory failed");
-                None
-            });
+        // A device query and a folder listing, however quick, are not made on the async runtime.
+        let (gpu_memory, loras) = tokio::task::spawn_blocking(move || {
+            (this.engine().gpu_memory(), this.engine().lora_names())
+        })
+        .await
+        .unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "reading the GPU's memory and the LoRA folders failed");
+            (None, None)
+        });
         let in_hand = self.hand().jobs();
         Heartbeat {
             schema_version: vnfarm_proto::PROTOCOL_VERSION,
@@ -260,6 +262,7 @@ impl Worker {
             running: self.hand().running(),
             holding: Some(in_hand),
             model_cache: Some(self.model_cache().hashes()),
+            loras,
             checkpoints: self.engine().checkpoints().to_vec(),
             max_batch: self.config().batch_jobs,
             gpu_memory,

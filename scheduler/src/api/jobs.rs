@@ -4,6 +4,8 @@
 
 use std::time::Duration;
 
+use chrono::{DateTime, Utc};
+
 use axum::Json;
 use axum::extract::State;
 use axum::http::{StatusCode, header};
@@ -82,7 +84,7 @@ pub struct ListQuery {
 }
 
 /// A job as the API shows it, with why it is not moving in words.
-pub fn view(reg: &Registry, job: &JobRecord, heartbeat_timeout: Duration) -> JobView {
+pub fn view(reg: &Registry, job: &JobRecord, waits: Waits) -> JobView {
     JobView {
         id: job.id(),
         kind: job.kind().to_owned(),
@@ -100,14 +102,47 @@ pub fn view(reg: &Registry, job: &JobRecord, heartbeat_timeout: Duration) -> Job
         manifest: job.manifest().map(str::to_owned),
         failure: job.failure().cloned(),
         waiting_for: reg
-            .blocker(job, heartbeat_timeout)
-            .map(|b| waiting_for(&b, job.failure())),
+            .blocker(job, waits.heartbeat_timeout)
+            .map(|b| waiting_for(&b, job.failure(), waits.checkpoint_deadline(job))),
         submission: job.submission().cloned(),
     }
 }
 
-/// A blocker in words, for people reading a job.
-fn waiting_for(blocker: &Blocker, failure: Option<&Failure>) -> String {
+/// The scheduler's settings a job's view puts in words.
+#[derive(Clone, Copy, Debug)]
+pub struct Waits {
+    pub heartbeat_timeout: Duration,
+    /// [`crate::config::Config::checkpoint_wait_s`].
+    pub checkpoint_wait_s: u64,
+}
+
+impl Api {
+    /// What a job's view puts in words, from this scheduler's configuration.
+    pub fn waits(&self) -> Waits {
+        Waits {
+            heartbeat_timeout: self.scheduler.heartbeat_timeout(),
+            checkpoint_wait_s: self.scheduler.config().checkpoint_wait_s,
+        }
+    }
+}
+
+impl Waits {
+    /// When a job that waits for a gone checkpoint fails, if it does.
+    fn checkpoint_deadline(self, job: &JobRecord) -> Option<DateTime<Utc>> {
+        (self.checkpoint_wait_s > 0).then(|| {
+            job.updated_at()
+                + chrono::Duration::seconds(self.checkpoint_wait_s.min(i64::MAX as u64) as i64)
+        })
+    }
+}
+
+/// A blocker in words, for people reading a job; `checkpoint_deadline` is when it fails should no
+/// worker of its checkpoint come.
+fn waiting_for(
+    blocker: &Blocker,
+    failure: Option<&Failure>,
+    checkpoint_deadline: Option<DateTime<Utc>>,
+) -> String {
     match blocker {
         Blocker::Retrying => format!(
             "a transient failure ({}); it runs again",
@@ -125,6 +160,15 @@ fn waiting_for(blocker: &Blocker, failure: Option<&Failure>) -> String {
                 .collect::<Vec<_>>()
                 .join(", ")
         ),
+        Blocker::NoWorker(route)
+            if let (Some(_), Some(until)) = (&route.checkpoint, checkpoint_deadline) =>
+        {
+            format!(
+                "no live worker serves {route}; it runs when one does, and fails at {} if none \
+                 has while other workers of its model are up",
+                until.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+            )
+        }
         Blocker::NoWorker(route) => {
             format!("no live worker serves {route}; it runs when one does")
         }
@@ -179,8 +223,7 @@ pub async fn get_job(State(api): State<Api>, Path(id): Path<String>) -> Result<R
     let id = parse_id(&id)?;
     let view = {
         let reg = api.scheduler.registry();
-        reg.job(id)
-            .map(|job| view(&reg, job, api.scheduler.heartbeat_timeout()))
+        reg.job(id).map(|job| view(&reg, job, api.waits()))
     };
     if let Some(view) = view {
         let images = api.image_links(&view.outputs);
@@ -251,7 +294,7 @@ pub async fn list_jobs(
         ));
     }
     let limit = q.limit.unwrap_or(100).min(1000);
-    let timeout = api.scheduler.heartbeat_timeout();
+    let waits = api.waits();
     let views: Vec<JobView> = {
         let reg = api.scheduler.registry();
         reg.jobs_newest_first()
@@ -259,7 +302,7 @@ pub async fn list_jobs(
             .filter(|j| state.is_none_or(|st| j.state() == st))
             .filter(|j| q.kind.as_deref().is_none_or(|k| j.kind() == k))
             .take(limit)
-            .map(|j| view(&reg, j, timeout))
+            .map(|j| view(&reg, j, waits))
             .collect()
     };
     let jobs = views
@@ -328,14 +371,29 @@ mod tests {
             checkpoint: Some("novaAnimeXL".into()),
         };
         assert_eq!(
-            waiting_for(&Blocker::NoWorker(route), None),
+            waiting_for(&Blocker::NoWorker(route.clone()), None, None),
             "no live worker serves sdxl checkpoint novaAnimeXL; it runs when one does"
+        );
+        let at = "2026-12-03T10:00:00Z".parse().unwrap();
+        assert_eq!(
+            waiting_for(&Blocker::NoWorker(route), None, Some(at)),
+            "no live worker serves sdxl checkpoint novaAnimeXL; it runs when one does, and fails \
+             at 2026-12-03T10:00:00Z if none has while other workers of its model are up"
+        );
+        let any_sdxl = Route {
+            model: ModelFamily::Sdxl,
+            checkpoint: None,
+        };
+        assert_eq!(
+            waiting_for(&Blocker::NoWorker(any_sdxl), None, Some(at)),
+            "no live worker serves sdxl; it runs when one does",
+            "only a named checkpoint's wait ends"
         );
         let holders = Blocker::Holders(vec!["a".parse().unwrap(), "b".parse().unwrap()]);
         assert!(
-            waiting_for(&holders, None).starts_with("worker a or b to free a slot"),
+            waiting_for(&holders, None, None).starts_with("worker a or b to free a slot"),
             "{}",
-            waiting_for(&holders, None)
+            waiting_for(&holders, None, None)
         );
     }
 }

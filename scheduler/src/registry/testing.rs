@@ -113,6 +113,7 @@ pub(super) fn worker(id: &str, slots: u32) -> Heartbeat {
         running: vec![],
         holding: None,
         model_cache: None,
+        loras: None,
         checkpoints: vec![],
         max_batch: 1,
         gpu_memory: None,

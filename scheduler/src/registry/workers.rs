@@ -108,6 +108,22 @@ impl WorkerRecord {
         })
     }
 
+    /// Its latest beat names the model (in any state: a warming worker will serve it).
+    pub(super) fn advertises_model(&self, model: ModelFamily) -> bool {
+        self.last_heartbeat
+            .as_ref()
+            .is_some_and(|(_, hb)| hb.models.contains(&model))
+    }
+
+    /// Its latest beat names the model and the checkpoint.
+    pub(super) fn advertises(&self, model: ModelFamily, checkpoint: &str) -> bool {
+        self.advertises_model(model)
+            && self
+                .last_heartbeat
+                .as_ref()
+                .is_some_and(|(_, hb)| hb.checkpoints.iter().any(|c| c == checkpoint))
+    }
+
     /// Has a free slot: fewer messages on it than its prefetch.
     pub(super) fn has_slot(&self) -> bool {
         self.last_heartbeat

@@ -9,6 +9,7 @@ use vnfarm_proto::ModelFamily;
 use super::device::parse_device;
 use super::esrgan::EsrganConfig;
 use super::files::UsedFile;
+use super::lora_dir::AdvertisedLoras;
 use super::qwen_edit::QwenEditEngineConfig;
 use super::sdxl::SdxlConfig;
 use super::test_pattern::TestPatternConfig;
@@ -92,6 +93,19 @@ impl EngineConfig {
         match self.kind() {
             EngineKind::TestPattern => self.test_pattern.checkpoints.clone(),
             EngineKind::Tch => self.sdxl.iter().map(SdxlConfig::name).collect(),
+        }
+    }
+
+    /// The LoRA names it advertises: the files of its engines' `lora_dir`s, or what the
+    /// test-pattern engine claims.
+    pub fn advertised_loras(&self) -> AdvertisedLoras {
+        match self.kind() {
+            EngineKind::TestPattern => AdvertisedLoras::Claimed(self.test_pattern.loras.clone()),
+            EngineKind::Tch => {
+                let sdxl = self.sdxl.iter().filter_map(|c| c.lora_dir.clone());
+                let qwen = self.qwen_edit.iter().filter_map(|c| c.lora_dir.clone());
+                AdvertisedLoras::Folders(sdxl.chain(qwen).collect())
+            }
         }
     }
 

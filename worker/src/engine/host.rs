@@ -16,8 +16,8 @@ use std::thread;
 use vnfarm_proto::{GpuMemory, ModelFamily, SettingsInUse};
 
 use super::{
-    AdvertisedKeys, Engine, EngineConfig, EngineError, EngineJob, EngineKind, EngineOutput,
-    GpuMemoryProbe, Progress, SharedEncodings,
+    AdvertisedKeys, AdvertisedLoras, Engine, EngineConfig, EngineError, EngineJob, EngineKind,
+    EngineOutput, GpuMemoryProbe, Progress, SharedEncodings,
 };
 
 /// A job's result, tagged with its index in the message.
@@ -35,6 +35,7 @@ pub struct EngineHost {
     name: &'static str,
     models: Vec<ModelFamily>,
     checkpoints: Vec<String>,
+    loras: AdvertisedLoras,
     cache_keys: AdvertisedKeys,
     gpu: Option<GpuMemoryProbe>,
     /// The test-pattern engine's simulated GPU, reported instead of a device's.
@@ -69,6 +70,7 @@ impl EngineHost {
             name: config.kind().name(),
             models: config.models(),
             checkpoints: config.checkpoints(),
+            loras: config.advertised_loras(),
             cache_keys: cache_keys.clone(),
             gpu: config.gpu().map(GpuMemoryProbe::new),
             simulated_gpu: match config.kind() {
@@ -145,6 +147,11 @@ impl EngineHost {
     /// SDXL checkpoints held, by name.
     pub fn checkpoints(&self) -> &[String] {
         &self.checkpoints
+    }
+
+    /// The LoRA names it advertises (blocking: reads its folders).
+    pub fn lora_names(&self) -> Option<Vec<String>> {
+        self.loras.names()
     }
 
     /// The GPU's memory now, when the engines run on one.

@@ -108,9 +108,68 @@ impl LoraDir {
     }
 }
 
+/// The LoRA names a worker advertises in its heartbeat, so the scheduler can refuse a name that
+/// exists nowhere (DESIGN §7b).
+#[derive(Clone, Debug)]
+pub enum AdvertisedLoras {
+    /// Names the configuration claims (the test-pattern engine), or none: it cannot tell.
+    Claimed(Option<Vec<String>>),
+    /// The files of these folders (the engines' `lora_dir`s), read at each beat.
+    Folders(Vec<PathBuf>),
+}
+
+impl AdvertisedLoras {
+    /// The names, sorted; none when a folder cannot be read (a name may be there: it cannot tell).
+    /// Blocking: reads directories.
+    pub fn names(&self) -> Option<Vec<String>> {
+        let dirs = match self {
+            AdvertisedLoras::Claimed(names) => return names.clone(),
+            AdvertisedLoras::Folders(dirs) => dirs,
+        };
+        let mut names = Vec::new();
+        for dir in dirs {
+            let entries = match std::fs::read_dir(dir) {
+                Ok(entries) => entries,
+                Err(e) => {
+                    tracing::debug!(dir = %dir.display(), error = %e, "cannot list a LoRA folder; advertising no LoRA names");
+                    return None;
+                }
+            };
+            names.extend(
+                entries
+                    .filter_map(Result::ok)
+                    .filter(|e| e.path().is_file())
+                    .filter_map(|e| e.file_name().into_string().ok())
+                    .filter(|name| vnfarm_proto::spec::is_file_name(name)),
+            );
+        }
+        names.sort();
+        names.dedup();
+        Some(names)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_worker_advertises_its_folders_files_and_nothing_when_one_cannot_be_read() {
+        let dir = std::env::temp_dir().join(format!(
+            "vnfarm-lora-names-{}-{}",
+            std::process::id(),
+            vnfarm_proto::JobId::new()
+        ));
+        std::fs::create_dir_all(dir.join("nested")).unwrap();
+        std::fs::write(dir.join("ink.safetensors"), b"w").unwrap();
+        std::fs::write(dir.join(".hidden"), b"w").unwrap();
+        let folders = AdvertisedLoras::Folders(vec![dir.clone(), dir.clone()]);
+        assert_eq!(folders.names(), Some(vec!["ink.safetensors".to_owned()]));
+        let missing = AdvertisedLoras::Folders(vec![dir.join("missing")]);
+        assert_eq!(missing.names(), None);
+        assert_eq!(AdvertisedLoras::Claimed(None).names(), None);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn a_lora_is_found_by_its_name_with_or_without_the_extension() {

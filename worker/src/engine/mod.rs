@@ -52,7 +52,7 @@ pub use files::{UsedFile, weight_files};
 pub use gpu_memory::GpuMemoryProbe;
 pub use host::{Answer, EngineHost, EngineLoading};
 pub use job::{EngineJob, EngineOutput, InputImage, Progress, content_key};
-pub use lora_dir::{FetchedLoras, LoraDir};
+pub use lora_dir::{AdvertisedLoras, FetchedLoras, LoraDir};
 pub use qwen_edit::{QwenEditEngine, QwenEditEngineConfig};
 pub use sdxl::{SdxlConfig, SdxlEngine};
 use settings::EngineSettings;

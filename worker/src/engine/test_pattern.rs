@@ -60,6 +60,10 @@ pub struct TestPatternConfig {
     /// SDXL checkpoints it claims to hold (advertised in heartbeats); a generate naming another one
     /// fails as it would on an SDXL worker.
     pub checkpoints: Vec<String>,
+    /// LoRA file names it claims to hold (advertised in heartbeats, as a worker lists its
+    /// `lora_dir`), so a farm of test-pattern workers can refuse names that exist nowhere. Unset:
+    /// it advertises none and takes any name (the scheduler cannot tell which exist).
+    pub loras: Option<Vec<String>>,
     /// Files it claims every image is made from, as checkpoints: their real sha256 and size go
     /// into manifests, so tests can check provenance end to end. Unset: none (it loads no file,
     /// and its manifests say so).
@@ -86,6 +90,7 @@ impl Default for TestPatternConfig {
             batch_step_cost: 1.0,
             load_ms: 0,
             checkpoints: Vec::new(),
+            loras: None,
             model_files: Vec::new(),
             device_failure_prompt: None,
             gpu_memory_mib: None,
