@@ -98,7 +98,7 @@ def attention_levers(torch, seq, heads=24, head_dim=128):
 
 def gemm_levers(torch, img, txt):
     """Per shape: ms per call by path, and the step's total per path (× per block × LAYERS; a path
-    that a shape refused has no total). `_scaled_mm` wants M a multiple of 16: the fp8 paths take
+    that a shape refused or that runs on one shape only has no total). `_scaled_mm` wants M a multiple of 16: the fp8 paths take
     the activation padded to one (`m_fp8`), as an fp8 path of ours would."""
     import torch.nn.functional as F
 
@@ -143,7 +143,10 @@ def gemm_levers(torch, img, txt):
                 refused.add(path)
         rows[name] = r
         del x, w, b, x8, w8, w_file
-    return {"shapes": rows, "step_total_ms": {k: round(v, 2) for k, v in totals.items() if k not in refused}}
+    # A total only for a path measured on every shape of the block (the epilogue GELU is one shape's).
+    counted = [r for r in rows.values() if r["per_block"]]
+    whole = {p for p in totals if p not in refused and all(p in r for r in counted)}
+    return {"shapes": rows, "step_total_ms": {k: round(v, 2) for k, v in totals.items() if k in whole}}
 
 
 def pass_levers(torch, seq, txt, dim=3072, ff=4 * 3072):
@@ -270,6 +273,52 @@ def fusion_groups(path):
     return {k: round(v, 3) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
 
 
+# The GEMMs of one dual-stream block in launch order, as both sides launch them between two
+# attention kernels (`trace_breakdown.block_kernels`): the previous block's outputs and feed-forwards,
+# then this block's modulations and projections.
+GEMM_ROLES = ["img_out", "txt_out", "img_ff_up", "img_ff_down", "txt_ff_up", "txt_ff_down", "img_mod", "txt_mod",
+              "img_q", "img_k", "img_v", "txt_q", "txt_k", "txt_v"]
+
+
+def gemm_roles(path):
+    """In-step GEMM time by role: µs per block (median over the blocks that have all 14) and ms per
+    step (× LAYERS)."""
+    import statistics
+
+    from trace_breakdown import block_kernels
+
+    per = {r: [] for r in GEMM_ROLES}
+    for b in range(1, LAYERS):
+        gemms = [us for us, cls, _, _ in block_kernels(path, b) if cls == "gemm"]
+        if len(gemms) == len(GEMM_ROLES):
+            for role, us in zip(GEMM_ROLES, gemms):
+                per[role].append(us)
+    med = {r: statistics.median(v) for r, v in per.items() if v}
+    return {"us_per_block": {r: round(v, 1) for r, v in med.items()},
+            "ms_per_step": round(sum(med.values()) * LAYERS / 1000, 2)}
+
+
+def fp8_estimate(roles, levers):
+    """The step's GEMM time (ms) if the image stream's QKV (fused), FF up and FF down ran in fp8:
+    each in-step bf16 time × (fp8 path ÷ bf16 with the file's weights) at that shape in the same
+    levers run; to_out in fp8 as a variant; the text stream and the modulations stay bf16."""
+    shapes, us = levers["shapes"], roles["us_per_block"]
+    qkv = us["img_q"] + us["img_k"] + us["img_v"]
+    out = {}
+    for path in ["fp8_tensor", "fp8_tensor_fast", "fp8_row_fast"]:
+        def ratio(name, bf16_name=None, times=1):
+            return shapes[name][path]["ms_median"] / (times * shapes[bf16_name or name]["bf16_file_weights"]["ms_median"])
+
+        block = (sum(us.values()) - qkv - us["img_ff_up"] - us["img_ff_down"]
+                 + qkv * ratio("img_qkv_fused", "img_qkv", 3)
+                 + us["img_ff_up"] * ratio("img_ff_up") + us["img_ff_down"] * ratio("img_ff_down"))
+        out[path] = {"ms_per_step": round(block * LAYERS / 1000, 1),
+                     "with_fp8_out_ms_per_step": round((block - us["img_out"] * (1 - ratio("img_out"))) * LAYERS / 1000, 1)}
+    fused = shapes["img_qkv_fused"]["bf16_file_weights"]["ms_median"] / (3 * shapes["img_qkv"]["bf16_file_weights"]["ms_median"])
+    out["bf16_fused_qkv"] = {"ms_per_step": round((sum(us.values()) - qkv * (1 - fused)) * LAYERS / 1000, 1)}
+    return out
+
+
 def drive(a, res, save, py_side, ours, src, sizes, modes):
     """The driver's `--profile` run after the weights are written: both profiles, the breakdowns,
     `qwen_profile.md`. Traces stay in `a.work`; their gzipped copies go to `a.out`."""
@@ -377,18 +426,38 @@ def lever_lines(d):
     return lines
 
 
+def analyse(a):
+    """Per trace: the work of the planned kernels and the in-step GEMMs by role; with `--levers`, the
+    fp8 estimate from each levers file. Prints JSON."""
+    levers = {}
+    for path in a.levers:
+        with open(path) as f:
+            levers[os.path.relpath(path)] = json.load(f)["lever_gemm"]
+    res = {}
+    for path in a.traces:
+        roles = gemm_roles(path)
+        res[os.path.basename(path)] = {"fusion_groups_ms": fusion_groups(path), "gemm_roles": roles,
+                                       "fp8_estimate": {k: fp8_estimate(roles, v) for k, v in levers.items()}}
+    print(json.dumps(res, indent=1))
+
+
 def main():
-    """`python3 profile_qwen.py levers --out DIR`: the levers alone (no weights, no diffusers)."""
+    """`python3 profile_qwen.py levers --out DIR`: the levers alone (no weights, no diffusers).
+    `python3 profile_qwen.py analyse TRACE... [--levers JSON...]`: `analyse`'s JSON on stdout."""
     import argparse
 
-    import torch
-
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["levers"])
+    ap.add_argument("what", choices=["levers", "analyse"])
+    ap.add_argument("traces", nargs="*", help="analyse: the profile's Chrome traces")
+    ap.add_argument("--levers", nargs="*", default=[], help="analyse: levers JSON files for the fp8 estimate")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--img", type=int, default=8192, help="image-stream tokens (target + reference)")
     ap.add_argument("--txt", type=int, default=211, help="prompt tokens")
     a = ap.parse_args()
+    if a.what == "analyse":
+        return analyse(a)
+    import torch
+
     res = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0)}
     with torch.no_grad():
         res["lever_gemm"] = gemm_levers(torch, a.img, a.txt)

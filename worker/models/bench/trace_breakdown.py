@@ -45,8 +45,12 @@ def category(name):
 
 
 def _sorted_ms(d, limit=None):
-    rows = sorted(d.items(), key=lambda kv: -kv[1])
-    return {k[:120]: round(v / 1000, 3) for k, v in rows[:limit]}
+    """µs by name → ms by name (cut to 120 characters, names that then coincide summed), largest first."""
+    cut = defaultdict(float)
+    for k, v in d.items():
+        cut[k[:120]] += v
+    rows = sorted(cut.items(), key=lambda kv: -kv[1])
+    return {k: round(v / 1000, 3) for k, v in rows[:limit]}
 
 
 def summarise(kernel_us):
