@@ -48,6 +48,9 @@ What one run does (each side in its own process, same files, same GPU):
    and median, N variants = encode_inputs once + edit per variant) and `components` (transformer
    step at the same shapes, VAE encode/decode).
 
+`--profile` runs instead the profile of one transformer step, ours and diffusers' (`profile_qwen.py`
+says what it does): the transformer and VAE written, no text encoder, no edits.
+
 Every process runs with `PYTORCH_CUDA_ALLOC_CONF=--alloc-conf` (default `expandable_segments:True`,
 what the worker sets). `--budget` (default 540 s) bounds the whole run: each process is given what
 is left, so that results and tables are written before the device command's 600 s limit.
@@ -71,6 +74,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MODELS = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from run_bench import emit, run_sampled  # noqa: E402  (NVML sampler + process runner of the SDXL bench)
+import profile_qwen  # noqa: E402  (the --profile mode)
 
 DEFAULT_TOKENIZER = os.path.join(MODELS, "tokenizer", "qwen2")
 DEFAULT_FIXTURES = os.path.join(MODELS, "fixtures", "qwen")
@@ -218,19 +222,65 @@ def make_input(path, size):
     img.save(path, format="PNG")
 
 
+def write_text_encoder(a, torch, dev, te_kw, cfg_dir):
+    """Qwen2.5-VL with random weights as ComfyUI's "scaled fp8" file; returns its size."""
+    import transformers
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    emit({"name": "versions_text_encoder", "transformers": transformers.__version__})
+    f8 = torch.float8_e4m3fn
+    torch.manual_seed(0)
+    t = time.time()
+    with torch.device(dev):
+        te = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**te_kw)).eval()
+    sync(torch, dev)
+    emit({"name": "init_text_encoder", "s": time.time() - t,
+          "params_B": sum(p.numel() for p in te.parameters()) / 1e9})
+    te.config.save_pretrained(os.path.join(cfg_dir, "text_encoder"))
+    lin = linear_weight_names(torch, te, skip=("lm_head",))
+    entries = [("scaled_fp8", f8, (0,), lambda: torch.zeros(0, dtype=f8))]
+
+    def quant(v):
+        s = (v.float().abs().amax() / FP8_MAX).float()
+        return (v.float() / s).to(f8), s
+
+    for k, v in te.state_dict().items():
+        if k.startswith("lm_head."):
+            continue
+        name = te_file_name(k)
+        if k in lin:
+            cache = {}
+
+            def q(v=v, cache=cache):
+                cache["q"], cache["s"] = quant(v)
+                return cache["q"]
+
+            entries.append((name, f8, tuple(v.shape), q))
+            entries.append((name[: -len("weight")] + "scale_weight", torch.float32, (),
+                            lambda cache=cache: cache.pop("s").reshape(())))
+        else:
+            entries.append((name, torch.bfloat16, tuple(v.shape), lambda v=v: v.to(torch.bfloat16)))
+    t = time.time()
+    size = write_safetensors(os.path.join(a.work, FILES["text_encoder"]), entries)
+    emit({"name": "write_text_encoder", "s": time.time() - t, "bytes": size, "fp8_tensors": len(lin),
+          "tensors": len(entries)})
+    del te, entries
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return size
+
+
 def write_side(a):
     torch, dev, dt = setup_torch(a)
     import diffusers
-    import transformers
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    emit({"name": "versions", "torch": torch.__version__, "diffusers": diffusers.__version__,
-          "transformers": transformers.__version__})
+    emit({"name": "versions", "torch": torch.__version__, "diffusers": diffusers.__version__})
     tr_kw, vae_kw, te_kw, sched = configs(a)
     os.makedirs(a.work, exist_ok=True)
     free = shutil.disk_usage(a.work).free
-    need = 0 if a.tiny else 31e9  # 20.4 GB transformer + 8.8 GB text encoder + VAE, and some room
+    # 20.4 GB transformer + 8.8 GB text encoder + VAE, and some room
+    need = 0 if a.tiny else 22e9 if a.profile else 31e9
     assert free > need, f"{a.work}: {free / 1e9:.1f} GB free, the weights need about {need / 1e9:.0f} GB"
     cfg_dir = os.path.join(a.work, "config")
     files = {}
@@ -267,45 +317,8 @@ def write_side(a):
     if dev.type == "cuda":
         torch.cuda.empty_cache()
 
-    # text encoder
-    torch.manual_seed(0)
-    t = time.time()
-    with torch.device(dev):
-        te = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**te_kw)).eval()
-    sync(torch, dev)
-    emit({"name": "init_text_encoder", "s": time.time() - t,
-          "params_B": sum(p.numel() for p in te.parameters()) / 1e9})
-    te.config.save_pretrained(os.path.join(cfg_dir, "text_encoder"))
-    lin = linear_weight_names(torch, te, skip=("lm_head",))
-    entries = [("scaled_fp8", f8, (0,), lambda: torch.zeros(0, dtype=f8))]
-
-    def quant(v):
-        s = (v.float().abs().amax() / FP8_MAX).float()
-        return (v.float() / s).to(f8), s
-
-    for k, v in te.state_dict().items():
-        if k.startswith("lm_head."):
-            continue
-        name = te_file_name(k)
-        if k in lin:
-            cache = {}
-
-            def q(v=v, cache=cache):
-                cache["q"], cache["s"] = quant(v)
-                return cache["q"]
-
-            entries.append((name, f8, tuple(v.shape), q))
-            entries.append((name[: -len("weight")] + "scale_weight", torch.float32, (),
-                            lambda cache=cache: cache.pop("s").reshape(())))
-        else:
-            entries.append((name, torch.bfloat16, tuple(v.shape), lambda v=v: v.to(torch.bfloat16)))
-    t = time.time()
-    files["text_encoder"] = write_safetensors(os.path.join(a.work, FILES["text_encoder"]), entries)
-    emit({"name": "write_text_encoder", "s": time.time() - t, "bytes": files["text_encoder"], "fp8_tensors": len(lin),
-          "tensors": len(entries)})
-    del te, entries
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
+    if not a.profile:  # the profile times the transformer alone
+        files["text_encoder"] = write_text_encoder(a, torch, dev, te_kw, cfg_dir)
 
     # VAE
     torch.manual_seed(0)
@@ -578,7 +591,13 @@ def main():
                          "report), and a process is skipped when less than 30 s are left")
     ap.add_argument("--alloc-conf", default="expandable_segments:True",
                     help="PYTORCH_CUDA_ALLOC_CONF of every process, both sides (the worker's default)")
-    ap.add_argument("--side", choices=["write", "diffusers"], help=argparse.SUPPRESS)
+    ap.add_argument("--profile", action="store_true",
+                    help="the transformer step's kernel profile, ours and diffusers' (profile_qwen.py) instead of the "
+                         "benchmark; writes only the transformer and the VAE")
+    ap.add_argument("--txt-len", type=int, default=211,
+                    help="prompt tokens of the profiled step (the benchmark measures the real prompt's instead)")
+    ap.add_argument("--side", choices=["write", "diffusers", "profile"], help=argparse.SUPPRESS)
+    ap.add_argument("--trace", help=argparse.SUPPRESS)
     ap.add_argument("--save", help=argparse.SUPPRESS)
     ap.add_argument("--size", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--condition-area", type=int, help=argparse.SUPPRESS)
@@ -591,6 +610,8 @@ def main():
         return write_side(a)
     if a.side == "diffusers":
         return diffusers_side(a)
+    if a.side == "profile":
+        return profile_qwen.profile_side(a, emit, setup_torch, sync, load_weights, FILES)
 
     a.work, a.out = os.path.abspath(a.work), os.path.abspath(a.out)
     os.makedirs(a.work, exist_ok=True)
@@ -613,6 +634,7 @@ def main():
     common = ["--work", a.work, "--tokenizer", a.tokenizer, "--fixtures", a.fixtures, "--iters", str(a.iters),
               "--size", str(a.size), "--condition-area", str(a.condition_area), "--vae-area", str(a.vae_area)]
     common += ["--tiny"] if a.tiny else []
+    common += ["--profile"] if a.profile else []
 
     env = dict(os.environ)
     env["PYTORCH_CUDA_ALLOC_CONF"] = a.alloc_conf
@@ -663,6 +685,13 @@ def main():
             print("write failed; stopping", flush=True)
             return 1
     files = weight_files(a.work)
+    src = ["--transformer", files[0], "--text-encoder", files[1], "--vae", files[2]]
+    if a.tiny or a.ours_config_dir:  # real size: the engine's presets, as the studio loads these files
+        src += ["--config-dir", os.path.join(a.work, "config")]
+    sizes = ["--size", str(a.size), "--condition-area", str(a.condition_area), "--vae-area", str(a.vae_area)]
+    modes = [m for m in a.modes.split(",") if m]
+    if a.profile:
+        return profile_qwen.drive(a, res, save, py_side, ours, src, sizes, modes)
     res["weight_bytes"] = {os.path.basename(f): os.path.getsize(f) for f in files}
     res["py_read"] = py_read(files, passes=1)  # (after the write: from the page cache)
     ours("read", ["read", *files])
@@ -673,11 +702,6 @@ def main():
     drows = res.get("py_diffusers", {}).get("rows", {})
     txt_len = drows.get("encode_prompt", {}).get("txt_len", 216 if not a.tiny else 20)
 
-    src = ["--transformer", files[0], "--text-encoder", files[1], "--vae", files[2]]
-    if a.tiny or a.ours_config_dir:  # real size: the engine's presets, as the studio loads these files
-        src += ["--config-dir", os.path.join(a.work, "config")]
-    sizes = ["--size", str(a.size), "--condition-area", str(a.condition_area), "--vae-area", str(a.vae_area)]
-    modes = [m for m in a.modes.split(",") if m]
     instructions = os.path.join(a.work, "instructions.json")
     with open(instructions, "w") as f:
         json.dump(INSTRUCTIONS, f)

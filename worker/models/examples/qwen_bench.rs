@@ -10,7 +10,7 @@
 //!                      --input PNG --instructions JSON [--iters N] [--variants 1,3,10] [--save DIR]
 //!                      [--size S] [--condition-area A] [--vae-area A] [--cpu]
 //! qwen_bench components --transformer F --vae F [--config-dir D] --fp8 M [--txt-len L]
-//!                      [--size S] [--vae-area A] [--cpu]
+//!                      [--size S] [--vae-area A] [--profile-trace PATH] [--cpu]
 //! ```
 //!
 //! - `read`: the files read start to end into one 64 MiB buffer, twice (the page-cache baseline of
@@ -23,6 +23,10 @@
 //! - `components`: the transformer alone (one forward at the edit's shapes: the target's and the
 //!   reference's tokens of a `--size`² edit and `--txt-len` prompt tokens, sigma 0.9) and the VAE
 //!   alone (encode of a `--vae-area` image, decode of a `--size`² latent), untiled.
+//! - `--profile-trace PATH`: `components` also records one transformer forward (after the timed
+//!   ones) with libtorch's profiler, GPU kernels included, into PATH as a Chrome trace
+//!   (`bench/trace_breakdown.py` sorts it into kernel classes, as `bench/profile_qwen.py` does
+//!   for diffusers' forward).
 //! - `--config-dir D`: a diffusers-layout folder with the components' `config.json` (the tiny smoke
 //!   test's sizes); without it the real model's presets, as the studio's files are loaded.
 //! - `--cpu`: fp32 on the CPU (smoke tests with the tiny fixtures' configs from `--config-dir`).
@@ -40,8 +44,8 @@ use tch::{Cuda, Device, Kind, Tensor};
 use vnfarm_models::loading::diffusers::read_config;
 use vnfarm_models::loading::safetensors::SafetensorsFile;
 use vnfarm_models::loading::weights::{Fp8Mode, Weights};
-use vnfarm_models::nn::AttentionImpl;
 use vnfarm_models::nn::tiling::Tiling;
+use vnfarm_models::nn::{AttentionImpl, ops};
 use vnfarm_models::qwen_image::keys::vae_weight_store;
 use vnfarm_models::qwen_image::pipeline::{
     EditRequest, EncodedInputs, QwenEditConfig, QwenEditPipeline, QwenSource, calculate_dimensions,
@@ -134,6 +138,7 @@ struct Opts {
     condition_area: u64,
     vae_area: u64,
     txt_len: i64,
+    profile_trace: Option<PathBuf>,
 }
 
 fn parse_opts(args: &[String]) -> anyhow::Result<Opts> {
@@ -153,6 +158,7 @@ fn parse_opts(args: &[String]) -> anyhow::Result<Opts> {
         condition_area: 384 * 384,
         vae_area: 1024 * 1024,
         txt_len: 216,
+        profile_trace: None,
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -188,6 +194,7 @@ fn parse_opts(args: &[String]) -> anyhow::Result<Opts> {
             "--condition-area" => o.condition_area = val()?.parse()?,
             "--vae-area" => o.vae_area = val()?.parse()?,
             "--txt-len" => o.txt_len = val()?.parse()?,
+            "--profile-trace" => o.profile_trace = Some(val()?.into()),
             "--cpu" => CPU.store(true, std::sync::atomic::Ordering::Relaxed),
             _ if a.starts_with("--") => anyhow::bail!("unknown option {a}"),
             _ => o.files.push(a.clone()),
@@ -469,6 +476,20 @@ fn components(opts: &Opts) -> anyhow::Result<()> {
         ),
         || Ok(transformer.forward(&hs, &txt, None, &timestep, &shapes)?),
     )?;
+    if let Some(path) = &opts.profile_trace {
+        // One forward after the timed ones, every kernel recorded.
+        sync();
+        ops::profile_start(dev.is_cuda()).map_err(anyhow::Error::msg)?;
+        let t = Instant::now();
+        drop(transformer.forward(&hs, &txt, None, &timestep, &shapes)?);
+        sync();
+        let ms = t.elapsed().as_secs_f64() * 1e3;
+        ops::profile_stop(path).map_err(anyhow::Error::msg)?;
+        println!(
+            "{{\"name\": \"transformer_step_profile\", \"ms\": {ms:.3}, \"trace\": \"{}\"}}",
+            path.display()
+        );
+    }
     drop((hs, txt, timestep, transformer));
     sync();
 
