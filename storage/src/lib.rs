@@ -19,7 +19,7 @@ pub use catalogue::{Catalogue, CatalogueError, HashError, hash_safetensors};
 pub use local::LocalStore;
 use local::unavailable as io_unavailable;
 pub use retry::Retries;
-pub use s3::S3Store;
+pub use s3::{MULTIPART_PART, S3Store};
 
 /// Where results go, and how its operations are retried ([`Retries`]).
 #[derive(Clone, Debug)]

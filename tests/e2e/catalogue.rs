@@ -320,3 +320,56 @@ async fn a_pushed_lora_reaches_two_workers_and_bad_files_fail_once() -> anyhow::
     wait_cached(&farm, "cat-b", &[&kohya.sha256]).await?;
     Ok(())
 }
+
+/// A file larger than one part (`MULTIPART_PART`, 64 MiB) is pushed as a multipart upload read
+/// from disk, and comes back whole: fetched into a file as it arrives, and resumed from a part
+/// already on disk, with the bytes the catalogue names.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_larger_than_a_part_is_pushed_in_parts_and_fetched_whole() -> anyhow::Result<()> {
+    use std::io::Write as _;
+    let farm = Farm::in_process("catalogue-parts").await?;
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("big.safetensors");
+    let size = vnfarm_storage::MULTIPART_PART + (5 << 20) + 17;
+    let mut hasher = Sha256::new();
+    {
+        let mut file = std::io::BufWriter::new(std::fs::File::create(&path)?);
+        let mut header = 8u64.to_le_bytes().to_vec();
+        header.extend_from_slice(b"{}      ");
+        file.write_all(&header)?;
+        hasher.update(&header);
+        let mut written = header.len() as u64;
+        let mut chunk = vec![0u8; 1 << 20];
+        while written < size {
+            let n = (size - written).min(chunk.len() as u64) as usize;
+            for (i, b) in chunk[..n].iter_mut().enumerate() {
+                *b = ((written as usize + i) % 251) as u8;
+            }
+            file.write_all(&chunk[..n])?;
+            hasher.update(&chunk[..n]);
+            written += n as u64;
+        }
+    }
+    let expected =
+        ContentHash::try_from(hex::encode(hasher.finalize())).map_err(anyhow::Error::msg)?;
+    let entry = Catalogue::new(farm.storage.clone())
+        .push(&path, ModelFileRole::Checkpoint, Some("big"))
+        .await?;
+    assert_eq!((entry.size, &entry.sha256), (size, &expected), "{entry:?}");
+    assert_eq!(farm.storage.head(&blob_key(&expected)).await?, Some(size));
+
+    let fetched = dir.path().join("fetched");
+    // A part of it already there, as a cut download leaves it: the rest is read on from its end.
+    std::io::copy(
+        &mut std::io::Read::take(std::fs::File::open(&path)?, 3 << 20),
+        &mut std::fs::File::create(&fetched)?,
+    )?;
+    let got = farm
+        .storage
+        .get_into_file(&blob_key(&expected), &fetched, size)
+        .await?;
+    assert_eq!(got, size);
+    let (hash, len) = vnfarm_storage::hash_safetensors(&fetched)?;
+    assert_eq!((hash, len), (expected, size));
+    Ok(())
+}
