@@ -15,6 +15,7 @@ mod intake;
 mod logs;
 mod observability;
 mod outages;
+mod people;
 mod permissions;
 mod pipeline;
 mod processes;
