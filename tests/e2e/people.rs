@@ -11,6 +11,8 @@ use anyhow::{Context, ensure};
 use futures::StreamExt;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+use vnfarm_proto::PersonEventKind;
 use vnfarm_proto::http::{JobState, JobView};
 use vnfarm_tests::{Farm, WorkerOptions, bin_dir, png_bytes, sse, wait_for};
 
@@ -425,6 +427,38 @@ async fn two_peoples_tokens_and_roles_are_enforced_on_every_route() -> anyhow::R
             .any(|l| l.starts_with("bo ") && l.contains("revoked")),
         "{listing}"
     );
+    // The stream holds each token's SHA-256 and never the token.
+    let log = vnfarm_tests::stream::read_all(&farm).await?;
+    ensure!(log.undecodable == 0, "every message of the stream decodes");
+    let made: Vec<(&str, &str)> = log
+        .people
+        .iter()
+        .filter_map(|e| match &e.kind {
+            PersonEventKind::TokenCreated { token_sha256, .. } => {
+                Some((e.person.as_str(), token_sha256.as_str()))
+            }
+            PersonEventKind::TokenRevoked { .. } => None,
+        })
+        .collect();
+    let digest = |t: &str| hex::encode(Sha256::digest(t.as_bytes()));
+    ensure!(
+        made == [
+            ("ann", digest(&ann_token).as_str()),
+            ("bo", digest(&bo_token).as_str()),
+            ("lee", digest(&lee_token).as_str()),
+        ],
+        "{made:?}"
+    );
+    ensure!(
+        matches!(&log.people[3..], [e] if e.person == "bo" && matches!(&e.kind, PersonEventKind::TokenRevoked { by } if by == "admin")),
+        "{:?}",
+        log.people
+    );
+    let text = format!("{:?}", log.people);
+    for token in [&ann_token, &bo_token, &lee_token] {
+        ensure!(!text.contains(&token[7..]), "a token in the stream");
+    }
+
     // The configuration's token keeps working as the admin's, and its jobs are admin's.
     let admin = Person::new(&urls[standby], ADMIN_TOKEN)?;
     let admins = admin.submit(&generate("the admin's", json!({}))).await?;
