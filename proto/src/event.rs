@@ -124,7 +124,8 @@ pub enum EventKind {
         reason: String,
         /// The person who cancelled it, when a scheduler wrote the event (a job in its hands).
         /// A worker stopping a job writes none: the cancel request it hears is a version 1 control
-        /// message, which has no field for it.
+        /// message, which has no field for it; the person's `cancel_requested` event before it
+        /// names them ([`crate::people::PersonEventKind::CancelRequested`]).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         by: Option<String>,
     },

@@ -101,6 +101,9 @@ pub struct JobView {
     /// scheduler's answers, whose jobs were all `admin`'s.
     #[serde(default = "admin")]
     pub owner: String,
+    /// Who asked for its cancel (a cancelled job, or one being cancelled), when the stream says.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cancelled_by: Option<String>,
     pub worker: Option<WorkerId>,
     pub dispatches: u32,
     /// Runs started, on any worker.
@@ -339,6 +342,7 @@ mod tests {
             created_at: Utc::now(),
             updated_at: Utc::now(),
             owner: "ann".into(),
+            cancelled_by: None,
             worker: None,
             dispatches: 0,
             attempts: 0,

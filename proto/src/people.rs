@@ -1,6 +1,9 @@
 //! People and their keys (DESIGN §7a, "People and keys"): the roles, what each role may do, and the
 //! events that give a person an API token and take it away.
 //!
+//! A person's cancel of a job already on a worker is one of these events too (`cancel_requested`),
+//! since that job's `cancelled` comes from its worker and cannot name them.
+//!
 //! A person is a name with one role and at most one live token. The token itself never travels
 //! after the answer that shows it once: the events carry its SHA-256, so the event stream (and
 //! every snapshot) holds nothing that opens the API. Token events share the job events' stream
@@ -15,6 +18,7 @@ use chrono::{DateTime, Utc};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use crate::ids::JobId;
 use crate::topology::PEOPLE_ROUTING_PREFIX;
 
 /// The owner of every job no person's token submitted: jobs sent with the configuration's single
@@ -175,6 +179,10 @@ pub enum PersonEventKind {
     },
     /// The person's token no longer opens the API.
     TokenRevoked { by: String },
+    /// The person asked for a job on a worker to be cancelled. The worker writes the job's
+    /// `cancelled` event, from a version 1 control message that cannot name the person, so who
+    /// asked is recorded here, where every scheduler reads it.
+    CancelRequested { job_id: JobId },
 }
 
 impl PersonEvent {
@@ -192,6 +200,7 @@ impl PersonEvent {
         let event = match self.kind {
             PersonEventKind::TokenCreated { .. } => "token_created",
             PersonEventKind::TokenRevoked { .. } => "token_revoked",
+            PersonEventKind::CancelRequested { .. } => "cancel_requested",
         };
         format!("{PEOPLE_ROUTING_PREFIX}.{}.{event}", self.person)
     }

@@ -242,7 +242,7 @@ pub fn operations(config: &Config) -> Vec<Operation> {
             .error(403, "the job is another person's and the caller's role lacks `see_all` (field `authorization`)")
             .error(404, "no such job"),
         Operation::new(M::POST, "/v1/jobs/{id}/cancel", "cancel_job", "jobs", "Cancel a job or a pipeline", post(jobs::cancel))
-            .describe("Queued jobs are cancelled at once; running ones stop between steps. Watch the job's events for `cancelled` (`by` names who asked, when the scheduler wrote it). One's own job needs `cancel_own`, another person's `cancel_any`.")
+            .describe("Queued jobs are cancelled at once; running ones stop between steps. Watch the job's events for `cancelled`; the job's `cancelled_by` names who asked. One's own job needs `cancel_own`, another person's `cancel_any`.")
             .needs(Permission::CancelOwn)
             .param(job_id.0, job_id.1, job_id.2)
             .error(403, "the job is another person's and the caller's role lacks `cancel_any` (field `authorization`)")

@@ -183,11 +183,25 @@ impl Registry {
     }
 
     /// Applies a person's event read from the stream at `seq`; returns whether it changed
-    /// anything.
+    /// anything. A cancel request names its person on the job (the first one wins, as the first
+    /// terminal event does); a job finished before it is left as it is.
     pub fn apply_person(&mut self, seq: u64, ev: &PersonEvent) -> bool {
         self.next_offset = self.next_offset.max(seq + 1);
         self.latest = self.latest.max(Some(ev.at));
-        self.people.apply(ev)
+        match &ev.kind {
+            vnfarm_proto::PersonEventKind::CancelRequested { job_id } => self
+                .jobs
+                .update(*job_id, |job| {
+                    let first = job.cancelled_by.is_none() && !job.state.is_terminal();
+                    if first {
+                        job.cancelled_by = Some(ev.person.clone());
+                    }
+                    first
+                })
+                .unwrap_or(false),
+            vnfarm_proto::PersonEventKind::TokenCreated { .. }
+            | vnfarm_proto::PersonEventKind::TokenRevoked { .. } => self.people.apply(ev),
+        }
     }
 
     pub fn workers(&self) -> impl Iterator<Item = &WorkerRecord> {
@@ -528,6 +542,44 @@ mod tests {
         };
         assert_eq!(plan(&mut r), plan(&mut restored));
         assert!(restored.contains(edit) && restored.contains(p));
+    }
+
+    /// A cancel request names its person on the job: the first wins, and one for a finished or an
+    /// unknown job changes nothing; a scheduler's `cancelled` event names its person too.
+    #[test]
+    fn who_asked_for_a_cancel_is_recorded_on_the_job() {
+        use vnfarm_proto::PersonEventKind;
+        let mut r = Registry::default();
+        let mut s = Stream::new();
+        let (running, queued) = (s.queue(&mut r, generate()), s.queue(&mut r, generate()));
+        let asked =
+            |who: &str, job_id| PersonEvent::now(who, PersonEventKind::CancelRequested { job_id });
+        assert!(r.apply_person(50, &asked("lee", running)));
+        assert!(
+            !r.apply_person(51, &asked("ann", running)),
+            "the first asker wins"
+        );
+        assert!(!r.apply_person(52, &asked("lee", JobId::new())));
+        assert_eq!(r.job(running).unwrap().cancelled_by(), Some("lee"));
+        // The worker's `cancelled` names no one; the request did.
+        r.apply(s.ev(
+            running,
+            EventKind::Cancelled {
+                reason: "cancelled by request".into(),
+                by: None,
+            },
+        ));
+        assert_eq!(r.job(running).unwrap().cancelled_by(), Some("lee"));
+        r.apply(s.ev(
+            queued,
+            EventKind::Cancelled {
+                reason: "cancelled by request".into(),
+                by: Some("ann".into()),
+            },
+        ));
+        assert_eq!(r.job(queued).unwrap().cancelled_by(), Some("ann"));
+        assert!(!r.apply_person(53, &asked("lee", queued)), "finished");
+        assert_eq!(r.job(queued).unwrap().cancelled_by(), Some("ann"));
     }
 
     /// A pipeline's jobs are its owner's, also after a snapshot; a job queued without an owner is

@@ -97,11 +97,11 @@ impl Replica {
     }
 
     /// Applies a person's event from the stream: from the moment this returns, this scheduler
-    /// takes or refuses their token as the event says.
+    /// takes or refuses their token as the event says (or knows who asked for a cancel).
     pub(crate) fn apply_person(&self, seq: u64, ev: &PersonEvent) {
         let changed = self.registry().apply_person(seq, ev);
         if changed {
-            tracing::info!(person = %ev.person, event = ev.routing_key(), "a person's token changed");
+            tracing::info!(person = %ev.person, event = ev.routing_key(), "a person's event applied");
         }
         self.applied.notify_waiters();
     }

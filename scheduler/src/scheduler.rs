@@ -269,6 +269,24 @@ impl Scheduler {
             })?;
         let unavailable = |e: PublishError| CancelError::Unavailable(e.to_string());
         for (t, here) in targets {
+            if !here {
+                // Its worker writes the `cancelled` event, which cannot name `by`: record who
+                // asked first, where every scheduler reads it.
+                let asked = PersonEvent::now(
+                    by,
+                    vnfarm_proto::PersonEventKind::CancelRequested { job_id: t },
+                );
+                self.publisher_on(Lane::Requests)
+                    .map_err(unavailable)?
+                    .publish_json(
+                        &self.topology().events_exchange(),
+                        &asked.routing_key(),
+                        &asked,
+                        json_properties(),
+                    )
+                    .await
+                    .map_err(unavailable)?;
+            }
             let publisher = self.publisher_on(Lane::Requests).map_err(unavailable)?;
             let request = CancelRequest::new(t);
             let props = json_properties().with_delivery_mode(1);

@@ -187,7 +187,15 @@ async fn two_peoples_tokens_and_roles_are_enforced_on_every_route() -> anyhow::R
     farm.start_scheduler_at(0).await?;
     let standby = farm.add_scheduler();
     farm.start_scheduler_at(standby).await?;
-    farm.start_worker("w1", WorkerOptions::default()).await?;
+    // Steps slow enough for a long job to be cancelled while it runs.
+    farm.start_worker(
+        "w1",
+        WorkerOptions {
+            step_ms: 40,
+            ..WorkerOptions::default()
+        },
+    )
+    .await?;
     let urls = farm.scheduler_urls();
 
     // The admin makes three tokens with the command line; only an admin may.
@@ -369,6 +377,30 @@ async fn two_peoples_tokens_and_roles_are_enforced_on_every_route() -> anyhow::R
         "the queued event names the owner: {}",
         history[0]
     );
+    ensure!(
+        cancelled.cancelled_by.as_deref() == Some("lee"),
+        "{cancelled:?}"
+    );
+    // A job already on its worker: the worker writes `cancelled`, and who asked is on the job, on
+    // the standby too.
+    let long = ann
+        .submit(&generate("ann's long", json!({"steps": 150})))
+        .await?;
+    wait_for("ann's long job to run", FINISH, || async {
+        let job = ann.job(&long).await.ok()?;
+        (job.state == JobState::Running).then_some(())
+    })
+    .await?;
+    let (status, body) = lee.post(&format!("/v1/jobs/{long}/cancel"), None).await?;
+    ensure!(status == StatusCode::ACCEPTED, "{status} {body}");
+    let stopped = ann.wait_finished(&long).await?;
+    ensure!(
+        stopped.state == JobState::Cancelled && stopped.cancelled_by.as_deref() == Some("lee"),
+        "{stopped:?}"
+    );
+    let lee_standby = Person::new(&urls[standby], &lee_token)?;
+    let seen = lee_standby.job(&long).await?;
+    ensure!(seen.cancelled_by.as_deref() == Some("lee"), "{seen:?}");
     // Ann may cancel her own (finished: 409, not 403).
     let (status, _) = ann.post(&format!("/v1/jobs/{done}/cancel"), None).await?;
     ensure!(status == StatusCode::CONFLICT, "{status}");
@@ -437,7 +469,7 @@ async fn two_peoples_tokens_and_roles_are_enforced_on_every_route() -> anyhow::R
             PersonEventKind::TokenCreated { token_sha256, .. } => {
                 Some((e.person.as_str(), token_sha256.as_str()))
             }
-            PersonEventKind::TokenRevoked { .. } => None,
+            PersonEventKind::TokenRevoked { .. } | PersonEventKind::CancelRequested { .. } => None,
         })
         .collect();
     let digest = |t: &str| hex::encode(Sha256::digest(t.as_bytes()));
@@ -449,10 +481,25 @@ async fn two_peoples_tokens_and_roles_are_enforced_on_every_route() -> anyhow::R
         ],
         "{made:?}"
     );
+    let rest: Vec<(&str, String)> = log
+        .people
+        .iter()
+        .filter_map(|e| match &e.kind {
+            PersonEventKind::TokenCreated { .. } => None,
+            PersonEventKind::TokenRevoked { by } => {
+                Some((e.person.as_str(), format!("revoked by {by}")))
+            }
+            PersonEventKind::CancelRequested { job_id } => {
+                Some((e.person.as_str(), format!("cancel {job_id}")))
+            }
+        })
+        .collect();
     ensure!(
-        matches!(&log.people[3..], [e] if e.person == "bo" && matches!(&e.kind, PersonEventKind::TokenRevoked { by } if by == "admin")),
-        "{:?}",
-        log.people
+        rest == [
+            ("lee", format!("cancel {long}")),
+            ("bo", "revoked by admin".to_owned())
+        ],
+        "{rest:?}"
     );
     let text = format!("{:?}", log.people);
     for token in [&ann_token, &bo_token, &lee_token] {

@@ -99,6 +99,7 @@ pub fn view(reg: &Registry, job: &JobRecord, heartbeat_timeout: Duration) -> Job
         created_at: job.created_at(),
         updated_at: job.updated_at(),
         owner: job.owner().to_owned(),
+        cancelled_by: job.cancelled_by().map(str::to_owned),
         worker: job.worker().cloned(),
         dispatches: job.dispatches(),
         attempts: job.attempts(),

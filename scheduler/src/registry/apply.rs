@@ -339,8 +339,11 @@ impl JobRecord {
                 };
                 change.unassign = !retryable;
             }
-            EventKind::Cancelled { .. } => {
+            EventKind::Cancelled { by, .. } => {
                 self.state = JobState::Cancelled;
+                if self.cancelled_by.is_none() {
+                    self.cancelled_by.clone_from(by);
+                }
                 change.unassign = true;
             }
         }

@@ -105,6 +105,8 @@ impl People {
                 }
                 Some(_) | None => false,
             },
+            // A job's, not a token's: the registry records it on the job.
+            PersonEventKind::CancelRequested { .. } => false,
         }
     }
 

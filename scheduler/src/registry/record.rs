@@ -46,6 +46,10 @@ pub struct JobRecord {
     /// [`vnfarm_proto::people::ADMIN`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(super) owner: Option<String>,
+    /// The person who asked for its cancel (from its `cancelled` event or, for a job a worker
+    /// stopped, their `cancel_requested` event).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) cancelled_by: Option<String>,
     pub(super) state: JobState,
     pub(super) created_at: DateTime<Utc>,
     pub(super) updated_at: DateTime<Utc>,
@@ -76,6 +80,7 @@ impl JobRecord {
             parent: None,
             children: Vec::new(),
             owner: None,
+            cancelled_by: None,
             state,
             created_at: at,
             updated_at: at,
@@ -112,6 +117,11 @@ impl JobRecord {
     /// The person who submitted it ([`vnfarm_proto::people::ADMIN`] when no person's token did).
     pub fn owner(&self) -> &str {
         self.owner.as_deref().unwrap_or(vnfarm_proto::people::ADMIN)
+    }
+
+    /// Who asked for its cancel, when someone did and the stream says who.
+    pub fn cancelled_by(&self) -> Option<&str> {
+        self.cancelled_by.as_deref()
     }
 
     pub fn submission(&self) -> Option<&Submission> {
