@@ -11,8 +11,8 @@ use lapin::types::{AMQPValue, FieldTable, LongString};
 use vnfarm_bus::Publisher;
 use vnfarm_bus::headers::stream_offset;
 use vnfarm_bus::publisher::json_properties;
-use vnfarm_proto::topology::{MARKER_ROUTING_PREFIX, Topology};
-use vnfarm_proto::{Event, SequencedEvent, decode_json};
+use vnfarm_proto::topology::{MARKER_ROUTING_PREFIX, PEOPLE_ROUTING_PREFIX, Topology};
+use vnfarm_proto::{Event, PersonEvent, SequencedEvent, decode_json};
 
 /// A stream that delivers nothing for this long is broken (the marker is always there to reach).
 const STALL: Duration = Duration::from_secs(30);
@@ -20,6 +20,8 @@ const STALL: Duration = Duration::from_secs(30);
 /// The events of a stream in stream order, and what could not be read as an event.
 pub struct EventLog {
     pub events: Vec<SequencedEvent>,
+    /// People's token events, in stream order.
+    pub people: Vec<PersonEvent>,
     /// Messages that are neither an event nor a marker (a writer's bug).
     pub undecodable: usize,
 }
@@ -68,6 +70,7 @@ pub async fn read_all_from(url: &str, prefix: &str) -> anyhow::Result<EventLog> 
 
     let mut log = EventLog {
         events: Vec::new(),
+        people: Vec::new(),
         undecodable: 0,
     };
     loop {
@@ -82,6 +85,13 @@ pub async fn read_all_from(url: &str, prefix: &str) -> anyhow::Result<EventLog> 
         }
         if key.starts_with(MARKER_ROUTING_PREFIX) {
             continue; // a scheduler's replay marker
+        }
+        if key.starts_with(PEOPLE_ROUTING_PREFIX) {
+            match decode_json::<PersonEvent>(&delivery.data) {
+                Ok(event) => log.people.push(event),
+                Err(_) => log.undecodable += 1,
+            }
+            continue;
         }
         match (
             stream_offset(&delivery.properties),

@@ -6,8 +6,8 @@
 //!
 //! | name | type | notes |
 //! | --- | --- | --- |
-//! | `<p>.events` | topic exchange | `job.<id>.<event>`, `worker.<id>.heartbeat`, `control.cancel`, `marker.<nonce>` |
-//! | `<p>.events.log` | stream | bound to `job.#` and `marker.#`; the durable job history |
+//! | `<p>.events` | topic exchange | `job.<id>.<event>`, `worker.<id>.heartbeat`, `control.cancel`, `marker.<nonce>`, `people.<name>.<event>` |
+//! | `<p>.events.log` | stream | bound to `job.#`, `marker.#` and `people.#`; the durable job history and people's tokens |
 //! | `<p>.intake` | quorum queue | submissions; delivery limit; dead-letters to `<p>.dead` |
 //! | `<p>.worker.<id>` | quorum queue | one worker's jobs; expired or over-limit messages go to `<p>.redispatch` |
 //! | `<p>.submissions` | fanout exchange | bound to `<p>.intake`; what a submitter may write to |
@@ -22,7 +22,9 @@ use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptio
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{Channel, ExchangeKind};
 use vnfarm_proto::WorkerId;
-use vnfarm_proto::topology::{JOB_EVENTS_PATTERN, MARKER_ROUTING_PREFIX, Topology};
+use vnfarm_proto::topology::{
+    JOB_EVENTS_PATTERN, MARKER_ROUTING_PREFIX, PEOPLE_ROUTING_PREFIX, Topology,
+};
 
 use crate::AmqpConfig;
 
@@ -153,6 +155,7 @@ pub async fn declare_core(channel: &Channel, config: &AmqpConfig) -> Result<(), 
     for pattern in [
         JOB_EVENTS_PATTERN.to_owned(),
         format!("{MARKER_ROUTING_PREFIX}.#"),
+        format!("{PEOPLE_ROUTING_PREFIX}.#"),
     ] {
         channel
             .queue_bind(

@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use vnfarm_proto::{JobId, LoraRef, ModelFileRole, PipelineImage, Priority, Sampler};
+use vnfarm_proto::{JobId, LoraRef, ModelFileRole, PipelineImage, Priority, Role, Sampler};
 
 use crate::values::{InputArg, parse_input, parse_lora, parse_pipeline_image, parse_scale};
 
@@ -54,6 +54,9 @@ pub enum Command {
     },
     /// List the workers the scheduler knows and their last heartbeat.
     Workers,
+    /// People's API tokens (an admin's token, or none on a loopback scheduler without one).
+    #[command(subcommand)]
+    Tokens(TokensCommand),
     /// The model catalogue in the bucket: files jobs name by catalogue name or sha256:<hex>.
     Models {
         /// A TOML file with the store's `[storage]` table (a worker's configuration file will do).
@@ -62,6 +65,25 @@ pub enum Command {
         #[command(subcommand)]
         command: ModelsCommand,
     },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum TokensCommand {
+    /// Give a person a token and print it (it is shown this once; the farm keeps its hash).
+    Create {
+        name: String,
+        /// artist (submit; see and cancel their own jobs), lead (everyone's jobs), admin (tokens).
+        #[arg(long, value_parser = parse_role)]
+        role: Role,
+    },
+    /// List everyone who has had a token (never the tokens).
+    List,
+    /// Revoke a person's token: every scheduler refuses it from now on.
+    Revoke { name: String },
+}
+
+fn parse_role(s: &str) -> Result<Role, String> {
+    Role::parse(s).ok_or_else(|| format!("{s:?} is not a role: artist, lead or admin"))
 }
 
 #[derive(Debug, Subcommand)]

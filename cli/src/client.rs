@@ -11,7 +11,10 @@ use std::time::Duration;
 use reqwest::{Method, RequestBuilder, Response, StatusCode};
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
-use vnfarm_proto::http::{ErrorBody, Fleet, JobAnswer, JobView, Submitted, Worker};
+use vnfarm_proto::http::{
+    CreatedToken, ErrorBody, Fleet, JobAnswer, JobView, RevokedToken, Submitted, TokenList,
+    TokenRequest, TokenView, Worker,
+};
 use vnfarm_proto::{JobId, Submission};
 
 /// How long a plain request (not an event stream) may take, downloads included.
@@ -184,6 +187,21 @@ impl Api {
             .await
             .map_err(ApiError::Transport)?
             .to_vec())
+    }
+
+    pub async fn create_token(&self, request: &TokenRequest) -> Result<CreatedToken, ApiError> {
+        self.json(self.request(Method::POST, "/v1/tokens").json(request))
+            .await
+    }
+
+    pub async fn tokens(&self) -> Result<Vec<TokenView>, ApiError> {
+        let list: TokenList = self.json(self.request(Method::GET, "/v1/tokens")).await?;
+        Ok(list.tokens)
+    }
+
+    pub async fn revoke_token(&self, name: &str) -> Result<RevokedToken, ApiError> {
+        self.json(self.request(Method::POST, &format!("/v1/tokens/{name}/revoke")))
+            .await
     }
 
     pub async fn workers(&self) -> Result<Vec<Worker>, ApiError> {

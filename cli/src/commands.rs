@@ -1,11 +1,12 @@
 //! Runs a parsed command line against the scheduler; the small commands (list, show, cancel,
-//! workers) live here, the larger ones in their own modules.
+//! workers, tokens) live here, the larger ones in their own modules.
 
 use std::process::ExitCode;
 
+use vnfarm_proto::http::TokenRequest;
 use vnfarm_proto::{JobId, SettingsInUse, SettingsSource, WorkerState};
 
-use crate::args::{Cli, Command, ListArgs, SubmitCommand};
+use crate::args::{Cli, Command, ListArgs, SubmitCommand, TokensCommand};
 use crate::client::Api;
 use crate::table::print_table;
 use crate::watch::{Outcome, watch};
@@ -32,6 +33,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             .await
             .map(|()| ExitCode::SUCCESS),
         Command::Workers => workers(&api).await.map(|()| ExitCode::SUCCESS),
+        Command::Tokens(command) => tokens(&api, command).await.map(|()| ExitCode::SUCCESS),
         Command::Models { storage, command } => crate::models::run(&storage, &command)
             .await
             .map(|()| ExitCode::SUCCESS),
@@ -72,11 +74,51 @@ async fn list(api: &Api, args: &ListArgs) -> anyhow::Result<()> {
             j.id.to_string(),
             j.kind.clone(),
             j.state.as_str().to_owned(),
+            j.owner.clone(),
             j.created_at.format("%Y-%m-%dT%H:%M:%S").to_string(),
             j.outputs.len().to_string(),
         ]
     });
-    print_table(&["ID", "KIND", "STATE", "CREATED", "OUTPUTS"], rows);
+    print_table(
+        &["ID", "KIND", "STATE", "OWNER", "CREATED", "OUTPUTS"],
+        rows,
+    );
+    Ok(())
+}
+
+/// `vnfarm tokens create|list|revoke`. A new token goes to stdout alone (for a script to keep),
+/// what it is to stderr.
+async fn tokens(api: &Api, command: TokensCommand) -> anyhow::Result<()> {
+    match command {
+        TokensCommand::Create { name, role } => {
+            let made = api.create_token(&TokenRequest { name, role }).await?;
+            eprintln!(
+                "token for {} ({}); it is shown this once:",
+                made.name, made.role
+            );
+            println!("{}", made.token);
+        }
+        TokensCommand::List => {
+            let tokens = api.tokens().await?;
+            let rows = tokens.iter().map(|t| {
+                vec![
+                    t.name.clone(),
+                    t.role.to_string(),
+                    t.created_at.format("%Y-%m-%dT%H:%M:%S").to_string(),
+                    t.created_by.clone(),
+                    t.revoked_at.map_or_else(
+                        || "live".to_owned(),
+                        |at| format!("revoked {}", at.format("%Y-%m-%dT%H:%M:%S")),
+                    ),
+                ]
+            });
+            print_table(&["NAME", "ROLE", "CREATED", "BY", "STATE"], rows);
+        }
+        TokensCommand::Revoke { name } => {
+            let revoked = api.revoke_token(&name).await?;
+            eprintln!("{} revoked at {}", revoked.name, revoked.revoked_at);
+        }
+    }
     Ok(())
 }
 

@@ -194,9 +194,12 @@ impl EventView {
                 line(format!("failed: {}: {message}", failure.as_str()));
                 return Some(Outcome::Failed);
             }
-            EventKind::Cancelled { reason } => {
+            EventKind::Cancelled { reason, by } => {
                 self.bar.finish_and_clear();
-                line(format!("cancelled: {reason}"));
+                match by {
+                    Some(by) => line(format!("cancelled by {by}: {reason}")),
+                    None => line(format!("cancelled: {reason}")),
+                }
                 return Some(Outcome::Cancelled);
             }
         }

@@ -63,6 +63,11 @@ pub enum EventKind {
         /// For a pipeline: its jobs, in order (base, edits, upscales).
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         children: Vec<JobId>,
+        /// The person whose token submitted it; a pipeline's jobs are theirs too. Absent: `admin`
+        /// (the configuration's `api_token`, an open loopback API, the intake queue, or a
+        /// scheduler from before owners).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        owner: Option<String>,
     },
     /// Handed to a queue; `worker` is set when it went to one worker's own queue.
     Dispatched {
@@ -117,6 +122,12 @@ pub enum EventKind {
     },
     Cancelled {
         reason: String,
+        /// The person who cancelled it, when a scheduler wrote the event (a job in its hands).
+        /// A worker stopping a job writes none: the cancel request it hears is a version 1 control
+        /// message, which has no field for it; the person's `cancel_requested` event before it
+        /// names them ([`crate::people::PersonEventKind::CancelRequested`]).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        by: Option<String>,
     },
 }
 

@@ -9,7 +9,7 @@ use chrono::{DateTime, Utc};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::{FailureKind, Heartbeat, JobId, Priority, Submission, Task, WorkerId};
+use crate::{FailureKind, Heartbeat, JobId, Priority, Role, Submission, Task, WorkerId};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
@@ -96,6 +96,14 @@ pub struct JobView {
     pub children: Vec<JobId>,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
+    /// The person who submitted it (a pipeline's jobs: the pipeline's); `admin` for jobs of the
+    /// configuration's token, an open loopback API or the intake queue. Absent from an older
+    /// scheduler's answers, whose jobs were all `admin`'s.
+    #[serde(default = "admin")]
+    pub owner: String,
+    /// Who asked for its cancel (a cancelled job, or one being cancelled), when the stream says.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cancelled_by: Option<String>,
     pub worker: Option<WorkerId>,
     pub dispatches: u32,
     /// Runs started, on any worker.
@@ -112,6 +120,10 @@ pub struct JobView {
     /// failing the whole view.
     #[serde(default, deserialize_with = "readable")]
     pub submission: Option<Submission>,
+}
+
+fn admin() -> String {
+    crate::people::ADMIN.into()
 }
 
 /// A value this build decodes strictly (a submission, a task), or none when it cannot.
@@ -224,6 +236,51 @@ pub struct Worker {
     pub seconds_since_heartbeat: Option<f64>,
 }
 
+/// `POST /v1/tokens`: the person to give a token, and their role.
+#[derive(Debug, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TokenRequest {
+    /// 1-64 of `a-z`, `0-9`, `_` and `-`, starting with a letter or digit; not `admin`.
+    pub name: String,
+    pub role: Role,
+}
+
+/// A new token. `token` is shown in this answer only: the farm keeps its SHA-256.
+#[derive(Debug, Serialize, Deserialize, JsonSchema)]
+pub struct CreatedToken {
+    pub name: String,
+    pub role: Role,
+    /// `Authorization: Bearer <token>`, for this person only.
+    pub token: String,
+    pub created_at: DateTime<Utc>,
+}
+
+/// `GET /v1/tokens`: everyone who has had a token, by name.
+#[derive(Debug, Serialize, Deserialize, JsonSchema)]
+pub struct TokenList {
+    pub tokens: Vec<TokenView>,
+}
+
+/// A person's token, without the token.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct TokenView {
+    pub name: String,
+    pub role: Role,
+    pub created_at: DateTime<Utc>,
+    /// Who made it.
+    pub created_by: String,
+    /// Set once revoked: the token no longer opens the API.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revoked_at: Option<DateTime<Utc>>,
+}
+
+/// The answer to a revocation: from now on this scheduler refuses the token (401).
+#[derive(Debug, Serialize, Deserialize, JsonSchema)]
+pub struct RevokedToken {
+    pub name: String,
+    pub revoked_at: DateTime<Utc>,
+}
+
 /// The body of every error response.
 #[derive(Debug, Serialize, Deserialize, JsonSchema)]
 pub struct ErrorBody {
@@ -284,6 +341,8 @@ mod tests {
             children: vec![],
             created_at: Utc::now(),
             updated_at: Utc::now(),
+            owner: "ann".into(),
+            cancelled_by: None,
             worker: None,
             dispatches: 0,
             attempts: 0,
@@ -299,6 +358,7 @@ mod tests {
         let back: JobView = serde_json::from_value(json).unwrap();
         assert_eq!(back.submission, view.submission);
         assert_eq!((back.id, back.state), (view.id, view.state));
+        assert_eq!(back.owner, "ann");
     }
 
     /// What a newer scheduler may answer: a field this build does not know in the view, the error
@@ -366,6 +426,10 @@ mod tests {
         });
         let answer: JobAnswer = serde_json::from_value(live).unwrap();
         assert!(matches!(&answer, JobAnswer::Live(job) if job.progress.is_some()));
+        let JobAnswer::Live(job) = &answer else {
+            unreachable!("matched above")
+        };
+        assert_eq!(job.owner, "admin", "an older scheduler's jobs are admin's");
         assert_eq!((answer.id(), answer.state()), (id, JobState::Running));
     }
 

@@ -8,6 +8,7 @@
 //! - [`work`]: what the scheduler hands a worker over RabbitMQ, and what a worker says in its heartbeat.
 //! - [`event`]: job state changes, as published to the event exchange and kept in the event stream.
 //! - [`manifest`]: the `manifest.json` written beside every job's outputs.
+//! - [`people`]: roles, permissions and the events of people's API tokens.
 //! - [`http`]: the HTTP API's contract: the job view and states, the worker view, the error body.
 //! - [`topology`]: exchange, queue and routing-key names, and the object keys of results.
 //! - [`catalogue`]: the model catalogue in the bucket (content-addressed files, names pointing at
@@ -25,6 +26,7 @@ pub mod event;
 pub mod http;
 pub mod ids;
 pub mod manifest;
+pub mod people;
 pub mod pipeline;
 pub mod spec;
 pub mod topology;
@@ -35,6 +37,7 @@ pub use decode::{DecodeError, decode_json};
 pub use event::{Event, EventKind, FailureKind, SequencedEvent, StageTimings};
 pub use ids::{JobId, WorkerId};
 pub use manifest::{Manifest, ModelFile, ModelFileRole};
+pub use people::{Permission, PersonEvent, PersonEventKind, Role};
 pub use pipeline::{pipeline_jobs, pipeline_size};
 pub use spec::{
     EditSpec, GenerateSpec, ImageRef, JobSpec, LoraRef, ModelFamily, PipelineImage, PipelineSpec,

@@ -109,6 +109,9 @@ pub const YIELD_ROUTING_KEY: &str = "control.yield";
 /// Binding of the event stream: job events and scheduler markers.
 pub const JOB_EVENTS_PATTERN: &str = "job.#";
 pub const MARKER_ROUTING_PREFIX: &str = "marker";
+/// Events of people's tokens (`people.<name>.<event>`, [`crate::people::PersonEvent`]); the
+/// event stream is bound to `people.#` too, so they are in the same order as job events.
+pub const PEOPLE_ROUTING_PREFIX: &str = "people";
 
 pub fn heartbeat_routing_key(worker: &WorkerId) -> String {
     format!("worker.{worker}.heartbeat")

@@ -13,6 +13,7 @@
 //! | `POST /v1/uploads` | store an input image (raw body or multipart), verified by decoding |
 //! | `GET /v1/files/{key}`, `GET /v1/thumbnails/{key}` | an image or its thumbnail, by signed URL |
 //! | `GET /v1/workers` | known workers and their last heartbeat |
+//! | `POST /v1/tokens`, `GET /v1/tokens`, `POST /v1/tokens/{name}/revoke` | people's tokens (admins) |
 //! | `GET /v1/schema`, `GET /v1/openapi.json` | JSON Schema of a submission; this API's OpenAPI document |
 //! | `GET /metrics`, `GET /healthz` | Prometheus metrics; readiness |
 //! | `GET /`, `GET /ui/app.js`, `GET /ui/app.css` | the web page |
@@ -20,7 +21,8 @@
 //! The router is built from [`operations`], the same table the OpenAPI document is generated from
 //! ([`openapi`]), so a route cannot exist without its description. Every error has one shape
 //! ([`error`]). With a token configured every route but `/healthz`, the page and signed URLs needs
-//! it ([`auth`]). Bodies are bounded per route (a submission `MAX_MESSAGE_BYTES`, an upload
+//! one, the configuration's or a person's; each route names the permission it needs and the
+//! handlers check who owns a job ([`auth`]). Bodies are bounded per route (a submission `MAX_MESSAGE_BYTES`, an upload
 //! `upload_max_bytes`, anything else 64 KiB). CORS answers the origins in `cors_origins`.
 
 pub mod auth;
@@ -32,6 +34,7 @@ pub mod fleet;
 pub mod jobs;
 pub mod openapi;
 pub mod page;
+pub mod tokens;
 pub mod uploads;
 
 use std::sync::Arc;
@@ -44,8 +47,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{MethodRouter, get, post};
 use axum::{Json, Router};
 use tower_http::cors::{AllowOrigin, CorsLayer};
-use vnfarm_proto::http::{Fleet, Submitted};
-use vnfarm_proto::{JobId, MAX_MESSAGE_BYTES, SequencedEvent, Submission};
+use vnfarm_proto::http::{CreatedToken, Fleet, RevokedToken, Submitted, TokenList, TokenRequest};
+use vnfarm_proto::{JobId, MAX_MESSAGE_BYTES, Permission, SequencedEvent, Submission};
 
 use crate::config::Config;
 use crate::scheduler::Scheduler;
@@ -101,6 +104,9 @@ pub struct Operation {
     pub summary: &'static str,
     pub description: &'static str,
     pub access: Access,
+    /// What the caller's role must hold (routes with [`Access::Token`]); the handlers of job
+    /// routes also check who owns the job.
+    pub permission: Permission,
     /// Answers 503 until the scheduler has replayed its event stream.
     pub needs_registry: bool,
     pub path_params: Vec<Param>,
@@ -133,6 +139,7 @@ impl Operation {
             summary,
             description: "",
             access: Access::Token,
+            permission: Permission::Read,
             needs_registry: true,
             path_params: Vec::new(),
             query: None,
@@ -151,6 +158,17 @@ impl Operation {
     fn access(mut self, access: Access) -> Self {
         self.access = access;
         self.needs_registry = false;
+        self
+    }
+    /// The permission the route needs; beyond an artist's, a refusal (403) is documented.
+    fn needs(mut self, permission: Permission) -> Self {
+        self.permission = permission;
+        if permission.least_role() > vnfarm_proto::Role::Artist {
+            self.errors.push((
+                403,
+                "the caller's role lacks the permission (field `authorization`; the message names the permission and the roles that hold it)",
+            ));
+        }
         self
     }
     fn without_registry(mut self) -> Self {
@@ -204,39 +222,45 @@ pub fn operations(config: &Config) -> Vec<Operation> {
     );
     vec![
         Operation::new(M::POST, "/v1/jobs", "submit", "jobs", "Submit a job or a pipeline", post(jobs::submit))
-            .describe("The body is a `Submission`, decoded strictly (unknown fields and schema versions are refused) and validated; a refusal names the field. A repeat of an idempotency key or job id answers 200 with the first job's id.")
+            .describe("The body is a `Submission`, decoded strictly (unknown fields and schema versions are refused) and validated; a refusal names the field. A repeat of an idempotency key or job id answers 200 with the first job's id. The job (a pipeline and its jobs) is owned by the caller.")
+            .needs(Permission::Submit)
             .body(Content::Json(schema::<Submission>), MAX_MESSAGE_BYTES)
             .answers(201, "accepted; `Location` names the job", Content::Json(schema::<Submitted>))
             .answers(200, "a repeat of a known idempotency key or job id", Content::Json(schema::<Submitted>))
             .error(413, "the body exceeds the submission limit (field `body`)")
             .error(422, "the submission does not decode or breaks a rule (field: its path)"),
         Operation::new(M::GET, "/v1/jobs", "list_jobs", "jobs", "List jobs, newest first", get(jobs::list_jobs))
+            .describe("A caller whose role lacks `see_all` (an artist) gets their own jobs only.")
             .query(schema::<jobs::ListQuery>)
             .answers(200, "the jobs", Content::Json(schema::<jobs::JobList>))
             .error(400, "a query parameter is unknown or invalid (field: its name)"),
         Operation::new(M::GET, "/v1/jobs/{id}", "get_job", "jobs", "One job", get(jobs::get_job))
-            .describe("A job the registry holds, or a completed one past its retention answered from its manifest (`archived`).")
+            .describe("A job the registry holds, or a completed one past its retention answered from its manifest (`archived`). Another person's job, or an archived one (which records no owner), needs `see_all`.")
             .param(job_id.0, job_id.1, job_id.2)
             .answers(200, "the job", Content::Json(schema::<jobs::JobResource>))
             .error(400, "`id` is not a job id")
+            .error(403, "the job is another person's and the caller's role lacks `see_all` (field `authorization`)")
             .error(404, "no such job"),
         Operation::new(M::POST, "/v1/jobs/{id}/cancel", "cancel_job", "jobs", "Cancel a job or a pipeline", post(jobs::cancel))
-            .describe("Queued jobs are cancelled at once; running ones stop between steps. Watch the job's events for `cancelled`.")
+            .describe("Queued jobs are cancelled at once; running ones stop between steps. Watch the job's events for `cancelled`; the job's `cancelled_by` names who asked. One's own job needs `cancel_own`, another person's `cancel_any`.")
+            .needs(Permission::CancelOwn)
             .param(job_id.0, job_id.1, job_id.2)
+            .error(403, "the job is another person's and the caller's role lacks `cancel_any` (field `authorization`)")
             .answers(202, "the cancel is on its way", Content::Json(schema::<jobs::CancelRequested>))
             .error(400, "`id` is not a job id")
             .error(404, "no such job")
             .error(409, "the job already finished"),
         Operation::new(M::GET, "/v1/jobs/{id}/events", "job_events", "events", "Server-Sent Events of one job", get(events::job_events))
-            .describe("Its history after the resume point, then live events until its final one. Each event's `id` is its sequence number and its `event` its kind.")
+            .describe("Its history after the resume point, then live events until its final one. Each event's `id` is its sequence number and its `event` its kind. Another person's job needs `see_all`.")
             .param(job_id.0, job_id.1, job_id.2)
+            .error(403, "the job is another person's and the caller's role lacks `see_all` (field `authorization`)")
             .query(schema::<events::StreamQuery>)
             .header("Last-Event-ID", "resume after this sequence number (as `after`)")
             .answers(200, "the event stream", Content::EventStream(schema::<SequencedEvent>))
             .error(400, "`id` or a query parameter is invalid")
             .error(404, "no such job"),
         Operation::new(M::GET, "/v1/events", "events", "events", "Server-Sent Events of every job", get(events::all_events))
-            .describe("Live events of every job; with a resume point (`Last-Event-ID` or `after`), the recent history after it first, so a client that lost its connection misses nothing.")
+            .describe("Live events of every job; with a resume point (`Last-Event-ID` or `after`), the recent history after it first, so a client that lost its connection misses nothing. A caller whose role lacks `see_all` (an artist) gets their own jobs' events only.")
             .query(schema::<events::StreamQuery>)
             .header("Last-Event-ID", "resume after this sequence number (as `after`)")
             .answers(200, "the event stream", Content::EventStream(schema::<SequencedEvent>))
@@ -244,11 +268,14 @@ pub fn operations(config: &Config) -> Vec<Operation> {
         Operation::new(M::GET, "/v1/jobs/{id}/outputs/{n}", "job_output", "images", "Output image `n` of a job", get(jobs::output))
             .param(job_id.0, job_id.1, job_id.2)
             .param("n", "the image's index", schema::<u32>)
+            .describe("Another person's job, or one the registry no longer holds, needs `see_all`.")
             .answers(200, "the PNG", Content::Binary("image/png"))
             .error(400, "`id` or `n` is invalid")
+            .error(403, "the job is another person's (or past the retention) and the caller's role lacks `see_all` (field `authorization`)")
             .error(404, "no such image"),
         Operation::new(M::POST, "/v1/uploads", "upload", "images", "Store an input image", post(uploads::upload))
             .without_registry()
+            .needs(Permission::Submit)
             .describe("The image as the raw body (`image/png`, `image/jpeg`, `image/webp`, `application/octet-stream`) or as the `file` field of a form. It is decoded whole within the size and pixel limits (a decompression bomb is refused from its header) and stored under `inputs/` by its sha256. Give the answer's `image` as an edit's or upscale's input.")
             .body(Content::Binary("image/png"), upload_body_limit(config))
             .body(Content::Binary("image/jpeg"), upload_body_limit(config))
@@ -282,6 +309,23 @@ pub fn operations(config: &Config) -> Vec<Operation> {
             .error(503, "storage is unavailable"),
         Operation::new(M::GET, "/v1/workers", "workers", "fleet", "The workers and their last heartbeat", get(fleet::workers))
             .answers(200, "the fleet", Content::Json(schema::<Fleet>)),
+        Operation::new(M::POST, "/v1/tokens", "create_token", "people", "Give a person a token", post(tokens::create))
+            .describe("The token is in this answer only: the farm keeps its SHA-256, in the event stream every scheduler reads, so every scheduler takes it within moments. A name has one live token at a time.")
+            .needs(Permission::Tokens)
+            .body(Content::Json(schema::<TokenRequest>), SMALL_BODY)
+            .answers(201, "the token, shown once", Content::Json(schema::<CreatedToken>))
+            .error(409, "the name has a live token; revoke it first (field `name`)")
+            .error(422, "the body does not decode, or the name is not a person's (field: its path)"),
+        Operation::new(M::GET, "/v1/tokens", "list_tokens", "people", "Everyone who has had a token", get(tokens::list))
+            .describe("Names, roles, who made each token and when, and when it was revoked; never the tokens.")
+            .needs(Permission::Tokens)
+            .answers(200, "the tokens", Content::Json(schema::<TokenList>)),
+        Operation::new(M::POST, "/v1/tokens/{name}/revoke", "revoke_token", "people", "Revoke a person's token", post(tokens::revoke))
+            .describe("Answers once this scheduler refuses the token (401); every other scheduler reads the revocation from the same stream within moments. The person's jobs stay theirs.")
+            .needs(Permission::Tokens)
+            .param("name", "the person's name", schema::<String>)
+            .answers(200, "revoked", Content::Json(schema::<RevokedToken>))
+            .error(404, "the name has no live token (field `name`)"),
         Operation::new(M::GET, "/v1/schema", "submission_schema", "meta", "JSON Schema of a submission", get(submission_schema))
             .without_registry()
             .answers(200, "the schema", Content::Json(schema::<serde_json::Value>)),
@@ -326,7 +370,10 @@ pub fn router(scheduler: Scheduler) -> Router {
     };
     let (mut replayed, mut gated, mut open) = (Router::new(), Router::new(), Router::new());
     for op in operations(&config) {
-        let handler = op.handler.layer(DefaultBodyLimit::max(op.body_limit));
+        let mut handler = op.handler.layer(DefaultBodyLimit::max(op.body_limit));
+        if op.access == Access::Token {
+            handler = handler.layer(middleware::from_fn_with_state(op.permission, auth::permit));
+        }
         match (op.access, op.needs_registry) {
             (Access::Token, true) => replayed = replayed.route(op.path, handler),
             (Access::Token, false) => gated = gated.route(op.path, handler),

@@ -65,10 +65,15 @@ impl Scheduler {
     }
 
     /// Validates, stores inline inputs and records the job (a pipeline with all its jobs) in one
-    /// `queued` event. Returns once the event is confirmed by the broker, before it is read back:
-    /// see [`Scheduler::accepted`] for the job it names.
-    pub async fn accept(&self, submission: Submission) -> Result<Submitted, AcceptError> {
-        self.accept_on(Lane::Requests, submission).await
+    /// `queued` event, owned by `owner` (a person's name; `None`: `admin`). Returns once the
+    /// event is confirmed by the broker, before it is read back: see [`Scheduler::accepted`] for
+    /// the job it names.
+    pub async fn accept(
+        &self,
+        submission: Submission,
+        owner: Option<String>,
+    ) -> Result<Submitted, AcceptError> {
+        self.accept_on(Lane::Requests, submission, owner).await
     }
 
     /// [`Scheduler::accept`], its event published on `lane` (the intake consumer's on the
@@ -77,6 +82,7 @@ impl Scheduler {
         &self,
         lane: Lane,
         submission: Submission,
+        owner: Option<String>,
     ) -> Result<Submitted, AcceptError> {
         let mut submission = submission.validate(&mut || rand::random::<u64>() >> 11)?;
         let key = submission.idempotency_key.clone();
@@ -85,7 +91,7 @@ impl Scheduler {
         }
         // The id first, so that every line logged about the job carries it (its `job` span).
         let id = *submission.job_id.get_or_insert_with(JobId::new);
-        self.accept_new(lane, id, submission, key)
+        self.accept_new(lane, id, submission, key, owner)
             .instrument(tracing::info_span!("job", job_id = %id))
             .await
     }
@@ -97,6 +103,7 @@ impl Scheduler {
         id: JobId,
         mut submission: Submission,
         key: Option<String>,
+        owner: Option<String>,
     ) -> Result<Submitted, AcceptError> {
         self.check_names(&submission.job).await?;
         match &mut submission.job {
@@ -138,6 +145,7 @@ impl Scheduler {
                 submission: Box::new(submission),
                 parent: None,
                 children,
+                owner,
             },
         )
         .await
@@ -424,7 +432,12 @@ impl Scheduler {
         let mut backoff = Backoff::new(HOLD_MAX_DELAY);
         let mut attempts = 0u32;
         loop {
-            let reason = match self.accept_on(Lane::Session, submission.clone()).await {
+            // The intake queue's publishers hold broker credentials, not a person's token: their
+            // jobs are `admin`'s (no owner recorded).
+            let reason = match self
+                .accept_on(Lane::Session, submission.clone(), None)
+                .await
+            {
                 Ok(_) => {
                     if attempts > 0 {
                         tracing::info!(

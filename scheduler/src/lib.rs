@@ -25,6 +25,8 @@
 //!   does: publish, cancel, gauges.
 //! - [`session`]: one broker connection's life: load, replay, then read and lead concurrently; the
 //!   active work it hands leadership.
+//! - [`tokens`]: making and revoking people's tokens (their events, read back before answering);
+//!   people themselves are part of the registry (`registry/people.rs`).
 //! - [`api`]: the HTTP API, Server-Sent Events, uploads, signed image URLs, the OpenAPI document
 //!   and the web page (`web/`); it encodes the contract types of [`vnfarm_proto::http`], a job's
 //!   view built in `api/jobs.rs`.
@@ -50,6 +52,7 @@ pub mod replica;
 pub mod scheduler;
 pub mod session;
 pub mod snapshot;
+pub mod tokens;
 
 use anyhow::Context;
 use tokio::net::TcpListener;

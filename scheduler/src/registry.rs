@@ -17,6 +17,7 @@
 //!   cancellation.
 //! - `plan.rs`: the dispatch policy, with its tests. `workers.rs`: the worker records.
 //! - `names.rs`: the model names workers advertise; jobs whose named checkpoint left the farm.
+//! - `people.rs`: people and their tokens' digests, from their own events in the same stream.
 //! - `testing.rs` (tests only): submissions, heartbeats and an event stream the tests share.
 //! - `snapshot.rs`: the durable part, as a snapshot writes and reads it.
 //!
@@ -43,11 +44,12 @@ use std::time::{Duration, Instant};
 use chrono::{DateTime, Utc};
 use vnfarm_proto::event::SequencedEvent;
 use vnfarm_proto::http::JobState;
-use vnfarm_proto::{Heartbeat, JobId, ModelFamily, Priority, WorkerId};
+use vnfarm_proto::{Heartbeat, JobId, ModelFamily, PersonEvent, Priority, WorkerId};
 
 mod apply;
 mod follow_ups;
 mod names;
+mod people;
 mod plan;
 mod record;
 mod snapshot;
@@ -61,6 +63,7 @@ use store::Jobs;
 
 pub use follow_ups::CancelRefusal;
 pub use names::AdvertisedNames;
+pub use people::{People, Person, token_digest};
 pub use plan::{Decision, Dispatch, Plan, Yield};
 pub use record::JobRecord;
 pub use snapshot::{Snapshot, SnapshotView};
@@ -126,6 +129,8 @@ pub struct Registry {
     /// Finished top-level jobs in the order they finished, with their final event's time.
     finished: VecDeque<(DateTime<Utc>, JobId)>,
     workers: BTreeMap<WorkerId, WorkerRecord>,
+    /// People and their tokens (durable: part of a snapshot).
+    people: People,
     recent: VecDeque<SequencedEvent>,
     /// Offset of the next event to read from the stream.
     next_offset: u64,
@@ -173,6 +178,33 @@ impl Registry {
 
     pub fn is_empty(&self) -> bool {
         self.jobs.len() == 0
+    }
+
+    /// People and their tokens.
+    pub fn people(&self) -> &People {
+        &self.people
+    }
+
+    /// Applies a person's event read from the stream at `seq`; returns whether it changed
+    /// anything. A cancel request names its person on the job (the first one wins, as the first
+    /// terminal event does); a job finished before it is left as it is.
+    pub fn apply_person(&mut self, seq: u64, ev: &PersonEvent) -> bool {
+        self.next_offset = self.next_offset.max(seq + 1);
+        self.latest = self.latest.max(Some(ev.at));
+        match &ev.kind {
+            vnfarm_proto::PersonEventKind::CancelRequested { job_id } => self
+                .jobs
+                .update(*job_id, |job| {
+                    let first = job.cancelled_by.is_none() && !job.state.is_terminal();
+                    if first {
+                        job.cancelled_by = Some(ev.person.clone());
+                    }
+                    first
+                })
+                .unwrap_or(false),
+            vnfarm_proto::PersonEventKind::TokenCreated { .. }
+            | vnfarm_proto::PersonEventKind::TokenRevoked { .. } => self.people.apply(ev),
+        }
     }
 
     pub fn workers(&self) -> impl Iterator<Item = &WorkerRecord> {
@@ -515,16 +547,121 @@ mod tests {
         assert!(restored.contains(edit) && restored.contains(p));
     }
 
+    /// A cancel request names its person on the job: the first wins, and one for a finished or an
+    /// unknown job changes nothing; a scheduler's `cancelled` event names its person too.
+    #[test]
+    fn who_asked_for_a_cancel_is_recorded_on_the_job() {
+        use vnfarm_proto::PersonEventKind;
+        let mut r = Registry::default();
+        let mut s = Stream::new();
+        let (running, queued) = (s.queue(&mut r, generate()), s.queue(&mut r, generate()));
+        let asked =
+            |who: &str, job_id| PersonEvent::now(who, PersonEventKind::CancelRequested { job_id });
+        assert!(r.apply_person(50, &asked("lee", running)));
+        assert!(
+            !r.apply_person(51, &asked("ann", running)),
+            "the first asker wins"
+        );
+        assert!(!r.apply_person(52, &asked("lee", JobId::new())));
+        assert_eq!(r.job(running).unwrap().cancelled_by(), Some("lee"));
+        // The worker's `cancelled` names no one; the request did.
+        r.apply(s.ev(
+            running,
+            EventKind::Cancelled {
+                reason: "cancelled by request".into(),
+                by: None,
+            },
+        ));
+        assert_eq!(r.job(running).unwrap().cancelled_by(), Some("lee"));
+        r.apply(s.ev(
+            queued,
+            EventKind::Cancelled {
+                reason: "cancelled by request".into(),
+                by: Some("ann".into()),
+            },
+        ));
+        assert_eq!(r.job(queued).unwrap().cancelled_by(), Some("ann"));
+        assert!(!r.apply_person(53, &asked("lee", queued)), "finished");
+        assert_eq!(r.job(queued).unwrap().cancelled_by(), Some("ann"));
+    }
+
+    /// A pipeline's jobs are its owner's, also after a snapshot; a job queued without an owner is
+    /// the admin's.
+    #[test]
+    fn a_pipelines_jobs_are_its_owners() {
+        let mut r = Registry::default();
+        let mut s = Stream::new();
+        let p = s.queue_as(&mut r, pipeline(2), Some("ann"));
+        let admins = s.queue(&mut r, generate());
+        let mut bytes = Vec::new();
+        r.snapshot().write(&mut bytes).unwrap();
+        let restored = Registry::restore(
+            serde_json::from_slice(&bytes).unwrap(),
+            Retention::default(),
+        );
+        for reg in [&r, &restored] {
+            let pipeline = reg.job(p).unwrap();
+            assert_eq!(pipeline.owner(), "ann");
+            assert_eq!(pipeline.children().len(), 3);
+            for c in pipeline.children() {
+                assert_eq!(reg.job(*c).unwrap().owner(), "ann");
+            }
+            assert_eq!(reg.job(admins).unwrap().owner(), "admin");
+        }
+        assert!(matches!(
+            &r.job(p).unwrap().events()[0].event.kind,
+            EventKind::Queued { owner: Some(o), .. } if o == "ann"
+        ));
+    }
+
+    /// People come back from a snapshot (their events may have aged out of the stream), and a
+    /// snapshot of a scheduler from before people restores with none.
+    #[test]
+    fn people_are_part_of_a_snapshot() {
+        use vnfarm_proto::{PersonEventKind, Role};
+        let mut r = Registry::default();
+        let ev = PersonEvent::now(
+            "ann",
+            PersonEventKind::TokenCreated {
+                role: Role::Lead,
+                token_sha256: hex::encode(token_digest("ann's token")),
+                by: "admin".into(),
+            },
+        );
+        assert!(r.apply_person(7, &ev));
+        assert_eq!(
+            r.next_offset(),
+            8,
+            "a person's event moves the stream position"
+        );
+        let mut bytes = Vec::new();
+        r.snapshot().write(&mut bytes).unwrap();
+        let restored = Registry::restore(
+            serde_json::from_slice(&bytes).unwrap(),
+            Retention::default(),
+        );
+        assert_eq!(
+            restored.people().identify("ann's token"),
+            Some(("ann", Role::Lead))
+        );
+        let older: Snapshot = serde_json::from_value(serde_json::json!(
+            {"next_offset": 3, "latest": null, "jobs": [], "finished": []}
+        ))
+        .unwrap();
+        let restored = Registry::restore(older, Retention::default());
+        assert_eq!(restored.people().iter().count(), 0);
+    }
+
     #[test]
     fn cancelling_a_queued_job_takes_it_out_of_dispatch() {
         let mut r = Registry::default();
         let mut s = Stream::new();
         let id = s.queue(&mut r, generate());
-        assert!(matches!(&r.request_cancel(id).unwrap()[..], [(j, true)] if *j == id));
+        assert!(matches!(&r.request_cancel(id, "ann").unwrap()[..], [(j, true)] if *j == id));
         r.heartbeat(worker("a", 1));
         assert!(r.plan_ll().is_empty());
         assert!(matches!(
-            r.request_cancel(JobId::new()),
+            r.request_cancel(JobId::new(), "ann"),
             Err(CancelRefusal::NotFound)
         ));
     }
@@ -635,7 +772,7 @@ mod tests {
         r.heartbeat(worker("a", 1));
         assert_eq!(r.plan_ll().len(), 1);
         assert_eq!(
-            r.request_cancel(id).unwrap(),
+            r.request_cancel(id, "lead").unwrap(),
             vec![(id, false)],
             "pending: not here"
         );
@@ -661,7 +798,7 @@ mod tests {
         ));
         let owed = r.take_follow_ups();
         assert!(
-            matches!(owed.as_slice(), [(j, EventKind::Cancelled { .. })] if *j == id),
+            matches!(owed.as_slice(), [(j, EventKind::Cancelled { by: Some(by), .. })] if *j == id && by == "lead"),
             "{owed:?}"
         );
         assert!(r.plan_ll().is_empty(), "and it is not dispatched again");

@@ -16,7 +16,7 @@ use vnfarm_bus::Publisher;
 use vnfarm_bus::publisher::json_properties;
 use vnfarm_proto::event::SequencedEvent;
 use vnfarm_proto::topology::{MARKER_ROUTING_PREFIX, Topology};
-use vnfarm_proto::{EventKind, JobId};
+use vnfarm_proto::{EventKind, JobId, PersonEvent};
 
 use crate::metrics::Metrics;
 use crate::registry::Registry;
@@ -92,6 +92,16 @@ impl Replica {
         if applied {
             // No SSE client listening is fine.
             let _ = self.events.send(ev);
+        }
+        self.applied.notify_waiters();
+    }
+
+    /// Applies a person's event from the stream: from the moment this returns, this scheduler
+    /// takes or refuses their token as the event says (or knows who asked for a cancel).
+    pub(crate) fn apply_person(&self, seq: u64, ev: &PersonEvent) {
+        let changed = self.registry().apply_person(seq, ev);
+        if changed {
+            tracing::info!(person = %ev.person, event = ev.routing_key(), "a person's event applied");
         }
         self.applied.notify_waiters();
     }

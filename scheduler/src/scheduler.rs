@@ -18,7 +18,8 @@ use vnfarm_proto::event::SequencedEvent;
 use vnfarm_proto::http::JobState;
 use vnfarm_proto::topology::CANCEL_ROUTING_KEY;
 use vnfarm_proto::{
-    CancelRequest, Event, EventKind, FailureKind, ImageRef, JobId, ModelFamily, Priority,
+    CancelRequest, Event, EventKind, FailureKind, ImageRef, JobId, ModelFamily, PersonEvent,
+    Priority,
 };
 use vnfarm_storage::Storage;
 
@@ -246,6 +247,13 @@ impl Scheduler {
         self.0.dispatch_wanted.notify_one();
     }
 
+    /// Applies a person's event from the stream and owes the snapshot writer one more event (a
+    /// snapshot must carry the token before its event ages out of the stream).
+    pub(crate) fn apply_person(&self, seq: u64, ev: &PersonEvent) {
+        self.0.replica.apply_person(seq, ev);
+        self.0.snapshots.event_applied();
+    }
+
     /// A marker came back from the stream.
     pub(crate) fn marker_seen(&self, routing_key: &str, seq: Option<u64>) {
         self.0.replica.marker_seen(routing_key, seq);
@@ -259,14 +267,35 @@ impl Scheduler {
     /// Cancels a job (and a pipeline's unfinished jobs). Queued jobs are cancelled at once; jobs on a
     /// worker are stopped there between steps, and the worker reports `cancelled`. Any scheduler may
     /// cancel: the stream's first terminal event wins, and a worker that gets a cancelled job later
-    /// skips it.
-    pub async fn cancel(&self, id: JobId) -> Result<(), CancelError> {
-        let targets = self.registry().request_cancel(id).map_err(|r| match r {
-            CancelRefusal::NotFound => CancelError::NotFound(id),
-            CancelRefusal::Finished(state) => CancelError::Finished(id, state),
-        })?;
+    /// skips it. `by` is the person asking, named in the `cancelled` events this scheduler writes.
+    pub async fn cancel(&self, id: JobId, by: &str) -> Result<(), CancelError> {
+        let targets = self
+            .registry()
+            .request_cancel(id, by)
+            .map_err(|r| match r {
+                CancelRefusal::NotFound => CancelError::NotFound(id),
+                CancelRefusal::Finished(state) => CancelError::Finished(id, state),
+            })?;
         let unavailable = |e: PublishError| CancelError::Unavailable(e.to_string());
         for (t, here) in targets {
+            if !here {
+                // Its worker writes the `cancelled` event, which cannot name `by`: record who
+                // asked first, where every scheduler reads it.
+                let asked = PersonEvent::now(
+                    by,
+                    vnfarm_proto::PersonEventKind::CancelRequested { job_id: t },
+                );
+                self.publisher_on(Lane::Requests)
+                    .map_err(unavailable)?
+                    .publish_json(
+                        &self.topology().events_exchange(),
+                        &asked.routing_key(),
+                        &asked,
+                        json_properties(),
+                    )
+                    .await
+                    .map_err(unavailable)?;
+            }
             let publisher = self.publisher_on(Lane::Requests).map_err(unavailable)?;
             let request = CancelRequest::new(t);
             let props = json_properties().with_delivery_mode(1);
@@ -286,6 +315,7 @@ impl Scheduler {
                     t,
                     EventKind::Cancelled {
                         reason: "cancelled by request".into(),
+                        by: Some(by.to_owned()),
                     },
                 )
                 .await

@@ -18,8 +18,10 @@ use tokio_util::sync::CancellationToken;
 use vnfarm_bus::headers::stream_offset;
 use vnfarm_bus::{Publisher, SessionEnd, topology};
 use vnfarm_proto::event::SequencedEvent;
-use vnfarm_proto::topology::{HEARTBEAT_ROUTING_PATTERN, MARKER_ROUTING_PREFIX};
-use vnfarm_proto::{Event, Heartbeat, decode_json};
+use vnfarm_proto::topology::{
+    HEARTBEAT_ROUTING_PATTERN, MARKER_ROUTING_PREFIX, PEOPLE_ROUTING_PREFIX,
+};
+use vnfarm_proto::{Event, Heartbeat, PersonEvent, decode_json};
 
 use crate::leader::ActiveWork;
 use crate::replica::publish_marker;
@@ -298,6 +300,20 @@ impl Scheduler {
             tracing::warn!("stream message without an offset; skipped");
             return;
         };
+        if delivery
+            .routing_key
+            .as_str()
+            .starts_with(PEOPLE_ROUTING_PREFIX)
+        {
+            match decode_json::<PersonEvent>(&delivery.data) {
+                Ok(event) => self.apply_person(seq, &event),
+                Err(e) => {
+                    tracing::warn!(seq, error = %e, "undecodable person event in the stream; skipped");
+                    self.registry().skip(seq);
+                }
+            }
+            return;
+        }
         match decode_json::<Event>(&delivery.data) {
             Ok(event) => self.apply(SequencedEvent { seq, event }, live),
             Err(e) => {

@@ -279,6 +279,8 @@ function fillCard(card, job) {
   card.dataset.state = job.state;
   card.dataset.kind = job.kind;
   $(".job-title", card).textContent = kindTitle(job);
+  // Who submitted it (`admin` for the farm's own token); absent from an older scheduler's answers.
+  $(".owner", card).textContent = job.owner ? `by ${job.owner}` : "";
   // A pipeline stays `queued` in the API until its last job ends; the artist sees it running.
   const shown = displayState(job);
   $(".state", card).textContent = shown;

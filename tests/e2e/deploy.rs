@@ -9,7 +9,7 @@ use regex::Regex;
 use serde_json::Value;
 use vnfarm_proto::topology::{
     self, CANCEL_ROUTING_KEY, HEARTBEAT_ROUTING_PATTERN, JOB_EVENTS_PATTERN, MARKER_ROUTING_PREFIX,
-    Topology, YIELD_ROUTING_KEY,
+    PEOPLE_ROUTING_PREFIX, Topology, YIELD_ROUTING_KEY,
 };
 use vnfarm_proto::{JobId, WorkerId};
 
@@ -434,7 +434,8 @@ fn each_role_is_granted_exactly_the_names_its_code_uses() {
     assert!(wrong.is_empty(), "{}", wrong.join("\n"));
 
     // Topic permissions on the events exchange: a worker publishes job events and its own
-    // heartbeat, never markers, control messages or another worker's heartbeat; it binds only
+    // heartbeat, never markers, people's token events (a worker cannot mint a token), control
+    // messages or another worker's heartbeat; it binds only
     // its control subscription (the stream's bindings are the scheduler's), so it cannot follow
     // other jobs' events.
     let write = topic_permission(&d, "vnfarm-worker-box-1", "write");
@@ -442,12 +443,14 @@ fn each_role_is_granted_exactly_the_names_its_code_uses() {
     let box1_beat = topology::heartbeat_routing_key(&box_id("box-1"));
     let box2_beat = topology::heartbeat_routing_key(&box_id("box-2"));
     let marker = format!("{MARKER_ROUTING_PREFIX}.{}", JobId::new());
+    let token_event = format!("{PEOPLE_ROUTING_PREFIX}.ann.token_created");
     for key in [&job_event, &box1_beat] {
         assert!(grants(write, key), "{write} refuses {key}");
     }
     for key in [
         &box2_beat,
         &marker,
+        &token_event,
         CANCEL_ROUTING_KEY,
         YIELD_ROUTING_KEY,
         "job.x",

@@ -16,6 +16,7 @@ mod logs;
 mod names;
 mod observability;
 mod outages;
+mod people;
 mod permissions;
 mod pipeline;
 mod processes;

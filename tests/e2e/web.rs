@@ -654,6 +654,75 @@ async fn the_api_answers_as_its_document_says() -> anyhow::Result<()> {
         "{fleet}"
     );
 
+    // People's tokens: made (shown once), refused twice for one name and for `admin`, listed
+    // without the token, revoked (then unknown); a person's token opens what their role allows.
+    let made_body = json!({"name": "web-artist", "role": "artist"});
+    let (status, made) = c
+        .call(h.post(url("/v1/tokens")).json(&made_body), "/v1/tokens")
+        .await?;
+    ensure!(status == 201, "{made}");
+    let artist = made["token"].as_str().context("token")?.to_owned();
+    for (body, field, want) in [
+        (json!({"name": "web-artist", "role": "lead"}), "name", 409),
+        (json!({"name": "admin", "role": "lead"}), "name", 422),
+        (json!({"name": "x", "role": "boss"}), "role", 422),
+    ] {
+        let (status, answer) = c
+            .call(h.post(url("/v1/tokens")).json(&body), "/v1/tokens")
+            .await?;
+        ensure!(
+            status == want && error_field(&answer) == field,
+            "{body}: {status} {answer}"
+        );
+    }
+    let (status, list) = c.call(h.get(url("/v1/tokens")), "/v1/tokens").await?;
+    ensure!(
+        status == 200
+            && list["tokens"][0]["name"] == "web-artist"
+            && !list.to_string().contains(&artist),
+        "{list}"
+    );
+    let (status, body) = c
+        .call(
+            anonymous.get(url("/v1/tokens")).bearer_auth(&artist),
+            "/v1/tokens",
+        )
+        .await?;
+    ensure!(
+        status == 403 && error_field(&body) == "authorization",
+        "{body}"
+    );
+    let (status, body) = c
+        .call(
+            anonymous
+                .get(url(&format!("/v1/jobs/{id}")))
+                .bearer_auth(&artist),
+            "/v1/jobs/{id}",
+        )
+        .await?;
+    ensure!(status == 403, "the admin's job is not the artist's: {body}");
+    let (status, body) = c
+        .call(
+            h.post(url("/v1/tokens/web-artist/revoke")),
+            "/v1/tokens/{name}/revoke",
+        )
+        .await?;
+    ensure!(status == 200 && body["name"] == "web-artist", "{body}");
+    let (status, body) = c
+        .call(
+            h.post(url("/v1/tokens/web-artist/revoke")),
+            "/v1/tokens/{name}/revoke",
+        )
+        .await?;
+    ensure!(status == 404 && error_field(&body) == "name", "{body}");
+    let (status, _) = c
+        .call(
+            anonymous.get(url("/v1/jobs")).bearer_auth(&artist),
+            "/v1/jobs",
+        )
+        .await?;
+    ensure!(status == 401, "a revoked token is refused");
+
     // Routes and methods that do not exist answer in the same shape.
     let r = h.get(url("/v1/nothing")).send().await?;
     ensure!(r.status() == 404);
@@ -1006,6 +1075,13 @@ async fn drive_page(farm: &mut Farm, b: &mut Browser) -> anyhow::Result<()> {
         )
         .await?;
     ensure!(images == 5, "base, three variants and an upscale: {images}");
+    // The card names who submitted it: the configuration's token is the admin's.
+    let owner = b
+        .js(&format!(
+            "return document.querySelector(\"{card} .owner\").textContent"
+        ))
+        .await?;
+    ensure!(owner == "by admin", "{owner}");
     let captions = b
         .js(&format!(
             "return [...document.querySelectorAll(\"{card} figcaption\")].map(f => f.textContent)"

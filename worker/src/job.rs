@@ -473,6 +473,7 @@ impl Worker {
             job_id,
             EventKind::Cancelled {
                 reason: reason.into(),
+                by: None,
             },
         )
         .await

@@ -1,8 +1,17 @@
-//! Who may call the API: the bearer token (compared in constant time), and signed URLs for what a
-//! browser fetches without headers (`<img src>`, downloads).
+//! Who may call the API: the bearer token (a person's, or the configuration's single `api_token`,
+//! compared in constant time), what their role permits, and signed URLs for what a browser fetches
+//! without headers (`<img src>`, downloads).
 //!
 //! With `api_token` set, every route except `/healthz` and the page's static files needs
 //! `Authorization: Bearer <token>`; the configuration refuses to listen beyond loopback without one.
+//! The token is the configuration's (the caller is `admin`, as every caller was before people had
+//! tokens, so today's deployments keep working) or a person's live token from the registry
+//! (`registry/people.rs`): the caller is that person with their role. A loopback scheduler without
+//! `api_token` takes requests without a token as `admin`, and a person's token as that person. An
+//! unknown or revoked token is refused (401) whatever the configuration. [`gate`] puts the
+//! [`Caller`] in the request; [`permit`] checks the permission each route names, and the handlers
+//! check ownership (an artist's own jobs) with [`Caller::may`]. A refusal (403) names the
+//! permission and the roles that hold it.
 //! Image URLs the API hands out are signed instead (HMAC-SHA256 over path and expiry, keyed by a
 //! key derived from the token, so every scheduler of a farm accepts the others' URLs), the way a
 //! presigned S3 URL is: whoever holds the URL may fetch that one object until it expires.
@@ -19,6 +28,9 @@ use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
+use vnfarm_proto::people::ADMIN;
+use vnfarm_proto::{Permission, Role};
+
 use super::Api;
 use super::error::ApiError;
 
@@ -32,24 +44,144 @@ pub fn token_matches(given: &str, expected: &str) -> bool {
     given.ct_eq(&expected).into()
 }
 
-/// The token check.
-pub async fn gate(State(api): State<Api>, request: Request, next: Next) -> Response {
-    if let Some(token) = &api.scheduler.config().api_token {
-        let given = request
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
-        if !given.is_some_and(|g| token_matches(g, token)) {
-            return ApiError::new(
-                StatusCode::UNAUTHORIZED,
-                "authorization",
-                "a valid bearer token is required (Authorization: Bearer <token>)",
-            )
-            .into_response();
+/// Who is calling: a person and their role, or `admin` (the configuration's token, or no token on
+/// an open loopback API).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Caller {
+    name: String,
+    role: Role,
+}
+
+impl Caller {
+    pub fn admin() -> Self {
+        Self {
+            name: ADMIN.into(),
+            role: Role::Admin,
         }
     }
-    next.run(request).await
+
+    pub fn person(name: &str, role: Role) -> Self {
+        Self {
+            name: name.into(),
+            role,
+        }
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn role(&self) -> Role {
+        self.role
+    }
+
+    /// The owner recorded on the jobs this caller submits (`None`: `admin`, as before owners).
+    pub fn owner(&self) -> Option<String> {
+        (self.name != ADMIN).then(|| self.name.clone())
+    }
+
+    /// 403 unless the caller's role holds `permission`; `what` says what was asked.
+    pub fn require(&self, permission: Permission, what: &str) -> Result<(), ApiError> {
+        if self.role.grants(permission) {
+            return Ok(());
+        }
+        Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "authorization",
+            format!(
+                "{what} needs the permission `{}` (role {}); {} is {} {}",
+                permission.as_str(),
+                permission.roles(),
+                self.name,
+                if self.role == Role::Artist { "an" } else { "a" },
+                self.role,
+            ),
+        ))
+    }
+
+    /// Whether the caller may act on something `owner` owns: their own with `own`, anyone's with
+    /// `any` (an artist may cancel their own job; cancelling another's takes a lead).
+    pub fn may(
+        &self,
+        own: Permission,
+        any: Permission,
+        owner: &str,
+        what: &str,
+    ) -> Result<(), ApiError> {
+        if owner == self.name {
+            self.require(own, what)
+        } else {
+            self.require(any, &format!("{what} (owned by {owner})"))
+        }
+    }
+}
+
+/// The token check: puts the [`Caller`] in the request, or answers 401 (503 for a person's token
+/// while the stream, and so the people, are still being read).
+pub async fn gate(State(api): State<Api>, mut request: Request, next: Next) -> Response {
+    let given = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    match identify(&api, given) {
+        Ok(caller) => {
+            request.extensions_mut().insert(caller);
+            next.run(request).await
+        }
+        Err(e) => e.into_response(),
+    }
+}
+
+fn identify(api: &Api, given: Option<&str>) -> Result<Caller, ApiError> {
+    let configured = api.scheduler.config().api_token.as_deref();
+    let refused = |message: &str| ApiError::new(StatusCode::UNAUTHORIZED, "authorization", message);
+    match (given, configured) {
+        (Some(given), Some(token)) if token_matches(given, token) => Ok(Caller::admin()),
+        (Some(given), _) => {
+            if !api.scheduler.is_ready() {
+                return Err(ApiError::unavailable(
+                    "the scheduler is replaying its event stream, which holds people's tokens; retry shortly",
+                ));
+            }
+            let reg = api.scheduler.registry();
+            reg.people()
+                .identify(given)
+                .map(|(name, role)| Caller::person(name, role))
+                .ok_or_else(|| {
+                    refused(
+                        "the bearer token is not a live token of this farm (unknown or revoked)",
+                    )
+                })
+        }
+        (None, Some(_)) => Err(refused(
+            "a valid bearer token is required (Authorization: Bearer <token>)",
+        )),
+        (None, None) => Ok(Caller::admin()),
+    }
+}
+
+/// The permission check of one route (its [`super::Operation::permission`]), after [`gate`].
+pub async fn permit(
+    State(permission): State<Permission>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let allowed = match request.extensions().get::<Caller>() {
+        Some(caller) => caller.require(
+            permission,
+            &format!("{} {}", request.method(), request.uri().path()),
+        ),
+        None => Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "authorization",
+            "no caller was identified",
+        )),
+    };
+    match allowed {
+        Ok(()) => next.run(request).await,
+        Err(e) => e.into_response(),
+    }
 }
 
 /// 503 until the event stream has been replayed (the registry is not current before).
@@ -148,6 +280,47 @@ mod tests {
         assert!(!token_matches("0123456789abcdeF", "0123456789abcdef"));
         assert!(!token_matches("0123456789abcdef0", "0123456789abcdef"));
         assert!(!token_matches("", "0123456789abcdef"));
+    }
+
+    #[test]
+    fn a_refusal_names_the_permission_and_the_roles_that_hold_it() {
+        let bo = Caller::person("bo", Role::Artist);
+        let e = bo
+            .may(
+                Permission::CancelOwn,
+                Permission::CancelAny,
+                "ann",
+                "cancelling job x",
+            )
+            .unwrap_err();
+        assert_eq!(
+            (e.status, e.field.as_str()),
+            (StatusCode::FORBIDDEN, "authorization")
+        );
+        assert_eq!(
+            e.message,
+            "cancelling job x (owned by ann) needs the permission `cancel_any` (role lead or admin); bo is an artist"
+        );
+        assert!(
+            bo.may(Permission::CancelOwn, Permission::CancelAny, "bo", "x")
+                .is_ok()
+        );
+        let lee = Caller::person("lee", Role::Lead);
+        assert!(
+            lee.may(Permission::CancelOwn, Permission::CancelAny, "ann", "x")
+                .is_ok()
+        );
+        let e = lee
+            .require(Permission::Tokens, "POST /v1/tokens")
+            .unwrap_err();
+        assert!(
+            e.message.contains("`tokens` (role admin); lee is a lead"),
+            "{}",
+            e.message
+        );
+        assert!(Caller::admin().require(Permission::Tokens, "x").is_ok());
+        assert_eq!(Caller::admin().owner(), None);
+        assert_eq!(bo.owner().as_deref(), Some("bo"));
     }
 
     #[test]

@@ -5,6 +5,7 @@
 
 use std::convert::Infallible;
 
+use axum::Extension;
 use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
@@ -13,10 +14,11 @@ use futures::Stream;
 use schemars::JsonSchema;
 use serde::Deserialize;
 use tokio::sync::broadcast::error::RecvError;
-use vnfarm_proto::JobId;
 use vnfarm_proto::event::SequencedEvent;
+use vnfarm_proto::{JobId, Permission};
 
 use super::Api;
+use super::auth::Caller;
 use super::error::ApiError;
 use super::extract::{Path, Query};
 use super::jobs::parse_id;
@@ -49,6 +51,7 @@ pub struct StreamQuery {
 /// One job's events: its history after the resume point, then live events until a final one.
 pub async fn job_events(
     State(api): State<Api>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
     Query(q): Query<StreamQuery>,
     headers: HeaderMap,
@@ -63,6 +66,12 @@ pub async fn job_events(
         let Some(job) = reg.job(id) else {
             return Err(ApiError::not_found("id", format!("job {id} not found")));
         };
+        caller.may(
+            Permission::Read,
+            Permission::SeeAll,
+            job.owner(),
+            &format!("reading job {id}'s events"),
+        )?;
         let history: Vec<SequencedEvent> = job
             .events()
             .into_iter()
@@ -78,27 +87,47 @@ pub async fn job_events(
     Ok(event_stream(s, live, history, after, scope))
 }
 
-/// Every job's events, live; with a resume point, the recent history after it first.
+/// Every job's events, live; with a resume point, the recent history after it first. A caller who
+/// may not see every job (an artist) gets their own jobs' events only.
 pub async fn all_events(
     State(api): State<Api>,
+    Extension(caller): Extension<Caller>,
     Query(q): Query<StreamQuery>,
     headers: HeaderMap,
 ) -> Response {
     let s = &api.scheduler;
     let after = resume_from(&headers, q.after);
     let live = s.subscribe();
+    let owner = (!caller.role().grants(Permission::SeeAll)).then(|| caller.name().to_owned());
     let history: Vec<SequencedEvent> = match after {
-        Some(a) => s.registry().recent_after(a),
+        Some(a) => {
+            let reg = s.registry();
+            reg.recent_after(a)
+                .into_iter()
+                .filter(|ev| owner.as_deref().is_none_or(|o| owns(&reg, ev, o)))
+                .collect()
+        }
         None => Vec::new(),
     };
-    event_stream(s, live, history, after, Scope::All)
+    let scope = match owner {
+        Some(owner) => Scope::Owner(owner),
+        None => Scope::All,
+    };
+    event_stream(s, live, history, after, scope)
+}
+
+/// Whether the event's job is `owner`'s (a job the registry no longer holds is no one's).
+fn owns(reg: &crate::registry::Registry, ev: &SequencedEvent, owner: &str) -> bool {
+    reg.job(ev.event.job_id).is_some_and(|j| j.owner() == owner)
 }
 
 /// Which live events a stream carries after its history.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 enum Scope {
     /// Every job's, until the client leaves.
     All,
+    /// The jobs of this person, until the client leaves.
+    Owner(String),
     /// One running job's, until its final event.
     Job(JobId),
     /// None: the job was already final, the history is everything.
@@ -118,6 +147,7 @@ fn event_stream(
 ) -> Response {
     let metrics = s.metrics().clone();
     let shutdown = s.shutdown().clone();
+    let scheduler = s.clone();
     let stream = async_stream(move |tx| async move {
         metrics.sse_clients.inc();
         let mut last = after;
@@ -135,10 +165,11 @@ fn event_stream(
                 Ok(ev) => ev,
                 Err(RecvError::Lagged(_)) | Err(RecvError::Closed) => break,
             };
-            let ends_job = match scope {
-                Scope::Job(id) if ev.event.job_id != id => continue,
+            let ends_job = match &scope {
+                Scope::Job(id) if ev.event.job_id != *id => continue,
                 Scope::Job(_) => ev.event.kind.is_terminal(),
-                Scope::All | Scope::Finished => false,
+                Scope::Owner(owner) if !owns(&scheduler.registry(), &ev, owner) => continue,
+                Scope::All | Scope::Owner(_) | Scope::Finished => false,
             };
             if last.is_some_and(|l| ev.seq <= l) {
                 continue;

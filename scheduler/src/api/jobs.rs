@@ -1,23 +1,29 @@
 //! Jobs as resources: submit, list, read, cancel, and a job's images (the original route for
 //! command-line clients, and signed links for browsers). A job is shown as proto's [`JobView`],
 //! built here from the registry's record, with its [`Blocker`] put in words.
+//!
+//! Every job has an owner, the person who submitted it. An artist lists, reads and cancels only
+//! their own jobs (listing simply leaves the others out; naming another's job answers 403); a
+//! lead or an admin, everyone's. An archived job (answered from its manifest) records no owner,
+//! so reading it takes `see_all`.
 
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 
-use axum::Json;
 use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use vnfarm_proto::http::{ArchivedJobView, Failure, JobState, JobView, Submitted};
 use vnfarm_proto::topology::{manifest_key, output_key};
-use vnfarm_proto::{JobId, Manifest, Submission, WorkerId, decode_json};
+use vnfarm_proto::{JobId, Manifest, Permission, Submission, WorkerId, decode_json};
 use vnfarm_storage::StorageError;
 
 use super::Api;
+use super::auth::Caller;
 use super::error::ApiError;
 use super::extract::{Body, Path, Query};
 use super::files::ImageLinks;
@@ -94,6 +100,8 @@ pub fn view(reg: &Registry, job: &JobRecord, waits: Waits) -> JobView {
         children: job.children().to_vec(),
         created_at: job.created_at(),
         updated_at: job.updated_at(),
+        owner: job.owner().to_owned(),
+        cancelled_by: job.cancelled_by().map(str::to_owned),
         worker: job.worker().cloned(),
         dispatches: job.dispatches(),
         attempts: job.attempts(),
@@ -191,11 +199,15 @@ pub fn parse_id(id: &str) -> Result<JobId, ApiError> {
         .map_err(|_| ApiError::bad_request("id", format!("{id:?} is not a job id")))
 }
 
-pub async fn submit(State(api): State<Api>, Body(body): Body) -> Result<Response, ApiError> {
+pub async fn submit(
+    State(api): State<Api>,
+    Extension(caller): Extension<Caller>,
+    Body(body): Body,
+) -> Result<Response, ApiError> {
     let s = &api.scheduler;
     let submission: Submission =
         decode_json(&body).map_err(|e| ApiError::invalid(e.field, e.message))?;
-    let submitted = match s.accept(submission).await {
+    let submitted = match s.accept(submission, caller.owner()).await {
         Ok(submitted) => submitted,
         Err(AcceptError::Invalid(e)) => return Err(ApiError::invalid(e.field, e.message)),
         Err(AcceptError::Unavailable(m)) => return Err(ApiError::unavailable(m)),
@@ -219,19 +231,52 @@ pub async fn submit(State(api): State<Api>, Body(body): Body) -> Result<Response
         .into_response())
 }
 
-pub async fn get_job(State(api): State<Api>, Path(id): Path<String>) -> Result<Response, ApiError> {
+pub async fn get_job(
+    State(api): State<Api>,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
     let id = parse_id(&id)?;
     let view = {
         let reg = api.scheduler.registry();
         reg.job(id).map(|job| view(&reg, job, api.waits()))
     };
     if let Some(view) = view {
+        caller.may(
+            Permission::Read,
+            Permission::SeeAll,
+            &view.owner,
+            &format!("reading job {id}"),
+        )?;
         let images = api.image_links(&view.outputs);
         return Ok(Json(JobResource::Live(Job { view, images })).into_response());
     }
-    archived_job(&api, id)
-        .await
-        .map(|a| Json(JobResource::Archived(a)).into_response())
+    let archived = archived_job(&api, id).await?;
+    caller.require(
+        Permission::SeeAll,
+        &format!("reading archived job {id} (its manifest records no owner)"),
+    )?;
+    Ok(Json(JobResource::Archived(archived)).into_response())
+}
+
+/// 403 unless the caller may act on job `id` (`own` on their own, `any` on another's); a job
+/// the registry does not hold is anyone's to ask about, and answers as it would (404, archived).
+fn check_owner(
+    api: &Api,
+    caller: &Caller,
+    id: JobId,
+    (own, any): (Permission, Permission),
+    what: &str,
+) -> Result<(), ApiError> {
+    let owner = api
+        .scheduler
+        .registry()
+        .job(id)
+        .map(|j| j.owner().to_owned());
+    match owner {
+        Some(owner) => caller.may(own, any, &owner, what),
+        None => Ok(()),
+    }
 }
 
 /// A job the registry no longer holds (finished before the retention horizon): answered from its
@@ -275,6 +320,7 @@ async fn archived_job(api: &Api, id: JobId) -> Result<ArchivedJob, ApiError> {
 
 pub async fn list_jobs(
     State(api): State<Api>,
+    Extension(caller): Extension<Caller>,
     Query(q): Query<ListQuery>,
 ) -> Result<Response, ApiError> {
     let state = match q.state.as_deref() {
@@ -295,9 +341,11 @@ pub async fn list_jobs(
     }
     let limit = q.limit.unwrap_or(100).min(1000);
     let waits = api.waits();
+    let everyone = caller.role().grants(Permission::SeeAll);
     let views: Vec<JobView> = {
         let reg = api.scheduler.registry();
         reg.jobs_newest_first()
+            .filter(|j| everyone || j.owner() == caller.name())
             .filter(|j| q.all || j.parent().is_none())
             .filter(|j| state.is_none_or(|st| j.state() == st))
             .filter(|j| q.kind.as_deref().is_none_or(|k| j.kind() == k))
@@ -317,10 +365,18 @@ pub async fn list_jobs(
 
 pub async fn cancel(
     State(api): State<Api>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
 ) -> Result<(StatusCode, Json<CancelRequested>), ApiError> {
     let id = parse_id(&id)?;
-    match api.scheduler.cancel(id).await {
+    check_owner(
+        &api,
+        &caller,
+        id,
+        (Permission::CancelOwn, Permission::CancelAny),
+        &format!("cancelling job {id}"),
+    )?;
+    match api.scheduler.cancel(id, caller.name()).await {
         Ok(()) => Ok((
             StatusCode::ACCEPTED,
             Json(CancelRequested {
@@ -339,9 +395,25 @@ pub async fn cancel(
 /// Output image `n` of a job (PNG), for clients that send the token.
 pub async fn output(
     State(api): State<Api>,
+    Extension(caller): Extension<Caller>,
     Path((id, n)): Path<(String, String)>,
 ) -> Result<Response, ApiError> {
     let id = parse_id(&id)?;
+    let what = format!("reading job {id}'s images");
+    if api.scheduler.registry().contains(id) {
+        check_owner(
+            &api,
+            &caller,
+            id,
+            (Permission::Read, Permission::SeeAll),
+            &what,
+        )?;
+    } else {
+        caller.require(
+            Permission::SeeAll,
+            &format!("{what} (a job past the registry's retention records no owner)"),
+        )?;
+    }
     let n: u32 = n
         .parse()
         .map_err(|_| ApiError::bad_request("n", format!("{n:?} is not an image index")))?;

@@ -51,6 +51,12 @@ pub fn document(operations: &[Operation]) -> Value {
             o.insert("description".into(), json!(op.description));
         }
         o.insert("tags".into(), json!([op.tag]));
+        if op.access == Access::Token {
+            o.insert(
+                "x-vnfarm-permission".into(),
+                json!({"name": op.permission.as_str(), "roles": op.permission.roles()}),
+            );
+        }
         o.insert(
             "security".into(),
             match op.access {
@@ -121,7 +127,10 @@ pub fn document(operations: &[Operation]) -> Value {
         let mut errors: Vec<(u16, &str)> = op.errors.to_vec();
         match op.access {
             Access::Token => {
-                errors.push((401, "the bearer token is missing or wrong (field `authorization`)"));
+                errors.push((
+                    401,
+                    "the bearer token is missing, unknown or revoked (field `authorization`)",
+                ));
                 errors.push((
                     503,
                     "the scheduler is replaying its event stream, or the broker or storage is unavailable; retry",

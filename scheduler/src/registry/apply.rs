@@ -44,6 +44,7 @@ impl Registry {
             submission,
             parent,
             children,
+            owner,
         } = ev.event.kind
         else {
             unreachable!("apply_queued is called for queued events only")
@@ -67,6 +68,7 @@ impl Registry {
         record.submission = Some(*submission);
         record.parent = parent;
         record.children = children.clone();
+        record.owner = owner.clone();
         self.insert(record);
         let Some(jobs) = derived else {
             tracing::error!(job_id = %id, children = children.len(), "a pipeline event that does not match its spec; the pipeline fails");
@@ -80,6 +82,7 @@ impl Registry {
             let mut record = JobRecord::new(child_id, JobState::Queued, ev.seq, at);
             record.submission = Some(child);
             record.parent = Some(id);
+            record.owner = owner.clone();
             self.insert(record);
         }
         true
@@ -336,8 +339,11 @@ impl JobRecord {
                 };
                 change.unassign = !retryable;
             }
-            EventKind::Cancelled { .. } => {
+            EventKind::Cancelled { by, .. } => {
                 self.state = JobState::Cancelled;
+                if self.cancelled_by.is_none() {
+                    self.cancelled_by.clone_from(by);
+                }
                 change.unassign = true;
             }
         }

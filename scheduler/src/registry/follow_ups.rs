@@ -79,6 +79,7 @@ impl Registry {
                     .or_else(|| {
                         job.local.cancel_requested.then(|| EventKind::Cancelled {
                             reason: "cancelled by request".into(),
+                            by: job.local.cancelled_by.clone(),
                         })
                     })
             } else {
@@ -121,6 +122,7 @@ impl Registry {
         Some(if job.local.cancel_requested {
             EventKind::Cancelled {
                 reason: "pipeline cancelled".into(),
+                by: job.local.cancelled_by.clone(),
             }
         } else {
             EventKind::Failed {
@@ -168,9 +170,14 @@ impl Registry {
         stale
     }
 
-    /// Marks a job (and a pipeline's unfinished jobs) for cancellation. Returns each job to cancel
-    /// with whether the scheduler itself must report it cancelled (it is on no worker).
-    pub fn request_cancel(&mut self, id: JobId) -> Result<Vec<(JobId, bool)>, CancelRefusal> {
+    /// Marks a job (and a pipeline's unfinished jobs) for cancellation by the person `by`.
+    /// Returns each job to cancel with whether the scheduler itself must report it cancelled (it
+    /// is on no worker).
+    pub fn request_cancel(
+        &mut self,
+        id: JobId,
+        by: &str,
+    ) -> Result<Vec<(JobId, bool)>, CancelRefusal> {
         let job = self.jobs.get(&id).ok_or(CancelRefusal::NotFound)?;
         if job.state.is_terminal() {
             return Err(CancelRefusal::Finished(job.state));
@@ -184,7 +191,10 @@ impl Registry {
                 continue;
             }
             let here = j.state == JobState::Queued && !j.local.dispatch_pending || j.is_pipeline();
-            self.set_local(t, |l| l.cancel_requested = true);
+            self.set_local(t, |l| {
+                l.cancel_requested = true;
+                l.cancelled_by = Some(by.to_owned());
+            });
             targets.push((t, here));
         }
         Ok(targets)

@@ -18,6 +18,8 @@ use super::Route;
 pub(super) struct Local {
     pub(super) dispatch_pending: bool,
     pub(super) cancel_requested: bool,
+    /// Who asked for the cancel, for the `cancelled` event this scheduler may owe.
+    pub(super) cancelled_by: Option<String>,
     /// A follow-up event (pipeline finished, dependency failed) was handed out for publishing.
     pub(super) finishing: bool,
     /// Inputs of this job not yet completed.
@@ -40,6 +42,14 @@ pub struct JobRecord {
     pub(super) submission: Option<Submission>,
     pub(super) parent: Option<JobId>,
     pub(super) children: Vec<JobId>,
+    /// The person who submitted it (a pipeline's jobs: the pipeline's); `None` is
+    /// [`vnfarm_proto::people::ADMIN`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) owner: Option<String>,
+    /// The person who asked for its cancel (from its `cancelled` event or, for a job a worker
+    /// stopped, their `cancel_requested` event).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) cancelled_by: Option<String>,
     pub(super) state: JobState,
     pub(super) created_at: DateTime<Utc>,
     pub(super) updated_at: DateTime<Utc>,
@@ -69,6 +79,8 @@ impl JobRecord {
             submission: None,
             parent: None,
             children: Vec::new(),
+            owner: None,
+            cancelled_by: None,
             state,
             created_at: at,
             updated_at: at,
@@ -100,6 +112,16 @@ impl JobRecord {
 
     pub fn children(&self) -> &[JobId] {
         &self.children
+    }
+
+    /// The person who submitted it ([`vnfarm_proto::people::ADMIN`] when no person's token did).
+    pub fn owner(&self) -> &str {
+        self.owner.as_deref().unwrap_or(vnfarm_proto::people::ADMIN)
+    }
+
+    /// Who asked for its cancel, when someone did and the stream says who.
+    pub fn cancelled_by(&self) -> Option<&str> {
+        self.cancelled_by.as_deref()
     }
 
     pub fn submission(&self) -> Option<&Submission> {
@@ -201,6 +223,7 @@ impl JobRecord {
                     submission: Box::new(s.clone()),
                     parent: self.parent,
                     children: self.children.clone(),
+                    owner: self.owner.clone(),
                 },
             },
         });

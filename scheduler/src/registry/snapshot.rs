@@ -1,5 +1,6 @@
-//! The durable part of a registry (jobs, retention order, stream position) as a snapshot writes
-//! and reads it (see [`crate::snapshot`]).
+//! The durable part of a registry (jobs, people, retention order, stream position) as a snapshot
+//! writes and reads it (see [`crate::snapshot`]). People are in it because their events age out of
+//! the stream like any other: a snapshot written after a token event keeps the token.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -8,6 +9,7 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use vnfarm_proto::JobId;
 
+use super::people::People;
 use super::record::JobRecord;
 use super::{Registry, Retention};
 
@@ -18,6 +20,9 @@ pub struct Snapshot {
     latest: Option<DateTime<Utc>>,
     jobs: Vec<JobRecord>,
     finished: Vec<(DateTime<Utc>, JobId)>,
+    /// Absent from the snapshots of schedulers built before people.
+    #[serde(default)]
+    people: People,
 }
 
 impl Snapshot {
@@ -38,6 +43,7 @@ pub struct SnapshotView {
     latest: Option<DateTime<Utc>>,
     jobs: Vec<Arc<JobRecord>>,
     finished: VecDeque<(DateTime<Utc>, JobId)>,
+    people: People,
 }
 
 impl SnapshotView {
@@ -58,11 +64,12 @@ impl SnapshotView {
 impl Serialize for SnapshotView {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeStruct;
-        let mut st = s.serialize_struct("Snapshot", 4)?;
+        let mut st = s.serialize_struct("Snapshot", 5)?;
         st.serialize_field("next_offset", &self.next_offset)?;
         st.serialize_field("latest", &self.latest)?;
         st.serialize_field("jobs", &JobsRef(&self.jobs))?;
         st.serialize_field("finished", &self.finished)?;
+        st.serialize_field("people", &self.people)?;
         st.end()
     }
 }
@@ -82,6 +89,7 @@ impl Registry {
             latest: self.latest,
             jobs: self.jobs.shared(),
             finished: self.finished.clone(),
+            people: self.people.clone(),
         }
     }
 
@@ -91,6 +99,7 @@ impl Registry {
         r.next_offset = snapshot.next_offset;
         r.latest = snapshot.latest;
         r.finished = snapshot.finished.into();
+        r.people = snapshot.people;
         // Inputs before the jobs that take them: in stream order (a pipeline's jobs share their
         // pipeline's offset and have time-ordered ids made in order).
         let mut jobs = snapshot.jobs;

@@ -151,6 +151,15 @@ impl Stream {
         }
     }
     pub(super) fn queue(&mut self, r: &mut Registry, sub: Submission) -> JobId {
+        self.queue_as(r, sub, None)
+    }
+    /// Queues `sub` as `owner`'s (`None`: the admin's).
+    pub(super) fn queue_as(
+        &mut self,
+        r: &mut Registry,
+        sub: Submission,
+        owner: Option<&str>,
+    ) -> JobId {
         let id = JobId::new();
         let children = match &sub.job {
             JobSpec::Pipeline(p) => (0..1 + p.edits.len() + p.upscales.len())
@@ -164,6 +173,7 @@ impl Stream {
                 submission: Box::new(sub),
                 parent: None,
                 children,
+                owner: owner.map(str::to_owned),
             },
         ));
         id
