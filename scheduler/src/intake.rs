@@ -98,7 +98,7 @@ impl Scheduler {
         mut submission: Submission,
         key: Option<String>,
     ) -> Result<Submitted, AcceptError> {
-        self.check_names(&submission.job).await?;
+        let files = self.resolve_names(&submission.job).await?;
         match &mut submission.job {
             JobSpec::Edit(edit) => {
                 if let Some(input) = &mut edit.input {
@@ -138,6 +138,7 @@ impl Scheduler {
                 submission: Box::new(submission),
                 parent: None,
                 children,
+                files,
             },
         )
         .await

@@ -297,6 +297,7 @@ fn trace(log: &EventLog) -> Traces {
                 submission,
                 parent,
                 children,
+                ..
             } => {
                 if job.queued {
                     continue; // the same id queued again is the same job

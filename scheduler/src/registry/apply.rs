@@ -1,9 +1,11 @@
 //! Applying the event stream: each event changes one job, in stream order; the first terminal
 //! event wins; finished jobs are forgotten by count and age.
 
+use std::collections::BTreeMap;
 use std::time::Instant;
 
 use chrono::{DateTime, Utc};
+use vnfarm_proto::catalogue::ContentHash;
 use vnfarm_proto::event::SequencedEvent;
 use vnfarm_proto::http::{Failure, JobState, Progress};
 use vnfarm_proto::{EventKind, ImageRef, JobId, JobSpec, WorkerId};
@@ -44,6 +46,7 @@ impl Registry {
             submission,
             parent,
             children,
+            files,
         } = ev.event.kind
         else {
             unreachable!("apply_queued is called for queued events only")
@@ -67,6 +70,7 @@ impl Registry {
         record.submission = Some(*submission);
         record.parent = parent;
         record.children = children.clone();
+        record.files = files.clone();
         self.insert(record);
         let Some(jobs) = derived else {
             tracing::error!(job_id = %id, children = children.len(), "a pipeline event that does not match its spec; the pipeline fails");
@@ -78,6 +82,7 @@ impl Registry {
                 continue; // written as its own event by an older scheduler
             }
             let mut record = JobRecord::new(child_id, JobState::Queued, ev.seq, at);
+            record.files = lora_files(&child.job, &files);
             record.submission = Some(child);
             record.parent = Some(id);
             self.insert(record);
@@ -358,4 +363,22 @@ impl JobRecord {
         }
         change
     }
+}
+
+/// The entries of `files` that a pipeline's job names among its LoRAs.
+fn lora_files(
+    job: &JobSpec,
+    files: &BTreeMap<String, ContentHash>,
+) -> BTreeMap<String, ContentHash> {
+    let loras = match job {
+        JobSpec::Generate(g) => &g.loras,
+        JobSpec::Edit(e) => &e.loras,
+        JobSpec::Upscale(_) | JobSpec::Pipeline(_) => {
+            return BTreeMap::new();
+        }
+    };
+    loras
+        .iter()
+        .filter_map(|l| Some((l.name.clone(), files.get(&l.name)?.clone())))
+        .collect()
 }

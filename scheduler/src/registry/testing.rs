@@ -1,9 +1,11 @@
 //! What the registry's tests share: submissions, heartbeats, and a stream that writes events with
 //! increasing offsets and times.
 
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
+use vnfarm_proto::catalogue::ContentHash;
 use vnfarm_proto::spec::{PipelineEdit, PipelineSpec};
 use vnfarm_proto::{
     EditSpec, Event, EventKind, FailureKind, GenerateSpec, Heartbeat, ImageRef, JobId, JobSpec,
@@ -151,6 +153,16 @@ impl Stream {
         }
     }
     pub(super) fn queue(&mut self, r: &mut Registry, sub: Submission) -> JobId {
+        self.queue_with_files(r, sub, BTreeMap::new())
+    }
+
+    /// A job whose LoRA names stood for these catalogue files at acceptance.
+    pub(super) fn queue_with_files(
+        &mut self,
+        r: &mut Registry,
+        sub: Submission,
+        files: BTreeMap<String, ContentHash>,
+    ) -> JobId {
         let id = JobId::new();
         let children = match &sub.job {
             JobSpec::Pipeline(p) => (0..1 + p.edits.len() + p.upscales.len())
@@ -164,6 +176,7 @@ impl Stream {
                 submission: Box::new(sub),
                 parent: None,
                 children,
+                files,
             },
         ));
         id

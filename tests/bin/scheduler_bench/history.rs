@@ -111,6 +111,7 @@ impl Events {
                 submission: Box::new(submission),
                 parent: None,
                 children: Vec::new(),
+                files: Default::default(),
             },
         ))
     }
