@@ -6,6 +6,7 @@
 //! reads them.
 
 use chrono::{DateTime, Utc};
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::manifest::ModelFileRole;
@@ -16,7 +17,9 @@ pub const BLOB_PREFIX: &str = "models/sha256/";
 pub const ENTRY_PREFIX: &str = "models/catalogue/";
 
 /// The lower-case hex sha256 of a file's bytes (64 digits), checked once where it is read.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(
+    Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,
+)]
 #[serde(try_from = "String", into = "String")]
 pub struct ContentHash(String);
 

@@ -11,6 +11,7 @@ use chrono::{DateTime, Utc};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use crate::catalogue::ContentHash;
 use crate::ids::{JobId, WorkerId};
 use crate::spec::Submission;
 
@@ -68,6 +69,12 @@ pub enum EventKind {
         /// scheduler from before owners).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         owner: Option<String>,
+        /// The model catalogue's files its LoRA names (and `sha256:` references) stood for when it
+        /// was accepted, by the name: the scheduler prefers workers whose model cache holds them
+        /// (DESIGN §7b). A worker resolves the names itself when it fetches. Absent before this
+        /// field, and for names the catalogue does not hold.
+        #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+        files: BTreeMap<String, ContentHash>,
     },
     /// Handed to a queue; `worker` is set when it went to one worker's own queue.
     Dispatched {

@@ -105,7 +105,7 @@ impl Scheduler {
         key: Option<String>,
         owner: Option<String>,
     ) -> Result<Submitted, AcceptError> {
-        self.check_names(&submission.job).await?;
+        let files = self.resolve_names(&submission.job).await?;
         match &mut submission.job {
             JobSpec::Edit(edit) => {
                 if let Some(input) = &mut edit.input {
@@ -146,6 +146,7 @@ impl Scheduler {
                 parent: None,
                 children,
                 owner,
+                files,
             },
         )
         .await

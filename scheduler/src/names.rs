@@ -3,10 +3,15 @@
 //! that do exist, so a typo fails at once instead of waiting for a worker that will never come. A
 //! name some worker had waits for one ([`crate::config::Config::checkpoint_wait_s`]).
 //!
+//! The LoRA names found in the catalogue go into the job's `queued` event with their hashes, so
+//! that dispatch prefers the workers whose model cache holds the files.
+//!
 //! What cannot be told refuses nothing: right after a start (before every live worker has beaten
 //! once), while a worker lists no LoRAs, and while the catalogue cannot be read.
 
-use vnfarm_proto::catalogue::{ModelRef, blob_key};
+use std::collections::BTreeMap;
+
+use vnfarm_proto::catalogue::{ContentHash, ModelRef, blob_key};
 use vnfarm_proto::{GenerateSpec, JobSpec, LoraRef, ModelFileRole, ValidationError};
 use vnfarm_storage::{Catalogue, CatalogueError};
 
@@ -87,59 +92,90 @@ fn named(job: &JobSpec) -> Vec<Named> {
     out
 }
 
+/// What the catalogue says of a name.
+enum Lookup {
+    /// It holds the file, with this hash.
+    Found(ContentHash),
+    Absent,
+    /// It cannot be read now.
+    Unknown,
+}
+
 impl Scheduler {
-    /// Refuses a submission whose checkpoint or LoRA exists nowhere (see the module's doc).
-    pub(crate) async fn check_names(&self, job: &JobSpec) -> Result<(), AcceptError> {
+    /// Resolves the LoRA names of a submission to the catalogue's files (for the `queued` event:
+    /// the workers that hold them are preferred), and refuses a checkpoint or LoRA that exists
+    /// nowhere (see the module's doc).
+    pub(crate) async fn resolve_names(
+        &self,
+        job: &JobSpec,
+    ) -> Result<BTreeMap<String, ContentHash>, AcceptError> {
+        let mut files = BTreeMap::new();
         let named = named(job);
-        if named.is_empty() || !self.has_heard_the_fleet() {
-            return Ok(());
+        if named.is_empty() {
+            return Ok(files);
         }
+        let may_refuse = self.has_heard_the_fleet();
         let advertised = self.registry().advertised_names();
         let catalogue = Catalogue::new(self.storage().clone());
         for n in named {
-            if n.kind.advertised(&advertised, &n.name) || self.in_catalogue(&catalogue, &n).await {
-                continue;
-            }
-            let known = known_names(&catalogue, n.kind, &advertised).await;
-            let message = format!(
-                "{} `{}` is on no worker and not in the model catalogue; {}",
-                n.kind.words(),
-                n.name,
-                match known.as_slice() {
-                    [] => format!("there are no {} names yet", n.kind.words()),
-                    names => format!("names that exist: {}", listed(names)),
+            match self.look_up(&catalogue, &n).await {
+                Lookup::Found(hash) => {
+                    if n.kind == Kind::Lora {
+                        files.insert(n.name, hash);
+                    }
                 }
-            );
-            tracing::info!(
-                field = n.field,
-                name = n.name,
-                "submission refused: a name that exists nowhere"
-            );
-            return Err(AcceptError::Invalid(ValidationError {
-                field: n.field,
-                message,
-            }));
+                Lookup::Unknown => {}
+                Lookup::Absent if !may_refuse || n.kind.advertised(&advertised, &n.name) => {}
+                Lookup::Absent => return Err(refusal(&catalogue, n, &advertised).await),
+            }
         }
-        Ok(())
+        Ok(files)
     }
 
-    /// Whether the catalogue holds the name (or, for `sha256:<hex>`, the file); true when it
-    /// cannot be read (it may).
-    async fn in_catalogue(&self, catalogue: &Catalogue, n: &Named) -> bool {
+    /// The catalogue's file for a name (an entry of that name, or for `sha256:<hex>` the blob).
+    async fn look_up(&self, catalogue: &Catalogue, n: &Named) -> Lookup {
         let found = match ModelRef::parse(&n.name) {
             Some(ModelRef::Hash(sha256)) => self
                 .storage()
                 .exists(&blob_key(&sha256))
                 .await
+                .map(|there| there.then_some(sha256))
                 .map_err(CatalogueError::from),
-            Some(ModelRef::Name(name)) => catalogue.entry(&name).await.map(|e| e.is_some()),
-            None => Ok(false),
+            Some(ModelRef::Name(name)) => catalogue.entry(&name).await.map(|e| e.map(|e| e.sha256)),
+            None => Ok(None),
         };
-        found.unwrap_or_else(|e| {
-            tracing::warn!(name = n.name, error = %e, "cannot read the model catalogue now; accepting the name");
-            true
-        })
+        match found {
+            Ok(Some(hash)) => Lookup::Found(hash),
+            Ok(None) => Lookup::Absent,
+            Err(e) => {
+                tracing::warn!(name = n.name, error = %e, "cannot read the model catalogue now; accepting the name");
+                Lookup::Unknown
+            }
+        }
     }
+}
+
+/// The refusal of a name that exists nowhere, with the names of its kind that do.
+async fn refusal(catalogue: &Catalogue, n: Named, advertised: &AdvertisedNames) -> AcceptError {
+    let known = known_names(catalogue, n.kind, advertised).await;
+    let message = format!(
+        "{} `{}` is on no worker and not in the model catalogue; {}",
+        n.kind.words(),
+        n.name,
+        match known.as_slice() {
+            [] => format!("there are no {} names yet", n.kind.words()),
+            names => format!("names that exist: {}", listed(names)),
+        }
+    );
+    tracing::info!(
+        field = n.field,
+        name = n.name,
+        "submission refused: a name that exists nowhere"
+    );
+    AcceptError::Invalid(ValidationError {
+        field: n.field,
+        message,
+    })
 }
 
 /// The names of `kind` that exist: the workers' and the catalogue's of that role, sorted.

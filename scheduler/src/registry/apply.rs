@@ -1,9 +1,11 @@
 //! Applying the event stream: each event changes one job, in stream order; the first terminal
 //! event wins; finished jobs are forgotten by count and age.
 
+use std::collections::BTreeMap;
 use std::time::Instant;
 
 use chrono::{DateTime, Utc};
+use vnfarm_proto::catalogue::ContentHash;
 use vnfarm_proto::event::SequencedEvent;
 use vnfarm_proto::http::{Failure, JobState, Progress};
 use vnfarm_proto::{EventKind, ImageRef, JobId, JobSpec, WorkerId};
@@ -45,6 +47,7 @@ impl Registry {
             parent,
             children,
             owner,
+            files,
         } = ev.event.kind
         else {
             unreachable!("apply_queued is called for queued events only")
@@ -69,6 +72,7 @@ impl Registry {
         record.parent = parent;
         record.children = children.clone();
         record.owner = owner.clone();
+        record.files = files.clone();
         self.insert(record);
         let Some(jobs) = derived else {
             tracing::error!(job_id = %id, children = children.len(), "a pipeline event that does not match its spec; the pipeline fails");
@@ -80,6 +84,7 @@ impl Registry {
                 continue; // written as its own event by an older scheduler
             }
             let mut record = JobRecord::new(child_id, JobState::Queued, ev.seq, at);
+            record.files = lora_files(&child.job, &files);
             record.submission = Some(child);
             record.parent = Some(id);
             record.owner = owner.clone();
@@ -364,4 +369,22 @@ impl JobRecord {
         }
         change
     }
+}
+
+/// The entries of `files` that a pipeline's job names among its LoRAs.
+fn lora_files(
+    job: &JobSpec,
+    files: &BTreeMap<String, ContentHash>,
+) -> BTreeMap<String, ContentHash> {
+    let loras = match job {
+        JobSpec::Generate(g) => &g.loras,
+        JobSpec::Edit(e) => &e.loras,
+        JobSpec::Upscale(_) | JobSpec::Pipeline(_) => {
+            return BTreeMap::new();
+        }
+    };
+    loras
+        .iter()
+        .filter_map(|l| Some((l.name.clone(), files.get(&l.name)?.clone())))
+        .collect()
 }

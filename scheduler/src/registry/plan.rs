@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 
 use vnfarm_proto::{JobId, ModelFamily, WorkerId};
 
-use super::{INTERACTIVE_BURST, Registry, Route, WorkerRecord};
+use super::{INTERACTIVE_BURST, JobRecord, Registry, Route, WorkerRecord};
 use crate::config::{DispatchConfig, Policy};
 
 /// The jobs of a group that may share a message led by a job of `lead_rank`, in order: a message
@@ -382,10 +382,12 @@ impl Registry {
             .values()
             .filter(|w| w.can_take(route, timeout))
             .collect();
+        // The fewest of the job's catalogue files to fetch first, then the least load.
+        let job = &self.jobs[&id];
         let least_loaded = |among: &[&WorkerRecord]| {
             among
                 .iter()
-                .min_by_key(|w| (w.load(), w.id.clone()))
+                .min_by_key(|w| (self.files_to_fetch(w, job), w.load(), w.id.clone()))
                 .map(|w| w.id.clone())
         };
         let single = |worker: WorkerId, decision| {
@@ -409,7 +411,6 @@ impl Registry {
             }
             Policy::LeastLoaded => single(fallback, Decision::LeastLoaded),
             Policy::Affinity => {
-                let job = &self.jobs[&id];
                 let Some(key) = job.group_key() else {
                     return single(fallback, Decision::LeastLoaded);
                 };
@@ -481,6 +482,22 @@ impl Registry {
                 })
             }
         }
+    }
+
+    /// How many of the job's catalogue files the worker would fetch: those its model cache does
+    /// not list and no job already sent to it needs (that one fetches them: one download serves
+    /// both).
+    fn files_to_fetch(&self, w: &WorkerRecord, job: &JobRecord) -> usize {
+        job.needs_files()
+            .filter(|sha256| {
+                !w.caches(sha256.as_str())
+                    && !w.assigned().any(|other| {
+                        self.jobs
+                            .get(&other)
+                            .is_some_and(|o| o.needs_files().any(|h| h == *sha256))
+                    })
+            })
+            .count()
     }
 
     /// Loaded far beyond the least-loaded live worker of the route.
@@ -931,5 +948,54 @@ mod tests {
         assert_eq!(plan.len(), 12);
         // With no batch job waiting, interactive jobs go back to back.
         assert!(plan[2 * burst + 2..].iter().all(|j| !batch.contains(j)));
+    }
+
+    #[test]
+    fn a_job_goes_to_a_worker_that_holds_its_catalogue_files_or_already_fetches_them() {
+        let mut r = Registry::default();
+        let mut s = Stream::new();
+        let (h1, h2) = ("1".repeat(64), "2".repeat(64));
+        r.heartbeat(worker("a", 2));
+        r.heartbeat(Heartbeat {
+            model_cache: Some(vec![h1.clone()]),
+            ..worker("b", 2)
+        });
+        let needing = |s: &mut Stream, r: &mut Registry, hash: &str, prompt: &str| {
+            let mut sub = generate();
+            if let JobSpec::Generate(g) = &mut sub.job {
+                g.prompt = prompt.into();
+                g.loras = vec![vnfarm_proto::LoraRef {
+                    name: format!("lora-{prompt}"),
+                    weight: 1.0,
+                }];
+            }
+            let files = [(
+                format!("lora-{prompt}"),
+                vnfarm_proto::catalogue::ContentHash::try_from(hash.to_owned()).unwrap(),
+            )]
+            .into();
+            s.queue_with_files(r, sub, files)
+        };
+        let policy = DispatchConfig {
+            max_batch: 1,
+            ..affinity()
+        };
+        // A plain job first: the least-loaded worker, `a`.
+        s.queue(&mut r, generate());
+        let plan = r.plan_dispatch(&policy, later(0), T);
+        assert_eq!(plan.dispatches[0].worker.as_str(), "a");
+        // b holds h1: it takes the job that needs it, though a is as loaded.
+        needing(&mut s, &mut r, &h1, "one");
+        let plan = r.plan_dispatch(&policy, later(0), T);
+        assert_eq!(plan.dispatches[0].worker.as_str(), "b", "{plan:?}");
+        // Nobody holds h2: the least-loaded worker takes it (c, new and idle)...
+        r.heartbeat(worker("c", 2));
+        needing(&mut s, &mut r, &h2, "two");
+        let plan = r.plan_dispatch(&policy, later(0), T);
+        assert_eq!(plan.dispatches[0].worker.as_str(), "c", "{plan:?}");
+        // ...and the next job needing h2 follows it there (one download), though others are free.
+        needing(&mut s, &mut r, &h2, "three");
+        let plan = r.plan_dispatch(&policy, later(0), T);
+        assert_eq!(plan.dispatches[0].worker.as_str(), "c", "{plan:?}");
     }
 }

@@ -1,10 +1,12 @@
 //! A job as the registry holds it: its state, what the stream said of it, and the local decision
 //! flags of the active scheduler.
 
+use std::collections::BTreeMap;
 use std::time::Instant;
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
+use vnfarm_proto::catalogue::ContentHash;
 use vnfarm_proto::event::SequencedEvent;
 use vnfarm_proto::http::{Failure, JobState, Progress};
 use vnfarm_proto::{
@@ -63,6 +65,10 @@ pub struct JobRecord {
     pub(super) outputs: Vec<String>,
     pub(super) manifest: Option<String>,
     pub(super) failure: Option<Failure>,
+    /// The catalogue files its LoRA names stood for at acceptance, by the name (a pipeline's
+    /// covers its jobs'): the workers whose model cache holds them are preferred.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub(super) files: BTreeMap<String, ContentHash>,
     /// Offset of the event that made the job known: its own `queued`, or its pipeline's.
     pub(super) first_seq: u64,
     /// The events after that one. While the job runs only its latest `progress` is kept; once it
@@ -92,6 +98,7 @@ impl JobRecord {
             outputs: Vec::new(),
             manifest: None,
             failure: None,
+            files: BTreeMap::new(),
             first_seq: seq,
             history: Vec::new(),
             local: Local::default(),
@@ -224,6 +231,7 @@ impl JobRecord {
                     parent: self.parent,
                     children: self.children.clone(),
                     owner: self.owner.clone(),
+                    files: self.files.clone(),
                 },
             },
         });
@@ -275,6 +283,11 @@ impl JobRecord {
             JobSpec::Generate(g) => Some(g.batch_key()),
             JobSpec::Upscale(_) | JobSpec::Pipeline(_) => None,
         }
+    }
+
+    /// The catalogue files it needs, by hash.
+    pub(super) fn needs_files(&self) -> impl Iterator<Item = &ContentHash> {
+        self.files.values()
     }
 
     pub(super) fn awaiting_start(&self) -> bool {

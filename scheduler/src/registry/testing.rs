@@ -1,9 +1,11 @@
 //! What the registry's tests share: submissions, heartbeats, and a stream that writes events with
 //! increasing offsets and times.
 
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
+use vnfarm_proto::catalogue::ContentHash;
 use vnfarm_proto::spec::{PipelineEdit, PipelineSpec};
 use vnfarm_proto::{
     EditSpec, Event, EventKind, FailureKind, GenerateSpec, Heartbeat, ImageRef, JobId, JobSpec,
@@ -151,7 +153,7 @@ impl Stream {
         }
     }
     pub(super) fn queue(&mut self, r: &mut Registry, sub: Submission) -> JobId {
-        self.queue_as(r, sub, None)
+        self.queue_full(r, sub, None, BTreeMap::new())
     }
     /// Queues `sub` as `owner`'s (`None`: the admin's).
     pub(super) fn queue_as(
@@ -159,6 +161,26 @@ impl Stream {
         r: &mut Registry,
         sub: Submission,
         owner: Option<&str>,
+    ) -> JobId {
+        self.queue_full(r, sub, owner, BTreeMap::new())
+    }
+
+    /// A job whose LoRA names stood for these catalogue files at acceptance.
+    pub(super) fn queue_with_files(
+        &mut self,
+        r: &mut Registry,
+        sub: Submission,
+        files: BTreeMap<String, ContentHash>,
+    ) -> JobId {
+        self.queue_full(r, sub, None, files)
+    }
+
+    fn queue_full(
+        &mut self,
+        r: &mut Registry,
+        sub: Submission,
+        owner: Option<&str>,
+        files: BTreeMap<String, ContentHash>,
     ) -> JobId {
         let id = JobId::new();
         let children = match &sub.job {
@@ -174,6 +196,7 @@ impl Stream {
                 parent: None,
                 children,
                 owner: owner.map(str::to_owned),
+                files,
             },
         ));
         id

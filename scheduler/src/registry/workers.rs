@@ -151,6 +151,15 @@ impl WorkerRecord {
             .map(|(job, _)| *job)
     }
 
+    /// Its latest beat lists the catalogue file in its model cache.
+    pub(super) fn caches(&self, sha256: &str) -> bool {
+        self.last_heartbeat.as_ref().is_some_and(|(_, hb)| {
+            hb.model_cache
+                .as_ref()
+                .is_some_and(|held| held.iter().any(|h| h == sha256))
+        })
+    }
+
     pub(super) fn holds(&self, key: &str) -> bool {
         self.keys.contains_key(key)
     }

@@ -112,6 +112,7 @@ impl Events {
                 parent: None,
                 children: Vec::new(),
                 owner: None,
+                files: Default::default(),
             },
         ))
     }
