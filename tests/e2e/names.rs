@@ -8,8 +8,8 @@ use std::path::Path;
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use vnfarm_proto::ModelFileRole;
-use vnfarm_proto::http::JobState;
+use vnfarm_proto::http::{Failure, JobState, JobView};
+use vnfarm_proto::{FailureKind, ModelFileRole};
 use vnfarm_storage::Catalogue;
 use vnfarm_tests::{Farm, WorkerOptions, wait_for};
 
@@ -48,6 +48,14 @@ async fn refused(farm: &Farm, body: &Value, field: &str, says: &[&str]) -> anyho
         assert!(error.message.contains(s), "{s:?} in {:?}", error.message);
     }
     Ok(())
+}
+
+/// The failure of a job that ended failed as `kind`.
+fn failed_with(job: JobView, kind: FailureKind) -> Failure {
+    assert_eq!(job.state, JobState::Failed, "{job:?}");
+    let failure = job.failure.clone().expect("a failure");
+    assert_eq!(failure.kind, kind, "{job:?}");
+    failure
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -129,13 +137,9 @@ async fn names_that_exist_nowhere_are_refused_and_a_gone_checkpoint_fails_in_tim
     body["job_id"] = json!(id);
     farm.publish_intake(&body, lapin::BasicProperties::default())
         .await?;
-    let job = farm.wait_finished(id, FINISH).await?;
-    assert_eq!(job.state, JobState::Failed, "{job:?}");
-    let failure = job.failure.expect("a failure");
-    assert_eq!(
-        failure.kind,
-        vnfarm_proto::FailureKind::InvalidSpec,
-        "{failure:?}"
+    let failure = failed_with(
+        farm.wait_finished(id, FINISH).await?,
+        FailureKind::InvalidSpec,
     );
     assert!(
         failure.message.contains("checkpoint `novaa`"),
@@ -162,13 +166,9 @@ async fn names_that_exist_nowhere_are_refused_and_a_gone_checkpoint_fails_in_tim
             && waiting.contains("fails at"),
         "{waiting}"
     );
-    let job = farm.wait_finished(id, Duration::from_secs(20)).await?;
-    assert_eq!(job.state, JobState::Failed, "{job:?}");
-    let failure = job.failure.expect("a failure");
-    assert_eq!(
-        failure.kind,
-        vnfarm_proto::FailureKind::NoWorker,
-        "{failure:?}"
+    let failure = failed_with(
+        farm.wait_finished(id, Duration::from_secs(20)).await?,
+        FailureKind::NoWorker,
     );
     assert!(failure.message.contains("checkpoint_wait_s"), "{failure:?}");
     Ok(())

@@ -238,13 +238,23 @@ async fn two_peoples_tokens_and_roles_are_enforced_on_every_route() -> anyhow::R
     })
     .await?;
 
-    // Ann's jobs: one that runs, one that waits for a checkpoint no worker has (so it stays in the
-    // scheduler's hands, and its `cancelled` is the scheduler's), one pipeline.
+    // Ann's jobs: one that runs, one that waits for a checkpoint no worker has (only the model
+    // catalogue: a name that exists, so it is accepted; it stays in the scheduler's hands, and its
+    // `cancelled` is the scheduler's), one pipeline.
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../worker/models/fixtures/sdxl/lora/kohya.safetensors");
+    vnfarm_storage::Catalogue::new(farm.storage.clone())
+        .push(
+            &fixture,
+            vnfarm_proto::ModelFileRole::Checkpoint,
+            Some("catalogue-only"),
+        )
+        .await?;
     let done = ann.submit(&generate("ann's", json!({}))).await?;
     let waiting = ann
         .submit(&generate(
             "ann's waiting",
-            json!({"checkpoint": "nobody-has-this"}),
+            json!({"checkpoint": "catalogue-only"}),
         ))
         .await?;
     let pipeline = ann
