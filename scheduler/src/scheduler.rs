@@ -225,11 +225,28 @@ impl Scheduler {
         kind: EventKind,
     ) -> Result<(), PublishError> {
         let event = Event::now(job_id, kind);
+        self.publish_to_stream(lane, &event.routing_key(), &event)
+            .await
+    }
+
+    /// A person's event (a token made or revoked, a cancel asked for) on the API's lane.
+    pub(crate) async fn publish_person(&self, event: &PersonEvent) -> Result<(), PublishError> {
+        self.publish_to_stream(Lane::Requests, &event.routing_key(), event)
+            .await
+    }
+
+    /// Publishes to the events exchange, whose stream every scheduler reads.
+    async fn publish_to_stream(
+        &self,
+        lane: Lane,
+        routing_key: &str,
+        body: &impl serde::Serialize,
+    ) -> Result<(), PublishError> {
         self.publisher_on(lane)?
             .publish_json(
                 &self.topology().events_exchange(),
-                &event.routing_key(),
-                &event,
+                routing_key,
+                body,
                 json_properties(),
             )
             .await
@@ -285,16 +302,7 @@ impl Scheduler {
                     by,
                     vnfarm_proto::PersonEventKind::CancelRequested { job_id: t },
                 );
-                self.publisher_on(Lane::Requests)
-                    .map_err(unavailable)?
-                    .publish_json(
-                        &self.topology().events_exchange(),
-                        &asked.routing_key(),
-                        &asked,
-                        json_properties(),
-                    )
-                    .await
-                    .map_err(unavailable)?;
+                self.publish_person(&asked).await.map_err(unavailable)?;
             }
             let publisher = self.publisher_on(Lane::Requests).map_err(unavailable)?;
             let request = CancelRequest::new(t);

@@ -7,11 +7,10 @@
 
 use std::time::Duration;
 
-use vnfarm_bus::publisher::json_properties;
 use vnfarm_proto::{PersonEvent, PersonEventKind, Role};
 
 use crate::registry::token_digest;
-use crate::scheduler::{Lane, Scheduler};
+use crate::scheduler::Scheduler;
 
 /// How long a token's event may take to come back from the stream before the API answers 503.
 const READ_BACK: Duration = Duration::from_secs(10);
@@ -65,7 +64,9 @@ impl Scheduler {
                 by: by.to_owned(),
             },
         );
-        self.publish_person(&event).await?;
+        self.publish_person(&event)
+            .await
+            .map_err(|e| TokenError::Unavailable(e.to_string()))?;
         // The stream's first token for the name wins: ours, or another scheduler's made at once.
         let person = self
             .read_back(|reg| reg.people().get(name).filter(|p| p.is_live()).cloned())
@@ -96,7 +97,9 @@ impl Scheduler {
             return Err(TokenError::NotFound(name.to_owned()));
         };
         let event = PersonEvent::now(name, PersonEventKind::TokenRevoked { by: by.to_owned() });
-        self.publish_person(&event).await?;
+        self.publish_person(&event)
+            .await
+            .map_err(|e| TokenError::Unavailable(e.to_string()))?;
         // That token revoked (by this event or another scheduler's a moment before).
         self.read_back(|reg| {
             reg.people()
@@ -105,20 +108,6 @@ impl Scheduler {
                 .and_then(|p| p.revoked_at())
         })
         .await
-    }
-
-    async fn publish_person(&self, event: &PersonEvent) -> Result<(), TokenError> {
-        let unavailable = |e: vnfarm_bus::PublishError| TokenError::Unavailable(e.to_string());
-        self.publisher_on(Lane::Requests)
-            .map_err(unavailable)?
-            .publish_json(
-                &self.topology().events_exchange(),
-                &event.routing_key(),
-                event,
-                json_properties(),
-            )
-            .await
-            .map_err(unavailable)
     }
 
     /// Waits until `found` finds what an event published here did to the registry.
