@@ -118,6 +118,12 @@ impl Scheduler {
         let advertised = self.registry().advertised_names();
         let catalogue = Catalogue::new(self.storage().clone());
         for n in named {
+            let on_a_worker = n.kind.advertised(&advertised, &n.name);
+            // A checkpoint's lookup only decides a refusal; a LoRA's also finds the file that
+            // dispatch prefers workers for.
+            if n.kind == Kind::Checkpoint && (on_a_worker || !may_refuse) {
+                continue;
+            }
             match self.look_up(&catalogue, &n).await {
                 Lookup::Found(hash) => {
                     if n.kind == Kind::Lora {
@@ -125,7 +131,7 @@ impl Scheduler {
                     }
                 }
                 Lookup::Unknown => {}
-                Lookup::Absent if !may_refuse || n.kind.advertised(&advertised, &n.name) => {}
+                Lookup::Absent if !may_refuse || on_a_worker => {}
                 Lookup::Absent => return Err(refusal(&catalogue, n, &advertised).await),
             }
         }
