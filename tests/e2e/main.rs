@@ -22,6 +22,7 @@ mod pipeline;
 mod processes;
 mod provenance;
 mod qwen;
+mod queue;
 mod redelivery;
 mod sdxl;
 mod upgrade;
