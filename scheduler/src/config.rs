@@ -358,6 +358,38 @@ mod tests {
     }
 
     #[test]
+    fn a_persons_own_limits_override_the_farms() {
+        let c = Config::load(
+            None,
+            env(&[
+                ("VNFARM_DISPATCH__MAX_RUNNING_PER_PERSON", "3"),
+                ("VNFARM_DISPATCH__DAILY_GPU_MINUTES_PER_PERSON", "120"),
+                ("VNFARM_DISPATCH__PERSON__ANN__MAX_RUNNING", "0"),
+                ("VNFARM_DISPATCH__PERSON__BO__DAILY_GPU_MINUTES", "30"),
+            ]),
+        )
+        .unwrap();
+        let limits = |name| c.dispatch.limits_of(name);
+        assert_eq!(
+            limits("ann"),
+            Limits {
+                max_running: None,
+                daily_gpu_minutes: Some(120)
+            },
+            "0 lifts a limit for one person"
+        );
+        assert_eq!(
+            limits("bo"),
+            Limits {
+                max_running: Some(3),
+                daily_gpu_minutes: Some(30)
+            }
+        );
+        assert_eq!(limits("cy"), limits("admin"));
+        assert_eq!(Config::load(None, env(&[])).unwrap().dispatch.limits_of("x"), Limits::default());
+    }
+
+    #[test]
     fn public_listen_needs_a_token() {
         let e = Config::load(None, env(&[("VNFARM_LISTEN", "0.0.0.0:8080")])).unwrap_err();
         assert!(e.to_string().starts_with("api_token: required"), "{e}");
