@@ -60,7 +60,7 @@ impl Scheduler {
     /// Moves a queued job (or pipeline: its waiting jobs) to the front of its class, by `by`.
     /// Returns once this scheduler dispatches it first.
     pub async fn move_to_front(&self, id: JobId, by: &str) -> Result<(), QueueError> {
-        let jobs: Vec<JobId> = {
+        let (jobs, before) = {
             let reg = self.registry();
             let job = reg.job(id).ok_or(QueueError::NotFound(id))?;
             if job.state() != JobState::Queued {
@@ -72,20 +72,23 @@ impl Scheduler {
                 .copied()
                 .filter(|c| reg.job(*c).is_some_and(|j| j.state() == JobState::Queued))
                 .collect();
-            if children.is_empty() {
+            let jobs = if children.is_empty() {
                 vec![id]
             } else {
                 children
-            }
+            };
+            let last = *jobs.last().expect("one job at least");
+            (jobs, reg.job(last).and_then(|j| j.moved_at()))
         };
         for &job_id in &jobs {
             let ev = PersonEvent::now(by, PersonEventKind::MovedToFront { job_id });
             self.publish_control(&ev).await?;
         }
         let last = *jobs.last().expect("one job at least");
+        // This move (or a later one) is on the job, or it left the queue meanwhile.
         self.read_back_event(|reg| {
             reg.job(last)
-                .is_none_or(|j| j.moved_by().is_some() || j.state() != JobState::Queued)
+                .is_none_or(|j| j.moved_at() != before || j.state() != JobState::Queued)
                 .then_some(())
         })
         .await

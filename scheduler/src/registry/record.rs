@@ -135,6 +135,11 @@ impl JobRecord {
     }
 
     /// Who asked for its cancel, when someone did and the stream says who.
+    /// The stream offset of the event that last moved it to the front.
+    pub fn moved_at(&self) -> Option<u64> {
+        self.front.as_ref().map(|(seq, _)| *seq)
+    }
+
     /// Who last moved it to the front of the queue.
     pub fn moved_by(&self) -> Option<&str> {
         self.front.as_ref().map(|(_, by)| by.as_str())
