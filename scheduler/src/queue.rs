@@ -16,7 +16,7 @@ pub enum QueueError {
     #[error("no job {0}")]
     NotFound(JobId),
     /// Only a queued job has a place in the queue.
-    #[error("job {0} is {1}, not waiting in the queue")]
+    #[error("job {0} is {state}, not waiting in the queue", state = .1.as_str())]
     NotWaiting(JobId, JobState),
     #[error("unavailable: {0}")]
     Unavailable(String),

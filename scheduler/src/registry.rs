@@ -98,7 +98,7 @@ impl Default for Retention {
 }
 
 /// Why an unfinished job is not moving: the facts the API puts in words.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum Blocker {
     /// A worker failed it transiently; it runs again.
     Retrying,
