@@ -119,22 +119,14 @@ async fn fair_share_and_pauses_hold_across_a_takeover_and_a_restart() -> anyhow:
         mine.you == "ann" && mine.people.iter().all(|p| p.name == "ann"),
         "{mine:?}"
     );
-    let started = |person: &Person, ids: Vec<String>| {
-        let person_jobs = ids;
-        async move {
-            let mut n = 0;
-            for id in &person_jobs {
-                if person.job(id).await?.state != JobState::Queued {
-                    n += 1;
-                }
-            }
-            anyhow::Ok(n)
-        }
-    };
+    let all: Vec<String> = ann_jobs.iter().chain(&bo_jobs).cloned().collect();
     wait_for("three jobs to start", FINISH, || async {
-        let n = started(&lee, ann_jobs.iter().chain(&bo_jobs).cloned().collect())
-            .await
-            .ok()?;
+        let mut n = 0;
+        for id in &all {
+            if lee.job(id).await.ok()?.state != JobState::Queued {
+                n += 1;
+            }
+        }
         (n >= 3).then_some(())
     })
     .await?;
@@ -145,7 +137,7 @@ async fn fair_share_and_pauses_hold_across_a_takeover_and_a_restart() -> anyhow:
     for id in ann_jobs.iter().chain(&bo_jobs) {
         lee.wait_finished(id).await?;
     }
-    let order = start_order(&lee, &[ann_jobs.clone(), bo_jobs.clone()].concat()).await?;
+    let order = start_order(&lee, &all).await?;
     let position = |id: &String| order.iter().position(|o| o == id);
     let last_bo = bo_jobs.iter().filter_map(position).max().context("bo's starts")?;
     let ann_before: usize = ann_jobs
