@@ -511,6 +511,10 @@ async function moveToFront(id) {
   try {
     await call("POST", `/v1/jobs/${id}/front`);
     note(`Job ${id} moved to the front.`);
+    // A move is the queue's event, not the job's: read the job (and a pipeline's jobs) again.
+    fetchJob(id);
+    const job = state.jobs.get(id);
+    for (const child of (job && job.children) || []) fetchJob(child);
   } catch (e) {
     showError(e);
   }
