@@ -12,8 +12,8 @@ use reqwest::{Method, RequestBuilder, Response, StatusCode};
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use vnfarm_proto::http::{
-    CreatedToken, ErrorBody, Fleet, JobAnswer, JobView, QueueView, RevokedToken, Submitted, TokenList,
-    TokenRequest, TokenView, Worker,
+    CreatedToken, ErrorBody, Fleet, JobAnswer, JobView, QueueView, RevokedToken, Submitted,
+    TokenList, TokenRequest, TokenView, Worker,
 };
 use vnfarm_proto::{JobId, Submission};
 
@@ -209,7 +209,11 @@ impl Api {
     }
 
     /// Pauses or resumes the farm (`person` none) or one person's work.
-    pub async fn set_paused(&self, person: Option<&str>, pause: bool) -> Result<QueueView, ApiError> {
+    pub async fn set_paused(
+        &self,
+        person: Option<&str>,
+        pause: bool,
+    ) -> Result<QueueView, ApiError> {
         let verb = if pause { "pause" } else { "resume" };
         let path = match person {
             None => format!("/v1/queue/{verb}"),

@@ -129,7 +129,14 @@ fn print_queue(queue: &QueueView) {
         ]
     });
     print_table(
-        &["PERSON", "WAITING", "RUNNING/CAP", "GPU MIN TODAY/QUOTA", "PAUSED", "WAITS FOR"],
+        &[
+            "PERSON",
+            "WAITING",
+            "RUNNING/CAP",
+            "GPU MIN TODAY/QUOTA",
+            "PAUSED",
+            "WAITS FOR",
+        ],
         rows,
     );
 }

@@ -180,22 +180,32 @@ pub enum PersonEventKind {
         by: String,
     },
     /// The person's token no longer opens the API.
-    TokenRevoked { by: String },
+    TokenRevoked {
+        by: String,
+    },
     /// The person asked for a job on a worker to be cancelled. The worker writes the job's
     /// `cancelled` event, from a version 1 control message that cannot name the person, so who
     /// asked is recorded here, where every scheduler reads it.
-    CancelRequested { job_id: JobId },
+    CancelRequested {
+        job_id: JobId,
+    },
     /// The person paused the whole farm: nothing more is dispatched until someone resumes it;
     /// running jobs finish and waiting ones keep their places.
     FarmPaused,
     FarmResumed,
     /// The person paused `whose` work: none of it is dispatched until resumed; their running
     /// jobs finish.
-    WorkPaused { whose: String },
-    WorkResumed { whose: String },
+    WorkPaused {
+        whose: String,
+    },
+    WorkResumed {
+        whose: String,
+    },
     /// The person moved a waiting job to the front of its class (interactive or batch), ahead
     /// of every person's turn; the latest move goes first.
-    MovedToFront { job_id: JobId },
+    MovedToFront {
+        job_id: JobId,
+    },
 }
 
 impl PersonEvent {
@@ -279,7 +289,10 @@ mod tests {
         assert_eq!(paused.routing_key(), "people.bo.farm_paused");
         let json = serde_json::to_string(&paused).unwrap();
         assert!(json.contains("\"event\":\"farm_paused\""), "{json}");
-        assert_eq!(crate::decode_json::<PersonEvent>(json.as_bytes()).unwrap(), paused);
+        assert_eq!(
+            crate::decode_json::<PersonEvent>(json.as_bytes()).unwrap(),
+            paused
+        );
         let moved = PersonEvent::now(
             "bo",
             PersonEventKind::MovedToFront {
@@ -287,6 +300,9 @@ mod tests {
             },
         );
         let json = serde_json::to_string(&moved).unwrap();
-        assert_eq!(crate::decode_json::<PersonEvent>(json.as_bytes()).unwrap(), moved);
+        assert_eq!(
+            crate::decode_json::<PersonEvent>(json.as_bytes()).unwrap(),
+            moved
+        );
     }
 }

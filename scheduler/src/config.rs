@@ -109,10 +109,7 @@ impl DispatchConfig {
         let own = self.person.get(person);
         let pick = |own: Option<u32>, farm: u32| Some(own.unwrap_or(farm)).filter(|n| *n > 0);
         Limits {
-            max_running: pick(
-                own.and_then(|p| p.max_running),
-                self.max_running_per_person,
-            ),
+            max_running: pick(own.and_then(|p| p.max_running), self.max_running_per_person),
             daily_gpu_minutes: pick(
                 own.and_then(|p| p.daily_gpu_minutes),
                 self.daily_gpu_minutes_per_person,
@@ -386,7 +383,13 @@ mod tests {
             }
         );
         assert_eq!(limits("cy"), limits("admin"));
-        assert_eq!(Config::load(None, env(&[])).unwrap().dispatch.limits_of("x"), Limits::default());
+        assert_eq!(
+            Config::load(None, env(&[]))
+                .unwrap()
+                .dispatch
+                .limits_of("x"),
+            Limits::default()
+        );
     }
 
     #[test]

@@ -95,7 +95,11 @@ impl Person {
         self.call(reqwest::Method::GET, path, None).await
     }
 
-    pub(crate) async fn post(&self, path: &str, body: Option<&Value>) -> anyhow::Result<(StatusCode, Value)> {
+    pub(crate) async fn post(
+        &self,
+        path: &str,
+        body: Option<&Value>,
+    ) -> anyhow::Result<(StatusCode, Value)> {
         self.call(reqwest::Method::POST, path, body).await
     }
 
@@ -155,7 +159,11 @@ impl Person {
 }
 
 /// A refusal: `status`, field `authorization`, and a message naming `needs`.
-pub(crate) fn refused(answer: &(StatusCode, Value), status: StatusCode, needs: &str) -> anyhow::Result<()> {
+pub(crate) fn refused(
+    answer: &(StatusCode, Value),
+    status: StatusCode,
+    needs: &str,
+) -> anyhow::Result<()> {
     let (got, body) = answer;
     ensure!(*got == status, "{got} {body}, wanted {status}");
     ensure!(body["error"]["field"] == "authorization", "{body}");

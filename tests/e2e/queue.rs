@@ -107,7 +107,8 @@ async fn fair_share_and_pauses_hold_across_a_takeover_and_a_restart() -> anyhow:
         bo_jobs.push(bo.submit(&generate(&format!("bo {i}"), 6)).await?);
     }
     refused(
-        &ann.post(&format!("/v1/jobs/{}/front", ann_jobs[9]), None).await?,
+        &ann.post(&format!("/v1/jobs/{}/front", ann_jobs[9]), None)
+            .await?,
         StatusCode::FORBIDDEN,
         "`reorder` (role lead or admin)",
     )?;
@@ -139,7 +140,11 @@ async fn fair_share_and_pauses_hold_across_a_takeover_and_a_restart() -> anyhow:
     }
     let order = start_order(&lee, &all).await?;
     let position = |id: &String| order.iter().position(|o| o == id);
-    let last_bo = bo_jobs.iter().filter_map(position).max().context("bo's starts")?;
+    let last_bo = bo_jobs
+        .iter()
+        .filter_map(position)
+        .max()
+        .context("bo's starts")?;
     let ann_before: usize = ann_jobs
         .iter()
         .filter_map(position)
@@ -174,9 +179,15 @@ async fn fair_share_and_pauses_hold_across_a_takeover_and_a_restart() -> anyhow:
         "{waiting:?}"
     );
     // A restarted scheduler (started again above, a standby now) takes over and holds the pause.
-    wait_for("the restarted scheduler to be a standby", FINISH, || async {
-        farm.role(active).await.filter(|r| *r == vnfarm_tests::Role::Standby)
-    })
+    wait_for(
+        "the restarted scheduler to be a standby",
+        FINISH,
+        || async {
+            farm.role(active)
+                .await
+                .filter(|r| *r == vnfarm_tests::Role::Standby)
+        },
+    )
     .await?;
     farm.kill_scheduler_at(survivor);
     ensure!(farm.active_scheduler(FINISH).await? == active);
@@ -193,7 +204,11 @@ async fn fair_share_and_pauses_hold_across_a_takeover_and_a_restart() -> anyhow:
     );
     let (_, queue) = lee.get("/v1/queue").await?;
     let queue: QueueView = serde_json::from_value(queue)?;
-    let ann_row = queue.people.iter().find(|p| p.name == "ann").context("ann's row")?;
+    let ann_row = queue
+        .people
+        .iter()
+        .find(|p| p.name == "ann")
+        .context("ann's row")?;
     ensure!(
         ann_row.paused.as_ref().is_some_and(|p| p.by == "lee") && ann_row.waiting == 1,
         "{queue:?}"
@@ -232,7 +247,10 @@ async fn fair_share_and_pauses_hold_across_a_takeover_and_a_restart() -> anyhow:
         ensure!(ann.wait_finished(id).await?.state == JobState::Completed);
     }
     let order = start_order(&lee, &[paused_job.clone(), newer.clone()]).await?;
-    ensure!(order == vec![newer.clone(), paused_job.clone()], "{order:?}");
+    ensure!(
+        order == vec![newer.clone(), paused_job.clone()],
+        "{order:?}"
+    );
     let listing = vnfarm(&urls[active], &lee_token, &["queue"])?;
     let listing = String::from_utf8(listing.stdout)?;
     ensure!(

@@ -665,9 +665,15 @@ async fn the_api_answers_as_its_document_says() -> anyhow::Result<()> {
     let (status, queue) = c
         .call(h.post(url("/v1/queue/pause")), "/v1/queue/pause")
         .await?;
-    ensure!(status == 200 && queue["farm_paused"]["by"] == "admin", "{queue}");
+    ensure!(
+        status == 200 && queue["farm_paused"]["by"] == "admin",
+        "{queue}"
+    );
     let (_, body) = c
-        .call(h.post(url("/v1/jobs")).json(&generate(json!({}))), "/v1/jobs")
+        .call(
+            h.post(url("/v1/jobs")).json(&generate(json!({}))),
+            "/v1/jobs",
+        )
         .await?;
     let waiting = body["job_id"].as_str().context("job_id")?.to_owned();
     let (status, moved) = c
@@ -705,9 +711,9 @@ async fn the_api_answers_as_its_document_says() -> anyhow::Result<()> {
         .await?;
     ensure!(
         status == 200
-            && queue["people"]
-                .as_array()
-                .is_some_and(|p| p.iter().any(|p| p["name"] == "web-lead" && p["paused"]["by"] == "admin")),
+            && queue["people"].as_array().is_some_and(|p| p
+                .iter()
+                .any(|p| p["name"] == "web-lead" && p["paused"]["by"] == "admin")),
         "{queue}"
     );
     let (status, body) = c
@@ -716,7 +722,10 @@ async fn the_api_answers_as_its_document_says() -> anyhow::Result<()> {
             "/v1/people/{name}/pause",
         )
         .await?;
-    ensure!(status == 422 && error_field(&body) == "name", "{status} {body}");
+    ensure!(
+        status == 422 && error_field(&body) == "name",
+        "{status} {body}"
+    );
     let (status, queue) = c
         .call(
             h.post(url("/v1/people/web-lead/resume")),
@@ -730,7 +739,10 @@ async fn the_api_answers_as_its_document_says() -> anyhow::Result<()> {
     let (status, queue) = c
         .call(h.post(url("/v1/queue/resume")), "/v1/queue/resume")
         .await?;
-    ensure!(status == 200 && queue.get("farm_paused").is_none(), "{queue}");
+    ensure!(
+        status == 200 && queue.get("farm_paused").is_none(),
+        "{queue}"
+    );
     ensure!(farm.wait_finished(&waiting, FINISH).await?.state == JobState::Completed);
 
     // People's tokens: made (shown once), refused twice for one name and for `admin`, listed
@@ -1304,8 +1316,10 @@ async fn drive_page(farm: &mut Farm, b: &mut Browser) -> anyhow::Result<()> {
     b.until(
         "the moved job to complete once the farm resumes",
         FINISH,
-        &format!("return document.querySelector(\"{waiting_card}\").dataset.state === 'completed' \
-                  && document.querySelector('#farm-state').dataset.paused === 'false'"),
+        &format!(
+            "return document.querySelector(\"{waiting_card}\").dataset.state === 'completed' \
+                  && document.querySelector('#farm-state').dataset.paused === 'false'"
+        ),
     )
     .await?;
 

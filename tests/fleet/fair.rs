@@ -93,7 +93,9 @@ fn client(token: &str) -> anyhow::Result<reqwest::Client> {
         reqwest::header::AUTHORIZATION,
         format!("Bearer {token}").parse()?,
     );
-    Ok(reqwest::Client::builder().default_headers(headers).build()?)
+    Ok(reqwest::Client::builder()
+        .default_headers(headers)
+        .build()?)
 }
 
 async fn post(http: &reqwest::Client, url: String, body: &Value) -> anyhow::Result<Value> {
@@ -140,19 +142,33 @@ pub async fn run_fair_share(config: &FairConfig) -> anyhow::Result<FairReport> {
     let mut backlog = Vec::new();
     for n in 0..config.backlog {
         let made = post(&ann, farm.url("/v1/jobs"), &generate("ann", n)).await?;
-        backlog.push(made["job_id"].as_str().context("job_id")?.parse::<JobId>()?);
+        backlog.push(
+            made["job_id"]
+                .as_str()
+                .context("job_id")?
+                .parse::<JobId>()?,
+        );
     }
     // Saturated: every worker runs some of ann's work.
-    wait_for("every worker to be busy", Duration::from_secs(60), || async {
-        let workers = farm.workers().await.ok()?;
-        let busy = workers.iter().filter(|w| !w.assigned.is_empty()).count();
-        (busy == run.workers).then_some(())
-    })
+    wait_for(
+        "every worker to be busy",
+        Duration::from_secs(60),
+        || async {
+            let workers = farm.workers().await.ok()?;
+            let busy = workers.iter().filter(|w| !w.assigned.is_empty()).count();
+            (busy == run.workers).then_some(())
+        },
+    )
     .await?;
     let mut others = Vec::new();
     for n in 0..config.others {
         let made = post(&bo, farm.url("/v1/jobs"), &generate("bo", n)).await?;
-        others.push(made["job_id"].as_str().context("job_id")?.parse::<JobId>()?);
+        others.push(
+            made["job_id"]
+                .as_str()
+                .context("job_id")?
+                .parse::<JobId>()?,
+        );
     }
     for id in &others {
         farm.wait_finished(id, Duration::from_secs(300)).await?;

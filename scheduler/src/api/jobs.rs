@@ -27,8 +27,8 @@ use super::auth::Caller;
 use super::error::ApiError;
 use super::extract::{Body, Path, Query};
 use super::files::ImageLinks;
-use crate::intake::AcceptError;
 use crate::config::DispatchConfig;
+use crate::intake::AcceptError;
 use crate::registry::{Blocker, Held, JobRecord, Registry};
 use crate::scheduler::CancelError;
 

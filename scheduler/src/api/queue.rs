@@ -5,8 +5,8 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::{Extension, Json};
 use chrono::Utc;
-use vnfarm_proto::http::{JobView, PauseView, PersonQueue, QueueView};
 use vnfarm_proto::Permission;
+use vnfarm_proto::http::{JobView, PauseView, PersonQueue, QueueView};
 use vnfarm_proto::people::{ADMIN, check_name};
 
 use super::Api;
@@ -70,7 +70,12 @@ pub async fn show(State(api): State<Api>, Extension(caller): Extension<Caller>) 
     Json(queue_view(&api, &caller))
 }
 
-async fn set(api: Api, caller: Caller, scope: Scope, pause: bool) -> Result<Json<QueueView>, ApiError> {
+async fn set(
+    api: Api,
+    caller: Caller,
+    scope: Scope,
+    pause: bool,
+) -> Result<Json<QueueView>, ApiError> {
     api.scheduler
         .set_paused(scope.clone(), pause, caller.name())
         .await

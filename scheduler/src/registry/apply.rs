@@ -308,9 +308,9 @@ impl JobRecord {
                 EventKind::Completed { timings, .. } => {
                     Some(gpu_seconds(Some(timings), started, ev.event.at))
                 }
-                EventKind::Failed { .. } | EventKind::Cancelled { .. } | EventKind::Requeued { .. } => {
-                    Some(gpu_seconds(None, started, ev.event.at))
-                }
+                EventKind::Failed { .. }
+                | EventKind::Cancelled { .. }
+                | EventKind::Requeued { .. } => Some(gpu_seconds(None, started, ev.event.at)),
                 _ => None,
             };
         }

@@ -193,7 +193,9 @@ impl Registry {
         if self.quota_waits(&turns) {
             // A quota counts again from midnight (UTC).
             let midnight = (today + chrono::Days::new(1)).and_time(chrono::NaiveTime::MIN);
-            let left = (midnight.and_utc() - Utc::now()).to_std().unwrap_or_default();
+            let left = (midnight.and_utc() - Utc::now())
+                .to_std()
+                .unwrap_or_default();
             plan.wake(now + left + Duration::from_secs(1));
         }
         plan
@@ -213,7 +215,11 @@ impl Registry {
 
     /// The heads of a route's queues whose owners may start work now: each such owner's first
     /// interactive job and first batch job, by their turn.
-    fn heads<'a>(&'a self, queues: &'a Queues, turns: &'a Turns) -> impl Iterator<Item = Turn> + 'a {
+    fn heads<'a>(
+        &'a self,
+        queues: &'a Queues,
+        turns: &'a Turns,
+    ) -> impl Iterator<Item = Turn> + 'a {
         queues
             .iter()
             .filter(|(owner, _)| self.held(owner, turns.config, turns.today).is_none())

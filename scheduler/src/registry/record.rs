@@ -273,7 +273,10 @@ impl JobRecord {
     /// Its place in its owner's queue: interactive first, then jobs moved to the front (the
     /// latest move first), then oldest.
     pub(super) fn queue_key(&self) -> QueueKey {
-        let front = self.front.as_ref().map_or(u64::MAX, |(seq, _)| u64::MAX - 1 - seq);
+        let front = self
+            .front
+            .as_ref()
+            .map_or(u64::MAX, |(seq, _)| u64::MAX - 1 - seq);
         (self.rank().0, front, self.id)
     }
 

@@ -266,10 +266,16 @@ mod tests {
         let on_a = |sent: &[(JobId, String)]| sent.iter().find(|(_, w)| w == "a").unwrap().0;
         s.completed_on(&mut r, on_a(&first), "a");
         let next = run(&mut r, &mut s, &config);
-        assert_eq!(next.iter().map(|(j, _)| *j).collect::<Vec<_>>(), vec![ann[1]]);
+        assert_eq!(
+            next.iter().map(|(j, _)| *j).collect::<Vec<_>>(),
+            vec![ann[1]]
+        );
         s.completed_on(&mut r, bo[0], "b");
         let next = run(&mut r, &mut s, &config);
-        assert_eq!(next.iter().map(|(j, _)| *j).collect::<Vec<_>>(), vec![bo[1]]);
+        assert_eq!(
+            next.iter().map(|(j, _)| *j).collect::<Vec<_>>(),
+            vec![bo[1]]
+        );
         assert_eq!((r.running_of("ann"), r.running_of("bo")), (1, 1));
         assert_eq!((r.waiting_of("ann"), r.waiting_of("bo")), (18, 1));
     }
@@ -444,10 +450,17 @@ mod tests {
         ));
         assert!(control(&mut r, &mut s, PersonEventKind::FarmResumed));
         let whose = || "ann".to_owned();
-        assert!(control(&mut r, &mut s, PersonEventKind::WorkPaused { whose: whose() }));
+        assert!(control(
+            &mut r,
+            &mut s,
+            PersonEventKind::WorkPaused { whose: whose() }
+        ));
         let bo = s.queue_as(&mut r, generate(), Some("bo"));
         assert_eq!(
-            plan(&mut r, &config).iter().map(|(j, _)| *j).collect::<Vec<_>>(),
+            plan(&mut r, &config)
+                .iter()
+                .map(|(j, _)| *j)
+                .collect::<Vec<_>>(),
             vec![bo],
             "ann's work is paused, bo's is not"
         );
@@ -458,7 +471,10 @@ mod tests {
         restored.heartbeat(worker("a", 4));
         // bo's dispatch was only planned (not in the stream): the restored one plans it again.
         assert_eq!(
-            plan(&mut restored, &config).iter().map(|(j, _)| *j).collect::<Vec<_>>(),
+            plan(&mut restored, &config)
+                .iter()
+                .map(|(j, _)| *j)
+                .collect::<Vec<_>>(),
             vec![bo]
         );
         assert!(restored.shares().paused().contains_key("ann"));
@@ -468,7 +484,10 @@ mod tests {
             &person_event("lee", PersonEventKind::WorkResumed { whose: whose() })
         ));
         assert_eq!(
-            plan(&mut restored, &config).iter().map(|(j, _)| *j).collect::<Vec<_>>(),
+            plan(&mut restored, &config)
+                .iter()
+                .map(|(j, _)| *j)
+                .collect::<Vec<_>>(),
             vec![ann]
         );
     }
@@ -505,7 +524,11 @@ mod tests {
         let sent = r.plan_dispatch(&config, later(100), T).dispatches;
         assert_eq!(sent.len(), 1, "{sent:?}");
         assert_eq!(sent[0].worker.as_str(), "a");
-        assert_eq!(sent[0].jobs, vec![bo], "bo has nothing on a worker: bo's turn");
+        assert_eq!(
+            sent[0].jobs,
+            vec![bo],
+            "bo has nothing on a worker: bo's turn"
+        );
         assert!(
             edits
                 .iter()

@@ -11,8 +11,8 @@ use serde::{Deserialize, Serialize};
 use vnfarm_proto::JobId;
 
 use super::people::People;
-use super::shares::Shares;
 use super::record::JobRecord;
+use super::shares::Shares;
 use super::{Registry, Retention};
 
 /// The durable part of a registry at a stream offset (see [`crate::snapshot`]).
