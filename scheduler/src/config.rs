@@ -233,13 +233,6 @@ impl Config {
     ) -> Result<Self, ConfigError> {
         vnfarm_config::load_validated(file, env)
     }
-
-    pub fn retention(&self) -> crate::registry::Retention {
-        crate::registry::Retention {
-            max_jobs: self.retain_jobs,
-            max_age: chrono::Duration::seconds(self.retain_age_s.min(i64::MAX as u64) as i64),
-        }
-    }
 }
 
 impl vnfarm_config::Validate for Config {

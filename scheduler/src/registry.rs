@@ -88,6 +88,16 @@ pub struct Retention {
     pub max_age: chrono::Duration,
 }
 
+impl Retention {
+    /// The configuration's `retain_jobs` and `retain_age_s`.
+    pub fn of(config: &crate::config::Config) -> Self {
+        Self {
+            max_jobs: config.retain_jobs,
+            max_age: chrono::Duration::seconds(config.retain_age_s.min(i64::MAX as u64) as i64),
+        }
+    }
+}
+
 impl Default for Retention {
     fn default() -> Self {
         Self {

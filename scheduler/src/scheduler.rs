@@ -92,7 +92,7 @@ impl Scheduler {
         shutdown: tokio_util::sync::CancellationToken,
     ) -> Self {
         let topology = config.amqp.topology();
-        let registry = Registry::new(config.retention());
+        let registry = Registry::new(crate::registry::Retention::of(&config));
         let snapshots = SnapshotWriter::new(
             config.snapshot_every_events,
             topology.snapshot_stream(),
