@@ -250,6 +250,21 @@ impl Registry {
         )
     }
 
+    /// `lead`, then the others of `ids` that are its owner's, then the rest, each in order: a
+    /// message carries its lead's owner's compatible work before anyone else's.
+    fn owner_first(
+        &self,
+        lead: JobId,
+        ids: impl Iterator<Item = JobId>,
+    ) -> impl Iterator<Item = JobId> {
+        let owner = self.jobs[&lead].owner();
+        let (mut same, others): (Vec<JobId>, Vec<JobId>) = ids
+            .filter(|id| *id != lead)
+            .partition(|id| self.jobs[id].owner() == owner);
+        same.insert(0, lead);
+        same.into_iter().chain(others)
+    }
+
     /// The jobs among `ids` that may go now, in order and at most `max`: those whose owners'
     /// work may start, and none beyond its owner's cap counting the ones taken before it.
     fn admit(&self, ids: impl Iterator<Item = JobId>, max: usize, turns: &Turns) -> Vec<JobId> {
@@ -467,7 +482,17 @@ impl Registry {
                 else {
                     continue;
                 };
-                let jobs = self.admit(companions(group, lead_rank), max, turns);
+                let Some(lead) = companions(group, lead_rank).find(|id| {
+                    self.held(self.jobs[id].owner(), config, turns.today)
+                        .is_none()
+                }) else {
+                    continue;
+                };
+                let jobs = self.admit(
+                    self.owner_first(lead, companions(group, lead_rank)),
+                    max,
+                    turns,
+                );
                 let Some(&first) = jobs.first() else {
                     continue;
                 };
@@ -598,8 +623,11 @@ impl Registry {
                 let mut jobs = vec![id];
                 if let Some(group) = self.jobs.group(&key) {
                     let lead_rank = self.jobs[&id].rank().0;
-                    let others = companions(group, lead_rank).filter(|j| *j != id);
-                    jobs = self.admit(std::iter::once(id).chain(others), max, turns);
+                    jobs = self.admit(
+                        self.owner_first(id, companions(group, lead_rank)),
+                        max,
+                        turns,
+                    );
                 }
                 Placement::Send(Dispatch {
                     worker,

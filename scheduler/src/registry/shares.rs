@@ -281,6 +281,30 @@ mod tests {
     }
 
     #[test]
+    fn a_message_carries_its_leads_owners_work_first() {
+        let mut r = Registry::default();
+        let mut s = Stream::new();
+        let config = affinity();
+        r.heartbeat(worker("b", 1));
+        let ann: Vec<JobId> = (0..6)
+            .map(|_| s.queue_as(&mut r, generate(), Some("ann")))
+            .collect();
+        let sent = run(&mut r, &mut s, &config);
+        assert_eq!(sent, vec![(ann[0], "b".to_owned())]);
+        let bo: Vec<JobId> = (0..3)
+            .map(|_| s.queue_as(&mut r, generate(), Some("bo")))
+            .collect();
+        r.heartbeat(batching_worker("a", 1, 4));
+        let sent = plan(&mut r, &config);
+        let jobs: Vec<JobId> = sent.iter().map(|(j, _)| *j).collect();
+        assert_eq!(
+            jobs,
+            vec![bo[0], bo[1], bo[2], ann[1]],
+            "bo's turn, bo's work first"
+        );
+    }
+
+    #[test]
     fn on_one_worker_people_take_turns() {
         let mut r = Registry::default();
         let mut s = Stream::new();
