@@ -54,6 +54,22 @@ pub enum Command {
     },
     /// List the workers the scheduler knows and their last heartbeat.
     Workers,
+    /// The queue: whether the farm is paused, and each person's waiting and running jobs, GPU time
+    /// today, limits and why their work waits.
+    Queue,
+    /// Pause the farm (admins), or one person's work with --person (leads): nothing more of it is
+    /// dispatched; running jobs finish.
+    Pause {
+        #[arg(long)]
+        person: Option<String>,
+    },
+    /// Resume the farm, or one person's work with --person.
+    Resume {
+        #[arg(long)]
+        person: Option<String>,
+    },
+    /// Move a waiting job (or a pipeline's waiting jobs) to the front of the queue (leads).
+    Front { job_id: JobId },
     /// People's API tokens (an admin's token, or none on a loopback scheduler without one).
     #[command(subcommand)]
     Tokens(TokensCommand),

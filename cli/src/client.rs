@@ -12,8 +12,8 @@ use reqwest::{Method, RequestBuilder, Response, StatusCode};
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use vnfarm_proto::http::{
-    CreatedToken, ErrorBody, Fleet, JobAnswer, JobView, RevokedToken, Submitted, TokenList,
-    TokenRequest, TokenView, Worker,
+    CreatedToken, ErrorBody, Fleet, JobAnswer, JobView, QueueView, RevokedToken, Submitted,
+    TokenList, TokenRequest, TokenView, Worker,
 };
 use vnfarm_proto::{JobId, Submission};
 
@@ -201,6 +201,29 @@ impl Api {
 
     pub async fn revoke_token(&self, name: &str) -> Result<RevokedToken, ApiError> {
         self.json(self.request(Method::POST, &format!("/v1/tokens/{name}/revoke")))
+            .await
+    }
+
+    pub async fn queue(&self) -> Result<QueueView, ApiError> {
+        self.json(self.request(Method::GET, "/v1/queue")).await
+    }
+
+    /// Pauses or resumes the farm (`person` none) or one person's work.
+    pub async fn set_paused(
+        &self,
+        person: Option<&str>,
+        pause: bool,
+    ) -> Result<QueueView, ApiError> {
+        let verb = if pause { "pause" } else { "resume" };
+        let path = match person {
+            None => format!("/v1/queue/{verb}"),
+            Some(name) => format!("/v1/people/{name}/{verb}"),
+        };
+        self.json(self.request(Method::POST, &path)).await
+    }
+
+    pub async fn move_to_front(&self, id: JobId) -> Result<JobView, ApiError> {
+        self.json(self.request(Method::POST, &format!("/v1/jobs/{id}/front")))
             .await
     }
 

@@ -1,9 +1,9 @@
 //! Runs a parsed command line against the scheduler; the small commands (list, show, cancel,
-//! workers, tokens) live here, the larger ones in their own modules.
+//! workers, queue, pause, resume, front, tokens) live here, the larger ones in their own modules.
 
 use std::process::ExitCode;
 
-use vnfarm_proto::http::TokenRequest;
+use vnfarm_proto::http::{QueueView, TokenRequest};
 use vnfarm_proto::{JobId, SettingsInUse, SettingsSource, WorkerState};
 
 use crate::args::{Cli, Command, ListArgs, SubmitCommand, TokensCommand};
@@ -33,6 +33,26 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             .await
             .map(|()| ExitCode::SUCCESS),
         Command::Workers => workers(&api).await.map(|()| ExitCode::SUCCESS),
+        Command::Queue => {
+            print_queue(&api.queue().await?);
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Pause { person } => {
+            print_queue(&api.set_paused(person.as_deref(), true).await?);
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Resume { person } => {
+            print_queue(&api.set_paused(person.as_deref(), false).await?);
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Front { job_id } => {
+            let job = api.move_to_front(job_id).await?;
+            eprintln!(
+                "{job_id} moved to the front by {}",
+                job.moved_by.as_deref().unwrap_or("?")
+            );
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Tokens(command) => tokens(&api, command).await.map(|()| ExitCode::SUCCESS),
         Command::Models { storage, command } => crate::models::run(&storage, &command)
             .await
@@ -84,6 +104,41 @@ async fn list(api: &Api, args: &ListArgs) -> anyhow::Result<()> {
         rows,
     );
     Ok(())
+}
+
+/// The queue: a line for a paused farm, then a row per person.
+fn print_queue(queue: &QueueView) {
+    if let Some(p) = &queue.farm_paused {
+        println!(
+            "the farm is paused (by {} at {})",
+            p.by,
+            p.at.format("%Y-%m-%dT%H:%M:%S")
+        );
+    }
+    let limit = |n: Option<u32>| n.map_or_else(|| "-".to_owned(), |n| n.to_string());
+    let rows = queue.people.iter().map(|p| {
+        vec![
+            p.name.clone(),
+            p.waiting.to_string(),
+            format!("{}/{}", p.running, limit(p.max_running)),
+            format!("{:.1}/{}", p.gpu_minutes_today, limit(p.daily_gpu_minutes)),
+            p.paused
+                .as_ref()
+                .map_or_else(|| "-".to_owned(), |p| format!("by {}", p.by)),
+            p.held.clone().unwrap_or_else(|| "-".to_owned()),
+        ]
+    });
+    print_table(
+        &[
+            "PERSON",
+            "WAITING",
+            "RUNNING/CAP",
+            "GPU MIN TODAY/QUOTA",
+            "PAUSED",
+            "WAITS FOR",
+        ],
+        rows,
+    );
 }
 
 /// `vnfarm tokens create|list|revoke`. A new token goes to stdout alone (for a script to keep),

@@ -104,6 +104,9 @@ pub struct JobView {
     /// Who asked for its cancel (a cancelled job, or one being cancelled), when the stream says.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cancelled_by: Option<String>,
+    /// Who last moved it to the front of the queue.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moved_by: Option<String>,
     pub worker: Option<WorkerId>,
     pub dispatches: u32,
     /// Runs started, on any worker.
@@ -281,6 +284,52 @@ pub struct RevokedToken {
     pub revoked_at: DateTime<Utc>,
 }
 
+/// `GET /v1/queue`, and the answer to pausing and resuming: the queue's controls and each
+/// person's share of the farm.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct QueueView {
+    /// Who asked, and their role (a page shows the controls the role holds).
+    pub you: String,
+    pub role: Role,
+    /// Set while the whole farm is paused: nothing is dispatched; running jobs finish.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub farm_paused: Option<PauseView>,
+    /// Everyone with work waiting or on workers, paused, or with GPU time today, by name.
+    pub people: Vec<PersonQueue>,
+}
+
+/// Who paused, and when.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct PauseView {
+    pub by: String,
+    pub at: DateTime<Utc>,
+}
+
+/// One person's share of the farm.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct PersonQueue {
+    pub name: String,
+    /// Their jobs waiting for a worker.
+    pub waiting: usize,
+    /// Their jobs on workers (dispatched or running).
+    pub running: usize,
+    /// GPU time their runs took today (UTC), in minutes.
+    pub gpu_minutes_today: f64,
+    /// The most of their jobs on workers at once, if capped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_running: Option<u32>,
+    /// Their GPU minutes per UTC day, if limited.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub daily_gpu_minutes: Option<u32>,
+    /// Set while their work is paused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub paused: Option<PauseView>,
+    /// Why their waiting work does not start now, in words: paused, at their cap, past their
+    /// quota. Absent when it may.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held: Option<String>,
+}
+
 /// The body of every error response.
 #[derive(Debug, Serialize, Deserialize, JsonSchema)]
 pub struct ErrorBody {
@@ -343,6 +392,7 @@ mod tests {
             updated_at: Utc::now(),
             owner: "ann".into(),
             cancelled_by: None,
+            moved_by: None,
             worker: None,
             dispatches: 0,
             attempts: 0,

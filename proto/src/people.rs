@@ -2,7 +2,9 @@
 //! events that give a person an API token and take it away.
 //!
 //! A person's cancel of a job already on a worker is one of these events too (`cancel_requested`),
-//! since that job's `cancelled` comes from its worker and cannot name them.
+//! since that job's `cancelled` comes from its worker and cannot name them; so are the queue's
+//! controls (DESIGN §7a, "Fair share and queue control"): pausing and resuming the farm or one
+//! person's work, and moving a waiting job to the front, each by the person who did it.
 //!
 //! A person is a name with one role and at most one live token. The token itself never travels
 //! after the answer that shows it once: the events carry its SHA-256, so the event stream (and
@@ -178,11 +180,32 @@ pub enum PersonEventKind {
         by: String,
     },
     /// The person's token no longer opens the API.
-    TokenRevoked { by: String },
+    TokenRevoked {
+        by: String,
+    },
     /// The person asked for a job on a worker to be cancelled. The worker writes the job's
     /// `cancelled` event, from a version 1 control message that cannot name the person, so who
     /// asked is recorded here, where every scheduler reads it.
-    CancelRequested { job_id: JobId },
+    CancelRequested {
+        job_id: JobId,
+    },
+    /// The person paused the whole farm: nothing more is dispatched until someone resumes it;
+    /// running jobs finish and waiting ones keep their places.
+    FarmPaused,
+    FarmResumed,
+    /// The person paused `whose` work: none of it is dispatched until resumed; their running
+    /// jobs finish.
+    WorkPaused {
+        whose: String,
+    },
+    WorkResumed {
+        whose: String,
+    },
+    /// The person moved a waiting job to the front of its class (interactive or batch), ahead
+    /// of every person's turn; the latest move goes first.
+    MovedToFront {
+        job_id: JobId,
+    },
 }
 
 impl PersonEvent {
@@ -201,6 +224,11 @@ impl PersonEvent {
             PersonEventKind::TokenCreated { .. } => "token_created",
             PersonEventKind::TokenRevoked { .. } => "token_revoked",
             PersonEventKind::CancelRequested { .. } => "cancel_requested",
+            PersonEventKind::FarmPaused => "farm_paused",
+            PersonEventKind::FarmResumed => "farm_resumed",
+            PersonEventKind::WorkPaused { .. } => "work_paused",
+            PersonEventKind::WorkResumed { .. } => "work_resumed",
+            PersonEventKind::MovedToFront { .. } => "moved_to_front",
         };
         format!("{PEOPLE_ROUTING_PREFIX}.{}.{event}", self.person)
     }
@@ -256,5 +284,25 @@ mod tests {
         assert_eq!(back, ev);
         let revoked = PersonEvent::now("ann", PersonEventKind::TokenRevoked { by: "bo".into() });
         assert_eq!(revoked.routing_key(), "people.ann.token_revoked");
+        // The queue's controls: a unit variant is only its tag.
+        let paused = PersonEvent::now("bo", PersonEventKind::FarmPaused);
+        assert_eq!(paused.routing_key(), "people.bo.farm_paused");
+        let json = serde_json::to_string(&paused).unwrap();
+        assert!(json.contains("\"event\":\"farm_paused\""), "{json}");
+        assert_eq!(
+            crate::decode_json::<PersonEvent>(json.as_bytes()).unwrap(),
+            paused
+        );
+        let moved = PersonEvent::now(
+            "bo",
+            PersonEventKind::MovedToFront {
+                job_id: JobId::new(),
+            },
+        );
+        let json = serde_json::to_string(&moved).unwrap();
+        assert_eq!(
+            crate::decode_json::<PersonEvent>(json.as_bytes()).unwrap(),
+            moved
+        );
     }
 }

@@ -14,6 +14,8 @@
 //! | `GET /v1/files/{key}`, `GET /v1/thumbnails/{key}` | an image or its thumbnail, by signed URL |
 //! | `GET /v1/workers` | known workers and their last heartbeat |
 //! | `POST /v1/tokens`, `GET /v1/tokens`, `POST /v1/tokens/{name}/revoke` | people's tokens (admins) |
+//! | `GET /v1/queue`, `POST /v1/queue/{pause,resume}` | the queue's controls and people's shares; pausing the farm |
+//! | `POST /v1/people/{name}/{pause,resume}`, `POST /v1/jobs/{id}/front` | pausing a person's work; moving a job to the front |
 //! | `GET /v1/schema`, `GET /v1/openapi.json` | JSON Schema of a submission; this API's OpenAPI document |
 //! | `GET /metrics`, `GET /healthz` | Prometheus metrics; readiness |
 //! | `GET /`, `GET /ui/app.js`, `GET /ui/app.css` | the web page |
@@ -34,6 +36,7 @@ pub mod fleet;
 pub mod jobs;
 pub mod openapi;
 pub mod page;
+pub mod queue;
 pub mod tokens;
 pub mod uploads;
 
@@ -47,7 +50,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{MethodRouter, get, post};
 use axum::{Json, Router};
 use tower_http::cors::{AllowOrigin, CorsLayer};
-use vnfarm_proto::http::{CreatedToken, Fleet, RevokedToken, Submitted, TokenList, TokenRequest};
+use vnfarm_proto::http::{
+    CreatedToken, Fleet, JobView, QueueView, RevokedToken, Submitted, TokenList, TokenRequest,
+};
 use vnfarm_proto::{JobId, MAX_MESSAGE_BYTES, Permission, SequencedEvent, Submission};
 
 use crate::config::Config;
@@ -250,6 +255,15 @@ pub fn operations(config: &Config) -> Vec<Operation> {
             .error(400, "`id` is not a job id")
             .error(404, "no such job")
             .error(409, "the job already finished"),
+        Operation::new(M::POST, "/v1/jobs/{id}/front", "move_to_front", "queue", "Move a waiting job to the front", post(queue::front))
+            .describe("It goes before every job of its class (interactive work still goes before batch work) that was not moved, ahead of every person's turn; the latest move goes first. A pipeline's waiting jobs move with it. The job's `moved_by` and the event stream (`moved_to_front`) record who moved it.")
+            .needs(Permission::Reorder)
+            .param(job_id.0, job_id.1, job_id.2)
+            .answers(200, "moved: this scheduler dispatches it first", Content::Json(schema::<JobView>))
+            .error(400, "`id` is not a job id")
+            .error(404, "no such job")
+            .error(409, "the job is not waiting in the queue (dispatched, running or finished)")
+            .error(503, "the event was not read back in time, or the broker is unavailable"),
         Operation::new(M::GET, "/v1/jobs/{id}/events", "job_events", "events", "Server-Sent Events of one job", get(events::job_events))
             .describe("Its history after the resume point, then live events until its final one. Each event's `id` is its sequence number and its `event` its kind. Another person's job needs `see_all`.")
             .param(job_id.0, job_id.1, job_id.2)
@@ -326,6 +340,31 @@ pub fn operations(config: &Config) -> Vec<Operation> {
             .param("name", "the person's name", schema::<String>)
             .answers(200, "revoked", Content::Json(schema::<RevokedToken>))
             .error(404, "the name has no live token (field `name`)"),
+        Operation::new(M::GET, "/v1/queue", "queue", "queue", "The queue's controls and each person's share", get(queue::show))
+            .describe("Whether the farm is paused, and per person: jobs waiting and on workers, GPU minutes today (UTC), their limits, whether their work is paused, and why it does not start now. A caller whose role lacks `see_all` (an artist) gets their own share only.")
+            .answers(200, "the queue", Content::Json(schema::<QueueView>)),
+        Operation::new(M::POST, "/v1/queue/pause", "pause_farm", "queue", "Pause the farm", post(queue::pause_farm))
+            .describe("Nothing more is dispatched until someone resumes; running jobs finish and waiting ones keep their places. Recorded as a `farm_paused` event naming the caller, so every scheduler, a standby and a restarted one hold the same. Pausing a paused farm changes nothing.")
+            .needs(Permission::PauseFarm)
+            .answers(200, "paused: this scheduler dispatches nothing", Content::Json(schema::<QueueView>))
+            .error(503, "the event was not read back in time, or the broker is unavailable"),
+        Operation::new(M::POST, "/v1/queue/resume", "resume_farm", "queue", "Resume the farm", post(queue::resume_farm))
+            .needs(Permission::PauseFarm)
+            .answers(200, "resumed", Content::Json(schema::<QueueView>))
+            .error(503, "the event was not read back in time, or the broker is unavailable"),
+        Operation::new(M::POST, "/v1/people/{name}/pause", "pause_person", "queue", "Pause one person's work", post(queue::pause_person))
+            .describe("None of their waiting work is dispatched until resumed; their running jobs finish. Recorded as a `work_paused` event naming the caller.")
+            .needs(Permission::PausePerson)
+            .param("name", "the person's name (or `admin`)", schema::<String>)
+            .answers(200, "paused", Content::Json(schema::<QueueView>))
+            .error(422, "the name is not a person's (field `name`)")
+            .error(503, "the event was not read back in time, or the broker is unavailable"),
+        Operation::new(M::POST, "/v1/people/{name}/resume", "resume_person", "queue", "Resume one person's work", post(queue::resume_person))
+            .needs(Permission::PausePerson)
+            .param("name", "the person's name (or `admin`)", schema::<String>)
+            .answers(200, "resumed", Content::Json(schema::<QueueView>))
+            .error(422, "the name is not a person's (field `name`)")
+            .error(503, "the event was not read back in time, or the broker is unavailable"),
         Operation::new(M::GET, "/v1/schema", "submission_schema", "meta", "JSON Schema of a submission", get(submission_schema))
             .without_registry()
             .answers(200, "the schema", Content::Json(schema::<serde_json::Value>)),

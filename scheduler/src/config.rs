@@ -1,5 +1,6 @@
 //! The scheduler's typed configuration, validated before any I/O.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::Path;
 
@@ -76,6 +77,45 @@ pub struct DispatchConfig {
     /// its load (SGLang's cache-aware router's rule).
     pub imbalance_abs: u32,
     pub imbalance_rel: f64,
+    /// Fair share (DESIGN §7a): at most this many of one person's jobs on workers at once
+    /// (dispatched or running); 0, the default, sets no cap.
+    pub max_running_per_person: u32,
+    /// A person's GPU time per UTC day, in minutes, after which their waiting work waits for the
+    /// next day; 0, the default, sets no quota.
+    pub daily_gpu_minutes_per_person: u32,
+    /// One person's own limits, by name (`[dispatch.person.ann]`), over the two above.
+    pub person: BTreeMap<String, PersonLimits>,
+}
+
+/// A person's own limits (`[dispatch.person.<name>]`); a key left out takes the farm's, and 0
+/// lifts the limit for them.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct PersonLimits {
+    pub max_running: Option<u32>,
+    pub daily_gpu_minutes: Option<u32>,
+}
+
+/// The limits that apply to one person (`None`: none).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Limits {
+    pub max_running: Option<u32>,
+    pub daily_gpu_minutes: Option<u32>,
+}
+
+impl DispatchConfig {
+    /// The limits of `person`: their own where set, else the farm's.
+    pub fn limits_of(&self, person: &str) -> Limits {
+        let own = self.person.get(person);
+        let pick = |own: Option<u32>, farm: u32| Some(own.unwrap_or(farm)).filter(|n| *n > 0);
+        Limits {
+            max_running: pick(own.and_then(|p| p.max_running), self.max_running_per_person),
+            daily_gpu_minutes: pick(
+                own.and_then(|p| p.daily_gpu_minutes),
+                self.daily_gpu_minutes_per_person,
+            ),
+        }
+    }
 }
 
 /// Which worker gets a job.
@@ -114,6 +154,9 @@ impl Default for DispatchConfig {
             spill_after: 12,
             imbalance_abs: 8,
             imbalance_rel: 2.0,
+            max_running_per_person: 0,
+            daily_gpu_minutes_per_person: 0,
+            person: BTreeMap::new(),
         }
     }
 }
@@ -189,13 +232,6 @@ impl Config {
         env: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Self, ConfigError> {
         vnfarm_config::load_validated(file, env)
-    }
-
-    pub fn retention(&self) -> crate::registry::Retention {
-        crate::registry::Retention {
-            max_jobs: self.retain_jobs,
-            max_age: chrono::Duration::seconds(self.retain_age_s.min(i64::MAX as u64) as i64),
-        }
     }
 }
 
@@ -309,6 +345,44 @@ mod tests {
                 (12, 8, 2.0)
             );
         }
+    }
+
+    #[test]
+    fn a_persons_own_limits_override_the_farms() {
+        let c = Config::load(
+            None,
+            env(&[
+                ("VNFARM_DISPATCH__MAX_RUNNING_PER_PERSON", "3"),
+                ("VNFARM_DISPATCH__DAILY_GPU_MINUTES_PER_PERSON", "120"),
+                ("VNFARM_DISPATCH__PERSON__ANN__MAX_RUNNING", "0"),
+                ("VNFARM_DISPATCH__PERSON__BO__DAILY_GPU_MINUTES", "30"),
+            ]),
+        )
+        .unwrap();
+        let limits = |name| c.dispatch.limits_of(name);
+        assert_eq!(
+            limits("ann"),
+            Limits {
+                max_running: None,
+                daily_gpu_minutes: Some(120)
+            },
+            "0 lifts a limit for one person"
+        );
+        assert_eq!(
+            limits("bo"),
+            Limits {
+                max_running: Some(3),
+                daily_gpu_minutes: Some(30)
+            }
+        );
+        assert_eq!(limits("cy"), limits("admin"));
+        assert_eq!(
+            Config::load(None, env(&[]))
+                .unwrap()
+                .dispatch
+                .limits_of("x"),
+            Limits::default()
+        );
     }
 
     #[test]

@@ -25,6 +25,9 @@
 //!   does: publish, cancel, gauges.
 //! - [`session`]: one broker connection's life: load, replay, then read and lead concurrently; the
 //!   active work it hands leadership.
+//! - [`queue`]: queue control: pausing and resuming the farm or a person's work, moving a job to
+//!   the front (people's events, read back before answering); fair share itself is part of the
+//!   registry (`registry/shares.rs`, `registry/plan.rs`).
 //! - [`tokens`]: making and revoking people's tokens (their events, read back before answering);
 //!   people themselves are part of the registry (`registry/people.rs`).
 //! - [`api`]: the HTTP API, Server-Sent Events, uploads, signed image URLs, the OpenAPI document
@@ -47,6 +50,7 @@ pub mod intake;
 pub mod leader;
 pub mod metrics;
 pub mod names;
+pub mod queue;
 pub mod registry;
 pub mod replica;
 pub mod scheduler;

@@ -18,6 +18,7 @@
 //! - `plan.rs`: the dispatch policy, with its tests. `workers.rs`: the worker records.
 //! - `names.rs`: the model names workers advertise; jobs whose named checkpoint left the farm.
 //! - `people.rs`: people and their tokens' digests, from their own events in the same stream.
+//! - `shares.rs`: fair share: the queue's controls (pauses) and each person's GPU time today.
 //! - `testing.rs` (tests only): submissions, heartbeats and an event stream the tests share.
 //! - `snapshot.rs`: the durable part, as a snapshot writes and reads it.
 //!
@@ -46,12 +47,15 @@ use vnfarm_proto::event::SequencedEvent;
 use vnfarm_proto::http::JobState;
 use vnfarm_proto::{Heartbeat, JobId, ModelFamily, PersonEvent, Priority, WorkerId};
 
+use crate::config::DispatchConfig;
+
 mod apply;
 mod follow_ups;
 mod names;
 mod people;
 mod plan;
 mod record;
+mod shares;
 mod snapshot;
 mod store;
 #[cfg(test)]
@@ -66,6 +70,7 @@ pub use names::AdvertisedNames;
 pub use people::{People, Person, token_digest};
 pub use plan::{Decision, Dispatch, Plan, Yield};
 pub use record::JobRecord;
+pub use shares::{Held, Pause, Shares};
 pub use snapshot::{Snapshot, SnapshotView};
 pub use workers::{Route, WorkerRecord};
 
@@ -83,6 +88,16 @@ pub struct Retention {
     pub max_age: chrono::Duration,
 }
 
+impl Retention {
+    /// The configuration's `retain_jobs` and `retain_age_s`.
+    pub fn of(config: &crate::config::Config) -> Self {
+        Self {
+            max_jobs: config.retain_jobs,
+            max_age: chrono::Duration::seconds(config.retain_age_s.min(i64::MAX as u64) as i64),
+        }
+    }
+}
+
 impl Default for Retention {
     fn default() -> Self {
         Self {
@@ -93,7 +108,7 @@ impl Default for Retention {
 }
 
 /// Why an unfinished job is not moving: the facts the API puts in words.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum Blocker {
     /// A worker failed it transiently; it runs again.
     Retrying,
@@ -110,6 +125,8 @@ pub enum Blocker {
     /// Held for these busy workers, which hold its input's encodings (for a while, then any
     /// worker).
     Holders(Vec<WorkerId>),
+    /// Its owner's work may not start now: paused, at their cap, or past their quota.
+    Share(Held),
     /// A free slot of a worker that serves it.
     FreeSlot,
 }
@@ -131,6 +148,8 @@ pub struct Registry {
     workers: BTreeMap<WorkerId, WorkerRecord>,
     /// People and their tokens (durable: part of a snapshot).
     people: People,
+    /// The queue's controls and people's GPU time today (durable: part of a snapshot).
+    shares: Shares,
     recent: VecDeque<SequencedEvent>,
     /// Offset of the next event to read from the stream.
     next_offset: u64,
@@ -187,11 +206,26 @@ impl Registry {
 
     /// Applies a person's event read from the stream at `seq`; returns whether it changed
     /// anything. A cancel request names its person on the job (the first one wins, as the first
-    /// terminal event does); a job finished before it is left as it is.
+    /// terminal event does); a job finished before it is left as it is. A move to the front
+    /// moves a job that is still queued.
     pub fn apply_person(&mut self, seq: u64, ev: &PersonEvent) -> bool {
+        use vnfarm_proto::PersonEventKind as K;
         self.next_offset = self.next_offset.max(seq + 1);
         self.latest = self.latest.max(Some(ev.at));
         match &ev.kind {
+            K::MovedToFront { job_id } => self
+                .jobs
+                .update(*job_id, |job| {
+                    let queued = job.state == JobState::Queued;
+                    if queued {
+                        job.front = Some((seq, ev.person.clone()));
+                    }
+                    queued
+                })
+                .unwrap_or(false),
+            K::FarmPaused | K::FarmResumed | K::WorkPaused { .. } | K::WorkResumed { .. } => {
+                self.apply_control(ev)
+            }
             vnfarm_proto::PersonEventKind::CancelRequested { job_id } => self
                 .jobs
                 .update(*job_id, |job| {
@@ -232,7 +266,12 @@ impl Registry {
     }
 
     /// Why an unfinished job is where it is (`None` for a finished or running one).
-    pub fn blocker(&self, job: &JobRecord, timeout: Duration) -> Option<Blocker> {
+    pub fn blocker(
+        &self,
+        job: &JobRecord,
+        timeout: Duration,
+        dispatch: &DispatchConfig,
+    ) -> Option<Blocker> {
         match job.state {
             JobState::Completed | JobState::Failed | JobState::Cancelled => None,
             JobState::Running | JobState::Unknown => None,
@@ -253,6 +292,9 @@ impl Registry {
             )),
             JobState::Queued => {
                 let route = job.route()?;
+                if let Some(held) = self.held(job.owner(), dispatch, Utc::now().date_naive()) {
+                    return Some(Blocker::Share(held));
+                }
                 if !self.workers.values().any(|w| w.serves(&route, timeout)) {
                     return Some(Blocker::NoWorker(route));
                 }

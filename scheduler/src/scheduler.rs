@@ -30,6 +30,10 @@ use crate::registry::{CancelRefusal, Registry};
 use crate::replica::Replica;
 use crate::snapshot::SnapshotWriter;
 
+/// How long an event published here (a token's, a queue control's) may take to come back from
+/// the stream before the API answers 503.
+const READ_BACK: Duration = Duration::from_secs(10);
+
 /// A scheduler, cheap to clone (every HTTP handler and intake task holds one).
 #[derive(Clone)]
 pub struct Scheduler(Arc<Inner>);
@@ -88,7 +92,7 @@ impl Scheduler {
         shutdown: tokio_util::sync::CancellationToken,
     ) -> Self {
         let topology = config.amqp.topology();
-        let registry = Registry::new(config.retention());
+        let registry = Registry::new(crate::registry::Retention::of(&config));
         let snapshots = SnapshotWriter::new(
             config.snapshot_every_events,
             topology.snapshot_stream(),
@@ -235,6 +239,26 @@ impl Scheduler {
             .await
     }
 
+    /// Waits until `found` finds what an event published here did to the registry: `None` when
+    /// it has not come back from the stream within [`READ_BACK`].
+    pub(crate) async fn read_back_event<T>(
+        &self,
+        found: impl Fn(&Registry) -> Option<T>,
+    ) -> Option<T> {
+        let deadline = tokio::time::Instant::now() + READ_BACK;
+        loop {
+            let notified = self.applied().notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(t) = found(&self.registry()) {
+                return Some(t);
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return None;
+            }
+        }
+    }
+
     /// Publishes to the events exchange, whose stream every scheduler reads.
     async fn publish_to_stream(
         &self,
@@ -265,10 +289,12 @@ impl Scheduler {
     }
 
     /// Applies a person's event from the stream and owes the snapshot writer one more event (a
-    /// snapshot must carry the token before its event ages out of the stream).
+    /// snapshot must carry the token before its event ages out of the stream); wakes the
+    /// dispatcher (a resume or a move to the front changes what goes next).
     pub(crate) fn apply_person(&self, seq: u64, ev: &PersonEvent) {
         self.0.replica.apply_person(seq, ev);
         self.0.snapshots.event_applied();
+        self.0.dispatch_wanted.notify_one();
     }
 
     /// A marker came back from the stream.

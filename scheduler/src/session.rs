@@ -80,7 +80,7 @@ impl Scheduler {
             && let Some(registry) = snapshot::load(
                 connection,
                 &self.topology().snapshot_stream(),
-                self.config().retention(),
+                crate::registry::Retention::of(self.config()),
             )
             .await?
         {

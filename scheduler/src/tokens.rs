@@ -5,15 +5,10 @@
 //! A token is 32 random bytes (`vnfarm_` and 64 hex digits); only its SHA-256 leaves this module,
 //! in the event. The token itself is in the one answer that creates it, and nowhere else.
 
-use std::time::Duration;
-
 use vnfarm_proto::{PersonEvent, PersonEventKind, Role};
 
 use crate::registry::token_digest;
 use crate::scheduler::Scheduler;
-
-/// How long a token's event may take to come back from the stream before the API answers 503.
-const READ_BACK: Duration = Duration::from_secs(10);
 
 /// Why a token was not made or revoked.
 #[derive(Debug, thiserror::Error)]
@@ -110,25 +105,16 @@ impl Scheduler {
         .await
     }
 
-    /// Waits until `found` finds what an event published here did to the registry.
+    /// Waits until `found` finds what a token's event published here did to the registry.
     async fn read_back<T>(
         &self,
         found: impl Fn(&crate::registry::Registry) -> Option<T>,
     ) -> Result<T, TokenError> {
-        let deadline = tokio::time::Instant::now() + READ_BACK;
-        loop {
-            let notified = self.applied().notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            if let Some(t) = found(&self.registry()) {
-                return Ok(t);
-            }
-            if tokio::time::timeout_at(deadline, notified).await.is_err() {
-                return Err(TokenError::Unavailable(
-                    "the token's event was confirmed but has not been read back yet; list the tokens to see whether it took".into(),
-                ));
-            }
-        }
+        self.read_back_event(found).await.ok_or_else(|| {
+            TokenError::Unavailable(
+                "the token's event was confirmed but has not been read back yet; list the tokens to see whether it took".into(),
+            )
+        })
     }
 }
 

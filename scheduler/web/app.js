@@ -22,7 +22,15 @@ const state = {
   fetching: new Set(),
   fleetTimer: null,
   tokenWaiters: [],
+  // From GET /v1/queue: who we are and what our role may do; the queue's controls.
+  role: null,
+  queue: null,
 };
+
+// What each role may do with the queue (DESIGN §7a): leads reorder and pause a person's work,
+// admins also pause the farm.
+const mayReorder = () => state.role === "lead" || state.role === "admin";
+const mayPauseFarm = () => state.role === "admin";
 
 const $ = (sel, root = document) => root.querySelector(sel);
 
@@ -228,6 +236,7 @@ function render(job) {
     card.dataset.jobId = top.id;
     card.querySelector(".cancel-button").addEventListener("click", () => cancel(top.id));
     card.querySelector(".compare-button").addEventListener("click", () => compareVariants(top.id));
+    card.querySelector(".front-button").addEventListener("click", () => moveToFront(top.id));
     // Newest first (ids are time-ordered): before the first card older than it.
     const container = $("#jobs");
     const older = [...container.children].find((c) => c.dataset.jobId < top.id);
@@ -280,7 +289,8 @@ function fillCard(card, job) {
   card.dataset.kind = job.kind;
   $(".job-title", card).textContent = kindTitle(job);
   // Who submitted it (`admin` for the farm's own token); absent from an older scheduler's answers.
-  $(".owner", card).textContent = job.owner ? `by ${job.owner}` : "";
+  const moved = job.moved_by ? ` · moved to the front by ${job.moved_by}` : "";
+  $(".owner", card).textContent = job.owner ? `by ${job.owner}${moved}` : moved;
   // A pipeline stays `queued` in the API until its last job ends; the artist sees it running.
   const shown = displayState(job);
   $(".state", card).textContent = shown;
@@ -291,6 +301,8 @@ function fillCard(card, job) {
   bar.setAttribute("aria-label", `progress of ${kindTitle(job)}`);
   $(".progress-text", card).textContent = p.text;
   $(".cancel-button", card).hidden = FINAL.has(job.state);
+  // Only a job still waiting has a place in the queue to move.
+  $(".front-button", card).hidden = !mayReorder() || displayState(job) !== "queued";
   const detail = $(".job-detail", card);
   detail.textContent = job.failure ? `${job.failure.kind}: ${job.failure.message}` : describe(job);
   detail.classList.toggle("error", Boolean(job.failure));
@@ -493,6 +505,72 @@ async function cancel(id) {
   } catch (e) {
     showError(e);
   }
+}
+
+async function moveToFront(id) {
+  try {
+    await call("POST", `/v1/jobs/${id}/front`);
+    note(`Job ${id} moved to the front.`);
+    // A move is the queue's event, not the job's: read the job (and a pipeline's jobs) again.
+    fetchJob(id);
+    const job = state.jobs.get(id);
+    for (const child of (job && job.children) || []) fetchJob(child);
+  } catch (e) {
+    showError(e);
+  }
+}
+
+// ---------------------------------------------------------------- queue
+
+async function refreshQueue() {
+  try {
+    const queue = await call("GET", "/v1/queue");
+    const roleChanged = state.role !== queue.role;
+    state.role = queue.role;
+    state.queue = queue;
+    const farm = $("#farm-state");
+    farm.dataset.paused = queue.farm_paused ? "true" : "false";
+    farm.textContent = queue.farm_paused
+      ? `The farm is paused (by ${queue.farm_paused.by}); running jobs finish, nothing new starts.`
+      : "The farm is running.";
+    const button = $("#farm-pause");
+    button.hidden = !mayPauseFarm();
+    button.textContent = queue.farm_paused ? "Resume the farm" : "Pause the farm";
+    const list = $("#queue-people");
+    list.replaceChildren();
+    for (const p of queue.people) {
+      const li = document.createElement("li");
+      li.dataset.person = p.name;
+      li.dataset.paused = p.paused ? "true" : "false";
+      const cap = p.max_running ? `/${p.max_running}` : "";
+      const quota = p.daily_gpu_minutes ? ` of ${p.daily_gpu_minutes}` : "";
+      const text = document.createElement("span");
+      text.textContent = `${p.name}: ${p.waiting} waiting, ${p.running}${cap} running, ${p.gpu_minutes_today.toFixed(1)}${quota} GPU min today${p.held ? " · waits for " + p.held : ""}`;
+      li.append(text);
+      if (mayReorder()) {
+        const toggle = document.createElement("button");
+        toggle.type = "button";
+        toggle.className = "person-pause";
+        toggle.textContent = p.paused ? `Resume ${p.name}` : `Pause ${p.name}`;
+        toggle.addEventListener("click", () => setPaused(`/v1/people/${encodeURIComponent(p.name)}`, !p.paused));
+        li.append(" ", toggle);
+      }
+      list.append(li);
+    }
+    if (roleChanged) renderAll();
+  } catch (e) {
+    showBackgroundError(e);
+  }
+}
+
+async function setPaused(base, pause) {
+  try {
+    await call("POST", `${base}/${pause ? "pause" : "resume"}`);
+    note(pause ? "Paused: running jobs finish, nothing new starts." : "Resumed.");
+  } catch (e) {
+    showError(e);
+  }
+  refreshQueue();
 }
 
 // ---------------------------------------------------------------- forms
@@ -769,9 +847,14 @@ function start() {
   compareSelected.addEventListener("click", () => openCompare([...state.selected.values()]));
   $("#jobs-title").after(compareSelected);
   updateSelection();
+  $("#farm-pause").addEventListener("click", () =>
+    setPaused("/v1/queue", !(state.queue && state.queue.farm_paused)),
+  );
   followEvents();
   refreshFleet();
+  refreshQueue();
   setInterval(refreshFleet, 2000);
+  setInterval(refreshQueue, 2000);
 }
 
 document.addEventListener("DOMContentLoaded", start);

@@ -21,6 +21,7 @@ mod permissions;
 mod pipeline;
 mod processes;
 mod provenance;
+mod queue;
 mod qwen;
 mod redelivery;
 mod sdxl;

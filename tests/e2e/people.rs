@@ -18,10 +18,10 @@ use vnfarm_tests::{Farm, WorkerOptions, bin_dir, png_bytes, sse, wait_for};
 
 use crate::FINISH;
 
-const ADMIN_TOKEN: &str = "people-test-admin-token-0123";
+pub(crate) const ADMIN_TOKEN: &str = "people-test-admin-token-0123";
 
 /// Runs `vnfarm --token <token> <args>` against scheduler `url`.
-fn vnfarm(url: &str, token: &str, args: &[&str]) -> anyhow::Result<Output> {
+pub(crate) fn vnfarm(url: &str, token: &str, args: &[&str]) -> anyhow::Result<Output> {
     Ok(Command::new(bin_dir().join("vnfarm"))
         .env_clear()
         .args(["--url", url, "--token", token])
@@ -30,7 +30,7 @@ fn vnfarm(url: &str, token: &str, args: &[&str]) -> anyhow::Result<Output> {
 }
 
 /// `vnfarm tokens create NAME --role ROLE` as the admin; returns the token it printed.
-fn create_token(farm: &Farm, name: &str, role: &str) -> anyhow::Result<String> {
+pub(crate) fn create_token(farm: &Farm, name: &str, role: &str) -> anyhow::Result<String> {
     let out = vnfarm(
         &farm.url(""),
         ADMIN_TOKEN,
@@ -50,13 +50,13 @@ fn create_token(farm: &Farm, name: &str, role: &str) -> anyhow::Result<String> {
 }
 
 /// One person's view of one scheduler.
-struct Person {
-    http: reqwest::Client,
-    base: String,
+pub(crate) struct Person {
+    pub(crate) http: reqwest::Client,
+    pub(crate) base: String,
 }
 
 impl Person {
-    fn new(base: &str, token: &str) -> anyhow::Result<Self> {
+    pub(crate) fn new(base: &str, token: &str) -> anyhow::Result<Self> {
         let mut headers = reqwest::header::HeaderMap::new();
         headers.insert(
             reqwest::header::AUTHORIZATION,
@@ -72,7 +72,7 @@ impl Person {
     }
 
     /// `method path` with an optional JSON body: the status and the body (JSON, or null).
-    async fn call(
+    pub(crate) async fn call(
         &self,
         method: reqwest::Method,
         path: &str,
@@ -91,27 +91,31 @@ impl Person {
         ))
     }
 
-    async fn get(&self, path: &str) -> anyhow::Result<(StatusCode, Value)> {
+    pub(crate) async fn get(&self, path: &str) -> anyhow::Result<(StatusCode, Value)> {
         self.call(reqwest::Method::GET, path, None).await
     }
 
-    async fn post(&self, path: &str, body: Option<&Value>) -> anyhow::Result<(StatusCode, Value)> {
+    pub(crate) async fn post(
+        &self,
+        path: &str,
+        body: Option<&Value>,
+    ) -> anyhow::Result<(StatusCode, Value)> {
         self.call(reqwest::Method::POST, path, body).await
     }
 
-    async fn submit(&self, body: &Value) -> anyhow::Result<String> {
+    pub(crate) async fn submit(&self, body: &Value) -> anyhow::Result<String> {
         let (status, answer) = self.post("/v1/jobs", Some(body)).await?;
         ensure!(status == StatusCode::CREATED, "{status} {answer}");
         Ok(answer["job_id"].as_str().context("job_id")?.to_owned())
     }
 
-    async fn job(&self, id: &str) -> anyhow::Result<JobView> {
+    pub(crate) async fn job(&self, id: &str) -> anyhow::Result<JobView> {
         let (status, job) = self.get(&format!("/v1/jobs/{id}")).await?;
         ensure!(status == StatusCode::OK, "{status} {job}");
         Ok(serde_json::from_value(job)?)
     }
 
-    async fn wait_finished(&self, id: &str) -> anyhow::Result<JobView> {
+    pub(crate) async fn wait_finished(&self, id: &str) -> anyhow::Result<JobView> {
         wait_for(&format!("job {id} to finish"), FINISH, || async {
             self.job(id).await.ok().filter(|j| j.state.is_terminal())
         })
@@ -155,7 +159,11 @@ impl Person {
 }
 
 /// A refusal: `status`, field `authorization`, and a message naming `needs`.
-fn refused(answer: &(StatusCode, Value), status: StatusCode, needs: &str) -> anyhow::Result<()> {
+pub(crate) fn refused(
+    answer: &(StatusCode, Value),
+    status: StatusCode,
+    needs: &str,
+) -> anyhow::Result<()> {
     let (got, body) = answer;
     ensure!(*got == status, "{got} {body}, wanted {status}");
     ensure!(body["error"]["field"] == "authorization", "{body}");
@@ -479,7 +487,7 @@ async fn two_peoples_tokens_and_roles_are_enforced_on_every_route() -> anyhow::R
             PersonEventKind::TokenCreated { token_sha256, .. } => {
                 Some((e.person.as_str(), token_sha256.as_str()))
             }
-            PersonEventKind::TokenRevoked { .. } | PersonEventKind::CancelRequested { .. } => None,
+            _ => None,
         })
         .collect();
     let digest = |t: &str| hex::encode(Sha256::digest(t.as_bytes()));
@@ -502,6 +510,7 @@ async fn two_peoples_tokens_and_roles_are_enforced_on_every_route() -> anyhow::R
             PersonEventKind::CancelRequested { job_id } => {
                 Some((e.person.as_str(), format!("cancel {job_id}")))
             }
+            _ => None,
         })
         .collect();
     ensure!(

@@ -654,6 +654,97 @@ async fn the_api_answers_as_its_document_says() -> anyhow::Result<()> {
         "{fleet}"
     );
 
+    // The queue: its state; the farm paused (a job submitted now waits), a waiting job moved to
+    // the front (a finished or unknown one refused by name), a person's work paused and resumed
+    // (a name that is no person's refused), the farm resumed.
+    let (status, queue) = c.call(h.get(url("/v1/queue")), "/v1/queue").await?;
+    ensure!(
+        status == 200 && queue["you"] == "admin" && queue["role"] == "admin",
+        "{queue}"
+    );
+    let (status, queue) = c
+        .call(h.post(url("/v1/queue/pause")), "/v1/queue/pause")
+        .await?;
+    ensure!(
+        status == 200 && queue["farm_paused"]["by"] == "admin",
+        "{queue}"
+    );
+    let (_, body) = c
+        .call(
+            h.post(url("/v1/jobs")).json(&generate(json!({}))),
+            "/v1/jobs",
+        )
+        .await?;
+    let waiting = body["job_id"].as_str().context("job_id")?.to_owned();
+    let (status, moved) = c
+        .call(
+            h.post(url(&format!("/v1/jobs/{waiting}/front"))),
+            "/v1/jobs/{id}/front",
+        )
+        .await?;
+    ensure!(status == 200 && moved["moved_by"] == "admin", "{moved}");
+    ensure!(
+        moved["waiting_for"]
+            .as_str()
+            .is_some_and(|w| w.starts_with("the farm to be resumed")),
+        "{moved}"
+    );
+    let (status, body) = c
+        .call(
+            h.post(url(&format!("/v1/jobs/{id}/front"))),
+            "/v1/jobs/{id}/front",
+        )
+        .await?;
+    ensure!(status == 409 && error_field(&body) == "id", "{body}");
+    let (status, _) = c
+        .call(
+            h.post(url(&format!("/v1/jobs/{unknown}/front"))),
+            "/v1/jobs/{id}/front",
+        )
+        .await?;
+    ensure!(status == 404);
+    let (status, queue) = c
+        .call(
+            h.post(url("/v1/people/web-lead/pause")),
+            "/v1/people/{name}/pause",
+        )
+        .await?;
+    ensure!(
+        status == 200
+            && queue["people"].as_array().is_some_and(|p| p
+                .iter()
+                .any(|p| p["name"] == "web-lead" && p["paused"]["by"] == "admin")),
+        "{queue}"
+    );
+    let (status, body) = c
+        .call(
+            h.post(url("/v1/people/Not%20A%20Name/pause")),
+            "/v1/people/{name}/pause",
+        )
+        .await?;
+    ensure!(
+        status == 422 && error_field(&body) == "name",
+        "{status} {body}"
+    );
+    let (status, queue) = c
+        .call(
+            h.post(url("/v1/people/web-lead/resume")),
+            "/v1/people/{name}/resume",
+        )
+        .await?;
+    ensure!(
+        status == 200 && !queue.to_string().contains("\"paused\""),
+        "{queue}"
+    );
+    let (status, queue) = c
+        .call(h.post(url("/v1/queue/resume")), "/v1/queue/resume")
+        .await?;
+    ensure!(
+        status == 200 && queue.get("farm_paused").is_none(),
+        "{queue}"
+    );
+    ensure!(farm.wait_finished(&waiting, FINISH).await?.state == JobState::Completed);
+
     // People's tokens: made (shown once), refused twice for one name and for `admin`, listed
     // without the token, revoked (then unknown); a person's token opens what their role allows.
     let made_body = json!({"name": "web-artist", "role": "artist"});
@@ -1169,6 +1260,68 @@ async fn drive_page(farm: &mut Farm, b: &mut Browser) -> anyhow::Result<()> {
     )
     .await?;
     b.screenshot("edit-of-upload").await?;
+
+    // The queue panel: the admin pauses the farm; a job submitted now waits, shows "Move to
+    // front", is moved (its card says by whom); the farm resumed, it completes.
+    b.until(
+        "the queue panel",
+        t,
+        "return document.querySelector('#farm-state').dataset.paused === 'false' \
+         && !document.querySelector('#farm-pause').hidden",
+    )
+    .await?;
+    b.css("#farm-pause").await?.click().await?;
+    b.until(
+        "the farm to show paused",
+        t,
+        "return document.querySelector('#farm-state').dataset.paused === 'true' \
+         && document.querySelector('#farm-pause').textContent === 'Resume the farm'",
+    )
+    .await?;
+    b.css("#tab-generate").await?.click().await?;
+    b.fill("#form-generate textarea[name=prompt]", "1girl, paused farm")
+        .await?;
+    b.fill("#form-generate input[name=steps]", "2").await?;
+    b.css("#form-generate button[type=submit]")
+        .await?
+        .click()
+        .await?;
+    let waiting = b
+        .until(
+            "the new job's card to offer a move to the front",
+            t,
+            "const c = [...document.querySelectorAll('#jobs article[data-kind=generate]')] \
+               .find(c => c.dataset.state === 'queued' && !c.querySelector('.front-button').hidden); \
+             return c && c.dataset.jobId",
+        )
+        .await?;
+    let waiting_card = format!(
+        "#jobs article[data-job-id='{}']",
+        waiting.as_str().context("id")?
+    );
+    b.screenshot("farm-paused").await?;
+    b.css(&format!("{waiting_card} .front-button"))
+        .await?
+        .click()
+        .await?;
+    b.until(
+        "the card to say who moved it",
+        t,
+        &format!(
+            "return document.querySelector(\"{waiting_card} .owner\").textContent.includes('moved to the front by admin')"
+        ),
+    )
+    .await?;
+    b.css("#farm-pause").await?.click().await?;
+    b.until(
+        "the moved job to complete once the farm resumes",
+        FINISH,
+        &format!(
+            "return document.querySelector(\"{waiting_card}\").dataset.state === 'completed' \
+                  && document.querySelector('#farm-state').dataset.paused === 'false'"
+        ),
+    )
+    .await?;
 
     // Cancel a long job from its card.
     b.css("#tab-generate").await?.click().await?;

@@ -9,6 +9,7 @@
 //! and interactive work arriving through the run. Throughput is jobs over the time to drain it
 //! all; latency is `queued` to `completed` per job, by priority.
 
+mod fair;
 mod report;
 mod workload;
 
@@ -19,6 +20,7 @@ use anyhow::{Context, bail};
 use chrono::{DateTime, Utc};
 use vnfarm_proto::{EventKind, JobId, JobSpec, Priority, SequencedEvent};
 
+pub use fair::{FairConfig, FairReport, run_fair_share};
 pub use report::{PolicyReport, render};
 pub use workload::{Item, Workload};
 

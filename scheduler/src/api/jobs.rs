@@ -27,8 +27,9 @@ use super::auth::Caller;
 use super::error::ApiError;
 use super::extract::{Body, Path, Query};
 use super::files::ImageLinks;
+use crate::config::DispatchConfig;
 use crate::intake::AcceptError;
-use crate::registry::{Blocker, JobRecord, Registry};
+use crate::registry::{Blocker, Held, JobRecord, Registry};
 use crate::scheduler::CancelError;
 
 /// A job the registry holds, with links to its images.
@@ -90,7 +91,7 @@ pub struct ListQuery {
 }
 
 /// A job as the API shows it, with why it is not moving in words.
-pub fn view(reg: &Registry, job: &JobRecord, waits: Waits) -> JobView {
+pub fn view(reg: &Registry, job: &JobRecord, waits: Waits<'_>) -> JobView {
     JobView {
         id: job.id(),
         kind: job.kind().to_owned(),
@@ -102,6 +103,7 @@ pub fn view(reg: &Registry, job: &JobRecord, waits: Waits) -> JobView {
         updated_at: job.updated_at(),
         owner: job.owner().to_owned(),
         cancelled_by: job.cancelled_by().map(str::to_owned),
+        moved_by: job.moved_by().map(str::to_owned),
         worker: job.worker().cloned(),
         dispatches: job.dispatches(),
         attempts: job.attempts(),
@@ -110,7 +112,7 @@ pub fn view(reg: &Registry, job: &JobRecord, waits: Waits) -> JobView {
         manifest: job.manifest().map(str::to_owned),
         failure: job.failure().cloned(),
         waiting_for: reg
-            .blocker(job, waits.heartbeat_timeout)
+            .blocker(job, waits.heartbeat_timeout, waits.dispatch)
             .map(|b| waiting_for(&b, job.failure(), waits.checkpoint_deadline(job))),
         submission: job.submission().cloned(),
     }
@@ -118,23 +120,26 @@ pub fn view(reg: &Registry, job: &JobRecord, waits: Waits) -> JobView {
 
 /// The scheduler's settings a job's view puts in words.
 #[derive(Clone, Copy, Debug)]
-pub struct Waits {
+pub struct Waits<'a> {
     pub heartbeat_timeout: Duration,
     /// [`crate::config::Config::checkpoint_wait_s`].
     pub checkpoint_wait_s: u64,
+    /// The fair share limits.
+    pub dispatch: &'a DispatchConfig,
 }
 
 impl Api {
     /// What a job's view puts in words, from this scheduler's configuration.
-    pub fn waits(&self) -> Waits {
+    pub fn waits(&self) -> Waits<'_> {
         Waits {
             heartbeat_timeout: self.scheduler.heartbeat_timeout(),
             checkpoint_wait_s: self.scheduler.config().checkpoint_wait_s,
+            dispatch: &self.scheduler.config().dispatch,
         }
     }
 }
 
-impl Waits {
+impl Waits<'_> {
     /// When a job that waits for a gone checkpoint fails, if it does.
     fn checkpoint_deadline(self, job: &JobRecord) -> Option<DateTime<Utc>> {
         (self.checkpoint_wait_s > 0).then(|| {
@@ -190,6 +195,32 @@ fn waiting_for(
                 .join(" or ")
         ),
         Blocker::FreeSlot => "a free worker slot".into(),
+        Blocker::Share(held) => held_in_words(held),
+    }
+}
+
+/// Why a person's work waits, in words.
+pub(crate) fn held_in_words(held: &Held) -> String {
+    let when = |at: &DateTime<Utc>| at.to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+    match held {
+        Held::FarmPaused(p) => format!(
+            "the farm to be resumed: {} paused it at {}",
+            p.by,
+            when(&p.at)
+        ),
+        Held::Paused(p) => format!(
+            "its owner's work to be resumed: {} paused it at {}",
+            p.by,
+            when(&p.at)
+        ),
+        Held::AtCap { running, cap } => format!(
+            "one of its owner's {running} jobs on workers to finish: a person runs at most {cap} at once"
+        ),
+        Held::Quota { used_s, quota_s } => format!(
+            "tomorrow (00:00 UTC): its owner used {:.0} of their {:.0} GPU minutes for today",
+            used_s / 60.0,
+            quota_s / 60.0
+        ),
     }
 }
 

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use chrono::{DateTime, Utc};
 use vnfarm_proto::catalogue::ContentHash;
-use vnfarm_proto::event::SequencedEvent;
+use vnfarm_proto::event::{SequencedEvent, StageTimings};
 use vnfarm_proto::http::{Failure, JobState, Progress};
 use vnfarm_proto::{EventKind, ImageRef, JobId, JobSpec, WorkerId};
 
@@ -127,7 +127,17 @@ impl Registry {
         if entry.get().state.is_terminal() {
             return false; // the first terminal event won
         }
+        let seq = ev.seq;
         let change = entry.update(|job| job.apply(ev));
+        if change.gpu_seconds.is_some() || change.dispatched {
+            let owner = self.jobs[&id].owner().to_owned();
+            if let Some(seconds) = change.gpu_seconds {
+                self.shares.charge(&owner, at, seconds);
+            }
+            if change.dispatched {
+                self.shares.serve(&owner, seq);
+            }
+        }
         if let Some((w, lead)) = change.assign {
             self.worker_mut(&w).assign(id, lead);
         }
@@ -249,6 +259,31 @@ struct Change {
     owe_cancel: bool,
     /// It reached its final state.
     terminal: bool,
+    /// A run of it ended, having taken this much GPU time (seconds), charged to its owner.
+    gpu_seconds: Option<f64>,
+    /// It was dispatched: its owner was served.
+    dispatched: bool,
+}
+
+/// Stages a worker reports that run on its host, not its GPU: not charged as GPU time.
+const HOST_STAGES: [&str; 3] = ["download", "encode_png", "upload"];
+
+/// The GPU time a run took: the model stages its `completed` event reports, or, without them,
+/// its time from `started` to `at`.
+fn gpu_seconds(timings: Option<&StageTimings>, started: DateTime<Utc>, at: DateTime<Utc>) -> f64 {
+    let reported: f64 = timings
+        .map(|t| {
+            t.0.iter()
+                .filter(|(stage, _)| !HOST_STAGES.contains(&stage.as_str()))
+                .map(|(_, s)| s.max(0.0))
+                .sum()
+        })
+        .unwrap_or(0.0);
+    if reported > 0.0 {
+        reported
+    } else {
+        (at - started).num_milliseconds().max(0) as f64 / 1000.0
+    }
 }
 
 impl JobRecord {
@@ -265,6 +300,20 @@ impl JobRecord {
             return change;
         }
         self.updated_at = ev.event.at;
+        // A run ends: charged to its owner (a requeue of a job that never started charges none).
+        if self.state == JobState::Running
+            && let Some(started) = self.started_at()
+        {
+            change.gpu_seconds = match &ev.event.kind {
+                EventKind::Completed { timings, .. } => {
+                    Some(gpu_seconds(Some(timings), started, ev.event.at))
+                }
+                EventKind::Failed { .. }
+                | EventKind::Cancelled { .. }
+                | EventKind::Requeued { .. } => Some(gpu_seconds(None, started, ev.event.at)),
+                _ => None,
+            };
+        }
         match &ev.event.kind {
             EventKind::Queued { .. } => unreachable!("handled by apply_queued"),
             EventKind::Dispatched { worker, batch, .. } => {
@@ -273,6 +322,7 @@ impl JobRecord {
                 }
                 self.local.dispatch_pending = false;
                 self.dispatches += 1;
+                change.dispatched = true;
                 self.worker = worker.clone();
                 self.batch = *batch;
                 change.assign = worker.clone().map(|w| (w, batch.unwrap_or(id)));

@@ -69,8 +69,9 @@ impl Registry {
             }
             unserved.extend(
                 ready
-                    .iter()
-                    .map(|&(_, id)| id)
+                    .values()
+                    .flatten()
+                    .map(|&(_, _, id)| id)
                     .filter(|id| self.jobs[id].updated_at() < before)
                     .map(|id| (id, route.clone())),
             );

@@ -105,8 +105,13 @@ impl People {
                 }
                 Some(_) | None => false,
             },
-            // A job's, not a token's: the registry records it on the job.
-            PersonEventKind::CancelRequested { .. } => false,
+            // A job's or the queue's, not a token's: the registry records them elsewhere.
+            PersonEventKind::CancelRequested { .. }
+            | PersonEventKind::FarmPaused
+            | PersonEventKind::FarmResumed
+            | PersonEventKind::WorkPaused { .. }
+            | PersonEventKind::WorkResumed { .. }
+            | PersonEventKind::MovedToFront { .. } => false,
         }
     }
 

@@ -27,12 +27,27 @@
 //! `least_loaded` and `round_robin` send one job per message, as the baselines the fleet
 //! benchmark compares against.
 
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
+use chrono::{NaiveDate, Utc};
 use vnfarm_proto::{JobId, ModelFamily, WorkerId};
 
+use super::shares::Held;
+use super::store::Queues;
 use super::{INTERACTIVE_BURST, JobRecord, Registry, Route, WorkerRecord};
 use crate::config::{DispatchConfig, Policy};
+
+/// A waiting job's turn: its class (0 interactive), its move to the front (see
+/// [`JobRecord::queue_key`]), its owner's jobs on workers, when its owner was last served (the
+/// offset of their latest `dispatched` event), its id (age).
+type Turn = (u8, u64, usize, u64, JobId);
+
+/// What one plan needs for fair share: the limits, and the day a quota counts.
+struct Turns<'a> {
+    config: &'a DispatchConfig,
+    today: NaiveDate,
+}
 
 /// The jobs of a group that may share a message led by a job of `lead_rank`, in order: a message
 /// led by interactive work carries only interactive work (batch work behind it would keep the
@@ -132,21 +147,27 @@ impl Registry {
     ) -> Plan {
         self.release_holds(now);
         let mut plan = Plan::default();
+        if self.shares.farm_paused().is_some() {
+            // Nothing starts; a resume's event wakes the dispatcher.
+            return plan;
+        }
+        let today = Utc::now().date_naive();
+        let turns = Turns { config, today };
         loop {
             if config.policy == Policy::Affinity
-                && let Some(d) = self.affinity_batch(config, now, heartbeat_timeout, &mut plan)
+                && let Some(d) = self.affinity_batch(&turns, now, heartbeat_timeout, &mut plan)
             {
                 self.commit(&d, now);
                 plan.dispatches.push(d);
                 continue;
             }
-            let Some((id, route, batch_waits)) = self.next_head(heartbeat_timeout) else {
-                if self.release_hold_to_idle(heartbeat_timeout) {
+            let Some((id, route, batch_waits)) = self.next_head(&turns, heartbeat_timeout) else {
+                if self.release_hold_to_idle(&turns, heartbeat_timeout) {
                     continue;
                 }
                 break;
             };
-            match self.place(id, &route, config, now, heartbeat_timeout) {
+            match self.place(id, &route, &turns, now, heartbeat_timeout) {
                 Placement::Hold(until) => {
                     self.set_local(id, |l| l.hold_until = Some(until));
                     plan.wake(until);
@@ -164,12 +185,112 @@ impl Registry {
             }
         }
         if config.policy == Policy::Affinity && config.max_batch > 1 {
-            plan.yields = self.plan_yields(heartbeat_timeout);
+            plan.yields = self.plan_yields(&turns, heartbeat_timeout);
         }
         if let Some(&(until, _)) = self.jobs.holds().first() {
             plan.wake(until);
         }
+        if self.quota_waits(&turns) {
+            // A quota counts again from midnight (UTC).
+            let midnight = (today + chrono::Days::new(1)).and_time(chrono::NaiveTime::MIN);
+            let left = (midnight.and_utc() - Utc::now())
+                .to_std()
+                .unwrap_or_default();
+            plan.wake(now + left + Duration::from_secs(1));
+        }
         plan
+    }
+
+    /// Whether someone's waiting work waits for their quota to count again.
+    fn quota_waits(&self, turns: &Turns) -> bool {
+        self.jobs.ready().values().any(|queues| {
+            queues.keys().any(|owner| {
+                matches!(
+                    self.held(owner, turns.config, turns.today),
+                    Some(Held::Quota { .. })
+                )
+            })
+        })
+    }
+
+    /// The heads of a route's queues whose owners may start work now: each such owner's first
+    /// interactive job and first batch job, by their turn.
+    fn heads<'a>(
+        &'a self,
+        queues: &'a Queues,
+        turns: &'a Turns,
+    ) -> impl Iterator<Item = Turn> + 'a {
+        queues
+            .iter()
+            .filter(|(owner, _)| self.held(owner, turns.config, turns.today).is_none())
+            .flat_map(|(owner, queue)| {
+                let running = self.jobs.running(owner);
+                let served = self.shares.served(owner);
+                [
+                    queue.first().filter(|k| k.0 == 0),
+                    queue.range((1, 0, JobId(uuid::Uuid::nil()))..).next(),
+                ]
+                .into_iter()
+                .flatten()
+                .map(move |&(class, front, id)| (class, front, running, served, id))
+            })
+    }
+
+    /// A job's turn, as [`Registry::heads`] keys it.
+    fn turn_of(&self, id: JobId) -> Turn {
+        let job = &self.jobs[&id];
+        let (class, front, id) = job.queue_key();
+        let owner = job.owner();
+        (
+            class,
+            front,
+            self.jobs.running(owner),
+            self.shares.served(owner),
+            id,
+        )
+    }
+
+    /// `lead`, then the others of `ids` that are its owner's, then the rest, each in order: a
+    /// message carries its lead's owner's compatible work before anyone else's.
+    fn owner_first(
+        &self,
+        lead: JobId,
+        ids: impl Iterator<Item = JobId>,
+    ) -> impl Iterator<Item = JobId> {
+        let owner = self.jobs[&lead].owner();
+        let (mut same, others): (Vec<JobId>, Vec<JobId>) = ids
+            .filter(|id| *id != lead)
+            .partition(|id| self.jobs[id].owner() == owner);
+        same.insert(0, lead);
+        same.into_iter().chain(others)
+    }
+
+    /// The jobs among `ids` that may go now, in order and at most `max`: those whose owners'
+    /// work may start, and none beyond its owner's cap counting the ones taken before it.
+    fn admit(&self, ids: impl Iterator<Item = JobId>, max: usize, turns: &Turns) -> Vec<JobId> {
+        let mut taken: HashMap<&str, usize> = HashMap::new();
+        let mut admitted = Vec::new();
+        for id in ids {
+            if admitted.len() == max {
+                break;
+            }
+            let owner = self.jobs[&id].owner();
+            let before = taken.get(owner).copied().unwrap_or(0);
+            let may = if before == 0 {
+                self.held(owner, turns.config, turns.today).is_none()
+            } else {
+                turns
+                    .config
+                    .limits_of(owner)
+                    .max_running
+                    .is_none_or(|cap| self.jobs.running(owner) + before < cap as usize)
+            };
+            if may {
+                *taken.entry(owner).or_default() += 1;
+                admitted.push(id);
+            }
+        }
+        admitted
     }
 
     /// Interactive work that no free worker can take: a busy worker of its route, in a message of
@@ -178,10 +299,16 @@ impl Registry {
     /// it as their input's holder, and keep their encoding). A worker holding the input of a waiting
     /// interactive edit goes first, then the message with the fewest jobs left (as few as possible
     /// move); at most one yield is outstanding per waiting interactive job.
-    fn plan_yields(&mut self, timeout: Duration) -> Vec<Yield> {
+    fn plan_yields(&mut self, turns: &Turns, timeout: Duration) -> Vec<Yield> {
         let mut yields = Vec::new();
-        for (route, ready) in self.jobs.ready() {
-            let waiting = ready.iter().take_while(|(rank, _)| *rank == 0).count();
+        for (route, queues) in self.jobs.ready() {
+            // The waiting interactive jobs of the people whose work may start now.
+            let interactive: Vec<JobId> = queues
+                .iter()
+                .filter(|(owner, _)| self.held(owner, turns.config, turns.today).is_none())
+                .flat_map(|(_, queue)| queue.iter().take_while(|k| k.0 == 0).map(|k| k.2))
+                .collect();
+            let waiting = interactive.len();
             if waiting == 0 || self.workers.values().any(|w| w.can_take(route, timeout)) {
                 continue;
             }
@@ -193,10 +320,9 @@ impl Registry {
             let outstanding: usize = serving.iter().map(|w| w.yields.len()).sum();
             // The inputs the waiting interactive edits need: a worker that holds one frees up
             // for it with its encoding at hand.
-            let wanted_keys: Vec<String> = ready
+            let wanted_keys: Vec<String> = interactive
                 .iter()
-                .take_while(|(rank, _)| *rank == 0)
-                .filter_map(|(_, id)| self.jobs[id].group_key())
+                .filter_map(|id| self.jobs[id].group_key())
                 .collect();
             let holds_wanted = |w: &WorkerRecord| wanted_keys.iter().any(|k| w.holds(k));
             let mut candidates: Vec<(usize, &WorkerRecord, Vec<JobId>)> = serving
@@ -253,7 +379,7 @@ impl Registry {
     /// Work conservation: when no ready job is left for a free worker, the oldest held job that a
     /// free worker serves goes back to the ready index, marked to go to a non-holder. Whether any
     /// worker is free is checked first, so a saturated farm pays nothing for its holds.
-    fn release_hold_to_idle(&mut self, timeout: Duration) -> bool {
+    fn release_hold_to_idle(&mut self, turns: &Turns, timeout: Duration) -> bool {
         if !self.workers.values().any(WorkerRecord::has_slot) {
             return false;
         }
@@ -263,6 +389,9 @@ impl Registry {
             let Some(route) = job.route() else {
                 return false;
             };
+            if self.held(job.owner(), turns.config, turns.today).is_some() {
+                return false;
+            }
             let key = job.group_key();
             let free: Vec<&WorkerRecord> = self
                 .workers
@@ -285,39 +414,50 @@ impl Registry {
         true
     }
 
-    /// The next job by priority among routes that a worker with a free slot serves, and whether
-    /// batch work was among the candidates (for starvation freedom).
-    fn next_head(&self, timeout: Duration) -> Option<(JobId, Route, bool)> {
-        let mut candidates: Vec<((u8, JobId), &Route)> = Vec::new();
-        for (route, ready) in self.jobs.ready() {
-            let heads = [
-                ready.first().filter(|(rank, _)| *rank == 0),
-                ready.range((1, JobId(uuid::Uuid::nil()))..).next(),
-            ];
-            if heads.iter().all(Option::is_none)
-                || !self.workers.values().any(|w| w.can_take(route, timeout))
-            {
+    /// The next job by its turn among routes that a worker with a free slot serves, and whether
+    /// batch work was among the candidates (for starvation freedom). A turn is, in order: the
+    /// job's class (interactive first), a move to the front (the latest first), its owner's jobs
+    /// on workers now (the fewest first) and when they were last served (longest ago first): a
+    /// round by person; then its age.
+    fn next_head(&self, turns: &Turns, timeout: Duration) -> Option<(JobId, Route, bool)> {
+        let mut candidates: Vec<(Turn, &Route)> = Vec::new();
+        for (route, queues) in self.jobs.ready() {
+            if !self.workers.values().any(|w| w.can_take(route, timeout)) {
                 continue;
             }
-            candidates.extend(heads.into_iter().flatten().map(|h| (*h, route)));
+            candidates.extend(self.heads(queues, turns).map(|t| (t, route)));
         }
-        let batch_waits = candidates.iter().any(|((rank, _), _)| *rank == 1);
+        let batch_waits = candidates.iter().any(|(t, _)| t.0 == 1);
         let batch_turn = batch_waits && self.interactive_streak >= INTERACTIVE_BURST;
         candidates
             .into_iter()
-            .filter(|((rank, _), _)| !batch_turn || *rank == 1)
-            .min_by_key(|(key, _)| *key)
-            .map(|((_, id), route)| (id, route.clone(), batch_waits))
+            .filter(|(t, _)| !batch_turn || t.0 == 1)
+            .min_by_key(|(t, _)| *t)
+            .map(|(t, route)| (t.4, route.clone(), batch_waits))
     }
 
-    /// Step 1 of the affinity policy: a free worker takes waiting edits of an input it holds.
+    /// The best turn among the waiting work this worker could run (see [`Registry::next_head`]).
+    fn best_turn_for(&self, w: &WorkerRecord, turns: &Turns, timeout: Duration) -> Option<Turn> {
+        self.jobs
+            .ready()
+            .iter()
+            .filter(|(route, _)| w.serves(route, timeout))
+            .flat_map(|(_, queues)| self.heads(queues, turns))
+            .min()
+    }
+
+    /// Step 1 of the affinity policy: a free worker takes waiting edits of an input it holds, when
+    /// it is their turn: no waiting work it could run has a better one (interactive work, a job
+    /// moved to the front, or a person with fewer jobs on workers goes first; affinity only
+    /// breaks ties of turn, and never takes a person's work past their cap).
     fn affinity_batch(
         &self,
-        config: &DispatchConfig,
+        turns: &Turns,
         now: Instant,
         timeout: Duration,
         plan: &mut Plan,
     ) -> Option<Dispatch> {
+        let config = turns.config;
         let window = Duration::from_millis(config.coalesce_window_ms);
         let mut free: Vec<&WorkerRecord> = self
             .workers
@@ -326,11 +466,34 @@ impl Registry {
             .collect();
         free.sort_by_key(|w| (w.load(), w.id.clone()));
         for w in free {
+            let best = self.best_turn_for(w, turns, timeout);
             for key in w.keys.keys() {
                 let Some(group) = self.jobs.group(key) else {
                     continue;
                 };
-                let Some(&(_, first)) = group.first() else {
+                let max = config.max_batch.min(w.max_batch()) as usize;
+                let Some(lead_rank) = group
+                    .iter()
+                    .find(|(_, id)| {
+                        let owner = self.jobs[id].owner();
+                        self.held(owner, config, turns.today).is_none()
+                    })
+                    .map(|(rank, _)| *rank)
+                else {
+                    continue;
+                };
+                let Some(lead) = companions(group, lead_rank).find(|id| {
+                    self.held(self.jobs[id].owner(), config, turns.today)
+                        .is_none()
+                }) else {
+                    continue;
+                };
+                let jobs = self.admit(
+                    self.owner_first(lead, companions(group, lead_rank)),
+                    max,
+                    turns,
+                );
+                let Some(&first) = jobs.first() else {
                     continue;
                 };
                 let Some(route) = self.jobs[&first].route() else {
@@ -339,21 +502,18 @@ impl Registry {
                 if !w.serves(&route, timeout) || self.overloaded(w, &route, config, timeout) {
                     continue;
                 }
-                // Affinity does not let batch work overtake interactive work this worker could run.
-                if group.first().is_some_and(|(rank, _)| *rank > 0)
-                    && self.interactive_waits_for(w, timeout)
-                {
+                let turn = self.turn_of(first);
+                if best.is_some_and(|b| (b.0, b.1, b.2, b.3) < (turn.0, turn.1, turn.2, turn.3)) {
                     continue;
                 }
-                let max = config.max_batch.min(w.max_batch()) as usize;
                 let since = self.jobs.waiting_since(&first).unwrap_or(now);
-                if group.len() < max && since + window > now {
+                if jobs.len() < max && since + window > now {
                     plan.wake(since + window);
                     continue;
                 }
                 return Some(Dispatch {
                     worker: w.id.clone(),
-                    jobs: companions(group, group.first()?.0).take(max).collect(),
+                    jobs,
                     decision: Decision::AffinityHit,
                 });
             }
@@ -361,22 +521,16 @@ impl Registry {
         None
     }
 
-    /// Whether an interactive job waits in the ready index for a route this worker serves.
-    fn interactive_waits_for(&self, w: &WorkerRecord, timeout: Duration) -> bool {
-        self.jobs.ready().iter().any(|(route, ready)| {
-            ready.first().is_some_and(|(rank, _)| *rank == 0) && w.serves(route, timeout)
-        })
-    }
-
     /// Where the next job by priority goes, or how long it waits for its input's holder.
     fn place(
         &self,
         id: JobId,
         route: &Route,
-        config: &DispatchConfig,
+        turns: &Turns,
         now: Instant,
         timeout: Duration,
     ) -> Placement {
+        let config = turns.config;
         let eligible: Vec<&WorkerRecord> = self
             .workers
             .values()
@@ -469,10 +623,10 @@ impl Registry {
                 let mut jobs = vec![id];
                 if let Some(group) = self.jobs.group(&key) {
                     let lead_rank = self.jobs[&id].rank().0;
-                    jobs.extend(
-                        companions(group, lead_rank)
-                            .filter(|j| *j != id)
-                            .take(max - 1),
+                    jobs = self.admit(
+                        self.owner_first(id, companions(group, lead_rank)),
+                        max,
+                        turns,
                     );
                 }
                 Placement::Send(Dispatch {
@@ -625,7 +779,7 @@ mod tests {
         s.dispatched(&mut r, &plan.dispatches[0]);
         assert!(plan.wake_at.is_some_and(|w| w > later(500)));
         assert_eq!(
-            r.blocker(r.job(edit).unwrap(), T),
+            r.blocker(r.job(edit).unwrap(), T, &affinity()),
             Some(Blocker::Holders(vec![wid("a")]))
         );
         // Past `affinity_wait_ms` a newly free worker takes it before younger work.
@@ -810,7 +964,7 @@ mod tests {
             assert!(r.plan_dispatch(&config, later(0), T).dispatches.is_empty());
         }
         assert_eq!(
-            r.blocker(r.job(job).unwrap(), T),
+            r.blocker(r.job(job).unwrap(), T, &affinity()),
             Some(Blocker::NoWorker(Route {
                 model: ModelFamily::Sdxl,
                 checkpoint: Some("novaAnimeXL".into()),

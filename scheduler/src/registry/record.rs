@@ -15,6 +15,9 @@ use vnfarm_proto::{
 
 use super::Route;
 
+/// A job's place in its owner's queue (see [`JobRecord::queue_key`]).
+pub(super) type QueueKey = (u8, u64, JobId);
+
 /// Decisions taken locally and not yet confirmed by the stream. Not part of a snapshot.
 #[derive(Clone, Debug, Default)]
 pub(super) struct Local {
@@ -52,6 +55,10 @@ pub struct JobRecord {
     /// stopped, their `cancel_requested` event).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(super) cancelled_by: Option<String>,
+    /// The stream offset of the event that last moved it to the front of the queue, and who
+    /// moved it: it goes before every unmoved job of its class, the latest move first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) front: Option<(u64, String)>,
     pub(super) state: JobState,
     pub(super) created_at: DateTime<Utc>,
     pub(super) updated_at: DateTime<Utc>,
@@ -87,6 +94,7 @@ impl JobRecord {
             children: Vec::new(),
             owner: None,
             cancelled_by: None,
+            front: None,
             state,
             created_at: at,
             updated_at: at,
@@ -127,6 +135,16 @@ impl JobRecord {
     }
 
     /// Who asked for its cancel, when someone did and the stream says who.
+    /// The stream offset of the event that last moved it to the front.
+    pub fn moved_at(&self) -> Option<u64> {
+        self.front.as_ref().map(|(seq, _)| *seq)
+    }
+
+    /// Who last moved it to the front of the queue.
+    pub fn moved_by(&self) -> Option<&str> {
+        self.front.as_ref().map(|(_, by)| by.as_str())
+    }
+
     pub fn cancelled_by(&self) -> Option<&str> {
         self.cancelled_by.as_deref()
     }
@@ -250,6 +268,23 @@ impl JobRecord {
 
     pub(super) fn rank(&self) -> (u8, JobId) {
         (u8::from(self.priority() != Priority::Interactive), self.id)
+    }
+
+    /// Its place in its owner's queue: interactive first, then jobs moved to the front (the
+    /// latest move first), then oldest.
+    pub(super) fn queue_key(&self) -> QueueKey {
+        let front = self
+            .front
+            .as_ref()
+            .map_or(u64::MAX, |(seq, _)| u64::MAX - 1 - seq);
+        (self.rank().0, front, self.id)
+    }
+
+    /// On a worker, or about to be: counts against its owner's cap of jobs at once.
+    pub(super) fn occupies(&self) -> bool {
+        !self.is_pipeline()
+            && (matches!(self.state, JobState::Dispatched | JobState::Running)
+                || (self.local.dispatch_pending && !self.state.is_terminal()))
     }
 
     /// Queued with nothing in its way but a worker: in the ready index, or held for its input's

@@ -1,4 +1,5 @@
-//! The durable part of a registry (jobs, people, retention order, stream position) as a snapshot
+//! The durable part of a registry (jobs, people, the queue's controls and people's GPU time
+//! today, retention order, stream position) as a snapshot
 //! writes and reads it (see [`crate::snapshot`]). People are in it because their events age out of
 //! the stream like any other: a snapshot written after a token event keeps the token.
 
@@ -11,6 +12,7 @@ use vnfarm_proto::JobId;
 
 use super::people::People;
 use super::record::JobRecord;
+use super::shares::Shares;
 use super::{Registry, Retention};
 
 /// The durable part of a registry at a stream offset (see [`crate::snapshot`]).
@@ -23,6 +25,9 @@ pub struct Snapshot {
     /// Absent from the snapshots of schedulers built before people.
     #[serde(default)]
     people: People,
+    /// Absent from the snapshots of schedulers built before fair share.
+    #[serde(default)]
+    shares: Shares,
 }
 
 impl Snapshot {
@@ -44,6 +49,7 @@ pub struct SnapshotView {
     jobs: Vec<Arc<JobRecord>>,
     finished: VecDeque<(DateTime<Utc>, JobId)>,
     people: People,
+    shares: Shares,
 }
 
 impl SnapshotView {
@@ -64,12 +70,13 @@ impl SnapshotView {
 impl Serialize for SnapshotView {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeStruct;
-        let mut st = s.serialize_struct("Snapshot", 5)?;
+        let mut st = s.serialize_struct("Snapshot", 6)?;
         st.serialize_field("next_offset", &self.next_offset)?;
         st.serialize_field("latest", &self.latest)?;
         st.serialize_field("jobs", &JobsRef(&self.jobs))?;
         st.serialize_field("finished", &self.finished)?;
         st.serialize_field("people", &self.people)?;
+        st.serialize_field("shares", &self.shares)?;
         st.end()
     }
 }
@@ -90,6 +97,7 @@ impl Registry {
             jobs: self.jobs.shared(),
             finished: self.finished.clone(),
             people: self.people.clone(),
+            shares: self.shares.clone(),
         }
     }
 
@@ -100,6 +108,7 @@ impl Registry {
         r.latest = snapshot.latest;
         r.finished = snapshot.finished.into();
         r.people = snapshot.people;
+        r.shares = snapshot.shares;
         // Inputs before the jobs that take them: in stream order (a pipeline's jobs share their
         // pipeline's offset and have time-ordered ids made in order).
         let mut jobs = snapshot.jobs;

@@ -18,7 +18,10 @@ use vnfarm_proto::http::JobState;
 use vnfarm_proto::{JobId, ModelFamily, Priority};
 
 use super::Route;
-use super::record::JobRecord;
+use super::record::{JobRecord, QueueKey};
+
+/// The waiting jobs of one route, per owner, each in its queue order.
+pub(super) type Queues = BTreeMap<String, BTreeSet<QueueKey>>;
 
 /// The jobs in memory and their indexes.
 #[derive(Default)]
@@ -32,8 +35,13 @@ pub(super) struct Jobs {
 struct Index {
     /// Jobs not in a terminal state.
     active: BTreeSet<JobId>,
-    /// Waiting jobs per route, interactive first, then oldest; held jobs are not here.
-    ready: BTreeMap<Route, BTreeSet<(u8, JobId)>>,
+    /// Waiting jobs per route and owner, in queue order (interactive first, then moved to the
+    /// front, then oldest); held jobs are not here.
+    ready: BTreeMap<Route, Queues>,
+    /// Per owner: jobs on workers or being dispatched ([`JobRecord::occupies`]).
+    running: HashMap<String, usize>,
+    /// Per owner: waiting jobs, held or not.
+    waiting: HashMap<String, usize>,
     /// Waiting jobs (held or not) that may share a message, by group key.
     groups: HashMap<String, BTreeSet<(u8, JobId)>>,
     /// Held jobs by the end of their hold.
@@ -134,8 +142,25 @@ impl Jobs {
         &self.index.active
     }
 
-    pub(super) fn ready(&self) -> &BTreeMap<Route, BTreeSet<(u8, JobId)>> {
+    pub(super) fn ready(&self) -> &BTreeMap<Route, Queues> {
         &self.index.ready
+    }
+
+    pub(super) fn running(&self, owner: &str) -> usize {
+        self.index.running.get(owner).copied().unwrap_or(0)
+    }
+
+    /// Everyone with jobs waiting or on workers.
+    pub(super) fn owners(&self) -> impl Iterator<Item = &str> {
+        self.index
+            .running
+            .keys()
+            .chain(self.index.waiting.keys())
+            .map(String::as_str)
+    }
+
+    pub(super) fn waiting_of(&self, owner: &str) -> usize {
+        self.index.waiting.get(owner).copied().unwrap_or(0)
     }
 
     pub(super) fn group(&self, key: &str) -> Option<&BTreeSet<(u8, JobId)>> {
@@ -176,6 +201,16 @@ impl std::ops::Index<&JobId> for Jobs {
     }
 }
 
+/// One fewer for `owner`, forgetting an owner at nothing.
+fn decrement(counts: &mut HashMap<String, usize>, owner: &str) {
+    if let Some(n) = counts.get_mut(owner) {
+        *n = n.saturating_sub(1);
+        if *n == 0 {
+            counts.remove(owner);
+        }
+    }
+}
+
 impl Index {
     /// Takes a job out of the indexes its current state puts it in.
     fn remove(&mut self, job: &JobRecord) {
@@ -190,15 +225,24 @@ impl Index {
         {
             *n = n.saturating_sub(1);
         }
+        if job.occupies() {
+            decrement(&mut self.running, job.owner());
+        }
         if job.waiting() {
+            decrement(&mut self.waiting, job.owner());
             match (job.local.hold_until, job.route()) {
                 (Some(until), _) => {
                     self.holds.remove(&(until, id));
                 }
                 (None, Some(route)) => {
-                    if let Some(set) = self.ready.get_mut(&route) {
-                        set.remove(&rank);
-                        if set.is_empty() {
+                    if let Some(queues) = self.ready.get_mut(&route) {
+                        if let Some(queue) = queues.get_mut(job.owner()) {
+                            queue.remove(&job.queue_key());
+                            if queue.is_empty() {
+                                queues.remove(job.owner());
+                            }
+                        }
+                        if queues.is_empty() {
                             self.ready.remove(&route);
                         }
                     }
@@ -230,13 +274,22 @@ impl Index {
         if let (JobState::Queued, Some(m)) = (state, model) {
             *self.backlog.entry((m, priority)).or_default() += 1;
         }
+        if job.occupies() {
+            *self.running.entry(job.owner().to_owned()).or_default() += 1;
+        }
         if job.waiting() {
+            *self.waiting.entry(job.owner().to_owned()).or_default() += 1;
             match (job.local.hold_until, job.route()) {
                 (Some(until), _) => {
                     self.holds.insert((until, id));
                 }
                 (None, Some(route)) => {
-                    self.ready.entry(route).or_default().insert(rank);
+                    self.ready
+                        .entry(route)
+                        .or_default()
+                        .entry(job.owner().to_owned())
+                        .or_default()
+                        .insert(job.queue_key());
                 }
                 (None, None) => {}
             }

@@ -267,6 +267,15 @@ impl Stream {
             ));
         }
     }
+    pub(super) fn started_on(&mut self, r: &mut Registry, id: JobId, worker: &str) {
+        r.apply(self.ev(
+            id,
+            EventKind::Started {
+                worker: worker.parse().unwrap(),
+                attempt: 1,
+            },
+        ));
+    }
     pub(super) fn completed_on(&mut self, r: &mut Registry, id: JobId, worker: &str) {
         r.apply(self.ev(
             id,

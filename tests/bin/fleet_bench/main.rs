@@ -29,6 +29,9 @@ struct Cli {
     /// The short form the test suite runs.
     #[arg(long)]
     quick: bool,
+    /// Instead of the policies: fair share, one person's N batch jobs queued, then another's 5.
+    #[arg(long, value_name = "N")]
+    fair_share: Option<usize>,
 }
 
 #[tokio::main]
@@ -59,6 +62,16 @@ async fn main() -> anyhow::Result<()> {
                 seed: cli.seed,
             }
         };
+        if let Some(backlog) = cli.fair_share {
+            let report = fleet::run_fair_share(&fleet::FairConfig {
+                run: config.clone(),
+                backlog,
+                others: 5,
+            })
+            .await?;
+            println!("profile {}\n{}", profile.name, report.render());
+            continue;
+        }
         let workload = Workload::new(&config);
         eprintln!(
             "profile {}: {} items, {} jobs per policy",
