@@ -158,6 +158,29 @@ impl Person {
     }
 }
 
+/// A farm whose schedulers want `ADMIN_TOKEN`, which the harness's own client (waiting for
+/// workers, killing and starting schedulers) sends: an active scheduler in slot 0, a standby in the
+/// slot returned, and worker `w1` with 40 ms steps and `worker_env`.
+pub(crate) async fn guarded_farm(
+    name: &str,
+    worker_env: Vec<(String, String)>,
+) -> anyhow::Result<(Farm, usize)> {
+    let mut farm = Farm::new(name).await?;
+    farm.scheduler_env
+        .push(("VNFARM_API_TOKEN".into(), ADMIN_TOKEN.into()));
+    farm.http = Person::new("", ADMIN_TOKEN)?.http;
+    farm.start_scheduler_at(0).await?;
+    let standby = farm.add_scheduler();
+    farm.start_scheduler_at(standby).await?;
+    let options = WorkerOptions {
+        step_ms: 40,
+        ..WorkerOptions::default()
+    };
+    farm.start_worker("w1", options.with_env(worker_env))
+        .await?;
+    Ok((farm, standby))
+}
+
 /// A refusal: `status`, field `authorization`, and a message naming `needs`.
 pub(crate) fn refused(
     answer: &(StatusCode, Value),
@@ -186,24 +209,8 @@ fn generate(prompt: &str, extra: Value) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_peoples_tokens_and_roles_are_enforced_on_every_route() -> anyhow::Result<()> {
-    let mut farm = Farm::new("people").await?;
-    farm.scheduler_env
-        .push(("VNFARM_API_TOKEN".into(), ADMIN_TOKEN.into()));
-    // The harness's own client (waiting for workers, killing and starting schedulers) is the
-    // admin's.
-    farm.http = Person::new("", ADMIN_TOKEN)?.http;
-    farm.start_scheduler_at(0).await?;
-    let standby = farm.add_scheduler();
-    farm.start_scheduler_at(standby).await?;
     // Steps slow enough for a long job to be cancelled while it runs.
-    farm.start_worker(
-        "w1",
-        WorkerOptions {
-            step_ms: 40,
-            ..WorkerOptions::default()
-        },
-    )
-    .await?;
+    let (mut farm, standby) = guarded_farm("people", Vec::new()).await?;
     let urls = farm.scheduler_urls();
 
     // The admin makes three tokens with the command line; only an admin may.

@@ -12,15 +12,24 @@ use futures::StreamExt;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 use vnfarm_proto::http::{JobState, JobView, QueueView};
-use vnfarm_tests::{Farm, WorkerOptions, sse, wait_for};
+use vnfarm_tests::{sse, wait_for};
 
 use crate::FINISH;
-use crate::people::{ADMIN_TOKEN, Person, create_token, refused, vnfarm};
+use crate::people::{ADMIN_TOKEN, Person, create_token, guarded_farm, refused, vnfarm};
 
 /// One generate of `steps` steps (a job of about `steps` × the worker's 40 ms step).
 fn generate(prompt: &str, steps: u32) -> Value {
     json!({"schema_version": 1, "job": {"kind": "generate", "prompt": prompt,
         "width": 256, "height": 256, "steps": steps}})
+}
+
+/// Whether `job` waits with `waiting_for` saying `words`.
+fn waits_for(job: &JobView, words: &str) -> bool {
+    job.state == JobState::Queued
+        && job
+            .waiting_for
+            .as_deref()
+            .is_some_and(|w| w.contains(words))
 }
 
 /// The jobs of `ids` (all finished) in the order they first started, by the offsets of their
@@ -53,23 +62,9 @@ async fn start_order(person: &Person, ids: &[String]) -> anyhow::Result<Vec<Stri
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fair_share_and_pauses_hold_across_a_takeover_and_a_restart() -> anyhow::Result<()> {
-    let mut farm = Farm::new("queue").await?;
-    farm.scheduler_env
-        .push(("VNFARM_API_TOKEN".into(), ADMIN_TOKEN.into()));
-    farm.http = Person::new("", ADMIN_TOKEN)?.http;
-    farm.start_scheduler_at(0).await?;
-    let standby = farm.add_scheduler();
-    farm.start_scheduler_at(standby).await?;
-    // One worker, one job per message, so the order of starts is the order of dispatch.
-    farm.start_worker(
-        "w1",
-        WorkerOptions {
-            step_ms: 40,
-            ..WorkerOptions::default()
-        }
-        .with_env([("VNFARM_BATCH_JOBS".to_owned(), "1".to_owned())]),
-    )
-    .await?;
+    // One job per message, so the order of starts is the order of dispatch.
+    let (mut farm, standby) =
+        guarded_farm("queue", vec![("VNFARM_BATCH_JOBS".into(), "1".into())]).await?;
     let urls = farm.scheduler_urls();
     let ann_token = create_token(&farm, "ann", "artist")?;
     let bo_token = create_token(&farm, "bo", "artist")?;
@@ -170,14 +165,7 @@ async fn fair_share_and_pauses_hold_across_a_takeover_and_a_restart() -> anyhow:
     let bo_job = bo.submit(&generate("bo runs", 2)).await?;
     ensure!(bo.wait_finished(&bo_job).await?.state == JobState::Completed);
     let waiting = ann.job(&paused_job).await?;
-    ensure!(
-        waiting.state == JobState::Queued
-            && waiting
-                .waiting_for
-                .as_deref()
-                .is_some_and(|w| w.contains("lee paused it")),
-        "{waiting:?}"
-    );
+    ensure!(waits_for(&waiting, "lee paused it"), "{waiting:?}");
     // A restarted scheduler (started again above, a standby now) takes over and holds the pause.
     wait_for(
         "the restarted scheduler to be a standby",
@@ -195,11 +183,7 @@ async fn fair_share_and_pauses_hold_across_a_takeover_and_a_restart() -> anyhow:
     tokio::time::sleep(Duration::from_millis(800)).await;
     let still = ann.job(&paused_job).await?;
     ensure!(
-        still.state == JobState::Queued
-            && still
-                .waiting_for
-                .as_deref()
-                .is_some_and(|w| w.contains("lee paused it")),
+        waits_for(&still, "lee paused it"),
         "after the takeover: {still:?}"
     );
     let (_, queue) = lee.get("/v1/queue").await?;
@@ -229,11 +213,7 @@ async fn fair_share_and_pauses_hold_across_a_takeover_and_a_restart() -> anyhow:
     for id in [&paused_job, &newer] {
         let job = ann.job(id).await?;
         ensure!(
-            job.state == JobState::Queued
-                && job
-                    .waiting_for
-                    .as_deref()
-                    .is_some_and(|w| w.contains("the farm to be resumed")),
+            waits_for(&job, "the farm to be resumed"),
             "the farm is paused: {job:?}"
         );
     }
