@@ -290,6 +290,7 @@ function fillCard(card, job) {
   bar.value = p.value;
   bar.setAttribute("aria-label", `progress of ${kindTitle(job)}`);
   $(".progress-text", card).textContent = p.text;
+  fillEstimate($(".estimate", card), job);
   $(".cancel-button", card).hidden = FINAL.has(job.state);
   const detail = $(".job-detail", card);
   detail.textContent = job.failure ? `${job.failure.kind}: ${job.failure.message}` : describe(job);
@@ -300,6 +301,29 @@ function fillCard(card, job) {
   $(".compare-button", card).hidden = edits.length < 2;
   fillChildren(card, job, members);
   fillGallery(card, members);
+}
+
+/// The scheduler's estimate of when an unfinished job starts and finishes (its basis on hover),
+/// or that it has none yet and why.
+function fillEstimate(el, job) {
+  const time = (t) => new Date(t).toLocaleTimeString();
+  if (FINAL.has(job.state)) {
+    el.textContent = "";
+    el.title = "";
+  } else if (job.estimate) {
+    const e = job.estimate;
+    el.textContent = job.state === "running" ? `done ≈ ${time(e.finish_at)}` : `starts ≈ ${time(e.start_at)}, done ≈ ${time(e.finish_at)}`;
+    el.title = e.basis;
+  } else {
+    el.textContent = job.no_estimate ? "no estimate yet" : "";
+    el.title = job.no_estimate || "";
+  }
+}
+
+/// Estimates move without events of their own (the queue ahead drains): while jobs are unfinished,
+/// the list is read again every few seconds.
+function refreshEstimates() {
+  if ([...state.jobs.values()].some((j) => !FINAL.has(j.state))) refreshJobs().catch(showBackgroundError);
 }
 
 function displayState(job) {
@@ -353,7 +377,7 @@ function fillChildren(card, top, members) {
     if (!row) {
       row = document.createElement("li");
       row.dataset.jobId = m.id;
-      row.innerHTML = '<span class="label"></span> <span class="state"></span> <progress max="1" value="0"></progress> <span class="progress-text"></span>';
+      row.innerHTML = '<span class="label"></span> <span class="state"></span> <progress max="1" value="0"></progress> <span class="progress-text"></span> <span class="estimate"></span>';
     }
     row.dataset.state = m.state;
     $(".label", row).textContent = memberLabel(top, m);
@@ -363,6 +387,7 @@ function fillChildren(card, top, members) {
     $("progress", row).value = p.value;
     $("progress", row).setAttribute("aria-label", `progress of ${memberLabel(top, m)}`);
     $(".progress-text", row).textContent = m.failure ? m.failure.message : p.text;
+    fillEstimate($(".estimate", row), m);
     return row;
   });
   rows.forEach((row) => list.appendChild(row));
@@ -772,6 +797,7 @@ function start() {
   followEvents();
   refreshFleet();
   setInterval(refreshFleet, 2000);
+  setInterval(refreshEstimates, 5000);
 }
 
 document.addEventListener("DOMContentLoaded", start);

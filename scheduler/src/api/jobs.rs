@@ -89,8 +89,10 @@ pub struct ListQuery {
     pub all: bool,
 }
 
-/// A job as the API shows it, with why it is not moving in words.
+/// A job as the API shows it, with why it is not moving in words and its estimate as last made
+/// (the caller refreshes them first: [`Registry::refresh_estimates`]).
 pub fn view(reg: &Registry, job: &JobRecord, waits: Waits) -> JobView {
+    let estimate = reg.estimate(job);
     JobView {
         id: job.id(),
         kind: job.kind().to_owned(),
@@ -112,6 +114,8 @@ pub fn view(reg: &Registry, job: &JobRecord, waits: Waits) -> JobView {
         waiting_for: reg
             .blocker(job, waits.heartbeat_timeout)
             .map(|b| waiting_for(&b, job.failure(), waits.checkpoint_deadline(job))),
+        estimate: estimate.clone().and_then(Result::ok),
+        no_estimate: estimate.and_then(Result::err),
         submission: job.submission().cloned(),
     }
 }
@@ -238,7 +242,10 @@ pub async fn get_job(
 ) -> Result<Response, ApiError> {
     let id = parse_id(&id)?;
     let view = {
-        let reg = api.scheduler.registry();
+        let mut reg = api.scheduler.registry();
+        if reg.contains(id) {
+            reg.refresh_estimates(api.waits().heartbeat_timeout);
+        }
         reg.job(id).map(|job| view(&reg, job, api.waits()))
     };
     if let Some(view) = view {
@@ -343,14 +350,16 @@ pub async fn list_jobs(
     let waits = api.waits();
     let everyone = caller.role().grants(Permission::SeeAll);
     let views: Vec<JobView> = {
-        let reg = api.scheduler.registry();
+        let mut reg = api.scheduler.registry();
+        reg.refresh_estimates(waits.heartbeat_timeout);
+        let reg = &*reg;
         reg.jobs_newest_first()
             .filter(|j| everyone || j.owner() == caller.name())
             .filter(|j| q.all || j.parent().is_none())
             .filter(|j| state.is_none_or(|st| j.state() == st))
             .filter(|j| q.kind.as_deref().is_none_or(|k| j.kind() == k))
             .take(limit)
-            .map(|j| view(&reg, j, waits))
+            .map(|j| view(reg, j, waits))
             .collect()
     };
     let jobs = views

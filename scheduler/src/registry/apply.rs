@@ -127,7 +127,14 @@ impl Registry {
         if entry.get().state.is_terminal() {
             return false; // the first terminal event won
         }
+        let completes = matches!(ev.event.kind, EventKind::Completed { .. });
         let change = entry.update(|job| job.apply(ev));
+        if completes
+            && change.terminal
+            && let Some(job) = self.jobs.get(&id)
+        {
+            self.rates.learn(job, at);
+        }
         if let Some((w, lead)) = change.assign {
             self.worker_mut(&w).assign(id, lead);
         }

@@ -1,6 +1,7 @@
 //! The durable part of a registry (jobs, people, retention order, stream position) as a snapshot
 //! writes and reads it (see [`crate::snapshot`]). People are in it because their events age out of
-//! the stream like any other: a snapshot written after a token event keeps the token.
+//! the stream like any other: a snapshot written after a token event keeps the token; the measured
+//! rates of the estimates likewise (they are learned from events that age out).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -11,7 +12,7 @@ use vnfarm_proto::JobId;
 
 use super::people::People;
 use super::record::JobRecord;
-use super::{Registry, Retention};
+use super::{Rates, Registry, Retention};
 
 /// The durable part of a registry at a stream offset (see [`crate::snapshot`]).
 #[derive(Debug, Deserialize)]
@@ -23,6 +24,9 @@ pub struct Snapshot {
     /// Absent from the snapshots of schedulers built before people.
     #[serde(default)]
     people: People,
+    /// Absent from the snapshots of schedulers built before estimates: they learn again.
+    #[serde(default)]
+    rates: Rates,
 }
 
 impl Snapshot {
@@ -44,6 +48,7 @@ pub struct SnapshotView {
     jobs: Vec<Arc<JobRecord>>,
     finished: VecDeque<(DateTime<Utc>, JobId)>,
     people: People,
+    rates: Rates,
 }
 
 impl SnapshotView {
@@ -64,12 +69,13 @@ impl SnapshotView {
 impl Serialize for SnapshotView {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeStruct;
-        let mut st = s.serialize_struct("Snapshot", 5)?;
+        let mut st = s.serialize_struct("Snapshot", 6)?;
         st.serialize_field("next_offset", &self.next_offset)?;
         st.serialize_field("latest", &self.latest)?;
         st.serialize_field("jobs", &JobsRef(&self.jobs))?;
         st.serialize_field("finished", &self.finished)?;
         st.serialize_field("people", &self.people)?;
+        st.serialize_field("rates", &self.rates)?;
         st.end()
     }
 }
@@ -90,6 +96,7 @@ impl Registry {
             jobs: self.jobs.shared(),
             finished: self.finished.clone(),
             people: self.people.clone(),
+            rates: self.rates.clone(),
         }
     }
 
@@ -100,6 +107,7 @@ impl Registry {
         r.latest = snapshot.latest;
         r.finished = snapshot.finished.into();
         r.people = snapshot.people;
+        r.rates = snapshot.rates;
         // Inputs before the jobs that take them: in stream order (a pipeline's jobs share their
         // pipeline's offset and have time-ordered ids made in order).
         let mut jobs = snapshot.jobs;
