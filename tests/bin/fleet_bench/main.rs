@@ -1,7 +1,9 @@
 //! `fleet-bench`: the fleet benchmark of issue 9 (see `vnfarm_tests::fleet`). One workload, run
 //! against the `affinity` policy and the baselines `least_loaded` and `round_robin`, each on a fresh
 //! farm of test-pattern workers whose stage delays follow a measured GPU profile; prints one
-//! comparison table per profile. Build the binaries first, in the same profile:
+//! comparison table per profile. With `--estimates`, the workload mixed in sizes and steps runs on
+//! the default dispatch alone and the accuracy of the scheduler's estimates is measured
+//! (`vnfarm_tests::fleet::run_estimates`). Build the binaries first, in the same profile:
 //! `cargo build --release -p vnfarm-tests --bin fleet-bench -p vnfarm-scheduler -p vnfarm-worker --bins`.
 
 use clap::Parser;
@@ -29,6 +31,10 @@ struct Cli {
     /// The short form the test suite runs.
     #[arg(long)]
     quick: bool,
+    /// Measure the estimates' accuracy on a workload of mixed sizes and steps (default dispatch
+    /// only) instead of comparing policies.
+    #[arg(long)]
+    estimates: bool,
 }
 
 #[tokio::main]
@@ -46,6 +52,7 @@ async fn main() -> anyhow::Result<()> {
             RunConfig {
                 profile,
                 scale,
+                mixed: cli.estimates,
                 ..RunConfig::quick()
             }
         } else {
@@ -57,6 +64,7 @@ async fn main() -> anyhow::Result<()> {
                 interactive_items: cli.interactive,
                 arrival_seconds: cli.arrival_seconds,
                 seed: cli.seed,
+                mixed: cli.estimates,
             }
         };
         let workload = Workload::new(&config);
@@ -66,6 +74,19 @@ async fn main() -> anyhow::Result<()> {
             workload.items.len(),
             workload.jobs()
         );
+        if cli.estimates {
+            let started = std::time::Instant::now();
+            let (report, accuracy) = fleet::run_estimates(&config, &workload).await?;
+            eprintln!(
+                "  estimates: {} jobs in {:.1} s (wall {:.1} s)",
+                report.jobs,
+                report.makespan_s,
+                started.elapsed().as_secs_f64()
+            );
+            println!("{}", fleet::render(&config, &[report]));
+            println!("{}", fleet::render_accuracy(&config, &accuracy));
+            continue;
+        }
         let mut reports = Vec::new();
         for variant in fleet::VARIANTS {
             let started = std::time::Instant::now();
