@@ -474,7 +474,7 @@ pub(super) fn simulate(input: &SimInput, rates: &Rates) -> HashMap<JobId, Outcom
     }
     // A job that cannot be estimated takes the jobs waiting on it along.
     let mut dead = vec![false; n];
-    let mut fail = |start: Vec<(usize, String)>,
+    let fail = |start: Vec<(usize, String)>,
                     out: &mut HashMap<JobId, Outcome>,
                     dead: &mut Vec<bool>| {
         let mut stack = start;
