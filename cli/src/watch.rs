@@ -399,7 +399,11 @@ mod tests {
             "estimated start 10:00:30, finish 10:01:15 (in 75s; sdxl 1mp on w0: 3 runs measured)"
         );
         job.state = JobState::Running;
-        assert!(estimate_line(&job, now).unwrap().starts_with("started 10:00:30"));
+        assert!(
+            estimate_line(&job, now)
+                .unwrap()
+                .starts_with("started 10:00:30")
+        );
         job.estimate = None;
         job.no_estimate = Some("no sdxl 1mp job has finished on this farm yet".into());
         assert_eq!(

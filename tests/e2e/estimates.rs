@@ -43,7 +43,10 @@ async fn waiting_and_running_jobs_have_estimates_and_watch_prints_them() -> anyh
     );
     let done = farm.wait_finished(first, FINISH).await?;
     assert_eq!(done.state, JobState::Completed);
-    assert!(done.estimate.is_none() && done.no_estimate.is_none(), "{done:?}");
+    assert!(
+        done.estimate.is_none() && done.no_estimate.is_none(),
+        "{done:?}"
+    );
 
     // One measured run (10 steps): a running job and three behind it on the one worker.
     let jobs: Vec<_> = {
@@ -56,8 +59,9 @@ async fn waiting_and_running_jobs_have_estimates_and_watch_prints_them() -> anyh
     let estimates: Vec<Estimate> = wait_for("estimates of every job", FINISH, || async {
         let views = futures::future::join_all(jobs.iter().map(|id| farm.job(id))).await;
         let views: Vec<_> = views.into_iter().collect::<Result<_, _>>().ok()?;
-        (views[0].state == JobState::Running && views[1..].iter().all(|v| v.state == JobState::Queued))
-            .then_some(())?;
+        (views[0].state == JobState::Running
+            && views[1..].iter().all(|v| v.state == JobState::Queued))
+        .then_some(())?;
         views.into_iter().map(|v| v.estimate).collect()
     })
     .await
@@ -90,7 +94,9 @@ async fn waiting_and_running_jobs_have_estimates_and_watch_prints_them() -> anyh
     assert!(watched.status.success(), "{}: {stderr}", watched.status);
     assert!(stderr.contains("estimated start "), "{stderr}");
     assert!(
-        stderr.lines().any(|l| l.starts_with("started ") && l.contains(", finish ")),
+        stderr
+            .lines()
+            .any(|l| l.starts_with("started ") && l.contains(", finish ")),
         "{stderr}"
     );
     for id in &jobs {

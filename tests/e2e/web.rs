@@ -1203,7 +1203,9 @@ async fn drive_page(farm: &mut Farm, b: &mut Browser) -> anyhow::Result<()> {
         )
         .await?;
     ensure!(
-        estimate[1].as_str().is_some_and(|t| t.contains("sdxl 0.25mp")),
+        estimate[1]
+            .as_str()
+            .is_some_and(|t| t.contains("sdxl 0.25mp")),
         "{estimate}"
     );
     b.css(&format!("{slow_card} .cancel-button"))

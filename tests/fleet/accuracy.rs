@@ -5,8 +5,9 @@
 //! made at `made_at` is `|predicted finish − actual finish| / (actual finish − made_at)`: relative
 //! to the time the job still had to spend in the farm when the prediction was made.
 //!
-//! The farm first runs one generate and one edit of each size (a warm-up), as a farm that has run
-//! before has measured its rates; without any measured run a job has no estimate, and says so.
+//! The farm first runs a generate, an edit and a pipeline of each size (a warm-up), as a farm that
+//! has run before has measured its rates; without any measured run a job has no estimate, and says
+//! so.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write;
@@ -91,6 +92,9 @@ pub struct AccuracyReport {
     pub by_priority: BTreeMap<(&'static str, &'static str), Errors>,
     /// Jobs never estimated while they waited, with the first reason they gave.
     pub unestimated: Vec<(JobId, String)>,
+    /// Predicted over actual run time (from its start, or its worker's previous job's end when
+    /// later, to its end) of the jobs estimated while running, sorted: the rates' own error.
+    pub run_ratio: Vec<f64>,
 }
 
 /// Runs the workload (made with `mixed`) on the default dispatch and measures the estimates.
@@ -148,6 +152,25 @@ pub async fn run_estimates(
     let times = jobs_of(&log.events);
     let seen = seen.lock().expect("the poller has ended").clone();
     let mut acc = AccuracyReport::default();
+    // Each job's own run: from its start, or the end of the job before it on its worker.
+    let mut by_worker: BTreeMap<&str, Vec<(DateTime<Utc>, DateTime<Utc>, JobId)>> = BTreeMap::new();
+    for (id, job) in &times {
+        if let (Some(w), Some(s), Some(e), true) =
+            (job.worker.as_deref(), job.started, job.ended, job.completed)
+        {
+            by_worker.entry(w).or_default().push((e, s, *id));
+        }
+    }
+    let mut own_run: HashMap<JobId, f64> = HashMap::new();
+    for runs in by_worker.values_mut() {
+        runs.sort();
+        let mut prev: Option<DateTime<Utc>> = None;
+        for (e, s, id) in runs.iter() {
+            let began = prev.map_or(*s, |p| p.max(*s));
+            own_run.insert(*id, (*e - began).num_milliseconds() as f64 / 1e3);
+            prev = Some(*e);
+        }
+    }
     for (id, job) in &times {
         if before.contains(id) {
             continue;
@@ -176,6 +199,10 @@ pub async fn run_estimates(
             )),
         }
         if let Some(e) = &seen.running {
+            if let Some(actual) = own_run.get(id).filter(|a| **a > 0.0) {
+                let predicted = (e.finish_at - e.start_at).num_milliseconds() as f64 / 1e3;
+                acc.run_ratio.push(predicted / actual);
+            }
             acc.at_start.add(e, ended);
             acc.by_priority
                 .entry((priority, "start"))
@@ -183,6 +210,7 @@ pub async fn run_estimates(
                 .add(e, ended);
         }
     }
+    acc.run_ratio.sort_by(f64::total_cmp);
     acc.at_submission.sort();
     acc.at_start.sort();
     for errors in acc.by_priority.values_mut() {
@@ -207,7 +235,8 @@ fn note(seen: &mut Seen, job: &JobView) {
     }
 }
 
-/// One generate and one edit of each size of a mixed workload, one after another.
+/// For each size of a mixed workload, one after another: a generate, an edit of an upload and a
+/// pipeline of a base and four edits (which run as a batch message on the base's worker).
 async fn warm_up(farm: &crate::Farm) -> anyhow::Result<()> {
     farm.storage
         .put(
@@ -218,9 +247,15 @@ async fn warm_up(farm: &crate::Farm) -> anyhow::Result<()> {
         .await?;
     for (n, shape) in Shape::mixed().enumerate() {
         let input = json!({"stored": workload::upload_key(0)});
+        let edits: Vec<Value> = (0..4)
+            .map(|e| json!({"instruction": format!("warm-up {e}"), "steps": shape.edit_steps}))
+            .collect();
+        let pipeline = json!({"kind": "pipeline", "base": {"prompt": format!("warm-up {n}"),
+            "width": shape.side, "height": shape.side, "steps": shape.steps}, "edits": edits});
         for job in [
             workload::generate(n, 1, shape),
             workload::edit(input, &format!("warm-up {n}"), shape),
+            pipeline,
         ] {
             let body = json!({"schema_version": 1, "job": job});
             let done = farm.run(&body, Duration::from_secs(120)).await?;
@@ -263,6 +298,13 @@ pub fn render_accuracy(config: &RunConfig, acc: &AccuracyReport) -> String {
     for ((priority, when), e) in &acc.by_priority {
         row(&mut out, &format!("{priority}, at {when}"), e);
     }
+    let _ = writeln!(
+        out,
+        "\npredicted ÷ actual run time, jobs estimated while running: p10 {:.2}, median {:.2}, p90 {:.2}",
+        super::report::percentile(&acc.run_ratio, 0.1),
+        super::report::percentile(&acc.run_ratio, 0.5),
+        super::report::percentile(&acc.run_ratio, 0.9)
+    );
     let _ = writeln!(
         out,
         "\njobs never estimated while waiting: {}",

@@ -35,6 +35,8 @@ pub const REFRESH: Duration = Duration::from_millis(250);
 const DECAY: f64 = 0.8;
 /// Batch messages whose last job end is remembered (for the next job of the same message).
 const MESSAGE_ENDS: usize = 4096;
+/// How far into a route's released jobs a worker looks for one whose inputs no other worker holds.
+const HOLD_SCAN: usize = 64;
 /// The resolution class of an upscale, whose input's size the scheduler does not know.
 const ANY_INPUT: &str = "input";
 
@@ -160,11 +162,7 @@ struct RatesWire {
 impl From<RatesWire> for Rates {
     fn from(wire: RatesWire) -> Self {
         let mut rates = Rates {
-            fits: wire
-                .fits
-                .into_iter()
-                .map(|(c, w, f)| ((c, w), f))
-                .collect(),
+            fits: wire.fits.into_iter().map(|(c, w, f)| ((c, w), f)).collect(),
             ..Rates::default()
         };
         for (lead, at) in wire.message_ends {
@@ -246,7 +244,10 @@ impl Rates {
         if let Some(fit) = self.fits.get(&(class.clone(), worker.clone()))
             && let Some(s) = fit.seconds(work.units)
         {
-            return Ok((s, format!("{class} on {worker}: {} runs measured", fit.runs)));
+            return Ok((
+                s,
+                format!("{class} on {worker}: {} runs measured", fit.runs),
+            ));
         }
         let others: Vec<(f64, u32)> = self
             .fits
@@ -332,6 +333,12 @@ pub(super) struct Waiting {
     pub(super) work: Option<Work>,
     /// Unfinished jobs whose outputs it takes: it starts after they finish.
     pub(super) after: Vec<JobId>,
+    /// For an edit, the affinity key of its inputs: batch edits wait for the worker that holds
+    /// their inputs' encodings (or made their input), as dispatch holds them (§5).
+    pub(super) affinity: Option<String>,
+    pub(super) interactive: bool,
+    /// The worker that holds its inputs' encodings now, if one does.
+    pub(super) holder: Option<WorkerId>,
 }
 
 /// What the simulation is given.
@@ -367,6 +374,8 @@ pub(super) fn simulate(input: &SimInput, rates: &Rates) -> HashMap<JobId, Outcom
     let mut out: HashMap<JobId, Outcome> = HashMap::new();
     // Predicted finishes, for the jobs that wait on them.
     let mut finishes: HashMap<JobId, Micros> = HashMap::new();
+    // The worker each job on a worker is on (the images it makes are held there).
+    let mut ran_on: HashMap<JobId, usize> = HashMap::new();
 
     // 1. What the workers have: one after another, from each running job's start.
     let mut free: BinaryHeap<Reverse<(Micros, usize)>> = BinaryHeap::new();
@@ -416,6 +425,7 @@ pub(super) fn simulate(input: &SimInput, rates: &Rates) -> HashMap<JobId, Outcom
             let finish = (start + micros(seconds)).max(0);
             prev = Some(finish);
             finishes.insert(job.id, finish);
+            ran_on.insert(job.id, w);
             placed += 1;
             out.insert(
                 job.id,
@@ -445,6 +455,25 @@ pub(super) fn simulate(input: &SimInput, rates: &Rates) -> HashMap<JobId, Outcom
     // Released jobs by route, by their place in the order.
     let mut released: BTreeMap<&Route, BTreeSet<usize>> = BTreeMap::new();
     let mut releases: BinaryHeap<Reverse<(Micros, usize)>> = BinaryHeap::new();
+    // Which worker holds each affinity key (by its index).
+    let by_id: HashMap<&WorkerId, usize> = input
+        .workers
+        .iter()
+        .enumerate()
+        .map(|(w, worker)| (&worker.id, w))
+        .collect();
+    let mut holders: HashMap<&str, usize> = HashMap::new();
+    for job in &input.waiting {
+        let Some(key) = &job.affinity else { continue };
+        let holder = job
+            .holder
+            .as_ref()
+            .and_then(|h| by_id.get(h).copied())
+            .or_else(|| job.after.iter().find_map(|d| ran_on.get(d).copied()));
+        if let Some(w) = holder {
+            holders.entry(key.as_str()).or_insert(w);
+        }
+    }
     let mut failed: Vec<(usize, String)> = Vec::new();
     for (i, job) in input.waiting.iter().enumerate() {
         if !input
@@ -474,21 +503,20 @@ pub(super) fn simulate(input: &SimInput, rates: &Rates) -> HashMap<JobId, Outcom
     }
     // A job that cannot be estimated takes the jobs waiting on it along.
     let mut dead = vec![false; n];
-    let fail = |start: Vec<(usize, String)>,
-                    out: &mut HashMap<JobId, Outcome>,
-                    dead: &mut Vec<bool>| {
-        let mut stack = start;
-        while let Some((i, why)) = stack.pop() {
-            if std::mem::replace(&mut dead[i], true) {
-                continue;
+    let fail =
+        |start: Vec<(usize, String)>, out: &mut HashMap<JobId, Outcome>, dead: &mut Vec<bool>| {
+            let mut stack = start;
+            while let Some((i, why)) = stack.pop() {
+                if std::mem::replace(&mut dead[i], true) {
+                    continue;
+                }
+                let id = input.waiting[i].id;
+                out.insert(id, Err(why));
+                for &d in blocked.get(&i).into_iter().flatten() {
+                    stack.push((d, format!("its input job {id} has no estimate")));
+                }
             }
-            let id = input.waiting[i].id;
-            out.insert(id, Err(why));
-            for &d in blocked.get(&i).into_iter().flatten() {
-                stack.push((d, format!("its input job {id} has no estimate")));
-            }
-        }
-    };
+        };
     fail(failed, &mut out, &mut dead);
 
     while let Some(Reverse((t, w))) = free.pop() {
@@ -505,11 +533,28 @@ pub(super) fn simulate(input: &SimInput, rates: &Rates) -> HashMap<JobId, Outcom
             }
         }
         let worker = &input.workers[w];
-        let next = released
-            .iter()
-            .filter(|(route, _)| worker.serves(route))
-            .filter_map(|(_, set)| set.first().copied())
-            .min();
+        // Its next job: the first released job of a route it serves, passing over batch edits
+        // whose inputs another worker holds (they wait for it, §5), unless it has nothing else
+        // to do (dispatch is work-conserving).
+        let mine = |i: &usize| {
+            let job = &input.waiting[*i];
+            job.interactive
+                || job
+                    .affinity
+                    .as_ref()
+                    .and_then(|k| holders.get(k.as_str()))
+                    .is_none_or(|h| *h == w)
+        };
+        let serving = || {
+            released
+                .iter()
+                .filter(|(route, _)| worker.serves(route))
+                .map(|(_, set)| set)
+        };
+        let next = serving()
+            .filter_map(|set| set.iter().take(HOLD_SCAN).copied().find(mine))
+            .min()
+            .or_else(|| serving().filter_map(|set| set.first().copied()).min());
         let Some(i) = next else {
             // Nothing it serves is ready yet: it is free again when the next job is.
             if let Some(&Reverse((r, _))) = releases.peek() {
@@ -545,7 +590,14 @@ pub(super) fn simulate(input: &SimInput, rates: &Rates) -> HashMap<JobId, Outcom
                 );
                 placed += 1;
                 free.push(Reverse((finish, w)));
+                // It holds this input's encodings now, and the images it makes.
+                if let Some(key) = &job.affinity {
+                    holders.entry(key.as_str()).or_insert(w);
+                }
                 for &d in blocked.get(&i).into_iter().flatten() {
+                    if let Some(key) = &input.waiting[d].affinity {
+                        holders.entry(key.as_str()).or_insert(w);
+                    }
                     ready_at[d] = ready_at[d].max(finish);
                     unmet[d] -= 1;
                     if unmet[d] == 0 && !dead[d] {
@@ -719,6 +771,16 @@ impl Registry {
             .into_iter()
             .filter_map(|id| {
                 let job = &self.jobs[&id];
+                let affinity = match &job.submission()?.job {
+                    JobSpec::Edit(e) => e.affinity_key(),
+                    JobSpec::Generate(_) | JobSpec::Upscale(_) | JobSpec::Pipeline(_) => None,
+                };
+                let holder = affinity.as_ref().and_then(|key| {
+                    self.workers
+                        .values()
+                        .find(|w| w.holds(key))
+                        .map(|w| w.id().clone())
+                });
                 Some(Waiting {
                     id,
                     route: job.route()?,
@@ -728,6 +790,9 @@ impl Registry {
                         .into_iter()
                         .filter(|d| self.jobs.is_active(d))
                         .collect(),
+                    affinity,
+                    interactive: job.rank().0 == 0,
+                    holder,
                 })
             })
             .collect();
@@ -839,12 +904,17 @@ mod tests {
             route: route(),
             work: Some(sdxl(1.0)),
             after,
+            affinity: None,
+            interactive: false,
+            holder: None,
         }
     }
 
     /// Seconds from `now` of an estimate's start and finish.
     fn offsets(out: &HashMap<JobId, Outcome>, id: JobId, now: DateTime<Utc>) -> (f64, f64) {
-        let e = out[&id].as_ref().unwrap_or_else(|why| panic!("{id}: {why}"));
+        let e = out[&id]
+            .as_ref()
+            .unwrap_or_else(|why| panic!("{id}: {why}"));
         let s = |t: DateTime<Utc>| (t - now).num_milliseconds() as f64 / 1e3;
         (s(e.start_at), s(e.finish_at))
     }
@@ -942,13 +1012,62 @@ mod tests {
         };
         let out = simulate(&input, &rates(&["a", "b"], 1.0));
         assert!(
-            out[&x].as_ref().unwrap_err().contains("no sdxl input job has finished"),
+            out[&x]
+                .as_ref()
+                .unwrap_err()
+                .contains("no sdxl input job has finished"),
             "{:?}",
             out[&x]
         );
         assert!(out[&behind].as_ref().unwrap_err().contains("behind a job"));
         assert!(out[&of_x.id].as_ref().unwrap_err().contains("input job"));
         assert_eq!(offsets(&out, fine.id, now), (0.0, 1.0));
+    }
+
+    /// A batch edit waits for the worker that holds its input while the other worker has other
+    /// work; an interactive one does not wait.
+    #[test]
+    fn a_batch_edit_waits_for_its_inputs_holder() {
+        let now = Utc::now();
+        let busy = JobId::new();
+        let on = OnWorker {
+            id: busy,
+            work: Some(sdxl(1.0)),
+            started_at: None,
+        };
+        let edit = |interactive| Waiting {
+            affinity: Some("qwen-edit:stored:x".into()),
+            interactive,
+            holder: Some(wid("a")),
+            ..waiting(vec![])
+        };
+        let (held, other, urgent) = (edit(false), waiting(vec![]), edit(true));
+        let input = SimInput {
+            now,
+            workers: vec![sim_worker("a", vec![on]), sim_worker("b", vec![])],
+            waiting: vec![held.clone(), other.clone()],
+        };
+        let out = simulate(&input, &rates(&["a", "b"], 1.0));
+        assert_eq!(
+            offsets(&out, other.id, now),
+            (0.0, 1.0),
+            "b takes the other job"
+        );
+        assert_eq!(
+            offsets(&out, held.id, now),
+            (1.0, 2.0),
+            "the edit waits for a"
+        );
+        let input = SimInput {
+            waiting: vec![urgent.clone(), other.clone()],
+            ..input
+        };
+        let out = simulate(&input, &rates(&["a", "b"], 1.0));
+        assert_eq!(
+            offsets(&out, urgent.id, now),
+            (0.0, 1.0),
+            "interactive: at once"
+        );
     }
 
     #[test]
@@ -1003,7 +1122,10 @@ mod tests {
     fn rates_are_learned_from_the_streams_event_times() {
         let mut r = Registry::default();
         let mut s = Stream::new();
-        let (first, second) = (s.queue(&mut r, sized(1024, 20)), s.queue(&mut r, sized(1024, 20)));
+        let (first, second) = (
+            s.queue(&mut r, sized(1024, 20)),
+            s.queue(&mut r, sized(1024, 20)),
+        );
         run(&mut s, &mut r, first, "a", Some(first));
         run(&mut s, &mut r, second, "a", Some(first));
         let t0 = s.at;

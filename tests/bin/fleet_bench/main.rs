@@ -35,6 +35,10 @@ struct Cli {
     /// only) instead of comparing policies.
     #[arg(long)]
     estimates: bool,
+    /// Real time per profile time, instead of the profile's own (6 for the H200, 200 for the
+    /// Strix Halo): a smaller scale makes jobs longer and the machine's own noise smaller.
+    #[arg(long)]
+    scale: Option<f64>,
 }
 
 #[tokio::main]
@@ -48,6 +52,7 @@ async fn main() -> anyhow::Result<()> {
             "strix-halo" => (STRIX_HALO, 200.0),
             other => anyhow::bail!("unknown profile {other:?} (h200, strix-halo)"),
         };
+        let scale = cli.scale.unwrap_or(scale);
         let config = if cli.quick {
             RunConfig {
                 profile,

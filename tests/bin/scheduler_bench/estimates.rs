@@ -53,9 +53,12 @@ impl Feed {
     }
 
     fn queue(&mut self, reg: &mut Registry, job: serde_json::Value) -> anyhow::Result<JobId> {
-        let submission: Submission =
-            vnfarm_proto::decode_json(json!({"schema_version": 1, "job": job}).to_string().as_bytes())
-                .map_err(|e| anyhow::anyhow!("{}: {}", e.field, e.message))?;
+        let submission: Submission = vnfarm_proto::decode_json(
+            json!({"schema_version": 1, "job": job})
+                .to_string()
+                .as_bytes(),
+        )
+        .map_err(|e| anyhow::anyhow!("{}: {}", e.field, e.message))?;
         let id = JobId::new();
         self.event(
             reg,
@@ -102,7 +105,8 @@ pub fn run(jobs: usize, workers: usize, rounds: usize) -> anyhow::Result<Report>
     let mut feed = Feed { seq: 0 };
     let ids: Vec<WorkerId> = (1..=workers)
         .map(|n| format!("w{n}").parse())
-        .collect::<Result<_, _>>()?;
+        .collect::<Result<_, String>>()
+        .map_err(anyhow::Error::msg)?;
     for id in &ids {
         let hb = json!({"worker": id, "state": "ready", "models": ["sdxl", "qwen-edit", "esrgan"],
             "slots": 1, "in_flight": 1, "running": [], "checkpoints": [], "max_batch": 1,

@@ -231,7 +231,11 @@ fn step_cost_ms(step_ms: f64, n: usize, batch_step_cost: f64) -> f64 {
 
 /// The output's area of a job, in pixels (an upscale's from its input and scale).
 fn output_pixels(job: &EngineJob) -> f64 {
-    let input = || job.inputs.first().map(|i| (i.image.width(), i.image.height()));
+    let input = || {
+        job.inputs
+            .first()
+            .map(|i| (i.image.width(), i.image.height()))
+    };
     let (w, h) = match &job.task {
         Task::Generate(g) => (g.width, g.height),
         Task::Edit(e) => e.width.zip(e.height).or_else(input).unwrap_or((1024, 1024)),
