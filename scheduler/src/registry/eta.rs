@@ -760,12 +760,33 @@ impl Registry {
             .collect();
         queues.push(on_inputs.into_iter().map(|(_, id)| id).collect());
         let mut order: Vec<JobId> = pending.into_iter().map(|(_, id)| id).collect();
-        while let Some(q) = queues
-            .iter_mut()
-            .filter(|q| !q.is_empty())
-            .min_by_key(|q| self.jobs[&q[0]].rank())
-        {
-            order.extend(q.pop_front());
+        // As dispatch goes: at most `INTERACTIVE_BURST` interactive jobs in a row while a batch
+        // job could go.
+        let mut streak = self.interactive_streak;
+        loop {
+            let heads = queues.iter_mut().filter(|q| !q.is_empty());
+            let next = if streak >= super::INTERACTIVE_BURST {
+                heads
+                    .filter(|q| self.jobs[&q[0]].rank().0 > 0)
+                    .min_by_key(|q| self.jobs[&q[0]].rank())
+            } else {
+                heads.min_by_key(|q| self.jobs[&q[0]].rank())
+            };
+            let next = match next {
+                Some(q) => q,
+                None => match queues
+                    .iter_mut()
+                    .filter(|q| !q.is_empty())
+                    .min_by_key(|q| self.jobs[&q[0]].rank())
+                {
+                    Some(q) => q,
+                    None => break,
+                },
+            };
+            let Some(id) = next.pop_front() else { break };
+            let interactive = self.jobs[&id].rank().0 == 0;
+            streak = if interactive { streak + 1 } else { 0 };
+            order.push(id);
         }
         let waiting = order
             .into_iter()
