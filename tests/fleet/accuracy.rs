@@ -25,6 +25,9 @@ use super::{PolicyReport, RunConfig, VARIANTS, jobs_of, run_workload, start_farm
 /// How often the job list is read (about as often as the scheduler remakes its estimates).
 const POLL: Duration = Duration::from_millis(250);
 
+/// A job's end and start on its worker.
+type Ended = (DateTime<Utc>, DateTime<Utc>, JobId);
+
 /// What the list showed of one job.
 #[derive(Clone, Debug, Default)]
 struct Seen {
@@ -153,7 +156,7 @@ pub async fn run_estimates(
     let seen = seen.lock().expect("the poller has ended").clone();
     let mut acc = AccuracyReport::default();
     // Each job's own run: from its start, or the end of the job before it on its worker.
-    let mut by_worker: BTreeMap<&str, Vec<(DateTime<Utc>, DateTime<Utc>, JobId)>> = BTreeMap::new();
+    let mut by_worker: BTreeMap<&str, Vec<Ended>> = BTreeMap::new();
     for (id, job) in &times {
         if let (Some(w), Some(s), Some(e), true) =
             (job.worker.as_deref(), job.started, job.ended, job.completed)
