@@ -64,7 +64,9 @@ mod workers;
 use record::Local;
 use store::Jobs;
 
-pub use eta::{Outcome as EstimateOutcome, REFRESH as ESTIMATE_REFRESH, Rates};
+pub use eta::{
+    EstimateWork, MadeEstimates, Outcome as EstimateOutcome, REFRESH as ESTIMATE_REFRESH, Rates,
+};
 pub use follow_ups::CancelRefusal;
 pub use names::AdvertisedNames;
 pub use people::{People, Person, token_digest};

@@ -90,7 +90,7 @@ pub struct ListQuery {
 }
 
 /// A job as the API shows it, with why it is not moving in words and its estimate as last made
-/// (the caller refreshes them first: [`Registry::refresh_estimates`]).
+/// (the caller makes them again first when they are due: `refresh_estimates`).
 pub fn view(reg: &Registry, job: &JobRecord, waits: Waits) -> JobView {
     let estimate = reg.estimate(job);
     JobView {
@@ -197,6 +197,21 @@ fn waiting_for(
     }
 }
 
+/// Makes the estimates again when they are due: the queue is copied under the registry's lock,
+/// simulated on a blocking thread without it, and stored (DESIGN §5, "Estimates").
+async fn refresh_estimates(api: &Api) {
+    let work = api
+        .scheduler
+        .registry()
+        .estimates_due(api.waits().heartbeat_timeout);
+    let Some(work) = work else { return };
+    match tokio::task::spawn_blocking(move || work.make()).await {
+        Ok(made) => api.scheduler.registry().store_estimates(made),
+        // Given up on after a while by `estimates_due`; the views show the last ones meanwhile.
+        Err(e) => tracing::error!(error = %e, "making the estimates failed"),
+    }
+}
+
 /// A job id from the path, or 400 naming `id`.
 pub fn parse_id(id: &str) -> Result<JobId, ApiError> {
     id.parse()
@@ -241,11 +256,11 @@ pub async fn get_job(
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
     let id = parse_id(&id)?;
+    if api.scheduler.registry().contains(id) {
+        refresh_estimates(&api).await;
+    }
     let view = {
-        let mut reg = api.scheduler.registry();
-        if reg.contains(id) {
-            reg.refresh_estimates(api.waits().heartbeat_timeout);
-        }
+        let reg = api.scheduler.registry();
         reg.job(id).map(|job| view(&reg, job, api.waits()))
     };
     if let Some(view) = view {
@@ -349,9 +364,9 @@ pub async fn list_jobs(
     let limit = q.limit.unwrap_or(100).min(1000);
     let waits = api.waits();
     let everyone = caller.role().grants(Permission::SeeAll);
+    refresh_estimates(&api).await;
     let views: Vec<JobView> = {
-        let mut reg = api.scheduler.registry();
-        reg.refresh_estimates(waits.heartbeat_timeout);
+        let reg = api.scheduler.registry();
         let reg = &*reg;
         reg.jobs_newest_first()
             .filter(|j| everyone || j.owner() == caller.name())

@@ -14,8 +14,9 @@
 //!   to the worker serving its route that frees first, no earlier than its inputs' predicted
 //!   finish.
 //! - The registry's side: [`Registry::dispatch_order`] (the one place the waiting order is read
-//!   from), the simulation's input built from the records, and a cache remade at most every
-//!   [`REFRESH`], so a request costs a lookup whatever the backlog.
+//!   from), the simulation's input copied from the records under the registry's lock, the
+//!   simulation run without it, and the estimates kept until [`REFRESH`] has passed, so a request
+//!   costs a lookup whatever the backlog.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, VecDeque};
@@ -30,7 +31,7 @@ use super::record::JobRecord;
 use super::{Registry, Route};
 
 /// Estimates are made again at most this often (and only when asked for).
-pub const REFRESH: Duration = Duration::from_millis(250);
+pub const REFRESH: Duration = Duration::from_millis(500);
 /// How much of a class's fit each new run leaves: 0.8 weighs the last few runs most.
 const DECAY: f64 = 0.8;
 /// Batch messages whose last job end is remembered (for the next job of the same message).
@@ -621,7 +622,26 @@ pub(super) fn simulate(input: &SimInput, rates: &Rates) -> HashMap<JobId, Outcom
 #[derive(Default)]
 pub(super) struct Estimates {
     made: Option<Instant>,
+    /// Since when the next are being made.
+    making: Option<Instant>,
     by_job: HashMap<JobId, Outcome>,
+}
+
+/// The queue and the rates, copied out of the registry, to make estimates from.
+pub struct EstimateWork {
+    input: SimInput,
+    rates: Rates,
+}
+
+/// Estimates made, to be stored in the registry.
+pub struct MadeEstimates(HashMap<JobId, Outcome>);
+
+impl EstimateWork {
+    /// Runs the simulation (O(jobs × routes + jobs × log jobs)): off the async runtime and
+    /// without the registry's lock.
+    pub fn make(self) -> MadeEstimates {
+        MadeEstimates(simulate(&self.input, &self.rates))
+    }
 }
 
 impl Registry {
@@ -648,22 +668,47 @@ impl Registry {
         order.into_iter().map(|(_, id)| id).collect()
     }
 
-    /// Makes the estimates again if the last were made [`REFRESH`] ago or more.
-    pub fn refresh_estimates(&mut self, heartbeat_timeout: Duration) {
-        if self
+    /// What the next estimates are made from, when the last were made [`REFRESH`] ago or more and
+    /// none are being made: the caller makes them ([`EstimateWork::make`], without the registry's
+    /// lock) and stores them ([`Registry::store_estimates`]). The lock is held only to copy the
+    /// queue's shape and the rates.
+    pub fn estimates_due(&mut self, heartbeat_timeout: Duration) -> Option<EstimateWork> {
+        let fresh = self
             .estimates
             .made
-            .is_some_and(|made| made.elapsed() < REFRESH)
-        {
-            return;
+            .is_some_and(|made| made.elapsed() < REFRESH);
+        // One at a time; a maker that never stored (its task died) is given up on.
+        let making = self
+            .estimates
+            .making
+            .is_some_and(|since| since.elapsed() < 10 * REFRESH);
+        if fresh || making {
+            return None;
         }
-        let input = self.sim_input(Utc::now(), heartbeat_timeout);
-        let mut by_job = simulate(&input, &self.rates);
+        self.estimates.making = Some(Instant::now());
+        Some(EstimateWork {
+            input: self.sim_input(Utc::now(), heartbeat_timeout),
+            rates: self.rates.clone(),
+        })
+    }
+
+    /// Keeps the estimates just made, with each unfinished pipeline's from its jobs'.
+    pub fn store_estimates(&mut self, made: MadeEstimates) {
+        let mut by_job = made.0;
         self.add_pipelines(&mut by_job);
         self.estimates = Estimates {
             made: Some(Instant::now()),
+            making: None,
             by_job,
         };
+    }
+
+    /// Makes the estimates again, here, if they are due ([`Registry::estimates_due`]).
+    pub fn refresh_estimates(&mut self, heartbeat_timeout: Duration) {
+        if let Some(work) = self.estimates_due(heartbeat_timeout) {
+            let made = work.make();
+            self.store_estimates(made);
+        }
     }
 
     /// A job's estimate as last made (see [`Registry::refresh_estimates`]), or why it has none;

@@ -17,6 +17,9 @@ pub struct Report {
     pub workers: usize,
     /// Each timed refresh, sorted.
     pub refreshes: Vec<Duration>,
+    /// The part of each under the registry's lock (copying the queue, storing the estimates),
+    /// sorted.
+    pub locked: Vec<Duration>,
     /// Jobs with an estimate after the last, of those waiting or running.
     pub estimated: usize,
 }
@@ -31,6 +34,13 @@ impl Report {
 
     pub fn max(&self) -> Duration {
         self.refreshes.last().copied().unwrap_or_default()
+    }
+
+    pub fn locked_median(&self) -> Duration {
+        self.locked
+            .get(self.locked.len() / 2)
+            .copied()
+            .unwrap_or_default()
     }
 }
 
@@ -164,14 +174,23 @@ pub fn run(jobs: usize, workers: usize, rounds: usize) -> anyhow::Result<Report>
     }
     let timeout = Duration::from_secs(3600);
     let mut refreshes = Vec::with_capacity(rounds);
+    let mut locked = Vec::with_capacity(rounds);
     for _ in 0..rounds {
-        // Past the refresh interval, so the call makes them again.
+        // Past the refresh interval, so they are due again.
         std::thread::sleep(ESTIMATE_REFRESH);
         let started = Instant::now();
-        reg.refresh_estimates(timeout);
+        let work = reg
+            .estimates_due(timeout)
+            .ok_or_else(|| anyhow::anyhow!("estimates not due after the refresh interval"))?;
+        let copied = started.elapsed();
+        let made = work.make();
+        let stored = Instant::now();
+        reg.store_estimates(made);
+        locked.push(copied + stored.elapsed());
         refreshes.push(started.elapsed());
     }
     refreshes.sort();
+    locked.sort();
     let estimated = waiting
         .iter()
         .filter_map(|id| reg.job(*id))
@@ -181,6 +200,7 @@ pub fn run(jobs: usize, workers: usize, rounds: usize) -> anyhow::Result<Report>
         jobs,
         workers,
         refreshes,
+        locked,
         estimated,
     })
 }

@@ -167,12 +167,13 @@ async fn run(cli: &Cli, what: What) -> anyhow::Result<()> {
     }
     if let Some(e) = &estimates {
         println!(
-            "estimates: {} jobs waiting, {} workers: every estimate made in {:.1} ms (median of {}; max {:.1} ms); {} of the waiting jobs estimated",
+            "estimates: {} jobs waiting, {} workers: every estimate made in {:.1} ms (median of {}; max {:.1} ms), {:.1} ms of it under the registry's lock; {} of the waiting jobs estimated",
             e.jobs,
             e.workers,
             e.median().as_secs_f64() * 1e3,
             e.refreshes.len(),
             e.max().as_secs_f64() * 1e3,
+            e.locked_median().as_secs_f64() * 1e3,
             e.estimated
         );
     }
