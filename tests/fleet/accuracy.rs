@@ -22,7 +22,8 @@ use vnfarm_proto::{JobId, Priority};
 use super::workload::{self, Shape, Workload};
 use super::{PolicyReport, RunConfig, VARIANTS, jobs_of, run_workload, start_farm};
 
-/// How often the job list is read (about as often as the scheduler remakes its estimates).
+/// How often the job list is read (twice per `ESTIMATE_REFRESH`, so a job is seen soon after its
+/// first estimate).
 const POLL: Duration = Duration::from_millis(250);
 
 /// A job's end and start on its worker.
