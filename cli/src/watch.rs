@@ -35,8 +35,14 @@ pub enum Outcome {
 /// An archived job (past the registry's retention) completed long ago: its outputs are printed.
 pub async fn watch(api: &Api, id: JobId) -> anyhow::Result<Outcome> {
     match api.job(id).await? {
-        JobAnswer::Live(job) if job.is_pipeline() => watch_pipeline(api, job).await,
-        JobAnswer::Live(_) => watch_events(api, id).await,
+        JobAnswer::Live(job) if job.is_pipeline() => {
+            print_estimate(&job);
+            watch_pipeline(api, job).await
+        }
+        JobAnswer::Live(job) => {
+            print_estimate(&job);
+            watch_events(api, id).await
+        }
         JobAnswer::Archived(job) => {
             eprintln!("{} {id} completed (archived)", job.kind);
             print_outputs(&job.outputs);
@@ -93,8 +99,14 @@ async fn watch_events(api: &Api, id: JobId) -> anyhow::Result<Outcome> {
             retry.reset();
             match serde_json::from_str::<SequencedEvent>(&data) {
                 Ok(event) => {
+                    let started = matches!(event.event.kind, EventKind::Started { .. });
                     if let Some(outcome) = view.show(event) {
                         return Ok(outcome);
+                    }
+                    // Its finish, now that it runs (an estimate that cannot be read is no
+                    // reason to stop watching).
+                    if started && let Ok(JobAnswer::Live(job)) = api.job(id).await {
+                        view.bar.suspend(|| print_estimate(&job));
                     }
                 }
                 Err(e) => view.line(&format!(
@@ -204,6 +216,38 @@ impl EventView {
             }
         }
         None
+    }
+}
+
+/// The job's estimated start and finish (or why it has none), on stderr; nothing for a finished
+/// job.
+fn print_estimate(job: &JobView) {
+    if let Some(line) = estimate_line(job, chrono::Utc::now()) {
+        eprintln!("{line}");
+    }
+}
+
+fn estimate_line(job: &JobView, now: chrono::DateTime<chrono::Utc>) -> Option<String> {
+    if job.state.is_terminal() {
+        return None;
+    }
+    let time = |t: chrono::DateTime<chrono::Utc>| t.format("%H:%M:%S");
+    match (&job.estimate, &job.no_estimate) {
+        (Some(e), _) => {
+            let secs = (e.finish_at - now).num_milliseconds().max(0) as f64 / 1e3;
+            let start = if job.state == JobState::Running {
+                format!("started {}", time(e.start_at))
+            } else {
+                format!("estimated start {}", time(e.start_at))
+            };
+            Some(format!(
+                "{start}, finish {} (in {secs:.0}s; {})",
+                time(e.finish_at),
+                e.basis
+            ))
+        }
+        (None, Some(why)) => Some(format!("no estimate yet: {why}")),
+        (None, None) => None,
     }
 }
 
@@ -332,5 +376,41 @@ fn failure_text(job: &JobView) -> String {
     match &job.failure {
         Some(f) => format!("{}: {}", f.kind.as_str(), f.message),
         None => job.state.as_str().to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_estimate_reads_as_start_finish_and_basis() {
+        let now: chrono::DateTime<chrono::Utc> = "2026-12-04T10:00:00Z".parse().unwrap();
+        let mut job: JobView = serde_json::from_value(serde_json::json!({
+            "id": JobId::new(), "kind": "generate", "state": "queued", "priority": "batch",
+            "created_at": now, "updated_at": now, "worker": null, "dispatches": 0,
+            "attempts": 0, "progress": null, "outputs": [], "manifest": null, "failure": null,
+            "estimate": {"start_at": "2026-12-04T10:00:30Z", "finish_at": "2026-12-04T10:01:15Z",
+                "basis": "sdxl 1mp on w0: 3 runs measured", "made_at": now},
+        }))
+        .unwrap();
+        assert_eq!(
+            estimate_line(&job, now).unwrap(),
+            "estimated start 10:00:30, finish 10:01:15 (in 75s; sdxl 1mp on w0: 3 runs measured)"
+        );
+        job.state = JobState::Running;
+        assert!(
+            estimate_line(&job, now)
+                .unwrap()
+                .starts_with("started 10:00:30")
+        );
+        job.estimate = None;
+        job.no_estimate = Some("no sdxl 1mp job has finished on this farm yet".into());
+        assert_eq!(
+            estimate_line(&job, now).unwrap(),
+            "no estimate yet: no sdxl 1mp job has finished on this farm yet"
+        );
+        job.state = JobState::Completed;
+        assert_eq!(estimate_line(&job, now), None);
     }
 }

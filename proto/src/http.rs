@@ -118,11 +118,34 @@ pub struct JobView {
     /// Why a job that is not finished is not moving, in words.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub waiting_for: Option<String>,
+    /// When a waiting or running job is expected to start and finish, from its place in the queue
+    /// and the rates the farm measured (DESIGN §5, "Estimates"). Absent for a finished job, and
+    /// while there is no basis for one: then `no_estimate` says why.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub estimate: Option<Estimate>,
+    /// Why an unfinished job has no `estimate` (no run of its model and size measured yet, no
+    /// live worker serves it, it waits behind a job without one, ...).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub no_estimate: Option<String>,
     /// The submission as the scheduler recorded it. One this build cannot decode (a field or a job
     /// kind a newer scheduler accepts; a submission is decoded strictly) reads as none rather than
     /// failing the whole view.
     #[serde(default, deserialize_with = "readable")]
     pub submission: Option<Submission>,
+}
+
+/// A job's expected start and finish, made by the scheduler at `made_at`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Estimate {
+    /// When it starts (a running job: when it started on its engine, as far as the scheduler can
+    /// tell).
+    pub start_at: DateTime<Utc>,
+    pub finish_at: DateTime<Utc>,
+    /// What the estimate rests on, in words: the measured rate used (model, resolution class,
+    /// worker, how many runs) and the job's place in the queue.
+    pub basis: String,
+    /// When the scheduler made it (estimates are remade at most a few times a second).
+    pub made_at: DateTime<Utc>,
 }
 
 fn admin() -> String {
@@ -401,6 +424,8 @@ mod tests {
             manifest: None,
             failure: None,
             waiting_for: None,
+            estimate: None,
+            no_estimate: None,
             submission: Some(submission),
         };
         let json = serde_json::to_value(&view).unwrap();

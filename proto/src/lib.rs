@@ -41,7 +41,7 @@ pub use people::{Permission, PersonEvent, PersonEventKind, Role};
 pub use pipeline::{pipeline_jobs, pipeline_size};
 pub use spec::{
     EditSpec, GenerateSpec, ImageRef, JobSpec, LoraRef, ModelFamily, PipelineImage, PipelineSpec,
-    Priority, Sampler, Submission, UpscaleSpec, ValidationError,
+    Priority, Sampler, Submission, UpscaleSpec, ValidationError, resolution_class,
 };
 pub use work::{
     BatchedJob, CancelRequest, GpuMemory, Heartbeat, SettingsInUse, SettingsSource, Task,

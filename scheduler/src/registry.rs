@@ -16,6 +16,8 @@
 //! - `follow_ups.rs`: terms, the follow-up events the active scheduler owes, stale dispatches,
 //!   cancellation.
 //! - `plan.rs`: the dispatch policy, with its tests. `workers.rs`: the worker records.
+//! - `eta.rs`: estimates of when waiting and running jobs start and finish: the rates learned
+//!   from the stream, the queue simulation, and the order dispatch takes waiting jobs in.
 //! - `names.rs`: the model names workers advertise; jobs whose named checkpoint left the farm.
 //! - `people.rs`: people and their tokens' digests, from their own events in the same stream.
 //! - `shares.rs`: fair share: the queue's controls (pauses) and each person's GPU time today.
@@ -50,6 +52,7 @@ use vnfarm_proto::{Heartbeat, JobId, ModelFamily, PersonEvent, Priority, WorkerI
 use crate::config::DispatchConfig;
 
 mod apply;
+mod eta;
 mod follow_ups;
 mod names;
 mod people;
@@ -65,6 +68,9 @@ mod workers;
 use record::Local;
 use store::Jobs;
 
+pub use eta::{
+    EstimateWork, MadeEstimates, Outcome as EstimateOutcome, REFRESH as ESTIMATE_REFRESH, Rates,
+};
 pub use follow_ups::CancelRefusal;
 pub use names::AdvertisedNames;
 pub use people::{People, Person, token_digest};
@@ -157,6 +163,10 @@ pub struct Registry {
     latest: Option<DateTime<Utc>>,
     /// Interactive jobs dispatched in a row while batch jobs waited (see `plan_dispatch`).
     interactive_streak: u32,
+    /// How long runs took, learned from the stream (durable: part of a snapshot).
+    rates: Rates,
+    /// The estimates last made from `rates` and the queue.
+    estimates: eta::Estimates,
 }
 
 impl Registry {

@@ -300,6 +300,7 @@ function fillCard(card, job) {
   bar.value = p.value;
   bar.setAttribute("aria-label", `progress of ${kindTitle(job)}`);
   $(".progress-text", card).textContent = p.text;
+  fillEstimate($(".estimate", card), job);
   $(".cancel-button", card).hidden = FINAL.has(job.state);
   // Only a job still waiting has a place in the queue to move.
   $(".front-button", card).hidden = !mayReorder() || displayState(job) !== "queued";
@@ -312,6 +313,29 @@ function fillCard(card, job) {
   $(".compare-button", card).hidden = edits.length < 2;
   fillChildren(card, job, members);
   fillGallery(card, members);
+}
+
+/// The scheduler's estimate of when an unfinished job starts and finishes (its basis on hover),
+/// or that it has none yet and why.
+function fillEstimate(el, job) {
+  const time = (t) => new Date(t).toLocaleTimeString();
+  if (FINAL.has(job.state)) {
+    el.textContent = "";
+    el.title = "";
+  } else if (job.estimate) {
+    const e = job.estimate;
+    el.textContent = job.state === "running" ? `done ≈ ${time(e.finish_at)}` : `starts ≈ ${time(e.start_at)}, done ≈ ${time(e.finish_at)}`;
+    el.title = e.basis;
+  } else {
+    el.textContent = job.no_estimate ? "no estimate yet" : "";
+    el.title = job.no_estimate || "";
+  }
+}
+
+/// Estimates move without events of their own (the queue ahead drains): while jobs are unfinished,
+/// the list is read again every few seconds.
+function refreshEstimates() {
+  if ([...state.jobs.values()].some((j) => !FINAL.has(j.state))) refreshJobs().catch(showBackgroundError);
 }
 
 function displayState(job) {
@@ -365,7 +389,7 @@ function fillChildren(card, top, members) {
     if (!row) {
       row = document.createElement("li");
       row.dataset.jobId = m.id;
-      row.innerHTML = '<span class="label"></span> <span class="state"></span> <progress max="1" value="0"></progress> <span class="progress-text"></span>';
+      row.innerHTML = '<span class="label"></span> <span class="state"></span> <progress max="1" value="0"></progress> <span class="progress-text"></span> <span class="estimate"></span>';
     }
     row.dataset.state = m.state;
     $(".label", row).textContent = memberLabel(top, m);
@@ -375,6 +399,7 @@ function fillChildren(card, top, members) {
     $("progress", row).value = p.value;
     $("progress", row).setAttribute("aria-label", `progress of ${memberLabel(top, m)}`);
     $(".progress-text", row).textContent = m.failure ? m.failure.message : p.text;
+    fillEstimate($(".estimate", row), m);
     return row;
   });
   rows.forEach((row) => list.appendChild(row));
@@ -855,6 +880,7 @@ function start() {
   refreshQueue();
   setInterval(refreshFleet, 2000);
   setInterval(refreshQueue, 2000);
+  setInterval(refreshEstimates, 5000);
 }
 
 document.addEventListener("DOMContentLoaded", start);

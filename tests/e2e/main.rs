@@ -9,6 +9,7 @@ mod cli;
 mod deploy;
 mod engines;
 mod esrgan;
+mod estimates;
 mod failures;
 mod fleet;
 mod intake;

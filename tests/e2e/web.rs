@@ -1343,6 +1343,24 @@ async fn drive_page(farm: &mut Farm, b: &mut Browser) -> anyhow::Result<()> {
         "#jobs article[data-job-id='{}']",
         slow.as_str().context("id")?
     );
+    // Its card says when it should be done (generates of its size have run here), and on what
+    // the estimate rests.
+    let estimate = b
+        .until(
+            "the long job's estimate",
+            FINISH,
+            &format!(
+                "const e = document.querySelector(\"{slow_card} .estimate\"); \
+                 return e && e.textContent.startsWith('done ≈') && [e.textContent, e.title]"
+            ),
+        )
+        .await?;
+    ensure!(
+        estimate[1]
+            .as_str()
+            .is_some_and(|t| t.contains("sdxl 0.25mp")),
+        "{estimate}"
+    );
     b.css(&format!("{slow_card} .cancel-button"))
         .await?
         .click()

@@ -9,6 +9,7 @@
 //! and interactive work arriving through the run. Throughput is jobs over the time to drain it
 //! all; latency is `queued` to `completed` per job, by priority.
 
+mod accuracy;
 mod fair;
 mod report;
 mod workload;
@@ -20,9 +21,10 @@ use anyhow::{Context, bail};
 use chrono::{DateTime, Utc};
 use vnfarm_proto::{EventKind, JobId, JobSpec, Priority, SequencedEvent};
 
+pub use accuracy::{AccuracyReport, render_accuracy, run_estimates};
 pub use fair::{FairConfig, FairReport, run_fair_share};
 pub use report::{PolicyReport, render};
-pub use workload::{Item, Workload};
+pub use workload::{Item, Shape, Workload};
 
 use crate::{Farm, WorkerOptions, wait_for};
 
@@ -91,6 +93,9 @@ pub struct RunConfig {
     /// Over how long the interactive work arrives.
     pub arrival_seconds: f64,
     pub seed: u64,
+    /// Items of mixed sizes (three resolution classes) and steps, on workers whose step times
+    /// grow with the area (`area_scaling` 1); otherwise every item is 256² with 20 or 4 steps.
+    pub mixed: bool,
 }
 
 impl RunConfig {
@@ -103,6 +108,7 @@ impl RunConfig {
             interactive_items: 8,
             arrival_seconds: 4.0,
             seed: 7,
+            mixed: false,
         }
     }
 }
@@ -168,6 +174,13 @@ pub async fn run_policy(
     config: &RunConfig,
     workload: &Workload,
 ) -> anyhow::Result<PolicyReport> {
+    let mut farm = start_farm(variant, config).await?;
+    run_workload(variant, config, workload, &mut farm).await
+}
+
+/// A fresh farm of `config.workers` test-pattern workers with the profile's (scaled) delays and
+/// a scheduler dispatching as `variant` says.
+async fn start_farm(variant: Variant, config: &RunConfig) -> anyhow::Result<Farm> {
     let policy = variant.policy;
     let mut farm = Farm::new(&format!("fleet-{policy}")).await?;
     // The scheduler's waits are scaled like the work: an edit waits up to about six edits of
@@ -199,6 +212,10 @@ pub async fn run_policy(
                 env("ENCODE_MS", scaled(p.encode_ms, config.scale).to_string()),
                 env("DECODE_MS", scaled(p.decode_ms, config.scale).to_string()),
                 env("BATCH_STEP_COST", p.batch_step_cost.to_string()),
+                env(
+                    "AREA_SCALING",
+                    if config.mixed { "1" } else { "0" }.to_owned(),
+                ),
                 // Encodings shrink with the time scale (bandwidth time); the storage round trip
                 // itself is not scaled, which overcharges fetches.
                 env(
@@ -216,21 +233,31 @@ pub async fn run_policy(
         };
         farm.start_worker(&format!("w{n}"), options).await?;
     }
-    let made = workload::submit(&farm, workload).await?;
+    Ok(farm)
+}
+
+/// Submits the workload to `farm`, waits for all of it and measures it.
+async fn run_workload(
+    variant: Variant,
+    config: &RunConfig,
+    workload: &Workload,
+    farm: &mut Farm,
+) -> anyhow::Result<PolicyReport> {
+    let made = workload::submit(farm, workload).await?;
     let all: Vec<JobId> = made.iter().flat_map(|m| m.top.iter().copied()).collect();
     let expected = all.len();
     wait_for(
         "every job of the workload to finish",
         Duration::from_secs(600),
         || async {
-            let terminal = finished_count(&farm, &all).await.ok()?;
+            let terminal = finished_count(farm, &all).await.ok()?;
             (terminal == expected).then_some(())
         },
     )
     .await
     .with_context(|| farm.worker_logs())?;
     let metrics = farm.scheduler_metrics().await?;
-    let log = crate::stream::read_all(&farm).await?;
+    let log = crate::stream::read_all(farm).await?;
     if log.undecodable > 0 {
         bail!(
             "{} undecodable messages in the event stream",

@@ -14,6 +14,11 @@ use crate::Farm;
 
 /// Images are small: the stage delays, not the pixels, stand for the work.
 const SIDE: u32 = 256;
+/// A mixed workload's sides (three resolution classes: 0.25, 0.5 and 1 megapixel), generate steps
+/// and edit steps.
+const MIXED_SIDES: [u32; 3] = [512, 768, 1024];
+const MIXED_STEPS: [u32; 3] = [12, 20, 30];
+const MIXED_EDIT_STEPS: [u32; 2] = [4, 8];
 /// How far apart the edits of a burst arrive (an artist sending variants one by one).
 const BURST_SPACING: Duration = Duration::from_millis(60);
 
@@ -43,6 +48,34 @@ pub struct Timed {
     pub at: Duration,
     pub interactive: bool,
     pub item: Item,
+    pub shape: Shape,
+}
+
+/// An item's image size and steps.
+#[derive(Clone, Copy, Debug)]
+pub struct Shape {
+    pub side: u32,
+    pub steps: u32,
+    pub edit_steps: u32,
+}
+
+impl Shape {
+    /// Every item's, unless the workload is mixed.
+    pub const UNIFORM: Shape = Shape {
+        side: SIDE,
+        steps: 20,
+        edit_steps: 4,
+    };
+
+    /// Every shape a mixed workload draws from (the estimates' warm-up runs one job of each
+    /// class).
+    pub fn mixed() -> impl Iterator<Item = Shape> {
+        MIXED_SIDES.into_iter().map(|side| Shape {
+            side,
+            steps: MIXED_STEPS[1],
+            edit_steps: MIXED_EDIT_STEPS[0],
+        })
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -54,6 +87,19 @@ pub struct Workload {
 impl Workload {
     pub fn new(config: &RunConfig) -> Self {
         let mut rng = StdRng::seed_from_u64(config.seed);
+        // Shapes from a stream of their own, so a mixed workload has the same items.
+        let mut shapes = StdRng::seed_from_u64(config.seed.wrapping_add(1));
+        let mut shape = move || {
+            if !config.mixed {
+                return Shape::UNIFORM;
+            }
+            let mut pick = |options: &[u32]| options[shapes.random_range(0..options.len())];
+            Shape {
+                side: pick(&MIXED_SIDES),
+                steps: pick(&MIXED_STEPS),
+                edit_steps: pick(&MIXED_EDIT_STEPS),
+            }
+        };
         let mut items = Vec::new();
         let mut uploads = 0;
         let mut pick = |rng: &mut StdRng, earlier: usize| -> Item {
@@ -83,6 +129,7 @@ impl Workload {
                 at: Duration::ZERO,
                 interactive: false,
                 item,
+                shape: shape(),
             });
         }
         for n in 0..config.interactive_items {
@@ -93,6 +140,7 @@ impl Workload {
                 at: Duration::from_secs_f64(at),
                 interactive: true,
                 item,
+                shape: shape(),
             });
         }
         Self { items, uploads }
@@ -111,14 +159,14 @@ impl Workload {
     }
 }
 
-fn generate(n: usize, count: u32) -> Value {
-    json!({"kind": "generate", "prompt": format!("fleet generate {n}"), "width": SIDE,
-        "height": SIDE, "steps": 20, "count": count})
+pub(super) fn generate(n: usize, count: u32, shape: Shape) -> Value {
+    json!({"kind": "generate", "prompt": format!("fleet generate {n}"), "width": shape.side,
+        "height": shape.side, "steps": shape.steps, "count": count})
 }
 
-fn edit(input: Value, what: &str) -> Value {
-    json!({"kind": "edit", "input": input, "instruction": what, "width": SIDE, "height": SIDE,
-        "steps": 4})
+pub(super) fn edit(input: Value, what: &str, shape: Shape) -> Value {
+    json!({"kind": "edit", "input": input, "instruction": what, "width": shape.side,
+        "height": shape.side, "steps": shape.edit_steps})
 }
 
 /// What one item made: the top-level jobs to wait for, and the job of its first image.
@@ -156,13 +204,14 @@ pub async fn submit(farm: &Farm, workload: &Workload) -> anyhow::Result<Vec<Subm
                 }
             }
         };
+        let shape = timed.shape;
         let item = match &timed.item {
             Item::Pipeline { edits } => {
                 let edits: Vec<Value> = (0..*edits)
-                    .map(|e| json!({"instruction": format!("variant {e}"), "steps": 4}))
+                    .map(|e| json!({"instruction": format!("variant {e}"), "steps": shape.edit_steps}))
                     .collect();
                 let job = json!({"kind": "pipeline", "base": {"prompt": format!("fleet pipeline {n}"),
-                    "width": SIDE, "height": SIDE, "steps": 20}, "edits": edits});
+                    "width": shape.side, "height": shape.side, "steps": shape.steps}, "edits": edits});
                 let id = post(job).await?;
                 let base = *farm
                     .job(id)
@@ -176,7 +225,7 @@ pub async fn submit(farm: &Farm, workload: &Workload) -> anyhow::Result<Vec<Subm
                 }
             }
             Item::Generate { count } => {
-                let id = post(generate(n, *count)).await?;
+                let id = post(generate(n, *count, shape)).await?;
                 Submitted {
                     top: vec![id],
                     first_image: id,
@@ -189,7 +238,7 @@ pub async fn submit(farm: &Farm, workload: &Workload) -> anyhow::Result<Vec<Subm
                         tokio::time::sleep(BURST_SPACING).await;
                     }
                     let input = json!({"stored": upload_key(*upload)});
-                    burst.push(post(edit(input, &format!("burst {n} variant {e}"))).await?);
+                    burst.push(post(edit(input, &format!("burst {n} variant {e}"), shape)).await?);
                 }
                 Submitted {
                     first_image: burst[0],
@@ -199,7 +248,7 @@ pub async fn submit(farm: &Farm, workload: &Workload) -> anyhow::Result<Vec<Subm
             Item::EditOf { item } => {
                 let of = made[*item].first_image;
                 let input = json!({"job_output": {"job": of, "index": 0}});
-                let id = post(edit(input, &format!("edit {n} of item {item}"))).await?;
+                let id = post(edit(input, &format!("edit {n} of item {item}"), shape)).await?;
                 Submitted {
                     top: vec![id],
                     first_image: id,
@@ -211,6 +260,6 @@ pub async fn submit(farm: &Farm, workload: &Workload) -> anyhow::Result<Vec<Subm
     Ok(made)
 }
 
-fn upload_key(n: usize) -> String {
+pub(super) fn upload_key(n: usize) -> String {
     format!("inputs/fleet-upload-{n}.png")
 }

@@ -181,6 +181,7 @@ mod tests {
                 encode_cache_entries: 32,
                 encoding_kib: 2048,
                 batch_step_cost: 1.0,
+                area_scaling: 0.0,
                 load_ms: 0,
                 checkpoints: Vec::new(),
                 loras: None,

@@ -101,28 +101,9 @@ pub fn state_name(state: WorkerState) -> &'static str {
     }
 }
 
-/// The resolution class of an output of `width`×`height`, for `denoise_step_seconds`: its area
-/// in megapixels, rounded to the nearest of 0.25, 0.5, 1, 2 and 4 on a log scale (the boundaries
-/// are the geometric means of neighbours), `8mp` above. SDXL's and Qwen's 1024², 832×1216 and
-/// 1280×720 are all `1mp`; a step's cost follows the pixel count, not the aspect ratio, so the
-/// class keeps the label bounded without mixing step costs that differ.
-pub fn resolution(width: u32, height: u32) -> &'static str {
-    const CLASSES: [(f64, &str); 5] = [
-        (0.25, "0.25mp"),
-        (0.5, "0.5mp"),
-        (1.0, "1mp"),
-        (2.0, "2mp"),
-        (4.0, "4mp"),
-    ];
-    let megapixels = f64::from(width) * f64::from(height) / (1u64 << 20) as f64;
-    for (class, label) in CLASSES {
-        // The geometric mean of `class` and the next class up (twice as large).
-        if megapixels <= class * std::f64::consts::SQRT_2 {
-            return label;
-        }
-    }
-    "8mp"
-}
+/// The resolution class of an output, for `denoise_step_seconds` (the scheduler's estimates
+/// learn their rates by the same classes).
+pub use vnfarm_proto::resolution_class as resolution;
 
 impl Metrics {
     pub fn new() -> Self {

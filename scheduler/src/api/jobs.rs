@@ -90,8 +90,10 @@ pub struct ListQuery {
     pub all: bool,
 }
 
-/// A job as the API shows it, with why it is not moving in words.
+/// A job as the API shows it, with why it is not moving in words and its estimate as last made
+/// (the caller makes them again first when they are due: `refresh_estimates`).
 pub fn view(reg: &Registry, job: &JobRecord, waits: Waits<'_>) -> JobView {
+    let estimate = reg.estimate(job);
     JobView {
         id: job.id(),
         kind: job.kind().to_owned(),
@@ -114,6 +116,8 @@ pub fn view(reg: &Registry, job: &JobRecord, waits: Waits<'_>) -> JobView {
         waiting_for: reg
             .blocker(job, waits.heartbeat_timeout, waits.dispatch)
             .map(|b| waiting_for(&b, job.failure(), waits.checkpoint_deadline(job))),
+        estimate: estimate.clone().and_then(Result::ok),
+        no_estimate: estimate.and_then(Result::err),
         submission: job.submission().cloned(),
     }
 }
@@ -224,6 +228,21 @@ pub(crate) fn held_in_words(held: &Held) -> String {
     }
 }
 
+/// Makes the estimates again when they are due: the queue is copied under the registry's lock,
+/// simulated on a blocking thread without it, and stored (DESIGN §5, "Estimates").
+async fn refresh_estimates(api: &Api) {
+    let work = api
+        .scheduler
+        .registry()
+        .estimates_due(api.waits().heartbeat_timeout);
+    let Some(work) = work else { return };
+    match tokio::task::spawn_blocking(move || work.make()).await {
+        Ok(made) => api.scheduler.registry().store_estimates(made),
+        // Given up on after a while by `estimates_due`; the views show the last ones meanwhile.
+        Err(e) => tracing::error!(error = %e, "making the estimates failed"),
+    }
+}
+
 /// A job id from the path, or 400 naming `id`.
 pub fn parse_id(id: &str) -> Result<JobId, ApiError> {
     id.parse()
@@ -268,6 +287,9 @@ pub async fn get_job(
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
     let id = parse_id(&id)?;
+    if api.scheduler.registry().contains(id) {
+        refresh_estimates(&api).await;
+    }
     let view = {
         let reg = api.scheduler.registry();
         reg.job(id).map(|job| view(&reg, job, api.waits()))
@@ -373,15 +395,17 @@ pub async fn list_jobs(
     let limit = q.limit.unwrap_or(100).min(1000);
     let waits = api.waits();
     let everyone = caller.role().grants(Permission::SeeAll);
+    refresh_estimates(&api).await;
     let views: Vec<JobView> = {
         let reg = api.scheduler.registry();
+        let reg = &*reg;
         reg.jobs_newest_first()
             .filter(|j| everyone || j.owner() == caller.name())
             .filter(|j| q.all || j.parent().is_none())
             .filter(|j| state.is_none_or(|st| j.state() == st))
             .filter(|j| q.kind.as_deref().is_none_or(|k| j.kind() == k))
             .take(limit)
-            .map(|j| view(&reg, j, waits))
+            .map(|j| view(reg, j, waits))
             .collect()
     };
     let jobs = views

@@ -128,7 +128,14 @@ impl Registry {
             return false; // the first terminal event won
         }
         let seq = ev.seq;
+        let completes = matches!(ev.event.kind, EventKind::Completed { .. });
         let change = entry.update(|job| job.apply(ev));
+        if completes
+            && change.terminal
+            && let Some(job) = self.jobs.get(&id)
+        {
+            self.rates.learn(job, at);
+        }
         if change.gpu_seconds.is_some() || change.dispatched {
             let owner = self.jobs[&id].owner().to_owned();
             if let Some(seconds) = change.gpu_seconds {

@@ -1,7 +1,8 @@
 //! The durable part of a registry (jobs, people, the queue's controls and people's GPU time
 //! today, retention order, stream position) as a snapshot
 //! writes and reads it (see [`crate::snapshot`]). People are in it because their events age out of
-//! the stream like any other: a snapshot written after a token event keeps the token.
+//! the stream like any other: a snapshot written after a token event keeps the token; the measured
+//! rates of the estimates likewise (they are learned from events that age out).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -13,7 +14,7 @@ use vnfarm_proto::JobId;
 use super::people::People;
 use super::record::JobRecord;
 use super::shares::Shares;
-use super::{Registry, Retention};
+use super::{Rates, Registry, Retention};
 
 /// The durable part of a registry at a stream offset (see [`crate::snapshot`]).
 #[derive(Debug, Deserialize)]
@@ -28,6 +29,9 @@ pub struct Snapshot {
     /// Absent from the snapshots of schedulers built before fair share.
     #[serde(default)]
     shares: Shares,
+    /// Absent from the snapshots of schedulers built before estimates: they learn again.
+    #[serde(default)]
+    rates: Rates,
 }
 
 impl Snapshot {
@@ -50,6 +54,7 @@ pub struct SnapshotView {
     finished: VecDeque<(DateTime<Utc>, JobId)>,
     people: People,
     shares: Shares,
+    rates: Rates,
 }
 
 impl SnapshotView {
@@ -70,13 +75,14 @@ impl SnapshotView {
 impl Serialize for SnapshotView {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeStruct;
-        let mut st = s.serialize_struct("Snapshot", 6)?;
+        let mut st = s.serialize_struct("Snapshot", 7)?;
         st.serialize_field("next_offset", &self.next_offset)?;
         st.serialize_field("latest", &self.latest)?;
         st.serialize_field("jobs", &JobsRef(&self.jobs))?;
         st.serialize_field("finished", &self.finished)?;
         st.serialize_field("people", &self.people)?;
         st.serialize_field("shares", &self.shares)?;
+        st.serialize_field("rates", &self.rates)?;
         st.end()
     }
 }
@@ -98,6 +104,7 @@ impl Registry {
             finished: self.finished.clone(),
             people: self.people.clone(),
             shares: self.shares.clone(),
+            rates: self.rates.clone(),
         }
     }
 
@@ -109,6 +116,7 @@ impl Registry {
         r.finished = snapshot.finished.into();
         r.people = snapshot.people;
         r.shares = snapshot.shares;
+        r.rates = snapshot.rates;
         // Inputs before the jobs that take them: in stream order (a pipeline's jobs share their
         // pipeline's offset and have time-ordered ids made in order).
         let mut jobs = snapshot.jobs;

@@ -1,7 +1,9 @@
 //! `fleet-bench`: the fleet benchmark of issue 9 (see `vnfarm_tests::fleet`). One workload, run
 //! against the `affinity` policy and the baselines `least_loaded` and `round_robin`, each on a fresh
 //! farm of test-pattern workers whose stage delays follow a measured GPU profile; prints one
-//! comparison table per profile. Build the binaries first, in the same profile:
+//! comparison table per profile. With `--estimates`, the workload mixed in sizes and steps runs on
+//! the default dispatch alone and the accuracy of the scheduler's estimates is measured
+//! (`vnfarm_tests::fleet::run_estimates`). Build the binaries first, in the same profile:
 //! `cargo build --release -p vnfarm-tests --bin fleet-bench -p vnfarm-scheduler -p vnfarm-worker --bins`.
 
 use clap::Parser;
@@ -32,6 +34,14 @@ struct Cli {
     /// Instead of the policies: fair share, one person's N batch jobs queued, then another's 5.
     #[arg(long, value_name = "N")]
     fair_share: Option<usize>,
+    /// Measure the estimates' accuracy on a workload of mixed sizes and steps (default dispatch
+    /// only) instead of comparing policies.
+    #[arg(long)]
+    estimates: bool,
+    /// Real time per profile time, instead of the profile's own (6 for the H200, 200 for the
+    /// Strix Halo): a smaller scale makes jobs longer and the machine's own noise smaller.
+    #[arg(long)]
+    scale: Option<f64>,
 }
 
 #[tokio::main]
@@ -45,10 +55,12 @@ async fn main() -> anyhow::Result<()> {
             "strix-halo" => (STRIX_HALO, 200.0),
             other => anyhow::bail!("unknown profile {other:?} (h200, strix-halo)"),
         };
+        let scale = cli.scale.unwrap_or(scale);
         let config = if cli.quick {
             RunConfig {
                 profile,
                 scale,
+                mixed: cli.estimates,
                 ..RunConfig::quick()
             }
         } else {
@@ -60,6 +72,7 @@ async fn main() -> anyhow::Result<()> {
                 interactive_items: cli.interactive,
                 arrival_seconds: cli.arrival_seconds,
                 seed: cli.seed,
+                mixed: cli.estimates,
             }
         };
         if let Some(backlog) = cli.fair_share {
@@ -79,6 +92,19 @@ async fn main() -> anyhow::Result<()> {
             workload.items.len(),
             workload.jobs()
         );
+        if cli.estimates {
+            let started = std::time::Instant::now();
+            let (report, accuracy) = fleet::run_estimates(&config, &workload).await?;
+            eprintln!(
+                "  estimates: {} jobs in {:.1} s (wall {:.1} s)",
+                report.jobs,
+                report.makespan_s,
+                started.elapsed().as_secs_f64()
+            );
+            println!("{}", fleet::render(&config, &[report]));
+            println!("{}", fleet::render_accuracy(&config, &accuracy));
+            continue;
+        }
         let mut reports = Vec::new();
         for variant in fleet::VARIANTS {
             let started = std::time::Instant::now();

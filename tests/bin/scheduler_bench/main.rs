@@ -6,7 +6,8 @@
 //! | --- | --- |
 //! | `replay` | a long history written to the event stream (default 100 000 jobs, 1 000 000 events): resident memory and CPU of the scheduler that applied it live; time to serve, memory and CPU of schedulers started on it with a snapshot and without |
 //! | `backlog` | submit rate (HTTP) and drain rate (3 test-pattern workers) with 100 and with 10 000 jobs queued, and the scheduler's CPU per job |
-//! | `all` (default) | both |
+//! | `estimates` | the time to make every job's estimate, in this process, with 10 000 jobs waiting on 8 workers |
+//! | `all` (default) | all three |
 //!
 //! `--quick` scales everything down for a check of the benchmark itself. Every run has its own
 //! broker prefix, deletes its queues at the end, and kills every process it started, also when it
@@ -18,11 +19,13 @@
 //! | `history.rs` | synthetic job history in the wire format, written to the event stream |
 //! | `replay.rs` | measurements over a long history: live, restarts with and without a snapshot |
 //! | `backlog.rs` | submit and drain rates at a backlog depth |
+//! | `estimates.rs` | what making the estimates costs at a backlog depth |
 //! | `probe.rs` | a scheduler seen from outside: metrics, time to serve, log fields |
 //! | `process.rs` | `/proc`: resident memory and CPU time |
 //! | `report.rs` | the tables |
 
 mod backlog;
+mod estimates;
 mod history;
 mod probe;
 mod process;
@@ -87,7 +90,9 @@ enum What {
     Replay,
     /// Submit and drain rates at two backlog depths.
     Backlog,
-    /// Both.
+    /// The cost of the estimates with a deep backlog.
+    Estimates,
+    /// All three.
     All,
 }
 
@@ -140,11 +145,18 @@ async fn main() -> anyhow::Result<()> {
 async fn run(cli: &Cli, what: What) -> anyhow::Result<()> {
     let replay = match what {
         What::Replay | What::All => Some(replay::run(cli.replay()).await?),
-        What::Backlog => None,
+        What::Backlog | What::Estimates => None,
     };
     let backlog = match what {
         What::Backlog | What::All => Some(backlog::run(&cli.backlog()).await?),
-        What::Replay => None,
+        What::Replay | What::Estimates => None,
+    };
+    let estimates = match what {
+        What::Estimates | What::All => {
+            let jobs = if cli.quick { 1_000 } else { 10_000 };
+            Some(tokio::task::block_in_place(|| estimates::run(jobs, 8, 20))?)
+        }
+        What::Replay | What::Backlog => None,
     };
     println!();
     if let Some(replay) = &replay {
@@ -152,6 +164,18 @@ async fn run(cli: &Cli, what: What) -> anyhow::Result<()> {
     }
     if let Some(backlog) = &backlog {
         print!("{}", report::backlog(backlog));
+    }
+    if let Some(e) = &estimates {
+        println!(
+            "estimates: {} jobs waiting, {} workers: every estimate made in {:.1} ms (median of {}; max {:.1} ms), {:.1} ms of it under the registry's lock; {} of the waiting jobs estimated",
+            e.jobs,
+            e.workers,
+            e.median().as_secs_f64() * 1e3,
+            e.refreshes.len(),
+            e.max().as_secs_f64() * 1e3,
+            e.locked_median().as_secs_f64() * 1e3,
+            e.estimated
+        );
     }
     println!("at the end: {}", report::load());
     Ok(())

@@ -54,6 +54,11 @@ pub struct TestPatternConfig {
     /// step: 1 is no gain (n jobs take n times as long), 0 makes the extra jobs free. Set from
     /// measured profiles by the fleet benchmark.
     pub batch_step_cost: f64,
+    /// How the step and decode sleeps grow with the output's area: they are multiplied by its
+    /// megapixels (2^20 pixels) to this power, so `step_ms` is a 1-megapixel step. 0 (the
+    /// default): every size costs the same; 1: proportional to the pixels, as a real model's
+    /// step roughly is (the fleet benchmark's estimate accuracy uses it for a mixed workload).
+    pub area_scaling: f64,
     /// Sleep for "loading and warming up" before it takes jobs (the worker heartbeats `warming`
     /// meanwhile).
     pub load_ms: u64,
@@ -88,6 +93,7 @@ impl Default for TestPatternConfig {
             encode_cache_entries: 32,
             encoding_kib: 2048,
             batch_step_cost: 1.0,
+            area_scaling: 0.0,
             load_ms: 0,
             checkpoints: Vec::new(),
             loras: None,
@@ -138,6 +144,9 @@ impl TestPatternConfig {
         }
         if !(0.0..=1.0).contains(&self.batch_step_cost) {
             return Err("engine.test_pattern.batch_step_cost: must be within 0..=1".into());
+        }
+        if !(0.0..=2.0).contains(&self.area_scaling) {
+            return Err("engine.test_pattern.area_scaling: must be within 0..=2".into());
         }
         match self.gpu_memory_mib {
             Some(total) if total > 1 << 24 => {
@@ -216,8 +225,23 @@ fn cache_key(job: &EngineJob) -> String {
 }
 
 /// Milliseconds of one denoising step of `n` jobs together.
-fn step_cost_ms(step_ms: u64, n: usize, batch_step_cost: f64) -> f64 {
-    step_ms as f64 * (1.0 + n.saturating_sub(1) as f64 * batch_step_cost)
+fn step_cost_ms(step_ms: f64, n: usize, batch_step_cost: f64) -> f64 {
+    step_ms * (1.0 + n.saturating_sub(1) as f64 * batch_step_cost)
+}
+
+/// The output's area of a job, in pixels (an upscale's from its input and scale).
+fn output_pixels(job: &EngineJob) -> f64 {
+    let input = || {
+        job.inputs
+            .first()
+            .map(|i| (i.image.width(), i.image.height()))
+    };
+    let (w, h) = match &job.task {
+        Task::Generate(g) => (g.width, g.height),
+        Task::Edit(e) => e.width.zip(e.height).or_else(input).unwrap_or((1024, 1024)),
+        Task::Upscale(u) => input().map_or((1024, 1024), |(w, h)| (w * u.scale, h * u.scale)),
+    };
+    f64::from(w) * f64::from(h)
 }
 
 /// One job's result as the batch builds it.
@@ -494,6 +518,7 @@ impl TestPatternEngine {
                 ),
                 Task::Upscale(_) => (1, self.config.step_ms),
             };
+            let step_ms = step_ms as f64 * self.area_factor(jobs[group[0]]);
             for step in 1..=steps {
                 // A job cancelled on its own leaves the batch between steps.
                 active.retain(|&i| match jobs[i].cancel.check() {
@@ -582,10 +607,20 @@ impl TestPatternEngine {
         Ok(())
     }
 
+    /// What the job's output area multiplies its step and decode sleeps by (`area_scaling`).
+    fn area_factor(&self, job: &EngineJob) -> f64 {
+        if self.config.area_scaling == 0.0 {
+            return 1.0;
+        }
+        (output_pixels(job) / f64::from(1u32 << 20)).powf(self.config.area_scaling)
+    }
+
     /// Decodes image `n` of a job.
     fn decode(&self, job: &EngineJob, n: u32, run: &mut Run) -> Result<(), EngineError> {
         let started = Instant::now();
-        sleep_unless(self.config.decode_ms as f64, || job.cancel.requested())?;
+        sleep_unless(self.config.decode_ms as f64 * self.area_factor(job), || {
+            job.cancel.requested()
+        })?;
         match &job.task {
             Task::Generate(g) => {
                 run.images.push(DynamicImage::ImageRgb8(pattern(
@@ -619,7 +654,9 @@ impl TestPatternEngine {
         let input = &job.inputs[0].image;
         let (w, h) = (input.width() * u.scale, input.height() * u.scale);
         let started = Instant::now();
-        sleep_unless(self.config.step_ms as f64, || job.cancel.requested())?;
+        sleep_unless(self.config.step_ms as f64 * self.area_factor(job), || {
+            job.cancel.requested()
+        })?;
         progress(Progress { step: 1, total: 1 });
         let mut out = image::imageops::resize(input, w, h, image::imageops::FilterType::Triangle);
         // Mark tile seams, so tile size and overlap show in the image.
@@ -841,11 +878,11 @@ mod tests {
 
     #[test]
     fn a_step_of_n_jobs_costs_one_step_plus_the_extra_jobs_share() {
-        assert_eq!(step_cost_ms(40, 1, 0.25), 40.0);
-        assert_eq!(step_cost_ms(40, 4, 0.25), 70.0);
-        assert_eq!(step_cost_ms(40, 4, 1.0), 160.0, "no gain: n steps");
-        assert_eq!(step_cost_ms(40, 8, 0.0), 40.0, "free riders");
-        assert_eq!(step_cost_ms(40, 0, 0.5), 40.0);
+        assert_eq!(step_cost_ms(40.0, 1, 0.25), 40.0);
+        assert_eq!(step_cost_ms(40.0, 4, 0.25), 70.0);
+        assert_eq!(step_cost_ms(40.0, 4, 1.0), 160.0, "no gain: n steps");
+        assert_eq!(step_cost_ms(40.0, 8, 0.0), 40.0, "free riders");
+        assert_eq!(step_cost_ms(40.0, 0, 0.5), 40.0);
     }
 
     // The sleeps below are what the engine simulates, so their sums are lower bounds; the upper
