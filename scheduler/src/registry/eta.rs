@@ -645,27 +645,42 @@ impl EstimateWork {
 }
 
 impl Registry {
-    /// The waiting jobs of a route in the order dispatch takes them: today the ready index's
-    /// (interactive first, then oldest), with the jobs held for their input's holder in their
-    /// places by the same rank (a held job goes when its holder frees, or any worker after its
-    /// hold).
+    /// The waiting jobs of a route (ready, or held for their input's holder) in the order dispatch
+    /// takes them, by the turns of `plan.rs`: an owner's `n`-th waiting job gets the turn (class,
+    /// move to the front, their jobs on workers + `n`, when they were last served, age), which is
+    /// the round by person as slots free one at a time. Paused work is left out (it has no
+    /// estimate until resumed); per-person caps and quotas are not simulated.
     pub(super) fn dispatch_order(&self, route: &Route) -> Vec<JobId> {
-        let mut order: Vec<(u8, JobId)> = self
-            .jobs
-            .ready()
-            .get(route)
-            .map(|set| set.iter().copied().collect())
-            .unwrap_or_default();
-        order.extend(
-            self.jobs
-                .holds()
-                .iter()
-                .map(|(_, id)| &self.jobs[id])
-                .filter(|j| j.route().as_ref() == Some(route))
-                .map(JobRecord::rank),
-        );
+        if self.shares.farm_paused().is_some() {
+            return Vec::new();
+        }
+        let mut queues: BTreeMap<&str, Vec<super::record::QueueKey>> = BTreeMap::new();
+        for (owner, queue) in self.jobs.ready().get(route).into_iter().flatten() {
+            queues
+                .entry(owner)
+                .or_default()
+                .extend(queue.iter().copied());
+        }
+        for job in self.jobs.holds().iter().map(|(_, id)| &self.jobs[id]) {
+            if job.route().as_ref() == Some(route) {
+                queues.entry(job.owner()).or_default().push(job.queue_key());
+            }
+        }
+        let mut order: Vec<(u8, u64, usize, u64, JobId)> = Vec::new();
+        for (owner, mut keys) in queues {
+            if self.shares.paused().contains_key(owner) {
+                continue;
+            }
+            keys.sort_unstable();
+            let (running, served) = (self.jobs.running(owner), self.shares.served(owner));
+            order.extend(
+                keys.into_iter()
+                    .enumerate()
+                    .map(|(n, (class, front, id))| (class, front, running + n, served, id)),
+            );
+        }
         order.sort_unstable();
-        order.into_iter().map(|(_, id)| id).collect()
+        order.into_iter().map(|t| t.4).collect()
     }
 
     /// What the next estimates are made from, when the last were made [`REFRESH`] ago or more and
@@ -722,6 +737,12 @@ impl Registry {
             None => Err(match job.state {
                 JobState::Retrying => "a transient failure: estimated again once requeued".into(),
                 JobState::Queued if job.local.cancel_requested => "being cancelled".into(),
+                JobState::Queued
+                    if self.shares.farm_paused().is_some()
+                        || self.shares.paused().contains_key(job.owner()) =>
+                {
+                    "paused: estimated again once resumed".into()
+                }
                 JobState::Queued | JobState::Dispatched | JobState::Running => {
                     "not estimated yet (estimates are remade a few times a second)".into()
                 }

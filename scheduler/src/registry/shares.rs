@@ -305,6 +305,33 @@ mod tests {
     }
 
     #[test]
+    fn estimates_take_people_in_turns_and_leave_paused_work_out() {
+        let mut r = Registry::default();
+        let mut s = Stream::new();
+        r.heartbeat(worker("a", 1));
+        let ann: Vec<JobId> = (0..3)
+            .map(|_| s.queue_as(&mut r, generate(), Some("ann")))
+            .collect();
+        let bo = s.queue_as(&mut r, generate(), Some("bo"));
+        let route = crate::registry::Route {
+            model: vnfarm_proto::ModelFamily::Sdxl,
+            checkpoint: None,
+        };
+        assert_eq!(r.dispatch_order(&route), vec![ann[0], bo, ann[1], ann[2]]);
+        s.seq += 1;
+        r.apply_person(
+            s.seq,
+            &person_event(
+                "lee",
+                PersonEventKind::WorkPaused {
+                    whose: "ann".into(),
+                },
+            ),
+        );
+        assert_eq!(r.dispatch_order(&route), vec![bo]);
+    }
+
+    #[test]
     fn on_one_worker_people_take_turns() {
         let mut r = Registry::default();
         let mut s = Stream::new();
