@@ -150,7 +150,7 @@ fn the_bench_runs_the_tiny_models() -> anyhow::Result<()> {
         dir.path(),
         "studio",
         1,
-        &["--side", "64", "--steps", "3", "--edit-steps", "2", "--edit-side", "64"],
+        &["--side", "64", "--steps", "3", "--edit-steps", "2", "--edit-side", "256"],
     )?;
     let qwen = [
         (
@@ -170,7 +170,7 @@ fn the_bench_runs_the_tiny_models() -> anyhow::Result<()> {
         ("VAE_DTYPE", "fp32".into()),
         ("CONDITION_IMAGE_AREA", (56 * 56).to_string()),
         ("VAE_IMAGE_AREA", (64 * 64).to_string()),
-        ("WARM_UP", "[[64, 64]]".into()),
+        ("WARM_UP", "[[256, 256]]".into()),
     ];
     let esrgan = [
         ("MODEL", models().join("esrgan/tiny_x4.pth").display().to_string()),

@@ -169,15 +169,22 @@ pub fn main(args: &[String]) -> ExitCode {
         }
     };
     match runtime.block_on(run(config, phases, &out, main_started)) {
-        Ok(reports) => {
+        Ok((reports, worker)) => {
             for report in &reports {
                 print!("{}", report.summary());
             }
-            if reports.iter().all(|r| r.failed == 0) {
-                ExitCode::SUCCESS
+            let code = if reports.iter().all(|r| r.failed == 0) {
+                0
             } else {
-                ExitCode::FAILURE
-            }
+                1
+            };
+            // The engine thread still holds the models' device tensors. Dropping the worker lets
+            // that thread free them while the process exits and libtorch's CUDA allocator is torn
+            // down beside it, which aborted one H200 run ("invalid device pointer" in a tensor's
+            // destructor) after its reports were written. The process ends here instead, the
+            // engine idle and nothing freed.
+            std::mem::forget(worker);
+            std::process::exit(code)
         }
         Err(e) => {
             eprintln!("vnfarm-worker bench: {e:#}");
@@ -393,7 +400,7 @@ async fn run(
     phases: Vec<(String, Vec<Queued>)>,
     out: &Path,
     main_started: Instant,
-) -> anyhow::Result<Vec<Report>> {
+) -> anyhow::Result<(Vec<Report>, Worker)> {
     config.storage = StorageConfig::Local {
         root: out.join("storage"),
     };
@@ -423,7 +430,7 @@ async fn run(
         tracing::info!(phase = report.phase, path = %path.display(), "phase done");
         reports.push(report);
     }
-    Ok(reports)
+    Ok((reports, worker))
 }
 
 /// Runs one queue to the end on the warm worker.

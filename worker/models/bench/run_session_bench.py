@@ -230,6 +230,9 @@ def upscale(torch, net, img, scale, dev, timer):
     arr = np.asarray(img, dtype=np.uint8)
     h, w = arr.shape[:2]
 
+    # Real-ESRGAN's `enhance` runs under `@torch.no_grad()`; called part by part, the network would
+    # otherwise keep every activation for a backward pass (the first H200 run ran out of memory so).
+    @torch.inference_mode()
     def net_part():
         up = RealESRGANer(4, net, tile=0, tile_pad=10, pre_pad=0, half=half)
         up.device = dev

@@ -12,41 +12,46 @@
 #   NVML's memory.used sampled every 100 ms beside each process (nvidia-smi).
 # Outputs: $OUT/results.tar.xz (reports, logs, samples; the images are left out).
 #
-#   bash run_worker_bench.sh PAYLOAD MODE    # MODE: tiny (fixtures on the GPU, a smoke test) | full
-#   PIPELINES=6 ROUNDS=3 bash ...            # the workload sizes (full)
+#   bash run_worker_bench.sh PAYLOAD MODE...  # MODE: tiny (fixtures on the GPU, a smoke test) | full;
+#                                             # each runs whatever failed before
+#   PIPELINES=6 ROUNDS=3 bash ...             # the workload sizes (full)
 set -uo pipefail
-P=$1; MODE=$2
-PIPELINES=${PIPELINES:-6}; ROUNDS=${ROUNDS:-3}
-R=/tmp/wbr; M=/tmp/wbm
-mkdir -p "$R" "$M"
+P=$1; shift
 B=worker/models/bench
+ALL=/tmp/wbr
 cp "$P"/run_session_bench.py "$B"/
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$P"/whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 xz -dc "$P"/vnfarm-worker.xz > /tmp/vnfarm-worker && chmod +x /tmp/vnfarm-worker
 L=$(python3 -c 'import torch, os; print(os.path.dirname(torch.__file__))')/lib
 W="env LD_LIBRARY_PATH=$L /tmp/vnfarm-worker"
-nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$R/gpu.txt"
-finish() { tar cJf "$OUT/results.tar.xz" -C "$R" . ; }
+mkdir -p $ALL
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$ALL/gpu.txt"
+finish() { tar cJf "$OUT/results.tar.xz" -C "$ALL" . ; }
 trap finish EXIT
 
 sample() { nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 100 > "$R/mem_$1.csv" & echo $!; }
 
+one_mode() {
+MODE=$1
+local NP=${PIPELINES:-6} NR=${ROUNDS:-3}
+R=$ALL/$MODE; M=/tmp/wbm/$MODE
+mkdir -p "$R" "$M"
 t0=$(date +%s.%N)
 if [ "$MODE" = tiny ]; then
   FX=worker/models/fixtures
   python3 $B/run_bench.py --diffusers-side write --work $M/sdxl --tiny > "$R/write.log" 2>&1
   python3 $B/run_qwen_bench.py --side write --tiny --work $M/qwen >> "$R/write.log" 2>&1
-  python3 $B/run_session_bench.py write --models $M --tiny >> "$R/write.log" 2>&1 || { tail -20 "$R/write.log"; exit 1; }
+  python3 $B/run_session_bench.py write --models $M --tiny >> "$R/write.log" 2>&1 || { tail -20 "$R/write.log"; return 1; }
   SIDE=64; STEPS=3; ESTEPS=2; QCFG="config_dir = \"$FX/qwen/qwen_tiny\"
 condition_image_area = 3136
 vae_image_area = 4096"
-  ESR=$M/esrgan.pth; TINY=--tiny; PIPELINES=2; ROUNDS=1; WARM=64
+  ESR=$M/esrgan.pth; TINY=--tiny; NP=2; NR=1; WARM=256
 else
   [ -e $M/sdxl/unet ] || python3 $B/run_bench.py --diffusers-side write --work $M/sdxl > "$R/write.log" 2>&1
   [ -e $M/qwen/vae_bf16.safetensors ] || python3 $B/run_qwen_bench.py --side write --work $M/qwen >> "$R/write.log" 2>&1
   [ -e $M/qwen_lightning_random.safetensors ] || python3 $B/run_session_bench.py write --models $M >> "$R/write.log" 2>&1 \
-    || { tail -20 "$R/write.log"; exit 1; }
+    || { tail -20 "$R/write.log"; return 1; }
   SIDE=1024; STEPS=20; ESTEPS=4; QCFG=""; ESR=$M/esrgan_x4plus_random.safetensors; TINY=; WARM=1024
 fi
 echo "models written in $(python3 -c "import time; print(round(time.time() - $t0, 1))") s" | tee "$R/times.txt"
@@ -60,8 +65,8 @@ echo "read once, page cache dropped=$dropped: $(readonce) s" | tee -a "$R/times.
 echo "read once, from the page cache: $(readonce) s" | tee -a "$R/times.txt"
 echo "read once, from the page cache: $(readonce) s" | tee -a "$R/times.txt"
 
-$W bench workload --kind studio --count $PIPELINES --side $SIDE --steps $STEPS --edit-steps $ESTEPS --out $R/studio.jsonl
-$W bench workload --kind mix --count $ROUNDS --side $SIDE --steps $STEPS --edit-steps $ESTEPS --out $R/mix.jsonl
+$W bench workload --kind studio --count $NP --side $SIDE --steps $STEPS --edit-steps $ESTEPS --out $R/studio.jsonl
+$W bench workload --kind mix --count $NR --side $SIDE --steps $STEPS --edit-steps $ESTEPS --out $R/mix.jsonl
 
 config() {  # prefetch
   local dev=cuda dt=bf16 vdt=bf16 edt=fp16
@@ -102,20 +107,30 @@ bench() {  # name prefetch work-files...
   local s; s=$(sample "$name")
   local start=$(date +%s.%N)
   local args=(); for w in "$@"; do args+=(--work "$w"); done
-  $W bench --config "$R/worker_$name.toml" "${args[@]}" --out $R/out_$name > "$R/bench_$name.txt" 2> "$R/bench_$name.log"
-  echo "bench $name rc=$? process start $start" | tee -a "$R/times.txt"
-  kill $s; cat "$R/bench_$name.txt"
+  timeout 240 $W bench --config "$R/worker_$name.toml" "${args[@]}" --out $R/out_$name > "$R/bench_$name.txt" 2> "$R/bench_$name.log"
+  local rc=$?
+  echo "bench $name rc=$rc process start $start" | tee -a "$R/times.txt"
+  kill $s; cat "$R/bench_$name.txt"; [ $rc = 0 ] || tail -5 "$R/bench_$name.log"
   find $R/out_$name -name '*.png' -delete 2>/dev/null
+  return $rc
 }
 
-bench pf1 1 $R/studio.jsonl
-bench pf2 2 $R/studio.jsonl $R/mix.jsonl
+local failed=0
+bench pf1 1 $R/studio.jsonl || failed=1
+bench pf2 2 $R/studio.jsonl $R/mix.jsonl || failed=1
 
 s=$(sample python)
-python3 $B/run_session_bench.py run --models $M $TINY --device cuda --work $R/studio.jsonl --work $R/mix.jsonl --out $R/python \
-  > "$R/python.log" 2>&1
-echo "python rc=$?" | tee -a "$R/times.txt"
+timeout 300 python3 $B/run_session_bench.py run --models $M $TINY --device cuda --work $R/studio.jsonl --work $R/mix.jsonl \
+  --out $R/python > "$R/python.log" 2>&1
+local rc=$?
+echo "python rc=$rc" | tee -a "$R/times.txt"
 kill $s
-grep '"name": "summary"\|"name": "load"\|lora' "$R/python.log"
+grep '"name": "summary"\|"name": "load"\|lora' "$R/python.log" | cut -c1-1500; [ $rc = 0 ] || { tail -8 "$R/python.log"; failed=1; }
 find $R/python -name '*.png' -delete
-echo "total $(python3 -c "import time; print(round(time.time() - $t0, 1))") s" | tee -a "$R/times.txt"
+echo "$MODE total $(python3 -c "import time; print(round(time.time() - $t0, 1))") s" | tee -a "$R/times.txt"
+return $failed
+}
+
+for mode in "$@"; do
+  one_mode "$mode" || echo "the $mode run had failures"
+done
