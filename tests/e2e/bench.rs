@@ -16,7 +16,12 @@ fn worker() -> Command {
 }
 
 /// Writes a workload file with `bench workload`.
-fn workload(dir: &Path, kind: &str, count: u32, extra: &[&str]) -> anyhow::Result<std::path::PathBuf> {
+fn workload(
+    dir: &Path,
+    kind: &str,
+    count: u32,
+    extra: &[&str],
+) -> anyhow::Result<std::path::PathBuf> {
     let path = dir.join(format!("{kind}.jsonl"));
     let out = worker()
         .args(["bench", "workload", "--kind", kind, "--count"])
@@ -25,7 +30,11 @@ fn workload(dir: &Path, kind: &str, count: u32, extra: &[&str]) -> anyhow::Resul
         .arg("--out")
         .arg(&path)
         .output()?;
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     Ok(path)
 }
 
@@ -69,7 +78,10 @@ fn assert_stored(dir: &Path, report: &Value, jobs: u64, pipelines: u64, model_fi
     assert_eq!(report["completed"], jobs, "{report:#}");
     assert_eq!(report["failed"], 0);
     assert_eq!(report["pipelines"], pipelines, "{report:#}");
-    assert_eq!(report["events"]["started"], jobs, "one started event per job");
+    assert_eq!(
+        report["events"]["started"], jobs,
+        "one started event per job"
+    );
     assert!(report["events"]["progress"].as_u64().unwrap() > 0);
     let wall = report["wall_s"].as_f64().unwrap();
     let busy = report["busy_fraction"].as_f64().unwrap();
@@ -98,13 +110,18 @@ fn assert_stored(dir: &Path, report: &Value, jobs: u64, pipelines: u64, model_fi
         if model_files {
             let files = manifest["model_files"].as_array().unwrap();
             assert!(!files.is_empty(), "{manifest:#}");
-            assert!(files.iter().all(|f| f["sha256"].as_str().unwrap().len() == 64));
+            assert!(
+                files
+                    .iter()
+                    .all(|f| f["sha256"].as_str().unwrap().len() == 64)
+            );
         }
     }
 }
 
 #[test]
-fn the_bench_runs_the_studio_workloads_through_the_worker_with_messages_overlapping() -> anyhow::Result<()> {
+fn the_bench_runs_the_studio_workloads_through_the_worker_with_messages_overlapping()
+-> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let studio = workload(dir.path(), "studio", 3, &["--side", "256", "--steps", "6"])?;
     let mix = workload(dir.path(), "mix", 1, &["--side", "256", "--steps", "6"])?;
@@ -138,7 +155,10 @@ fn the_bench_runs_the_studio_workloads_through_the_worker_with_messages_overlapp
             .filter(|r| r["kind"] == "generate")
             .map(|r| r["ended_s"].as_f64().unwrap())
             .fold(f64::INFINITY, f64::min);
-        assert!(edit["dequeued_s"].as_f64().unwrap() >= base_ended, "{edit:#}");
+        assert!(
+            edit["dequeued_s"].as_f64().unwrap() >= base_ended,
+            "{edit:#}"
+        );
     }
     Ok(())
 }
@@ -150,12 +170,23 @@ fn the_bench_runs_the_tiny_models() -> anyhow::Result<()> {
         dir.path(),
         "studio",
         1,
-        &["--side", "64", "--steps", "3", "--edit-steps", "2", "--edit-side", "256"],
+        &[
+            "--side",
+            "64",
+            "--steps",
+            "3",
+            "--edit-steps",
+            "2",
+            "--edit-side",
+            "256",
+        ],
     )?;
     let qwen = [
         (
             "TRANSFORMER",
-            crate::derived::qwen_transformer_fp8(&models()).display().to_string(),
+            crate::derived::qwen_transformer_fp8(&models())
+                .display()
+                .to_string(),
         ),
         (
             "TEXT_ENCODER",
@@ -163,8 +194,16 @@ fn the_bench_runs_the_tiny_models() -> anyhow::Result<()> {
                 .display()
                 .to_string(),
         ),
-        ("VAE", crate::derived::qwen_vae_wan(&models()).display().to_string()),
-        ("CONFIG_DIR", models().join("qwen/qwen_tiny").display().to_string()),
+        (
+            "VAE",
+            crate::derived::qwen_vae_wan(&models())
+                .display()
+                .to_string(),
+        ),
+        (
+            "CONFIG_DIR",
+            models().join("qwen/qwen_tiny").display().to_string(),
+        ),
         ("DEVICE", "cpu".into()),
         ("DTYPE", "fp32".into()),
         ("VAE_DTYPE", "fp32".into()),
@@ -173,7 +212,10 @@ fn the_bench_runs_the_tiny_models() -> anyhow::Result<()> {
         ("WARM_UP", "[[256, 256]]".into()),
     ];
     let esrgan = [
-        ("MODEL", models().join("esrgan/tiny_x4.pth").display().to_string()),
+        (
+            "MODEL",
+            models().join("esrgan/tiny_x4.pth").display().to_string(),
+        ),
         ("DEVICE", "cpu".into()),
         ("DTYPE", "fp32".into()),
     ];

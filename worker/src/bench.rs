@@ -43,7 +43,10 @@ use crate::outbox::{LocalEvents, Outbox};
 use crate::worker::Worker;
 
 #[derive(Parser, Debug)]
-#[command(name = "vnfarm-worker bench", about = "the worker on a local queue of work messages")]
+#[command(
+    name = "vnfarm-worker bench",
+    about = "the worker on a local queue of work messages"
+)]
 struct BenchArgs {
     #[command(subcommand)]
     workload: Option<WorkloadCommand>,
@@ -150,8 +153,7 @@ pub fn main(args: &[String]) -> ExitCode {
     }
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "info".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
         .try_init();
@@ -214,8 +216,9 @@ fn read_work(path: &Path) -> anyhow::Result<Vec<Queued>> {
         if line.trim().is_empty() {
             continue;
         }
-        let message: WorkMessage = decode_json(line.as_bytes())
-            .map_err(|e| anyhow::anyhow!("{}:{}: not a work message: {e}", path.display(), i + 1))?;
+        let message: WorkMessage = decode_json(line.as_bytes()).map_err(|e| {
+            anyhow::anyhow!("{}:{}: not a work message: {e}", path.display(), i + 1)
+        })?;
         let own: HashSet<JobId> = message.jobs().map(|j| j.job_id).collect();
         let mut needs: Vec<JobId> = message
             .jobs()
@@ -701,13 +704,11 @@ fn workload(w: &WorkloadArgs) -> anyhow::Result<Vec<WorkMessage>> {
         }
         task
     };
-    let upscale = |of: JobId| {
-        json!({"kind": "upscale", "input": {"job_output": {"job": of, "index": 0}}, "scale": w.scale})
-    };
+    let upscale = |of: JobId| json!({"kind": "upscale", "input": {"job_output": {"job": of, "index": 0}}, "scale": w.scale});
     let message = |tasks: Vec<(JobId, serde_json::Value)>| -> anyhow::Result<WorkMessage> {
-        let mut jobs = tasks.into_iter().map(|(id, task)| {
-            json!({"job_id": id, "priority": "batch", "task": task})
-        });
+        let mut jobs = tasks
+            .into_iter()
+            .map(|(id, task)| json!({"job_id": id, "priority": "batch", "task": task}));
         let mut first = jobs.next().expect("a message has a job");
         first["schema_version"] = json!(vnfarm_proto::PROTOCOL_VERSION);
         let batch: Vec<_> = jobs.collect();

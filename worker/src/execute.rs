@@ -414,8 +414,7 @@ impl Worker {
                         step: p.step,
                         total: p.total,
                     };
-                    if outbox.publish(&this, job_id, progress).await.is_err()
-                    {
+                    if outbox.publish(&this, job_id, progress).await.is_err() {
                         tracing::warn!(job_id = %job_id, "no more progress events for this message");
                         break;
                     }

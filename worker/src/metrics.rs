@@ -495,6 +495,26 @@ mod tests {
     }
 
     #[test]
+    fn the_engine_stays_busy_until_the_last_of_overlapping_messages_is_done() {
+        let m = Metrics::new();
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + std::time::Duration::from_millis(ms);
+        m.engine_busy(at(0));
+        // The next message's runs queue behind the first's.
+        m.engine_busy(at(500));
+        m.engine_idle(at(1_000));
+        assert_eq!(m.busy.get(), 1, "one message is still on the engine");
+        m.engine_idle(at(3_000));
+        assert_eq!(m.busy.get(), 0);
+        m.account_busy(at(4_000));
+        assert!(
+            (m.busy_seconds_total.get() - 3.0).abs() < 1e-9,
+            "{} s: the overlap is counted once",
+            m.busy_seconds_total.get()
+        );
+    }
+
+    #[test]
     fn busy_time_advances_while_the_engine_runs_and_stops_when_it_is_idle() {
         let m = Metrics::new();
         let t0 = Instant::now();

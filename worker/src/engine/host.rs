@@ -325,9 +325,14 @@ mod tests {
         jobs: &[EngineJob],
     ) -> Vec<(usize, Result<EngineOutput, EngineError>, Instant)> {
         let mut got = Vec::new();
-        serve(engine, served, &EngineBusy::default(), jobs, &mut |_, _| {}, &mut |i, r| {
-            got.push((i, r, Instant::now()))
-        });
+        serve(
+            engine,
+            served,
+            &EngineBusy::default(),
+            jobs,
+            &mut |_, _| {},
+            &mut |i, r| got.push((i, r, Instant::now())),
+        );
         got
     }
 
