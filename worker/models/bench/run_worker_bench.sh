@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole worker on the GPU machine against the studio's Python session (issue 26), one call:
+# The whole worker on the GPU machine against the studio's Python session (issue 26), one run:
 #   1. random weights of the real configurations: SDXL base as a diffusers folder (run_bench.py),
 #      Qwen-Image-Edit-2509 as its ComfyUI files (run_qwen_bench.py), a Lightning-shaped LoRA and
 #      Real-ESRGAN x4plus (run_session_bench.py write);
