@@ -308,9 +308,10 @@ def run_workload(a, torch, np, Image, dev, sdxl, qwen, esrgan, timer, work):
                 inputs = [Image.open(pngs[r["job_output"]["job"]]).convert("RGB") for r in task["inputs"]]
                 rec["load_input_s"] = time.time() - t
                 gen = torch.Generator(dev).manual_seed(task["seed"])
+                size = {k: task[k] for k in ("width", "height") if task.get(k)}  # else the model's ~1 MP
                 imgs, s = timer(lambda: qwen(image=inputs, prompt=task["instruction"], negative_prompt=" ",
                                             true_cfg_scale=task["cfg"], num_inference_steps=task["steps"],
-                                            generator=gen).images)
+                                            generator=gen, **size).images)
                 img = imgs[0]
             elif kind == "upscale":
                 src = Image.open(pngs[task["input"]["job_output"]["job"]]).convert("RGB")
