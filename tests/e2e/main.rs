@@ -3,6 +3,7 @@
 //! logs, in the test's own process otherwise. `engines.rs` holds the tiny model engines' settings.
 
 mod batches;
+mod bench;
 mod catalogue;
 mod check;
 mod cli;

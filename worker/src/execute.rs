@@ -16,7 +16,7 @@ use futures::StreamExt;
 use futures::future::join_all;
 use futures::stream::FuturesUnordered;
 use sha2::{Digest, Sha256};
-use vnfarm_bus::{PublishError, Publisher};
+use vnfarm_bus::PublishError;
 use vnfarm_proto::manifest::{ManifestOutput, ModelFile, Versions};
 use vnfarm_proto::spec::MAX_UPSCALE_OUTPUT_SIDE;
 use vnfarm_proto::topology::{manifest_key, output_key};
@@ -35,6 +35,7 @@ use crate::engine::{
 use crate::image_io::{decode_input_as_stored, encode_png, flatten_to_rgb8};
 use crate::infotext;
 use crate::model_cache::{ModelCacheError, Pinned};
+use crate::outbox::Outbox;
 use crate::worker::Worker;
 
 impl Worker {
@@ -44,7 +45,7 @@ impl Worker {
     /// after the last. They are the jobs in hand until each is settled.
     pub(crate) async fn execute(
         &self,
-        publisher: &Publisher,
+        outbox: &Outbox,
         jobs: &[BatchedJob],
         attempt: u32,
         ends: tokio::sync::mpsc::UnboundedSender<(usize, JobEnd)>,
@@ -71,7 +72,7 @@ impl Worker {
                 continue;
             }
             let started = self
-                .start(publisher, job, attempt, &mut fetched, &mut timings[i])
+                .start(outbox, job, attempt, &mut fetched, &mut timings[i])
                 .await;
             match (started, cancels[i].requested()) {
                 (Err(e), _) => end(i, Err(e)),
@@ -98,7 +99,7 @@ impl Worker {
 
         // Each result is stored as it comes, while the engine runs the next jobs.
         let n = on_engine.len();
-        let (mut answers, forwarder) = self.run_on_engine(publisher, engine_jobs);
+        let (mut answers, forwarder) = self.run_on_engine(outbox, engine_jobs);
         let mut answered = vec![false; n];
         let mut stores = FuturesUnordered::new();
         let pins = &pins;
@@ -111,7 +112,7 @@ impl Worker {
                 }
                 (
                     i,
-                    self.finish(publisher, &jobs[i], attempt, result, timings, cancel)
+                    self.finish(outbox, &jobs[i], attempt, result, timings, cancel)
                         .await,
                 )
             }
@@ -131,7 +132,7 @@ impl Worker {
                 Some((i, stored)) = stores.next(), if !stores.is_empty() => end(i, stored),
             }
         }
-        self.engine_done(forwarder).await;
+        self.engine_done(&ids, forwarder).await;
         for k in (0..n).filter(|&k| !answered[k]) {
             let dropped = Err(EngineError::Failed(
                 "the engine thread dropped the job".into(),
@@ -148,7 +149,7 @@ impl Worker {
     /// engine's error.
     async fn finish(
         &self,
-        publisher: &Publisher,
+        outbox: &Outbox,
         job: &BatchedJob,
         attempt: u32,
         result: Result<EngineOutput, EngineError>,
@@ -174,7 +175,7 @@ impl Worker {
         // so they cannot land over that run's: the three-box test saw a worker whose node stalled
         // after a heal wait 10 s on a `progress`, then store a job that had meanwhile run and
         // completed on another box, over that run's manifest.
-        if publisher.is_stuck() {
+        if outbox.is_stuck() {
             return Err(JobError::Broker(PublishError::Untrusted {
                 exchange: self.topology().events_exchange(),
                 routing_key: format!("job.{}.completed", job.job_id),
@@ -239,7 +240,7 @@ impl Worker {
     /// message fetched them already), its LoRAs from the model catalogue (pinned).
     async fn start(
         &self,
-        publisher: &Publisher,
+        outbox: &Outbox,
         job: &BatchedJob,
         attempt: u32,
         fetched: &mut HashMap<(String, Layout), InputImage>,
@@ -248,15 +249,16 @@ impl Worker {
         if job.deadline.is_some_and(|d| d < Utc::now()) {
             return Err(JobError::DeadlineExceeded);
         }
-        self.publish_event(
-            publisher,
-            job.job_id,
-            EventKind::Started {
-                worker: self.id().clone(),
-                attempt,
-            },
-        )
-        .await?;
+        outbox
+            .publish(
+                self,
+                job.job_id,
+                EventKind::Started {
+                    worker: self.id().clone(),
+                    attempt,
+                },
+            )
+            .await?;
         let started = Instant::now();
         let (loras, pins) = self.catalogue_loras(&job.task).await?;
         let refs = match &job.task {
@@ -390,18 +392,18 @@ impl Worker {
     /// [`Worker::engine_done`] with the forwarder when the answers' channel closes.
     fn run_on_engine(
         &self,
-        publisher: &Publisher,
+        outbox: &Outbox,
         jobs: Vec<EngineJob>,
     ) -> (
         tokio::sync::mpsc::UnboundedReceiver<Answer>,
         tokio::task::JoinHandle<()>,
     ) {
         let ids: Vec<JobId> = jobs.iter().map(|j| j.job_id).collect();
-        self.hand().set_running(ids.clone());
+        self.hand().add_running(&ids);
         let (progress_tx, mut progress_rx) =
             tokio::sync::mpsc::unbounded_channel::<(usize, Progress)>();
         let forwarder = {
-            let publisher = publisher.clone();
+            let outbox = outbox.clone();
             let this = self.clone();
             tokio::spawn(async move {
                 while let Some((i, p)) = progress_rx.recv().await {
@@ -412,11 +414,7 @@ impl Worker {
                         step: p.step,
                         total: p.total,
                     };
-                    if this
-                        .publish_event(&publisher, job_id, progress)
-                        .await
-                        .is_err()
-                    {
+                    if outbox.publish(&this, job_id, progress).await.is_err() {
                         tracing::warn!(job_id = %job_id, "no more progress events for this message");
                         break;
                     }
@@ -428,9 +426,11 @@ impl Worker {
     }
 
     /// The engine has answered every job of the message: idle, and its progress events are out.
-    async fn engine_done(&self, forwarder: tokio::task::JoinHandle<()>) {
+    async fn engine_done(&self, ids: &[JobId], forwarder: tokio::task::JoinHandle<()>) {
         self.metrics().engine_idle(Instant::now());
-        self.hand().set_running(Vec::new());
+        for id in ids {
+            self.hand().off_engine(*id);
+        }
         if let Err(e) = forwarder.await {
             tracing::warn!(error = %e, "progress forwarder failed");
         }

@@ -31,6 +31,7 @@ use vnfarm_proto::{
 
 use crate::end::{Disposition, Done, Ended, JobEnd, JobError};
 use crate::engine::EngineError;
+use crate::outbox::Outbox;
 use crate::worker::Worker;
 
 /// A delivery not yet settled. Settling consumes it, so a double ack cannot be written.
@@ -191,6 +192,7 @@ impl Worker {
             }
         };
         let jobs: Vec<BatchedJob> = msg.jobs().collect();
+        let outbox = Outbox::Bus(publisher.clone());
         self.metrics().batch_jobs.observe(jobs.len() as f64);
         let (ends, mut ended) = tokio::sync::mpsc::unbounded_channel();
         let settled = if jobs.len() == 1 {
@@ -198,7 +200,7 @@ impl Worker {
             let span = tracing::info_span!("job", job_id = %job.job_id, kind = job.task.kind_name(), attempt);
             async {
                 let ((), end) =
-                    tokio::join!(self.execute(publisher, &jobs, attempt, ends), ended.recv());
+                    tokio::join!(self.execute(&outbox, &jobs, attempt, ends), ended.recv());
                 let end = end.map(|(_, end)| end).unwrap_or_else(|| {
                     Err(JobError::Engine(EngineError::Failed(
                         "no end for the job".into(),
@@ -214,7 +216,7 @@ impl Worker {
                 tracing::info_span!("batch", first = %msg.job_id, jobs = jobs.len(), attempt);
             async {
                 let ((), settled) = tokio::join!(
-                    self.execute(publisher, &jobs, attempt, ends),
+                    self.execute(&outbox, &jobs, attempt, ends),
                     self.settle_batch(publisher, &jobs, ended, started)
                 );
                 settled?;
@@ -223,7 +225,8 @@ impl Worker {
             .instrument(span)
             .await
         };
-        self.hand().clear();
+        self.hand()
+            .release(&jobs.iter().map(|j| j.job_id).collect::<Vec<_>>());
         settled
     }
 

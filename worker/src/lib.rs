@@ -7,6 +7,8 @@
 //! - [`tuning`]: the kernel and layout settings an engine may run (presets, or the box's settings
 //!   file with its fingerprint).
 //! - [`check`]: `vnfarm-worker check`, the box's self-test and tuning, which writes that file.
+//! - [`bench`]: `vnfarm-worker bench`, the offline benchmark mode: work messages from a local file
+//!   through the same path from dequeue to upload, results on local disk, the GPU's busy time.
 //! - [`engine`]: the engines and the dedicated engine thread they run on, and which settings they
 //!   run (`engine/settings.rs`).
 //! - [`gpu_runtime`]: the GPU runtime libtorch loaded, looked up by name (memory, device facts).
@@ -17,6 +19,7 @@
 //! - [`session`]: one broker connection's life: declare, consume, heartbeat, handle.
 //! - [`job`]: one delivery from message to ack (one job, or a batch of jobs each settled on its own).
 //! - [`execute`]: running a message's jobs: skipped, started, inputs, the engine, outputs stored.
+//! - [`outbox`]: where a run's events go (the broker, or the benchmark's local record).
 //! - [`end`]: how a job ended, handed from `execute` to `job`, and the classification of every
 //!   failure (one exhaustive `match`).
 //! - [`image_io`]: decoding inputs within limits, encoding PNG outputs with their parameters.
@@ -28,6 +31,7 @@
 //!
 //! [`run`] is the whole worker; `main` only parses configuration and handles signals.
 
+pub mod bench;
 pub mod check;
 pub mod config;
 pub mod end;
@@ -40,6 +44,7 @@ pub mod infotext;
 pub mod job;
 pub mod metrics;
 pub mod model_cache;
+pub mod outbox;
 pub mod provenance;
 pub mod session;
 pub mod tuning;
@@ -78,39 +83,8 @@ pub async fn serve(
     listener: TcpListener,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
-    let metrics = Metrics::new();
     let started = Instant::now();
-    let shared = SharedEncodings::new(
-        &config.shared_encodings,
-        tokio::runtime::Handle::current(),
-        metrics.shared_encodings_total.clone(),
-    );
-    // The engine loads on its own thread while the worker connects and heartbeats `warming`.
-    let (engine, loading) =
-        EngineHost::start(config.engine.clone(), shared.clone()).context("starting the engine")?;
-    let storage = Storage::open(&config.storage)
-        .await
-        .context("opening storage")?
-        .with_retries(Retries::attempts(config.storage_attempts));
-    if let Some(shared) = &shared {
-        shared.attach(storage.clone());
-    }
-    // Hashing the model files takes as long as reading them: in the background, from now on.
-    let hashes =
-        FileHashes::start(Some(&config.hash_cache_dir)).context("starting model hashing")?;
-    hashes.prefetch(config.engine.files().into_iter().map(|f| f.path));
-    let model_cache =
-        ModelCache::open(&config.model_cache, storage.clone()).context("opening model_cache")?;
-    let worker = Worker::new(config, storage, engine, hashes, model_cache, metrics);
-    worker
-        .metrics()
-        .info
-        .with_label_values(&[
-            worker.id().as_str(),
-            worker.engine().name(),
-            env!("CARGO_PKG_VERSION"),
-        ])
-        .set(1);
+    let (worker, loading) = assemble(config).await?;
     let loaded = {
         let worker = worker.clone();
         let shutdown = shutdown.clone();
@@ -207,4 +181,43 @@ pub async fn serve(
         Some(reason) => anyhow::bail!("stopped after a device failure: {reason}"),
         None => Ok(()),
     }
+}
+
+/// The worker's parts, as [`serve`] and `vnfarm-worker bench` both run it: metrics, shared
+/// encodings, the engine host (loading on its thread from now on), storage with its retries, model
+/// hashing (started in the background), the model cache.
+pub(crate) async fn assemble(config: Config) -> anyhow::Result<(Worker, engine::EngineLoading)> {
+    let metrics = Metrics::new();
+    let shared = SharedEncodings::new(
+        &config.shared_encodings,
+        tokio::runtime::Handle::current(),
+        metrics.shared_encodings_total.clone(),
+    );
+    // The engine loads on its own thread while the worker connects and heartbeats `warming`.
+    let (engine, loading) =
+        EngineHost::start(config.engine.clone(), shared.clone()).context("starting the engine")?;
+    let storage = Storage::open(&config.storage)
+        .await
+        .context("opening storage")?
+        .with_retries(Retries::attempts(config.storage_attempts));
+    if let Some(shared) = &shared {
+        shared.attach(storage.clone());
+    }
+    // Hashing the model files takes as long as reading them: in the background, from now on.
+    let hashes =
+        FileHashes::start(Some(&config.hash_cache_dir)).context("starting model hashing")?;
+    hashes.prefetch(config.engine.files().into_iter().map(|f| f.path));
+    let model_cache =
+        ModelCache::open(&config.model_cache, storage.clone()).context("opening model_cache")?;
+    let worker = Worker::new(config, storage, engine, hashes, model_cache, metrics);
+    worker
+        .metrics()
+        .info
+        .with_label_values(&[
+            worker.id().as_str(),
+            worker.engine().name(),
+            env!("CARGO_PKG_VERSION"),
+        ])
+        .set(1);
+    Ok((worker, loading))
 }

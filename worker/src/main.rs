@@ -1,7 +1,9 @@
 //! `vnfarm-worker [--config FILE]`: parses configuration, starts logging, runs [`vnfarm_worker::run`].
 //! SIGTERM or Ctrl-C drains (the job in hand finishes); a second signal exits at once.
 //! `vnfarm-worker check [--config FILE] [--out DIR]` checks and tunes the box instead
-//! ([`vnfarm_worker::check`]).
+//! ([`vnfarm_worker::check`]). `vnfarm-worker bench --config FILE --work FILE --out DIR` runs work
+//! messages from a file through the worker without a broker and measures it
+//! ([`vnfarm_worker::bench`]).
 
 use std::process::ExitCode;
 
@@ -12,6 +14,7 @@ fn main() -> anyhow::Result<ExitCode> {
     let args: Vec<String> = std::env::args().collect();
     match args.get(1).map(String::as_str) {
         Some("check") => return Ok(vnfarm_worker::check::main(&args[1..])),
+        Some("bench") => return Ok(vnfarm_worker::bench::main(&args[1..])),
         Some("check-engine") => return Ok(vnfarm_worker::check::engine_main(&args[1..])),
         _ => {}
     }

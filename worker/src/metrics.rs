@@ -44,8 +44,9 @@ pub struct Metrics {
     /// [`Metrics::account_busy`].
     busy: IntGauge,
     busy_seconds_total: Counter,
-    /// Since when the engine's busy time has not been counted, while it is busy.
-    busy_since: Arc<Mutex<Option<Instant>>>,
+    /// Since when the engine's busy time has not been counted, while it is busy, and how many
+    /// messages are on it (several when they overlap: one's last run beside the next one's).
+    busy_since: Arc<Mutex<Busy>>,
     pub amqp_connected: IntGauge,
     pub amqp_reconnects_total: IntCounter,
     /// Storage errors, by operation.
@@ -285,34 +286,40 @@ impl Metrics {
         self.set_state(WorkerState::Warming);
     }
 
-    /// Jobs went on the engine at `now`.
+    /// A message's jobs went on the engine at `now`.
     pub fn engine_busy(&self, now: Instant) {
         self.account_busy(now);
-        *self.busy_since() = Some(now);
+        let mut busy = self.busy_since();
+        busy.messages += 1;
+        busy.since.get_or_insert(now);
         self.busy.set(1);
     }
 
-    /// The engine finished its jobs at `now`.
+    /// The engine finished a message's jobs at `now`; it is idle once no message is on it.
     pub fn engine_idle(&self, now: Instant) {
         self.account_busy(now);
-        *self.busy_since() = None;
-        self.busy.set(0);
+        let mut busy = self.busy_since();
+        busy.messages = busy.messages.saturating_sub(1);
+        if busy.messages == 0 {
+            busy.since = None;
+            self.busy.set(0);
+        }
     }
 
     /// Counts the busy time up to `now`. Called at every heartbeat as well as when a run ends, so
     /// the counter advances during a long job and its rate is right over windows shorter than a job
     /// (an SDXL generate on a Strix Halo takes half a minute, a scrape window may be 15 s).
     pub fn account_busy(&self, now: Instant) {
-        let mut since = self.busy_since();
-        if let Some(from) = since.as_mut() {
+        let mut busy = self.busy_since();
+        if let Some(from) = busy.since.as_mut() {
             self.busy_seconds_total
                 .inc_by(now.saturating_duration_since(*from).as_secs_f64());
             *from = now.max(*from);
         }
     }
 
-    fn busy_since(&self) -> std::sync::MutexGuard<'_, Option<Instant>> {
-        // Only an `Instant` is kept under the lock: nothing can leave it half-written.
+    fn busy_since(&self) -> std::sync::MutexGuard<'_, Busy> {
+        // Only a count and an `Instant` are kept under the lock, each written whole.
         self.busy_since.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -334,6 +341,14 @@ impl Default for Metrics {
     fn default() -> Self {
         Self::new()
     }
+}
+
+/// The engine's busy accounting: how many messages are on it, and since when its busy time has not
+/// been counted.
+#[derive(Default)]
+struct Busy {
+    messages: usize,
+    since: Option<Instant>,
 }
 
 #[cfg(test)]
@@ -458,6 +473,26 @@ mod tests {
         ] {
             assert!(text.contains(line), "{line} missing from\n{text}");
         }
+    }
+
+    #[test]
+    fn the_engine_stays_busy_until_the_last_of_overlapping_messages_is_done() {
+        let m = Metrics::new();
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + std::time::Duration::from_millis(ms);
+        m.engine_busy(at(0));
+        // The next message's runs queue behind the first's.
+        m.engine_busy(at(500));
+        m.engine_idle(at(1_000));
+        assert_eq!(m.busy.get(), 1, "one message is still on the engine");
+        m.engine_idle(at(3_000));
+        assert_eq!(m.busy.get(), 0);
+        m.account_busy(at(4_000));
+        assert!(
+            (m.busy_seconds_total.get() - 3.0).abs() < 1e-9,
+            "{} s: the overlap is counted once",
+            m.busy_seconds_total.get()
+        );
     }
 
     #[test]

@@ -1,13 +1,15 @@
 //! One broker session (run by [`vnfarm_bus::run_sessions`]): declare, consume the control fan-out
 //! (cancels, yields),
 //! heartbeat (from the start, so a worker still loading its engine is seen `warming`), consume the
-//! worker's queue once the engine is ready, and handle deliveries one at a time until shutdown or
+//! worker's queue once the engine is ready, and handle deliveries (up to `prefetch` at once, so that
+//! fetching, encoding and storing overlap the engine's runs) until shutdown or
 //! until the connection, a channel or a consumer fails. A helper task that fails reports it to the
 //! session, which then ends as lost, so nothing keeps running on half a session.
 
 use std::time::Duration;
 
 use futures::StreamExt;
+use futures::stream::FuturesUnordered;
 use lapin::Connection;
 use lapin::options::{BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
@@ -184,19 +186,39 @@ impl Worker {
             )
             .await?;
         tracing::info!(worker = %self.id(), queue, engine = self.engine().name(), "worker ready");
+        // Up to `prefetch` deliveries are handled at once: while one message runs on the engine,
+        // the next one's inputs are fetched and decoded (its runs then wait on the engine's
+        // channel) and the last one's outputs are encoded and stored. The broker hands no more
+        // than that many unacked, so memory stays bounded by it.
+        let limit = usize::from(self.config().prefetch);
+        let mut in_flight: FuturesUnordered<_> = FuturesUnordered::new();
         loop {
             let next = tokio::select! {
                 biased;
-                _ = shutdown.cancelled() => return Ok(self.announce_draining(&publisher).await),
-                Some(reason) = lost.recv() => return Ok(SessionEnd::Lost(reason)),
-                next = jobs.next() => next,
-            };
-            match next {
-                Some(Ok(delivery)) => {
-                    if let Err(lost) = self.handle(&publisher, delivery).await {
+                _ = shutdown.cancelled() => {
+                    // The messages in hand finish (or are interrupted past the grace period).
+                    while let Some(handled) = in_flight.next().await {
+                        let handled: Result<(), crate::job::Lost> = handled;
+                        if let Err(lost) = handled {
+                            return Ok(SessionEnd::Lost(lost.to_string()));
+                        }
+                    }
+                    return Ok(self.announce_draining(&publisher).await);
+                }
+                // A helper's failure is taken between messages, as when one was handled at a time.
+                Some(reason) = lost.recv(), if in_flight.is_empty() => {
+                    return Ok(SessionEnd::Lost(reason));
+                }
+                Some(handled) = in_flight.next(), if !in_flight.is_empty() => {
+                    if let Err(lost) = handled {
                         return Ok(SessionEnd::Lost(lost.to_string()));
                     }
+                    continue;
                 }
+                next = jobs.next(), if in_flight.len() < limit => next,
+            };
+            match next {
+                Some(Ok(delivery)) => in_flight.push(self.handle(&publisher, delivery)),
                 Some(Err(e)) => return Ok(SessionEnd::Lost(e.to_string())),
                 None => return Ok(SessionEnd::Lost("consumer cancelled by the broker".into())),
             }

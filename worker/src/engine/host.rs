@@ -16,8 +16,8 @@ use std::thread;
 use vnfarm_proto::{GpuMemory, ModelFamily, SettingsInUse};
 
 use super::{
-    AdvertisedKeys, AdvertisedLoras, Engine, EngineConfig, EngineError, EngineJob, EngineKind,
-    EngineOutput, GpuMemoryProbe, Progress, SharedEncodings,
+    AdvertisedKeys, AdvertisedLoras, Engine, EngineBusy, EngineConfig, EngineError, EngineJob,
+    EngineKind, EngineOutput, GpuMemoryProbe, Progress, SharedEncodings,
 };
 
 /// A job's result, tagged with its index in the message.
@@ -42,6 +42,8 @@ pub struct EngineHost {
     simulated_gpu: Option<GpuMemory>,
     /// The engines' settings, known once they have loaded.
     settings: Arc<OnceLock<SettingsInUse>>,
+    /// The engine's compute time, summed over its runs.
+    busy: EngineBusy,
 }
 
 /// The engine's loading, on its thread: resolves once it is warm (or failed to load).
@@ -78,8 +80,10 @@ impl EngineHost {
                 EngineKind::Tch => None,
             },
             settings: Arc::default(),
+            busy: EngineBusy::default(),
         };
         let settings = host.settings.clone();
+        let busy = host.busy.clone();
         thread::Builder::new()
             .name("engine".into())
             .spawn(move || {
@@ -120,7 +124,7 @@ impl EngineHost {
                         // worker is exiting); it was not acked, so the broker redelivers it.
                         let _ = answers.send((i, result));
                     };
-                    serve(&mut engine, &served, &jobs, &mut report, &mut answer);
+                    serve(&mut engine, &served, &busy, &jobs, &mut report, &mut answer);
                 }
             })?;
         Ok((host, EngineLoading(ready_rx)))
@@ -137,6 +141,11 @@ impl EngineHost {
 
     pub fn models(&self) -> &[ModelFamily] {
         &self.models
+    }
+
+    /// The engine's compute time so far (its runs, on the device's clock where there is one).
+    pub fn busy(&self) -> &EngineBusy {
+        &self.busy
     }
 
     /// The engines' settings and where they came from, once the engines have loaded.
@@ -191,6 +200,7 @@ impl EngineHost {
 fn serve(
     engine: &mut Engine,
     served: &[ModelFamily],
+    busy: &EngineBusy,
     jobs: &[EngineJob],
     progress: &mut dyn FnMut(usize, Progress),
     answer: &mut dyn FnMut(usize, Result<EngineOutput, EngineError>),
@@ -224,7 +234,7 @@ fn serve(
         if run.is_empty() {
             continue;
         }
-        for (i, result) in run_together(engine, jobs, &run, progress) {
+        for (i, result) in busy.time(|| run_together(engine, jobs, &run, progress)) {
             if let Err(e @ EngineError::DeviceLost(_)) = &result {
                 lost = Some(e.clone());
             }
@@ -315,9 +325,14 @@ mod tests {
         jobs: &[EngineJob],
     ) -> Vec<(usize, Result<EngineOutput, EngineError>, Instant)> {
         let mut got = Vec::new();
-        serve(engine, served, jobs, &mut |_, _| {}, &mut |i, r| {
-            got.push((i, r, Instant::now()))
-        });
+        serve(
+            engine,
+            served,
+            &EngineBusy::default(),
+            jobs,
+            &mut |_, _| {},
+            &mut |i, r| got.push((i, r, Instant::now())),
+        );
         got
     }
 

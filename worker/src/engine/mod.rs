@@ -22,6 +22,7 @@
 //!   `gpu_memory.rs`).
 
 pub mod batch;
+pub mod busy;
 pub mod cancel;
 pub mod config;
 pub mod device;
@@ -43,6 +44,7 @@ use vnfarm_proto::{ModelFamily, SettingsInUse, Task};
 
 pub(crate) use batch::{Runnable, answered};
 pub use batch::{groups, together_or_alone};
+pub use busy::{BusyTotals, EngineBusy};
 pub use cancel::{Cancel, all_cancelled};
 pub use config::{EngineConfig, EngineKind};
 pub use encode_cache::{AdvertisedKeys, CacheLookup, EncodeCache};

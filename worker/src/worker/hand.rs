@@ -1,5 +1,6 @@
-//! The jobs in hand: the unsettled jobs of the message being handled, each with its cancellation
-//! flag, which of them are on the engine now, and the cancelled job ids remembered (the last
+//! The jobs in hand: the unsettled jobs of the messages being handled (up to `prefetch` of them at
+//! once, so that one message's inputs are fetched and the last one's outputs stored while another
+//! runs on the engine), each with its cancellation flag, which of them are on the engine now, and the cancelled job ids remembered (the last
 //! [`CANCELLED_MEMORY`]) to skip a job that arrives after its cancel. One lock over all of it, so a
 //! cancel cannot slip between a job's check against the remembered ids and its taking in hand.
 
@@ -18,9 +19,9 @@ pub struct Hand(Mutex<Jobs>);
 
 #[derive(Default)]
 struct Jobs {
-    /// The unsettled jobs of the message in hand, with their cancellation flags.
+    /// The unsettled jobs of the messages in hand, with their cancellation flags.
     in_hand: Vec<(JobId, Cancel)>,
-    /// Those of them on the engine now.
+    /// Those of them on the engine now (or waiting on its channel).
     running: Vec<JobId>,
     cancelled: Remembered,
 }
@@ -60,13 +61,13 @@ impl Hand {
         self.lock().running.clone()
     }
 
-    /// The unsettled jobs of the message in hand.
+    /// The unsettled jobs of the messages in hand.
     pub fn jobs(&self) -> Vec<JobId> {
         self.lock().in_hand.iter().map(|(id, _)| *id).collect()
     }
 
-    /// Takes the jobs of a message in hand, each with a fresh cancellation flag (already raised for
-    /// a job cancelled before it came).
+    /// Takes the jobs of a message in hand, beside those of the other messages in hand, each with a
+    /// fresh cancellation flag (already raised for a job cancelled before it came).
     pub(crate) fn take(&self, jobs: &[JobId]) -> Vec<Cancel> {
         let mut hand = self.lock();
         let cancels: Vec<Cancel> = jobs
@@ -79,16 +80,16 @@ impl Hand {
                 cancel
             })
             .collect();
-        hand.in_hand = jobs.iter().copied().zip(cancels.iter().cloned()).collect();
-        hand.running.clear();
+        hand.in_hand
+            .extend(jobs.iter().copied().zip(cancels.iter().cloned()));
         cancels
     }
 
-    /// The message in hand is settled (or abandoned).
-    pub(crate) fn clear(&self) {
+    /// A message in hand is settled (or abandoned): its jobs leave the hand.
+    pub(crate) fn release(&self, jobs: &[JobId]) {
         let mut hand = self.lock();
-        hand.in_hand.clear();
-        hand.running.clear();
+        hand.in_hand.retain(|(id, _)| !jobs.contains(id));
+        hand.running.retain(|id| !jobs.contains(id));
     }
 
     /// A job of the message in hand is settled.
@@ -98,9 +99,9 @@ impl Hand {
         hand.running.retain(|id| *id != job_id);
     }
 
-    /// These jobs of the message in hand are on the engine now.
-    pub(crate) fn set_running(&self, running: Vec<JobId>) {
-        self.lock().running = running;
+    /// These jobs of a message in hand are on the engine now.
+    pub(crate) fn add_running(&self, running: &[JobId]) {
+        self.lock().running.extend_from_slice(running);
     }
 
     /// The engine has answered this job.
@@ -171,14 +172,31 @@ mod tests {
         let hand = Hand::default();
         let jobs = ids(3);
         hand.take(&jobs);
-        hand.set_running(jobs[..2].to_vec());
+        hand.add_running(&jobs[..2]);
         hand.settled(jobs[0]);
         assert_eq!(hand.jobs(), jobs[1..]);
         assert_eq!(hand.running(), [jobs[1]]);
         hand.off_engine(jobs[1]);
         assert!(hand.running().is_empty());
-        hand.clear();
+        hand.release(&jobs);
         assert!(hand.jobs().is_empty());
+    }
+
+    #[test]
+    fn two_messages_in_hand_are_released_each_on_its_own() {
+        let hand = Hand::default();
+        let first = ids(2);
+        let second = ids(1);
+        let first_cancels = hand.take(&first);
+        let second_cancels = hand.take(&second);
+        hand.add_running(&first);
+        assert_eq!(hand.jobs(), [first.clone(), second.clone()].concat());
+        hand.cancel(second[0]);
+        assert_eq!(second_cancels[0].requested(), Some(CancelReason::User));
+        assert_eq!(first_cancels[0].requested(), None);
+        hand.release(&first);
+        assert_eq!(hand.jobs(), second);
+        assert!(hand.running().is_empty());
     }
 
     #[test]
