@@ -5,6 +5,7 @@
 mod batches;
 mod catalogue;
 mod check;
+mod checkpoints;
 mod cli;
 mod deploy;
 mod engines;
