@@ -39,7 +39,9 @@ fn safetensors(data: &[u8]) -> Vec<u8> {
 }
 
 async fn manifest(farm: &Farm, job: &JobView) -> anyhow::Result<Manifest> {
-    Ok(decode_json(&farm.storage.get(&manifest_key(job.id)).await?)?)
+    Ok(decode_json(
+        &farm.storage.get(&manifest_key(job.id)).await?,
+    )?)
 }
 
 /// The checkpoint files a job's manifest names, as `(name, sha256)`.
@@ -75,7 +77,11 @@ async fn put_corrupted(farm: &Farm, name: &str) -> anyhow::Result<ContentHash> {
         added: chrono::Utc::now(),
     };
     farm.storage
-        .put(&blob_key(&claimed), Bytes::from(bytes), "application/octet-stream")
+        .put(
+            &blob_key(&claimed),
+            Bytes::from(bytes),
+            "application/octet-stream",
+        )
         .await?;
     farm.storage
         .put(
@@ -132,33 +138,57 @@ async fn a_catalogue_checkpoint_goes_to_a_worker_that_fetches_it() -> anyhow::Re
     };
     farm.start_worker("own", claims(&["nova"], 0)).await?;
     farm.start_worker("fetches", claims(&[], 2)).await?;
-    assert_eq!(heartbeat(&farm, "fetches").await?["catalogue_checkpoints"], 2);
-    assert!(heartbeat(&farm, "own").await?.get("catalogue_checkpoints").is_none());
+    assert_eq!(
+        heartbeat(&farm, "fetches").await?["catalogue_checkpoints"],
+        2
+    );
+    assert!(
+        heartbeat(&farm, "own")
+            .await?
+            .get("catalogue_checkpoints")
+            .is_none()
+    );
 
     // A name that is a LoRA in the catalogue is no checkpoint: refused, saying what it is (once
     // the scheduler has heard the fleet, it refuses what it can tell).
     let as_checkpoint = generate("cat_lora");
-    let refusal = wait_for("the refusal of a LoRA named as a checkpoint", Duration::from_secs(10), || async {
-        let (status, reply) = farm.submit(&as_checkpoint).await.ok()?;
-        (status == 422).then(|| reply.expect_err("refused").error)
-    })
+    let refusal = wait_for(
+        "the refusal of a LoRA named as a checkpoint",
+        Duration::from_secs(10),
+        || async {
+            let (status, reply) = farm.submit(&as_checkpoint).await.ok()?;
+            (status == 422).then(|| reply.expect_err("refused").error)
+        },
+    )
     .await?;
     assert_eq!(refusal.field, "job.checkpoint", "{refusal:?}");
-    assert!(refusal.message.contains("is a lora in the model catalogue"), "{refusal:?}");
+    assert!(
+        refusal.message.contains("is a lora in the model catalogue"),
+        "{refusal:?}"
+    );
 
     // The catalogue's checkpoint runs on the worker that fetches them, from its model cache.
     let job = farm.run(&generate("cat_ckpt"), FINISH).await?;
-    assert_eq!(job.state, JobState::Completed, "{job:?}\n{}", farm.worker_logs());
+    assert_eq!(
+        job.state,
+        JobState::Completed,
+        "{job:?}\n{}",
+        farm.worker_logs()
+    );
     let made = manifest(&farm, &job).await?;
     assert_eq!(made.worker.as_str(), "fetches");
     assert_eq!(
         checkpoints_of(&made),
         [("cat_ckpt".to_owned(), pushed.sha256.to_string())]
     );
-    wait_for("the fetching worker to list the file", Duration::from_secs(10), || async {
-        let beat = heartbeat(&farm, "fetches").await.ok()?;
-        (beat["model_cache"] == json!([pushed.sha256.as_str()])).then_some(())
-    })
+    wait_for(
+        "the fetching worker to list the file",
+        Duration::from_secs(10),
+        || async {
+            let beat = heartbeat(&farm, "fetches").await.ok()?;
+            (beat["model_cache"] == json!([pushed.sha256.as_str()])).then_some(())
+        },
+    )
     .await?;
     // By hash, the same file without another download.
     let job = farm
@@ -188,19 +218,28 @@ async fn a_catalogue_checkpoint_goes_to_a_worker_that_fetches_it() -> anyhow::Re
     // Without a worker that fetches them, the job waits, saying for what, and fails in time
     // while another SDXL worker is up.
     farm.kill_worker("fetches");
-    wait_for("the fetching worker to be gone", Duration::from_secs(30), || async {
-        let workers = farm.workers().await.ok()?;
-        workers
-            .iter()
-            .any(|w| w.id.as_str() == "fetches" && !w.alive)
-            .then_some(())
-    })
+    wait_for(
+        "the fetching worker to be gone",
+        Duration::from_secs(30),
+        || async {
+            let workers = farm.workers().await.ok()?;
+            workers
+                .iter()
+                .any(|w| w.id.as_str() == "fetches" && !w.alive)
+                .then_some(())
+        },
+    )
     .await?;
     let id = farm.submit_new(&generate("cat_ckpt")).await?;
-    let waiting = wait_for("the job to say what it waits for", Duration::from_secs(30), || async {
-        let says = farm.job(id).await.ok()?.waiting_for?;
-        says.contains("fetches the catalogue's checkpoints").then_some(says)
-    })
+    let waiting = wait_for(
+        "the job to say what it waits for",
+        Duration::from_secs(30),
+        || async {
+            let says = farm.job(id).await.ok()?.waiting_for?;
+            says.contains("fetches the catalogue's checkpoints")
+                .then_some(says)
+        },
+    )
     .await?;
     assert!(waiting.contains("cat_ckpt"), "{waiting}");
     let job = farm.wait_finished(id, FINISH).await?;
@@ -244,13 +283,26 @@ async fn an_sdxl_worker_loads_a_catalogue_checkpoint_and_condemns_a_bad_one() ->
     let checkpoint = ldm_checkpoint();
     // The worker's own checkpoint is the tiny SDXL under another name; the catalogue's is the
     // same file, so its images must be diffusers' too.
-    assert_eq!(push(&farm, &checkpoint, "checkpoint", "cat_tiny")?, "cat_tiny");
+    assert_eq!(
+        push(&farm, &checkpoint, "checkpoint", "cat_tiny")?,
+        "cat_tiny"
+    );
     // A safetensors file that is no SDXL checkpoint (a LoRA's tensors), pushed as one.
     let lora = fixtures().join("lora/kohya.safetensors");
     assert_eq!(push(&farm, &lora, "checkpoint", "not_sdxl")?, "not_sdxl");
     let entries = Catalogue::new(farm.storage.clone()).list().await?;
-    let tiny = entries.iter().find(|e| e.name == "cat_tiny").unwrap().sha256.clone();
-    let bad = entries.iter().find(|e| e.name == "not_sdxl").unwrap().sha256.clone();
+    let tiny = entries
+        .iter()
+        .find(|e| e.name == "cat_tiny")
+        .unwrap()
+        .sha256
+        .clone();
+    let bad = entries
+        .iter()
+        .find(|e| e.name == "not_sdxl")
+        .unwrap()
+        .sha256
+        .clone();
 
     let options = sdxl_worker(&checkpoint, 1).with_env(engine_env(
         "SDXL",
@@ -260,17 +312,31 @@ async fn an_sdxl_worker_loads_a_catalogue_checkpoint_and_condemns_a_bad_one() ->
         ],
     ));
     farm.start_worker("sdxl-cat", options).await?;
-    assert_eq!(heartbeat(&farm, "sdxl-cat").await?["catalogue_checkpoints"], 1);
+    assert_eq!(
+        heartbeat(&farm, "sdxl-cat").await?["catalogue_checkpoints"],
+        1
+    );
 
     let mut submission = reference.submission("w_euler_a");
     submission["job"]["checkpoint"] = json!("cat_tiny");
     submission["job"]["count"] = json!(1);
     let job = farm.run(&submission, FINISH).await?;
-    assert_eq!(job.state, JobState::Completed, "{job:?}\n{}", farm.worker_logs());
+    assert_eq!(
+        job.state,
+        JobState::Completed,
+        "{job:?}\n{}",
+        farm.worker_logs()
+    );
     let mae = reference.mae("w_euler_a", 0, &farm.outputs(&job).await?[0]);
-    assert!(mae <= 1.0, "the catalogue's checkpoint: {mae:.3}/255 from diffusers");
+    assert!(
+        mae <= 1.0,
+        "the catalogue's checkpoint: {mae:.3}/255 from diffusers"
+    );
     let made = manifest(&farm, &job).await?;
-    assert_eq!(checkpoints_of(&made), [("cat_tiny".to_owned(), tiny.to_string())]);
+    assert_eq!(
+        checkpoints_of(&made),
+        [("cat_tiny".to_owned(), tiny.to_string())]
+    );
     let log = farm.full_log("sdxl-cat.log");
     let cached = log
         .lines()
@@ -308,11 +374,15 @@ async fn an_sdxl_worker_loads_a_catalogue_checkpoint_and_condemns_a_bad_one() ->
         .filter(|l| l.contains("a catalogue checkpoint failed to load"))
         .count();
     assert_eq!(attempts, 1, "the bad file reached the engine once:\n{log}");
-    wait_for("the bad file to leave the cache", Duration::from_secs(10), || async {
-        let beat = heartbeat(&farm, "sdxl-cat").await.ok()?;
-        let listed = beat["model_cache"].as_array()?.clone();
-        (!listed.iter().any(|h| h == bad.as_str())).then_some(())
-    })
+    wait_for(
+        "the bad file to leave the cache",
+        Duration::from_secs(10),
+        || async {
+            let beat = heartbeat(&farm, "sdxl-cat").await.ok()?;
+            let listed = beat["model_cache"].as_array()?.clone();
+            (!listed.iter().any(|h| h == bad.as_str())).then_some(())
+        },
+    )
     .await?;
     // The worker goes on with its own checkpoint.
     submission["job"]["checkpoint"] = json!("own_tiny");

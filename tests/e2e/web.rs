@@ -664,16 +664,25 @@ async fn the_api_answers_as_its_document_says() -> anyhow::Result<()> {
     };
     let octets = "application/octet-stream";
     let (status, added) = c
-        .call(post_lora("api_ink", lora.clone(), octets), "/v1/models/loras")
+        .call(
+            post_lora("api_ink", lora.clone(), octets),
+            "/v1/models/loras",
+        )
         .await?;
     ensure!(
         status == 201 && added["name"] == "api_ink" && added["role"] == "lora",
         "{status} {added}"
     );
     let (status, again) = c
-        .call(post_lora("api_ink.safetensors", lora.clone(), octets), "/v1/models/loras")
+        .call(
+            post_lora("api_ink.safetensors", lora.clone(), octets),
+            "/v1/models/loras",
+        )
         .await?;
-    ensure!(status == 200 && again["sha256"] == added["sha256"], "{status} {again}");
+    ensure!(
+        status == 200 && again["sha256"] == added["sha256"],
+        "{status} {again}"
+    );
     let mut other = lora.clone();
     let last = other.len() - 1;
     other[last] ^= 0xff;
@@ -685,11 +694,39 @@ async fn the_api_answers_as_its_document_says() -> anyhow::Result<()> {
         file
     };
     for (name, body, media, want, field, says) in [
-        ("api_ink", other, octets, 409, "name", "already names another file"),
+        (
+            "api_ink",
+            other,
+            octets,
+            409,
+            "name",
+            "already names another file",
+        ),
         ("api_ckpt", not_lora, octets, 422, "file", "no LoRA tensors"),
-        ("api_png", png_bytes(8, 8, 1), octets, 422, "file", "not a safetensors file"),
-        ("api_text", lora.clone(), "text/plain", 415, "content-type", "application/octet-stream"),
-        (".hidden", lora.clone(), octets, 422, "name", "not a catalogue name"),
+        (
+            "api_png",
+            png_bytes(8, 8, 1),
+            octets,
+            422,
+            "file",
+            "not a safetensors file",
+        ),
+        (
+            "api_text",
+            lora.clone(),
+            "text/plain",
+            415,
+            "content-type",
+            "application/octet-stream",
+        ),
+        (
+            ".hidden",
+            lora.clone(),
+            octets,
+            422,
+            "name",
+            "not a catalogue name",
+        ),
     ] {
         let (status, answer) = c
             .call(post_lora(name, body, media), "/v1/models/loras")
@@ -1278,7 +1315,9 @@ async fn drive_page(farm: &mut Farm, b: &mut Browser) -> anyhow::Result<()> {
         )
         .await?;
     ensure!(
-        added.as_str().is_some_and(|n| n.starts_with("Added web_ink (sha256:")),
+        added
+            .as_str()
+            .is_some_and(|n| n.starts_with("Added web_ink (sha256:")),
         "{added}"
     );
     b.screenshot("lora-added").await?;
@@ -1287,7 +1326,10 @@ async fn drive_page(farm: &mut Farm, b: &mut Browser) -> anyhow::Result<()> {
         .as_array()
         .and_then(|m| m.iter().find(|e| e["name"] == "web_ink"))
         .with_context(|| format!("web_ink in {listed}"))?;
-    ensure!(entry["role"] == "lora" && entry["size"] == std::fs::metadata(&lora)?.len(), "{entry}");
+    ensure!(
+        entry["role"] == "lora" && entry["size"] == std::fs::metadata(&lora)?.len(),
+        "{entry}"
+    );
     b.css("#tab-generate").await?.click().await?;
     b.fill("#form-generate input[name=steps]", "2").await?;
     b.fill("#form-generate input[name=loras]", "web_ink:0.8")
@@ -1304,9 +1346,7 @@ async fn drive_page(farm: &mut Farm, b: &mut Browser) -> anyhow::Result<()> {
              return c && c.dataset.state === 'completed' && c.dataset.jobId",
         )
         .await?;
-    let used = farm
-        .job(used.as_str().context("id")?)
-        .await?;
+    let used = farm.job(used.as_str().context("id")?).await?;
     ensure!(
         used.submission
             .as_ref()

@@ -351,7 +351,11 @@ impl Worker {
             if folder.local(&lora.name).is_some() || fetched.get(&lora.name).is_some() {
                 continue;
             }
-            let pinned = match self.model_cache().fetch_as(&lora.name, ModelFileRole::Lora).await {
+            let pinned = match self
+                .model_cache()
+                .fetch_as(&lora.name, ModelFileRole::Lora)
+                .await
+            {
                 Ok(pinned) => pinned,
                 Err(e) => {
                     let failed = match e {
@@ -395,8 +399,7 @@ impl Worker {
         let Some(name) = &g.checkpoint else {
             return Ok(None);
         };
-        if self.engine().catalogue_checkpoints() == 0
-            || self.engine().checkpoints().contains(name)
+        if self.engine().catalogue_checkpoints() == 0 || self.engine().checkpoints().contains(name)
         {
             return Ok(None);
         }

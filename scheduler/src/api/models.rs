@@ -21,8 +21,8 @@ use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use tokio::io::AsyncWriteExt;
 use vnfarm_proto::ModelFileRole;
-use vnfarm_proto::http::ModelList;
 use vnfarm_proto::catalogue::{CatalogueEntry, ContentHash};
+use vnfarm_proto::http::ModelList;
 use vnfarm_storage::{Catalogue, CatalogueError};
 
 use super::Api;
@@ -117,7 +117,11 @@ pub async fn upload_lora(
 }
 
 /// Streams the body into `path`, hashing it; refused (413) past `max` bytes.
-async fn receive(request: Request, path: &PathBuf, max: u64) -> Result<(ContentHash, u64), ApiError> {
+async fn receive(
+    request: Request,
+    path: &PathBuf,
+    max: u64,
+) -> Result<(ContentHash, u64), ApiError> {
     let failed = |e: std::io::Error| {
         tracing::warn!(path = %path.display(), error = %e, "cannot write an uploaded LoRA to a temporary file");
         ApiError::unavailable(format!("cannot keep the upload on the scheduler: {e}"))
@@ -127,7 +131,8 @@ async fn receive(request: Request, path: &PathBuf, max: u64) -> Result<(ContentH
     let mut hasher = Sha256::new();
     let mut size = 0u64;
     while let Some(chunk) = body.next().await {
-        let chunk = chunk.map_err(|e| ApiError::bad_request("body", format!("the upload broke off: {e}")))?;
+        let chunk = chunk
+            .map_err(|e| ApiError::bad_request("body", format!("the upload broke off: {e}")))?;
         size += chunk.len() as u64;
         if size > max {
             return Err(too_large(max));

@@ -120,7 +120,11 @@ mod tests {
         assert_eq!(get(&mut loaded, 'b'), 'b');
         assert_eq!(get(&mut loaded, 'a'), 'a', "loaded already");
         assert_eq!(get(&mut loaded, 'c'), 'c');
-        assert_eq!(loaded.hashes(), [&hash('a'), &hash('c')], "b was used least recently");
+        assert_eq!(
+            loaded.hashes(),
+            [&hash('a'), &hash('c')],
+            "b was used least recently"
+        );
         drop(get);
         assert_eq!(loads, 3);
     }

@@ -40,8 +40,8 @@ use crate::tuning::SettingsChoice;
 
 use super::device::{Dtype, engine_error, open_device, parse_device, warm_up_sizes};
 use super::{
-    EngineError, EngineJob, EngineOutput, LoadedCheckpoints, LoraDir, Progress, Runnable,
-    UsedFile, all_cancelled, answered, groups, together_or_alone, weight_files,
+    EngineError, EngineJob, EngineOutput, LoadedCheckpoints, LoraDir, Progress, Runnable, UsedFile,
+    all_cancelled, answered, groups, together_or_alone, weight_files,
 };
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
@@ -270,13 +270,15 @@ impl SdxlEngine {
                 let message = format!("{e:#}");
                 tracing::warn!(checkpoint = fetched.name, sha256 = %fetched.sha256, seconds = started.elapsed().as_secs_f64(), error = message, "a catalogue checkpoint failed to load");
                 // Out of memory or a lost device is not the file's fault; anything else is.
-                Err(match engine_error(GenerateError::Backend(message.clone()), None) {
-                    EngineError::Failed(_) => EngineError::InvalidInput(format!(
-                        "checkpoint `{}` (sha256:{}) is not a usable SDXL checkpoint: {message}",
-                        fetched.name, fetched.sha256
-                    )),
-                    other => other,
-                })
+                Err(
+                    match engine_error(GenerateError::Backend(message.clone()), None) {
+                        EngineError::Failed(_) => EngineError::InvalidInput(format!(
+                            "checkpoint `{}` (sha256:{}) is not a usable SDXL checkpoint: {message}",
+                            fetched.name, fetched.sha256
+                        )),
+                        other => other,
+                    },
+                )
             }
         }
     }
@@ -286,16 +288,12 @@ impl SdxlEngine {
         match which {
             Checkpoint::Configured => Ok(&self.pipeline),
             Checkpoint::Catalogue(sha256) => self.catalogue.get(sha256).ok_or_else(|| {
-                EngineError::Failed(format!("catalogue checkpoint sha256:{sha256} is not loaded"))
+                EngineError::Failed(format!(
+                    "catalogue checkpoint sha256:{sha256} is not loaded"
+                ))
             }),
         }
     }
-
-    /// The catalogue checkpoints loaded, least recently used first.
-    pub fn catalogue_loaded(&self) -> Vec<&ContentHash> {
-        self.catalogue.hashes()
-    }
-
 
     /// The loaded pipeline, for `vnfarm-worker check`, which drives it directly.
     pub fn into_pipeline(self) -> SdxlPipeline {
@@ -513,37 +511,37 @@ fn load_pipeline(
         ModelSource::SingleFile(file) => (file.clone(), None),
     };
     let mut pc = PipelineConfig::new(source, device);
-        pc.dtype = config.dtype.kind();
-        pc.vae_dtype = config.vae_dtype.kind();
-        pc.prediction_type = config.prediction_type;
-        pc.settings = settings;
-        pc.vae_tiling = match config.vae_tiling {
-            VaeTiling::Auto => Tiling::Auto,
-            VaeTiling::Always => Tiling::Always,
-            VaeTiling::Never => Tiling::Never,
-        };
-        // Component configs: `config_dir`'s, else a diffusers folder's own, else (single file) the
-        // SDXL base presets inside the pipeline.
-        let config_dir = config.config_dir.as_ref();
-        if let Some(dir) = config_dir.or(folder.as_ref()) {
-            pc.components = ComponentConfigs::default().fill_from_dir(dir)?;
-        }
-        pc.tokenizer_dir = config.tokenizer_dir.clone().or_else(|| {
-            config
-                .config_dir
-                .clone()
-                .filter(|d| d.join("tokenizer").is_dir())
-        });
-        let started = Instant::now();
-        let pipeline = SdxlPipeline::load(&pc)
-            .map_err(|e| anyhow::anyhow!("loading SDXL from {}: {e}", path.display()))?;
-        tracing::info!(
-            checkpoint = %path.display(),
-            ?device,
-            prediction = ?pipeline.info().prediction_type,
-            seconds = started.elapsed().as_secs_f64(),
-            "SDXL loaded"
-        );
+    pc.dtype = config.dtype.kind();
+    pc.vae_dtype = config.vae_dtype.kind();
+    pc.prediction_type = config.prediction_type;
+    pc.settings = settings;
+    pc.vae_tiling = match config.vae_tiling {
+        VaeTiling::Auto => Tiling::Auto,
+        VaeTiling::Always => Tiling::Always,
+        VaeTiling::Never => Tiling::Never,
+    };
+    // Component configs: `config_dir`'s, else a diffusers folder's own, else (single file) the
+    // SDXL base presets inside the pipeline.
+    let config_dir = config.config_dir.as_ref();
+    if let Some(dir) = config_dir.or(folder.as_ref()) {
+        pc.components = ComponentConfigs::default().fill_from_dir(dir)?;
+    }
+    pc.tokenizer_dir = config.tokenizer_dir.clone().or_else(|| {
+        config
+            .config_dir
+            .clone()
+            .filter(|d| d.join("tokenizer").is_dir())
+    });
+    let started = Instant::now();
+    let pipeline = SdxlPipeline::load(&pc)
+        .map_err(|e| anyhow::anyhow!("loading SDXL from {}: {e}", path.display()))?;
+    tracing::info!(
+        checkpoint = %path.display(),
+        ?device,
+        prediction = ?pipeline.info().prediction_type,
+        seconds = started.elapsed().as_secs_f64(),
+        "SDXL loaded"
+    );
     Ok(pipeline)
 }
 
