@@ -183,6 +183,7 @@ mod tests {
                 batch_step_cost: 1.0,
                 load_ms: 0,
                 checkpoints: Vec::new(),
+                catalogue_checkpoints: 0,
                 loras: None,
                 model_files: Vec::new(),
                 device_failure_prompt: None,
