@@ -258,11 +258,11 @@ fn push(farm: &Farm, file: &std::path::Path, role: &str, name: &str) -> anyhow::
         ),
     )?;
     let out = Command::new(bin_dir().join("vnfarm"))
-        .arg("models")
+        .args(["models", "--storage"])
+        .arg(&config)
         .arg("push")
         .arg(file)
-        .args(["--role", role, "--name", name, "--storage"])
-        .arg(&config)
+        .args(["--role", role, "--name", name])
         .output()?;
     anyhow::ensure!(
         out.status.success(),
