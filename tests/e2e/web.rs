@@ -1294,7 +1294,10 @@ async fn drive_page(farm: &mut Farm, b: &mut Browser) -> anyhow::Result<()> {
         .js("return document.querySelector('#lora-form input[type=file]').getAttribute('aria-invalid')")
         .await?;
     ensure!(marked == "true", "the file control is marked: {marked}");
-    let lora = crate::engines::models().join("sdxl/lora/kohya.safetensors");
+    // WebDriver takes only a canonical path.
+    let lora = crate::engines::models()
+        .join("sdxl/lora/kohya.safetensors")
+        .canonicalize()?;
     b.css("#lora-form input[type=file]")
         .await?
         .send_keys(&lora.display().to_string())
