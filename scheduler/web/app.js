@@ -864,7 +864,7 @@ function start() {
     tab.addEventListener("click", () => selectTab(tab.id.replace("tab-", "")));
   }
   $(".tabs").addEventListener("keydown", tabKeys);
-  for (const form of document.querySelectorAll(".job-form")) form.addEventListener("submit", submit);
+  for (const form of document.querySelectorAll(".job-form[data-kind]")) form.addEventListener("submit", submit);
   $('#form-edit input[type="file"]').addEventListener("change", upload);
   $("#lora-form").addEventListener("submit", uploadLora);
   $("#compare-close").addEventListener("click", () => $("#compare").close());

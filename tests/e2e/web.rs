@@ -1324,6 +1324,10 @@ async fn drive_page(farm: &mut Farm, b: &mut Browser) -> anyhow::Result<()> {
         "{added}"
     );
     b.screenshot("lora-added").await?;
+    ensure!(
+        b.js("return document.querySelector('#form-error').hidden").await? == true,
+        "the upload left the job forms alone"
+    );
     let listed = farm.get_json("/v1/models").await?;
     let entry = listed["models"]
         .as_array()
