@@ -1325,7 +1325,9 @@ async fn drive_page(farm: &mut Farm, b: &mut Browser) -> anyhow::Result<()> {
     );
     b.screenshot("lora-added").await?;
     ensure!(
-        b.js("return document.querySelector('#form-error').hidden").await? == true,
+        b.js("return document.querySelector('#form-error').hidden")
+            .await?
+            == true,
         "the upload left the job forms alone"
     );
     let listed = farm.get_json("/v1/models").await?;

@@ -10,7 +10,7 @@
 //! it never changes what other people's jobs get; replacing stays with `vnfarm models push`,
 //! which needs the bucket's keys.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use axum::Json;
 use axum::extract::{Request, State};
@@ -117,11 +117,7 @@ pub async fn upload_lora(
 }
 
 /// Streams the body into `path`, hashing it; refused (413) past `max` bytes.
-async fn receive(
-    request: Request,
-    path: &PathBuf,
-    max: u64,
-) -> Result<(ContentHash, u64), ApiError> {
+async fn receive(request: Request, path: &Path, max: u64) -> Result<(ContentHash, u64), ApiError> {
     let failed = |e: std::io::Error| {
         tracing::warn!(path = %path.display(), error = %e, "cannot write an uploaded LoRA to a temporary file");
         ApiError::unavailable(format!("cannot keep the upload on the scheduler: {e}"))
@@ -147,8 +143,8 @@ async fn receive(
 }
 
 /// Refuses a file that is not a safetensors file of LoRA weights (a checkpoint, an archive).
-async fn check_lora(path: &PathBuf) -> Result<(), ApiError> {
-    let path = path.clone();
+async fn check_lora(path: &Path) -> Result<(), ApiError> {
+    let path = path.to_path_buf();
     let counted = tokio::task::spawn_blocking(move || vnfarm_storage::lora_tensors(&path))
         .await
         .map_err(|e| ApiError::unavailable(format!("the check of the upload failed: {e}")))?;
