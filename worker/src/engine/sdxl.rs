@@ -234,7 +234,7 @@ impl SdxlEngine {
                 checkpoint.display()
             );
         };
-        let pipeline = load_pipeline(config, settings.clone(), source)?;
+        let pipeline = load_pipeline(config, settings, source)?;
         warm_up_sizes("SDXL", &config.warm_up, |w, h| pipeline.warm_up(&[(w, h)]))?;
         Ok(Self {
             pipeline,
@@ -259,7 +259,7 @@ impl SdxlEngine {
         let loaded = self.catalogue.get_or_load(&fetched.sha256, || {
             load_pipeline(
                 config,
-                settings.clone(),
+                *settings,
                 ModelSource::SingleFile(fetched.path.clone()),
             )
         });
