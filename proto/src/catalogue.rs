@@ -56,7 +56,7 @@ impl std::fmt::Display for ContentHash {
 }
 
 /// A name in the catalogue: what `models/catalogue/<name>.json` says.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CatalogueEntry {
     /// A file name ([`crate::spec::is_file_name`]).

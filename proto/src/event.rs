@@ -69,10 +69,11 @@ pub enum EventKind {
         /// scheduler from before owners).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         owner: Option<String>,
-        /// The model catalogue's files its LoRA names (and `sha256:` references) stood for when it
-        /// was accepted, by the name: the scheduler prefers workers whose model cache holds them
-        /// (DESIGN §7b). A worker resolves the names itself when it fetches. Absent before this
-        /// field, and for names the catalogue does not hold.
+        /// The model catalogue's files its LoRA and checkpoint names (and `sha256:` references)
+        /// stood for when it was accepted, by the name: the scheduler prefers workers whose model
+        /// cache holds them, and sends a checkpoint found here only to workers that serve the
+        /// catalogue's checkpoints (DESIGN §7b). A worker resolves the names itself when it
+        /// fetches. Absent before this field, and for names the catalogue does not hold.
         #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
         files: BTreeMap<String, ContentHash>,
     },

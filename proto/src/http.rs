@@ -243,6 +243,14 @@ pub struct Submitted {
     pub job_id: JobId,
 }
 
+/// `GET /v1/models`: the model catalogue's names (DESIGN §7b).
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ModelList {
+    /// Every entry, by name.
+    pub models: Vec<crate::catalogue::CatalogueEntry>,
+}
+
 #[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
 pub struct Fleet {
     pub workers: Vec<Worker>,

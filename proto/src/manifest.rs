@@ -74,7 +74,7 @@ pub struct ModelFile {
 }
 
 /// What a model file is to the image.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ModelFileRole {
     /// A single-file checkpoint (SDXL), or a file the test-pattern engine claims.

@@ -92,6 +92,9 @@ pub enum Permission {
     PauseFarm,
     /// Create, list and revoke tokens.
     Tokens,
+    /// Add a LoRA to the model catalogue under a new name (`POST /v1/models/loras`). Replacing
+    /// what a name points at is left to `vnfarm models push`, which needs the bucket's keys.
+    PushLoras,
 }
 
 impl Permission {
@@ -106,13 +109,17 @@ impl Permission {
             Permission::PausePerson => "pause_person",
             Permission::PauseFarm => "pause_farm",
             Permission::Tokens => "tokens",
+            Permission::PushLoras => "push_loras",
         }
     }
 
     /// The least role that holds it (the roles after it hold it too).
     pub fn least_role(self) -> Role {
         match self {
-            Permission::Submit | Permission::Read | Permission::CancelOwn => Role::Artist,
+            Permission::Submit
+            | Permission::Read
+            | Permission::CancelOwn
+            | Permission::PushLoras => Role::Artist,
             Permission::SeeAll
             | Permission::CancelAny
             | Permission::Reorder

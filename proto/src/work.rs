@@ -188,6 +188,12 @@ pub struct Heartbeat {
     /// that advertises it.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub checkpoints: Vec<String>,
+    /// How many SDXL checkpoints of the model catalogue it keeps loaded besides its own
+    /// (`[engine.sdxl] catalogue_checkpoints`): above 0, a job naming a checkpoint that the
+    /// catalogue holds may come here, and it fetches the file into its model cache. Absent or 0:
+    /// it serves only `checkpoints` (workers before this field send none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub catalogue_checkpoints: Option<u32>,
     /// The most jobs it runs as one batch message (1: no batching).
     #[serde(default = "crate::defaults::one")]
     pub max_batch: u32,

@@ -13,6 +13,7 @@
 //! | `POST /v1/uploads` | store an input image (raw body or multipart), verified by decoding |
 //! | `GET /v1/files/{key}`, `GET /v1/thumbnails/{key}` | an image or its thumbnail, by signed URL |
 //! | `GET /v1/workers` | known workers and their last heartbeat |
+//! | `GET /v1/models`, `POST /v1/models/loras?name=` | the model catalogue's names; add a LoRA (raw body, streamed) |
 //! | `POST /v1/tokens`, `GET /v1/tokens`, `POST /v1/tokens/{name}/revoke` | people's tokens (admins) |
 //! | `GET /v1/queue`, `POST /v1/queue/{pause,resume}` | the queue's controls and people's shares; pausing the farm |
 //! | `POST /v1/people/{name}/{pause,resume}`, `POST /v1/jobs/{id}/front` | pausing a person's work; moving a job to the front |
@@ -25,7 +26,7 @@
 //! ([`error`]). With a token configured every route but `/healthz`, the page and signed URLs needs
 //! one, the configuration's or a person's; each route names the permission it needs and the
 //! handlers check who owns a job ([`auth`]). Bodies are bounded per route (a submission `MAX_MESSAGE_BYTES`, an upload
-//! `upload_max_bytes`, anything else 64 KiB). CORS answers the origins in `cors_origins`.
+//! `upload_max_bytes`, a LoRA `lora_upload_max_bytes`, anything else 64 KiB). CORS answers the origins in `cors_origins`.
 
 pub mod auth;
 pub mod error;
@@ -34,6 +35,7 @@ pub mod extract;
 pub mod files;
 pub mod fleet;
 pub mod jobs;
+pub mod models;
 pub mod openapi;
 pub mod page;
 pub mod queue;
@@ -50,8 +52,10 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{MethodRouter, get, post};
 use axum::{Json, Router};
 use tower_http::cors::{AllowOrigin, CorsLayer};
+use vnfarm_proto::catalogue::CatalogueEntry;
 use vnfarm_proto::http::{
-    CreatedToken, Fleet, JobView, QueueView, RevokedToken, Submitted, TokenList, TokenRequest,
+    CreatedToken, Fleet, JobView, ModelList, QueueView, RevokedToken, Submitted, TokenList,
+    TokenRequest,
 };
 use vnfarm_proto::{JobId, MAX_MESSAGE_BYTES, Permission, SequencedEvent, Submission};
 
@@ -216,6 +220,11 @@ fn upload_body_limit(config: &Config) -> usize {
     config.upload_max_bytes + 64 * 1024
 }
 
+/// The largest LoRA upload body (the stream itself is counted by the handler).
+fn lora_body_limit(config: &Config) -> usize {
+    usize::try_from(config.lora_upload_max_bytes).unwrap_or(usize::MAX)
+}
+
 /// Every route of the scheduler, described.
 pub fn operations(config: &Config) -> Vec<Operation> {
     use Method as M;
@@ -323,6 +332,25 @@ pub fn operations(config: &Config) -> Vec<Operation> {
             .error(503, "storage is unavailable"),
         Operation::new(M::GET, "/v1/workers", "workers", "fleet", "The workers and their last heartbeat", get(fleet::workers))
             .answers(200, "the fleet", Content::Json(schema::<Fleet>)),
+        Operation::new(M::GET, "/v1/models", "list_models", "models", "The model catalogue's names", get(models::list))
+            .without_registry()
+            .describe("Every name of the model catalogue in the bucket (LoRAs, checkpoints, ...), with its file's sha256, role, size and when it was added. A job names a LoRA or checkpoint by one of these names or by `sha256:<hex>`.")
+            .answers(200, "the entries", Content::Json(schema::<ModelList>))
+            .error(503, "storage is unavailable"),
+        Operation::new(M::POST, "/v1/models/loras", "upload_lora", "models", "Add a LoRA to the model catalogue", post(models::upload_lora))
+            .without_registry()
+            .needs(Permission::PushLoras)
+            .describe("The LoRA file as the raw body (`application/octet-stream`), its catalogue name in `name`. It is streamed to a temporary file on the scheduler (never held in memory), checked (a safetensors header, tensors named as LoRA weights) and stored as `vnfarm models push --role lora` stores it: the bytes under their sha256, then the name. The same bytes under the same name again answer 200; a name that points at another file is refused.")
+            .query(schema::<models::LoraUploadQuery>)
+            .body(Content::Binary("application/octet-stream"), lora_body_limit(config))
+            .answers(201, "added", Content::Json(schema::<CatalogueEntry>))
+            .answers(200, "the name already names these bytes", Content::Json(schema::<CatalogueEntry>))
+            .error(400, "`name` is missing, or the upload broke off")
+            .error(409, "the name points at another file (field `name`)")
+            .error(413, "the file exceeds `lora_upload_max_bytes` (field `body`)")
+            .error(415, "not an `application/octet-stream` body (field `content-type`)")
+            .error(422, "the name is not a catalogue name (field `name`), or the file is empty, not safetensors or holds no LoRA tensors (field `file`)")
+            .error(503, "storage is unavailable"),
         Operation::new(M::POST, "/v1/tokens", "create_token", "people", "Give a person a token", post(tokens::create))
             .describe("The token is in this answer only: the farm keeps its SHA-256, in the event stream every scheduler reads, so every scheduler takes it within moments. A name has one live token at a time.")
             .needs(Permission::Tokens)

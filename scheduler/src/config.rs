@@ -50,9 +50,15 @@ pub struct Config {
     pub upload_max_bytes: usize,
     /// Most pixels (width × height) of an input image, checked from its header before decoding.
     pub upload_max_pixels: u64,
+    /// Largest LoRA file `POST /v1/models/loras` takes, in bytes (streamed through a temporary
+    /// file, never held in memory).
+    pub lora_upload_max_bytes: u64,
     /// How long the image URLs in the API's answers stay valid (signed URLs, presigned S3 URLs).
     pub url_ttl_s: u64,
 }
+
+/// The largest `lora_upload_max_bytes` (16 GiB: beyond any LoRA).
+const MAX_LORA_UPLOAD: u64 = 16 << 30;
 
 /// How jobs are matched to workers (DESIGN §5).
 #[derive(Clone, Debug, Deserialize, PartialEq)]
@@ -203,6 +209,7 @@ impl Default for Config {
             cors_origins: Vec::new(),
             upload_max_bytes: 32 * 1024 * 1024,
             upload_max_pixels: 4096 * 4096,
+            lora_upload_max_bytes: 2 << 30,
             url_ttl_s: 3600,
         }
     }
@@ -280,6 +287,11 @@ impl vnfarm_config::Validate for Config {
         if !(1024..=256 * 1024 * 1024).contains(&self.upload_max_bytes) {
             return Err("upload_max_bytes: must be 1024..=268435456".into());
         }
+        if !(1024..=MAX_LORA_UPLOAD).contains(&self.lora_upload_max_bytes) {
+            return Err(format!(
+                "lora_upload_max_bytes: must be 1024..={MAX_LORA_UPLOAD}"
+            ));
+        }
         let most = u64::from(vnfarm_proto::spec::MAX_INPUT_SIDE).pow(2);
         if !(1..=most).contains(&self.upload_max_pixels) {
             return Err(format!("upload_max_pixels: must be 1..={most}"));
@@ -334,6 +346,7 @@ mod tests {
                 (c.upload_max_bytes, c.upload_max_pixels, c.url_ttl_s),
                 (33_554_432, 16_777_216, 3600)
             );
+            assert_eq!(c.lora_upload_max_bytes, 2_147_483_648);
             let d = &c.dispatch;
             assert_eq!(d.policy, Policy::Affinity);
             assert_eq!(

@@ -4,7 +4,9 @@
 //! name some worker had waits for one ([`crate::config::Config::checkpoint_wait_s`]).
 //!
 //! The LoRA names found in the catalogue go into the job's `queued` event with their hashes, so
-//! that dispatch prefers the workers whose model cache holds the files.
+//! that dispatch prefers the workers whose model cache holds the files; so does a checkpoint name
+//! that no worker advertises and the catalogue holds as a checkpoint, which then routes the job
+//! to the workers that serve the catalogue's checkpoints (`registry/names.rs`).
 //!
 //! What cannot be told refuses nothing: right after a start (before every live worker has beaten
 //! once), while a worker lists no LoRAs, and while the catalogue cannot be read.
@@ -96,6 +98,8 @@ fn named(job: &JobSpec) -> Vec<Named> {
 enum Lookup {
     /// It holds the file, with this hash.
     Found(ContentHash),
+    /// Its entry of that name is a file of another role.
+    OtherRole(ModelFileRole),
     Absent,
     /// It cannot be read now.
     Unknown,
@@ -119,19 +123,20 @@ impl Scheduler {
         let catalogue = Catalogue::new(self.storage().clone());
         for n in named {
             let on_a_worker = n.kind.advertised(&advertised, &n.name);
-            // A checkpoint's lookup only decides a refusal; a LoRA's also finds the file that
-            // dispatch prefers workers for.
-            if n.kind == Kind::Checkpoint && (on_a_worker || !may_refuse) {
+            // A checkpoint a worker advertises is that worker's file (it shadows the catalogue's):
+            // nothing to look up. A LoRA's lookup finds the file that dispatch prefers workers
+            // for; so does a checkpoint's, which also routes the job to the workers that fetch
+            // the catalogue's checkpoints.
+            if n.kind == Kind::Checkpoint && on_a_worker {
                 continue;
             }
             match self.look_up(&catalogue, &n).await {
                 Lookup::Found(hash) => {
-                    if n.kind == Kind::Lora {
-                        files.insert(n.name, hash);
-                    }
+                    files.insert(n.name, hash);
                 }
                 Lookup::Unknown => {}
-                Lookup::Absent if !may_refuse || on_a_worker => {}
+                Lookup::Absent | Lookup::OtherRole(_) if !may_refuse || on_a_worker => {}
+                Lookup::OtherRole(role) => return Err(wrong_role(n, role)),
                 Lookup::Absent => return Err(refusal(&catalogue, n, &advertised).await),
             }
         }
@@ -140,18 +145,23 @@ impl Scheduler {
 
     /// The catalogue's file for a name (an entry of that name, or for `sha256:<hex>` the blob).
     async fn look_up(&self, catalogue: &Catalogue, n: &Named) -> Lookup {
+        // A blob has no role: a `sha256:` reference is taken for what the job names it as.
         let found = match ModelRef::parse(&n.name) {
             Some(ModelRef::Hash(sha256)) => self
                 .storage()
                 .exists(&blob_key(&sha256))
                 .await
-                .map(|there| there.then_some(sha256))
+                .map(|there| there.then_some((sha256, n.kind.role())))
                 .map_err(CatalogueError::from),
-            Some(ModelRef::Name(name)) => catalogue.entry(&name).await.map(|e| e.map(|e| e.sha256)),
+            Some(ModelRef::Name(name)) => catalogue
+                .entry(&name)
+                .await
+                .map(|e| e.map(|e| (e.sha256, e.role))),
             None => Ok(None),
         };
         match found {
-            Ok(Some(hash)) => Lookup::Found(hash),
+            Ok(Some((hash, role))) if role == n.kind.role() => Lookup::Found(hash),
+            Ok(Some((_, role))) => Lookup::OtherRole(role),
             Ok(None) => Lookup::Absent,
             Err(e) => {
                 tracing::warn!(name = n.name, error = %e, "cannot read the model catalogue now; accepting the name");
@@ -181,6 +191,21 @@ async fn refusal(catalogue: &Catalogue, n: Named, advertised: &AdvertisedNames) 
     AcceptError::Invalid(ValidationError {
         field: n.field,
         message,
+    })
+}
+
+/// The refusal of a name whose catalogue entry is a file of another role (a LoRA named as a
+/// checkpoint): the worker would fetch it and fail to load it.
+fn wrong_role(n: Named, role: ModelFileRole) -> AcceptError {
+    AcceptError::Invalid(ValidationError {
+        message: format!(
+            "`{}` is a {} in the model catalogue, not a {} (those are pushed with --role {})",
+            n.name,
+            role.as_str(),
+            n.kind.words(),
+            n.kind.role().as_str()
+        ),
+        field: n.field,
     })
 }
 

@@ -855,6 +855,110 @@ async function refreshFleet() {
   }
 }
 
+// ---------------------------------------------------------------- LoRAs
+
+/// The catalogue's LoRAs, newest first, as names a job's LoRAs field takes.
+async function refreshModels() {
+  try {
+    const { models } = await call("GET", "/v1/models");
+    const list = $("#models");
+    list.replaceChildren();
+    const loras = models.filter((m) => m.role === "lora").sort((a, b) => b.added.localeCompare(a.added));
+    if (!loras.length) list.append(Object.assign(document.createElement("li"), { textContent: "No LoRAs in the catalogue." }));
+    for (const m of loras) {
+      const li = document.createElement("li");
+      li.dataset.model = m.name;
+      li.textContent = `${m.name} · ${(m.size / 1048576).toFixed(1)} MiB · sha256:${m.sha256.slice(0, 12)}…`;
+      list.appendChild(li);
+    }
+  } catch (e) {
+    showBackgroundError(e);
+  }
+}
+
+/// Sends `file` as the raw body of POST `path` with XMLHttpRequest, which reports the upload's
+/// progress (fetch does not); answers as `call` does.
+function uploadWithProgress(path, file, onProgress) {
+  return new Promise((resolve, reject) => {
+    const xhr = new XMLHttpRequest();
+    xhr.open("POST", path);
+    for (const [k, v] of Object.entries(authHeaders({ "Content-Type": "application/octet-stream" }))) xhr.setRequestHeader(k, v);
+    xhr.upload.addEventListener("progress", (e) => e.lengthComputable && onProgress(e.loaded / e.total));
+    xhr.addEventListener("error", () => reject(new Error("the upload failed")));
+    xhr.addEventListener("load", () => {
+      let data = null;
+      try {
+        data = xhr.responseText ? JSON.parse(xhr.responseText) : null;
+      } catch {
+        data = null;
+      }
+      if (xhr.status >= 200 && xhr.status < 300) return resolve({ status: xhr.status, data });
+      const e = data && data.error;
+      reject(new ApiError(xhr.status, e ? e.field : ".", e ? e.message : `${xhr.status} ${xhr.responseText}`));
+    });
+    xhr.send(file);
+  });
+}
+
+async function uploadLora(event) {
+  event.preventDefault();
+  const form = event.target;
+  const file = form.elements.file.files[0];
+  const box = $("#lora-error");
+  box.hidden = true;
+  for (const el of form.querySelectorAll("[aria-invalid]")) el.removeAttribute("aria-invalid");
+  if (!file) {
+    box.hidden = false;
+    box.textContent = "file: choose a .safetensors LoRA file";
+    form.elements.file.setAttribute("aria-invalid", "true");
+    form.elements.file.focus();
+    return;
+  }
+  const name = form.elements.name.value.trim() || file.name.replace(/\.safetensors$/, "");
+  const bar = $("#lora-progress");
+  const button = form.querySelector('button[type="submit"]');
+  button.disabled = true;
+  bar.hidden = false;
+  bar.value = 0;
+  $("#lora-note").textContent = `Uploading ${file.name} as ${name}…`;
+  try {
+    for (;;) {
+      try {
+        const { status, data } = await uploadWithProgress(`/v1/models/loras?name=${encodeURIComponent(name)}`, file, (f) => (bar.value = f));
+        bar.value = 1;
+        const what = status === 201 ? "Added" : "Already in the catalogue:";
+        $("#lora-note").textContent = `${what} ${data.name} (sha256:${data.sha256.slice(0, 12)}…, ${data.size} bytes); name it in a job's LoRAs.`;
+        form.dataset.uploaded = data.name;
+        break;
+      } catch (e) {
+        if (e instanceof ApiError && e.status === 401) {
+          await askToken();
+          continue;
+        }
+        throw e;
+      }
+    }
+    await refreshModels();
+  } catch (e) {
+    $("#lora-note").textContent = "";
+    bar.hidden = true;
+    box.hidden = false;
+    if (e instanceof ApiError) {
+      box.textContent = e.field && e.field !== "." ? `${e.field}: ${e.message}` : e.message;
+      box.dataset.field = e.field || ".";
+      const control = fieldControl(form, e.field);
+      if (control) {
+        control.setAttribute("aria-invalid", "true");
+        control.focus();
+      }
+    } else {
+      box.textContent = `The scheduler cannot be reached: ${e.message}`;
+    }
+  } finally {
+    button.disabled = false;
+  }
+}
+
 // ---------------------------------------------------------------- start
 
 function start() {
@@ -863,8 +967,9 @@ function start() {
     tab.addEventListener("click", () => selectTab(tab.id.replace("tab-", "")));
   }
   $(".tabs").addEventListener("keydown", tabKeys);
-  for (const form of document.querySelectorAll(".job-form")) form.addEventListener("submit", submit);
+  for (const form of document.querySelectorAll(".job-form[data-kind]")) form.addEventListener("submit", submit);
   $('#form-edit input[type="file"]').addEventListener("change", upload);
+  $("#lora-form").addEventListener("submit", uploadLora);
   $("#compare-close").addEventListener("click", () => $("#compare").close());
   const compareSelected = document.createElement("button");
   compareSelected.type = "button";
@@ -878,6 +983,7 @@ function start() {
   followEvents();
   refreshFleet();
   refreshQueue();
+  refreshModels();
   setInterval(refreshFleet, 2000);
   setInterval(refreshQueue, 2000);
   setInterval(refreshEstimates, 5000);

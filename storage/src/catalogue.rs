@@ -176,6 +176,35 @@ pub fn hash_safetensors(path: &Path) -> Result<(ContentHash, u64), HashError> {
     Ok((hash, size))
 }
 
+/// The largest safetensors header [`lora_tensors`] reads (a LoRA's is a few hundred KiB).
+const MAX_HEADER: u64 = 100 << 20;
+
+/// How many tensors of the safetensors file at `path` are LoRA weights by their names (kohya's
+/// and LyCORIS LoCon's `lora_down`/`lora_up`, diffusers/PEFT's `lora_A`/`lora_B`, any name with
+/// `lora`): zero for a checkpoint or another model's file. An error says why the header cannot
+/// be read.
+pub fn lora_tensors(path: &Path) -> Result<usize, String> {
+    let mut file = std::fs::File::open(path).map_err(|e| e.to_string())?;
+    let size = file.metadata().map_err(|e| e.to_string())?.len();
+    let mut len = [0u8; 8];
+    file.read_exact(&mut len)
+        .map_err(|_| "shorter than a safetensors header".to_owned())?;
+    let len = u64::from_le_bytes(len);
+    if len > MAX_HEADER || len + 8 > size {
+        return Err(format!(
+            "its header claims {len} bytes (file {size} bytes, at most {MAX_HEADER})"
+        ));
+    }
+    let mut header = vec![0u8; len as usize];
+    file.read_exact(&mut header).map_err(|e| e.to_string())?;
+    let tensors: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&header).map_err(|e| format!("its header is not JSON: {e}"))?;
+    Ok(tensors
+        .keys()
+        .filter(|k| *k != "__metadata__" && k.to_ascii_lowercase().contains("lora"))
+        .count())
+}
+
 /// [`hash_safetensors`] for a push, its errors naming the file.
 fn hash_file(path: &Path) -> Result<(ContentHash, u64), CatalogueError> {
     hash_safetensors(path).map_err(|e| match e {

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use bytes::Bytes;
 use serde::Deserialize;
 
-pub use catalogue::{Catalogue, CatalogueError, HashError, hash_safetensors};
+pub use catalogue::{Catalogue, CatalogueError, HashError, hash_safetensors, lora_tensors};
 pub use local::LocalStore;
 use local::unavailable as io_unavailable;
 pub use retry::Retries;

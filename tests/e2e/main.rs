@@ -6,6 +6,7 @@ mod batches;
 mod bench;
 mod catalogue;
 mod check;
+mod checkpoints;
 mod cli;
 mod deploy;
 mod engines;

@@ -744,6 +744,100 @@ async fn the_api_answers_as_its_document_says() -> anyhow::Result<()> {
         "{queue}"
     );
     ensure!(farm.wait_finished(&waiting, FINISH).await?.state == JobState::Completed);
+    // The model catalogue: a LoRA added by upload (201, then 200 for the same bytes), listed;
+    // a taken name, a file that is no LoRA, a body of another type are refused naming the field.
+    let lora = std::fs::read(crate::engines::models().join("sdxl/lora/kohya.safetensors"))?;
+    let post_lora = |name: &str, body: Vec<u8>, media: &str| {
+        h.post(url(&format!("/v1/models/loras?name={name}")))
+            .header("content-type", media)
+            .body(body)
+    };
+    let octets = "application/octet-stream";
+    let (status, added) = c
+        .call(
+            post_lora("api_ink", lora.clone(), octets),
+            "/v1/models/loras",
+        )
+        .await?;
+    ensure!(
+        status == 201 && added["name"] == "api_ink" && added["role"] == "lora",
+        "{status} {added}"
+    );
+    let (status, again) = c
+        .call(
+            post_lora("api_ink.safetensors", lora.clone(), octets),
+            "/v1/models/loras",
+        )
+        .await?;
+    ensure!(
+        status == 200 && again["sha256"] == added["sha256"],
+        "{status} {again}"
+    );
+    let mut other = lora.clone();
+    let last = other.len() - 1;
+    other[last] ^= 0xff;
+    let not_lora = {
+        let header = br#"{"unet.conv_in.weight":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#;
+        let mut file = (header.len() as u64).to_le_bytes().to_vec();
+        file.extend_from_slice(header);
+        file.extend_from_slice(&[0; 4]);
+        file
+    };
+    for (name, body, media, want, field, says) in [
+        (
+            "api_ink",
+            other,
+            octets,
+            409,
+            "name",
+            "already names another file",
+        ),
+        ("api_ckpt", not_lora, octets, 422, "file", "no LoRA tensors"),
+        (
+            "api_png",
+            png_bytes(8, 8, 1),
+            octets,
+            422,
+            "file",
+            "not a safetensors file",
+        ),
+        (
+            "api_text",
+            lora.clone(),
+            "text/plain",
+            415,
+            "content-type",
+            "application/octet-stream",
+        ),
+        (
+            ".hidden",
+            lora.clone(),
+            octets,
+            422,
+            "name",
+            "not a catalogue name",
+        ),
+    ] {
+        let (status, answer) = c
+            .call(post_lora(name, body, media), "/v1/models/loras")
+            .await?;
+        ensure!(
+            status == want
+                && error_field(&answer) == field
+                && answer["error"]["message"]
+                    .as_str()
+                    .is_some_and(|m| m.contains(says)),
+            "{name}: {status} {answer}"
+        );
+    }
+    let (status, listed) = c.call(h.get(url("/v1/models")), "/v1/models").await?;
+    ensure!(
+        status == 200
+            && listed["models"]
+                .as_array()
+                .is_some_and(|m| m.len() == 1 && m[0]["name"] == "api_ink"),
+        "{listed}"
+    );
 
     // People's tokens: made (shown once), refused twice for one name and for `admin`, listed
     // without the token, revoked (then unknown); a person's token opens what their role allows.
@@ -1282,6 +1376,84 @@ async fn drive_page(farm: &mut Farm, b: &mut Browser) -> anyhow::Result<()> {
     b.fill("#form-generate textarea[name=prompt]", "1girl, paused farm")
         .await?;
     b.fill("#form-generate input[name=steps]", "2").await?;
+    // A LoRA added to the catalogue from the page: a file that is none is refused with the
+    // API's words and the file control marked; a LoRA is stored (its progress and result shown),
+    // listed, and a generate names it.
+    b.css("#lora-form input[type=file]")
+        .await?
+        .send_keys(&upload.path().display().to_string())
+        .await?;
+    b.fill("#lora-form input[name=name]", "web_png").await?;
+    b.css("#lora-form button[type=submit]")
+        .await?
+        .click()
+        .await?;
+    let message = b
+        .until(
+            "the refusal of a file that is no LoRA",
+            t,
+            "const e = document.querySelector('#lora-error'); return !e.hidden && e.textContent",
+        )
+        .await?;
+    ensure!(
+        message
+            .as_str()
+            .is_some_and(|m| m.starts_with("file: not a safetensors file")),
+        "{message}"
+    );
+    let marked = b
+        .js("return document.querySelector('#lora-form input[type=file]').getAttribute('aria-invalid')")
+        .await?;
+    ensure!(marked == "true", "the file control is marked: {marked}");
+    // WebDriver takes only a canonical path.
+    let lora = crate::engines::models()
+        .join("sdxl/lora/kohya.safetensors")
+        .canonicalize()?;
+    b.css("#lora-form input[type=file]")
+        .await?
+        .send_keys(&lora.display().to_string())
+        .await?;
+    b.fill("#lora-form input[name=name]", "web_ink").await?;
+    b.css("#lora-form button[type=submit]")
+        .await?
+        .click()
+        .await?;
+    let added = b
+        .until(
+            "the LoRA to be added and listed",
+            t,
+            "const n = document.querySelector('#lora-note').textContent; \
+             return document.querySelector('#lora-error').hidden \
+               && document.querySelector('#lora-progress').value === 1 \
+               && document.querySelector('#models li[data-model=web_ink]') && n",
+        )
+        .await?;
+    ensure!(
+        added
+            .as_str()
+            .is_some_and(|n| n.starts_with("Added web_ink (sha256:")),
+        "{added}"
+    );
+    b.screenshot("lora-added").await?;
+    ensure!(
+        b.js("return document.querySelector('#form-error').hidden")
+            .await?
+            == true,
+        "the upload left the job forms alone"
+    );
+    let listed = farm.get_json("/v1/models").await?;
+    let entry = listed["models"]
+        .as_array()
+        .and_then(|m| m.iter().find(|e| e["name"] == "web_ink"))
+        .with_context(|| format!("web_ink in {listed}"))?;
+    ensure!(
+        entry["role"] == "lora" && entry["size"] == std::fs::metadata(&lora)?.len(),
+        "{entry}"
+    );
+    b.css("#tab-generate").await?.click().await?;
+    b.fill("#form-generate input[name=steps]", "2").await?;
+    b.fill("#form-generate input[name=loras]", "web_ink:0.8")
+        .await?;
     b.css("#form-generate button[type=submit]")
         .await?
         .click()
@@ -1322,6 +1494,23 @@ async fn drive_page(farm: &mut Farm, b: &mut Browser) -> anyhow::Result<()> {
         ),
     )
     .await?;
+    let used = b
+        .until(
+            "the generate naming the uploaded LoRA to complete",
+            FINISH,
+            "const c = [...document.querySelectorAll('#jobs article[data-kind=generate]')][0]; \
+             return c && c.dataset.state === 'completed' && c.dataset.jobId",
+        )
+        .await?;
+    let used = farm.job(used.as_str().context("id")?).await?;
+    ensure!(
+        used.submission
+            .as_ref()
+            .and_then(|s| serde_json::to_string(s).ok())
+            .is_some_and(|s| s.contains("web_ink")),
+        "{used:?}"
+    );
+    b.fill("#form-generate input[name=loras]", "").await?;
 
     // Cancel a long job from its card.
     b.css("#tab-generate").await?.click().await?;

@@ -184,6 +184,7 @@ mod tests {
                 area_scaling: 0.0,
                 load_ms: 0,
                 checkpoints: Vec::new(),
+                catalogue_checkpoints: 0,
                 loras: None,
                 model_files: Vec::new(),
                 device_failure_prompt: None,

@@ -21,22 +21,30 @@ use vnfarm_proto::manifest::{ManifestOutput, ModelFile, Versions};
 use vnfarm_proto::spec::MAX_UPSCALE_OUTPUT_SIDE;
 use vnfarm_proto::topology::{manifest_key, output_key};
 use vnfarm_proto::{
-    BatchedJob, EventKind, ImageRef, JobId, Manifest, SCHEMA_VERSION, StageTimings, Task,
-    decode_json,
+    BatchedJob, EventKind, ImageRef, JobId, Manifest, ModelFileRole, SCHEMA_VERSION, StageTimings,
+    Task, decode_json,
 };
 use vnfarm_storage::StorageError;
 
 use crate::end::{Done, Ended, JobEnd, JobError};
 use crate::engine::config::EngineKind;
 use crate::engine::{
-    Answer, Cancel, CancelReason, EngineError, EngineJob, EngineOutput, FetchedLoras, InputImage,
-    LoraDir, Progress, UsedFile,
+    Answer, Cancel, CancelReason, EngineError, EngineJob, EngineOutput, FetchedCheckpoint,
+    FetchedLoras, InputImage, LoraDir, Progress, UsedFile,
 };
 use crate::image_io::{decode_input_as_stored, encode_png, flatten_to_rgb8};
 use crate::infotext;
 use crate::model_cache::{ModelCacheError, Pinned};
 use crate::outbox::Outbox;
 use crate::worker::Worker;
+
+/// A job's files from the model catalogue, and its pins on them in the model cache (held until
+/// the job is settled).
+struct CatalogueFiles {
+    loras: FetchedLoras,
+    checkpoint: Option<FetchedCheckpoint>,
+    pins: Vec<Pinned>,
+}
 
 impl Worker {
     /// Runs the jobs of a message (one, or a batch), sending each job's end, tagged with its index,
@@ -80,15 +88,16 @@ impl Worker {
                 (Ok(_), Some(reason)) => {
                     end(i, Err(JobError::Engine(EngineError::Cancelled(reason))));
                 }
-                (Ok((inputs, loras, pinned)), None) => {
+                (Ok((inputs, files)), None) => {
                     on_engine.push(i);
-                    pins[i] = pinned;
+                    pins[i] = files.pins;
                     engine_jobs.push(EngineJob {
                         job_id: job.job_id,
                         task: job.task.clone(),
                         inputs,
                         cancel: cancels[i].clone(),
-                        fetched: loras,
+                        fetched: files.loras,
+                        checkpoint: files.checkpoint,
                     });
                 }
             }
@@ -237,7 +246,7 @@ impl Worker {
     }
 
     /// Starts a job: its deadline, `started`, its inputs (from `fetched` when another job of the
-    /// message fetched them already), its LoRAs from the model catalogue (pinned).
+    /// message fetched them already), its LoRAs and checkpoint from the model catalogue (pinned).
     async fn start(
         &self,
         outbox: &Outbox,
@@ -245,7 +254,7 @@ impl Worker {
         attempt: u32,
         fetched: &mut HashMap<(String, Layout), InputImage>,
         timings: &mut StageTimings,
-    ) -> Result<(Vec<InputImage>, FetchedLoras, Vec<Pinned>), JobError> {
+    ) -> Result<(Vec<InputImage>, CatalogueFiles), JobError> {
         if job.deadline.is_some_and(|d| d < Utc::now()) {
             return Err(JobError::DeadlineExceeded);
         }
@@ -260,11 +269,23 @@ impl Worker {
             )
             .await?;
         let started = Instant::now();
-        let (loras, pins) = self.catalogue_loras(&job.task).await?;
+        let (loras, mut pins) = self.catalogue_loras(&job.task).await?;
+        let checkpoint = match self.catalogue_checkpoint(&job.task).await? {
+            Some((fetched, pinned)) => {
+                pins.push(pinned);
+                Some(fetched)
+            }
+            None => None,
+        };
+        let files = CatalogueFiles {
+            loras,
+            checkpoint,
+            pins,
+        };
         let refs = match &job.task {
             Task::Generate(_) => {
                 timings.add("download", started.elapsed().as_secs_f64());
-                return Ok((Vec::new(), loras, pins));
+                return Ok((Vec::new(), files));
             }
             Task::Edit(e) => e.images(),
             Task::Upscale(u) => vec![&u.input],
@@ -301,7 +322,7 @@ impl Worker {
             }
         }
         timings.add("download", started.elapsed().as_secs_f64());
-        Ok((inputs, loras, pins))
+        Ok((inputs, files))
     }
 
     /// The job's LoRAs that its engine's folder lacks, from the model catalogue: found in the
@@ -332,7 +353,11 @@ impl Worker {
             if folder.local(&lora.name).is_some() || fetched.get(&lora.name).is_some() {
                 continue;
             }
-            let pinned = match self.model_cache().fetch(&lora.name).await {
+            let pinned = match self
+                .model_cache()
+                .fetch_as(&lora.name, ModelFileRole::Lora)
+                .await
+            {
                 Ok(pinned) => pinned,
                 Err(e) => {
                     let failed = match e {
@@ -343,7 +368,7 @@ impl Worker {
                             Err(e) => JobError::Engine(e),
                             Ok(_) => unreachable!("a LoRA the folder lacks does not resolve"),
                         },
-                        ModelCacheError::Bad { .. } => {
+                        ModelCacheError::Bad { .. } | ModelCacheError::WrongRole { .. } => {
                             JobError::BadInput(format!("LoRA `{}`: {e}", lora.name))
                         }
                         ModelCacheError::NoRoom { .. } | ModelCacheError::Failed(_) => {
@@ -361,6 +386,54 @@ impl Worker {
             pins.push(pinned);
         }
         Ok((fetched, pins))
+    }
+
+    /// A generate's checkpoint from the model catalogue, found in the model cache or fetched
+    /// into it, and pinned: only on a worker that serves catalogue checkpoints, and only for a
+    /// name that is not its own checkpoint (its own shadows the catalogue's).
+    async fn catalogue_checkpoint(
+        &self,
+        task: &Task,
+    ) -> Result<Option<(FetchedCheckpoint, Pinned)>, JobError> {
+        let Task::Generate(g) = task else {
+            return Ok(None);
+        };
+        let Some(name) = &g.checkpoint else {
+            return Ok(None);
+        };
+        if self.engine().catalogue_checkpoints() == 0 || self.engine().checkpoints().contains(name)
+        {
+            return Ok(None);
+        }
+        let pinned = match self
+            .model_cache()
+            .fetch_as(name, ModelFileRole::Checkpoint)
+            .await
+        {
+            Ok(pinned) => pinned,
+            Err(e) => {
+                return Err(match e {
+                    // Routed here for a name the catalogue no longer holds: as on a worker that
+                    // lacks the checkpoint.
+                    ModelCacheError::Unknown(_) => {
+                        JobError::Engine(EngineError::NoCheckpoint(name.clone()))
+                    }
+                    ModelCacheError::Bad { .. } | ModelCacheError::WrongRole { .. } => {
+                        JobError::BadInput(format!("checkpoint `{name}`: {e}"))
+                    }
+                    ModelCacheError::NoRoom { .. } | ModelCacheError::Failed(_) => {
+                        JobError::Engine(EngineError::Failed(format!("checkpoint `{name}`: {e}")))
+                    }
+                    ModelCacheError::Storage(e) => self.storage_failed("get", e),
+                });
+            }
+        };
+        let fetched = FetchedCheckpoint {
+            name: name.clone(),
+            sha256: pinned.sha256().clone(),
+            path: pinned.path().to_owned(),
+        };
+        Ok(Some((fetched, pinned)))
     }
 
     /// A catalogue file the engine could not use (a LoRA that matches nothing, a header it

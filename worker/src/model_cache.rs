@@ -22,6 +22,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use serde::Deserialize;
+use vnfarm_proto::ModelFileRole;
 use vnfarm_proto::catalogue::{ContentHash, ModelRef, blob_key};
 use vnfarm_storage::{
     Catalogue, CatalogueError, HashError, Storage, StorageError, hash_safetensors,
@@ -75,6 +76,13 @@ pub enum ModelCacheError {
         size: u64,
         max_bytes: u64,
         pinned: u64,
+    },
+    /// The name's entry is a file of another role than the job uses it as.
+    #[error("`{name}` is a {} in the model catalogue, not a {}", role.as_str(), wanted.as_str())]
+    WrongRole {
+        name: String,
+        role: ModelFileRole,
+        wanted: ModelFileRole,
     },
     #[error(transparent)]
     Storage(StorageError),
@@ -198,9 +206,29 @@ impl ModelCache {
         Ok(cache)
     }
 
+    /// The file a job names (a catalogue name, or `sha256:<hex>`) as a file of `role`: a name
+    /// whose entry has another role is refused before anything is fetched (a LoRA handed to the
+    /// engine as a checkpoint would fail there and be condemned for it). A `sha256:` reference
+    /// names no role.
+    pub async fn fetch_as(
+        &self,
+        reference: &str,
+        role: ModelFileRole,
+    ) -> Result<Pinned, ModelCacheError> {
+        self.fetch_checked(reference, Some(role)).await
+    }
+
     /// The file a job names (a catalogue name, or `sha256:<hex>`), fetched unless it is here,
     /// pinned for the job.
     pub async fn fetch(&self, reference: &str) -> Result<Pinned, ModelCacheError> {
+        self.fetch_checked(reference, None).await
+    }
+
+    async fn fetch_checked(
+        &self,
+        reference: &str,
+        role: Option<ModelFileRole>,
+    ) -> Result<Pinned, ModelCacheError> {
         let unknown = || ModelCacheError::Unknown(reference.to_owned());
         let (sha256, size) = match ModelRef::parse(reference).ok_or_else(unknown)? {
             ModelRef::Hash(sha256) => {
@@ -223,6 +251,13 @@ impl ModelCache {
                     Err(CatalogueError::Storage(e)) => return Err(ModelCacheError::Storage(e)),
                     Err(e) => return Err(ModelCacheError::Failed(e.to_string())),
                 };
+                if let Some(wanted) = role.filter(|r| *r != entry.role) {
+                    return Err(ModelCacheError::WrongRole {
+                        name,
+                        role: entry.role,
+                        wanted,
+                    });
+                }
                 (entry.sha256, entry.size)
             }
         };

@@ -286,6 +286,7 @@ impl Worker {
             model_cache: Some(self.model_cache().hashes()),
             loras,
             checkpoints: self.engine().checkpoints().to_vec(),
+            catalogue_checkpoints: Some(self.engine().catalogue_checkpoints()).filter(|n| *n > 0),
             max_batch: self.config().batch_jobs,
             gpu_memory,
             encode_cache: self.engine().encode_cache_keys(),

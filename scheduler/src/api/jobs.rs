@@ -496,6 +496,7 @@ mod tests {
         let route = Route {
             model: ModelFamily::Sdxl,
             checkpoint: Some("novaAnimeXL".into()),
+            catalogue: None,
         };
         assert_eq!(
             waiting_for(&Blocker::NoWorker(route.clone()), None, None),
@@ -510,6 +511,7 @@ mod tests {
         let any_sdxl = Route {
             model: ModelFamily::Sdxl,
             checkpoint: None,
+            catalogue: None,
         };
         assert_eq!(
             waiting_for(&Blocker::NoWorker(any_sdxl), None, Some(at)),

@@ -84,7 +84,7 @@ impl Registry {
                 continue; // written as its own event by an older scheduler
             }
             let mut record = JobRecord::new(child_id, JobState::Queued, ev.seq, at);
-            record.files = lora_files(&child.job, &files);
+            record.files = named_files(&child.job, &files);
             record.submission = Some(child);
             record.parent = Some(id);
             record.owner = owner.clone();
@@ -428,20 +428,22 @@ impl JobRecord {
     }
 }
 
-/// The entries of `files` that a pipeline's job names among its LoRAs.
-fn lora_files(
+/// The entries of `files` that a pipeline's job names: its LoRAs and a generate's checkpoint.
+fn named_files(
     job: &JobSpec,
     files: &BTreeMap<String, ContentHash>,
 ) -> BTreeMap<String, ContentHash> {
-    let loras = match job {
-        JobSpec::Generate(g) => &g.loras,
-        JobSpec::Edit(e) => &e.loras,
+    let (loras, checkpoint) = match job {
+        JobSpec::Generate(g) => (&g.loras, g.checkpoint.as_ref()),
+        JobSpec::Edit(e) => (&e.loras, None),
         JobSpec::Upscale(_) | JobSpec::Pipeline(_) => {
             return BTreeMap::new();
         }
     };
     loras
         .iter()
-        .filter_map(|l| Some((l.name.clone(), files.get(&l.name)?.clone())))
+        .map(|l| &l.name)
+        .chain(checkpoint)
+        .filter_map(|name| Some((name.clone(), files.get(name)?.clone())))
         .collect()
 }

@@ -1,13 +1,27 @@
-//! Which model names the workers advertise, and the jobs whose named checkpoint no live worker
-//! serves any more (DESIGN §7b, "Names that exist").
+//! Which model names the workers advertise, which workers a job's named checkpoint may go to
+//! (one advertising the name, or for a checkpoint the catalogue holds, one that serves the
+//! catalogue's checkpoints), and the jobs whose named checkpoint no live worker serves any more
+//! (DESIGN §7b, "Names that exist", "Checkpoints from the catalogue").
 
 use std::collections::BTreeSet;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use vnfarm_proto::JobId;
+use vnfarm_proto::{Heartbeat, JobId};
 
 use super::{Registry, Route};
+
+/// Whether a worker of this beat may run the route's checkpoint: none named; the name among the
+/// checkpoints it advertises; or, for a name that stood for a catalogue file at acceptance, it
+/// serves the catalogue's checkpoints (it fetches the file, DESIGN §7b). A name a worker
+/// advertises is its own file, which shadows the catalogue's, as a `lora_dir` does.
+pub(super) fn serves_checkpoint(hb: &Heartbeat, route: &Route) -> bool {
+    let Some(checkpoint) = &route.checkpoint else {
+        return true;
+    };
+    hb.checkpoints.contains(checkpoint)
+        || (route.catalogue.is_some() && hb.catalogue_checkpoints.is_some_and(|n| n > 0))
+}
 
 /// The checkpoint and LoRA names of every worker this scheduler has heard from, live or gone: a
 /// name one of them had is known (it waits for a worker), a name none had is refused unless the
@@ -58,11 +72,15 @@ impl Registry {
     ) -> Vec<(JobId, Route)> {
         let mut unserved = Vec::new();
         for (route, ready) in self.jobs.ready() {
-            let Some(checkpoint) = &route.checkpoint else {
+            if route.checkpoint.is_none() {
                 continue;
-            };
+            }
             let alive = || self.workers.values().filter(|w| w.alive(timeout));
-            let advertised = alive().any(|w| w.advertises(route.model, checkpoint));
+            let advertised = alive().any(|w| {
+                w.advertises_model(route.model)
+                    && w.last_heartbeat()
+                        .is_some_and(|(_, hb)| serves_checkpoint(hb, route))
+            });
             let model_up = alive().any(|w| w.advertises_model(route.model));
             if advertised || !model_up {
                 continue;
@@ -85,7 +103,7 @@ mod tests {
     use vnfarm_proto::{Heartbeat, ModelFamily};
 
     use super::*;
-    use crate::registry::testing::{Stream, generate, worker};
+    use crate::registry::testing::{Stream, affinity, generate, later, worker};
 
     const T: Duration = Duration::from_secs(60);
 
@@ -144,6 +162,57 @@ mod tests {
         assert!(
             r.unserved_checkpoints(later, T).is_empty(),
             "a worker that advertises it, even warming, will serve it"
+        );
+    }
+
+    fn fetching(id: &str, n: u32, cached: &[&str]) -> Heartbeat {
+        Heartbeat {
+            catalogue_checkpoints: Some(n),
+            model_cache: Some(cached.iter().map(|h| (*h).to_owned()).collect()),
+            ..worker(id, 2)
+        }
+    }
+
+    #[test]
+    fn a_catalogue_checkpoint_goes_to_a_worker_that_fetches_them_the_holder_first() {
+        let mut r = Registry::default();
+        let mut s = Stream::new();
+        let hash = "c".repeat(64);
+        let sha = vnfarm_proto::catalogue::ContentHash::try_from(hash.clone()).unwrap();
+        let policy = crate::config::DispatchConfig {
+            max_batch: 1,
+            ..affinity()
+        };
+        r.heartbeat(worker("plain", 2));
+        r.heartbeat(fetching("off", 0, &[]));
+        let job = s.queue_with_files(&mut r, named("cat"), [("cat".into(), sha.clone())].into());
+        assert_eq!(
+            r.job(job).unwrap().route().unwrap().catalogue,
+            Some(sha.clone())
+        );
+        assert!(
+            r.plan_dispatch(&policy, later(0), T).dispatches.is_empty(),
+            "no worker serves catalogue checkpoints"
+        );
+        let later_by = Utc::now() + chrono::Duration::seconds(1);
+        assert_eq!(r.unserved_checkpoints(later_by, T).len(), 1);
+        r.heartbeat(fetching("fetches", 1, &[]));
+        r.heartbeat(fetching("holds", 1, &[&hash]));
+        assert!(r.unserved_checkpoints(later_by, T).is_empty());
+        let plan = r.plan_dispatch(&policy, later(0), T);
+        assert_eq!(plan.dispatches.len(), 1, "{plan:?}");
+        assert_eq!(
+            plan.dispatches[0].worker.as_str(),
+            "holds",
+            "the worker whose cache holds the file"
+        );
+        // The same name without a catalogue file (a checkpoint some worker advertised) does not
+        // go to a fetching worker: it waits for one that has it.
+        let other = s.queue(&mut r, named("cat"));
+        let plan = r.plan_dispatch(&policy, later(0), T);
+        assert!(
+            plan.dispatches.iter().all(|d| !d.jobs.contains(&other)),
+            "{plan:?}"
         );
     }
 }

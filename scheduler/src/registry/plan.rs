@@ -968,6 +968,7 @@ mod tests {
             Some(Blocker::NoWorker(Route {
                 model: ModelFamily::Sdxl,
                 checkpoint: Some("novaAnimeXL".into()),
+                catalogue: None,
             }))
         );
         r.heartbeat(Heartbeat {

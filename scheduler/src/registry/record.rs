@@ -301,12 +301,14 @@ impl JobRecord {
     /// The workers that may run it.
     pub(super) fn route(&self) -> Option<Route> {
         let sub = self.submission.as_ref()?;
+        let checkpoint = match &sub.job {
+            JobSpec::Generate(g) => g.checkpoint.clone(),
+            _ => None,
+        };
         Some(Route {
             model: sub.job.model()?,
-            checkpoint: match &sub.job {
-                JobSpec::Generate(g) => g.checkpoint.clone(),
-                _ => None,
-            },
+            catalogue: checkpoint.as_ref().and_then(|c| self.files.get(c).cloned()),
+            checkpoint,
         })
     }
 

@@ -115,6 +115,7 @@ pub(super) fn worker(id: &str, slots: u32) -> Heartbeat {
         running: vec![],
         holding: None,
         model_cache: None,
+        catalogue_checkpoints: None,
         loras: None,
         checkpoints: vec![],
         max_batch: 1,

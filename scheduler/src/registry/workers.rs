@@ -6,6 +6,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
+use vnfarm_proto::catalogue::ContentHash;
 use vnfarm_proto::{Heartbeat, JobId, ModelFamily, WorkerId, WorkerState};
 
 /// A key the worker no longer advertises is forgotten this long after it was last confirmed or
@@ -13,18 +14,25 @@ use vnfarm_proto::{Heartbeat, JobId, ModelFamily, WorkerId, WorkerState};
 pub(super) const KEY_GRACE: Duration = Duration::from_secs(30);
 
 /// Which workers may run a job: its model family and, for a generate that names one, the SDXL
-/// checkpoint.
+/// checkpoint, with the catalogue's file it stood for at acceptance when no worker advertised
+/// the name (then a worker that serves catalogue checkpoints may fetch it: `names.rs`).
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Route {
     pub model: ModelFamily,
     pub checkpoint: Option<String>,
+    pub catalogue: Option<ContentHash>,
 }
 
 impl std::fmt::Display for Route {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match &self.checkpoint {
-            Some(c) => write!(f, "{} checkpoint {c}", self.model),
-            None => write!(f, "{}", self.model),
+        match (&self.checkpoint, &self.catalogue) {
+            (Some(c), Some(_)) => write!(
+                f,
+                "{} checkpoint {c} or fetches the catalogue's checkpoints",
+                self.model
+            ),
+            (Some(c), None) => write!(f, "{} checkpoint {c}", self.model),
+            (None, _) => write!(f, "{}", self.model),
         }
     }
 }
@@ -101,10 +109,7 @@ impl WorkerRecord {
             at.elapsed() < timeout
                 && hb.state == WorkerState::Ready
                 && hb.models.contains(&route.model)
-                && route
-                    .checkpoint
-                    .as_ref()
-                    .is_none_or(|c| hb.checkpoints.contains(c))
+                && super::names::serves_checkpoint(hb, route)
         })
     }
 
@@ -113,15 +118,6 @@ impl WorkerRecord {
         self.last_heartbeat
             .as_ref()
             .is_some_and(|(_, hb)| hb.models.contains(&model))
-    }
-
-    /// Its latest beat names the model and the checkpoint.
-    pub(super) fn advertises(&self, model: ModelFamily, checkpoint: &str) -> bool {
-        self.advertises_model(model)
-            && self
-                .last_heartbeat
-                .as_ref()
-                .is_some_and(|(_, hb)| hb.checkpoints.iter().any(|c| c == checkpoint))
     }
 
     /// Has a free slot: fewer messages on it than its prefetch.

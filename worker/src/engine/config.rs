@@ -96,6 +96,16 @@ impl EngineConfig {
         }
     }
 
+    /// How many checkpoints of the model catalogue it keeps loaded besides its own (advertised
+    /// in heartbeats; 0: it serves only its own): `engine.sdxl.catalogue_checkpoints`, or the
+    /// test-pattern engine's claim.
+    pub fn catalogue_checkpoints(&self) -> u32 {
+        match self.kind() {
+            EngineKind::TestPattern => self.test_pattern.catalogue_checkpoints,
+            EngineKind::Tch => self.sdxl.as_ref().map_or(0, |c| c.catalogue_checkpoints),
+        }
+    }
+
     /// The LoRA names it advertises: the files of its engines' `lora_dir`s, or what the
     /// test-pattern engine claims.
     pub fn advertised_loras(&self) -> AdvertisedLoras {

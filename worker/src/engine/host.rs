@@ -35,6 +35,7 @@ pub struct EngineHost {
     name: &'static str,
     models: Vec<ModelFamily>,
     checkpoints: Vec<String>,
+    catalogue_checkpoints: u32,
     loras: AdvertisedLoras,
     cache_keys: AdvertisedKeys,
     gpu: Option<GpuMemoryProbe>,
@@ -72,6 +73,7 @@ impl EngineHost {
             name: config.kind().name(),
             models: config.models(),
             checkpoints: config.checkpoints(),
+            catalogue_checkpoints: config.catalogue_checkpoints(),
             loras: config.advertised_loras(),
             cache_keys: cache_keys.clone(),
             gpu: config.gpu().map(GpuMemoryProbe::new),
@@ -156,6 +158,11 @@ impl EngineHost {
     /// SDXL checkpoints held, by name.
     pub fn checkpoints(&self) -> &[String] {
         &self.checkpoints
+    }
+
+    /// How many catalogue checkpoints it keeps loaded (0: it serves only its own).
+    pub fn catalogue_checkpoints(&self) -> u32 {
+        self.catalogue_checkpoints
     }
 
     /// The LoRA names it advertises (blocking: reads its folders).

@@ -5,6 +5,7 @@ use image::{DynamicImage, RgbImage};
 use vnfarm_proto::{JobId, ModelFamily, StageTimings, Task};
 
 use super::cancel::Cancel;
+use super::catalogue_checkpoints::FetchedCheckpoint;
 use super::encode_cache::CacheLookup;
 use super::files::UsedFile;
 use super::lora_dir::FetchedLoras;
@@ -20,6 +21,9 @@ pub struct EngineJob {
     /// Its LoRAs from the model catalogue, fetched before it came (the folder's own are found by
     /// the engine).
     pub fetched: FetchedLoras,
+    /// A generate's checkpoint from the model catalogue, fetched before it came (none for the
+    /// engine's own checkpoint).
+    pub checkpoint: Option<FetchedCheckpoint>,
 }
 
 /// A decoded input image and the sha256 (hex) of the bytes it was decoded from: the key of its
@@ -81,6 +85,7 @@ pub(crate) mod tests {
             inputs: Vec::new(),
             cancel: Cancel::default(),
             fetched: FetchedLoras::default(),
+            checkpoint: None,
         }
     }
 

@@ -18,12 +18,13 @@
 //!   is stopped; `files.rs`: the files its images are made from;
 //! - `batch.rs`: running a batch's jobs together or alone; `host.rs`: the engine thread;
 //! - one file per engine (`sdxl.rs`, `qwen_edit.rs`, `esrgan.rs`, `test_pattern.rs`) and their
-//!   helpers (`device.rs`, `lora_dir.rs`, `encode_cache.rs`, `shared_encodings.rs`,
-//!   `gpu_memory.rs`).
+//!   helpers (`device.rs`, `lora_dir.rs`, `catalogue_checkpoints.rs`, `encode_cache.rs`,
+//!   `shared_encodings.rs`, `gpu_memory.rs`).
 
 pub mod batch;
 pub mod busy;
 pub mod cancel;
+pub mod catalogue_checkpoints;
 pub mod config;
 pub mod device;
 pub mod encode_cache;
@@ -46,6 +47,7 @@ pub(crate) use batch::{Runnable, answered};
 pub use batch::{groups, together_or_alone};
 pub use busy::{BusyTotals, EngineBusy};
 pub use cancel::{Cancel, all_cancelled};
+pub use catalogue_checkpoints::{FetchedCheckpoint, LoadedCheckpoints};
 pub use config::{EngineConfig, EngineKind};
 pub use encode_cache::{AdvertisedKeys, CacheLookup, EncodeCache};
 pub use error::{CancelReason, EngineError};
@@ -169,6 +171,7 @@ impl Engine {
                                 inputs: job.inputs.clone(),
                                 cancel: job.cancel.clone(),
                                 fetched: job.fetched.clone(),
+                                checkpoint: job.checkpoint.clone(),
                             };
                             e.run(owned, &mut |p| progress(k, p), &job.cancel)
                         })
@@ -214,7 +217,7 @@ impl Engine {
     /// job's own LoRAs.
     pub fn files(&self, job: &EngineJob) -> Vec<UsedFile> {
         match self {
-            Engine::TestPattern(e) => e.files(),
+            Engine::TestPattern(e) => e.files(job),
             Engine::Tch {
                 sdxl,
                 qwen_edit,

@@ -12,6 +12,12 @@
 //! group runs, so only jobs with the same set share forwards. The next group with another set gets
 //! the base weights back bit for bit first; consecutive jobs with the same set pay nothing
 //! (`SdxlPipeline::set_loras`, `docs/performance.md` for the cost of a switch).
+//!
+//! With `catalogue_checkpoints` above 0, a job may name a checkpoint of the model catalogue that
+//! the worker fetched for it: its group runs on that checkpoint's own pipeline, loaded like the
+//! configured one and kept among the `catalogue_checkpoints` most recently used
+//! (`catalogue_checkpoints.rs`); a file that does not load fails its jobs naming the file, so the
+//! worker condemns it.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -27,14 +33,15 @@ use vnfarm_models::sdxl::pipeline::{
 };
 use vnfarm_models::sdxl::vae::Tiling;
 use vnfarm_models::settings::SdxlSettings;
+use vnfarm_proto::catalogue::ContentHash;
 use vnfarm_proto::{GenerateSpec, LoraRef, ModelFileRole, StageTimings, Task};
 
 use crate::tuning::SettingsChoice;
 
 use super::device::{Dtype, engine_error, open_device, parse_device, warm_up_sizes};
 use super::{
-    EngineError, EngineJob, EngineOutput, LoraDir, Progress, Runnable, UsedFile, all_cancelled,
-    answered, groups, together_or_alone, weight_files,
+    EngineError, EngineJob, EngineOutput, LoadedCheckpoints, LoraDir, Progress, Runnable, UsedFile,
+    all_cancelled, answered, groups, together_or_alone, weight_files,
 };
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
@@ -91,6 +98,13 @@ pub struct SdxlConfig {
     /// (kohya, diffusers/PEFT or LyCORIS LoCon files).
     #[serde(default)]
     pub lora_dir: Option<PathBuf>,
+    /// How many checkpoints of the model catalogue it keeps loaded besides `checkpoint` (0: it
+    /// serves only its own). Above 0 it takes generates naming a catalogue checkpoint, fetches the
+    /// file into the model cache and loads it as it loads `checkpoint` (a single file, with the
+    /// same `config_dir`, `tokenizer_dir`, dtypes and settings; not warmed up), the least
+    /// recently used one unloaded first. Each costs a checkpoint's memory on the device.
+    #[serde(default)]
+    pub catalogue_checkpoints: u32,
 }
 
 #[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
@@ -101,6 +115,9 @@ pub enum VaeTiling {
     Always,
     Never,
 }
+
+/// The most catalogue checkpoints a worker keeps loaded (each is a whole SDXL on the device).
+pub const MAX_CATALOGUE_CHECKPOINTS: u32 = 16;
 
 // Field defaults rather than a struct-wide `#[serde(default)]`: `checkpoint` is required, and a
 // `Default` of the whole section would let one without it decode.
@@ -158,6 +175,11 @@ impl SdxlConfig {
         if !(1..=64).contains(&self.max_batch) {
             return Err("engine.sdxl.max_batch: must be 1..=64".into());
         }
+        if self.catalogue_checkpoints > MAX_CATALOGUE_CHECKPOINTS {
+            return Err(format!(
+                "engine.sdxl.catalogue_checkpoints: at most {MAX_CATALOGUE_CHECKPOINTS}"
+            ));
+        }
         for [w, h] in &self.warm_up {
             if *w == 0 || *h == 0 || w % 8 != 0 || h % 8 != 0 || *w > 4096 || *h > 4096 {
                 return Err(format!(
@@ -176,6 +198,20 @@ pub struct SdxlEngine {
     name: String,
     files: Vec<UsedFile>,
     lora_dir: LoraDir,
+    /// What loads a catalogue checkpoint: the configured one's settings.
+    config: SdxlConfig,
+    settings: SdxlSettings,
+    /// Catalogue checkpoints loaded for jobs that named them (`catalogue_checkpoints`).
+    catalogue: LoadedCheckpoints<SdxlPipeline>,
+}
+
+/// Which loaded pipeline a job runs on.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+enum Checkpoint {
+    /// `engine.sdxl.checkpoint`.
+    Configured,
+    /// A catalogue checkpoint, by hash (its file fetched for the job).
+    Catalogue(ContentHash),
 }
 
 impl SdxlEngine {
@@ -187,7 +223,6 @@ impl SdxlEngine {
     /// Loads the checkpoint onto the device and warms up at every configured size. Any failure
     /// (missing file, missing or misshapen tensor, no device) is an error naming what is wrong.
     pub fn load(config: &SdxlConfig, settings: SdxlSettings) -> anyhow::Result<Self> {
-        let device = open_device(&config.device, "engine.sdxl.device")?;
         let checkpoint = &config.checkpoint;
         let source = if checkpoint.is_dir() {
             ModelSource::DiffusersFolder(checkpoint.clone())
@@ -199,38 +234,7 @@ impl SdxlEngine {
                 checkpoint.display()
             );
         };
-        let mut pc = PipelineConfig::new(source, device);
-        pc.dtype = config.dtype.kind();
-        pc.vae_dtype = config.vae_dtype.kind();
-        pc.prediction_type = config.prediction_type;
-        pc.settings = settings;
-        pc.vae_tiling = match config.vae_tiling {
-            VaeTiling::Auto => Tiling::Auto,
-            VaeTiling::Always => Tiling::Always,
-            VaeTiling::Never => Tiling::Never,
-        };
-        // Component configs: `config_dir`'s, else a diffusers folder's own, else (single file) the
-        // SDXL base presets inside the pipeline.
-        let config_dir = config.config_dir.as_ref();
-        if let Some(dir) = config_dir.or(checkpoint.is_dir().then_some(checkpoint)) {
-            pc.components = ComponentConfigs::default().fill_from_dir(dir)?;
-        }
-        pc.tokenizer_dir = config.tokenizer_dir.clone().or_else(|| {
-            config
-                .config_dir
-                .clone()
-                .filter(|d| d.join("tokenizer").is_dir())
-        });
-        let started = Instant::now();
-        let pipeline = SdxlPipeline::load(&pc)
-            .map_err(|e| anyhow::anyhow!("loading SDXL from {}: {e}", checkpoint.display()))?;
-        tracing::info!(
-            checkpoint = %checkpoint.display(),
-            ?device,
-            prediction = ?pipeline.info().prediction_type,
-            seconds = started.elapsed().as_secs_f64(),
-            "SDXL loaded"
-        );
+        let pipeline = load_pipeline(config, settings, source)?;
         warm_up_sizes("SDXL", &config.warm_up, |w, h| pipeline.warm_up(&[(w, h)]))?;
         Ok(Self {
             pipeline,
@@ -238,7 +242,57 @@ impl SdxlEngine {
             name: config.name(),
             files: config.files(),
             lora_dir: LoraDir::new(config.lora_dir.clone(), "engine.sdxl.lora_dir"),
+            catalogue: LoadedCheckpoints::new(config.catalogue_checkpoints as usize),
+            config: config.clone(),
+            settings,
         })
+    }
+
+    /// The pipeline of a job's checkpoint, loading a catalogue checkpoint that is not loaded (a
+    /// failure names the file, so the worker condemns it).
+    fn ready(&mut self, job: &EngineJob) -> Result<Checkpoint, EngineError> {
+        let Some(fetched) = &job.checkpoint else {
+            return Ok(Checkpoint::Configured);
+        };
+        let (config, settings) = (&self.config, &self.settings);
+        let started = Instant::now();
+        let loaded = self.catalogue.get_or_load(&fetched.sha256, || {
+            load_pipeline(
+                config,
+                *settings,
+                ModelSource::SingleFile(fetched.path.clone()),
+            )
+        });
+        match loaded {
+            Ok(Some(_)) => Ok(Checkpoint::Catalogue(fetched.sha256.clone())),
+            Ok(None) => Err(EngineError::NoCheckpoint(fetched.name.clone())),
+            Err(e) => {
+                let message = format!("{e:#}");
+                tracing::warn!(checkpoint = fetched.name, sha256 = %fetched.sha256, seconds = started.elapsed().as_secs_f64(), error = message, "a catalogue checkpoint failed to load");
+                // Out of memory or a lost device is not the file's fault; anything else is.
+                Err(
+                    match engine_error(GenerateError::Backend(message.clone()), None) {
+                        EngineError::Failed(_) => EngineError::InvalidInput(format!(
+                            "checkpoint `{}` (sha256:{}) is not a usable SDXL checkpoint: {message}",
+                            fetched.name, fetched.sha256
+                        )),
+                        other => other,
+                    },
+                )
+            }
+        }
+    }
+
+    /// The loaded pipeline of `which` ([`SdxlEngine::ready`] loaded it).
+    fn pipeline_of(&self, which: &Checkpoint) -> Result<&SdxlPipeline, EngineError> {
+        match which {
+            Checkpoint::Configured => Ok(&self.pipeline),
+            Checkpoint::Catalogue(sha256) => self.catalogue.get(sha256).ok_or_else(|| {
+                EngineError::Failed(format!(
+                    "catalogue checkpoint sha256:{sha256} is not loaded"
+                ))
+            }),
+        }
     }
 
     /// The loaded pipeline, for `vnfarm-worker check`, which drives it directly.
@@ -257,7 +311,10 @@ impl SdxlEngine {
     /// The files a generate's images are made from: the checkpoint's, then the job's LoRAs (by
     /// the job's names, with their weights).
     pub fn files(&self, job: &EngineJob) -> Vec<UsedFile> {
-        let mut files = self.files.clone();
+        let mut files = match &job.checkpoint {
+            Some(fetched) => vec![fetched.used_file()],
+            None => self.files.clone(),
+        };
         if let Task::Generate(g) = &job.task {
             files.extend(self.lora_dir.used_files(&g.loras, &job.fetched));
         }
@@ -279,11 +336,16 @@ impl SdxlEngine {
         } = Runnable::of(jobs, |job| self.prepare(job));
         let members: Vec<&EngineJob> = runnable.iter().map(|&i| jobs[i]).collect();
         for group in groups(&members, forward_key) {
-            let lora_seconds = match self.switch_loras(&loras[group[0]]) {
-                Ok(seconds) => seconds,
+            let switched = self.ready(members[group[0]]).and_then(|which| {
+                let cancelled = || all_cancelled(group.iter().map(|&k| &members[k].cancel));
+                let seconds = self
+                    .switch_loras(&which, &loras[group[0]])
+                    .map_err(|e| engine_error(e, cancelled()))?;
+                Ok((which, seconds))
+            });
+            let (which, lora_seconds) = match switched {
+                Ok(switched) => switched,
                 Err(e) => {
-                    let cancelled = all_cancelled(group.iter().map(|&k| &members[k].cancel));
-                    let e = engine_error(e, cancelled);
                     for &k in &group {
                         results[runnable[k]] = Some(Err(e.clone()));
                     }
@@ -291,7 +353,9 @@ impl SdxlEngine {
                 }
             };
             let answers = together_or_alone(&members, &group, |together| {
-                self.generate(&members, together, &mut |k, p| progress(runnable[k], p))
+                self.generate(&which, &members, together, &mut |k, p| {
+                    progress(runnable[k], p)
+                })
             });
             let share = 1.0 / group.len() as f64;
             for (k, mut answer) in answers {
@@ -304,10 +368,22 @@ impl SdxlEngine {
         answered(results)
     }
 
-    /// Makes the pipeline carry `specs`; the seconds it took when the set changed.
-    fn switch_loras(&mut self, specs: &[LoraSpec]) -> Result<Option<f64>, GenerateError> {
+    /// Makes the pipeline of `which` carry `specs`; the seconds it took when the set changed.
+    fn switch_loras(
+        &mut self,
+        which: &Checkpoint,
+        specs: &[LoraSpec],
+    ) -> Result<Option<f64>, GenerateError> {
         let started = Instant::now();
-        let switch = self.pipeline.set_loras(specs)?;
+        let pipeline = match which {
+            Checkpoint::Configured => &mut self.pipeline,
+            Checkpoint::Catalogue(sha256) => match self.catalogue.touch(sha256) {
+                Some(pipeline) => pipeline,
+                // `ready` loaded it just now; nothing ran in between.
+                None => return Ok(None),
+            },
+        };
+        let switch = pipeline.set_loras(specs)?;
         if !switch.changed() {
             return Ok(None);
         }
@@ -335,11 +411,13 @@ impl SdxlEngine {
                 "generate without a resolved seed".into(),
             ));
         }
-        match &spec.checkpoint {
-            Some(name) if *name != self.name => {
+        match (&spec.checkpoint, &job.checkpoint) {
+            // Fetched from the catalogue for it: loaded when its group runs.
+            (Some(name), Some(fetched)) if *name == fetched.name => {}
+            (Some(name), _) if *name != self.name => {
                 return Err(EngineError::NoCheckpoint(name.clone()));
             }
-            Some(_) | None => {}
+            (Some(_) | None, _) => {}
         }
         self.lora_dir.resolve(&spec.loras, &job.fetched)
     }
@@ -349,6 +427,7 @@ impl SdxlEngine {
     /// across its jobs by their share of its images.
     fn generate(
         &self,
+        which: &Checkpoint,
         jobs: &[&EngineJob],
         together: &[usize],
         progress: &mut dyn FnMut(usize, Progress),
@@ -360,6 +439,7 @@ impl SdxlEngine {
                 other => Err(EngineError::Unsupported(other.model())),
             })
             .collect::<Result<_, _>>()?;
+        let pipeline = self.pipeline_of(which)?;
         let forwards = pack(&specs, self.max_batch);
         // Each job's progress runs over all the forwards it is in.
         let mut in_forwards = vec![0u32; specs.len()];
@@ -382,8 +462,7 @@ impl SdxlEngine {
         for forward in &forwards {
             let requests: Vec<GenerateRequest> = forward.iter().map(|(_, r)| r.clone()).collect();
             let cancels = || all_cancelled(forward.iter().map(|(k, _)| &jobs[together[*k]].cancel));
-            let out = self
-                .pipeline
+            let out = pipeline
                 .generate_batch(
                     &requests,
                     &mut |step, _| {
@@ -418,13 +497,70 @@ impl SdxlEngine {
     }
 }
 
-/// What generates must share to run in one forward: size, steps, sampler, guidance on or off, and
-/// the LoRA set (names and weights, in order: the weights the forward runs with).
-type ForwardKey = ((u32, u32), u32, vnfarm_proto::Sampler, bool, Vec<LoraRef>);
+/// The pipeline of `source` as `config` says to load it (device, dtypes, prediction type, VAE
+/// tiling, component configs and tokenizers, settings): the configured checkpoint and the
+/// catalogue's are loaded alike. Any failure names the file.
+fn load_pipeline(
+    config: &SdxlConfig,
+    settings: SdxlSettings,
+    source: ModelSource,
+) -> anyhow::Result<SdxlPipeline> {
+    let device = open_device(&config.device, "engine.sdxl.device")?;
+    let (path, folder) = match &source {
+        ModelSource::DiffusersFolder(dir) => (dir.clone(), Some(dir.clone())),
+        ModelSource::SingleFile(file) => (file.clone(), None),
+    };
+    let mut pc = PipelineConfig::new(source, device);
+    pc.dtype = config.dtype.kind();
+    pc.vae_dtype = config.vae_dtype.kind();
+    pc.prediction_type = config.prediction_type;
+    pc.settings = settings;
+    pc.vae_tiling = match config.vae_tiling {
+        VaeTiling::Auto => Tiling::Auto,
+        VaeTiling::Always => Tiling::Always,
+        VaeTiling::Never => Tiling::Never,
+    };
+    // Component configs: `config_dir`'s, else a diffusers folder's own, else (single file) the
+    // SDXL base presets inside the pipeline.
+    let config_dir = config.config_dir.as_ref();
+    if let Some(dir) = config_dir.or(folder.as_ref()) {
+        pc.components = ComponentConfigs::default().fill_from_dir(dir)?;
+    }
+    pc.tokenizer_dir = config.tokenizer_dir.clone().or_else(|| {
+        config
+            .config_dir
+            .clone()
+            .filter(|d| d.join("tokenizer").is_dir())
+    });
+    let started = Instant::now();
+    let pipeline = SdxlPipeline::load(&pc)
+        .map_err(|e| anyhow::anyhow!("loading SDXL from {}: {e}", path.display()))?;
+    tracing::info!(
+        checkpoint = %path.display(),
+        ?device,
+        prediction = ?pipeline.info().prediction_type,
+        seconds = started.elapsed().as_secs_f64(),
+        "SDXL loaded"
+    );
+    Ok(pipeline)
+}
+
+/// What generates must share to run in one forward: the checkpoint (a catalogue one by hash),
+/// size, steps, sampler, guidance on or off, and the LoRA set (names and weights, in order: the
+/// weights the forward runs with).
+type ForwardKey = (
+    Option<ContentHash>,
+    (u32, u32),
+    u32,
+    vnfarm_proto::Sampler,
+    bool,
+    Vec<LoraRef>,
+);
 
 fn forward_key(job: &EngineJob) -> Option<ForwardKey> {
     match &job.task {
         Task::Generate(g) => Some((
+            job.checkpoint.as_ref().map(|c| c.sha256.clone()),
             (g.width, g.height),
             g.steps,
             g.sampler,
@@ -595,6 +731,7 @@ mod tests {
             max_batch: 4,
             lora_dir: None,
             settings: None,
+            catalogue_checkpoints: 0,
         }
     }
 

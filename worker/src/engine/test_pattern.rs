@@ -65,6 +65,10 @@ pub struct TestPatternConfig {
     /// SDXL checkpoints it claims to hold (advertised in heartbeats); a generate naming another one
     /// fails as it would on an SDXL worker.
     pub checkpoints: Vec<String>,
+    /// Catalogue checkpoints it claims to keep loaded (advertised in heartbeats, as
+    /// `engine.sdxl.catalogue_checkpoints`): above 0, a generate naming a catalogue checkpoint
+    /// that the worker fetched for it runs, and its manifest names that file.
+    pub catalogue_checkpoints: u32,
     /// LoRA file names it claims to hold (advertised in heartbeats, as a worker lists its
     /// `lora_dir`), so a farm of test-pattern workers can refuse names that exist nowhere. Unset:
     /// it advertises none and takes any name (the scheduler cannot tell which exist).
@@ -96,6 +100,7 @@ impl Default for TestPatternConfig {
             area_scaling: 0.0,
             load_ms: 0,
             checkpoints: Vec::new(),
+            catalogue_checkpoints: 0,
             loras: None,
             model_files: Vec::new(),
             device_failure_prompt: None,
@@ -158,6 +163,12 @@ impl TestPatternConfig {
                 );
             }
             Some(_) | None => {}
+        }
+        if self.catalogue_checkpoints > super::sdxl::MAX_CATALOGUE_CHECKPOINTS {
+            return Err(format!(
+                "engine.test_pattern.catalogue_checkpoints: at most {}",
+                super::sdxl::MAX_CATALOGUE_CHECKPOINTS
+            ));
         }
         if self.checkpoints.iter().any(|c| c.trim().is_empty()) {
             return Err("engine.test_pattern.checkpoints: names must not be empty".into());
@@ -345,8 +356,13 @@ impl TestPatternEngine {
     }
 
     /// The files every image is claimed to be made from.
-    pub fn files(&self) -> Vec<UsedFile> {
-        self.config.files()
+    /// The files it claims a job's images are made from: the catalogue checkpoint fetched for
+    /// the job, in place of its own claimed files (as an SDXL engine runs on that checkpoint).
+    pub fn files(&self, job: &EngineJob) -> Vec<UsedFile> {
+        match &job.checkpoint {
+            Some(fetched) => vec![fetched.used_file()],
+            None => self.config.files(),
+        }
     }
 
     /// The engine as the worker loads it: after `load_ms` of simulated loading.
@@ -444,8 +460,12 @@ impl TestPatternEngine {
     fn refuse(&self, job: &EngineJob) -> Result<(), EngineError> {
         match &job.task {
             Task::Generate(g) => {
+                let fetched = job.checkpoint.as_ref().is_some_and(|c| {
+                    self.config.catalogue_checkpoints > 0 && g.checkpoint.as_ref() == Some(&c.name)
+                });
                 if let Some(name) = &g.checkpoint
                     && !self.config.checkpoints.contains(name)
+                    && !fetched
                 {
                     return Err(EngineError::NoCheckpoint(name.clone()));
                 }
