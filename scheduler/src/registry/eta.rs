@@ -959,6 +959,7 @@ mod tests {
         Route {
             model: ModelFamily::Sdxl,
             checkpoint: None,
+            catalogue: None,
         }
     }
 

@@ -316,6 +316,7 @@ mod tests {
         let route = crate::registry::Route {
             model: vnfarm_proto::ModelFamily::Sdxl,
             checkpoint: None,
+            catalogue: None,
         };
         assert_eq!(r.dispatch_order(&route), vec![ann[0], bo, ann[1], ann[2]]);
         s.seq += 1;
