@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 use crate::loading::weights::Fp8Mode;
 use crate::nn::fused::NormKernels;
 use crate::nn::{AttentionImpl, FfGelu, MemoryFormat};
+use crate::qwen_image::kernels::BlockKernels;
 
 /// A named starting point for an engine's settings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -125,16 +126,50 @@ pub struct QwenSettings {
     /// fp8 weight files dequantised at load (`upcast`, faster) or kept fp8 on the device
     /// (`resident`, about half the memory).
     pub fp8: Fp8Mode,
+    /// The transformer blocks' q/k RMSNorm, RoPE and joint text+image concatenation: libtorch's
+    /// operators, or one fused kernel per stream writing the joint buffers (compiled at load).
+    pub qk_norm_rope: NormKernels,
+    /// The blocks' LayerNorm with the adaLN shift and scale: libtorch's or one fused pass.
+    pub ada_norm: NormKernels,
+    /// The blocks' gated residuals: libtorch's or one fused pass (carrying LayerNorm 2 when
+    /// `ada_norm` is fused too).
+    pub gated_residual: NormKernels,
+    /// The feed-forwards' GELU-tanh: its own kernel, or in the FF-up GEMM's epilogue (CUDA).
+    pub ff_gelu: FfGelu,
+    /// Each stream's q, k, v projections as one GEMM over weights concatenated at load (the
+    /// three keep views of it: no memory added; `upcast` only, fp8-resident weights keep three).
+    pub fused_qkv: bool,
 }
 
 impl QwenSettings {
     pub fn preset(_preset: Preset) -> Self {
-        // No Qwen kernel of our own yet: both presets are the measured defaults (H200: upcast
-        // 1.57 s per 4-step 1024² edit against 1.83 s resident, docs/performance.md).
+        // No Qwen kernel of our own measured yet: both presets are the measured defaults (H200:
+        // upcast 1.57 s per 4-step 1024² edit against 1.83 s resident, docs/performance.md).
         Self {
             attention: AttentionImpl::Sdpa,
             fp8: Fp8Mode::Upcast,
+            qk_norm_rope: NormKernels::Aten,
+            ada_norm: NormKernels::Aten,
+            gated_residual: NormKernels::Aten,
+            ff_gelu: FfGelu::Separate,
+            fused_qkv: false,
         }
+    }
+
+    /// The transformer's part of these settings.
+    pub fn block_kernels(&self) -> BlockKernels {
+        BlockKernels {
+            qk_norm_rope: self.qk_norm_rope,
+            ada_norm: self.ada_norm,
+            gated_residual: self.gated_residual,
+            ff_gelu: self.ff_gelu,
+            fused_qkv: self.fused_qkv,
+        }
+    }
+
+    /// Whether these settings need the C++ shims of a CUDA (or HIP) build.
+    pub fn needs_shims(&self) -> bool {
+        self.block_kernels().any_fused() || self.ff_gelu == FfGelu::Epilogue
     }
 }
 
