@@ -142,10 +142,10 @@ pub struct QwenSettings {
 }
 
 impl QwenSettings {
-    pub fn preset(_preset: Preset) -> Self {
-        // No Qwen kernel of our own measured yet: both presets are the measured defaults (H200:
-        // upcast 1.57 s per 4-step 1024² edit against 1.83 s resident, docs/performance.md).
-        Self {
+    pub fn preset(preset: Preset) -> Self {
+        // H200: upcast 1.57 s per 4-step 1024² edit against 1.83 s resident (docs/performance.md,
+        // 2026-11-30), so both presets dequantise at load.
+        let portable = Self {
             attention: AttentionImpl::Sdpa,
             fp8: Fp8Mode::Upcast,
             qk_norm_rope: NormKernels::Aten,
@@ -153,6 +153,20 @@ impl QwenSettings {
             gated_residual: NormKernels::Aten,
             ff_gelu: FfGelu::Separate,
             fused_qkv: false,
+        };
+        match preset {
+            Preset::Portable => portable,
+            // H200, 2026-12-04 (docs/performance.md, "fused kernels of step 13"): transformer step
+            // 366 → 285 ms (0.77× diffusers' 372), 4-step 1024² edit 1.63 → 1.31 s (0.73×), images
+            // 0.57/255 from diffusers' as before.
+            Preset::Cuda => Self {
+                qk_norm_rope: NormKernels::Fused,
+                ada_norm: NormKernels::Fused,
+                gated_residual: NormKernels::Fused,
+                ff_gelu: FfGelu::Epilogue,
+                fused_qkv: true,
+                ..portable
+            },
         }
     }
 
@@ -243,6 +257,22 @@ mod tests {
         assert_eq!(s.norm_kernels, NormKernels::Fused);
         assert_eq!(s.unet_memory_format, MemoryFormat::ChannelsLast);
         assert_eq!(s.ff_gelu, FfGelu::Epilogue);
+    }
+
+    #[test]
+    fn the_qwen_presets_are_the_portable_path_and_the_measured_fastest_kernels() {
+        let portable = QwenSettings::preset(Preset::Portable);
+        assert_eq!(portable, QwenSettings::default());
+        assert!(!portable.needs_shims());
+        assert_eq!(portable.block_kernels(), BlockKernels::default());
+        let s: QwenSettings = serde_json::from_str("{}").unwrap();
+        assert_eq!(s, portable);
+        let cuda = QwenSettings::preset(Preset::Cuda);
+        assert!(cuda.needs_shims() && cuda.block_kernels().any_fused());
+        assert_eq!(cuda.fp8, portable.fp8);
+        let s: QwenSettings = serde_json::from_str(r#"{"qk_norm_rope":"fused"}"#).unwrap();
+        assert_eq!(s.qk_norm_rope, NormKernels::Fused);
+        assert_eq!(s.ada_norm, NormKernels::Aten);
     }
 
     #[test]

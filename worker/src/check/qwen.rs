@@ -219,7 +219,8 @@ fn block_kernels(
         Ok(p.transformer()
             .forward(&hidden, &text, None, &sigma, &shapes)?)
     };
-    let Some(reference) = step.attempt("qwen_edit.transformer_step.reference", || forward(pipeline))
+    let Some(reference) =
+        step.attempt("qwen_edit.transformer_step.reference", || forward(pipeline))
     else {
         return (portable, 1.0);
     };
@@ -258,7 +259,9 @@ fn block_kernels(
             ))
         });
         let timed = agreed.and_then(|()| {
-            step.time(&id, candidate.name, device, plan.repeats, || forward(pipeline))
+            step.time(&id, candidate.name, device, plan.repeats, || {
+                forward(pipeline)
+            })
         });
         match timed {
             Some(t) if step.speed(&cid, t.median_s, best_t) => {

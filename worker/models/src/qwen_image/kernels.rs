@@ -339,11 +339,9 @@ pub fn residual_norm(
         return (y, Some(n));
     }
     let normed = match cuda.filter(|_| fuse_norm && rows_ok(&y, device)) {
-        Some(index) => {
-            launch_modulated_norm(index, &y, None, Some((shift, scale)), eps)
-                .1
-                .expect("a modulation was passed")
-        }
+        Some(index) => launch_modulated_norm(index, &y, None, Some((shift, scale)), eps)
+            .1
+            .expect("a modulation was passed"),
         None => {
             layer_norm_without_affine(&y, c, eps) * (scale.unsqueeze(1) + 1.0) + shift.unsqueeze(1)
         }

@@ -353,7 +353,10 @@ fn fuse_linears(parts: [&mut Linear; 3]) -> Option<Linear> {
 
 /// Whether `parts` still hold their views of `fused`'s weight and bias, in order.
 fn holds_views(fused: &Linear, parts: [&Linear; 3]) -> bool {
-    let (w, b) = (&fused.weight, fused.bias.as_ref().expect("a fused Linear has a bias"));
+    let (w, b) = (
+        &fused.weight,
+        fused.bias.as_ref().expect("a fused Linear has a bias"),
+    );
     let elt = w.kind().elt_size_in_bytes();
     let mut start = 0usize;
     parts.iter().all(|l| {
@@ -421,7 +424,11 @@ impl JointAttention {
             return;
         }
         // Fused again where a LoRA replaced a weight since.
-        if !self.img_qkv.as_ref().is_some_and(|f| holds_views(f, [&self.to_q, &self.to_k, &self.to_v])) {
+        if !self
+            .img_qkv
+            .as_ref()
+            .is_some_and(|f| holds_views(f, [&self.to_q, &self.to_k, &self.to_v]))
+        {
             self.img_qkv = fuse_linears([&mut self.to_q, &mut self.to_k, &mut self.to_v]);
         }
         let txt = [&self.add_q_proj, &self.add_k_proj, &self.add_v_proj];
@@ -499,7 +506,11 @@ impl JointAttention {
 /// (views of it, in place).
 fn mod_terms(params: &Tensor) -> [Tensor; 3] {
     let p = params.chunk(3, -1);
-    [p[0].shallow_clone(), p[1].shallow_clone(), p[2].shallow_clone()]
+    [
+        p[0].shallow_clone(),
+        p[1].shallow_clone(),
+        p[2].shallow_clone(),
+    ]
 }
 
 /// `QwenImageTransformerBlock`: dual-stream (image, text) block with adaLN modulation.

@@ -111,7 +111,8 @@ fn qwen_block_kernels_compile_for_rdna_at_32_lanes_and_cdna_at_64() {
             "{arch}: three reductions of {steps} shuffles each"
         );
         assert!(
-            !asm.contains(".vgpr_spill_count: 1") && asm.matches(".vgpr_spill_count: 0").count() == 2,
+            !asm.contains(".vgpr_spill_count: 1")
+                && asm.matches(".vgpr_spill_count: 0").count() == 2,
             "{arch}: a kernel spills registers"
         );
     }
@@ -127,7 +128,13 @@ fn a_warp_width_that_disagrees_with_the_target_is_a_compile_error() {
         ("gfx1151", WarpWidth::Lanes64),
         ("gfx90a", WarpWidth::Lanes32),
     ] {
-        let run = compile(&clang, SOURCE, arch, Some(warp), &dir.path().join("wrong.s"));
+        let run = compile(
+            &clang,
+            SOURCE,
+            arch,
+            Some(warp),
+            &dir.path().join("wrong.s"),
+        );
         let stderr = String::from_utf8_lossy(&run.stderr);
         assert!(
             !run.status.success() && stderr.contains("VN_WARP differs from the wavefront width"),
@@ -136,7 +143,13 @@ fn a_warp_width_that_disagrees_with_the_target_is_a_compile_error() {
         );
     }
     // Without -DVN_WARP the source takes the width the compiler targets.
-    let run = compile(&clang, SOURCE, "gfx90a", None, &dir.path().join("default.s"));
+    let run = compile(
+        &clang,
+        SOURCE,
+        "gfx90a",
+        None,
+        &dir.path().join("default.s"),
+    );
     assert!(
         run.status.success(),
         "{}",

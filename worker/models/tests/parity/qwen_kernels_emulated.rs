@@ -14,9 +14,10 @@
 //! tensor), two streams written into one joint buffer (the second launch must leave the first's
 //! rows alone), the gated residual and the modulation alone and together.
 //!
-//! Mutation checked by hand (2026-12-04): both kernels' reductions starting at `o = 16` instead of
-//! `VN_WARP / 2` pass at 32 lanes and fail at 64 (each half-wavefront normalises with its own sum);
-//! RoPE's sine with the wrong sign fails every q/k case.
+//! Mutations checked by hand (2026-12-04, the same emulator against torch's fp32 operators): a
+//! reduction starting at `o = 16` instead of `VN_WARP / 2` fails at 64 lanes (the q/k norm: max
+//! relative error 0.71; the LayerNorm's mean: 4.5e-2, against the 7.8e-3 bound here), each
+//! half-wavefront normalising with its own sum; RoPE's sine with the wrong sign fails (5.1).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -25,7 +26,9 @@ use tch::{Kind, Tensor};
 use vnfarm_models::nn::RmsNorm;
 use vnfarm_models::nn::fused::{AddLayerNormGrid, NormKernels};
 use vnfarm_models::nn::ops::WarpWidth;
-use vnfarm_models::qwen_image::kernels::{BlockKernels, SOURCE, StreamQkv, joint_qkv, residual_norm};
+use vnfarm_models::qwen_image::kernels::{
+    BlockKernels, SOURCE, StreamQkv, joint_qkv, residual_norm,
+};
 
 #[derive(Debug, Clone, Copy)]
 enum Shuffle {
@@ -55,7 +58,14 @@ fn check(warp: WarpWidth, shuffle: Shuffle) {
         (1, 2, 4, 2, 136, true),
         (2, 1, 3, 1, 256, false),
     ] {
-        qk_case(&emu, dir.path(), warp, (b, l, n, heads, d), fused_layout, &what);
+        qk_case(
+            &emu,
+            dir.path(),
+            warp,
+            (b, l, n, heads, d),
+            fused_layout,
+            &what,
+        );
     }
     // (B, tokens, channels, residual, modulation)
     for (b, s, c, res, norm) in [
@@ -110,9 +120,7 @@ fn values(shape: &[i64], seed: u64, scale: f64, offset: f64) -> Tensor {
             ((u * 2.0 - 1.0) * scale + offset) as f32
         })
         .collect();
-    Tensor::from_slice(&v)
-        .view(shape)
-        .to_kind(Kind::BFloat16)
+    Tensor::from_slice(&v).view(shape).to_kind(Kind::BFloat16)
 }
 
 fn write(dir: &Path, name: &str, t: &Tensor) {
@@ -128,7 +136,10 @@ fn read(dir: &Path, name: &str, shape: &[i64], kind: Kind) -> Tensor {
 }
 
 fn run(emu: &Path, args: &[String], what: &str) {
-    let out = Command::new(emu).args(args).output().expect("run emulation");
+    let out = Command::new(emu)
+        .args(args)
+        .output()
+        .expect("run emulation");
     assert!(
         out.status.success(),
         "emulation {args:?} at {what}: {}",
@@ -141,7 +152,10 @@ fn errors(got: &Tensor, want: &Tensor) -> (f64, f64) {
     let (g, w) = (got.to_kind(Kind::Double), want.to_kind(Kind::Double));
     let diff = (&g - &w).abs();
     let rel = &diff / w.abs().clamp_min(1.0);
-    (rel.max().double_value(&[]), diff.mean(Kind::Double).double_value(&[]))
+    (
+        rel.max().double_value(&[]),
+        diff.mean(Kind::Double).double_value(&[]),
+    )
 }
 
 /// Tolerances against fp32 libtorch (one bf16 rounding: 2⁻⁸ relative with margin for the fp32
@@ -157,7 +171,8 @@ fn qk_case(
     fused_layout: bool,
     what: &str,
 ) {
-    let case = format!("qk B={b} L={l} N={n} H={heads} D={d} fused_layout={fused_layout} at {what}");
+    let case =
+        format!("qk B={b} L={l} N={n} H={heads} D={d} fused_layout={fused_layout} at {what}");
     let eps = 1e-6;
     let hd = heads * d;
     let total = l + n;
@@ -168,7 +183,10 @@ fn qk_case(
             let qkv = values(&[b, s, 3 * hd], seed, 3.0, 0.2);
             let flat = qkv.flatten(0, -1);
             let from = |o: i64| flat.narrow(0, o, flat.numel() as i64 - o);
-            ([0, 1, 2].map(|i| qkv.narrow(2, i * hd, hd)), [0, 1, 2].map(|i| from(i * hd)))
+            (
+                [0, 1, 2].map(|i| qkv.narrow(2, i * hd, hd)),
+                [0, 1, 2].map(|i| from(i * hd)),
+            )
         } else {
             let t = [0, 1, 2].map(|i| values(&[b, s, hd], seed + i, 3.0, 0.2));
             let memory = t.each_ref().map(Tensor::shallow_clone);
@@ -224,7 +242,14 @@ fn qk_case(
     // libtorch: the portable path on the same bf16 values, in fp32 and in bf16.
     let reference = |kind: Kind| {
         let cast = |t: &Tensor| t.to_kind(kind);
-        let (tq, tk, tv, iq, ik, iv) = (cast(&tq), cast(&tk), cast(&tv), cast(&iq), cast(&ik), cast(&iv));
+        let (tq, tk, tv, iq, ik, iv) = (
+            cast(&tq),
+            cast(&tk),
+            cast(&tv),
+            cast(&iq),
+            cast(&ik),
+            cast(&iv),
+        );
         let norms = [&nq, &nk, &naq, &nak].map(|n| RmsNorm::from_parts(cast(&n.weight), eps));
         joint_qkv(
             StreamQkv {
@@ -282,7 +307,11 @@ fn mn_case(
     // A modulation Linear's output [B, 6C]: (shift, scale, gate) of the first half, then of the
     // second; the kernel reads the terms in place.
     let m = values(&[b, 6 * c], 53, 0.8, 0.05);
-    let (shift, scale, gate) = (m.narrow(1, 3 * c, c), m.narrow(1, 4 * c, c), m.narrow(1, 5 * c, c));
+    let (shift, scale, gate) = (
+        m.narrow(1, 3 * c, c),
+        m.narrow(1, 4 * c, c),
+        m.narrow(1, 5 * c, c),
+    );
     write(dir, "x.bin", &x);
     write(dir, "h.bin", &h);
     write(dir, "mod.bin", &m);
@@ -290,7 +319,11 @@ fn mn_case(
     let flags = i64::from(with_res) | (i64::from(with_norm) << 1);
     let args: Vec<String> = ["mn".to_string(), dir.display().to_string()]
         .into_iter()
-        .chain([b, s, c, 6 * c, 5 * c, 3 * c, 4 * c, flags].iter().map(i64::to_string))
+        .chain(
+            [b, s, c, 6 * c, 5 * c, 3 * c, 4 * c, flags]
+                .iter()
+                .map(i64::to_string),
+        )
         .chain([format!("{eps:e}")])
         .chain([grid.blocks, grid.threads].iter().map(i64::to_string))
         .collect();

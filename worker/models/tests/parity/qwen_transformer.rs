@@ -165,7 +165,11 @@ fn every_block_kernel_setting_matches_diffusers_on_the_cpu() {
         let (mut model, _) = load(source, fp8, AttentionImpl::Sdpa);
         model.set_block_kernels(all).expect("kernels");
         assert_eq!(model.block_kernels(), all);
-        run_cases(&model, &r, &format!("{source:?}/{fp8:?} with every block kernel"));
+        run_cases(
+            &model,
+            &r,
+            &format!("{source:?}/{fp8:?} with every block kernel"),
+        );
         // Fused q/k/v: to_k's weight starts where to_q's ends (views of one tensor), except for
         // fp8-resident weights, which keep three GEMMs.
         let linears = model.linears_mut();
@@ -174,13 +178,20 @@ fn every_block_kernel_setting_matches_diffusers_on_the_cpu() {
                 .iter()
                 .find(|(n, _)| n == name)
                 .expect("a named Linear");
-            (l.weight.data_ptr() as usize, l.weight.numel() * l.weight.kind().elt_size_in_bytes())
+            (
+                l.weight.data_ptr() as usize,
+                l.weight.numel() * l.weight.kind().elt_size_in_bytes(),
+            )
         };
         let ((q, q_bytes), (k, _)) = (
             ptr("transformer_blocks.0.attn.to_q"),
             ptr("transformer_blocks.0.attn.to_k"),
         );
-        assert_eq!(q + q_bytes == k, matches!(fp8, Fp8Mode::Upcast), "{source:?}/{fp8:?}");
+        assert_eq!(
+            q + q_bytes == k,
+            matches!(fp8, Fp8Mode::Upcast),
+            "{source:?}/{fp8:?}"
+        );
     }
 }
 
