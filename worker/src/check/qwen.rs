@@ -219,9 +219,12 @@ fn block_kernels(
         Ok(p.transformer()
             .forward(&hidden, &text, None, &sigma, &shapes)?)
     };
-    let Some(reference) =
-        step.attempt("qwen_edit.transformer_step.reference", || forward(pipeline))
-    else {
+    let Some(reference) = step.run("qwen_edit.transformer_step.reference", || {
+        Ok((
+            forward(pipeline)?,
+            format!("the portable transformer step at a {side}² edit's shapes runs"),
+        ))
+    }) else {
         return (portable, 1.0);
     };
     let Some(portable_t) = step.time(&id, "portable", device, plan.repeats, || forward(pipeline))
