@@ -575,7 +575,12 @@ def main():
     ap.add_argument("--bin", default=".bench/qwen_bench", help="our benchmark binary (examples/qwen_bench.rs)")
     ap.add_argument("--work", default="/tmp/qwen_bench")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--modes", default="upcast,resident", help="our fp8 modes, each in its own processes")
+    ap.add_argument("--modes", default="upcast,resident",
+                    help="our settings, each in its own processes: an fp8 mode, optionally with the transformer "
+                         "blocks' kernels after a colon (`upcast:qk+norm+res`, qwen_bench --kernels)")
+    ap.add_argument("--sweep", default="",
+                    help="kernel specs timed one after another in each fp8 mode's components process "
+                         "(qwen_bench --sweep; the first is the reference of the output comparison)")
     ap.add_argument("--iters", type=int, default=3, help="steady-state edits after the first call")
     ap.add_argument("--skip-write", action="store_true", help="reuse the files already in --work")
     ap.add_argument("--skip-diffusers", action="store_true")
@@ -705,14 +710,20 @@ def main():
     instructions = os.path.join(a.work, "instructions.json")
     with open(instructions, "w") as f:
         json.dump(INSTRUCTIONS, f)
+    def settings(m):
+        fp8, _, kernels = m.partition(":")
+        return ["--fp8", fp8] + (["--kernels", kernels] if kernels else [])
+
     for m in modes:
-        ours(f"pipeline_{m}", ["pipeline", *src, *sizes, "--fp8", m, "--input", os.path.join(a.work, "input.png"),
+        ours(f"pipeline_{m}", ["pipeline", *src, *sizes, *settings(m), "--input", os.path.join(a.work, "input.png"),
                                "--instructions", instructions,
-                               "--iters", str(a.iters), "--save", os.path.join(imgs, m),
+                               "--iters", str(a.iters), "--save", os.path.join(imgs, m.replace(":", "_")),
                                "--variants", ",".join(map(str, VARIANT_COUNTS))])
     if not a.skip_components:
-        for m in modes:
-            ours(f"components_{m}", ["components", *src, *sizes, "--fp8", m, "--txt-len", str(txt_len)])
+        sweep = ["--sweep", a.sweep] if a.sweep else []
+        # With a sweep, one components process (the first mode's) times every spec.
+        for m in modes[:1] if a.sweep else modes:
+            ours(f"components_{m}", ["components", *src, *sizes, *settings(m), "--txt-len", str(txt_len), *sweep])
 
     # Image agreement: mean |ours - diffusers| of the seed-0 edit, RGB8.
     try:
@@ -734,13 +745,34 @@ def main():
     except Exception as ex:  # noqa: BLE001 (secondary measurement)
         res["image_mae_error"] = repr(ex)
 
-    table = make_table(res, modes)
+    table = make_table(res, modes) + sweep_table(res, modes)
     res["table"] = table
     save()
     print("\n" + table, flush=True)
     with open(os.path.join(a.out, "qwen_table.md"), "w") as f:
         f.write(table + "\n")
     return 0
+
+
+def sweep_table(res, modes):
+    """The `--sweep` rows of each components process: step per kernel spec and round, ÷ diffusers'
+    step in this run, and the output's difference from the first spec's."""
+    d = (res.get("py_diffusers", {}).get("rows", {}) or {}).get("transformer_step", {}).get("ms_median")
+    lines = []
+    for m in modes:
+        rows = (res.get(f"ours_components_{m}", {}).get("rows", {}) or {})
+        sw = [r for n, r in rows.items() if n.startswith("transformer_step_sweep.")]
+        if not sw:
+            continue
+        lines += ["", f"Kernel sweep, `{m}` components process (transformer step, median of 5 after 2; "
+                      f"diffusers' step {d if d is None else round(d, 1)} ms):", "",
+                  "| kernels | round | step (ms) | ÷ diffusers | output vs first spec, max / mean (rel. to mean abs) |",
+                  "| --- | ---: | ---: | ---: | --- |"]
+        for r in sw:
+            vs = (f"{r['vs_first_max']:.2e} / {r['vs_first_mean']:.2e}" if "vs_first_max" in r else "reference")
+            ratio = f"{r['ms_median'] / d:.3f}" if d else "n/a"
+            lines.append(f"| `{r['kernels']}` | {r['round']} | {r['ms_median']:.1f} | {ratio} | {vs} |")
+    return "\n".join(lines)
 
 
 def make_table(res, modes):

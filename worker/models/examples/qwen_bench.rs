@@ -11,6 +11,7 @@
 //!                      [--size S] [--condition-area A] [--vae-area A] [--cpu]
 //! qwen_bench components --transformer F --vae F [--config-dir D] --fp8 M [--txt-len L]
 //!                      [--size S] [--vae-area A] [--profile-trace PATH] [--cpu]
+//!                      [--kernels SPEC] [--sweep SPEC,SPEC,...]
 //! ```
 //!
 //! - `read`: the files read start to end into one 64 MiB buffer, twice (the page-cache baseline of
@@ -27,6 +28,9 @@
 //!   ones) with libtorch's profiler, GPU kernels included, into PATH as a Chrome trace
 //!   (`bench/trace_breakdown.py` sorts it into kernel classes, as `bench/profile_qwen.py` does
 //!   for diffusers' forward).
+//! - `--kernels SPEC` (both modes): the transformer blocks' kernels ([`parse_kernels`]: `aten`,
+//!   `all`, or `qk+norm+res+gelu+qkv` pieces); `--sweep SPECS` (`components`): the step timed under
+//!   each spec in one process, twice round, each output compared with the first spec's.
 //! - `--config-dir D`: a diffusers-layout folder with the components' `config.json` (the tiny smoke
 //!   test's sizes); without it the real model's presets, as the studio's files are loaded.
 //! - `--cpu`: fp32 on the CPU (smoke tests with the tiny fixtures' configs from `--config-dir`).
@@ -44,8 +48,10 @@ use tch::{Cuda, Device, Kind, Tensor};
 use vnfarm_models::loading::diffusers::read_config;
 use vnfarm_models::loading::safetensors::SafetensorsFile;
 use vnfarm_models::loading::weights::{Fp8Mode, Weights};
+use vnfarm_models::nn::fused::NormKernels;
 use vnfarm_models::nn::tiling::Tiling;
-use vnfarm_models::nn::{AttentionImpl, ops};
+use vnfarm_models::nn::{AttentionImpl, FfGelu, ops};
+use vnfarm_models::qwen_image::kernels::BlockKernels;
 use vnfarm_models::qwen_image::keys::vae_weight_store;
 use vnfarm_models::qwen_image::pipeline::{
     EditRequest, EncodedInputs, QwenEditConfig, QwenEditPipeline, QwenSource, calculate_dimensions,
@@ -139,6 +145,36 @@ struct Opts {
     vae_area: u64,
     txt_len: i64,
     profile_trace: Option<PathBuf>,
+    kernels: BlockKernels,
+    sweep: Vec<(String, BlockKernels)>,
+}
+
+/// A `--kernels` spec: `aten` (the portable path), `all`, or pieces joined by `+`: `qk` (q/k
+/// RMSNorm + RoPE into the joint buffers), `norm` (LayerNorm + adaLN), `res` (gated residuals),
+/// `gelu` (GELU in the FF-up epilogue), `qkv` (fused q/k/v projections).
+fn parse_kernels(spec: &str) -> anyhow::Result<BlockKernels> {
+    let mut k = BlockKernels::default();
+    for piece in spec.split('+') {
+        match piece {
+            "aten" => {}
+            "qk" => k.qk_norm_rope = NormKernels::Fused,
+            "norm" => k.ada_norm = NormKernels::Fused,
+            "res" => k.gated_residual = NormKernels::Fused,
+            "gelu" => k.ff_gelu = FfGelu::Epilogue,
+            "qkv" => k.fused_qkv = true,
+            "all" => {
+                k = BlockKernels {
+                    qk_norm_rope: NormKernels::Fused,
+                    ada_norm: NormKernels::Fused,
+                    gated_residual: NormKernels::Fused,
+                    ff_gelu: FfGelu::Epilogue,
+                    fused_qkv: true,
+                }
+            }
+            other => anyhow::bail!("unknown kernel piece {other:?} in {spec:?}"),
+        }
+    }
+    Ok(k)
 }
 
 fn parse_opts(args: &[String]) -> anyhow::Result<Opts> {
@@ -159,6 +195,8 @@ fn parse_opts(args: &[String]) -> anyhow::Result<Opts> {
         vae_area: 1024 * 1024,
         txt_len: 216,
         profile_trace: None,
+        kernels: BlockKernels::default(),
+        sweep: Vec::new(),
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -195,6 +233,14 @@ fn parse_opts(args: &[String]) -> anyhow::Result<Opts> {
             "--vae-area" => o.vae_area = val()?.parse()?,
             "--txt-len" => o.txt_len = val()?.parse()?,
             "--profile-trace" => o.profile_trace = Some(val()?.into()),
+            "--kernels" => o.kernels = parse_kernels(&val()?)?,
+            "--sweep" => {
+                o.sweep = val()?
+                    .split(',')
+                    .filter(|s| !s.is_empty())
+                    .map(|s| Ok((s.to_string(), parse_kernels(s)?)))
+                    .collect::<anyhow::Result<_>>()?
+            }
             "--cpu" => CPU.store(true, std::sync::atomic::Ordering::Relaxed),
             _ if a.starts_with("--") => anyhow::bail!("unknown option {a}"),
             _ => o.files.push(a.clone()),
@@ -287,6 +333,16 @@ fn pipeline(opts: &Opts) -> anyhow::Result<()> {
     cfg.vae_dtype = dt;
     cfg.settings.fp8 = opts.fp8;
     cfg.settings.attention = AttentionImpl::Sdpa;
+    let k = opts.kernels;
+    cfg.settings.qk_norm_rope = k.qk_norm_rope;
+    cfg.settings.ada_norm = k.ada_norm;
+    cfg.settings.gated_residual = k.gated_residual;
+    cfg.settings.ff_gelu = k.ff_gelu;
+    cfg.settings.fused_qkv = k.fused_qkv;
+    println!(
+        "{{\"name\": \"settings\", \"settings\": {}}}",
+        serde_json::to_string(&cfg.settings)?
+    );
     cfg.loras = Vec::new();
     // diffusers 0.42.1 with transformers >= 5.15 (the GPU machine has 5.17) feeds the text encoder
     // sequential positions; the same here, so the images are comparable (no speed difference).
@@ -402,6 +458,52 @@ fn pipeline(opts: &Opts) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The transformer step under each `--sweep` setting, twice over in order (A B C … A B C …, so
+/// that a drift of the GPU's clock shows as a difference between the rounds), each forward's
+/// output compared with the first setting's: max and mean |difference| over its mean |value|.
+fn kernel_sweep(
+    transformer: &mut QwenImageTransformer2DModel,
+    opts: &Opts,
+    (hs, txt, timestep): (&Tensor, &Tensor, &Tensor),
+    shapes: &[(i64, i64, i64)],
+) -> anyhow::Result<()> {
+    let mut reference: Option<Tensor> = None;
+    for round in 0..2 {
+        for (name, kernels) in &opts.sweep {
+            transformer
+                .set_block_kernels(*kernels)
+                .map_err(anyhow::Error::msg)?;
+            let out = transformer
+                .forward(hs, txt, None, timestep, shapes)?
+                .to_kind(Kind::Float);
+            let agreement = match &reference {
+                None => {
+                    reference = Some(out.shallow_clone());
+                    String::new()
+                }
+                Some(r) => {
+                    let scale = r.abs().mean(Kind::Float).double_value(&[]);
+                    let d = (&out - r).abs();
+                    format!(
+                        ", \"vs_first_max\": {:.4e}, \"vs_first_mean\": {:.4e}",
+                        d.max().double_value(&[]) / scale,
+                        d.mean(Kind::Float).double_value(&[]) / scale
+                    )
+                }
+            };
+            drop(out);
+            bench(
+                &format!("transformer_step_sweep.r{round}.{name}"),
+                2,
+                5,
+                &format!(", \"round\": {round}, \"kernels\": \"{name}\"{agreement}"),
+                || Ok(transformer.forward(hs, txt, None, timestep, shapes)?),
+            )?;
+        }
+    }
+    Ok(())
+}
+
 fn components(opts: &Opts) -> anyhow::Result<()> {
     init_device(opts)?;
     let (dev, dt) = device_kind();
@@ -426,7 +528,10 @@ fn components(opts: &Opts) -> anyhow::Result<()> {
         dev,
         dt,
     );
-    let transformer = QwenImageTransformer2DModel::new(&tw, &tcfg, AttentionImpl::Sdpa)?;
+    let mut transformer = QwenImageTransformer2DModel::new(&tw, &tcfg, AttentionImpl::Sdpa)?;
+    transformer
+        .set_block_kernels(opts.kernels)
+        .map_err(anyhow::Error::msg)?;
     sync();
     println!(
         "{{\"name\": \"transformer_load\", \"s\": {:.3}, \"t0\": {t0:.3}, \"t1\": {:.3}}}",
@@ -476,6 +581,12 @@ fn components(opts: &Opts) -> anyhow::Result<()> {
         ),
         || Ok(transformer.forward(&hs, &txt, None, &timestep, &shapes)?),
     )?;
+    if !opts.sweep.is_empty() {
+        kernel_sweep(&mut transformer, opts, (&hs, &txt, &timestep), &shapes)?;
+        transformer
+            .set_block_kernels(opts.kernels)
+            .map_err(anyhow::Error::msg)?;
+    }
     if let Some(path) = &opts.profile_trace {
         // One forward after the timed ones, every kernel recorded.
         sync();

@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 use crate::loading::weights::Fp8Mode;
 use crate::nn::fused::NormKernels;
 use crate::nn::{AttentionImpl, FfGelu, MemoryFormat};
+use crate::qwen_image::kernels::BlockKernels;
 
 /// A named starting point for an engine's settings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -125,16 +126,64 @@ pub struct QwenSettings {
     /// fp8 weight files dequantised at load (`upcast`, faster) or kept fp8 on the device
     /// (`resident`, about half the memory).
     pub fp8: Fp8Mode,
+    /// The transformer blocks' q/k RMSNorm, RoPE and joint text+image concatenation: libtorch's
+    /// operators, or one fused kernel per stream writing the joint buffers (compiled at load).
+    pub qk_norm_rope: NormKernels,
+    /// The blocks' LayerNorm with the adaLN shift and scale: libtorch's or one fused pass.
+    pub ada_norm: NormKernels,
+    /// The blocks' gated residuals: libtorch's or one fused pass (carrying LayerNorm 2 when
+    /// `ada_norm` is fused too).
+    pub gated_residual: NormKernels,
+    /// The feed-forwards' GELU-tanh: its own kernel, or in the FF-up GEMM's epilogue (CUDA).
+    pub ff_gelu: FfGelu,
+    /// Each stream's q, k, v projections as one GEMM over weights concatenated at load (the
+    /// three keep views of it: no memory added; `upcast` only, fp8-resident weights keep three).
+    pub fused_qkv: bool,
 }
 
 impl QwenSettings {
-    pub fn preset(_preset: Preset) -> Self {
-        // No Qwen kernel of our own yet: both presets are the measured defaults (H200: upcast
-        // 1.57 s per 4-step 1024² edit against 1.83 s resident, docs/performance.md).
-        Self {
+    pub fn preset(preset: Preset) -> Self {
+        // H200: upcast 1.57 s per 4-step 1024² edit against 1.83 s resident (docs/performance.md,
+        // 2026-11-30), so both presets dequantise at load.
+        let portable = Self {
             attention: AttentionImpl::Sdpa,
             fp8: Fp8Mode::Upcast,
+            qk_norm_rope: NormKernels::Aten,
+            ada_norm: NormKernels::Aten,
+            gated_residual: NormKernels::Aten,
+            ff_gelu: FfGelu::Separate,
+            fused_qkv: false,
+        };
+        match preset {
+            Preset::Portable => portable,
+            // H200, 2026-12-04 (docs/performance.md, "fused kernels of step 13"): transformer step
+            // 366 → 285 ms (0.77× diffusers' 372), 4-step 1024² edit 1.63 → 1.31 s (0.73×), images
+            // 0.57/255 from diffusers' as before.
+            Preset::Cuda => Self {
+                qk_norm_rope: NormKernels::Fused,
+                ada_norm: NormKernels::Fused,
+                gated_residual: NormKernels::Fused,
+                ff_gelu: FfGelu::Epilogue,
+                fused_qkv: true,
+                ..portable
+            },
         }
+    }
+
+    /// The transformer's part of these settings.
+    pub fn block_kernels(&self) -> BlockKernels {
+        BlockKernels {
+            qk_norm_rope: self.qk_norm_rope,
+            ada_norm: self.ada_norm,
+            gated_residual: self.gated_residual,
+            ff_gelu: self.ff_gelu,
+            fused_qkv: self.fused_qkv,
+        }
+    }
+
+    /// Whether these settings need the C++ shims of a CUDA (or HIP) build.
+    pub fn needs_shims(&self) -> bool {
+        self.block_kernels().any_fused() || self.ff_gelu == FfGelu::Epilogue
     }
 }
 
@@ -208,6 +257,22 @@ mod tests {
         assert_eq!(s.norm_kernels, NormKernels::Fused);
         assert_eq!(s.unet_memory_format, MemoryFormat::ChannelsLast);
         assert_eq!(s.ff_gelu, FfGelu::Epilogue);
+    }
+
+    #[test]
+    fn the_qwen_presets_are_the_portable_path_and_the_measured_fastest_kernels() {
+        let portable = QwenSettings::preset(Preset::Portable);
+        assert_eq!(portable, QwenSettings::default());
+        assert!(!portable.needs_shims());
+        assert_eq!(portable.block_kernels(), BlockKernels::default());
+        let s: QwenSettings = serde_json::from_str("{}").unwrap();
+        assert_eq!(s, portable);
+        let cuda = QwenSettings::preset(Preset::Cuda);
+        assert!(cuda.needs_shims() && cuda.block_kernels().any_fused());
+        assert_eq!(cuda.fp8, portable.fp8);
+        let s: QwenSettings = serde_json::from_str(r#"{"qk_norm_rope":"fused"}"#).unwrap();
+        assert_eq!(s.qk_norm_rope, NormKernels::Fused);
+        assert_eq!(s.ada_norm, NormKernels::Aten);
     }
 
     #[test]

@@ -3,11 +3,15 @@
 //! CPU copies (the transformer's first blocks and the VAE, from the box's own files: a CPU copy of
 //! the whole 20 B transformer would not fit beside the warm models) and a short whole edit where
 //! a CPU copy fits in memory, and measures the studio's 1024² edit: the encode of its input, one
-//! denoising step and the decode (each the median of several edits' stage times).
+//! denoising step and the decode (each the median of several edits' stage times). Then the
+//! transformer's block kernels ([`CANDIDATES`]: the fused kernels of `qwen_image::kernels`, the
+//! GELU epilogue, fused q/k/v projections), each on top of the best so far, checked against the
+//! portable path's output and kept where the transformer step at the edit's shapes is faster.
 
 use image::RgbImage;
 use tch::{Device, Kind, Tensor};
-use vnfarm_models::nn::AttentionImpl;
+use vnfarm_models::nn::fused::NormKernels;
+use vnfarm_models::nn::{AttentionImpl, FfGelu, ops};
 use vnfarm_models::qwen_image::pipeline::{EditRequest, EncodedInputs, QwenEditPipeline};
 use vnfarm_models::settings::{Preset, QwenSettings};
 
@@ -151,12 +155,131 @@ pub fn run(config: &QwenEditEngineConfig, plan: &Plan, step: &mut Step) {
     for t in [denoise_step, decode, prompt] {
         step.timing(t);
     }
-    // No Qwen kernel of our own yet: the settings are the portable preset's (or plain attention
-    // where SDPA failed).
+    let (best, speedup) = block_kernels(&mut pipeline, settings, side, plan, device, step);
     step.chosen(
-        serde_json::to_value(settings).expect("settings serialize"),
-        1.0,
+        serde_json::to_value(best).expect("settings serialize"),
+        speedup,
     );
+}
+
+/// A named change of the transformer's block kernels.
+struct Candidate {
+    name: &'static str,
+    apply: fn(&mut QwenSettings),
+}
+
+/// In the order they are tried, each on top of the best so far (docs/performance.md, "fused
+/// kernels of step 13").
+const CANDIDATES: [Candidate; 5] = [
+    Candidate {
+        name: "qk_norm_rope_fused",
+        apply: |s| s.qk_norm_rope = NormKernels::Fused,
+    },
+    Candidate {
+        name: "ada_norm_fused",
+        apply: |s| s.ada_norm = NormKernels::Fused,
+    },
+    Candidate {
+        name: "gated_residual_fused",
+        apply: |s| s.gated_residual = NormKernels::Fused,
+    },
+    Candidate {
+        name: "ff_gelu_epilogue",
+        apply: |s| s.ff_gelu = FfGelu::Epilogue,
+    },
+    Candidate {
+        name: "fused_qkv",
+        apply: |s| s.fused_qkv = true,
+    },
+];
+
+/// The transformer step at a `side`² edit's shapes (target and reference tokens, a 211-token
+/// prompt; 16 with `--quick`) under the portable kernels and each candidate; returns the best
+/// settings and the portable step's time over the best's.
+fn block_kernels(
+    pipeline: &mut QwenEditPipeline,
+    portable: QwenSettings,
+    side: u32,
+    plan: &Plan,
+    device: Device,
+    step: &mut Step,
+) -> (QwenSettings, f64) {
+    let c = pipeline.transformer().config().clone();
+    let kind = pipeline.config().dtype;
+    let patches = i64::from(side) / 16;
+    let shapes = [(1, patches, patches), (1, patches, patches)];
+    let tokens = 2 * patches * patches;
+    let txt_len = if plan.quick { 16 } else { 211 };
+    let hidden = randn(&[1, tokens, c.in_channels], 31, kind, device);
+    let text = randn(&[1, txt_len, c.joint_attention_dim], 32, kind, device);
+    let sigma = Tensor::from_slice(&[0.9f32]).to_device(device);
+    let id = format!("qwen_edit.transformer_step.{side}x{side}");
+    let forward = |p: &QwenEditPipeline| -> anyhow::Result<Tensor> {
+        let _guard = tch::no_grad_guard();
+        Ok(p.transformer()
+            .forward(&hidden, &text, None, &sigma, &shapes)?)
+    };
+    let Some(reference) = step.run("qwen_edit.transformer_step.reference", || {
+        Ok((
+            forward(pipeline)?,
+            format!("the portable transformer step at a {side}² edit's shapes runs"),
+        ))
+    }) else {
+        return (portable, 1.0);
+    };
+    let Some(portable_t) = step.time(&id, "portable", device, plan.repeats, || forward(pipeline))
+    else {
+        return (portable, 1.0);
+    };
+    let (mut best, mut best_t) = (portable, portable_t.median_s);
+    for candidate in &CANDIDATES {
+        let mut settings = best;
+        (candidate.apply)(&mut settings);
+        let cid = format!("qwen_edit.candidate.{}", candidate.name);
+        if settings.needs_shims() && !ops::BUILT_IN {
+            step.record(CheckResult::skip(
+                &cid,
+                "needs the C++ shims, which this binary was built without",
+            ));
+            continue;
+        }
+        if step.skipped(&cid) {
+            continue;
+        }
+        let agreed = step.run(&cid, || {
+            pipeline
+                .set_block_kernels(settings.block_kernels())
+                .map_err(anyhow::Error::msg)?;
+            let error = relative_error(&forward(pipeline)?, &reference);
+            let tol = tolerance(kind);
+            anyhow::ensure!(
+                error < tol,
+                "disagrees with the portable path: relative error {error:.2e} (tolerance {tol:.0e})"
+            );
+            Ok((
+                (),
+                format!("agrees with the portable path: relative error {error:.2e}"),
+            ))
+        });
+        let timed = agreed.and_then(|()| {
+            step.time(&id, candidate.name, device, plan.repeats, || {
+                forward(pipeline)
+            })
+        });
+        match timed {
+            Some(t) if step.speed(&cid, t.median_s, best_t) => {
+                best = settings;
+                best_t = t.median_s;
+            }
+            _ => {
+                // Back to the best so far, which ran before.
+                if let Err(e) = pipeline.set_block_kernels(best.block_kernels()) {
+                    step.record(CheckResult::fail(&format!("{cid}.restore"), e));
+                }
+            }
+        }
+    }
+    (best, portable_t.median_s / best_t)
 }
 
 /// A short edit on a CPU copy in fp32 against the device's, where the copy fits: a copy takes

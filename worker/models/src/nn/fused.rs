@@ -43,8 +43,12 @@ pub enum NormKernels {
     Fused,
 }
 
-/// The kernels' CUDA C source (`kernels/norms.cu`; the CPU emulation test compiles it too).
-pub const SOURCE: &str = include_str!("kernels/norms.cu");
+/// The kernels' CUDA C source (`kernels/prelude.cuh`, then `kernels/norms.cu`; the CPU emulation
+/// test compiles it too).
+pub const SOURCE: &str = concat!(
+    include_str!("kernels/prelude.cuh"),
+    include_str!("kernels/norms.cu")
+);
 const NAMES: [&str; 5] = [
     "gn_partial",
     "gn_finalize",
@@ -104,7 +108,7 @@ pub fn prepare(device: Device) -> Result<(), String> {
     }
 }
 
-fn cuda_index(x: &Tensor) -> Option<usize> {
+pub(crate) fn cuda_index(x: &Tensor) -> Option<usize> {
     match x.device() {
         Device::Cuda(i) => Some(i),
         _ => None,
@@ -112,20 +116,20 @@ fn cuda_index(x: &Tensor) -> Option<usize> {
 }
 
 /// A kernel argument: a pointer to the value.
-fn arg<T>(v: &mut T) -> *mut c_void {
+pub(crate) fn arg<T>(v: &mut T) -> *mut c_void {
     (v as *mut T).cast()
 }
 
 /// [`ops::rtc_launch`], panicking on a launch error (the kernels were compiled at load; a failure
-/// here is a device fault).
+/// here is a device fault). Also launches the Qwen block's kernels (`crate::qwen_image::kernels`).
 ///
 /// # Safety
-/// `args` must be the argument list of `f`'s signature in `kernels/norms.cu`, in order and type,
+/// `args` must be the argument list of `f`'s signature in its source, in order and type,
 /// and its device pointers must be those of contiguous tensors on `device`, of at least the sizes
 /// the kernel indexes at the given geometry, held by the caller past this call (libtorch's caching
 /// allocator keeps freed memory for the stream's later work, as for its own kernels).
 #[allow(unsafe_code)]
-unsafe fn launch(
+pub(crate) unsafe fn launch(
     f: RtcFunction,
     device: usize,
     grid: (u32, u32),
@@ -135,10 +139,10 @@ unsafe fn launch(
 ) {
     // SAFETY: the caller's contract above is `rtc_launch`'s.
     let r = unsafe { ops::rtc_launch(f, device, grid, block, shared, args) };
-    r.unwrap_or_else(|e| panic!("fused norm kernel: {e}"));
+    r.unwrap_or_else(|e| panic!("fused kernel launch: {e}"));
 }
 
-fn u32_of(v: i64) -> u32 {
+pub(crate) fn u32_of(v: i64) -> u32 {
     u32::try_from(v).expect("launch size fits in u32")
 }
 

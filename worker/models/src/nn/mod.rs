@@ -364,6 +364,16 @@ impl RmsNorm {
         })
     }
 
+    /// From its weight (`[dim]`), for benches and tests.
+    pub fn from_parts(weight: Tensor, eps: f64) -> Self {
+        Self { weight, eps }
+    }
+
+    /// The epsilon added to the mean square.
+    pub fn eps(&self) -> f64 {
+        self.eps
+    }
+
     pub fn forward(&self, x: &Tensor) -> Tensor {
         let kind = x.kind();
         let xf = x.to_kind(Kind::Float);

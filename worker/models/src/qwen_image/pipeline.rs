@@ -17,6 +17,7 @@
 //! before every step; a libtorch failure inside an operation is [`GenerateError::Backend`], not a
 //! panic.
 
+use crate::qwen_image::kernels::BlockKernels;
 use crate::settings::QwenSettings;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -252,7 +253,32 @@ fn load_transformer(
         config.device,
         config.dtype,
     );
-    QwenImageTransformer2DModel::new(&w, c, config.settings.attention)
+    let mut transformer = QwenImageTransformer2DModel::new(&w, c, config.settings.attention)?;
+    set_block_kernels(&mut transformer, config)?;
+    Ok(transformer)
+}
+
+/// The settings' block kernels on `transformer`: refused where the binary lacks the shim, fused
+/// kernels compiled now, the q/k/v projections fused into one GEMM (again after LoRAs replaced
+/// weights: the pipeline calls this after fusing load-time LoRAs).
+fn set_block_kernels(
+    transformer: &mut QwenImageTransformer2DModel,
+    config: &QwenEditConfig,
+) -> Result<(), LoadError> {
+    if config.settings.needs_shims() && !crate::nn::ops::BUILT_IN {
+        return Err(LoadError::Setting {
+            setting: "qk_norm_rope, ada_norm, gated_residual = fused or ff_gelu = epilogue",
+            reason: "the operator shim (csrc/ops.cpp, csrc/rtc.cpp) is not built into this \
+                     binary (built against a CUDA or ROCm libtorch with its GPU headers only)"
+                .into(),
+        });
+    }
+    transformer
+        .set_block_kernels(config.settings.block_kernels())
+        .map_err(|reason| LoadError::Setting {
+            setting: "qk_norm_rope, ada_norm, gated_residual = fused",
+            reason,
+        })
 }
 
 fn load_vae(config: &QwenEditConfig, c: &QwenVaeConfig) -> Result<QwenVae, LoadError> {
@@ -299,6 +325,8 @@ impl QwenEditPipeline {
                 let applied =
                     apply_loras(&mut transformer, &config.loras).map_err(lora_load_error)?;
                 drop(applied);
+                // The LoRAs replaced fused q/k/v weights: fuse them again.
+                set_block_kernels(&mut transformer, config)?;
             }
             Ok(transformer)
         };
@@ -412,7 +440,35 @@ impl QwenEditPipeline {
                 }],
             )
             .map_err(GenerateError::from)?;
+        // The LoRAs replaced (or restored) q/k/v weights: fused again where asked.
+        let kernels = self.transformer.block_kernels();
+        if kernels.fused_qkv {
+            self.set_block_kernels(kernels)
+                .map_err(GenerateError::InvalidRequest)?;
+        }
         Ok(())
+    }
+
+    /// The transformer's block kernels from now on ([`QwenSettings`]'s `qk_norm_rope`,
+    /// `ada_norm`, `gated_residual`, `ff_gelu`, `fused_qkv`; the box check tries each).
+    pub fn set_block_kernels(&mut self, kernels: BlockKernels) -> Result<(), String> {
+        if (kernels.any_fused() || kernels.ff_gelu == crate::nn::FfGelu::Epilogue)
+            && !crate::nn::ops::BUILT_IN
+        {
+            return Err("the operator shim is not built into this binary".into());
+        }
+        self.transformer.set_block_kernels(kernels)?;
+        self.config.settings.qk_norm_rope = kernels.qk_norm_rope;
+        self.config.settings.ada_norm = kernels.ada_norm;
+        self.config.settings.gated_residual = kernels.gated_residual;
+        self.config.settings.ff_gelu = kernels.ff_gelu;
+        self.config.settings.fused_qkv = kernels.fused_qkv;
+        Ok(())
+    }
+
+    /// The diffusion transformer (for component timings).
+    pub fn transformer(&self) -> &QwenImageTransformer2DModel {
+        &self.transformer
     }
 
     /// Encodes an input set once: the vision tower's features and the VAE latents of each input.

@@ -79,6 +79,11 @@ impl QwenEmbedRope {
         }
     }
 
+    /// The device the tables are made on (the model's).
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
     /// The tables for `img_shapes` (all positive, checked by the caller) and `txt_len` text tokens,
     /// from the cache (sharing its storage) when this key was seen before.
     pub fn tables(&self, img_shapes: &[ImageShape], txt_len: i64) -> RopeTables {

@@ -28,14 +28,15 @@ use std::sync::Arc;
 
 use tch::{Kind, Tensor};
 
+use crate::dtype::is_fp8;
 use crate::error::{GenerateError, LoadError};
 use crate::loading::diffusers::component_store;
 use crate::loading::safetensors::SafetensorsFile;
 use crate::loading::weights::{WeightStore, Weights};
 use crate::nn::embeddings::timestep_features;
-use crate::nn::layer_norm_without_affine;
-use crate::nn::rope::apply_interleaved;
-use crate::nn::{AttentionImpl, Linear, RmsNorm, attention};
+use crate::nn::{AttentionImpl, FfGelu, Linear, RmsNorm, attention};
+use crate::nn::{layer_norm_without_affine, linear_gelu_epilogue};
+use crate::qwen_image::kernels::{BlockKernels, StreamQkv, joint_qkv, residual_norm};
 use crate::qwen_image::rope::{ImageShape, QwenEmbedRope, RopeTables};
 
 /// Key prefixes of single-file checkpoints, stripped by [`transformer_store`] (ComfyUI's full
@@ -279,8 +280,17 @@ impl FeedForward {
         })
     }
 
-    fn forward(&self, x: &Tensor) -> Tensor {
-        self.proj_out.forward(&self.proj_in.forward(x).gelu("tanh"))
+    /// With `FfGelu::Epilogue` on CUDA the GELU-tanh runs in the FF-up GEMM's cuBLASLt epilogue
+    /// (the same tanh approximation); elsewhere (and on the CPU, whose epilogue is erf GELU) as
+    /// its own kernel.
+    fn forward(&self, x: &Tensor, gelu: FfGelu) -> Tensor {
+        let hidden = match (&self.proj_in.bias, gelu) {
+            (Some(bias), FfGelu::Epilogue) if x.device().is_cuda() => {
+                linear_gelu_epilogue(x, &self.proj_in.dense_weight(x.kind()), bias)
+            }
+            _ => self.proj_in.forward(x).gelu("tanh"),
+        };
+        self.proj_out.forward(&hidden)
     }
 }
 
@@ -303,6 +313,81 @@ struct JointAttention {
     to_add_out: Linear,
     heads: i64,
     head_dim: i64,
+    /// `to_q`, `to_k`, `to_v` as one Linear (`[3·inner, inner]`) whose storage the three share
+    /// ([`JointAttention::fuse_qkv`]); `None` unless fused.
+    img_qkv: Option<Linear>,
+    /// The same for `add_q_proj`, `add_k_proj`, `add_v_proj`.
+    txt_qkv: Option<Linear>,
+}
+
+/// `[q, k, v]` Linears as one: the weights (and biases) concatenated over outputs into one tensor,
+/// and each Linear's own weight and bias replaced by its view of it, so that memory does not grow.
+/// `None` (nothing changed) where a weight is fp8 (per-tensor scales differ) or a bias is missing.
+fn fuse_linears(parts: [&mut Linear; 3]) -> Option<Linear> {
+    if parts
+        .iter()
+        .any(|l| is_fp8(l.weight.kind()) || l.bias.is_none() || l.weight_scale.is_some())
+    {
+        return None;
+    }
+    let weight = Tensor::cat(&parts.each_ref().map(|l| l.weight.shallow_clone()), 0);
+    let bias = Tensor::cat(
+        &parts
+            .each_ref()
+            .map(|l| l.bias.as_ref().expect("checked above").shallow_clone()),
+        0,
+    );
+    let mut start = 0;
+    for l in parts {
+        let rows = l.weight.size()[0];
+        l.weight = weight.narrow(0, start, rows);
+        l.bias = Some(bias.narrow(0, start, rows));
+        start += rows;
+    }
+    Some(Linear {
+        weight,
+        weight_scale: None,
+        bias: Some(bias),
+    })
+}
+
+/// Whether `parts` still hold their views of `fused`'s weight and bias, in order.
+fn holds_views(fused: &Linear, parts: [&Linear; 3]) -> bool {
+    let (w, b) = (
+        &fused.weight,
+        fused.bias.as_ref().expect("a fused Linear has a bias"),
+    );
+    let elt = w.kind().elt_size_in_bytes();
+    let mut start = 0usize;
+    parts.iter().all(|l| {
+        let rows = l.weight.size()[0] as usize;
+        let ok = l.weight.data_ptr() as usize
+            == w.data_ptr() as usize + start * w.size()[1] as usize * elt
+            && l.bias
+                .as_ref()
+                .is_some_and(|lb| lb.data_ptr() as usize == b.data_ptr() as usize + start * elt);
+        start += rows;
+        ok
+    })
+}
+
+/// `[q, k, v]` projections of `x`: one GEMM through `fused` where the three Linears still hold
+/// their views of it (a LoRA fused since replaces a weight, and the three GEMMs run again), each
+/// result then a view `[B, S, inner]` of the `[B, S, 3·inner]` output; three GEMMs otherwise.
+fn project_qkv(fused: Option<&Linear>, parts: [&Linear; 3], x: &Tensor) -> [Tensor; 3] {
+    match fused.filter(|f| holds_views(f, parts)) {
+        Some(f) => {
+            let y = f.forward(x);
+            let mut start = 0;
+            parts.map(|l| {
+                let rows = l.weight.size()[0];
+                let v = y.narrow(-1, start, rows);
+                start += rows;
+                v
+            })
+        }
+        None => parts.map(|l| l.forward(x)),
+    }
 }
 
 impl JointAttention {
@@ -326,13 +411,34 @@ impl JointAttention {
             to_add_out: lin("to_add_out")?,
             heads: c.num_attention_heads,
             head_dim: hd,
+            img_qkv: None,
+            txt_qkv: None,
         })
     }
 
-    /// `[B, S, inner]` → `[B, S, H, D]`.
-    fn heads_of(&self, x: &Tensor) -> Tensor {
-        let (b, s) = (x.size()[0], x.size()[1]);
-        x.view([b, s, self.heads, self.head_dim])
+    /// Fuses (or, with `fused = false`, stops using) each stream's q, k, v projections into one
+    /// GEMM. Memory-neutral: the three Linears keep views of the fused weight.
+    fn fuse_qkv(&mut self, fused: bool) {
+        if !fused {
+            (self.img_qkv, self.txt_qkv) = (None, None);
+            return;
+        }
+        // Fused again where a LoRA replaced a weight since.
+        if !self
+            .img_qkv
+            .as_ref()
+            .is_some_and(|f| holds_views(f, [&self.to_q, &self.to_k, &self.to_v]))
+        {
+            self.img_qkv = fuse_linears([&mut self.to_q, &mut self.to_k, &mut self.to_v]);
+        }
+        let txt = [&self.add_q_proj, &self.add_k_proj, &self.add_v_proj];
+        if !self.txt_qkv.as_ref().is_some_and(|f| holds_views(f, txt)) {
+            self.txt_qkv = fuse_linears([
+                &mut self.add_q_proj,
+                &mut self.add_k_proj,
+                &mut self.add_v_proj,
+            ]);
+        }
     }
 
     /// Returns `(image output, text output)`. `mask` is the additive joint mask `[B, 1, 1, L+N]`.
@@ -343,31 +449,45 @@ impl JointAttention {
         rope: &RopeTables,
         mask: Option<&Tensor>,
         imp: AttentionImpl,
+        kernels: BlockKernels,
     ) -> (Tensor, Tensor) {
         let seq_txt = txt.size()[1];
-        let img_q = self.norm_q.forward(&self.heads_of(&self.to_q.forward(img)));
-        let img_k = self.norm_k.forward(&self.heads_of(&self.to_k.forward(img)));
-        let img_v = self.heads_of(&self.to_v.forward(img));
-        let txt_q = self
-            .norm_added_q
-            .forward(&self.heads_of(&self.add_q_proj.forward(txt)));
-        let txt_k = self
-            .norm_added_k
-            .forward(&self.heads_of(&self.add_k_proj.forward(txt)));
-        let txt_v = self.heads_of(&self.add_v_proj.forward(txt));
-
-        // Tables `[S, D/2]` broadcast over `[B, S, H, D/2]`: one row per token, shared by heads.
-        let (ic, tc) = (rope.img_cis.unsqueeze(1), rope.txt_cis.unsqueeze(1));
-        let img_q = apply_interleaved(&img_q, &ic);
-        let img_k = apply_interleaved(&img_k, &ic);
-        let txt_q = apply_interleaved(&txt_q, &tc);
-        let txt_k = apply_interleaved(&txt_k, &tc);
-
-        // [B, S, H, D] → [B, H, S, D], text first.
-        let joint = |t: Tensor, i: Tensor| Tensor::cat(&[t, i], 1).transpose(1, 2);
-        let q = joint(txt_q, img_q);
-        let k = joint(txt_k, img_k);
-        let v = joint(txt_v, img_v);
+        let [img_q, img_k, img_v] = project_qkv(
+            self.img_qkv.as_ref(),
+            [&self.to_q, &self.to_k, &self.to_v],
+            img,
+        );
+        let [txt_q, txt_k, txt_v] = project_qkv(
+            self.txt_qkv.as_ref(),
+            [&self.add_q_proj, &self.add_k_proj, &self.add_v_proj],
+            txt,
+        );
+        // [B, H, L + N, D], text first.
+        let [q, k, v] = joint_qkv(
+            StreamQkv {
+                q: &txt_q,
+                k: &txt_k,
+                v: &txt_v,
+                norm_q: &self.norm_added_q,
+                norm_k: &self.norm_added_k,
+                cos: &rope.txt_cos,
+                sin: &rope.txt_sin,
+                cis: &rope.txt_cis,
+            },
+            StreamQkv {
+                q: &img_q,
+                k: &img_k,
+                v: &img_v,
+                norm_q: &self.norm_q,
+                norm_k: &self.norm_k,
+                cos: &rope.img_cos,
+                sin: &rope.img_sin,
+                cis: &rope.img_cis,
+            },
+            self.heads,
+            self.head_dim,
+            kernels.qk_norm_rope,
+        );
         let scale = 1.0 / (self.head_dim as f64).sqrt();
         let out = attention(&q, &k, &v, mask, scale, imp)
             .transpose(1, 2)
@@ -382,11 +502,15 @@ impl JointAttention {
     }
 }
 
-/// `x * (1 + scale) + shift` and the gate, from one third-split of a modulation `[B, 3*dim]`.
-fn modulate(x: &Tensor, params: &Tensor) -> (Tensor, Tensor) {
+/// `(shift, scale, gate)` `[B, dim]` each, from one third-split of a modulation `[B, 3*dim]`
+/// (views of it, in place).
+fn mod_terms(params: &Tensor) -> [Tensor; 3] {
     let p = params.chunk(3, -1);
-    let (shift, scale, gate) = (p[0].unsqueeze(1), p[1].unsqueeze(1), p[2].unsqueeze(1));
-    (x * (scale + 1.0) + shift, gate)
+    [
+        p[0].shallow_clone(),
+        p[1].shallow_clone(),
+        p[2].shallow_clone(),
+    ]
 }
 
 /// `QwenImageTransformerBlock`: dual-stream (image, text) block with adaLN modulation.
@@ -397,7 +521,6 @@ struct QwenImageTransformerBlock {
     attn: JointAttention,
     img_mlp: FeedForward,
     txt_mlp: FeedForward,
-    dim: i64,
     eps: f64,
 }
 
@@ -410,12 +533,12 @@ impl QwenImageTransformerBlock {
             attn: JointAttention::new(&w.pp("attn"), c)?,
             img_mlp: FeedForward::new(&w.pp("img_mlp"), dim, dim * c.mlp_ratio)?,
             txt_mlp: FeedForward::new(&w.pp("txt_mlp"), dim, dim * c.mlp_ratio)?,
-            dim,
             eps: c.norm_eps,
         })
     }
 
     /// Returns `(text, image)` hidden states, like the reference.
+    #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
         img: &Tensor,
@@ -424,21 +547,50 @@ impl QwenImageTransformerBlock {
         rope: &RopeTables,
         mask: Option<&Tensor>,
         imp: AttentionImpl,
+        kernels: BlockKernels,
     ) -> (Tensor, Tensor) {
         let img_mod = self.img_mod.forward(temb_silu).chunk(2, -1);
         let txt_mod = self.txt_mod.forward(temb_silu).chunk(2, -1);
-        let norm = |x: &Tensor| layer_norm_without_affine(x, self.dim, self.eps);
+        let [img_shift1, img_scale1, img_gate1] = mod_terms(&img_mod[0]);
+        let [img_shift2, img_scale2, img_gate2] = mod_terms(&img_mod[1]);
+        let [txt_shift1, txt_scale1, txt_gate1] = mod_terms(&txt_mod[0]);
+        let [txt_shift2, txt_scale2, txt_gate2] = mod_terms(&txt_mod[1]);
+        let eps = self.eps;
+        let norm = |x: &Tensor, shift: &Tensor, scale: &Tensor| {
+            residual_norm(x, None, Some((shift, scale)), eps, kernels)
+                .1
+                .expect("a modulation was passed")
+        };
 
-        let (img_in, img_gate1) = modulate(&norm(img), &img_mod[0]);
-        let (txt_in, txt_gate1) = modulate(&norm(txt), &txt_mod[0]);
-        let (img_attn, txt_attn) = self.attn.forward(&img_in, &txt_in, rope, mask, imp);
-        let img = img + img_gate1 * img_attn;
-        let txt = txt + txt_gate1 * txt_attn;
-
-        let (img_in, img_gate2) = modulate(&norm(&img), &img_mod[1]);
-        let img = &img + img_gate2 * self.img_mlp.forward(&img_in);
-        let (txt_in, txt_gate2) = modulate(&norm(&txt), &txt_mod[1]);
-        let txt = &txt + txt_gate2 * self.txt_mlp.forward(&txt_in);
+        let img_in = norm(img, &img_shift1, &img_scale1);
+        let txt_in = norm(txt, &txt_shift1, &txt_scale1);
+        let (img_attn, txt_attn) = self
+            .attn
+            .forward(&img_in, &txt_in, rope, mask, imp, kernels);
+        // The gated residual of the attention and LayerNorm 2 with its modulation (one pass where
+        // both are fused).
+        let (img, img_in) = residual_norm(
+            img,
+            Some((&img_attn, &img_gate1)),
+            Some((&img_shift2, &img_scale2)),
+            eps,
+            kernels,
+        );
+        let (txt, txt_in) = residual_norm(
+            txt,
+            Some((&txt_attn, &txt_gate1)),
+            Some((&txt_shift2, &txt_scale2)),
+            eps,
+            kernels,
+        );
+        let (img_in, txt_in) = (
+            img_in.expect("a modulation was passed"),
+            txt_in.expect("a modulation was passed"),
+        );
+        let img_ff = self.img_mlp.forward(&img_in, kernels.ff_gelu);
+        let (img, _) = residual_norm(&img, Some((&img_ff, &img_gate2)), None, eps, kernels);
+        let txt_ff = self.txt_mlp.forward(&txt_in, kernels.ff_gelu);
+        let (txt, _) = residual_norm(&txt, Some((&txt_ff, &txt_gate2)), None, eps, kernels);
 
         // The reference clips fp16 activations to the fp16 range after every block.
         if img.kind() == Kind::Half {
@@ -479,6 +631,7 @@ pub struct QwenImageTransformer2DModel {
     proj_out: Linear,
     config: QwenImageTransformerConfig,
     imp: AttentionImpl,
+    kernels: BlockKernels,
 }
 
 impl QwenImageTransformer2DModel {
@@ -512,6 +665,7 @@ impl QwenImageTransformer2DModel {
             proj_out: Linear::new(&w.pp("proj_out"), dim, c.out_token_dim(), true)?,
             config: c.clone(),
             imp,
+            kernels: BlockKernels::default(),
         })
     }
 
@@ -522,6 +676,27 @@ impl QwenImageTransformer2DModel {
     /// The attention kernel used from now on.
     pub fn set_attention_impl(&mut self, imp: AttentionImpl) {
         self.imp = imp;
+    }
+
+    /// The blocks' elementwise kernels from now on (libtorch's operators until set). Fused ones
+    /// are compiled for the model's device here, so that a GPU or driver the run-time compiler
+    /// cannot serve is an error now, not a failed job; on the CPU the fused pieces fall back to
+    /// libtorch's operators.
+    pub fn set_block_kernels(&mut self, kernels: BlockKernels) -> Result<(), String> {
+        if kernels.any_fused() {
+            crate::qwen_image::kernels::prepare(self.pos_embed.device())?;
+        }
+        let _guard = tch::no_grad_guard();
+        for block in &mut self.transformer_blocks {
+            block.attn.fuse_qkv(kernels.fused_qkv);
+        }
+        self.kernels = kernels;
+        Ok(())
+    }
+
+    /// The blocks' elementwise kernels in use.
+    pub fn block_kernels(&self) -> BlockKernels {
+        self.kernels
     }
 
     /// Every Linear under its diffusers module name (`img_in`,
@@ -622,7 +797,15 @@ impl QwenImageTransformer2DModel {
 
         let (mut txt, mut img) = (txt, img);
         for block in &self.transformer_blocks {
-            (txt, img) = block.forward(&img, &txt, &temb_silu, &rope, mask.as_ref(), self.imp);
+            (txt, img) = block.forward(
+                &img,
+                &txt,
+                &temb_silu,
+                &rope,
+                mask.as_ref(),
+                self.imp,
+                self.kernels,
+            );
         }
         let img = self.norm_out.forward(&img, &temb_silu);
         let out = self.proj_out.forward(&img);

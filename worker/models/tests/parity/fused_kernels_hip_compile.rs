@@ -20,6 +20,7 @@ use std::process::{Command, Output};
 
 use vnfarm_models::nn::fused::SOURCE;
 use vnfarm_models::nn::ops::WarpWidth;
+use vnfarm_models::qwen_image::kernels;
 
 const KERNELS: [&str; 5] = [
     "gn_partial",
@@ -40,7 +41,7 @@ fn fused_norm_kernels_compile_for_rdna_at_32_lanes_and_cdna_at_64() {
         ("gfx90a", WarpWidth::Lanes64),
     ] {
         let out = dir.path().join(format!("norms-{arch}.s"));
-        let run = compile(&clang, arch, Some(warp), &out);
+        let run = compile(&clang, SOURCE, arch, Some(warp), &out);
         assert!(
             run.status.success(),
             "{arch} at {} lanes:\n{}",
@@ -70,6 +71,53 @@ fn fused_norm_kernels_compile_for_rdna_at_32_lanes_and_cdna_at_64() {
     }
 }
 
+/// The Qwen block's kernels (`src/nn/kernels/qwen_block.cu`), the same way: both kernels there,
+/// the intended width, and three warp-wide reductions (one in `qk_norm_rope`, two in
+/// `modulated_norm`) of log2(width) shuffles each, none spilling to scratch memory.
+#[test]
+fn qwen_block_kernels_compile_for_rdna_at_32_lanes_and_cdna_at_64() {
+    let Some(clang) = hip_clang() else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("temp dir");
+    for (arch, warp) in [
+        ("gfx1151", WarpWidth::Lanes32),
+        ("gfx90a", WarpWidth::Lanes64),
+    ] {
+        let out = dir.path().join(format!("qwen-{arch}.s"));
+        let run = compile(&clang, kernels::SOURCE, arch, Some(warp), &out);
+        assert!(
+            run.status.success(),
+            "{arch} at {} lanes:\n{}",
+            warp.lanes(),
+            String::from_utf8_lossy(&run.stderr)
+        );
+        let asm = std::fs::read_to_string(&out).expect("assembly");
+        for kernel in kernels::NAMES {
+            assert!(
+                asm.lines().any(|l| l.trim() == format!(".globl\t{kernel}")),
+                "{arch}: no kernel {kernel}"
+            );
+        }
+        assert_eq!(
+            asm.contains(".amdhsa_wavefront_size32 1"),
+            warp == WarpWidth::Lanes32,
+            "{arch}: wavefront width"
+        );
+        let steps = i64::from(warp.lanes().trailing_zeros());
+        assert_eq!(
+            asm.matches("ds_bpermute_b32").count() as i64,
+            3 * steps,
+            "{arch}: three reductions of {steps} shuffles each"
+        );
+        assert!(
+            !asm.contains(".vgpr_spill_count: 1")
+                && asm.matches(".vgpr_spill_count: 0").count() == 2,
+            "{arch}: a kernel spills registers"
+        );
+    }
+}
+
 #[test]
 fn a_warp_width_that_disagrees_with_the_target_is_a_compile_error() {
     let Some(clang) = hip_clang() else {
@@ -80,7 +128,13 @@ fn a_warp_width_that_disagrees_with_the_target_is_a_compile_error() {
         ("gfx1151", WarpWidth::Lanes64),
         ("gfx90a", WarpWidth::Lanes32),
     ] {
-        let run = compile(&clang, arch, Some(warp), &dir.path().join("wrong.s"));
+        let run = compile(
+            &clang,
+            SOURCE,
+            arch,
+            Some(warp),
+            &dir.path().join("wrong.s"),
+        );
         let stderr = String::from_utf8_lossy(&run.stderr);
         assert!(
             !run.status.success() && stderr.contains("VN_WARP differs from the wavefront width"),
@@ -89,7 +143,13 @@ fn a_warp_width_that_disagrees_with_the_target_is_a_compile_error() {
         );
     }
     // Without -DVN_WARP the source takes the width the compiler targets.
-    let run = compile(&clang, "gfx90a", None, &dir.path().join("default.s"));
+    let run = compile(
+        &clang,
+        SOURCE,
+        "gfx90a",
+        None,
+        &dir.path().join("default.s"),
+    );
     assert!(
         run.status.success(),
         "{}",
@@ -116,11 +176,16 @@ fn hip_clang() -> Option<String> {
     }
 }
 
-/// `SOURCE` compiled for `arch` as HIP device code to assembly at `out`.
-fn compile(clang: &str, arch: &str, warp: Option<WarpWidth>, out: &std::path::Path) -> Output {
-    let dir = out.parent().expect("output in a folder");
-    let cu = dir.join("norms.hip");
-    std::fs::write(&cu, SOURCE).expect("write source");
+/// `source` compiled for `arch` as HIP device code to assembly at `out`.
+fn compile(
+    clang: &str,
+    source: &str,
+    arch: &str,
+    warp: Option<WarpWidth>,
+    out: &std::path::Path,
+) -> Output {
+    let cu = out.with_extension("hip");
+    std::fs::write(&cu, source).expect("write source");
     let prelude = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/support/hip_prelude.h");
     let mut cmd = Command::new(clang);
     cmd.args(["-x", "hip", "--cuda-device-only", "-nogpulib", "-nogpuinc"])

@@ -9,7 +9,8 @@
 //! - [`flow_match`]: the flow-match scheduler; [`lora`]: LoRA fusing in every key style;
 //! - [`esrgan`]: Real-ESRGAN networks and `enhance`; [`resample`]: Pillow-exact resizing;
 //! - [`fused_kernels_emulated`], [`fused_kernels_hip_compile`]: the fused norm kernels run in a
-//!   CPU emulation, and compiled as AMD device code.
+//!   CPU emulation, and compiled as AMD device code; [`qwen_kernels_emulated`]: the Qwen block's
+//!   fused kernels in the same emulation against libtorch.
 //!
 //! The modules share one process: anything that draws from libtorch's default generator holds it
 //! through `noise::seed`, and scratch files are named per module.
@@ -26,6 +27,7 @@ mod fused_kernels_emulated;
 mod fused_kernels_hip_compile;
 mod lora;
 mod qwen_fixtures;
+mod qwen_kernels_emulated;
 mod qwen_pipeline;
 mod qwen_text_encoder;
 mod qwen_transformer;

@@ -21,7 +21,9 @@ use vnfarm_models::error::GenerateError;
 use vnfarm_models::loading::diffusers::{open, read_config};
 use vnfarm_models::loading::safetensors::SafetensorsFile;
 use vnfarm_models::loading::weights::{Fp8Mode, WeightStore, Weights};
-use vnfarm_models::nn::AttentionImpl;
+use vnfarm_models::nn::fused::NormKernels;
+use vnfarm_models::nn::{AttentionImpl, FfGelu};
+use vnfarm_models::qwen_image::kernels::BlockKernels;
 use vnfarm_models::qwen_image::transformer::{
     QwenImageTransformer2DModel, QwenImageTransformerConfig, transformer_folder_store,
     transformer_store,
@@ -141,6 +143,56 @@ fn every_format_fp8_mode_and_kernel_matches_diffusers() {
         }
     }
     println!("worst relative error over all loads: {worst:.3e}");
+}
+
+/// The block-kernel settings on the CPU: the fused kernels fall back to libtorch's operators (the
+/// same results), the GELU epilogue keeps the tanh GELU kernel (the CPU's epilogue would be erf),
+/// and fused q/k/v projections run one GEMM over weights the three Linears hold views of.
+#[test]
+fn every_block_kernel_setting_matches_diffusers_on_the_cpu() {
+    let r = reference();
+    let all = BlockKernels {
+        qk_norm_rope: NormKernels::Fused,
+        ada_norm: NormKernels::Fused,
+        gated_residual: NormKernels::Fused,
+        ff_gelu: FfGelu::Epilogue,
+        fused_qkv: true,
+    };
+    for (source, fp8) in [
+        (Source::Folder, Fp8Mode::Upcast),
+        (Source::Comfy, Fp8Mode::Resident),
+    ] {
+        let (mut model, _) = load(source, fp8, AttentionImpl::Sdpa);
+        model.set_block_kernels(all).expect("kernels");
+        assert_eq!(model.block_kernels(), all);
+        run_cases(
+            &model,
+            &r,
+            &format!("{source:?}/{fp8:?} with every block kernel"),
+        );
+        // Fused q/k/v: to_k's weight starts where to_q's ends (views of one tensor), except for
+        // fp8-resident weights, which keep three GEMMs.
+        let linears = model.linears_mut();
+        let ptr = |name: &str| {
+            let (_, l) = linears
+                .iter()
+                .find(|(n, _)| n == name)
+                .expect("a named Linear");
+            (
+                l.weight.data_ptr() as usize,
+                l.weight.numel() * l.weight.kind().elt_size_in_bytes(),
+            )
+        };
+        let ((q, q_bytes), (k, _)) = (
+            ptr("transformer_blocks.0.attn.to_q"),
+            ptr("transformer_blocks.0.attn.to_k"),
+        );
+        assert_eq!(
+            q + q_bytes == k,
+            matches!(fp8, Fp8Mode::Upcast),
+            "{source:?}/{fp8:?}"
+        );
+    }
 }
 
 #[test]

@@ -27,70 +27,8 @@
 // NVIDIA's TensorRT groupNormPlugin and apex's group_norm, Apache-2.0 / BSD) and of warp-per-row
 // LayerNorm kernels; the code is ours.
 
-#if defined(__HIP__)
-// hiprtc (clang -x hip): the compiler knows the wavefront width it compiles for; a -DVN_WARP that
-// disagrees would reduce over lanes the wavefront does not have.
-#if !defined(VN_WARP) && defined(__AMDGCN_WAVEFRONT_SIZE)
-#define VN_WARP __AMDGCN_WAVEFRONT_SIZE
-#endif
-#if !defined(VN_WARP)
-#error "VN_WARP: compile with the device's wavefront width, -DVN_WARP=32 or -DVN_WARP=64"
-#elif defined(__AMDGCN_WAVEFRONT_SIZE) && VN_WARP != __AMDGCN_WAVEFRONT_SIZE
-#error "VN_WARP differs from the wavefront width this code is compiled for"
-#endif
-#elif !defined(VN_WARP)
-#define VN_WARP 32
-#endif
-#if VN_WARP != 32 && VN_WARP != 64
-#error "VN_WARP must be 32 or 64"
-#endif
-
-typedef unsigned short bf16;
-
-// v from the lane whose index is this lane's xor `mask` (mask < VN_WARP), all lanes taking part.
-__device__ __forceinline__ float warp_xor(float v, int mask) {
-#if defined(__HIP__)
-  return __shfl_xor(v, mask, VN_WARP);
-#else
-  return __shfl_xor_sync(0xffffffffu, v, mask);
-#endif
-}
-
-__device__ __forceinline__ float bf2f(bf16 h) {
-  return __uint_as_float(((unsigned int)h) << 16);
-}
-
-__device__ __forceinline__ bf16 f2bf(float f) {
-  unsigned int u = __float_as_uint(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) {
-    return (bf16)((u >> 16) | 0x40u);  // NaN stays a (quiet) NaN
-  }
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (bf16)(u >> 16);
-}
-
-__device__ __forceinline__ void unpack8(uint4 v, float* f) {
-  unsigned int w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = __uint_as_float(w[i] << 16);
-    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-  }
-}
-
-__device__ __forceinline__ uint4 pack8(const float* f) {
-  unsigned int w[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    w[i] = (unsigned int)f2bf(f[2 * i]) | ((unsigned int)f2bf(f[2 * i + 1]) << 16);
-  }
-  uint4 r;
-  r.x = w[0];
-  r.y = w[1];
-  r.z = w[2];
-  r.w = w[3];
-  return r;
-}
+// (The prelude, src/nn/kernels/prelude.cuh, comes first: VN_WARP, bf16, bf2f / f2bf, unpack8 /
+// pack8, warp_xor.)
 
 // Grid (NB, N), block (C/8, Y). Block (b, n) sums rows [b·rows, min((b+1)·rows, HW)) of sample n
 // and writes, per channel, the sum and the sum of squares: part[((n·NB + b)·2 + {0, 1})·C + c].
