@@ -176,7 +176,8 @@ pub struct GenerateSpec {
     /// Images from this job; image `n` uses seed `seed + n`.
     #[serde(default = "crate::defaults::one")]
     pub count: u32,
-    /// The SDXL checkpoint by name, as the workers that hold it advertise it. Omitted: the fleet's
+    /// The SDXL checkpoint by name, as the workers that hold it advertise it, or the model
+    /// catalogue's by name or as `sha256:<hex>`. Omitted: the fleet's
     /// default (the scheduler's `default_checkpoint`, recorded at submission), or any SDXL worker
     /// when the scheduler has none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -363,16 +364,20 @@ pub fn is_file_name(name: &str) -> bool {
     !name.is_empty() && name.len() <= 128 && !name.starts_with('.') && name.chars().all(ok)
 }
 
+/// Whether `name` is `sha256:<64 hex digits>`: the model catalogue's file of that hash.
+fn is_hash_ref(name: &str) -> bool {
+    matches!(
+        crate::catalogue::ModelRef::parse(name),
+        Some(crate::catalogue::ModelRef::Hash(_))
+    )
+}
+
 fn check_loras(field: &str, loras: &[LoraRef]) -> Result<(), ValidationError> {
     if loras.len() > MAX_LORAS {
         return Err(err(field, format!("at most {MAX_LORAS} LoRAs")));
     }
     for (i, lora) in loras.iter().enumerate() {
-        let by_hash = matches!(
-            crate::catalogue::ModelRef::parse(&lora.name),
-            Some(crate::catalogue::ModelRef::Hash(_))
-        );
-        if !(is_file_name(&lora.name) || by_hash) {
+        if !(is_file_name(&lora.name) || is_hash_ref(&lora.name)) {
             return Err(err(
                 format!("{field}[{i}].name"),
                 "must be a file name of [A-Za-z0-9._-], not starting with '.', or sha256:<64 hex digits>",
@@ -434,11 +439,11 @@ impl GenerateSpec {
         check_cfg(&format!("{at}.cfg"), self.cfg)?;
         check_range(&format!("{at}.count"), self.count, 1, 16)?;
         if let Some(name) = &self.checkpoint
-            && !is_file_name(name)
+            && !(is_file_name(name) || is_hash_ref(name))
         {
             return Err(err(
                 format!("{at}.checkpoint"),
-                "must be a checkpoint name of [A-Za-z0-9._-], not starting with '.'",
+                "must be a checkpoint name of [A-Za-z0-9._-], not starting with '.', or sha256:<64 hex digits>",
             ));
         }
         if let Some(seed) = self.seed

@@ -190,9 +190,16 @@ async fn a_catalogue_checkpoint_goes_to_a_worker_that_fetches_it() -> anyhow::Re
         },
     )
     .await?;
-    // Again: the same file, without another download.
+    // Again: the same file, without another download; also named by its hash.
     let job = farm.run(&generate("cat_ckpt"), FINISH).await?;
     assert_eq!(job.state, JobState::Completed, "{job:?}");
+    let by_hash = format!("sha256:{}", pushed.sha256.as_str());
+    let job = farm.run(&generate(&by_hash), FINISH).await?;
+    assert_eq!(job.state, JobState::Completed, "{job:?}");
+    assert_eq!(
+        checkpoints_of(&manifest(&farm, &job).await?),
+        [(by_hash.clone(), pushed.sha256.to_string())]
+    );
     assert_eq!(fetches(&farm, "fetches", &pushed.sha256), 1);
     // A checkpoint a worker advertises goes to that worker, not to one that fetches.
     let job = farm.run(&generate("nova"), FINISH).await?;
