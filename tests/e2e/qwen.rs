@@ -216,7 +216,16 @@ async fn edits_of_uploaded_images_take_two_inputs_and_cancel_between_steps() -> 
     );
     let img = image::load_from_memory(&png(&farm, &job).await?)?;
     assert_eq!((img.width(), img.height()), (256, 256));
-    let keys = encode_cache(&farm.workers().await?);
+    // The worker lists its encode cache in its next heartbeat (every 300 ms here).
+    let keys = vnfarm_tests::wait_for(
+        "a heartbeat listing the edit's encodings",
+        std::time::Duration::from_secs(10),
+        || async {
+            let keys = encode_cache(&farm.workers().await.ok()?);
+            (!keys.is_empty()).then_some(keys)
+        },
+    )
+    .await?;
     assert_eq!(
         keys.first()
             .and_then(|k| k.strip_prefix("qwen-edit:"))
