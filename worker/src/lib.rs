@@ -85,9 +85,12 @@ pub async fn serve(
 ) -> anyhow::Result<()> {
     let started = Instant::now();
     let (worker, loading) = assemble(config).await?;
+    // Set before the failed load stops the worker, so the exit says why whichever task ends first.
+    let load_failure: std::sync::Arc<std::sync::Mutex<Option<anyhow::Error>>> = Default::default();
     let loaded = {
         let worker = worker.clone();
         let shutdown = shutdown.clone();
+        let load_failure = load_failure.clone();
         tokio::spawn(async move {
             let loaded = loading.finished().await;
             match &loaded {
@@ -116,10 +119,11 @@ pub async fn serve(
                 }
                 Err(e) => {
                     tracing::error!(error = %format!("{e:#}"), "the engine failed to load; stopping");
+                    *load_failure.lock().unwrap_or_else(|p| p.into_inner()) =
+                        Some(anyhow::anyhow!("{e:#}"));
                     shutdown.cancel();
                 }
             }
-            loaded
         })
     };
 
@@ -172,9 +176,12 @@ pub async fn serve(
     }
     tracing::info!(worker = %worker.id(), "worker stopped");
     // Stopped while still loading: the load's outcome no longer matters.
-    if !loaded.is_finished() {
-        loaded.abort();
-    } else if let Ok(Err(e)) = loaded.await {
+    loaded.abort();
+    if let Some(e) = load_failure
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .take()
+    {
         return Err(e.context("loading the engine"));
     }
     match worker.device_loss().reason() {
