@@ -181,36 +181,7 @@ fn the_bench_runs_the_tiny_models() -> anyhow::Result<()> {
             "256",
         ],
     )?;
-    let qwen = [
-        (
-            "TRANSFORMER",
-            crate::derived::qwen_transformer_fp8(&models())
-                .display()
-                .to_string(),
-        ),
-        (
-            "TEXT_ENCODER",
-            crate::derived::qwen_text_encoder_fp8_scaled(&models())
-                .display()
-                .to_string(),
-        ),
-        (
-            "VAE",
-            crate::derived::qwen_vae_wan(&models())
-                .display()
-                .to_string(),
-        ),
-        (
-            "CONFIG_DIR",
-            models().join("qwen/qwen_tiny").display().to_string(),
-        ),
-        ("DEVICE", "cpu".into()),
-        ("DTYPE", "fp32".into()),
-        ("VAE_DTYPE", "fp32".into()),
-        ("CONDITION_IMAGE_AREA", (56 * 56).to_string()),
-        ("VAE_IMAGE_AREA", (64 * 64).to_string()),
-        ("WARM_UP", "[[256, 256]]".into()),
-    ];
+    let qwen = crate::qwen::tiny_qwen(56 * 56, 64 * 64);
     let esrgan = [
         (
             "MODEL",

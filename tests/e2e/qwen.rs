@@ -20,41 +20,41 @@ use crate::engines::{engine_env, models, sdxl_folder, tiny_sdxl};
 /// single files, written from the tiny diffusers folder at test time and sized by its configs), on
 /// the CPU in fp32.
 fn farm_worker(condition_area: u64, vae_area: u64, scheduler: &str) -> WorkerOptions {
-    let qwen = models().join("qwen");
-    let qwen_edit = [
-        (
-            "TRANSFORMER",
-            crate::derived::qwen_transformer_fp8(&models())
-                .display()
-                .to_string(),
-        ),
-        (
-            "TEXT_ENCODER",
-            crate::derived::qwen_text_encoder_fp8_scaled(&models())
-                .display()
-                .to_string(),
-        ),
-        (
-            "VAE",
-            crate::derived::qwen_vae_wan(&models())
-                .display()
-                .to_string(),
-        ),
-        ("CONFIG_DIR", qwen.join("qwen_tiny").display().to_string()),
-        ("DEVICE", "cpu".into()),
-        ("DTYPE", "fp32".into()),
-        ("VAE_DTYPE", "fp32".into()),
-        ("SCHEDULER", scheduler.into()),
+    let mut qwen_edit = tiny_qwen(condition_area, vae_area);
+    qwen_edit.extend([
+        ("SCHEDULER", scheduler.to_owned()),
         // The references were made by diffusers 0.42.1 with transformers 5.24, which feeds the text
         // encoder sequential positions (see `qwen2_5_vl::rope::PositionMode`).
         ("POSITIONS", "sequential".into()),
-        ("CONDITION_IMAGE_AREA", condition_area.to_string()),
-        ("VAE_IMAGE_AREA", vae_area.to_string()),
-        ("WARM_UP", "[[256, 256]]".into()),
-    ];
+    ]);
     WorkerOptions::default()
         .with_env(tiny_sdxl(&sdxl_folder()))
         .with_env(engine_env("QWEN_EDIT", qwen_edit))
+}
+
+/// The Qwen engine's settings (`engine.qwen_edit`, for [`engine_env`]) for the tiny model as the
+/// studio's ComfyUI single files, on the CPU in fp32, warmed at 256², with the conditioning and VAE
+/// image areas given.
+pub(crate) fn tiny_qwen(condition_area: u64, vae_area: u64) -> Vec<(&'static str, String)> {
+    let path = |p: std::path::PathBuf| p.display().to_string();
+    vec![
+        (
+            "TRANSFORMER",
+            path(crate::derived::qwen_transformer_fp8(&models())),
+        ),
+        (
+            "TEXT_ENCODER",
+            path(crate::derived::qwen_text_encoder_fp8_scaled(&models())),
+        ),
+        ("VAE", path(crate::derived::qwen_vae_wan(&models()))),
+        ("CONFIG_DIR", path(models().join("qwen/qwen_tiny"))),
+        ("DEVICE", "cpu".into()),
+        ("DTYPE", "fp32".into()),
+        ("VAE_DTYPE", "fp32".into()),
+        ("CONDITION_IMAGE_AREA", condition_area.to_string()),
+        ("VAE_IMAGE_AREA", vae_area.to_string()),
+        ("WARM_UP", "[[256, 256]]".into()),
+    ]
 }
 
 /// Mean absolute difference, in 1/255 units, of `png` and the float image `name` of `file`.
