@@ -472,17 +472,8 @@ impl Registry {
                     continue;
                 };
                 let max = config.max_batch.min(w.max_batch()) as usize;
-                let Some(lead_rank) = group
-                    .iter()
-                    .find(|(_, id)| {
-                        let owner = self.jobs[id].owner();
-                        self.held(owner, config, turns.today).is_none()
-                    })
-                    .map(|(rank, _)| *rank)
-                else {
-                    continue;
-                };
-                let Some(lead) = companions(group, lead_rank).find(|id| {
+                // The first of the group whose owner's work may start leads it.
+                let Some(&(lead_rank, lead)) = group.iter().find(|(_, id)| {
                     self.held(self.jobs[id].owner(), config, turns.today)
                         .is_none()
                 }) else {

@@ -208,20 +208,23 @@ mod tests {
     use super::*;
     use crate::config::PersonLimits;
     use crate::registry::testing::*;
-    use crate::registry::{Blocker, Retention, Snapshot};
+    use crate::registry::{Blocker, Dispatch, Retention, Snapshot};
     use chrono::TimeZone;
     use vnfarm_proto::{EventKind, Heartbeat, JobId, StageTimings};
 
-    /// The jobs a plan sends, in order, with their workers.
-    fn plan(r: &mut Registry, config: &DispatchConfig) -> Vec<(JobId, String)> {
-        r.plan_dispatch(config, later(0), T)
-            .dispatches
-            .into_iter()
+    /// The jobs of `sent`, in order, with their workers.
+    fn jobs_of(sent: Vec<Dispatch>) -> Vec<(JobId, String)> {
+        sent.into_iter()
             .flat_map(|d| {
                 let w = d.worker.to_string();
                 d.jobs.into_iter().map(move |j| (j, w.clone()))
             })
             .collect()
+    }
+
+    /// The jobs a plan sends, in order, with their workers.
+    fn plan(r: &mut Registry, config: &DispatchConfig) -> Vec<(JobId, String)> {
+        jobs_of(r.plan_dispatch(config, later(0), T).dispatches)
     }
 
     /// Plans, and has every planned job dispatched and started on its worker.
@@ -233,11 +236,13 @@ mod tests {
                 s.started_on(r, *j, d.worker.as_str());
             }
         }
-        sent.into_iter()
-            .flat_map(|d| {
-                let w = d.worker.to_string();
-                d.jobs.into_iter().map(move |j| (j, w.clone()))
-            })
+        jobs_of(sent)
+    }
+
+    /// `n` generates queued as `owner`'s.
+    fn queue_n(r: &mut Registry, s: &mut Stream, n: usize, owner: &str) -> Vec<JobId> {
+        (0..n)
+            .map(|_| s.queue_as(r, generate(), Some(owner)))
             .collect()
     }
 
@@ -251,12 +256,8 @@ mod tests {
         let mut s = Stream::new();
         r.heartbeat(worker("a", 1));
         r.heartbeat(worker("b", 1));
-        let ann: Vec<JobId> = (0..20)
-            .map(|_| s.queue_as(&mut r, generate(), Some("ann")))
-            .collect();
-        let bo: Vec<JobId> = (0..3)
-            .map(|_| s.queue_as(&mut r, generate(), Some("bo")))
-            .collect();
+        let ann: Vec<JobId> = queue_n(&mut r, &mut s, 20, "ann");
+        let bo: Vec<JobId> = queue_n(&mut r, &mut s, 3, "bo");
         let config = affinity();
         // Both free: ann's oldest, then bo's (ann now has one on a worker, bo none).
         let first = run(&mut r, &mut s, &config);
@@ -286,14 +287,10 @@ mod tests {
         let mut s = Stream::new();
         let config = affinity();
         r.heartbeat(worker("b", 1));
-        let ann: Vec<JobId> = (0..6)
-            .map(|_| s.queue_as(&mut r, generate(), Some("ann")))
-            .collect();
+        let ann: Vec<JobId> = queue_n(&mut r, &mut s, 6, "ann");
         let sent = run(&mut r, &mut s, &config);
         assert_eq!(sent, vec![(ann[0], "b".to_owned())]);
-        let bo: Vec<JobId> = (0..3)
-            .map(|_| s.queue_as(&mut r, generate(), Some("bo")))
-            .collect();
+        let bo: Vec<JobId> = queue_n(&mut r, &mut s, 3, "bo");
         r.heartbeat(batching_worker("a", 1, 4));
         let sent = plan(&mut r, &config);
         let jobs: Vec<JobId> = sent.iter().map(|(j, _)| *j).collect();
@@ -309,9 +306,7 @@ mod tests {
         let mut r = Registry::default();
         let mut s = Stream::new();
         r.heartbeat(worker("a", 1));
-        let ann: Vec<JobId> = (0..3)
-            .map(|_| s.queue_as(&mut r, generate(), Some("ann")))
-            .collect();
+        let ann: Vec<JobId> = queue_n(&mut r, &mut s, 3, "ann");
         let bo = s.queue_as(&mut r, generate(), Some("bo"));
         let route = crate::registry::Route {
             model: vnfarm_proto::ModelFamily::Sdxl,
@@ -338,14 +333,10 @@ mod tests {
         let mut s = Stream::new();
         r.heartbeat(worker("a", 1));
         let config = affinity();
-        let ann: Vec<JobId> = (0..4)
-            .map(|_| s.queue_as(&mut r, generate(), Some("ann")))
-            .collect();
+        let ann: Vec<JobId> = queue_n(&mut r, &mut s, 4, "ann");
         let first = run(&mut r, &mut s, &config);
         assert_eq!(first[0].0, ann[0]);
-        let bo: Vec<JobId> = (0..2)
-            .map(|_| s.queue_as(&mut r, generate(), Some("bo")))
-            .collect();
+        let bo: Vec<JobId> = queue_n(&mut r, &mut s, 2, "bo");
         let mut order = vec![ann[0]];
         s.completed_on(&mut r, ann[0], "a");
         for _ in 0..5 {
@@ -361,9 +352,7 @@ mod tests {
         let mut r = Registry::default();
         let mut s = Stream::new();
         r.heartbeat(worker("a", 1));
-        let ann: Vec<JobId> = (0..3)
-            .map(|_| s.queue_as(&mut r, generate(), Some("ann")))
-            .collect();
+        let ann: Vec<JobId> = queue_n(&mut r, &mut s, 3, "ann");
         let bo = s.queue_as(&mut r, generate(), Some("bo"));
         let urgent = s.queue_as(
             &mut r,
