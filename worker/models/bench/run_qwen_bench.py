@@ -745,7 +745,33 @@ def main():
     except Exception as ex:  # noqa: BLE001 (secondary measurement)
         res["image_mae_error"] = repr(ex)
 
+    # Settings against the first mode, per image: every variant of the largest count (instruction i,
+    # seed i) of each later mode against the first's (an fp8 path against the bf16 one).
+    try:
+        import numpy as np
+
+        first = modes[0].replace(":", "_") if modes else None
+        for m in modes[1:]:
+            per = []
+            for i in range(max(VARIANT_COUNTS)):
+                p0 = os.path.join(imgs, first, f"variant_{i}.rgb")
+                p1 = os.path.join(imgs, m.replace(":", "_"), f"variant_{i}.rgb")
+                if os.path.exists(p0) and os.path.exists(p1):
+                    x = np.fromfile(p0, dtype=np.uint8).astype(np.float64)
+                    y = np.fromfile(p1, dtype=np.uint8).astype(np.float64)
+                    if x.shape == y.shape:
+                        per.append({"variant": i, "mean": float(np.abs(x - y).mean()),
+                                    "max": float(np.abs(x - y).max())})
+            res.setdefault("image_vs_first_mode", {})[m] = per
+    except Exception as ex:  # noqa: BLE001 (secondary measurement)
+        res["image_vs_first_mode_error"] = repr(ex)
+
     table = make_table(res, modes) + sweep_table(res, modes)
+    if res.get("image_vs_first_mode"):
+        for m, per in res["image_vs_first_mode"].items():
+            table += (f"\n\nPer image, `{m}` against `{modes[0]}` (variants of one input, instruction i, seed i), "
+                      "mean (max) |difference| in 1/255: "
+                      + ", ".join(f"{p['variant']}: {p['mean']:.2f} ({p['max']:.0f})" for p in per))
     res["table"] = table
     save()
     print("\n" + table, flush=True)

@@ -5,16 +5,20 @@
 #      Real-ESRGAN x4plus (run_session_bench.py write);
 #   2. the time to read the model files once (`cat > /dev/null`, after dropping the page cache where
 #      the machine lets us, then again from the page cache);
-#   3. `vnfarm-worker bench` with `prefetch = 1` (one message at a time), then `prefetch = 2` (the
+#   3. with CHECK=1, `vnfarm-worker check` on the same models and configuration: the settings file
+#      it writes is the bench workers' (`engine.settings_file`), so every engine runs what the box
+#      check chose, with no hand-set flags; without, the CUDA presets;
+#   4. `vnfarm-worker bench` with `prefetch = 1` (one message at a time), then `prefetch = 2` (the
 #      next message's inputs fetched and the last one's outputs stored while the engine runs), each a
 #      fresh process (cold start from the page cache), on the studio workload, the second also on the mix;
-#   4. the Python session (run_session_bench.py run) on the same work files;
+#   5. the Python session (run_session_bench.py run) on the same work files;
 #   NVML's memory.used sampled every 100 ms beside each process (nvidia-smi).
 # Outputs: $OUT/results.tar.xz (reports, logs, samples; the images are left out).
 #
 #   bash run_worker_bench.sh PAYLOAD MODE...  # MODE: tiny (fixtures on the GPU, a smoke test) | full;
 #                                             # each runs whatever failed before
 #   PIPELINES=6 ROUNDS=3 bash ...             # the workload sizes (full)
+#   CHECK=1 PF1=0 bash ...                    # the box check's settings; no prefetch-1 process
 set -uo pipefail
 P=$1; shift
 B=worker/models/bench
@@ -68,21 +72,25 @@ echo "read once, from the page cache: $(readonce) s" | tee -a "$R/times.txt"
 $W bench workload --kind studio --count $NP --side $SIDE --steps $STEPS --edit-steps $ESTEPS --out $R/studio.jsonl
 $W bench workload --kind mix --count $NR --side $SIDE --steps $STEPS --edit-steps $ESTEPS --out $R/mix.jsonl
 
-config() {  # prefetch
+config() {  # prefetch [settings-file]: with a settings file, no per-engine settings keys
   local dev=cuda dt=bf16 vdt=bf16 edt=fp16
+  local preset='settings = "cuda"' engine=""
+  if [ -n "${2:-}" ]; then preset=""; engine="settings_file = \"$2\""; fi
   cat <<TOML
 worker_id = "bench"
 prefetch = $1
 hash_cache_dir = "$M/hashes"
 [model_cache]
 dir = "$M/model-cache"
+[engine]
+$engine
 [engine.sdxl]
 checkpoint = "$M/sdxl"
 device = "$dev"
 dtype = "$dt"
 vae_dtype = "$vdt"
 warm_up = [[$WARM, $WARM]]
-settings = "cuda"
+$preset
 [engine.qwen_edit]
 transformer = "$M/qwen/transformer_fp8_e4m3fn.safetensors"
 text_encoder = "$M/qwen/text_encoder_fp8_scaled.safetensors"
@@ -92,18 +100,32 @@ device = "$dev"
 dtype = "$dt"
 vae_dtype = "$vdt"
 warm_up = [[$WARM, $WARM]]
+$preset
 $QCFG
 [engine.esrgan]
 model = "$ESR"
 device = "$dev"
 dtype = "$edt"
-settings = "cuda"
+$preset
 TOML
 }
 
+SETTINGS=
+if [ "${CHECK:-0}" = 1 ]; then
+  config 1 none | grep -v '^settings_file\|^settings = ' > "$R/check.toml"
+  local c0=$(date +%s.%N)
+  local q=; [ "$MODE" = tiny ] && q=--quick
+  timeout 300 $W check --config "$R/check.toml" --out "$R/check" $q > "$R/check.txt" 2> "$R/check.log"
+  echo "check rc=$? in $(python3 -c "import time; print(round(time.time() - $c0, 1))") s" | tee -a "$R/times.txt"
+  grep -i 'chosen\|FAIL\|settings file' "$R/check.txt" | cut -c1-400
+  rm -rf "$R/check/work"
+  [ -f "$R/check/settings.json" ] && SETTINGS=$R/check/settings.json
+  [ -n "$SETTINGS" ] || echo "no settings file: the bench runs the CUDA presets"
+fi
+
 bench() {  # name prefetch work-files...
   local name=$1 pf=$2; shift 2
-  config "$pf" > "$R/worker_$name.toml"
+  config "$pf" "$SETTINGS" > "$R/worker_$name.toml"
   local s; s=$(sample "$name")
   local start=$(date +%s.%N)
   local args=(); for w in "$@"; do args+=(--work "$w"); done
@@ -116,7 +138,7 @@ bench() {  # name prefetch work-files...
 }
 
 local failed=0
-bench pf1 1 $R/studio.jsonl || failed=1
+[ "${PF1:-1}" = 1 ] && { bench pf1 1 $R/studio.jsonl || failed=1; }
 bench pf2 2 $R/studio.jsonl $R/mix.jsonl || failed=1
 
 s=$(sample python)

@@ -20,7 +20,8 @@
 //!   instruction 0, seed 0, cfg 1, output `--size`²): first call and median of `--iters`, with the
 //!   pipeline's stage times; `encode_inputs` of the input alone (median of 5 after one warm-up);
 //!   then for each N of `--variants`: `encode_inputs` once + one `edit` per variant (instruction i,
-//!   seed i). `--save DIR` writes the seed-0 image of the first call as raw RGB8 (`edit.rgb`).
+//!   seed i). `--save DIR` writes the seed-0 image of the first call as raw RGB8 (`edit.rgb`), and
+//!   each variant of the largest N as `variant_{i}.rgb` (the per-image comparison of two settings).
 //! - `components`: the transformer alone (one forward at the edit's shapes: the target's and the
 //!   reference's tokens of a `--size`² edit and `--txt-len` prompt tokens, sigma 0.9) and the VAE
 //!   alone (encode of a `--vae-area` image, decode of a `--size`² latent), untiled.
@@ -29,7 +30,7 @@
 //!   (`bench/trace_breakdown.py` sorts it into kernel classes, as `bench/profile_qwen.py` does
 //!   for diffusers' forward).
 //! - `--kernels SPEC` (both modes): the transformer blocks' kernels ([`parse_kernels`]: `aten`,
-//!   `all`, or `qk+norm+res+gelu+qkv` pieces); `--sweep SPECS` (`components`): the step timed under
+//!   `all`, or `qk+norm+res+gelu+qkv+fp8` pieces); `--sweep SPECS` (`components`): the step timed under
 //!   each spec in one process, twice round, each output compared with the first spec's.
 //! - `--config-dir D`: a diffusers-layout folder with the components' `config.json` (the tiny smoke
 //!   test's sizes); without it the real model's presets, as the studio's files are loaded.
@@ -151,7 +152,8 @@ struct Opts {
 
 /// A `--kernels` spec: `aten` (the portable path), `all`, or pieces joined by `+`: `qk` (q/k
 /// RMSNorm + RoPE into the joint buffers), `norm` (LayerNorm + adaLN), `res` (gated residuals),
-/// `gelu` (GELU in the FF-up epilogue), `qkv` (fused q/k/v projections).
+/// `gelu` (GELU in the FF-up epilogue), `qkv` (fused q/k/v projections), `fp8` (the image
+/// stream's fp8 GEMMs; not part of `all`).
 fn parse_kernels(spec: &str) -> anyhow::Result<BlockKernels> {
     let mut k = BlockKernels::default();
     for piece in spec.split('+') {
@@ -162,6 +164,7 @@ fn parse_kernels(spec: &str) -> anyhow::Result<BlockKernels> {
             "res" => k.gated_residual = NormKernels::Fused,
             "gelu" => k.ff_gelu = FfGelu::Epilogue,
             "qkv" => k.fused_qkv = true,
+            "fp8" => k.fp8_gemm = true,
             "all" => {
                 k = BlockKernels {
                     qk_norm_rope: NormKernels::Fused,
@@ -169,6 +172,7 @@ fn parse_kernels(spec: &str) -> anyhow::Result<BlockKernels> {
                     gated_residual: NormKernels::Fused,
                     ff_gelu: FfGelu::Epilogue,
                     fused_qkv: true,
+                    fp8_gemm: k.fp8_gemm,
                 }
             }
             other => anyhow::bail!("unknown kernel piece {other:?} in {spec:?}"),
@@ -339,6 +343,7 @@ fn pipeline(opts: &Opts) -> anyhow::Result<()> {
     cfg.settings.gated_residual = k.gated_residual;
     cfg.settings.ff_gelu = k.ff_gelu;
     cfg.settings.fused_qkv = k.fused_qkv;
+    cfg.settings.fp8_gemm = k.fp8_gemm;
     println!(
         "{{\"name\": \"settings\", \"settings\": {}}}",
         serde_json::to_string(&cfg.settings)?
@@ -434,6 +439,7 @@ fn pipeline(opts: &Opts) -> anyhow::Result<()> {
     })?;
 
     // N variants of one input: the input set encoded once, then one edit per variant.
+    let most = opts.variants.iter().copied().max().unwrap_or(0);
     for &n in &opts.variants {
         let t0 = now();
         let t = Instant::now();
@@ -447,6 +453,9 @@ fn pipeline(opts: &Opts) -> anyhow::Result<()> {
             sync();
             anyhow::ensure!(images.len() == 1, "edit returned {} images", images.len());
             per.push(format!("{:.3}", tv.elapsed().as_secs_f64()));
+            if let Some(dir) = opts.save.as_ref().filter(|_| n == most) {
+                std::fs::write(dir.join(format!("variant_{i}.rgb")), images[0].as_raw())?;
+            }
         }
         println!(
             "{{\"name\": \"variants_{n}\", \"s\": {:.3}, \"encode_s\": {encode_s:.3}, \"per_variant_s\": [{}], \"t0\": {t0:.3}, \"t1\": {:.3}}}",

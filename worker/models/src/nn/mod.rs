@@ -8,6 +8,7 @@
 
 pub mod cuda_graph;
 pub mod embeddings;
+pub mod fp8;
 pub mod fused;
 pub mod ops;
 pub mod rope;

@@ -5,7 +5,9 @@
 //!   `cat([text, image])` of q, k and v, in one kernel per stream that writes the joint buffers
 //!   SDPA reads (libtorch: eight kernels for each norm, three for each RoPE, three copies).
 //! - [`residual_norm`]: the gated residual `x + gate ⊙ h` and the LayerNorm with the adaLN
-//!   modulation `LN(y) ⊙ (1 + scale) + shift` that follows it, each alone or both in one pass.
+//!   modulation `LN(y) ⊙ (1 + scale) + shift` that follows it, each alone or both in one pass;
+//!   [`residual_norm_fp8`] the same with the normalised rows quantised for an fp8 GEMM.
+//! - [`gelu_fp8`]: a feed-forward's GELU-tanh quantised for the FF-down fp8 GEMM in one pass.
 //!
 //! The kernels compute in fp32 and round each output to bf16 once, so they differ from libtorch's
 //! chain of bf16 operators by rounding only. Anything they do not cover (not CUDA, not bf16, a
@@ -21,6 +23,7 @@ use std::sync::Mutex;
 
 use tch::{Device, Kind, Tensor};
 
+use crate::nn::fp8::RowQuantized;
 use crate::nn::fused::{self, AddLayerNormGrid, NormKernels, arg, cuda_index, u32_of};
 use crate::nn::ops::{self, RtcFunction, WarpWidth};
 use crate::nn::rope::apply_interleaved;
@@ -33,11 +36,15 @@ pub const SOURCE: &str = concat!(
     include_str!("../nn/kernels/qwen_block.cu")
 );
 /// The kernels of [`SOURCE`], in the order [`rtc_build`](ops::rtc_build) returns them.
-pub const NAMES: [&str; 2] = ["qk_norm_rope", "modulated_norm"];
+pub const NAMES: [&str; 3] = ["qk_norm_rope", "modulated_norm", "gelu_quant"];
 /// Widest head `qk_norm_rope` takes (`QK_MAX_PAIRS` pairs in the source).
 pub const MAX_HEAD_DIM: i64 = 256;
 /// Widest row `modulated_norm` takes (`MN_MAX_C8` vectors of 8 in the source).
 pub const MAX_CHANNELS: i64 = 4096;
+/// Widest row `gelu_quant` takes (`GQ_THREADS · GQ_MAXV` vectors of 8 in the source), and its
+/// block size.
+pub const GELU_MAX_CHANNELS: i64 = 16384;
+pub const GELU_THREADS: i64 = 256;
 
 /// Which implementation each piece of the block's elementwise work takes. The portable default
 /// is libtorch's operators throughout.
@@ -55,12 +62,18 @@ pub struct BlockKernels {
     /// Each stream's q, k and v projections as one GEMM over weights concatenated at load (dense
     /// weights only: fp8-resident ones keep three GEMMs).
     pub fused_qkv: bool,
+    /// The image stream's q/k/v (one GEMM), FF-up and FF-down projections as fp8 GEMMs with
+    /// per-channel weight scales and per-token activation scales (`nn::fp8`; CUDA only, fp8
+    /// tensor cores), their inputs quantised by the kernels before them (the modulated norms, the
+    /// GELU). The text stream (211 tokens: no gain measured) and the modulations stay in bf16.
+    pub fp8_gemm: bool,
 }
 
 impl BlockKernels {
     /// Whether any piece needs the kernels of this module compiled.
     pub fn any_fused(&self) -> bool {
-        [self.qk_norm_rope, self.ada_norm, self.gated_residual].contains(&NormKernels::Fused)
+        self.fp8_gemm
+            || [self.qk_norm_rope, self.ada_norm, self.gated_residual].contains(&NormKernels::Fused)
     }
 }
 
@@ -68,6 +81,7 @@ impl BlockKernels {
 struct Kernels {
     qk_norm_rope: RtcFunction,
     modulated_norm: RtcFunction,
+    gelu_quant: RtcFunction,
     warp: WarpWidth,
 }
 
@@ -84,6 +98,7 @@ fn kernels(device: usize) -> Result<Kernels, String> {
     let k = Kernels {
         qk_norm_rope: module.functions[0],
         modulated_norm: module.functions[1],
+        gelu_quant: module.functions[2],
         warp: module.warp,
     };
     map.insert(device, k);
@@ -306,6 +321,57 @@ pub fn residual_norm(
     eps: f64,
     kernels_choice: BlockKernels,
 ) -> (Tensor, Option<Tensor>) {
+    let (y, normed) = residual_norm_to(x, residual, modulation, eps, kernels_choice, Out::Bf16);
+    (
+        y,
+        normed.map(|n| match n {
+            Normed::Bf16(t) => t,
+            Normed::Fp8(_) => unreachable!("bf16 was asked for"),
+        }),
+    )
+}
+
+/// [`residual_norm`] with the modulated norm quantised per row for an fp8 GEMM: by the kernel in
+/// the same pass where `ada_norm` is fused and the tensors are covered, else the bf16 result
+/// quantised by libtorch's operators ([`RowQuantized::of`]).
+pub fn residual_norm_fp8(
+    x: &Tensor,
+    residual: Option<(&Tensor, &Tensor)>,
+    modulation: (&Tensor, &Tensor),
+    eps: f64,
+    kernels_choice: BlockKernels,
+) -> (Tensor, RowQuantized) {
+    let (y, normed) =
+        residual_norm_to(x, residual, Some(modulation), eps, kernels_choice, Out::Fp8);
+    let q = match normed.expect("a modulation was passed") {
+        Normed::Fp8(q) => q,
+        Normed::Bf16(t) => RowQuantized::of(&t),
+    };
+    (y, q)
+}
+
+/// What the modulated norm is written as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Out {
+    Bf16,
+    /// e4m3fn with per-row scales, where the kernel writes it (else bf16, quantised by the caller).
+    Fp8,
+}
+
+#[derive(Debug)]
+enum Normed {
+    Bf16(Tensor),
+    Fp8(RowQuantized),
+}
+
+fn residual_norm_to(
+    x: &Tensor,
+    residual: Option<(&Tensor, &Tensor)>,
+    modulation: Option<(&Tensor, &Tensor)>,
+    eps: f64,
+    kernels_choice: BlockKernels,
+    out: Out,
+) -> (Tensor, Option<Normed>) {
     let device = x.device();
     let size = x.size();
     let (b, c) = (size[0], *size.last().expect("a last dim"));
@@ -327,7 +393,7 @@ pub fn residual_norm(
         && residual.map(|(_, gate)| gate.stride()) == modulation.map(|(shift, _)| shift.stride());
     let (y, normed) = match (residual, cuda.filter(|_| fuse_res)) {
         (Some(r), Some(index)) => {
-            launch_modulated_norm(index, x, Some(r), modulation.filter(|_| both), eps)
+            launch_modulated_norm(index, x, Some(r), modulation.filter(|_| both), eps, out)
         }
         (Some((h, gate)), _) => (x + gate.unsqueeze(1) * h, None),
         (None, _) => (x.shallow_clone(), None),
@@ -339,12 +405,12 @@ pub fn residual_norm(
         return (y, Some(n));
     }
     let normed = match cuda.filter(|_| fuse_norm && rows_ok(&y, device)) {
-        Some(index) => launch_modulated_norm(index, &y, None, Some((shift, scale)), eps)
+        Some(index) => launch_modulated_norm(index, &y, None, Some((shift, scale)), eps, out)
             .1
             .expect("a modulation was passed"),
-        None => {
-            layer_norm_without_affine(&y, c, eps) * (scale.unsqueeze(1) + 1.0) + shift.unsqueeze(1)
-        }
+        None => Normed::Bf16(
+            layer_norm_without_affine(&y, c, eps) * (scale.unsqueeze(1) + 1.0) + shift.unsqueeze(1),
+        ),
     };
     (y, Some(normed))
 }
@@ -358,33 +424,46 @@ fn launch_modulated_norm(
     residual: Option<(&Tensor, &Tensor)>,
     modulation: Option<(&Tensor, &Tensor)>,
     eps: f64,
-) -> (Tensor, Option<Tensor>) {
+    out: Out,
+) -> (Tensor, Option<Normed>) {
     let kern = compiled(index);
     let size = x.size();
     let (s, c) = (size[1], size[2]);
     let rows = size[0] * s;
     let y = residual.map(|_| x.empty_like());
-    let normed = modulation.map(|_| x.empty_like());
     let null = std::ptr::null_mut();
+    let normed = modulation.map(|_| match out {
+        Out::Bf16 => Normed::Bf16(x.empty_like()),
+        Out::Fp8 => Normed::Fp8(RowQuantized {
+            values: Tensor::empty(size.as_slice(), (Kind::Float8e4m3fn, x.device())),
+            scale: Tensor::empty([size[0], s, 1], (Kind::Float, x.device())),
+        }),
+    });
+    let (mut pnorm, mut pq8, mut pqscale) = match &normed {
+        None => (null, null, null),
+        Some(Normed::Bf16(t)) => (t.data_ptr(), null, null),
+        Some(Normed::Fp8(q)) => (null, q.values.data_ptr(), q.scale.data_ptr()),
+    };
     let mut px = x.data_ptr();
     let (mut ph, mut pgate) = residual.map_or((null, null), |(h, g)| (h.data_ptr(), g.data_ptr()));
     let mut pres = y.as_ref().map_or(null, |t| t.data_ptr());
     let (mut pshift, mut pscale) =
         modulation.map_or((null, null), |(sh, sc)| (sh.data_ptr(), sc.data_ptr()));
-    let mut pnorm = normed.as_ref().map_or(null, |t| t.data_ptr());
     let mut mod_stride = residual
         .map(|(_, g)| g.stride()[0])
         .or(modulation.map(|(sh, _)| sh.stride()[0]))
         .unwrap_or(0);
     let (mut rows64, mut s32, mut c32, mut eps32) = (rows, s as i32, c as i32, eps as f32);
     let grid = AddLayerNormGrid::new(rows, kern.warp);
-    // SAFETY: `modulated_norm(x, h, gate, res_out, shift, scale, norm_out, rows, S, C,
-    // mod_stride, eps)`: x, h, res_out and norm_out are contiguous bf16 [B, S, C] tensors on the
-    // device (res_out and norm_out empty_like x), 16-byte aligned, C a multiple of 8 and at most
-    // MAX_CHANNELS (rows_ok); gate, shift and scale [B, C] bf16 with dense, 16-byte aligned rows
-    // `mod_stride` elements apart (mod_term_ok, strides compared by the caller); null where a
-    // part is not asked for, which the kernel tests. One warp per row (AddLayerNormGrid). All live
-    // past the launch.
+    // SAFETY: `modulated_norm(x, h, gate, res_out, shift, scale, norm_out, norm_q8, norm_scale,
+    // rows, S, C, mod_stride, eps)`: x, h, res_out and norm_out are contiguous bf16 [B, S, C]
+    // tensors on the device (res_out and norm_out empty_like x), 16-byte aligned, C a multiple of
+    // 8 and at most MAX_CHANNELS (rows_ok); norm_q8 a fresh contiguous e4m3fn [B, S, C] tensor and
+    // norm_scale a fresh fp32 [B, S, 1] one (fresh allocations: 16-byte aligned), given instead of
+    // norm_out; gate, shift and scale [B, C] bf16 with dense, 16-byte aligned rows `mod_stride`
+    // elements apart (mod_term_ok, strides compared by the caller); null where a part is not
+    // asked for, which the kernel tests. One warp per row (AddLayerNormGrid). All live past the
+    // launch.
     #[allow(unsafe_code)]
     unsafe {
         fused::launch(
@@ -401,6 +480,8 @@ fn launch_modulated_norm(
                 arg(&mut pshift),
                 arg(&mut pscale),
                 arg(&mut pnorm),
+                arg(&mut pq8),
+                arg(&mut pqscale),
                 arg(&mut rows64),
                 arg(&mut s32),
                 arg(&mut c32),
@@ -410,4 +491,46 @@ fn launch_modulated_norm(
         )
     }
     (y.unwrap_or_else(|| x.shallow_clone()), normed)
+}
+
+/// GELU-tanh of a feed-forward's hidden state `h` (`[…, C]`, the FF-up GEMM's output), quantised
+/// per row for the FF-down fp8 GEMM: one kernel pass on CUDA where `h` is contiguous bf16 with C a
+/// multiple of 8 up to [`GELU_MAX_CHANNELS`]; libtorch's GELU and [`RowQuantized::of`] otherwise.
+pub fn gelu_fp8(h: &Tensor) -> RowQuantized {
+    let size = h.size();
+    let c = *size.last().expect("a last dim");
+    let covered = h.kind() == Kind::BFloat16
+        && h.is_contiguous()
+        && c % 8 == 0
+        && c <= GELU_MAX_CHANNELS
+        && aligned(h, 16);
+    let Some(index) = cuda_index(h).filter(|_| covered) else {
+        return RowQuantized::of(&h.gelu("tanh"));
+    };
+    let kern = compiled(index);
+    let rows: i64 = size[..size.len() - 1].iter().product();
+    let mut scale_shape = size.clone();
+    *scale_shape.last_mut().expect("a last dim") = 1;
+    let q = RowQuantized {
+        values: Tensor::empty(size.as_slice(), (Kind::Float8e4m3fn, h.device())),
+        scale: Tensor::empty(scale_shape.as_slice(), (Kind::Float, h.device())),
+    };
+    let (mut px, mut pq, mut ps) = (h.data_ptr(), q.values.data_ptr(), q.scale.data_ptr());
+    let mut c32 = c as i32;
+    // SAFETY: `gelu_quant(x, q8, qscale, C)`: x is contiguous bf16 [rows, C] on the device,
+    // 16-byte aligned, C a multiple of 8 and at most GELU_MAX_CHANNELS (checked above); q8 a
+    // fresh contiguous e4m3fn tensor of the same shape and qscale a fresh fp32 [rows] one; one
+    // block of GELU_THREADS threads (the source's GQ_THREADS) per row. All live past the launch.
+    #[allow(unsafe_code)]
+    unsafe {
+        fused::launch(
+            kern.gelu_quant,
+            index,
+            (u32_of(rows), 1),
+            (u32_of(GELU_THREADS), 1),
+            0,
+            &mut [arg(&mut px), arg(&mut pq), arg(&mut ps), arg(&mut c32)],
+        )
+    }
+    q
 }

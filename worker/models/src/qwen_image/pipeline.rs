@@ -238,7 +238,8 @@ fn vae_config(config: &QwenEditConfig) -> Result<QwenVaeConfig, LoadError> {
 }
 
 /// The transformer of `c`'s shape from the configured weights (blocks past `c.num_layers` are
-/// not read), without LoRAs.
+/// not read), without LoRAs and with libtorch's operators (the caller sets the block kernels once
+/// its weights are final: fused q/k/v and fp8 copies are made from them).
 fn load_transformer(
     config: &QwenEditConfig,
     c: &QwenImageTransformerConfig,
@@ -253,14 +254,12 @@ fn load_transformer(
         config.device,
         config.dtype,
     );
-    let mut transformer = QwenImageTransformer2DModel::new(&w, c, config.settings.attention)?;
-    set_block_kernels(&mut transformer, config)?;
-    Ok(transformer)
+    QwenImageTransformer2DModel::new(&w, c, config.settings.attention)
 }
 
 /// The settings' block kernels on `transformer`: refused where the binary lacks the shim, fused
-/// kernels compiled now, the q/k/v projections fused into one GEMM (again after LoRAs replaced
-/// weights: the pipeline calls this after fusing load-time LoRAs).
+/// kernels compiled now, the q/k/v projections fused into one GEMM and the fp8 copies made (the
+/// pipeline calls this once the load-time LoRAs are fused).
 fn set_block_kernels(
     transformer: &mut QwenImageTransformer2DModel,
     config: &QwenEditConfig,
@@ -325,9 +324,8 @@ impl QwenEditPipeline {
                 let applied =
                     apply_loras(&mut transformer, &config.loras).map_err(lora_load_error)?;
                 drop(applied);
-                // The LoRAs replaced fused q/k/v weights: fuse them again.
-                set_block_kernels(&mut transformer, config)?;
             }
+            set_block_kernels(&mut transformer, config)?;
             Ok(transformer)
         };
         let load_text_encoder = || -> Result<QwenTextEncoder, LoadError> {
@@ -410,7 +408,9 @@ impl QwenEditPipeline {
     ) -> Result<QwenImageTransformer2DModel, LoadError> {
         let mut c = transformer_config(config)?;
         c.num_layers = c.num_layers.min(blocks as i64);
-        load_transformer(config, &c)
+        let mut transformer = load_transformer(config, &c)?;
+        set_block_kernels(&mut transformer, config)?;
+        Ok(transformer)
     }
 
     /// The VAE alone, from the configured files, on `config.device` in `config.vae_dtype`.
@@ -440,9 +440,10 @@ impl QwenEditPipeline {
                 }],
             )
             .map_err(GenerateError::from)?;
-        // The LoRAs replaced (or restored) q/k/v weights: fused again where asked.
+        // The LoRAs replaced (or restored) weights: q/k/v fused and fp8 copies made again where
+        // asked.
         let kernels = self.transformer.block_kernels();
-        if kernels.fused_qkv {
+        if kernels.fused_qkv || kernels.fp8_gemm {
             self.set_block_kernels(kernels)
                 .map_err(GenerateError::InvalidRequest)?;
         }
@@ -463,6 +464,7 @@ impl QwenEditPipeline {
         self.config.settings.gated_residual = kernels.gated_residual;
         self.config.settings.ff_gelu = kernels.ff_gelu;
         self.config.settings.fused_qkv = kernels.fused_qkv;
+        self.config.settings.fp8_gemm = kernels.fp8_gemm;
         Ok(())
     }
 

@@ -34,9 +34,12 @@ use crate::loading::diffusers::component_store;
 use crate::loading::safetensors::SafetensorsFile;
 use crate::loading::weights::{WeightStore, Weights};
 use crate::nn::embeddings::timestep_features;
+use crate::nn::fp8::Fp8Linear;
 use crate::nn::{AttentionImpl, FfGelu, Linear, RmsNorm, attention};
 use crate::nn::{layer_norm_without_affine, linear_gelu_epilogue};
-use crate::qwen_image::kernels::{BlockKernels, StreamQkv, joint_qkv, residual_norm};
+use crate::qwen_image::kernels::{
+    BlockKernels, StreamQkv, gelu_fp8, joint_qkv, residual_norm, residual_norm_fp8,
+};
 use crate::qwen_image::rope::{ImageShape, QwenEmbedRope, RopeTables};
 
 /// Key prefixes of single-file checkpoints, stripped by [`transformer_store`] (ComfyUI's full
@@ -444,7 +447,7 @@ impl JointAttention {
     /// Returns `(image output, text output)`. `mask` is the additive joint mask `[B, 1, 1, L+N]`.
     fn forward(
         &self,
-        img: &Tensor,
+        img: ImageIn<'_>,
         txt: &Tensor,
         rope: &RopeTables,
         mask: Option<&Tensor>,
@@ -452,11 +455,14 @@ impl JointAttention {
         kernels: BlockKernels,
     ) -> (Tensor, Tensor) {
         let seq_txt = txt.size()[1];
-        let [img_q, img_k, img_v] = project_qkv(
-            self.img_qkv.as_ref(),
-            [&self.to_q, &self.to_k, &self.to_v],
-            img,
-        );
+        let [img_q, img_k, img_v] = match img {
+            ImageIn::Hidden(x) => project_qkv(
+                self.img_qkv.as_ref(),
+                [&self.to_q, &self.to_k, &self.to_v],
+                x,
+            ),
+            ImageIn::Projected(qkv) => qkv,
+        };
         let [txt_q, txt_k, txt_v] = project_qkv(
             self.txt_qkv.as_ref(),
             [&self.add_q_proj, &self.add_k_proj, &self.add_v_proj],
@@ -502,6 +508,40 @@ impl JointAttention {
     }
 }
 
+/// The image stream's input to the joint attention: its normalised hidden state, which the
+/// attention projects, or q, k and v already projected (by the fp8 GEMM).
+enum ImageIn<'a> {
+    Hidden(&'a Tensor),
+    Projected([Tensor; 3]),
+}
+
+/// The image stream's q/k/v (one GEMM), FF-up and FF-down projections as fp8 GEMMs
+/// ([`BlockKernels::fp8_gemm`]), made from the block's Linears by
+/// [`QwenImageTransformer2DModel::set_block_kernels`] and used while those still hold the weights
+/// they were made from.
+#[derive(Debug)]
+struct ImageFp8 {
+    qkv: Fp8Linear,
+    ff_up: Fp8Linear,
+    ff_down: Fp8Linear,
+}
+
+impl ImageFp8 {
+    fn of(attn: &JointAttention, mlp: &FeedForward) -> Option<Self> {
+        Some(Self {
+            qkv: Fp8Linear::of(&[&attn.to_q, &attn.to_k, &attn.to_v])?,
+            ff_up: Fp8Linear::of(&[&mlp.proj_in])?,
+            ff_down: Fp8Linear::of(&[&mlp.proj_out])?,
+        })
+    }
+
+    fn current(&self, attn: &JointAttention, mlp: &FeedForward) -> bool {
+        self.qkv.made_from(&[&attn.to_q, &attn.to_k, &attn.to_v])
+            && self.ff_up.made_from(&[&mlp.proj_in])
+            && self.ff_down.made_from(&[&mlp.proj_out])
+    }
+}
+
 /// `(shift, scale, gate)` `[B, dim]` each, from one third-split of a modulation `[B, 3*dim]`
 /// (views of it, in place).
 fn mod_terms(params: &Tensor) -> [Tensor; 3] {
@@ -522,6 +562,8 @@ struct QwenImageTransformerBlock {
     img_mlp: FeedForward,
     txt_mlp: FeedForward,
     eps: f64,
+    /// The image stream's fp8 GEMMs, where [`BlockKernels::fp8_gemm`] made them.
+    img_fp8: Option<ImageFp8>,
 }
 
 impl QwenImageTransformerBlock {
@@ -534,7 +576,27 @@ impl QwenImageTransformerBlock {
             img_mlp: FeedForward::new(&w.pp("img_mlp"), dim, dim * c.mlp_ratio)?,
             txt_mlp: FeedForward::new(&w.pp("txt_mlp"), dim, dim * c.mlp_ratio)?,
             eps: c.norm_eps,
+            img_fp8: None,
         })
+    }
+
+    /// Makes (`on`) or drops the image stream's fp8 GEMMs; kept where still made from the current
+    /// weights. Returns whether the block has them.
+    fn prepare_fp8(&mut self, on: bool) -> bool {
+        if !on {
+            self.img_fp8 = None;
+            return false;
+        }
+        if !self
+            .img_fp8
+            .as_ref()
+            .is_some_and(|f| f.current(&self.attn, &self.img_mlp))
+        {
+            // Dropped first: the stale copy's memory serves the new one.
+            self.img_fp8 = None;
+            self.img_fp8 = ImageFp8::of(&self.attn, &self.img_mlp);
+        }
+        self.img_fp8.is_some()
     }
 
     /// Returns `(text, image)` hidden states, like the reference.
@@ -562,20 +624,49 @@ impl QwenImageTransformerBlock {
                 .expect("a modulation was passed")
         };
 
-        let img_in = norm(img, &img_shift1, &img_scale1);
+        // The image stream's fp8 GEMMs where made, current, and the token count is one they take.
+        let size = img.size();
+        let fp8 = self.img_fp8.as_ref().filter(|f| {
+            kernels.fp8_gemm
+                && img.device().is_cuda()
+                && Fp8Linear::takes_rows(size[0] * size[1])
+                && f.current(&self.attn, &self.img_mlp)
+        });
         let txt_in = norm(txt, &txt_shift1, &txt_scale1);
-        let (img_attn, txt_attn) = self
-            .attn
-            .forward(&img_in, &txt_in, rope, mask, imp, kernels);
+        let (img_attn, txt_attn) = match fp8 {
+            Some(f) => {
+                let x = residual_norm_fp8(img, None, (&img_shift1, &img_scale1), eps, kernels).1;
+                let qkv = f.qkv.forward(&x);
+                let inner = qkv.size()[2] / 3;
+                let part = |i: i64| qkv.narrow(-1, i * inner, inner);
+                let projected = ImageIn::Projected([part(0), part(1), part(2)]);
+                self.attn
+                    .forward(projected, &txt_in, rope, mask, imp, kernels)
+            }
+            None => {
+                let img_in = norm(img, &img_shift1, &img_scale1);
+                self.attn
+                    .forward(ImageIn::Hidden(&img_in), &txt_in, rope, mask, imp, kernels)
+            }
+        };
         // The gated residual of the attention and LayerNorm 2 with its modulation (one pass where
-        // both are fused).
-        let (img, img_in) = residual_norm(
-            img,
-            Some((&img_attn, &img_gate1)),
-            Some((&img_shift2, &img_scale2)),
-            eps,
-            kernels,
-        );
+        // both are fused), then the feed-forward.
+        let img_residual = Some((&img_attn, &img_gate1));
+        let img_modulation = (&img_shift2, &img_scale2);
+        let (img, img_ff) = match fp8 {
+            Some(f) => {
+                let (img, x) = residual_norm_fp8(img, img_residual, img_modulation, eps, kernels);
+                let hidden = f.ff_up.forward(&x);
+                (img, f.ff_down.forward(&gelu_fp8(&hidden)))
+            }
+            None => {
+                let (img, img_in) =
+                    residual_norm(img, img_residual, Some(img_modulation), eps, kernels);
+                let img_in = img_in.expect("a modulation was passed");
+                let img_ff = self.img_mlp.forward(&img_in, kernels.ff_gelu);
+                (img, img_ff)
+            }
+        };
         let (txt, txt_in) = residual_norm(
             txt,
             Some((&txt_attn, &txt_gate1)),
@@ -583,11 +674,7 @@ impl QwenImageTransformerBlock {
             eps,
             kernels,
         );
-        let (img_in, txt_in) = (
-            img_in.expect("a modulation was passed"),
-            txt_in.expect("a modulation was passed"),
-        );
-        let img_ff = self.img_mlp.forward(&img_in, kernels.ff_gelu);
+        let txt_in = txt_in.expect("a modulation was passed");
         let (img, _) = residual_norm(&img, Some((&img_ff, &img_gate2)), None, eps, kernels);
         let txt_ff = self.txt_mlp.forward(&txt_in, kernels.ff_gelu);
         let (txt, _) = residual_norm(&txt, Some((&txt_ff, &txt_gate2)), None, eps, kernels);
@@ -687,8 +774,19 @@ impl QwenImageTransformer2DModel {
             crate::qwen_image::kernels::prepare(self.pos_embed.device())?;
         }
         let _guard = tch::no_grad_guard();
+        let fp8 = kernels.fp8_gemm;
+        if fp8 {
+            Fp8Linear::probe(self.pos_embed.device())?;
+        }
         for block in &mut self.transformer_blocks {
             block.attn.fuse_qkv(kernels.fused_qkv);
+            if !block.prepare_fp8(fp8) && fp8 {
+                return Err(
+                    "fp8_gemm: the image stream's projections are not fp8-shaped (widths \
+                     multiples of 16, each with a bias)"
+                        .into(),
+                );
+            }
         }
         self.kernels = kernels;
         Ok(())

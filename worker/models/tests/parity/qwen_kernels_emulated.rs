@@ -12,7 +12,10 @@
 //! ones (136 channels per head: 68 pairs, a 64-lane wavefront's second pass on 4 lanes), the widest
 //! covered (256, 4096), two samples, a fused-QKV layout (q, k, v read from one `[B, S, 3·H·D]`
 //! tensor), two streams written into one joint buffer (the second launch must leave the first's
-//! rows alone), the gated residual and the modulation alone and together.
+//! rows alone), the gated residual and the modulation alone and together; the modulation's output
+//! quantised for an fp8 GEMM (e4m3fn with per-row scales: each byte equal to libtorch's cast of the
+//! kernel's own bf16 output at the kernel's scale) and the feed-forward's GELU quantised so (within
+//! fp8's rounding of libtorch's GELU-tanh).
 //!
 //! Mutations checked by hand (2026-12-04, the same emulator against torch's fp32 operators): a
 //! reduction starting at `o = 16` instead of `VN_WARP / 2` fails at 64 lanes (the q/k norm: max
@@ -40,6 +43,53 @@ enum Shuffle {
 fn qwen_block_kernels_match_libtorch_in_emulation_with_32_lane_warps() {
     check(WarpWidth::Lanes32, Shuffle::Cuda);
     check(WarpWidth::Lanes32, Shuffle::Hip);
+}
+
+/// The prelude's e4m3fn conversion against libtorch's cast, byte for byte, on every exact tie
+/// between two e4m3fn neighbours (normal and subnormal, both signs: round to nearest even), values
+/// next to them, zeros, the range's ends, and spread values; above 448 it saturates where
+/// libtorch's cast gives NaN from 480 on.
+#[test]
+fn the_kernels_e4m3fn_conversion_rounds_as_libtorch_casts() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let emu = build(dir.path(), WarpWidth::Lanes32, Shuffle::Cuda);
+    // Every e4m3fn value's midpoint with the next one up: all positive finite codes 0..=0x7d.
+    let codes = Tensor::arange_start(0, 0x7f, (Kind::Uint8, tch::Device::Cpu));
+    let grid = codes.view_dtype(Kind::Float8e4m3fn).to_kind(Kind::Float);
+    let lo = grid.narrow(0, 0, 0x7e);
+    let hi = grid.narrow(0, 1, 0x7e);
+    let ties = (&lo + &hi) / 2.0;
+    let near = Tensor::cat(&[&ties * (1.0 + 1e-6), &ties * (1.0 - 1e-6)], 0);
+    let spread = values(&[4096], 81, 300.0, 0.0).to_kind(Kind::Float);
+    let small = values(&[4096], 82, 0.02, 0.0).to_kind(Kind::Float);
+    let edges = Tensor::from_slice(&[0.0f32, 448.0, 447.99, 2f32.powi(-6), 2f32.powi(-10), 1e-30]);
+    let positive = Tensor::cat(&[ties, near, spread.abs(), small.abs(), edges], 0);
+    let all = Tensor::cat(&[&positive, &(-&positive)], 0);
+    let n = all.size()[0];
+    write(dir.path(), "f.bin", &all);
+    run(
+        &emu,
+        &[
+            "e4m3".into(),
+            dir.path().display().to_string(),
+            n.to_string(),
+        ],
+        "e4m3",
+    );
+    let got = read(dir.path(), "q8.bin", &[n], Kind::Uint8);
+    let want = all.to_kind(Kind::Float8e4m3fn).view_dtype(Kind::Uint8);
+    let differ = want.ne_tensor(&got).sum(Kind::Int64).int64_value(&[]);
+    assert_eq!(differ, 0, "{differ} of {n} values convert differently");
+    // Saturation: 449 and 1e9 are ±448 (0x7e / 0xfe), not NaN.
+    let big = Tensor::from_slice(&[449.0f32, 1e9, -500.0]);
+    write(dir.path(), "f.bin", &big);
+    run(
+        &emu,
+        &["e4m3".into(), dir.path().display().to_string(), "3".into()],
+        "e4m3",
+    );
+    let got: Vec<u8> = Vec::try_from(read(dir.path(), "q8.bin", &[3], Kind::Uint8)).unwrap();
+    assert_eq!(got, [0x7e, 0x7e, 0xfe]);
 }
 
 #[test]
@@ -76,6 +126,15 @@ fn check(warp: WarpWidth, shuffle: Shuffle) {
         (1, 11, 1280, true, true),
     ] {
         mn_case(&emu, dir.path(), warp, (b, s, c), res, norm, &what);
+    }
+    // (B, tokens, channels, residual): the modulation quantised for fp8.
+    for (b, s, c, res) in [(1, 9, 3072, true), (2, 5, 64, false), (1, 3, 136, true)] {
+        mn_fp8_case(&emu, dir.path(), warp, (b, s, c), res, &what);
+    }
+    // (rows, channels): a row of the real model's FF hidden state (12288), a ragged one, the
+    // widest covered, and one row of zeros among others.
+    for (rows, c, zero_row) in [(3, 12288, false), (5, 200, true), (1, 16384, false)] {
+        gq_case(&emu, dir.path(), (rows, c), zero_row, &what);
     }
 }
 
@@ -376,5 +435,114 @@ fn mn_case(
             max32 <= ONE_ROUNDING && max16 <= BF16_CHAIN,
             "{case}, norm: max rel err {max32:.2e} vs fp32 (mean {mean32:.2e}), {max16:.2e} vs bf16 (mean {mean16:.2e})"
         );
+    }
+}
+
+/// e4m3fn bytes as fp32 values (libtorch's cast from the 8-bit kind).
+fn fp8_values(bytes: &Tensor) -> Tensor {
+    bytes.view_dtype(Kind::Float8e4m3fn).to_kind(Kind::Float)
+}
+
+/// A quantised row set against the values it stands for: every element within fp8's rounding
+/// (half a unit in the last of 3 mantissa bits, 2⁻⁴ relative; subnormals below 2⁻⁶ · scale a
+/// fixed 2⁻¹⁰ · scale) and bf16's before it, and the scales the rows' largest magnitudes over 448.
+fn assert_quantised(q8: &Tensor, qs: &Tensor, want: &Tensor, case: &str) {
+    let c = *want.size().last().expect("a last dim");
+    let want = want.to_kind(Kind::Float).view([-1, c]);
+    let qs = qs.view([-1, 1]);
+    let got = fp8_values(&q8.view([-1, c])) * &qs;
+    let amax = want.abs().amax([1], true);
+    let expected_scale = (&amax / 448.0).where_self(&amax.gt(0.0), &amax.ones_like());
+    let scale_err = ((&qs - &expected_scale).abs() / &expected_scale)
+        .max()
+        .double_value(&[]);
+    assert!(
+        scale_err <= 1.0 / 128.0,
+        "{case}: scale off by {scale_err:.2e}"
+    );
+    let bound = want.abs() * (1.0 / 16.0 + 1.0 / 128.0) + &qs * (1.0 / 512.0);
+    let excess = ((&got - &want).abs() - bound).max().double_value(&[]);
+    assert!(
+        excess <= 0.0,
+        "{case}: a value beyond fp8 rounding by {excess:.2e}"
+    );
+    let rel =
+        ((&got - &want).abs().sum(Kind::Double) / want.abs().sum(Kind::Double)).double_value(&[]);
+    assert!(rel < 0.04, "{case}: mean relative error {rel:.2e}");
+}
+
+fn mn_fp8_case(
+    emu: &Path,
+    dir: &Path,
+    warp: WarpWidth,
+    (b, s, c): (i64, i64, i64),
+    with_res: bool,
+    what: &str,
+) {
+    let case = format!("mn fp8 B={b} S={s} C={c} residual={with_res} at {what}");
+    let x = values(&[b, s, c], 61, 4.0, 0.3);
+    let h = values(&[b, s, c], 62, 2.0, -0.1);
+    let m = values(&[b, 6 * c], 63, 0.8, 0.05);
+    write(dir, "x.bin", &x);
+    write(dir, "h.bin", &h);
+    write(dir, "mod.bin", &m);
+    let grid = AddLayerNormGrid::new(b * s, warp);
+    let args = |flags: i64| -> Vec<String> {
+        ["mn".to_string(), dir.display().to_string()]
+            .into_iter()
+            .chain(
+                [b, s, c, 6 * c, 5 * c, 3 * c, 4 * c, flags]
+                    .iter()
+                    .map(i64::to_string),
+            )
+            .chain([format!("{:e}", 1e-6)])
+            .chain([grid.blocks, grid.threads].iter().map(i64::to_string))
+            .collect()
+    };
+    let res = i64::from(with_res);
+    run(emu, &args(res | 2), &case);
+    let bf16 = read(dir, "norm.bin", &[b, s, c], Kind::BFloat16);
+    run(emu, &args(res | 2 | 4), &case);
+    let q8 = read(dir, "q8.bin", &[b, s, c], Kind::Uint8);
+    let qs = read(dir, "qs.bin", &[b * s], Kind::Float);
+    // Byte for byte: the kernel quantises its own bf16 row at its scale as libtorch's cast does
+    // (round to nearest even; nothing here exceeds 448).
+    let want = (bf16.to_kind(Kind::Float).view([b * s, c]) * qs.view([-1, 1]).reciprocal())
+        .to_kind(Kind::Float8e4m3fn)
+        .view_dtype(Kind::Uint8);
+    let differ = want
+        .ne_tensor(&q8.view([b * s, c]))
+        .sum(Kind::Int64)
+        .int64_value(&[]);
+    assert_eq!(
+        differ, 0,
+        "{case}: {differ} bytes differ from libtorch's cast"
+    );
+    assert_quantised(&q8, &qs, &bf16, &case);
+}
+
+fn gq_case(emu: &Path, dir: &Path, (rows, c): (i64, i64), zero_row: bool, what: &str) {
+    let case = format!("gelu_quant rows={rows} C={c} zero row={zero_row} at {what}");
+    let h = values(&[rows, c], 71, 5.0, -0.5);
+    if zero_row {
+        let _ = h.get(1).fill_(0.0);
+    }
+    write(dir, "h.bin", &h);
+    let threads = vnfarm_models::qwen_image::kernels::GELU_THREADS;
+    run(
+        emu,
+        &["gq".to_string(), dir.display().to_string()]
+            .into_iter()
+            .chain([rows, c, threads].iter().map(i64::to_string))
+            .collect::<Vec<_>>(),
+        &case,
+    );
+    let q8 = read(dir, "q8.bin", &[rows, c], Kind::Uint8);
+    let qs = read(dir, "qs.bin", &[rows], Kind::Float);
+    let want = h.to_kind(Kind::Float).gelu("tanh");
+    assert_quantised(&q8, &qs, &want, &case);
+    if zero_row {
+        let zeros = fp8_values(&q8.get(1)).abs().max().double_value(&[]);
+        assert_eq!(zeros, 0.0, "{case}: a row of zeros quantises to zeros");
     }
 }

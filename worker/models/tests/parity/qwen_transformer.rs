@@ -157,6 +157,7 @@ fn every_block_kernel_setting_matches_diffusers_on_the_cpu() {
         gated_residual: NormKernels::Fused,
         ff_gelu: FfGelu::Epilogue,
         fused_qkv: true,
+        fp8_gemm: false,
     };
     for (source, fp8) in [
         (Source::Folder, Fp8Mode::Upcast),

@@ -58,6 +58,8 @@ __device__ __forceinline__ float __expf(float x) { return __builtin_expf(x); }
 __device__ __forceinline__ float rsqrtf(float x) { return __builtin_amdgcn_rsqf(x); }
 __device__ __forceinline__ double sqrt(double x) { return __builtin_sqrt(x); }
 __device__ __forceinline__ int min(int a, int b) { return a < b ? a : b; }
+__device__ __forceinline__ float fmaxf(float a, float b) { return __builtin_fmaxf(a, b); }
+__device__ __forceinline__ float rintf(float x) { return __builtin_rintf(x); }
 
 __device__ __forceinline__ float __shfl_xor(float var, int lane_mask, int width) {
   const int self = __builtin_amdgcn_mbcnt_hi(~0u, __builtin_amdgcn_mbcnt_lo(~0u, 0u));

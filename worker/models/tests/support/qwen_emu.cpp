@@ -10,7 +10,14 @@
 //   qwen_emu mn DIR B S C MOD_STRIDE GATE SHIFT SCALE FLAGS EPS BLOCKS THREADS
 //     reads x.bin h.bin (bf16 [B, S, C]) and mod.bin (bf16 [B, MOD_STRIDE]; the gate, shift and
 //     scale start at elements GATE, SHIFT, SCALE of it), runs modulated_norm with the residual
-//     (FLAGS bit 0) and the modulation (bit 1), writes res.bin and norm.bin for the parts run.
+//     (FLAGS bit 0) and the modulation (bit 1), writes res.bin and norm.bin for the parts run;
+//     with FLAGS bit 2 the modulation's output quantised instead: q8.bin (e4m3fn [B, S, C]) and
+//     qs.bin (fp32 [B·S]) in place of norm.bin;
+//   qwen_emu e4m3 DIR N
+//     reads f.bin (fp32 [N]), writes q8.bin: the prelude's f2e4m3 of each value;
+//   qwen_emu gq DIR ROWS C THREADS
+//     reads h.bin (bf16 [ROWS, C]), runs gelu_quant on ROWS blocks of THREADS, writes q8.bin
+//     (e4m3fn [ROWS, C]) and qs.bin (fp32 [ROWS]).
 #include <barrier>
 #include <cmath>
 #include <cstdio>
@@ -94,20 +101,59 @@ int main(int argc, char** argv) {
     std::vector<bf16> res(total + 8), norm(total + 8);
     bf16* pres = aligned_copy(kr, res);
     bf16* pnorm = aligned_copy(kn, norm);
-    const bool with_res = flags & 1, with_norm = flags & 2;
+    const bool with_res = flags & 1, with_norm = flags & 2, quantized = flags & 4;
+    std::vector<unsigned char> kq;
+    std::vector<unsigned int> q8((total + 3) / 4 + 4);
+    unsigned int* pq8 = aligned_copy(kq, q8);
+    std::vector<float> qs((size_t)(B * S));
     launch({blocks, 1}, {threads, 1}, [&] {
       modulated_norm(reinterpret_cast<const uint4*>(x),
                      with_res ? reinterpret_cast<const uint4*>(h) : nullptr,
                      with_res ? m + gate : nullptr,
                      with_res ? reinterpret_cast<uint4*>(pres) : nullptr,
                      with_norm ? m + shift : nullptr, with_norm ? m + scale : nullptr,
-                     with_norm ? reinterpret_cast<uint4*>(pnorm) : nullptr, B * S, (int)S, (int)C,
+                     with_norm && !quantized ? reinterpret_cast<uint4*>(pnorm) : nullptr,
+                     with_norm && quantized ? pq8 : nullptr,
+                     with_norm && quantized ? qs.data() : nullptr, B * S, (int)S, (int)C,
                      mod_stride, eps);
     });
     std::memcpy(res.data(), pres, total * sizeof(bf16));
     std::memcpy(norm.data(), pnorm, total * sizeof(bf16));
+    std::memcpy(q8.data(), pq8, total);
     if (with_res) store(dir, "res.bin", res, total);
-    if (with_norm) store(dir, "norm.bin", norm, total);
+    if (with_norm && !quantized) store(dir, "norm.bin", norm, total);
+    if (with_norm && quantized) {
+      std::vector<unsigned char> bytes(total);
+      std::memcpy(bytes.data(), q8.data(), total);
+      store(dir, "q8.bin", bytes, total);
+      store(dir, "qs.bin", qs, (size_t)(B * S));
+    }
+    return 0;
+  }
+  if (kind == "e4m3" && argc == 4) {
+    const size_t count = (size_t)n(1);
+    auto f = load<float>(dir, "f.bin");
+    std::vector<unsigned char> q(count);
+    for (size_t i = 0; i < count; ++i) q[i] = (unsigned char)f2e4m3(f[i]);
+    store(dir, "q8.bin", q, count);
+    return 0;
+  }
+  if (kind == "gq" && argc == 6) {
+    const long rows = n(1), C = n(2);
+    const unsigned threads = (unsigned)n(3);
+    std::vector<unsigned char> kh, kq;
+    bf16* h = aligned_copy(kh, load<bf16>(dir, "h.bin"));
+    const size_t total = (size_t)(rows * C);
+    std::vector<unsigned int> q8(total / 4 + 4);
+    unsigned int* pq8 = aligned_copy(kq, q8);
+    std::vector<float> qs((size_t)rows);
+    launch({(unsigned)rows, 1}, {threads, 1}, [&] {
+      gelu_quant(reinterpret_cast<const uint4*>(h), pq8, qs.data(), (int)C);
+    });
+    std::vector<unsigned char> bytes(total);
+    std::memcpy(bytes.data(), pq8, total);
+    store(dir, "q8.bin", bytes, total);
+    store(dir, "qs.bin", qs, (size_t)rows);
     return 0;
   }
   std::fprintf(stderr, "bad arguments\n");

@@ -37,6 +37,23 @@ __device__ __forceinline__ float warp_xor(float v, int mask) {
 #endif
 }
 
+// The sum and the largest value of v over the warp's VN_WARP lanes, in every lane.
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = VN_WARP / 2; o > 0; o >>= 1) {
+    v += warp_xor(v, o);
+  }
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = VN_WARP / 2; o > 0; o >>= 1) {
+    v = fmaxf(v, warp_xor(v, o));
+  }
+  return v;
+}
+
 __device__ __forceinline__ float bf2f(bf16 h) {
   return __uint_as_float(((unsigned int)h) << 16);
 }
@@ -71,4 +88,27 @@ __device__ __forceinline__ uint4 pack8(const float* f) {
   r.z = w[2];
   r.w = w[3];
   return r;
+}
+
+// fp8 e4m3fn (1 sign, 4 exponent bits of bias 7, 3 mantissa bits; no infinities; 0x7f is NaN) of f,
+// rounded to nearest even, saturating at ±448 (libtorch's cast turns what exceeds it into NaN; a
+// quantiser whose scale puts the row's largest value at 448 must not, when fp32 rounding lands a
+// hair above). Written on the bits so that no fp8 header is needed (none exists for hiprtc and
+// the CPU emulation alike).
+__device__ __forceinline__ unsigned int f2e4m3(float f) {
+  const unsigned int u = __float_as_uint(f);
+  const unsigned int sign = (u >> 24) & 0x80u;
+  const unsigned int a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) {
+    return sign | 0x7fu;  // NaN
+  }
+  if (a >= 0x43e00000u) {  // ≥ 448
+    return sign | 0x7eu;
+  }
+  if (a < 0x3c800000u) {  // < 2^-6: subnormal, m·2^-9 with m = round(|f|·2^9), ties to even
+    return sign | (unsigned int)rintf(__uint_as_float(a) * 512.f);
+  }
+  // Normal: round the mantissa at its 3rd bit to nearest even; a carry moves into the exponent.
+  const unsigned int r = (a + 0x7ffffu + ((a >> 20) & 1u)) >> 20;
+  return sign | (r - ((127u - 7u) << 3));
 }

@@ -1,6 +1,6 @@
 // Fused elementwise kernels of the QwenImage dual-stream transformer block
 // (src/qwen_image/kernels.rs), compiled at run time by NVRTC on CUDA or hiprtc on ROCm after the
-// prelude (src/nn/kernels/prelude.cuh: VN_WARP, bf16, the conversions and warp_xor).
+// prelude (src/nn/kernels/prelude.cuh: VN_WARP, bf16, the conversions, warp_sum and warp_max, f2e4m3).
 //
 // Arithmetic is fp32; every output is rounded to bf16 once. libtorch's chain of bf16 operators
 // (the portable path, as diffusers runs it) rounds after each operator, so results differ from it
@@ -14,13 +14,32 @@
 // - modulated_norm: an adaLN block's residual and normalisation, one warp per token row of C:
 //   optionally y = x + gate ⊙ h (the gated residual, rounded to bf16 and written: the residual
 //   stream), then optionally LayerNorm(y) (no affine) ⊙ (1 + scale) + shift (the modulation the
-//   next attention or feed-forward takes). gate, scale and shift are per (sample, channel).
+//   next attention or feed-forward takes). gate, scale and shift are per (sample, channel). The
+//   normalised row is written as bf16, or quantised for an fp8 GEMM: e4m3fn values with one fp32
+//   scale per row (the row's largest magnitude over 448), so x ≈ q · scale.
+// - gelu_quant: GELU-tanh of a feed-forward's hidden row (the FF-up GEMM's bf16 output), quantised
+//   per row as above for the FF-down GEMM: one pass where the bf16 path reads and writes the
+//   hidden state and the quantisation would read it again. One block per row.
 //
 // Both reductions are warp-wide over VN_WARP lanes (32 on CUDA and RDNA, 64 on CDNA) and written
 // for either width: a lane handles the elements at lane, lane + VN_WARP, … of its row.
 //
 // The ideas are those of the fused QK-norm + RoPE and adaLN kernels of open DiT serving stacks
 // (e.g. SGLang's and LightX2V's, Apache-2.0); the code is ours.
+
+// The per-row scale that puts a row's largest magnitude at e4m3fn's largest value (448); 1 for a
+// row of zeros, whose values quantise to 0 at any scale.
+__device__ __forceinline__ float quant_scale(float amax) {
+  return amax > 0.f ? amax / 448.f : 1.f;
+}
+
+// Eight values times inv quantised to e4m3fn, written as two little-endian words at out.
+__device__ __forceinline__ void store_e4m3x8(unsigned int* out, const float* f, float inv) {
+  out[0] = f2e4m3(f[0] * inv) | (f2e4m3(f[1] * inv) << 8) | (f2e4m3(f[2] * inv) << 16) |
+           (f2e4m3(f[3] * inv) << 24);
+  out[1] = f2e4m3(f[4] * inv) | (f2e4m3(f[5] * inv) << 8) | (f2e4m3(f[6] * inv) << 16) |
+           (f2e4m3(f[7] * inv) << 24);
+}
 
 // Pairs of a row held per lane: D/2 ≤ 128 (head dim up to 256).
 #define QK_MAX_PAIRS 128
@@ -77,10 +96,7 @@ extern "C" __global__ void qk_norm_rope(const bf16* __restrict__ q, const bf16* 
       ss += x0[j] * x0[j] + x1[j] * x1[j];
     }
   }
-#pragma unroll
-  for (int o = VN_WARP / 2; o > 0; o >>= 1) {
-    ss += warp_xor(ss, o);
-  }
+  ss = warp_sum(ss);
   const float rstd = rsqrtf(ss / D + eps);
   const bf16* w = which == 0 ? wq : wk;
   const float* cs = cosv + (long long)s * P;
@@ -108,15 +124,19 @@ extern "C" __global__ void qk_norm_rope(const bf16* __restrict__ q, const bf16* 
 // One warp per row of C (C a multiple of 8, C/8 ≤ MN_MAX_C8); row r belongs to sample r / S.
 // With h (non-null): y = x + gate[b]·h, written to res_out; otherwise y = x. With norm_out
 // (non-null): norm_out = (y − mean)·rstd·(1 + scale[b]) + shift[b], mean and biased variance of
-// the row in fp32 (LayerNorm without affine, eps). gate, scale and shift point at sample 0's C
-// values; sample b's are mod_stride elements further (a modulation Linear's chunks, in place).
-// Every pointer 16-byte aligned.
+// the row in fp32 (LayerNorm without affine, eps); with norm_q8 (non-null) instead, that row rounded
+// to bf16 (as norm_out would hold it) and quantised: norm_q8 its e4m3fn bytes ([rows, C]),
+// norm_scale[row] its scale. gate, scale and shift point at sample 0's C values; sample b's are
+// mod_stride elements further (a modulation Linear's chunks, in place). Every pointer 16-byte
+// aligned.
 extern "C" __global__ void modulated_norm(const uint4* __restrict__ x, const uint4* __restrict__ h,
                                           const bf16* __restrict__ gate,
                                           uint4* __restrict__ res_out,
                                           const bf16* __restrict__ shift,
                                           const bf16* __restrict__ scale,
-                                          uint4* __restrict__ norm_out, long long rows, int S,
+                                          uint4* __restrict__ norm_out,
+                                          unsigned int* __restrict__ norm_q8,
+                                          float* __restrict__ norm_scale, long long rows, int S,
                                           int C, long long mod_stride, float eps) {
   const int lane = threadIdx.x & (VN_WARP - 1);
   const long long row = (long long)blockIdx.x * (blockDim.x / VN_WARP) + (threadIdx.x / VN_WARP);
@@ -155,14 +175,10 @@ extern "C" __global__ void modulated_norm(const uint4* __restrict__ x, const uin
       }
     }
   }
-  if (norm_out == 0) {
+  if (norm_out == 0 && norm_q8 == 0) {
     return;
   }
-#pragma unroll
-  for (int o = VN_WARP / 2; o > 0; o >>= 1) {
-    sum += warp_xor(sum, o);
-  }
-  const float mean = sum / C;
+  const float mean = warp_sum(sum) / C;
   float sq = 0.f;
 #pragma unroll
   for (int j = 0; j < MN_MAXV; ++j) {
@@ -176,11 +192,8 @@ extern "C" __global__ void modulated_norm(const uint4* __restrict__ x, const uin
       }
     }
   }
-#pragma unroll
-  for (int o = VN_WARP / 2; o > 0; o >>= 1) {
-    sq += warp_xor(sq, o);
-  }
-  const float rstd = rsqrtf(sq / C + eps);
+  const float rstd = rsqrtf(warp_sum(sq) / C + eps);
+  float amax = 0.f;
 #pragma unroll
   for (int j = 0; j < MN_MAXV; ++j) {
     const int kk = lane + VN_WARP * j;
@@ -193,7 +206,87 @@ extern "C" __global__ void modulated_norm(const uint4* __restrict__ x, const uin
       for (int e = 0; e < 8; ++e) {
         f[e] = (f[e] - mean) * rstd * (1.f + fs[e]) + fb[e];
       }
-      norm_out[off + kk] = pack8(f);
+      if (norm_q8 == 0) {
+        norm_out[off + kk] = pack8(f);
+      } else {
+        // Kept packed as bf16 until the row's scale is known: the values the bf16 path writes.
+        yv[j] = pack8(f);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          amax = fmaxf(amax, __uint_as_float(__float_as_uint(f[e]) & 0x7fffffffu));
+        }
+      }
     }
+  }
+  if (norm_q8 == 0) {
+    return;
+  }
+  const float qs = quant_scale(warp_max(amax));
+#pragma unroll
+  for (int j = 0; j < MN_MAXV; ++j) {
+    const int kk = lane + VN_WARP * j;
+    if (kk < C8) {
+      float f[8];
+      unpack8(yv[j], f);
+      store_e4m3x8(norm_q8 + (off + kk) * 2, f, 1.f / qs);
+    }
+  }
+  if (lane == 0) {
+    norm_scale[row] = qs;
+  }
+}
+
+// Rows up to 16384 channels (2048 vectors of 8) at GQ_THREADS threads: each thread holds GQ_MAXV
+// vectors of the row's GELU in fp32.
+#define GQ_THREADS 256
+#define GQ_MAXV 8
+
+// One block of GQ_THREADS threads per row of C (C a multiple of 8, C/8 ≤ GQ_THREADS·GQ_MAXV):
+// g = GELU-tanh(x) in fp32 (0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))), diffusers' "gelu-approximate"),
+// then q8 = e4m3fn(g / s), qscale[row] = s = max|g| / 448 (1 for a row of zeros). Every pointer
+// 16-byte aligned.
+extern "C" __global__ void gelu_quant(const uint4* __restrict__ x, unsigned int* __restrict__ q8,
+                                      float* __restrict__ qscale, int C) {
+  __shared__ float warp_amax[GQ_THREADS / 32];
+  const long long row = blockIdx.x;
+  const int C8 = C >> 3;
+  const int lane = threadIdx.x & (VN_WARP - 1);
+  const unsigned long long off = (unsigned long long)row * C8;
+  float g[GQ_MAXV][8];
+  float amax = 0.f;
+#pragma unroll
+  for (int j = 0; j < GQ_MAXV; ++j) {
+    const int kk = threadIdx.x + GQ_THREADS * j;
+    if (kk < C8) {
+      unpack8(x[off + kk], g[j]);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const float v = g[j][e];
+        const float y = 0.7978845608028654f * (v + 0.044715f * v * v * v);
+        // tanh(y) = 1 − 2 / (exp(2y) + 1): exact at both ends (exp overflowing to inf gives 1).
+        g[j][e] = 0.5f * v * (2.f - 2.f / (__expf(2.f * y) + 1.f));
+        amax = fmaxf(amax, __uint_as_float(__float_as_uint(g[j][e]) & 0x7fffffffu));
+      }
+    }
+  }
+  amax = warp_max(amax);
+  if (lane == 0) {
+    warp_amax[threadIdx.x / VN_WARP] = amax;
+  }
+  __syncthreads();
+  amax = 0.f;
+  for (int w = 0; w < GQ_THREADS / VN_WARP; ++w) {
+    amax = fmaxf(amax, warp_amax[w]);
+  }
+  const float qs = quant_scale(amax);
+#pragma unroll
+  for (int j = 0; j < GQ_MAXV; ++j) {
+    const int kk = threadIdx.x + GQ_THREADS * j;
+    if (kk < C8) {
+      store_e4m3x8(q8 + (off + kk) * 2, g[j], 1.f / qs);
+    }
+  }
+  if (threadIdx.x == 0) {
+    qscale[row] = qs;
   }
 }
