@@ -4,7 +4,9 @@
 //! An image runs through the network tile by tile (the job's `tile` / `tile_overlap`, else this
 //! engine's settings); progress is tiles done / total and cancellation is checked before every
 //! forward. The job's `scale` is the output's: a model of another scale is resampled to it
-//! (Lanczos-4, as Real-ESRGAN's `outscale`). The input's layout is kept: an alpha channel is
+//! (Lanczos-4, as Real-ESRGAN's `outscale`) after the engine's run, on the worker's blocking pool
+//! beside the PNG encode ([`OutputImage::Upscaled`]), so the engine (and its device) does not wait
+//! for that host work. The input's layout is kept: an alpha channel is
 //! upscaled by the network as Real-ESRGAN does, grey stays grey, 16-bit samples stay 16-bit.
 //! At start the model is loaded and every tile shape of the configured tiling runs once.
 
@@ -21,7 +23,7 @@ use vnfarm_proto::{ModelFileRole, StageTimings, Task};
 use crate::tuning::SettingsChoice;
 
 use super::device::{Dtype, engine_error, open_device, parse_device};
-use super::{Cancel, EngineError, EngineJob, EngineOutput, Progress, UsedFile};
+use super::{Cancel, EngineError, EngineJob, EngineOutput, OutputImage, Progress, UsedFile};
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -196,9 +198,11 @@ impl EsrganEngine {
             })?;
         let image = input.into_stored();
         let started = Instant::now();
+        // The network's part only: a resampling to the job's scale is left to the host, off this
+        // thread (`OutputImage::finish`), so the engine is free for the next run meanwhile.
         let out = self
             .upscaler
-            .upscale(
+            .upscale_network(
                 &image,
                 &options,
                 &mut |done, total| {
@@ -213,7 +217,7 @@ impl EsrganEngine {
         let mut timings = StageTimings::default();
         timings.add("upscale", started.elapsed().as_secs_f64());
         Ok(EngineOutput {
-            images: vec![out],
+            images: vec![OutputImage::Upscaled(out)],
             seeds: vec![None],
             timings,
             encode_cache: None,

@@ -55,7 +55,7 @@ pub use esrgan::{EsrganConfig, EsrganEngine};
 pub use files::{UsedFile, weight_files};
 pub use gpu_memory::GpuMemoryProbe;
 pub use host::{Answer, EngineHost, EngineLoading};
-pub use job::{EngineJob, EngineOutput, InputImage, Progress, content_key};
+pub use job::{EngineJob, EngineOutput, InputImage, OutputImage, Progress, content_key};
 pub use lora_dir::{AdvertisedLoras, FetchedLoras, LoraDir};
 pub use qwen_edit::{QwenEditEngine, QwenEditEngineConfig};
 pub use sdxl::{SdxlConfig, SdxlEngine};

@@ -36,7 +36,7 @@ use super::device::{Dtype, engine_error, open_device, parse_device, warm_up_size
 use super::shared_encodings::hex_sha256;
 use super::{
     AdvertisedKeys, CacheLookup, EncodeCache, EngineError, EngineJob, EngineOutput, Fetched,
-    LoraDir, Progress, Runnable, SharedEncodings, SharedStore, UsedFile, all_cancelled, answered,
+    LoraDir, OutputImage, Progress, Runnable, SharedEncodings, SharedStore, UsedFile, all_cancelled, answered,
     content_key, groups, together_or_alone, weight_files,
 };
 
@@ -471,7 +471,9 @@ impl QwenEditEngine {
                             timings.add("denoise", times.denoise * share);
                             timings.add("decode", times.decode * share);
                             EngineOutput {
-                                images: vec![image::DynamicImage::ImageRgb8(image)],
+                                images: vec![OutputImage::Finished(
+                                    image::DynamicImage::ImageRgb8(image),
+                                )],
                                 seeds: vec![Some(r.seed)],
                                 timings,
                                 encode_cache: None,

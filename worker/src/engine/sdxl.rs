@@ -40,7 +40,8 @@ use crate::tuning::SettingsChoice;
 
 use super::device::{Dtype, engine_error, open_device, parse_device, warm_up_sizes};
 use super::{
-    EngineError, EngineJob, EngineOutput, LoadedCheckpoints, LoraDir, Progress, Runnable, UsedFile,
+    EngineError, EngineJob, EngineOutput, LoadedCheckpoints, LoraDir, OutputImage, Progress,
+    Runnable, UsedFile,
     all_cancelled, answered, groups, together_or_alone, weight_files,
 };
 
@@ -489,7 +490,9 @@ impl SdxlEngine {
                 timings.add("decode", out.times.decode * share);
                 outputs[*k]
                     .images
-                    .extend(produced.into_iter().map(image::DynamicImage::ImageRgb8));
+                    .extend(produced.into_iter().map(|image| {
+                        OutputImage::Finished(image::DynamicImage::ImageRgb8(image))
+                    }));
                 done[*k] += 1;
             }
         }
