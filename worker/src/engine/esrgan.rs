@@ -130,6 +130,13 @@ impl EsrganEngine {
     /// Any failure (missing file, a checkpoint that is not an RRDBNet, a refused pickle, no device)
     /// is an error naming what is wrong.
     pub fn load(config: &EsrganConfig, settings: EsrganSettings) -> anyhow::Result<Self> {
+        let engine = Self::load_cold(config, settings)?;
+        engine.warm_up()?;
+        Ok(engine)
+    }
+
+    /// [`EsrganEngine::load`] without the warm-up (see [`EsrganEngine::warm_up`]).
+    pub fn load_cold(config: &EsrganConfig, settings: EsrganSettings) -> anyhow::Result<Self> {
         validate_settings(&settings).map_err(anyhow::Error::msg)?;
         let device = open_device(&config.device, "engine.esrgan.device")?;
         let started = Instant::now();
@@ -144,9 +151,19 @@ impl EsrganEngine {
             seconds = started.elapsed().as_secs_f64(),
             "Real-ESRGAN loaded"
         );
+        Ok(Self {
+            upscaler,
+            config: config.clone(),
+            settings,
+        })
+    }
+
+    /// Runs every tile shape of the configured tiling once (see [`Upscaler::warm_up`]).
+    pub fn warm_up(&self) -> anyhow::Result<()> {
         let started = Instant::now();
-        let tiles = config.tiles(settings.tile, settings.tile_overlap);
-        upscaler.warm_up(&tiles).map_err(|e| {
+        let settings = &self.settings;
+        let tiles = self.config.tiles(settings.tile, settings.tile_overlap);
+        self.upscaler.warm_up(&tiles).map_err(|e| {
             anyhow::anyhow!(
                 "Real-ESRGAN warm-up with {}-pixel tiles: {e}",
                 settings.tile
@@ -159,11 +176,7 @@ impl EsrganEngine {
             seconds = started.elapsed().as_secs_f64(),
             "warmed up"
         );
-        Ok(Self {
-            upscaler,
-            config: config.clone(),
-            settings,
-        })
+        Ok(())
     }
 
     /// The files every upscale is made from.

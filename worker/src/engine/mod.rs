@@ -92,25 +92,56 @@ impl Engine {
             )))),
             EngineKind::Tch => {
                 let chosen = EngineSettings::choose(config)?;
-                Ok(Engine::Tch {
-                    sdxl: config
-                        .sdxl
-                        .as_ref()
-                        .map(|c| SdxlEngine::load(c, chosen.sdxl).map(Box::new))
-                        .transpose()?,
-                    qwen_edit: config
-                        .qwen_edit
-                        .as_ref()
-                        .map(|c| {
-                            QwenEditEngine::load(c, chosen.qwen_edit, cache_keys, shared)
-                                .map(Box::new)
+                // Each engine's files are read and copied to the device on a thread of its own,
+                // all at once: that is most of a cold start, and the engines share nothing while
+                // loading (the loader's pinned staging buffers are a pool). The warm-ups follow
+                // one after another on this thread, with no load beside them: a warm-up may
+                // capture CUDA graphs (SDXL's `cuda_graphs`), and a capture fails when another
+                // thread allocates device memory meanwhile (libtorch captures in CUDA's global
+                // mode).
+                let started = std::time::Instant::now();
+                let (sdxl, qwen_edit, esrgan) = std::thread::scope(|scope| {
+                    let (sdxl_settings, qwen_settings, esrgan_settings) =
+                        (chosen.sdxl, chosen.qwen_edit, chosen.esrgan);
+                    let sdxl = config.sdxl.as_ref().map(|c| {
+                        scope.spawn(move || SdxlEngine::load_cold(c, sdxl_settings))
+                    });
+                    let qwen_edit = config.qwen_edit.as_ref().map(|c| {
+                        scope.spawn(move || {
+                            QwenEditEngine::load_cold(c, qwen_settings, cache_keys, shared)
                         })
-                        .transpose()?,
-                    esrgan: config
-                        .esrgan
-                        .as_ref()
-                        .map(|c| EsrganEngine::load(c, chosen.esrgan).map(Box::new))
-                        .transpose()?,
+                    });
+                    let esrgan = config.esrgan.as_ref().map(|c| {
+                        scope.spawn(move || EsrganEngine::load_cold(c, esrgan_settings))
+                    });
+                    (
+                        joined("SDXL", sdxl),
+                        joined("Qwen-Image-Edit", qwen_edit),
+                        joined("Real-ESRGAN", esrgan),
+                    )
+                });
+                let (sdxl, qwen_edit, esrgan) = (sdxl?, qwen_edit?, esrgan?);
+                tracing::info!(
+                    seconds = started.elapsed().as_secs_f64(),
+                    "engines loaded"
+                );
+                if let Some(e) = &sdxl {
+                    e.warm_up()?;
+                }
+                if let Some(e) = &qwen_edit {
+                    e.warm_up()?;
+                }
+                if let Some(e) = &esrgan {
+                    e.warm_up()?;
+                }
+                tracing::info!(
+                    seconds = started.elapsed().as_secs_f64(),
+                    "engines loaded and warm"
+                );
+                Ok(Engine::Tch {
+                    sdxl: sdxl.map(Box::new),
+                    qwen_edit: qwen_edit.map(Box::new),
+                    esrgan: esrgan.map(Box::new),
                     settings: chosen.in_use,
                 })
             }
@@ -242,6 +273,28 @@ impl Engine {
             }
         }
         results
+    }
+}
+
+/// A loader thread's engine, if one was started; its panic (a libtorch failure tch reports by
+/// panicking) is a load error naming the model.
+fn joined<T>(
+    model: &str,
+    loader: Option<std::thread::ScopedJoinHandle<'_, anyhow::Result<T>>>,
+) -> anyhow::Result<Option<T>> {
+    let Some(loader) = loader else {
+        return Ok(None);
+    };
+    match loader.join() {
+        Ok(loaded) => loaded.map(Some),
+        Err(panic) => {
+            let message = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|m| m.to_string()))
+                .unwrap_or_else(|| "unknown panic".into());
+            anyhow::bail!("loading {model}: the loader panicked: {message}")
+        }
     }
 }
 

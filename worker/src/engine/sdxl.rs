@@ -224,6 +224,13 @@ impl SdxlEngine {
     /// Loads the checkpoint onto the device and warms up at every configured size. Any failure
     /// (missing file, missing or misshapen tensor, no device) is an error naming what is wrong.
     pub fn load(config: &SdxlConfig, settings: SdxlSettings) -> anyhow::Result<Self> {
+        let engine = Self::load_cold(config, settings)?;
+        engine.warm_up()?;
+        Ok(engine)
+    }
+
+    /// [`SdxlEngine::load`] without the warm-up (see [`SdxlEngine::warm_up`]).
+    pub fn load_cold(config: &SdxlConfig, settings: SdxlSettings) -> anyhow::Result<Self> {
         let checkpoint = &config.checkpoint;
         let source = if checkpoint.is_dir() {
             ModelSource::DiffusersFolder(checkpoint.clone())
@@ -236,7 +243,6 @@ impl SdxlEngine {
             );
         };
         let pipeline = load_pipeline(config, settings, source)?;
-        warm_up_sizes("SDXL", &config.warm_up, |w, h| pipeline.warm_up(&[(w, h)]))?;
         Ok(Self {
             pipeline,
             max_batch: config.max_batch as usize,
@@ -246,6 +252,14 @@ impl SdxlEngine {
             catalogue: LoadedCheckpoints::new(config.catalogue_checkpoints as usize),
             config: config.clone(),
             settings,
+        })
+    }
+
+    /// Runs every configured warm-up size once (one step and a decode: kernel selection, memory
+    /// pools, CUDA graph capture where set) before the worker takes jobs.
+    pub fn warm_up(&self) -> anyhow::Result<()> {
+        warm_up_sizes("SDXL", &self.config.warm_up, |w, h| {
+            self.pipeline.warm_up(&[(w, h)])
         })
     }
 
