@@ -1,5 +1,6 @@
 //! Engines run the models. All of them live on one dedicated thread ([`EngineHost`]): tch tensors are
-//! not `Sync`, no-grad mode is thread-local, and compute must never block the async runtime. The async
+//! not `Sync`, no-grad mode is thread-local, and compute must never block the async runtime. They
+//! load on a thread each, at once, and warm up on that thread one after another ([`Engine::load`]). The async
 //! side sends a batch of [`EngineJob`]s (one job, or the jobs of a batch message) and awaits one
 //! result per job; progress comes back on a channel, tagged with the job, and each job has its own
 //! cancellation flag, which the engine checks between denoising steps.
@@ -287,15 +288,20 @@ fn joined<T>(
     };
     match loader.join() {
         Ok(loaded) => loaded.map(Some),
-        Err(panic) => {
-            let message = panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|m| m.to_string()))
-                .unwrap_or_else(|| "unknown panic".into());
-            anyhow::bail!("loading {model}: the loader panicked: {message}")
-        }
+        Err(panic) => anyhow::bail!(
+            "loading {model}: the loader panicked: {}",
+            panic_message(&*panic)
+        ),
     }
+}
+
+/// What a panic said (its `String` or `&str` payload).
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| payload.downcast_ref::<&str>().map(|m| m.to_string()))
+        .unwrap_or_else(|| "unknown panic".into())
 }
 
 fn unsupported(jobs: &[&EngineJob], model: ModelFamily) -> Vec<Result<EngineOutput, EngineError>> {
