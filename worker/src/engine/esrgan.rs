@@ -261,6 +261,63 @@ mod tests {
         }
     }
 
+    /// A ×2 upscale on a ×4 network: the engine's run ends at the network's scale (the
+    /// resampling is left to the host's pool, so the engine's busy span does not hold it), and the
+    /// finished image is the library's whole `upscale`, byte for byte.
+    #[test]
+    fn the_resampling_to_the_jobs_scale_is_left_off_the_engine() {
+        let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("models/fixtures/esrgan/tiny_x4.pth");
+        let settings = EsrganSettings {
+            memory_format: MemoryFormat::Contiguous,
+            tile: 64,
+            tile_overlap: 16,
+        };
+        let config = EsrganConfig {
+            model,
+            settings: Some(SettingsChoice::Explicit(settings)),
+            ..config(64, 16)
+        };
+        let mut engine = EsrganEngine::load_cold(&config, settings).expect("the tiny model");
+        let input = image::RgbImage::from_fn(37, 29, |x, y| {
+            image::Rgb([(7 * x) as u8, (5 * y) as u8, (x * y) as u8])
+        });
+        for scale in [2, 4] {
+            let mut job = crate::engine::job::tests::job(Task::Upscale(vnfarm_proto::UpscaleSpec {
+                input: vnfarm_proto::ImageRef::Stored("inputs/a.png".into()),
+                scale,
+                tile: None,
+                tile_overlap: None,
+            }));
+            job.inputs.push(crate::engine::InputImage {
+                image: input.clone(),
+                stored: None,
+                sha256: String::new(),
+            });
+            let cancel = job.cancel.clone();
+            let mut out = engine.run(job, &mut |_| {}, &cancel).expect("upscaled");
+            let Some(OutputImage::Upscaled(upscaled)) = out.images.pop() else {
+                panic!("an upscale's image is left to finish on the host");
+            };
+            assert_eq!(upscaled.size(), (37 * scale, 29 * scale), "×{scale}");
+            let options = UpscaleOptions {
+                outscale: Some(i64::from(scale)),
+                tiles: config.tiles(64, 16),
+                pre_pad: 0,
+            };
+            let whole = engine
+                .upscaler
+                .upscale(
+                    &image::DynamicImage::ImageRgb8(input.clone()),
+                    &options,
+                    &mut |_, _| {},
+                    &|| false,
+                )
+                .expect("the library's upscale");
+            assert!(upscaled.finish() == whole, "×{scale}: finished = whole upscale");
+        }
+    }
+
     #[test]
     fn tile_settings_are_checked_and_name_the_field() {
         assert!(config(512, 32).validate().is_ok());
