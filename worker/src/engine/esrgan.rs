@@ -300,6 +300,7 @@ mod tests {
                 panic!("an upscale's image is left to finish on the host");
             };
             assert_eq!(upscaled.size(), (37 * scale, 29 * scale), "×{scale}");
+            assert_eq!(upscaled.network_size(), (37 * 4, 29 * 4), "×{scale}: as the ×4 network made it");
             let options = UpscaleOptions {
                 outscale: Some(i64::from(scale)),
                 tiles: config.tiles(64, 16),

@@ -89,6 +89,11 @@ impl Upscaled {
         (self.width, self.height)
     }
 
+    /// The size the network made it at (the input's times the network's scale).
+    pub fn network_size(&self) -> (u32, u32) {
+        (self.image.width(), self.image.height())
+    }
+
     /// The image at the asked size: as it is when that is the network's scale, else resampled by
     /// OpenCV's Lanczos-4 (host work: run it off the thread that holds the network).
     pub fn finish(self) -> DynamicImage {
