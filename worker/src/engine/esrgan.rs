@@ -283,12 +283,13 @@ mod tests {
             image::Rgb([(7 * x) as u8, (5 * y) as u8, (x * y) as u8])
         });
         for scale in [2, 4] {
-            let mut job = crate::engine::job::tests::job(Task::Upscale(vnfarm_proto::UpscaleSpec {
-                input: vnfarm_proto::ImageRef::Stored("inputs/a.png".into()),
-                scale,
-                tile: None,
-                tile_overlap: None,
-            }));
+            let mut job =
+                crate::engine::job::tests::job(Task::Upscale(vnfarm_proto::UpscaleSpec {
+                    input: vnfarm_proto::ImageRef::Stored("inputs/a.png".into()),
+                    scale,
+                    tile: None,
+                    tile_overlap: None,
+                }));
             job.inputs.push(crate::engine::InputImage {
                 image: input.clone(),
                 stored: None,
@@ -300,7 +301,11 @@ mod tests {
                 panic!("an upscale's image is left to finish on the host");
             };
             assert_eq!(upscaled.size(), (37 * scale, 29 * scale), "×{scale}");
-            assert_eq!(upscaled.network_size(), (37 * 4, 29 * 4), "×{scale}: as the ×4 network made it");
+            assert_eq!(
+                upscaled.network_size(),
+                (37 * 4, 29 * 4),
+                "×{scale}: as the ×4 network made it"
+            );
             let options = UpscaleOptions {
                 outscale: Some(i64::from(scale)),
                 tiles: config.tiles(64, 16),
@@ -315,7 +320,10 @@ mod tests {
                     &|| false,
                 )
                 .expect("the library's upscale");
-            assert!(upscaled.finish() == whole, "×{scale}: finished = whole upscale");
+            assert!(
+                upscaled.finish() == whole,
+                "×{scale}: finished = whole upscale"
+            );
         }
     }
 

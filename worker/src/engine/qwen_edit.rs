@@ -36,8 +36,8 @@ use super::device::{Dtype, engine_error, open_device, parse_device, warm_up_size
 use super::shared_encodings::hex_sha256;
 use super::{
     AdvertisedKeys, CacheLookup, EncodeCache, EngineError, EngineJob, EngineOutput, Fetched,
-    LoraDir, OutputImage, Progress, Runnable, SharedEncodings, SharedStore, UsedFile, all_cancelled, answered,
-    content_key, groups, together_or_alone, weight_files,
+    LoraDir, OutputImage, Progress, Runnable, SharedEncodings, SharedStore, UsedFile,
+    all_cancelled, answered, content_key, groups, together_or_alone, weight_files,
 };
 
 /// The `[engine.qwen_edit]` table; a key left out is [`QwenEditEngineConfig::default`]'s.

@@ -41,8 +41,7 @@ use crate::tuning::SettingsChoice;
 use super::device::{Dtype, engine_error, open_device, parse_device, warm_up_sizes};
 use super::{
     EngineError, EngineJob, EngineOutput, LoadedCheckpoints, LoraDir, OutputImage, Progress,
-    Runnable, UsedFile,
-    all_cancelled, answered, groups, together_or_alone, weight_files,
+    Runnable, UsedFile, all_cancelled, answered, groups, together_or_alone, weight_files,
 };
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
@@ -253,6 +252,11 @@ impl SdxlEngine {
             config: config.clone(),
             settings,
         })
+    }
+
+    /// Whether its warm-up (and a job at a new size) captures CUDA graphs.
+    pub fn captures_graphs(&self) -> bool {
+        self.settings.cuda_graphs
     }
 
     /// Runs every configured warm-up size once (one step and a decode: kernel selection, memory
@@ -502,11 +506,11 @@ impl SdxlEngine {
                 timings.add("encode_prompt", out.times.encode_prompt * share);
                 timings.add("denoise", out.times.denoise * share);
                 timings.add("decode", out.times.decode * share);
-                outputs[*k]
-                    .images
-                    .extend(produced.into_iter().map(|image| {
-                        OutputImage::Finished(image::DynamicImage::ImageRgb8(image))
-                    }));
+                outputs[*k].images.extend(
+                    produced
+                        .into_iter()
+                        .map(|image| OutputImage::Finished(image::DynamicImage::ImageRgb8(image))),
+                );
                 done[*k] += 1;
             }
         }

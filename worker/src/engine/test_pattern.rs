@@ -27,7 +27,8 @@ use vnfarm_proto::{
 
 use super::{
     AdvertisedKeys, CacheLookup, CancelReason, EncodeCache, EngineError, EngineJob, EngineOutput,
-    Fetched, OutputImage, Progress, SharedEncodings, SharedStore, UsedFile, all_cancelled, content_key, groups,
+    Fetched, OutputImage, Progress, SharedEncodings, SharedStore, UsedFile, all_cancelled,
+    content_key, groups,
 };
 use crate::engine::shared_encodings::hex_sha256;
 

@@ -115,27 +115,27 @@ impl Upscaled {
             DynamicImage::ImageLuma8(i) => {
                 DynamicImage::ImageLuma8(ImageBuffer::from_raw(fw, fh, r8(i.as_raw())).expect(FITS))
             }
-            DynamicImage::ImageLumaA8(i) => {
-                DynamicImage::ImageLumaA8(ImageBuffer::from_raw(fw, fh, r8(i.as_raw())).expect(FITS))
-            }
+            DynamicImage::ImageLumaA8(i) => DynamicImage::ImageLumaA8(
+                ImageBuffer::from_raw(fw, fh, r8(i.as_raw())).expect(FITS),
+            ),
             DynamicImage::ImageRgb8(i) => {
                 DynamicImage::ImageRgb8(ImageBuffer::from_raw(fw, fh, r8(i.as_raw())).expect(FITS))
             }
             DynamicImage::ImageRgba8(i) => {
                 DynamicImage::ImageRgba8(ImageBuffer::from_raw(fw, fh, r8(i.as_raw())).expect(FITS))
             }
-            DynamicImage::ImageLuma16(i) => {
-                DynamicImage::ImageLuma16(ImageBuffer::from_raw(fw, fh, r16(i.as_raw())).expect(FITS))
-            }
-            DynamicImage::ImageLumaA16(i) => {
-                DynamicImage::ImageLumaA16(ImageBuffer::from_raw(fw, fh, r16(i.as_raw())).expect(FITS))
-            }
-            DynamicImage::ImageRgb16(i) => {
-                DynamicImage::ImageRgb16(ImageBuffer::from_raw(fw, fh, r16(i.as_raw())).expect(FITS))
-            }
-            DynamicImage::ImageRgba16(i) => {
-                DynamicImage::ImageRgba16(ImageBuffer::from_raw(fw, fh, r16(i.as_raw())).expect(FITS))
-            }
+            DynamicImage::ImageLuma16(i) => DynamicImage::ImageLuma16(
+                ImageBuffer::from_raw(fw, fh, r16(i.as_raw())).expect(FITS),
+            ),
+            DynamicImage::ImageLumaA16(i) => DynamicImage::ImageLumaA16(
+                ImageBuffer::from_raw(fw, fh, r16(i.as_raw())).expect(FITS),
+            ),
+            DynamicImage::ImageRgb16(i) => DynamicImage::ImageRgb16(
+                ImageBuffer::from_raw(fw, fh, r16(i.as_raw())).expect(FITS),
+            ),
+            DynamicImage::ImageRgba16(i) => DynamicImage::ImageRgba16(
+                ImageBuffer::from_raw(fw, fh, r16(i.as_raw())).expect(FITS),
+            ),
             other => unreachable!(
                 "an upscale makes 8- or 16-bit grey, grey + alpha, RGB or RGBA, not {:?}",
                 other.color()

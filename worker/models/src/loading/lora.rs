@@ -873,7 +873,11 @@ fn open_specs(specs: &[LoraSpec]) -> Result<Vec<LoraFile>, LoraError> {
 }
 
 fn with_strengths<'a>(files: &'a [LoraFile], specs: &[LoraSpec]) -> Vec<(&'a LoraFile, f64)> {
-    files.iter().zip(specs).map(|(f, s)| (f, s.strength)).collect()
+    files
+        .iter()
+        .zip(specs)
+        .map(|(f, s)| (f, s.strength))
+        .collect()
 }
 
 /// What [`JobLoras::set`] did.

@@ -273,9 +273,16 @@ fn a_fuse_for_good_equals_apply_and_keeps_no_copy() {
         let mut for_good = make();
         let report = fuse_for_good(&loras, &mut denoiser(&mut for_good)).unwrap();
 
-        assert_eq!(report.kept_bytes, 0, "{base}: a fuse for good keeps no copy");
+        assert_eq!(
+            report.kept_bytes, 0,
+            "{base}: a fuse for good keeps no copy"
+        );
         assert_eq!(report.files, applied.report().files, "{base}");
-        assert_eq!(report.fused_modules, applied.report().fused_modules, "{base}");
+        assert_eq!(
+            report.fused_modules,
+            applied.report().fused_modules,
+            "{base}"
+        );
         let base_weights = make();
         let replaced: u64 = lora_modules()
             .iter()

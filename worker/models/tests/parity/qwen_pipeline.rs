@@ -318,7 +318,11 @@ fn a_load_time_lora_edits_as_the_same_lora_for_a_job() {
     let base = run(&pipe);
     pipe.set_job_loras(&lora).expect("apply for a job");
     let for_a_job = run(&pipe);
-    assert_ne!(at_load.as_raw(), base.as_raw(), "the LoRA changes the image");
+    assert_ne!(
+        at_load.as_raw(),
+        base.as_raw(),
+        "the LoRA changes the image"
+    );
     assert_eq!(
         at_load.as_raw(),
         for_a_job.as_raw(),
