@@ -95,14 +95,7 @@ impl Engine {
                 let chosen = EngineSettings::choose(config)?;
                 let started = std::time::Instant::now();
                 let (mut sdxl, mut qwen_edit, mut esrgan) = (None, None, None);
-                for engine in load_and_warm(
-                    config,
-                    chosen.sdxl,
-                    chosen.qwen_edit,
-                    chosen.esrgan,
-                    cache_keys,
-                    shared,
-                )? {
+                for engine in load_and_warm(config, &chosen, cache_keys, shared)? {
                     match engine {
                         Cold::Sdxl(e) => sdxl = Some(e),
                         Cold::QwenEdit(e) => qwen_edit = Some(e),
@@ -286,13 +279,12 @@ impl Cold {
 /// load is done. The first failure is the error, once every loader has ended.
 fn load_and_warm(
     config: &EngineConfig,
-    sdxl: vnfarm_models::settings::SdxlSettings,
-    qwen_edit: vnfarm_models::settings::QwenSettings,
-    esrgan: vnfarm_models::settings::EsrganSettings,
+    settings: &EngineSettings,
     cache_keys: AdvertisedKeys,
     shared: Option<SharedEncodings>,
 ) -> anyhow::Result<Vec<Cold>> {
     let started = std::time::Instant::now();
+    let (sdxl, qwen_edit, esrgan) = (settings.sdxl, settings.qwen_edit, settings.esrgan);
     std::thread::scope(|scope| {
         let (tx, loaded) = std::sync::mpsc::channel::<anyhow::Result<Cold>>();
         if let Some(c) = &config.sdxl {
