@@ -369,3 +369,27 @@ fn unsupported(jobs: &[&EngineJob], model: ModelFamily) -> Vec<Result<EngineOutp
         .map(|_| Err(EngineError::Unsupported(model)))
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A loader that panics (tch reports libtorch failures by panicking) is a load error that
+    /// names the model, not a crash of the worker.
+    #[test]
+    fn a_loader_that_panics_is_a_load_error_naming_the_model() {
+        let (tx, loaded) = std::sync::mpsc::channel();
+        std::thread::scope(|scope| {
+            spawn_loader(scope, &tx, "SDXL", || {
+                panic!("CUDA out of memory. Tried to allocate 2.00 GiB")
+            });
+        });
+        let Err(e) = loaded.recv().expect("the loader answers") else {
+            panic!("a panicked load is an error");
+        };
+        assert_eq!(
+            e.to_string(),
+            "loading SDXL: the loader panicked: CUDA out of memory. Tried to allocate 2.00 GiB"
+        );
+    }
+}
