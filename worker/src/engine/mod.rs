@@ -305,9 +305,19 @@ fn load_and_warm(
         }
         // The loop ends when every loader has sent its engine (or error) and dropped its sender.
         drop(tx);
+        let configured = [
+            config.sdxl.is_some(),
+            config.qwen_edit.is_some(),
+            config.esrgan.is_some(),
+        ];
+        let mut loading = configured.into_iter().filter(|&c| c).count();
         let mut failed = None;
         let (mut warm, mut waiting) = (Vec::new(), Vec::new());
         for cold in loaded {
+            loading -= 1;
+            if loading == 0 {
+                tracing::info!(seconds = started.elapsed().as_secs_f64(), "engines loaded");
+            }
             match cold {
                 Err(e) => {
                     failed.get_or_insert(e);
@@ -324,7 +334,6 @@ fn load_and_warm(
         if let Some(e) = failed {
             return Err(e);
         }
-        tracing::info!(seconds = started.elapsed().as_secs_f64(), "engines loaded");
         for cold in waiting {
             cold.warm_up()?;
             warm.push(cold);
