@@ -283,7 +283,6 @@ fn load_and_warm(
     cache_keys: AdvertisedKeys,
     shared: Option<SharedEncodings>,
 ) -> anyhow::Result<Vec<Cold>> {
-    let started = std::time::Instant::now();
     let (sdxl, qwen_edit, esrgan) = (settings.sdxl, settings.qwen_edit, settings.esrgan);
     std::thread::scope(|scope| {
         let (tx, loaded) = std::sync::mpsc::channel::<anyhow::Result<Cold>>();
@@ -305,19 +304,10 @@ fn load_and_warm(
         }
         // The loop ends when every loader has sent its engine (or error) and dropped its sender.
         drop(tx);
-        let configured = [
-            config.sdxl.is_some(),
-            config.qwen_edit.is_some(),
-            config.esrgan.is_some(),
-        ];
-        let mut loading = configured.into_iter().filter(|&c| c).count();
+        // Each loader logs its own load's end; the warm-ups log theirs.
         let mut failed = None;
         let (mut warm, mut waiting) = (Vec::new(), Vec::new());
         for cold in loaded {
-            loading -= 1;
-            if loading == 0 {
-                tracing::info!(seconds = started.elapsed().as_secs_f64(), "engines loaded");
-            }
             match cold {
                 Err(e) => {
                     failed.get_or_insert(e);
