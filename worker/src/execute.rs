@@ -527,19 +527,31 @@ impl Worker {
         // Provenance first: the PNG's parameters name the model by its hash.
         let model_files = self.model_files(job_id, &output.files).await?;
 
-        // PNG encoding is CPU work: off the async runtime.
+        // Finishing the images (an upscale's resampling) and PNG encoding are CPU work: off the
+        // async runtime and off the engine thread. Their memory is bounded as the images' is: by
+        // the jobs in hand (`prefetch` messages).
         let started = Instant::now();
         let parameters = infotext::parameters_text(job_id, &job.task, &model_files);
         let images = output.images;
-        let encoded = tokio::task::spawn_blocking(move || {
-            images
-                .iter()
-                .map(|img| (img.width(), img.height(), encode_png(img, &parameters)))
-                .collect::<Vec<_>>()
+        let (encoded, finished) = tokio::task::spawn_blocking(move || {
+            let mut finishing = 0.0;
+            let encoded = images
+                .into_iter()
+                .map(|img| {
+                    let started = Instant::now();
+                    let img = img.finish();
+                    finishing += started.elapsed().as_secs_f64();
+                    (img.width(), img.height(), encode_png(&img, &parameters))
+                })
+                .collect::<Vec<_>>();
+            (encoded, finishing)
         })
         .await
         .map_err(|e| JobError::Engine(EngineError::Failed(format!("PNG encoder panicked: {e}"))))?;
-        timings.add("encode_png", started.elapsed().as_secs_f64());
+        if matches!(job.task, Task::Upscale(_)) {
+            timings.add("resample", finished);
+        }
+        timings.add("encode_png", started.elapsed().as_secs_f64() - finished);
 
         let started = Instant::now();
         let mut outputs = Vec::new();
@@ -641,6 +653,7 @@ impl Worker {
         else {
             return;
         };
+        let (width, height) = image.size();
         if steps == 0 {
             return;
         }
@@ -648,7 +661,7 @@ impl Worker {
             .denoise_step_seconds
             .with_label_values(&[
                 task.model().as_str(),
-                crate::metrics::resolution(image.width(), image.height()),
+                crate::metrics::resolution(width, height),
             ])
             .observe(seconds / f64::from(steps));
     }

@@ -1,5 +1,6 @@
 //! How long the engine computes: each engine run (one forward batch of a message, from its inputs
-//! on the host to its images on the host) timed on the device's own clock, by a pair of runtime
+//! on the host to its images on the host; an upscale's resampling to the job's scale comes after,
+//! on the worker's blocking pool, and is not in it) timed on the device's own clock, by a pair of runtime
 //! events (`cudaEventRecord` on the default stream before and after the run, `cudaEventElapsedTime`
 //! between them; HIP's functions on ROCm builds), and on the host's clock beside it. The sums are
 //! what `vnfarm-worker bench` divides by its wall time for the GPU's busy fraction.

@@ -4,7 +4,9 @@
 //! An image runs through the network tile by tile (the job's `tile` / `tile_overlap`, else this
 //! engine's settings); progress is tiles done / total and cancellation is checked before every
 //! forward. The job's `scale` is the output's: a model of another scale is resampled to it
-//! (Lanczos-4, as Real-ESRGAN's `outscale`). The input's layout is kept: an alpha channel is
+//! (Lanczos-4, as Real-ESRGAN's `outscale`) after the engine's run, on the worker's blocking pool
+//! beside the PNG encode ([`OutputImage::Upscaled`]), so the engine (and its device) does not wait
+//! for that host work. The input's layout is kept: an alpha channel is
 //! upscaled by the network as Real-ESRGAN does, grey stays grey, 16-bit samples stay 16-bit.
 //! At start the model is loaded and every tile shape of the configured tiling runs once.
 
@@ -21,7 +23,7 @@ use vnfarm_proto::{ModelFileRole, StageTimings, Task};
 use crate::tuning::SettingsChoice;
 
 use super::device::{Dtype, engine_error, open_device, parse_device};
-use super::{Cancel, EngineError, EngineJob, EngineOutput, Progress, UsedFile};
+use super::{Cancel, EngineError, EngineJob, EngineOutput, OutputImage, Progress, UsedFile};
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -128,6 +130,13 @@ impl EsrganEngine {
     /// Any failure (missing file, a checkpoint that is not an RRDBNet, a refused pickle, no device)
     /// is an error naming what is wrong.
     pub fn load(config: &EsrganConfig, settings: EsrganSettings) -> anyhow::Result<Self> {
+        let engine = Self::load_cold(config, settings)?;
+        engine.warm_up()?;
+        Ok(engine)
+    }
+
+    /// [`EsrganEngine::load`] without the warm-up (see [`EsrganEngine::warm_up`]).
+    pub fn load_cold(config: &EsrganConfig, settings: EsrganSettings) -> anyhow::Result<Self> {
         validate_settings(&settings).map_err(anyhow::Error::msg)?;
         let device = open_device(&config.device, "engine.esrgan.device")?;
         let started = Instant::now();
@@ -142,9 +151,19 @@ impl EsrganEngine {
             seconds = started.elapsed().as_secs_f64(),
             "Real-ESRGAN loaded"
         );
+        Ok(Self {
+            upscaler,
+            config: config.clone(),
+            settings,
+        })
+    }
+
+    /// Runs every tile shape of the configured tiling once (see [`Upscaler::warm_up`]).
+    pub fn warm_up(&self) -> anyhow::Result<()> {
         let started = Instant::now();
-        let tiles = config.tiles(settings.tile, settings.tile_overlap);
-        upscaler.warm_up(&tiles).map_err(|e| {
+        let settings = &self.settings;
+        let tiles = self.config.tiles(settings.tile, settings.tile_overlap);
+        self.upscaler.warm_up(&tiles).map_err(|e| {
             anyhow::anyhow!(
                 "Real-ESRGAN warm-up with {}-pixel tiles: {e}",
                 settings.tile
@@ -157,11 +176,7 @@ impl EsrganEngine {
             seconds = started.elapsed().as_secs_f64(),
             "warmed up"
         );
-        Ok(Self {
-            upscaler,
-            config: config.clone(),
-            settings,
-        })
+        Ok(())
     }
 
     /// The files every upscale is made from.
@@ -196,9 +211,11 @@ impl EsrganEngine {
             })?;
         let image = input.into_stored();
         let started = Instant::now();
+        // The network's part only: a resampling to the job's scale is left to the host, off this
+        // thread (`OutputImage::finish`), so the engine is free for the next run meanwhile.
         let out = self
             .upscaler
-            .upscale(
+            .upscale_network(
                 &image,
                 &options,
                 &mut |done, total| {
@@ -213,7 +230,7 @@ impl EsrganEngine {
         let mut timings = StageTimings::default();
         timings.add("upscale", started.elapsed().as_secs_f64());
         Ok(EngineOutput {
-            images: vec![out],
+            images: vec![OutputImage::Upscaled(out)],
             seeds: vec![None],
             timings,
             encode_cache: None,
@@ -241,6 +258,72 @@ mod tests {
                 tile,
                 tile_overlap: overlap,
             })),
+        }
+    }
+
+    /// A ×2 upscale on a ×4 network: the engine's run ends at the network's scale (the
+    /// resampling is left to the host's pool, so the engine's busy span does not hold it), and the
+    /// finished image is the library's whole `upscale`, byte for byte.
+    #[test]
+    fn the_resampling_to_the_jobs_scale_is_left_off_the_engine() {
+        let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("models/fixtures/esrgan/tiny_x4.pth");
+        let settings = EsrganSettings {
+            memory_format: MemoryFormat::Contiguous,
+            tile: 64,
+            tile_overlap: 16,
+        };
+        let config = EsrganConfig {
+            model,
+            settings: Some(SettingsChoice::Explicit(settings)),
+            ..config(64, 16)
+        };
+        let mut engine = EsrganEngine::load_cold(&config, settings).expect("the tiny model");
+        let input = image::RgbImage::from_fn(37, 29, |x, y| {
+            image::Rgb([(7 * x) as u8, (5 * y) as u8, (x * y) as u8])
+        });
+        for scale in [2, 4] {
+            let mut job =
+                crate::engine::job::tests::job(Task::Upscale(vnfarm_proto::UpscaleSpec {
+                    input: vnfarm_proto::ImageRef::Stored("inputs/a.png".into()),
+                    scale,
+                    tile: None,
+                    tile_overlap: None,
+                }));
+            job.inputs.push(crate::engine::InputImage {
+                image: input.clone(),
+                stored: None,
+                sha256: String::new(),
+            });
+            let cancel = job.cancel.clone();
+            let mut out = engine.run(job, &mut |_| {}, &cancel).expect("upscaled");
+            let Some(OutputImage::Upscaled(upscaled)) = out.images.pop() else {
+                panic!("an upscale's image is left to finish on the host");
+            };
+            assert_eq!(upscaled.size(), (37 * scale, 29 * scale), "×{scale}");
+            assert_eq!(
+                upscaled.network_size(),
+                (37 * 4, 29 * 4),
+                "×{scale}: as the ×4 network made it"
+            );
+            let options = UpscaleOptions {
+                outscale: Some(i64::from(scale)),
+                tiles: config.tiles(64, 16),
+                pre_pad: 0,
+            };
+            let whole = engine
+                .upscaler
+                .upscale(
+                    &image::DynamicImage::ImageRgb8(input.clone()),
+                    &options,
+                    &mut |_, _| {},
+                    &|| false,
+                )
+                .expect("the library's upscale");
+            assert!(
+                upscaled.finish() == whole,
+                "×{scale}: finished = whole upscale"
+            );
         }
     }
 

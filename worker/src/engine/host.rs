@@ -17,7 +17,7 @@ use vnfarm_proto::{GpuMemory, ModelFamily, SettingsInUse};
 
 use super::{
     AdvertisedKeys, AdvertisedLoras, Engine, EngineBusy, EngineConfig, EngineError, EngineJob,
-    EngineKind, EngineOutput, GpuMemoryProbe, Progress, SharedEncodings,
+    EngineKind, EngineOutput, GpuMemoryProbe, Progress, SharedEncodings, panic_message,
 };
 
 /// A job's result, tagged with its index in the message.
@@ -293,11 +293,7 @@ fn run_together(
 /// would fail every job sent to it.
 fn guarded<T>(run: impl FnOnce() -> T) -> Result<T, EngineError> {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).map_err(|payload| {
-        let message = payload
-            .downcast_ref::<String>()
-            .cloned()
-            .or_else(|| payload.downcast_ref::<&str>().map(|m| m.to_string()))
-            .unwrap_or_else(|| "unknown panic".into());
+        let message = panic_message(&*payload);
         tracing::error!(%message, "the engine panicked");
         EngineError::Failed(format!("engine panicked: {message}"))
     })

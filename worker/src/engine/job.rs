@@ -2,6 +2,7 @@
 //! cancellation flag, its step progress, and its output.
 
 use image::{DynamicImage, RgbImage};
+use vnfarm_models::esrgan::upscaler::Upscaled;
 use vnfarm_proto::{JobId, ModelFamily, StageTimings, Task};
 
 use super::cancel::Cancel;
@@ -54,7 +55,7 @@ impl InputImage {
 #[derive(Debug)]
 pub struct EngineOutput {
     /// In the layout the engine made: 8-bit RGB, or an upscale's input layout.
-    pub images: Vec<DynamicImage>,
+    pub images: Vec<OutputImage>,
     /// Seed of each image, where the model uses one.
     pub seeds: Vec<Option<u64>>,
     /// Per stage. In a batch, a shared stage's time is split across the jobs that shared it, except
@@ -65,6 +66,41 @@ pub struct EngineOutput {
     /// The model and LoRA files that made the images ([`Engine::files`](super::Engine::files); the engines leave it
     /// empty and [`Engine::run_batch`](super::Engine::run_batch) fills it in).
     pub files: Vec<UsedFile>,
+}
+
+/// An image an engine made, as the engine hands it back: finished, or with host work left that
+/// runs off the engine thread (on the blocking pool, beside the PNG encode), so the engine starts
+/// its next run at once.
+#[derive(Debug, Clone, PartialEq)]
+pub enum OutputImage {
+    Finished(DynamicImage),
+    /// An upscale at its network's scale, resampled to the job's by [`OutputImage::finish`].
+    Upscaled(Upscaled),
+}
+
+impl OutputImage {
+    /// The finished image's width and height.
+    pub fn size(&self) -> (u32, u32) {
+        match self {
+            OutputImage::Finished(image) => (image.width(), image.height()),
+            OutputImage::Upscaled(upscaled) => upscaled.size(),
+        }
+    }
+
+    /// The finished image: host work for an upscale whose scale is not its network's (see
+    /// [`Upscaled::finish`]).
+    pub fn finish(self) -> DynamicImage {
+        match self {
+            OutputImage::Finished(image) => image,
+            OutputImage::Upscaled(upscaled) => upscaled.finish(),
+        }
+    }
+}
+
+impl From<DynamicImage> for OutputImage {
+    fn from(image: DynamicImage) -> Self {
+        OutputImage::Finished(image)
+    }
 }
 
 /// Step progress reported by an engine.

@@ -1,5 +1,6 @@
 //! Engines run the models. All of them live on one dedicated thread ([`EngineHost`]): tch tensors are
-//! not `Sync`, no-grad mode is thread-local, and compute must never block the async runtime. The async
+//! not `Sync`, no-grad mode is thread-local, and compute must never block the async runtime. They
+//! load on a thread each, at once, and warm up on the engine thread ([`load_and_warm`]). The async
 //! side sends a batch of [`EngineJob`]s (one job, or the jobs of a batch message) and awaits one
 //! result per job; progress comes back on a channel, tagged with the job, and each job has its own
 //! cancellation flag, which the engine checks between denoising steps.
@@ -55,7 +56,7 @@ pub use esrgan::{EsrganConfig, EsrganEngine};
 pub use files::{UsedFile, weight_files};
 pub use gpu_memory::GpuMemoryProbe;
 pub use host::{Answer, EngineHost, EngineLoading};
-pub use job::{EngineJob, EngineOutput, InputImage, Progress, content_key};
+pub use job::{EngineJob, EngineOutput, InputImage, OutputImage, Progress, content_key};
 pub use lora_dir::{AdvertisedLoras, FetchedLoras, LoraDir};
 pub use qwen_edit::{QwenEditEngine, QwenEditEngineConfig};
 pub use sdxl::{SdxlConfig, SdxlEngine};
@@ -92,25 +93,23 @@ impl Engine {
             )))),
             EngineKind::Tch => {
                 let chosen = EngineSettings::choose(config)?;
+                let started = std::time::Instant::now();
+                let (mut sdxl, mut qwen_edit, mut esrgan) = (None, None, None);
+                for engine in load_and_warm(config, &chosen, cache_keys, shared)? {
+                    match engine {
+                        Cold::Sdxl(e) => sdxl = Some(e),
+                        Cold::QwenEdit(e) => qwen_edit = Some(e),
+                        Cold::Esrgan(e) => esrgan = Some(e),
+                    }
+                }
+                tracing::info!(
+                    seconds = started.elapsed().as_secs_f64(),
+                    "engines loaded and warm"
+                );
                 Ok(Engine::Tch {
-                    sdxl: config
-                        .sdxl
-                        .as_ref()
-                        .map(|c| SdxlEngine::load(c, chosen.sdxl).map(Box::new))
-                        .transpose()?,
-                    qwen_edit: config
-                        .qwen_edit
-                        .as_ref()
-                        .map(|c| {
-                            QwenEditEngine::load(c, chosen.qwen_edit, cache_keys, shared)
-                                .map(Box::new)
-                        })
-                        .transpose()?,
-                    esrgan: config
-                        .esrgan
-                        .as_ref()
-                        .map(|c| EsrganEngine::load(c, chosen.esrgan).map(Box::new))
-                        .transpose()?,
+                    sdxl,
+                    qwen_edit,
+                    esrgan,
                     settings: chosen.in_use,
                 })
             }
@@ -245,8 +244,151 @@ impl Engine {
     }
 }
 
+/// An engine loaded, and warm once [`Cold::warm_up`] has run.
+enum Cold {
+    Sdxl(Box<SdxlEngine>),
+    QwenEdit(Box<QwenEditEngine>),
+    Esrgan(Box<EsrganEngine>),
+}
+
+impl Cold {
+    /// Whether its warm-up captures CUDA graphs: then nothing may load beside it (a capture
+    /// fails when another thread allocates device memory meanwhile: libtorch captures in CUDA's
+    /// global mode). An engine whose warm-up comes to capture graphs must say so here.
+    fn captures_graphs(&self) -> bool {
+        match self {
+            Cold::Sdxl(e) => e.captures_graphs(),
+            Cold::QwenEdit(_) | Cold::Esrgan(_) => false,
+        }
+    }
+
+    fn warm_up(&self) -> anyhow::Result<()> {
+        match self {
+            Cold::Sdxl(e) => e.warm_up(),
+            Cold::QwenEdit(e) => e.warm_up(),
+            Cold::Esrgan(e) => e.warm_up(),
+        }
+    }
+}
+
+/// Loads the configured engines and warms them up. Each engine's files are read and copied to the
+/// device on a thread of its own, all at once: that is most of a cold start, and the engines
+/// share nothing while loading (the loader's pinned staging buffers are a pool). Each warms up on
+/// this thread, where its jobs will run, as soon as it is loaded, while the others still load;
+/// except a warm-up that captures CUDA graphs ([`Cold::captures_graphs`]), which waits until every
+/// load is done. The first failure is the error, once every loader has ended.
+fn load_and_warm(
+    config: &EngineConfig,
+    settings: &EngineSettings,
+    cache_keys: AdvertisedKeys,
+    shared: Option<SharedEncodings>,
+) -> anyhow::Result<Vec<Cold>> {
+    let (sdxl, qwen_edit, esrgan) = (settings.sdxl, settings.qwen_edit, settings.esrgan);
+    std::thread::scope(|scope| {
+        let (tx, loaded) = std::sync::mpsc::channel::<anyhow::Result<Cold>>();
+        if let Some(c) = &config.sdxl {
+            spawn_loader(scope, &tx, "SDXL", move || {
+                Ok(Cold::Sdxl(Box::new(SdxlEngine::load_cold(c, sdxl)?)))
+            });
+        }
+        if let Some(c) = &config.qwen_edit {
+            spawn_loader(scope, &tx, "Qwen-Image-Edit", move || {
+                let e = QwenEditEngine::load_cold(c, qwen_edit, cache_keys, shared)?;
+                Ok(Cold::QwenEdit(Box::new(e)))
+            });
+        }
+        if let Some(c) = &config.esrgan {
+            spawn_loader(scope, &tx, "Real-ESRGAN", move || {
+                Ok(Cold::Esrgan(Box::new(EsrganEngine::load_cold(c, esrgan)?)))
+            });
+        }
+        // The loop ends when every loader has sent its engine (or error) and dropped its sender.
+        drop(tx);
+        // Each loader logs its own load's end; the warm-ups log theirs.
+        let mut failed = None;
+        let (mut warm, mut waiting) = (Vec::new(), Vec::new());
+        for cold in loaded {
+            match cold {
+                Err(e) => {
+                    failed.get_or_insert(e);
+                }
+                // After a failure the rest is dropped as it comes.
+                Ok(_) if failed.is_some() => {}
+                Ok(cold) if cold.captures_graphs() => waiting.push(cold),
+                Ok(cold) => {
+                    cold.warm_up()?;
+                    warm.push(cold);
+                }
+            }
+        }
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        for cold in waiting {
+            cold.warm_up()?;
+            warm.push(cold);
+        }
+        Ok(warm)
+    })
+}
+
+/// What a panic said (its `String` or `&str` payload).
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| payload.downcast_ref::<&str>().map(|m| m.to_string()))
+        .unwrap_or_else(|| "unknown panic".into())
+}
+
+/// Loads an engine on a thread of `scope`, sending it (or why it failed: a panic, such as a
+/// libtorch failure tch reports by panicking, is an error naming the model) to `tx`.
+fn spawn_loader<'scope>(
+    scope: &'scope std::thread::Scope<'scope, '_>,
+    tx: &std::sync::mpsc::Sender<anyhow::Result<Cold>>,
+    model: &'static str,
+    load: impl FnOnce() -> anyhow::Result<Cold> + Send + 'scope,
+) {
+    let tx = tx.clone();
+    scope.spawn(move || {
+        let cold =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(load)).unwrap_or_else(|panic| {
+                Err(anyhow::anyhow!(
+                    "loading {model}: the loader panicked: {}",
+                    panic_message(&*panic)
+                ))
+            });
+        // The receiver is gone only after a warm-up failed; then this engine is not wanted.
+        let _ = tx.send(cold);
+    });
+}
+
 fn unsupported(jobs: &[&EngineJob], model: ModelFamily) -> Vec<Result<EngineOutput, EngineError>> {
     jobs.iter()
         .map(|_| Err(EngineError::Unsupported(model)))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A loader that panics (tch reports libtorch failures by panicking) is a load error that
+    /// names the model, not a crash of the worker.
+    #[test]
+    fn a_loader_that_panics_is_a_load_error_naming_the_model() {
+        let (tx, loaded) = std::sync::mpsc::channel();
+        std::thread::scope(|scope| {
+            spawn_loader(scope, &tx, "SDXL", || {
+                panic!("CUDA out of memory. Tried to allocate 2.00 GiB")
+            });
+        });
+        let Err(e) = loaded.recv().expect("the loader answers") else {
+            panic!("a panicked load is an error");
+        };
+        assert_eq!(
+            e.to_string(),
+            "loading SDXL: the loader panicked: CUDA out of memory. Tried to allocate 2.00 GiB"
+        );
+    }
 }

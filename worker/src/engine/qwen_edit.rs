@@ -36,8 +36,8 @@ use super::device::{Dtype, engine_error, open_device, parse_device, warm_up_size
 use super::shared_encodings::hex_sha256;
 use super::{
     AdvertisedKeys, CacheLookup, EncodeCache, EngineError, EngineJob, EngineOutput, Fetched,
-    LoraDir, Progress, Runnable, SharedEncodings, SharedStore, UsedFile, all_cancelled, answered,
-    content_key, groups, together_or_alone, weight_files,
+    LoraDir, OutputImage, Progress, Runnable, SharedEncodings, SharedStore, UsedFile,
+    all_cancelled, answered, content_key, groups, together_or_alone, weight_files,
 };
 
 /// The `[engine.qwen_edit]` table; a key left out is [`QwenEditEngineConfig::default`]'s.
@@ -216,6 +216,8 @@ pub struct QwenEditEngine {
     shared: Option<SharedStore>,
     lora_dir: LoraDir,
     max_batch: usize,
+    /// The output sizes [`QwenEditEngine::warm_up`] runs.
+    warm_up: Vec<[u32; 2]>,
 }
 
 impl QwenEditEngine {
@@ -237,6 +239,18 @@ impl QwenEditEngine {
         cache_keys: AdvertisedKeys,
         shared: Option<SharedEncodings>,
     ) -> anyhow::Result<Self> {
+        let engine = Self::load_cold(config, settings, cache_keys, shared)?;
+        engine.warm_up()?;
+        Ok(engine)
+    }
+
+    /// [`QwenEditEngine::load`] without the warm-up (see [`QwenEditEngine::warm_up`]).
+    pub fn load_cold(
+        config: &QwenEditEngineConfig,
+        settings: QwenSettings,
+        cache_keys: AdvertisedKeys,
+        shared: Option<SharedEncodings>,
+    ) -> anyhow::Result<Self> {
         let device = open_device(&config.device, "engine.qwen_edit.device")?;
         let shared = match shared {
             Some(s) => Some(s.for_model("qwen_edit", &encodings_fingerprint(config, &settings)?)),
@@ -252,9 +266,6 @@ impl QwenEditEngine {
             seconds = started.elapsed().as_secs_f64(),
             "Qwen-Image-Edit loaded"
         );
-        warm_up_sizes("Qwen-Image-Edit", &config.warm_up, |w, h| {
-            pipeline.warm_up(&[(w, h)])
-        })?;
         Ok(Self {
             pipeline,
             files: config.files(),
@@ -262,6 +273,15 @@ impl QwenEditEngine {
             shared,
             lora_dir: LoraDir::new(config.lora_dir.clone(), "engine.qwen_edit.lora_dir"),
             max_batch: config.max_batch as usize,
+            warm_up: config.warm_up.clone(),
+        })
+    }
+
+    /// Runs an edit at every configured output size once (kernel selection, memory pools) before
+    /// the worker takes jobs.
+    pub fn warm_up(&self) -> anyhow::Result<()> {
+        warm_up_sizes("Qwen-Image-Edit", &self.warm_up, |w, h| {
+            self.pipeline.warm_up(&[(w, h)])
         })
     }
 
@@ -471,7 +491,9 @@ impl QwenEditEngine {
                             timings.add("denoise", times.denoise * share);
                             timings.add("decode", times.decode * share);
                             EngineOutput {
-                                images: vec![image::DynamicImage::ImageRgb8(image)],
+                                images: vec![OutputImage::Finished(
+                                    image::DynamicImage::ImageRgb8(image),
+                                )],
                                 seeds: vec![Some(r.seed)],
                                 timings,
                                 encode_cache: None,

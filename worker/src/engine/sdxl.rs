@@ -40,8 +40,8 @@ use crate::tuning::SettingsChoice;
 
 use super::device::{Dtype, engine_error, open_device, parse_device, warm_up_sizes};
 use super::{
-    EngineError, EngineJob, EngineOutput, LoadedCheckpoints, LoraDir, Progress, Runnable, UsedFile,
-    all_cancelled, answered, groups, together_or_alone, weight_files,
+    EngineError, EngineJob, EngineOutput, LoadedCheckpoints, LoraDir, OutputImage, Progress,
+    Runnable, UsedFile, all_cancelled, answered, groups, together_or_alone, weight_files,
 };
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
@@ -223,6 +223,13 @@ impl SdxlEngine {
     /// Loads the checkpoint onto the device and warms up at every configured size. Any failure
     /// (missing file, missing or misshapen tensor, no device) is an error naming what is wrong.
     pub fn load(config: &SdxlConfig, settings: SdxlSettings) -> anyhow::Result<Self> {
+        let engine = Self::load_cold(config, settings)?;
+        engine.warm_up()?;
+        Ok(engine)
+    }
+
+    /// [`SdxlEngine::load`] without the warm-up (see [`SdxlEngine::warm_up`]).
+    pub fn load_cold(config: &SdxlConfig, settings: SdxlSettings) -> anyhow::Result<Self> {
         let checkpoint = &config.checkpoint;
         let source = if checkpoint.is_dir() {
             ModelSource::DiffusersFolder(checkpoint.clone())
@@ -235,7 +242,6 @@ impl SdxlEngine {
             );
         };
         let pipeline = load_pipeline(config, settings, source)?;
-        warm_up_sizes("SDXL", &config.warm_up, |w, h| pipeline.warm_up(&[(w, h)]))?;
         Ok(Self {
             pipeline,
             max_batch: config.max_batch as usize,
@@ -245,6 +251,19 @@ impl SdxlEngine {
             catalogue: LoadedCheckpoints::new(config.catalogue_checkpoints as usize),
             config: config.clone(),
             settings,
+        })
+    }
+
+    /// Whether its warm-up (and a job at a new size) captures CUDA graphs.
+    pub fn captures_graphs(&self) -> bool {
+        self.settings.cuda_graphs
+    }
+
+    /// Runs every configured warm-up size once (one step and a decode: kernel selection, memory
+    /// pools, CUDA graph capture where set) before the worker takes jobs.
+    pub fn warm_up(&self) -> anyhow::Result<()> {
+        warm_up_sizes("SDXL", &self.config.warm_up, |w, h| {
+            self.pipeline.warm_up(&[(w, h)])
         })
     }
 
@@ -487,9 +506,11 @@ impl SdxlEngine {
                 timings.add("encode_prompt", out.times.encode_prompt * share);
                 timings.add("denoise", out.times.denoise * share);
                 timings.add("decode", out.times.decode * share);
-                outputs[*k]
-                    .images
-                    .extend(produced.into_iter().map(image::DynamicImage::ImageRgb8));
+                outputs[*k].images.extend(
+                    produced
+                        .into_iter()
+                        .map(|image| OutputImage::Finished(image::DynamicImage::ImageRgb8(image))),
+                );
                 done[*k] += 1;
             }
         }

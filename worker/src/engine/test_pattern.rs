@@ -27,7 +27,8 @@ use vnfarm_proto::{
 
 use super::{
     AdvertisedKeys, CacheLookup, CancelReason, EncodeCache, EngineError, EngineJob, EngineOutput,
-    Fetched, Progress, SharedEncodings, SharedStore, UsedFile, all_cancelled, content_key, groups,
+    Fetched, OutputImage, Progress, SharedEncodings, SharedStore, UsedFile, all_cancelled,
+    content_key, groups,
 };
 use crate::engine::shared_encodings::hex_sha256;
 
@@ -446,7 +447,7 @@ impl TestPatternEngine {
             .map(|run| match run.error {
                 Some(e) => Err(e),
                 None => Ok(EngineOutput {
-                    images: run.images,
+                    images: run.images.into_iter().map(OutputImage::from).collect(),
                     seeds: run.seeds,
                     timings: run.timings,
                     encode_cache: run.encode_cache,
@@ -732,7 +733,7 @@ mod tests {
         }
     }
 
-    fn run(task: Task) -> Vec<DynamicImage> {
+    fn run(task: Task) -> Vec<OutputImage> {
         let (mut engine, _) = engine(instant());
         let mut steps = Vec::new();
         let mut out = engine.run_batch(&[&job(task)], &mut |_, p| steps.push(p));

@@ -15,6 +15,12 @@
 //!   alpha stays grey + alpha (OpenCV would have read it as colour);
 //! - an outscale other than the network's (×2 from a ×4 model) resamples the finished image with
 //!   OpenCV's Lanczos-4 ([`crate::imageops::lanczos4`]).
+//!
+//! That resampling is host work only (about 0.8 s for a 4096² RGB8 image on one core of a 2-core
+//! VM in the dev profile), so it is a step of its own: [`Upscaler::upscale_network`] hands back an
+//! [`Upscaled`] image at the network's scale, and [`Upscaled::finish`] resamples it on whatever
+//! thread the caller chooses (the worker's blocking pool, beside the PNG encode, while the engine
+//! runs the next job). [`Upscaler::upscale`] does both.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -65,6 +71,76 @@ impl Channels {
     }
     fn grey(self) -> bool {
         matches!(self, Channels::Luma | Channels::LumaAlpha)
+    }
+}
+
+/// An upscaled image at the network's scale and the size the job asked for: what is left of an
+/// upscale once the network has run (see the module docs).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Upscaled {
+    image: DynamicImage,
+    width: u32,
+    height: u32,
+}
+
+impl Upscaled {
+    /// The finished image's size.
+    pub fn size(&self) -> (u32, u32) {
+        (self.width, self.height)
+    }
+
+    /// The size the network made it at (the input's times the network's scale).
+    pub fn network_size(&self) -> (u32, u32) {
+        (self.image.width(), self.image.height())
+    }
+
+    /// The image at the asked size: as it is when that is the network's scale, else resampled by
+    /// OpenCV's Lanczos-4 (host work: run it off the thread that holds the network).
+    pub fn finish(self) -> DynamicImage {
+        let (fw, fh) = (self.width, self.height);
+        if (self.image.width(), self.image.height()) == (fw, fh) {
+            return self.image;
+        }
+        let from = Layout {
+            width: self.image.width() as usize,
+            height: self.image.height() as usize,
+            channels: usize::from(self.image.color().channel_count()),
+        };
+        let (w, h) = (fw as usize, fh as usize);
+        let r8 = |raw: &[u8]| lanczos4::resize_u8(raw, from, w, h);
+        let r16 = |raw: &[u16]| lanczos4::resize_u16(raw, from, w, h);
+        // `resize_*` return `w · h · channels` samples, the buffer `from_raw` needs.
+        const FITS: &str = "Lanczos-4 returns a buffer of the asked size";
+        match self.image {
+            DynamicImage::ImageLuma8(i) => {
+                DynamicImage::ImageLuma8(ImageBuffer::from_raw(fw, fh, r8(i.as_raw())).expect(FITS))
+            }
+            DynamicImage::ImageLumaA8(i) => DynamicImage::ImageLumaA8(
+                ImageBuffer::from_raw(fw, fh, r8(i.as_raw())).expect(FITS),
+            ),
+            DynamicImage::ImageRgb8(i) => {
+                DynamicImage::ImageRgb8(ImageBuffer::from_raw(fw, fh, r8(i.as_raw())).expect(FITS))
+            }
+            DynamicImage::ImageRgba8(i) => {
+                DynamicImage::ImageRgba8(ImageBuffer::from_raw(fw, fh, r8(i.as_raw())).expect(FITS))
+            }
+            DynamicImage::ImageLuma16(i) => DynamicImage::ImageLuma16(
+                ImageBuffer::from_raw(fw, fh, r16(i.as_raw())).expect(FITS),
+            ),
+            DynamicImage::ImageLumaA16(i) => DynamicImage::ImageLumaA16(
+                ImageBuffer::from_raw(fw, fh, r16(i.as_raw())).expect(FITS),
+            ),
+            DynamicImage::ImageRgb16(i) => DynamicImage::ImageRgb16(
+                ImageBuffer::from_raw(fw, fh, r16(i.as_raw())).expect(FITS),
+            ),
+            DynamicImage::ImageRgba16(i) => DynamicImage::ImageRgba16(
+                ImageBuffer::from_raw(fw, fh, r16(i.as_raw())).expect(FITS),
+            ),
+            other => unreachable!(
+                "an upscale makes 8- or 16-bit grey, grey + alpha, RGB or RGBA, not {:?}",
+                other.color()
+            ),
+        }
     }
 }
 
@@ -248,6 +324,20 @@ impl Upscaler {
         progress: &mut dyn FnMut(usize, usize),
         cancel: &dyn Fn() -> bool,
     ) -> Result<DynamicImage, GenerateError> {
+        Ok(self
+            .upscale_network(image, options, progress, cancel)?
+            .finish())
+    }
+
+    /// [`Upscaler::upscale`] up to the network's scale: the image as the network made it, with the
+    /// resampling to `options.outscale` left to [`Upscaled::finish`].
+    pub fn upscale_network(
+        &self,
+        image: &DynamicImage,
+        options: &UpscaleOptions,
+        progress: &mut dyn FnMut(usize, usize),
+        cancel: &dyn Fn() -> bool,
+    ) -> Result<Upscaled, GenerateError> {
         // libtorch failures outside the tiled run too (the upload of a large input running out of
         // device memory) come back as errors the worker can classify.
         contain_backend_panics(std::panic::AssertUnwindSafe(|| {
@@ -261,7 +351,7 @@ impl Upscaler {
         options: &UpscaleOptions,
         progress: &mut dyn FnMut(usize, usize),
         cancel: &dyn Fn() -> bool,
-    ) -> Result<DynamicImage, GenerateError> {
+    ) -> Result<Upscaled, GenerateError> {
         let (channels, samples) = split(image)?;
         let (w, h) = (image.width() as i64, image.height() as i64);
         let cn = channels.count();
@@ -343,22 +433,9 @@ impl Upscaler {
         self.run(&x, options, &mut sink, progress, cancel)?;
 
         let outscale = options.outscale.unwrap_or(s);
-        let from = Layout {
-            width: ow as usize,
-            height: oh as usize,
-            channels: cn,
-        };
-        let (fw, fh) = ((w * outscale) as usize, (h * outscale) as usize);
-        if outscale != s {
-            if sixteen {
-                out16 = lanczos4::resize_u16(&out16, from, fw, fh);
-            } else {
-                out8 = lanczos4::resize_u8(&out8, from, fw, fh);
-            }
-        }
-        let (fw, fh) = (fw as u32, fh as u32);
+        let (fw, fh) = (ow as u32, oh as u32);
         let bad = || GenerateError::InvalidRequest("output buffer does not match its size".into());
-        Ok(match (channels, sixteen) {
+        let image = match (channels, sixteen) {
             (Channels::Luma, false) => {
                 DynamicImage::ImageLuma8(ImageBuffer::from_raw(fw, fh, out8).ok_or_else(bad)?)
             }
@@ -383,6 +460,11 @@ impl Upscaler {
             (Channels::Rgba, true) => {
                 DynamicImage::ImageRgba16(ImageBuffer::from_raw(fw, fh, out16).ok_or_else(bad)?)
             }
+        };
+        Ok(Upscaled {
+            image,
+            width: (w * outscale) as u32,
+            height: (h * outscale) as u32,
         })
     }
 }

@@ -36,6 +36,12 @@
 //! 41 GB costs about 0.75 s each way, paid only when the LoRA set changes
 //! ([`AppliedLoras::is_same_set`]). The first pinned allocation of that size is slower (2.7 GB/s,
 //! ~15 s for 41 GB); libtorch's host allocator caches the blocks for later LoRA changes.
+//!
+//! A LoRA that nothing will remove (one a model is loaded with, as the Qwen engine's Lightning
+//! LoRA) is fused by [`fuse_for_good`] instead: the same weights bit for bit, but no original is
+//! kept, so it costs neither the pinned copies nor their allocation (about 38 s of a Qwen cold
+//! start on the H200 with a Lightning LoRA, `docs/performance.md`, step 14), and the replaced
+//! weights are freed as the fuse goes. [`LoraReport::kept_bytes`] says what a fuse kept.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -440,15 +446,30 @@ pub struct LoraReport {
     pub files: Vec<FileReport>,
     /// Distinct modules patched by any file.
     pub fused_modules: usize,
+    /// Bytes of original weights (and fp8 scales) kept to restore the base: pinned host copies of
+    /// device weights, the replaced tensors themselves on the CPU. 0 after [`fuse_for_good`].
+    pub kept_bytes: u64,
 }
 
 /// The LoRA set currently fused into a model, with the originals to restore it.
 #[derive(Debug)]
 pub struct AppliedLoras {
     set: Vec<(LoraFingerprint, f64)>,
-    /// (component, module, original weight on the host, original fp8 scale on the host).
-    originals: Vec<(Component, String, Tensor, Option<Tensor>)>,
+    originals: Vec<Original>,
     report: LoraReport,
+}
+
+/// A weight as it was before a fuse: (component, module, weight on the host, fp8 scale on the
+/// host).
+type Original = (Component, String, Tensor, Option<Tensor>);
+
+/// Whether a fuse keeps what it replaces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Originals {
+    /// On the host, to restore the base ([`apply`]).
+    Kept,
+    /// Freed: nothing will restore the base ([`fuse_for_good`]).
+    Dropped,
 }
 
 /// One component of a model that LoRAs may patch.
@@ -460,13 +481,45 @@ pub struct TargetRef<'a> {
 /// Where a pair resolved: (target index, module index within it).
 type Slot = (usize, usize);
 
-/// Fuses `loras` (file, strength) into `targets`. Everything is checked (names, shapes) before
-/// any weight changes, so an error leaves the model as it was. A file that matches no module is
-/// an error; modules of a file that match nothing are reported in [`LoraReport`].
+/// Fuses `loras` (file, strength) into `targets`, keeping each replaced weight on the host so
+/// that [`AppliedLoras::restore`] puts the base back bit for bit. Everything is checked (names,
+/// shapes) before any weight changes, so an error leaves the model as it was. A file that matches
+/// no module is an error; modules of a file that match nothing are reported in [`LoraReport`].
 pub fn apply(
     loras: &[(&LoraFile, f64)],
     targets: &mut [TargetRef<'_>],
 ) -> Result<AppliedLoras, LoraError> {
+    let (report, originals) = fuse(loras, targets, Originals::Kept)?;
+    Ok(AppliedLoras {
+        set: loras
+            .iter()
+            .map(|(f, s)| (f.fingerprint.clone(), *s))
+            .collect(),
+        originals,
+        report,
+    })
+}
+
+/// Fuses `loras` into `targets` for good: the weights [`apply`] would make, bit for bit, checked
+/// the same way first, but nothing is kept to restore the base (the report's `kept_bytes` is 0),
+/// and each replaced weight is freed as the fuse goes. For LoRAs a model is loaded with and no job
+/// removes; a job's own LoRAs on top of them go through [`JobLoras`], which restores to this fused
+/// state.
+pub fn fuse_for_good(
+    loras: &[(&LoraFile, f64)],
+    targets: &mut [TargetRef<'_>],
+) -> Result<LoraReport, LoraError> {
+    let (report, originals) = fuse(loras, targets, Originals::Dropped)?;
+    debug_assert!(originals.is_empty(), "a fuse for good keeps nothing");
+    Ok(report)
+}
+
+/// [`apply`] or [`fuse_for_good`]: checks, fuses and, where `keep` says so, keeps the originals.
+fn fuse(
+    loras: &[(&LoraFile, f64)],
+    targets: &mut [TargetRef<'_>],
+    keep: Originals,
+) -> Result<(LoraReport, Vec<Original>), LoraError> {
     let components: Vec<Component> = targets.iter().map(|t| t.component).collect();
     let aliases: Vec<Vec<(String, String)>> = targets
         .iter_mut()
@@ -585,8 +638,11 @@ pub fn apply(
     }
     report.fused_modules = plan.len();
 
-    // Fuse, keeping each original on the host.
-    let mut originals = Vec::with_capacity(plan.len());
+    // Fuse, keeping each original on the host where asked.
+    let mut originals = Vec::with_capacity(match keep {
+        Originals::Kept => plan.len(),
+        Originals::Dropped => 0,
+    });
     for ((ti, mi), parts) in plan {
         let component = components[ti];
         let (name, module) = &mut modules[ti][mi];
@@ -617,14 +673,19 @@ pub fn apply(
             // kept original's) storage, which `+=` would overwrite.
             w = w.g_add(&(delta * factor));
         }
-        let key = format!("{name}.weight");
-        let original = (
-            host_copy(weight).map_err(torch_err(first, &key))?,
-            scale
-                .map(host_copy)
-                .transpose()
-                .map_err(torch_err(first, &key))?,
-        );
+        let original = match keep {
+            Originals::Kept => {
+                let key = format!("{name}.weight");
+                let weight = host_copy(weight).map_err(torch_err(first, &key))?;
+                let scale = scale
+                    .map(host_copy)
+                    .transpose()
+                    .map_err(torch_err(first, &key))?;
+                report.kept_bytes += bytes(&weight) + scale.as_ref().map_or(0, bytes);
+                Some((weight, scale))
+            }
+            Originals::Dropped => None,
+        };
         match module {
             LoraModule::Linear(l) if is_fp8(kind) => {
                 let (q, s) = quantise_fp8(&w, kind);
@@ -634,16 +695,16 @@ pub fn apply(
             LoraModule::Linear(l) => l.weight = w.to_kind(kind),
             LoraModule::Conv2d(c) => c.weight = w.to_kind(kind),
         }
-        originals.push((component, name.clone(), original.0, original.1));
+        if let Some((weight, scale)) = original {
+            originals.push((component, name.clone(), weight, scale));
+        }
     }
-    Ok(AppliedLoras {
-        set: loras
-            .iter()
-            .map(|(f, s)| (f.fingerprint.clone(), *s))
-            .collect(),
-        originals,
-        report,
-    })
+    Ok((report, originals))
+}
+
+/// The bytes of a tensor's elements.
+fn bytes(t: &Tensor) -> u64 {
+    (t.numel() * t.kind().elt_size_in_bytes()) as u64
 }
 
 /// A host copy of `t` to restore it from: pinned memory for a CUDA tensor (device→pinned copies
@@ -794,16 +855,29 @@ pub fn apply_specs(
     specs: &[LoraSpec],
     targets: &mut [TargetRef<'_>],
 ) -> Result<AppliedLoras, LoraError> {
-    let files = specs
-        .iter()
-        .map(|s| LoraFile::open(&s.path))
-        .collect::<Result<Vec<_>, _>>()?;
-    let pairs: Vec<(&LoraFile, f64)> = files
+    let files = open_specs(specs)?;
+    apply(&with_strengths(&files, specs), targets)
+}
+
+/// Opens `specs` and fuses them into `targets` for good (see [`fuse_for_good`]).
+pub fn fuse_specs_for_good(
+    specs: &[LoraSpec],
+    targets: &mut [TargetRef<'_>],
+) -> Result<LoraReport, LoraError> {
+    let files = open_specs(specs)?;
+    fuse_for_good(&with_strengths(&files, specs), targets)
+}
+
+fn open_specs(specs: &[LoraSpec]) -> Result<Vec<LoraFile>, LoraError> {
+    specs.iter().map(|s| LoraFile::open(&s.path)).collect()
+}
+
+fn with_strengths<'a>(files: &'a [LoraFile], specs: &[LoraSpec]) -> Vec<(&'a LoraFile, f64)> {
+    files
         .iter()
         .zip(specs)
         .map(|(f, s)| (f, s.strength))
-        .collect();
-    apply(&pairs, targets)
+        .collect()
 }
 
 /// What [`JobLoras::set`] did.

@@ -30,7 +30,7 @@ use crate::imageops::resample::{Filter, resize};
 use crate::imageops::{rgb8_to_tensor, tensor_to_rgb8};
 use crate::loading::diffusers::{open, read_config};
 use crate::loading::lora::{
-    self, AppliedLoras, Component, JobLoras, LoraError, LoraModule, LoraSpec, LoraTarget, TargetRef,
+    self, Component, JobLoras, LoraError, LoraModule, LoraReport, LoraSpec, LoraTarget, TargetRef,
 };
 use crate::loading::weights::{WeightStore, Weights};
 use crate::nn::tiling::Tiling;
@@ -198,12 +198,13 @@ fn lora_load_error(e: LoraError) -> LoadError {
     }
 }
 
-/// Fuses `specs` into the transformer.
-fn apply_loras(
+/// Fuses `specs` into the transformer for good: load-time LoRAs stay for the pipeline's life, so
+/// no original is kept (a Lightning LoRA's would be 41 GB of pinned host memory in bf16).
+fn fuse_load_loras(
     transformer: &mut QwenImageTransformer2DModel,
     specs: &[LoraSpec],
-) -> Result<AppliedLoras, LoraError> {
-    lora::apply_specs(
+) -> Result<LoraReport, LoraError> {
+    lora::fuse_specs_for_good(
         specs,
         &mut [TargetRef {
             component: Component::Denoiser,
@@ -319,11 +320,8 @@ impl QwenEditPipeline {
         let transformer_task = || -> Result<QwenImageTransformer2DModel, LoadError> {
             let mut transformer = load_transformer(config, &transformer_config)?;
             if !config.loras.is_empty() {
-                // Load-time LoRAs stay fused for the pipeline's life: nothing to restore.
                 let _guard = tch::no_grad_guard();
-                let applied =
-                    apply_loras(&mut transformer, &config.loras).map_err(lora_load_error)?;
-                drop(applied);
+                fuse_load_loras(&mut transformer, &config.loras).map_err(lora_load_error)?;
             }
             set_block_kernels(&mut transformer, config)?;
             Ok(transformer)

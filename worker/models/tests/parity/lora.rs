@@ -17,7 +17,8 @@ use std::sync::Arc;
 
 use tch::{Device, Kind, Tensor};
 use vnfarm_models::loading::lora::{
-    Component, LoraError, LoraFile, LoraModule, LoraSpec, LoraTarget, TargetRef, apply,
+    Component, JobLoras, LoraError, LoraFile, LoraModule, LoraSpec, LoraTarget, TargetRef, apply,
+    fuse_for_good,
 };
 use vnfarm_models::loading::safetensors::SafetensorsFile;
 use vnfarm_models::loading::weights::{WeightStore, Weights};
@@ -213,12 +214,10 @@ fn two_loras_at_once_add_up() {
     println!("lightx2v × 0.7 + comfy × 1.0: max rel error {worst:e}");
 }
 
-#[test]
-fn fp8_resident_fusing_stays_within_half_an_fp8_step() {
-    let r = reference();
+/// The tiny transformer with fp8 weights. Its matrices are e4m3fn-representable: fp8 with scale
+/// 1, and for half of them a power-of-two scale (also exact), so the base is the same as in fp32.
+fn tiny_fp8_target() -> BTreeMap<String, Linear> {
     let mut target = tiny_target();
-    // The tiny transformer's matrices are e4m3fn-representable: fp8 with scale 1, and for half of
-    // them a power-of-two scale (also exact), so the base is the same as in fp32.
     for (i, l) in target.values_mut().enumerate() {
         if i % 2 == 0 {
             l.weight = l.weight.to_kind(Kind::Float8e4m3fn);
@@ -228,6 +227,13 @@ fn fp8_resident_fusing_stays_within_half_an_fp8_step() {
             l.weight_scale = Some(s);
         }
     }
+    target
+}
+
+#[test]
+fn fp8_resident_fusing_stays_within_half_an_fp8_step() {
+    let r = reference();
+    let mut target = tiny_fp8_target();
     let before = snapshot(&target);
     let applied = apply(&[(&lora("lightx2v"), 1.0)], &mut denoiser(&mut target)).unwrap();
     let mut worst = 0.0f64;
@@ -250,6 +256,70 @@ fn fp8_resident_fusing_stays_within_half_an_fp8_step() {
     println!("fp8-resident fusing: max rel error {worst:e} (bound: half an e4m3fn step)");
     applied.restore(&mut denoiser(&mut target)).unwrap();
     assert_bit_equal(&target, &before);
+}
+
+/// A load-time LoRA fused for good makes the weights `apply` makes, bit for bit (fp32, and fp8
+/// with and without a scale), with the same report, and keeps nothing: `apply` keeps every weight
+/// it replaced (and each fp8 scale).
+#[test]
+fn a_fuse_for_good_equals_apply_and_keeps_no_copy() {
+    for (base, make) in [
+        ("fp32", tiny_target as fn() -> BTreeMap<String, Linear>),
+        ("fp8", tiny_fp8_target),
+    ] {
+        let loras = [(&lora("lightx2v"), 0.7), (&lora("kohya"), 0.5)];
+        let mut restorable = make();
+        let applied = apply(&loras, &mut denoiser(&mut restorable)).unwrap();
+        let mut for_good = make();
+        let report = fuse_for_good(&loras, &mut denoiser(&mut for_good)).unwrap();
+
+        assert_eq!(
+            report.kept_bytes, 0,
+            "{base}: a fuse for good keeps no copy"
+        );
+        assert_eq!(report.files, applied.report().files, "{base}");
+        assert_eq!(
+            report.fused_modules,
+            applied.report().fused_modules,
+            "{base}"
+        );
+        let base_weights = make();
+        let replaced: u64 = lora_modules()
+            .iter()
+            .map(|m| {
+                let l = &base_weights[m];
+                let bytes = |t: &Tensor| (t.numel() * t.kind().elt_size_in_bytes()) as u64;
+                bytes(&l.weight) + l.weight_scale.as_ref().map_or(0, bytes)
+            })
+            .sum();
+        assert!(replaced > 0);
+        assert_eq!(
+            applied.report().kept_bytes,
+            replaced,
+            "{base}: apply keeps every weight it replaced"
+        );
+        assert_bit_equal(&for_good, &snapshot(&restorable));
+    }
+}
+
+/// A job's LoRA on top of a load-time LoRA fused for good (the Qwen engine's Lightning LoRA and a
+/// job's own): removing the job's set gives back the load-time fused weights bit for bit.
+#[test]
+fn job_loras_on_a_fuse_for_good_restore_to_it() {
+    let mut target = tiny_target();
+    fuse_for_good(&[(&lora("lightx2v"), 1.0)], &mut denoiser(&mut target)).unwrap();
+    let loaded = snapshot(&target);
+    let mut job = JobLoras::default();
+    let spec = LoraSpec {
+        path: qwen().join("lora/comfy.safetensors"),
+        strength: 0.7,
+    };
+    let switch = job.set(&[spec], &mut denoiser(&mut target)).unwrap();
+    assert!(switch.applied);
+    assert!(!target["img_in"].weight.equal(&loaded["img_in"].0));
+    let switch = job.set(&[], &mut denoiser(&mut target)).unwrap();
+    assert!(switch.restored);
+    assert_bit_equal(&target, &loaded);
 }
 
 #[test]

@@ -294,6 +294,42 @@ fn job_loras_apply_and_restore_exactly() {
     );
 }
 
+/// A LoRA the pipeline is loaded with is fused for good (no original kept) and edits exactly as
+/// the same LoRA applied for a job (originals kept): the same fused weights, the same image.
+#[test]
+fn a_load_time_lora_edits_as_the_same_lora_for_a_job() {
+    let reference = Reference::open();
+    let case = reference.case("a");
+    let lora = vec![LoraSpec {
+        path: fixtures().join("lora/lightx2v.safetensors"),
+        strength: 0.7,
+    }];
+    let run = |pipe: &QwenEditPipeline| {
+        let encoded = pipe.encode_inputs(&inputs(case)).expect("encode");
+        pipe.edit(&encoded, &[request(case)], &mut |_, _| {}, &|| false)
+            .expect("edit")
+            .0
+            .remove(0)
+    };
+    let mut with_lora = config(files_source(), case);
+    with_lora.loras = lora.clone();
+    let at_load = run(&QwenEditPipeline::load(&with_lora).expect("load with the LoRA"));
+    let mut pipe = QwenEditPipeline::load(&config(files_source(), case)).expect("load");
+    let base = run(&pipe);
+    pipe.set_job_loras(&lora).expect("apply for a job");
+    let for_a_job = run(&pipe);
+    assert_ne!(
+        at_load.as_raw(),
+        base.as_raw(),
+        "the LoRA changes the image"
+    );
+    assert_eq!(
+        at_load.as_raw(),
+        for_a_job.as_raw(),
+        "fused at load = fused for a job"
+    );
+}
+
 /// Encodings shared through bytes (another worker's, case b: two inputs) are the same tensors, give
 /// the same image, and bytes that are damaged or made for another model are errors.
 #[test]
