@@ -302,34 +302,44 @@ fn load_and_warm(
                 Ok(Cold::Esrgan(Box::new(EsrganEngine::load_cold(c, esrgan)?)))
             });
         }
-        // The loop ends when every loader has sent its engine (or error) and dropped its sender.
+        // The iteration ends when every loader has sent its engine (or error) and dropped its
+        // sender. Each loader logs its own load's end; the warm-ups log theirs.
         drop(tx);
-        // Each loader logs its own load's end; the warm-ups log theirs.
-        let mut failed = None;
-        let (mut warm, mut waiting) = (Vec::new(), Vec::new());
-        for cold in loaded {
-            match cold {
-                Err(e) => {
-                    failed.get_or_insert(e);
-                }
-                // After a failure the rest is dropped as it comes.
-                Ok(_) if failed.is_some() => {}
-                Ok(cold) if cold.captures_graphs() => waiting.push(cold),
-                Ok(cold) => {
-                    cold.warm_up()?;
-                    warm.push(cold);
-                }
+        warm_as_loaded(loaded, Cold::captures_graphs, Cold::warm_up)
+    })
+}
+
+/// Warms each engine as it comes from `loaded` (in the order the loads end), except those that
+/// `captures_graphs`, which are warmed after the last load. The first load error is the error,
+/// once every load has ended; engines loaded after it are dropped unwarmed.
+fn warm_as_loaded<T>(
+    loaded: impl IntoIterator<Item = anyhow::Result<T>>,
+    captures_graphs: impl Fn(&T) -> bool,
+    mut warm_up: impl FnMut(&T) -> anyhow::Result<()>,
+) -> anyhow::Result<Vec<T>> {
+    let mut failed = None;
+    let (mut warm, mut waiting) = (Vec::new(), Vec::new());
+    for cold in loaded {
+        match cold {
+            Err(e) => {
+                failed.get_or_insert(e);
+            }
+            Ok(_) if failed.is_some() => {}
+            Ok(cold) if captures_graphs(&cold) => waiting.push(cold),
+            Ok(cold) => {
+                warm_up(&cold)?;
+                warm.push(cold);
             }
         }
-        if let Some(e) = failed {
-            return Err(e);
-        }
-        for cold in waiting {
-            cold.warm_up()?;
-            warm.push(cold);
-        }
-        Ok(warm)
-    })
+    }
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    for cold in waiting {
+        warm_up(&cold)?;
+        warm.push(cold);
+    }
+    Ok(warm)
 }
 
 /// What a panic said (its `String` or `&str` payload).
@@ -372,6 +382,62 @@ fn unsupported(jobs: &[&EngineJob], model: ModelFamily) -> Vec<Result<EngineOutp
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Engines warm in the order their loads end, each at once, except one whose warm-up captures
+    /// CUDA graphs: it waits for the last load (events: `load k` as a load ends, `warm k`).
+    #[test]
+    fn a_graph_capturing_warm_up_waits_for_every_load() {
+        // (name, captures graphs), in the order the loads end.
+        let ends = [("sdxl", true), ("esrgan", false), ("qwen", false)];
+        let log = std::cell::RefCell::new(Vec::new());
+        let loaded = ends.iter().map(|&(name, graphs)| {
+            log.borrow_mut().push(format!("load {name}"));
+            Ok((name, graphs))
+        });
+        let warm = warm_as_loaded(
+            loaded,
+            |&(_, graphs)| graphs,
+            |&(name, _)| {
+                log.borrow_mut().push(format!("warm {name}"));
+                Ok(())
+            },
+        )
+        .expect("all warm");
+        assert_eq!(
+            log.into_inner(),
+            [
+                "load sdxl",
+                "load esrgan",
+                "warm esrgan",
+                "load qwen",
+                "warm qwen",
+                "warm sdxl"
+            ]
+        );
+        assert_eq!(warm.len(), 3);
+    }
+
+    /// A failed load is the error once the others have ended; nothing loaded after it warms.
+    #[test]
+    fn a_failed_load_is_the_error_and_later_engines_do_not_warm() {
+        let mut warmed = Vec::new();
+        let loaded = vec![
+            Ok("esrgan"),
+            Err(anyhow::anyhow!("loading SDXL: no such file")),
+            Ok("qwen"),
+        ];
+        let e = warm_as_loaded(
+            loaded,
+            |_| false,
+            |name| {
+                warmed.push(*name);
+                Ok(())
+            },
+        )
+        .expect_err("the load failed");
+        assert_eq!(e.to_string(), "loading SDXL: no such file");
+        assert_eq!(warmed, ["esrgan"]);
+    }
 
     /// A loader that panics (tch reports libtorch failures by panicking) is a load error that
     /// names the model, not a crash of the worker.
