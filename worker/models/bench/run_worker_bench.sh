@@ -19,6 +19,7 @@
 #                                             # each runs whatever failed before
 #   PIPELINES=6 ROUNDS=3 bash ...             # the workload sizes (full)
 #   CHECK=1 PF1=0 bash ...                    # the box check's settings; no prefetch-1 process
+#   CHECK_ARGS="--repeats 3" ...              # more arguments of the check
 set -uo pipefail
 P=$1; shift
 B=worker/models/bench
@@ -115,7 +116,7 @@ if [ "${CHECK:-0}" = 1 ]; then
   config 1 none | grep -v '^settings_file\|^settings = ' > "$R/check.toml"
   local c0=$(date +%s.%N)
   local q=; [ "$MODE" = tiny ] && q=--quick
-  timeout 300 $W check --config "$R/check.toml" --out "$R/check" $q > "$R/check.txt" 2> "$R/check.log"
+  timeout 300 $W check --config "$R/check.toml" --out "$R/check" $q ${CHECK_ARGS:-} > "$R/check.txt" 2> "$R/check.log"
   echo "check rc=$? in $(python3 -c "import time; print(round(time.time() - $c0, 1))") s" | tee -a "$R/times.txt"
   grep -i 'chosen\|FAIL\|settings file' "$R/check.txt" | cut -c1-400
   rm -rf "$R/check/work"
