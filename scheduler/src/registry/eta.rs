@@ -8,11 +8,14 @@
 //!   is its denoising steps times its images, and a run's time is fitted as a fixed part plus a
 //!   part per unit of work (exponentially weighted least squares, so the rate follows a worker
 //!   whose speed changes).
+//! - [`Arrivals`] (`eta/arrivals.rs`): how fast interactive work arrives, by class, learned from
+//!   the stream's `queued` events; part of the rates.
 //! - [`simulate`]: the queue simulation, a pure function of its input: each worker's engine runs
 //!   the jobs on it one after another (a worker's slots are prefetch; its engine is one thread),
 //!   busy until the predicted finish of the last; then the waiting jobs, in dispatch order, each
 //!   to the worker serving its route that frees first, no earlier than its inputs' predicted
-//!   finish.
+//!   finish; a batch job after the interactive work expected to arrive before it starts
+//!   ([`Stretch`]).
 //! - The registry's side: [`Registry::dispatch_order`] (the one place the waiting order is read
 //!   from), the simulation's input copied from the records under the registry's lock, the
 //!   simulation run without it, and the estimates kept until [`REFRESH`] has passed, so a request
@@ -28,7 +31,12 @@ use vnfarm_proto::http::{Estimate, JobState};
 use vnfarm_proto::{JobId, JobSpec, ModelFamily, WorkerId, WorkerState, resolution_class};
 
 use super::record::JobRecord;
-use super::{Registry, Route};
+use super::{INTERACTIVE_BURST, Registry, Route};
+
+mod arrivals;
+
+pub use arrivals::Arrivals;
+use arrivals::Expected;
 
 /// Estimates are made again at most this often (and only when asked for).
 pub const REFRESH: Duration = Duration::from_millis(500);
@@ -151,6 +159,8 @@ pub struct Rates {
     message_ends: HashMap<JobId, DateTime<Utc>>,
     /// `message_ends`' keys, oldest first (it keeps the newest [`MESSAGE_ENDS`]).
     message_order: VecDeque<JobId>,
+    /// How fast interactive work arrives.
+    arrivals: Arrivals,
 }
 
 /// [`Rates`] as JSON holds it (a map's keys must be strings there).
@@ -158,12 +168,16 @@ pub struct Rates {
 struct RatesWire {
     fits: Vec<(Class, WorkerId, Fit)>,
     message_ends: Vec<(JobId, DateTime<Utc>)>,
+    /// Absent from the snapshots of schedulers built before arrivals were learned.
+    #[serde(default)]
+    arrivals: Arrivals,
 }
 
 impl From<RatesWire> for Rates {
     fn from(wire: RatesWire) -> Self {
         let mut rates = Rates {
             fits: wire.fits.into_iter().map(|(c, w, f)| ((c, w), f)).collect(),
+            arrivals: wire.arrivals,
             ..Rates::default()
         };
         for (lead, at) in wire.message_ends {
@@ -186,11 +200,20 @@ impl From<Rates> for RatesWire {
                 .iter()
                 .filter_map(|lead| Some((*lead, *rates.message_ends.get(lead)?)))
                 .collect(),
+            arrivals: rates.arrivals,
         }
     }
 }
 
 impl Rates {
+    /// Learns from a job just queued at `at` (a pipeline's jobs one by one): an interactive job
+    /// is an arrival of its class's work.
+    pub(super) fn queued(&mut self, job: &JobRecord, at: DateTime<Utc>) {
+        let work = job.submission().and_then(|s| Work::of(&s.job));
+        let interactive = job.priority() == vnfarm_proto::Priority::Interactive;
+        self.arrivals.queued(work.as_ref(), interactive, at);
+    }
+
     /// Learns from a job that has just completed at `at` (its record already says so): its run
     /// took from its `started` (or the end of the job before it in its message) to `at`. A job
     /// completed without a run of its own here (answered from an earlier run's manifest) teaches
@@ -349,6 +372,70 @@ pub(super) struct SimInput {
     pub(super) workers: Vec<SimWorker>,
     /// In dispatch order: the first is dispatched first when a worker serving it frees.
     pub(super) waiting: Vec<Waiting>,
+    /// The interactive work expected to arrive from `now`, by class.
+    pub(super) arrivals: Vec<Expected>,
+}
+
+/// What the interactive work expected to arrive does to one worker's batch jobs: it overtakes
+/// them (§5), taking `load` of the worker's time (its share of the arrivals of the models it
+/// serves, split evenly among the workers that serve them, priced by the rates), but no more
+/// than `INTERACTIVE_BURST` of its mean interactive job before each batch job, as dispatch lets
+/// at most that many interactive jobs go in a row while batch work waits. A fluid model: the
+/// arrivals are spread evenly in time, not drawn.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct Stretch {
+    load: f64,
+    most: Micros,
+}
+
+impl Stretch {
+    /// The worker's stretch from the expected arrivals of the classes it serves.
+    fn of(worker: &SimWorker, input: &SimInput, rates: &Rates) -> Stretch {
+        if !(worker.heard && worker.takes_work) {
+            return Stretch::default();
+        }
+        let (mut load, mut jobs) = (0.0, 0.0);
+        for expected in &input.arrivals {
+            let model = &expected.work.class.model;
+            if !worker.models.contains(model) {
+                continue;
+            }
+            let serving = input
+                .workers
+                .iter()
+                .filter(|w| w.heard && w.takes_work && w.models.contains(model))
+                .count();
+            // A class without a basis yet is left out: its jobs say so when they come.
+            let Ok((seconds, _)) = rates.seconds(&expected.work, &worker.id) else {
+                continue;
+            };
+            let per_second = expected.per_second / serving as f64;
+            load += per_second * seconds;
+            jobs += per_second;
+        }
+        if jobs <= 0.0 {
+            return Stretch::default();
+        }
+        Stretch {
+            load,
+            most: micros(f64::from(INTERACTIVE_BURST) * load / jobs),
+        }
+    }
+
+    /// When a batch job that the worker could start at `t` starts: after the work that arrived
+    /// since `cleared` (when it last had none owed) and what arrives while that is served,
+    /// `t′ − t = load × (t′ − cleared)`, at most `most` after `t`.
+    fn batch_start(self, t: Micros, cleared: Micros) -> Micros {
+        if self.load <= 0.0 {
+            return t;
+        }
+        let fluid = if self.load < 1.0 {
+            (t as f64 - self.load * cleared as f64) / (1.0 - self.load)
+        } else {
+            f64::INFINITY
+        };
+        t + micros((fluid - t as f64).min(self.most as f64) / 1e6)
+    }
 }
 
 /// A job's estimate, or why it has none.
@@ -442,7 +529,14 @@ pub(super) fn simulate(input: &SimInput, rates: &Rates) -> HashMap<JobId, Outcom
         }
     }
 
-    // 2. The waiting jobs, in dispatch order, as workers free up.
+    // 2. The waiting jobs, in dispatch order, as workers free up; each worker's batch jobs after
+    // the interactive work expected to arrive first (owed since `cleared`).
+    let stretch: Vec<Stretch> = input
+        .workers
+        .iter()
+        .map(|worker| Stretch::of(worker, input, rates))
+        .collect();
+    let mut cleared: Vec<Micros> = vec![0; input.workers.len()];
     let n = input.waiting.len();
     let index: HashMap<JobId, usize> = input
         .waiting
@@ -557,9 +651,14 @@ pub(super) fn simulate(input: &SimInput, rates: &Rates) -> HashMap<JobId, Outcom
             .min()
             .or_else(|| serving().filter_map(|set| set.first().copied()).min());
         let Some(i) = next else {
-            // Nothing it serves is ready yet: it is free again when the next job is.
+            // Nothing it serves is ready yet: it is free again when the next job is, having
+            // served what arrived meanwhile if there was time.
             if let Some(&Reverse((r, _))) = releases.peek() {
-                free.push(Reverse((r.max(t), w)));
+                let r = r.max(t);
+                if r >= stretch[w].batch_start(t, cleared[w]) {
+                    cleared[w] = r;
+                }
+                free.push(Reverse((r, w)));
             }
             continue;
         };
@@ -576,15 +675,29 @@ pub(super) fn simulate(input: &SimInput, rates: &Rates) -> HashMap<JobId, Outcom
         };
         match cost {
             Ok((seconds, basis)) => {
-                let finish = t + micros(seconds);
+                let start = if job.interactive {
+                    t
+                } else {
+                    cleared[w] = stretch[w].batch_start(t, cleared[w]);
+                    cleared[w]
+                };
+                let overtaken = if start > t {
+                    format!(
+                        ", after {:.1} s of interactive work expected to arrive",
+                        (start - t) as f64 / 1e6
+                    )
+                } else {
+                    String::new()
+                };
+                let finish = start + micros(seconds);
                 finishes.insert(job.id, finish);
                 out.insert(
                     job.id,
                     Ok(estimate(
-                        t,
+                        start,
                         finish,
                         format!(
-                            "{basis}; {placed} job(s) ahead of it, then worker {}",
+                            "{basis}; {placed} job(s) ahead of it, then worker {}{overtaken}",
                             worker.id
                         ),
                     )),
@@ -887,6 +1000,7 @@ impl Registry {
             now,
             workers,
             waiting,
+            arrivals: self.rates.arrivals.expected(now),
         }
     }
 
@@ -1041,6 +1155,7 @@ mod tests {
                 sim_worker("b", vec![on(b, None)]),
             ],
             waiting: queue.clone(),
+            arrivals: vec![],
         };
         let out = simulate(&input, &rates(&["a", "b"], 1.0));
         assert_eq!(offsets(&out, a, now), (-0.5, 0.5));
@@ -1063,6 +1178,7 @@ mod tests {
             now,
             workers: vec![sim_worker("a", vec![]), sim_worker("b", vec![])],
             waiting: vec![base.clone(), edit.clone(), other.clone()],
+            arrivals: vec![],
         };
         let out = simulate(&input, &rates(&["a", "b"], 2.0));
         assert_eq!(offsets(&out, base.id, now), (0.0, 2.0));
@@ -1097,6 +1213,7 @@ mod tests {
                 sim_worker("b", vec![]),
             ],
             waiting: vec![of_x.clone(), fine.clone()],
+            arrivals: vec![],
         };
         let out = simulate(&input, &rates(&["a", "b"], 1.0));
         assert!(
@@ -1134,6 +1251,7 @@ mod tests {
             now,
             workers: vec![sim_worker("a", vec![on]), sim_worker("b", vec![])],
             waiting: vec![held.clone(), other.clone()],
+            arrivals: vec![],
         };
         let out = simulate(&input, &rates(&["a", "b"], 1.0));
         assert_eq!(
@@ -1158,6 +1276,104 @@ mod tests {
         );
     }
 
+    /// Interactive work expected at half a job per second (1 s each, so half the one worker's
+    /// time) overtakes the waiting batch jobs, not the interactive one. By hand: the running job
+    /// ends at 1 s and the interactive job runs until 2 s; by then 1 s of new interactive work
+    /// has arrived, and 1 s more while that is served, so the first batch job starts at 4 s
+    /// (`t′ = 2 + 0.5 × t′`); the 0.5 s that arrives while it runs and what arrives while that is
+    /// served put the second at 6 s. Without the arrivals they run back to back from 2 s.
+    #[test]
+    fn expected_interactive_arrivals_put_batch_jobs_later() {
+        let now = Utc::now();
+        let running = OnWorker {
+            id: JobId::new(),
+            work: Some(sdxl(1.0)),
+            started_at: Some(now),
+        };
+        let urgent = Waiting {
+            interactive: true,
+            ..waiting(vec![])
+        };
+        let (first, second) = (waiting(vec![]), waiting(vec![]));
+        let without = SimInput {
+            now,
+            workers: vec![sim_worker("a", vec![running])],
+            waiting: vec![urgent.clone(), first.clone(), second.clone()],
+            arrivals: vec![],
+        };
+        let expecting = |per_second| SimInput {
+            arrivals: vec![Expected {
+                per_second,
+                work: sdxl(1.0),
+            }],
+            ..without.clone()
+        };
+        let rates = rates(&["a"], 1.0);
+        let plain = simulate(&without, &rates);
+        let stretched = simulate(&expecting(0.5), &rates);
+        let at = |out: &HashMap<JobId, Outcome>, id| offsets(out, id, now);
+        assert_eq!(at(&plain, urgent.id), (1.0, 2.0));
+        assert_eq!(at(&plain, first.id), (2.0, 3.0));
+        assert_eq!(at(&plain, second.id), (3.0, 4.0));
+        assert_eq!(at(&stretched, urgent.id), (1.0, 2.0), "not overtaken");
+        assert_eq!(at(&stretched, first.id), (4.0, 5.0));
+        assert_eq!(at(&stretched, second.id), (6.0, 7.0));
+        let basis = &stretched[&second.id].as_ref().unwrap().basis;
+        assert!(
+            basis.contains("after 1.0 s of interactive work expected to arrive"),
+            "{basis}"
+        );
+        // At 0.9 of the worker's time, dispatch's burst limit bounds the wait: at most
+        // `INTERACTIVE_BURST` interactive jobs of 1 s go before each batch job.
+        let burst = simulate(&expecting(0.9), &rates);
+        assert_eq!(at(&burst, first.id), (6.0, 7.0));
+        assert_eq!(at(&burst, second.id), (11.0, 12.0));
+    }
+
+    /// Through the registry: interactive jobs queued every 2 s over the last minute (each 1 s of
+    /// work, as the farm measured) make the rate half a job per second, so the batch job waiting
+    /// behind a running one starts about twice as late from now as without them.
+    #[test]
+    fn the_arrival_rate_is_learned_from_the_queued_events() {
+        let mut r = Registry::default();
+        let mut s = Stream::new();
+        r.heartbeat(worker("a", 1));
+        let learn = s.queue(&mut r, generate());
+        run(&mut s, &mut r, learn, "a", None);
+        s.at += chrono::Duration::seconds(1);
+        s.completed_on(&mut r, learn, "a");
+        for _ in 0..30 {
+            s.at += chrono::Duration::seconds(2);
+            let id = s.queue(
+                &mut r,
+                Submission {
+                    priority: Priority::Interactive,
+                    ..generate()
+                },
+            );
+            s.complete(&mut r, id);
+        }
+        let running = s.queue(&mut r, generate());
+        run(&mut s, &mut r, running, "a", None);
+        let batch = s.queue(&mut r, generate());
+        let now = s.at;
+        let input = r.sim_input(now, T);
+        assert_eq!(input.arrivals.len(), 1);
+        let rate = input.arrivals[0].per_second;
+        assert!((rate - 0.5).abs() < 0.02, "{rate}");
+        let learned = simulate(&input, &r.rates);
+        let without = simulate(
+            &SimInput {
+                arrivals: vec![],
+                ..input
+            },
+            &r.rates,
+        );
+        let (plain, stretched) = (offsets(&without, batch, now), offsets(&learned, batch, now));
+        assert!((plain.0 - 1.0).abs() < 0.01, "{plain:?}");
+        assert!((stretched.0 - 2.0).abs() < 0.1, "{stretched:?}");
+    }
+
     #[test]
     fn a_job_no_live_worker_serves_has_no_estimate() {
         let now = Utc::now();
@@ -1167,6 +1383,7 @@ mod tests {
             now,
             workers: vec![sim_worker("a", vec![])],
             waiting: vec![job.clone()],
+            arrivals: vec![],
         };
         let out = simulate(&input, &rates(&["a"], 1.0));
         assert_eq!(
