@@ -7,7 +7,10 @@
 //!
 //! The farm first runs a generate, an edit and a pipeline of each size (a warm-up), as a farm that
 //! has run before has measured its rates; without any measured run a job has no estimate, and says
-//! so.
+//! so. With a history, it then runs the workload itself that many times, unmeasured, as a farm
+//! whose users worked the same way before has seen how fast their interactive work arrives (the
+//! measured run's batch jobs are all submitted in its first seconds, before any of its own
+//! interactive work arrives, so nothing else can tell their first estimates about it).
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write;
@@ -101,14 +104,20 @@ pub struct AccuracyReport {
     pub run_ratio: Vec<f64>,
 }
 
-/// Runs the workload (made with `mixed`) on the default dispatch and measures the estimates.
+/// Runs the workload (made with `mixed`) on the default dispatch, after `history` unmeasured runs
+/// of it, and measures the estimates of the last run. The report is of the whole stream, history
+/// included.
 pub async fn run_estimates(
     config: &RunConfig,
     workload: &Workload,
+    history: usize,
 ) -> anyhow::Result<(PolicyReport, AccuracyReport)> {
     let variant = VARIANTS[0];
     let mut farm = start_farm(variant, config).await?;
     warm_up(&farm).await?;
+    for _ in 0..history {
+        run_workload(variant, config, workload, &mut farm).await?;
+    }
     let before: Vec<JobId> = farm
         .jobs("all=true&limit=1000")
         .await?
