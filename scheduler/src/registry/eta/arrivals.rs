@@ -43,10 +43,10 @@ struct Arrived {
 
 /// What is expected to arrive of one class: jobs per second, of a mean work each.
 #[derive(Clone, Debug, PartialEq)]
-pub(super) struct Expected {
-    pub(super) per_second: f64,
+pub(in crate::registry) struct Expected {
+    pub(in crate::registry) per_second: f64,
     /// The mean job's work, to be priced by the rates like any job's.
-    pub(super) work: Work,
+    pub(in crate::registry) work: Work,
 }
 
 /// e^(−seconds / MEAN_AGE).
