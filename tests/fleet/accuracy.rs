@@ -99,6 +99,9 @@ pub struct AccuracyReport {
     pub by_priority: BTreeMap<(&'static str, &'static str), Errors>,
     /// Jobs never estimated while they waited, with the first reason they gave.
     pub unestimated: Vec<(JobId, String)>,
+    /// Of the batch jobs' first estimates while waiting, the seconds each counted on for
+    /// interactive work expected to arrive (the estimate's basis says so), sorted: 0 for none.
+    pub arrivals_waited: Vec<f64>,
     /// Predicted over actual run time (from its start, or its worker's previous job's end when
     /// later, to its end) of the jobs estimated while running, sorted: the rates' own error.
     pub run_ratio: Vec<f64>,
@@ -199,6 +202,9 @@ pub async fn run_estimates(
         };
         match &seen.waiting {
             Some(e) => {
+                if priority == "batch" {
+                    acc.arrivals_waited.push(waited_for_arrivals(&e.basis));
+                }
                 acc.at_submission.add(e, ended);
                 acc.by_priority
                     .entry((priority, "submission"))
@@ -224,12 +230,22 @@ pub async fn run_estimates(
         }
     }
     acc.run_ratio.sort_by(f64::total_cmp);
+    acc.arrivals_waited.sort_by(f64::total_cmp);
     acc.at_submission.sort();
     acc.at_start.sort();
     for errors in acc.by_priority.values_mut() {
         errors.sort();
     }
     Ok((report, acc))
+}
+
+/// The seconds an estimate's basis says it waits for interactive work expected to arrive ("…,
+/// after 1.5 s of interactive work expected to arrive"), 0 when it says nothing of it.
+fn waited_for_arrivals(basis: &str) -> f64 {
+    basis
+        .split_once(" s of interactive work expected")
+        .and_then(|(before, _)| before.rsplit(' ').next()?.parse().ok())
+        .unwrap_or(0.0)
 }
 
 /// Notes a job's estimate (or why it had none) the first time each is seen.
@@ -317,6 +333,15 @@ pub fn render_accuracy(config: &RunConfig, acc: &AccuracyReport) -> String {
         super::report::percentile(&acc.run_ratio, 0.1),
         super::report::percentile(&acc.run_ratio, 0.5),
         super::report::percentile(&acc.run_ratio, 0.9)
+    );
+    let waited = &acc.arrivals_waited;
+    let _ = writeln!(
+        out,
+        "\nbatch jobs' first estimates while waiting that count on interactive work expected to arrive: {} of {}; seconds added, median {:.1}, p90 {:.1}",
+        waited.iter().filter(|s| **s > 0.0).count(),
+        waited.len(),
+        super::report::percentile(waited, 0.5),
+        super::report::percentile(waited, 0.9)
     );
     let _ = writeln!(
         out,
