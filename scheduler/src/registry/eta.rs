@@ -628,9 +628,18 @@ pub(super) fn simulate(input: &SimInput, rates: &Rates) -> HashMap<JobId, Outcom
             }
         }
         let worker = &input.workers[w];
-        // Its next job: the first released job of a route it serves, passing over batch edits
-        // whose inputs another worker holds (they wait for it, §5), unless it has nothing else
-        // to do (dispatch is work-conserving).
+        // Its next job, as `affinity` picks it (§5): first the released edits of inputs it holds,
+        // unless they are batch work and interactive work it could run waits; then the first
+        // released job of a route it serves, passing over batch edits whose inputs another worker
+        // holds (they wait for it), unless it has nothing else to do (dispatch is
+        // work-conserving).
+        let held = |i: &usize| {
+            let job = &input.waiting[*i];
+            job.affinity
+                .as_ref()
+                .and_then(|k| holders.get(k.as_str()))
+                .is_some_and(|h| *h == w)
+        };
         let mine = |i: &usize| {
             let job = &input.waiting[*i];
             job.interactive
@@ -646,10 +655,22 @@ pub(super) fn simulate(input: &SimInput, rates: &Rates) -> HashMap<JobId, Outcom
                 .filter(|(route, _)| worker.serves(route))
                 .map(|(_, set)| set)
         };
+        let first = serving().filter_map(|set| set.first().copied()).min();
+        let urgent = first.is_some_and(|i| input.waiting[i].interactive);
         let next = serving()
-            .filter_map(|set| set.iter().take(HOLD_SCAN).copied().find(mine))
+            .filter_map(|set| {
+                set.iter()
+                    .take(HOLD_SCAN)
+                    .copied()
+                    .find(|i| held(i) && (input.waiting[*i].interactive || !urgent))
+            })
             .min()
-            .or_else(|| serving().filter_map(|set| set.first().copied()).min());
+            .or_else(|| {
+                serving()
+                    .filter_map(|set| set.iter().take(HOLD_SCAN).copied().find(mine))
+                    .min()
+            })
+            .or(first);
         let Some(i) = next else {
             // Nothing it serves is ready yet: it is free again when the next job is, having
             // served what arrived meanwhile if there was time.
@@ -1372,6 +1393,48 @@ mod tests {
         let (plain, stretched) = (offsets(&without, batch, now), offsets(&learned, batch, now));
         assert!((plain.0 - 1.0).abs() < 0.01, "{plain:?}");
         assert!((stretched.0 - 2.0).abs() < 0.1, "{stretched:?}");
+    }
+
+    /// As `affinity` does, a worker that frees takes the batch edits of inputs it holds before
+    /// the jobs ahead of them in the order, unless interactive work waits.
+    #[test]
+    fn a_worker_takes_the_edits_of_inputs_it_holds_first() {
+        let now = Utc::now();
+        let on = |seconds: f64| OnWorker {
+            id: JobId::new(),
+            work: Some(sdxl(seconds)),
+            started_at: Some(now),
+        };
+        let edit = Waiting {
+            affinity: Some("qwen-edit:stored:x".into()),
+            holder: Some(wid("a")),
+            ..waiting(vec![])
+        };
+        let (ahead, urgent) = (
+            waiting(vec![]),
+            Waiting {
+                interactive: true,
+                ..waiting(vec![])
+            },
+        );
+        let input = SimInput {
+            now,
+            // a frees at 1 s, b at 2 s.
+            workers: vec![sim_worker("a", vec![on(1.0)]), sim_worker("b", vec![on(2.0)])],
+            waiting: vec![ahead.clone(), edit.clone()],
+            arrivals: vec![],
+        };
+        let out = simulate(&input, &rates(&["a", "b"], 1.0));
+        assert_eq!(offsets(&out, edit.id, now), (1.0, 2.0), "a takes its edit");
+        assert_eq!(offsets(&out, ahead.id, now), (2.0, 3.0), "b the job ahead");
+        let input = SimInput {
+            waiting: vec![urgent.clone(), ahead.clone(), edit.clone()],
+            ..input
+        };
+        let out = simulate(&input, &rates(&["a", "b"], 1.0));
+        assert_eq!(offsets(&out, urgent.id, now), (1.0, 2.0), "interactive first");
+        assert_eq!(offsets(&out, edit.id, now), (2.0, 3.0), "then a's edit");
+        assert_eq!(offsets(&out, ahead.id, now), (2.0, 3.0), "b the job ahead");
     }
 
     #[test]
