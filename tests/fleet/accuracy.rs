@@ -100,7 +100,8 @@ pub struct AccuracyReport {
     /// Jobs never estimated while they waited, with the first reason they gave.
     pub unestimated: Vec<(JobId, String)>,
     /// Of the batch jobs' first estimates while waiting, the seconds each counted on for
-    /// interactive work expected to arrive (the estimate's basis says so), sorted: 0 for none.
+    /// interactive work expected to arrive just before it (the estimate's basis says so; what
+    /// delayed the batch jobs before it on its worker is not included), sorted: 0 for none.
     pub arrivals_waited: Vec<f64>,
     /// Predicted over actual run time (from its start, or its worker's previous job's end when
     /// later, to its end) of the jobs estimated while running, sorted: the rates' own error.
@@ -337,7 +338,7 @@ pub fn render_accuracy(config: &RunConfig, acc: &AccuracyReport) -> String {
     let waited = &acc.arrivals_waited;
     let _ = writeln!(
         out,
-        "\nbatch jobs' first estimates while waiting that count on interactive work expected to arrive: {} of {}; seconds added, median {:.1}, p90 {:.1}",
+        "\nbatch jobs' first estimates while waiting that count on interactive work expected to arrive: {} of {}; seconds of it just before the job (the waits before earlier batch jobs on its worker not included), median {:.1}, p90 {:.1}",
         waited.iter().filter(|s| **s > 0.0).count(),
         waited.len(),
         super::report::percentile(waited, 0.5),

@@ -1420,7 +1420,10 @@ mod tests {
         let input = SimInput {
             now,
             // a frees at 1 s, b at 2 s.
-            workers: vec![sim_worker("a", vec![on(1.0)]), sim_worker("b", vec![on(2.0)])],
+            workers: vec![
+                sim_worker("a", vec![on(1.0)]),
+                sim_worker("b", vec![on(2.0)]),
+            ],
             waiting: vec![ahead.clone(), edit.clone()],
             arrivals: vec![],
         };
@@ -1432,7 +1435,11 @@ mod tests {
             ..input
         };
         let out = simulate(&input, &rates(&["a", "b"], 1.0));
-        assert_eq!(offsets(&out, urgent.id, now), (1.0, 2.0), "interactive first");
+        assert_eq!(
+            offsets(&out, urgent.id, now),
+            (1.0, 2.0),
+            "interactive first"
+        );
         assert_eq!(offsets(&out, edit.id, now), (2.0, 3.0), "then a's edit");
         assert_eq!(offsets(&out, ahead.id, now), (2.0, 3.0), "b the job ahead");
     }
@@ -1564,10 +1571,21 @@ mod tests {
         let (run_e, int_e, batch_e) = (est(running), est(interactive), est(batch));
         assert_eq!(int_e.start_at, run_e.finish_at);
         // The interactive job is an arrival too: one 2 s job in the minute a young farm counts
-        // at least is 3.5 % of the worker's time, so the batch job, free to start at 4 s, waits
-        // 4 × 0.035 / (1 − 0.035) ≈ 0.145 s more for the interactive work expected meanwhile.
-        let gap = (batch_e.start_at - int_e.finish_at).num_milliseconds();
-        assert!((130..=160).contains(&gap), "{gap} ms");
+        // at least is ρ ≈ 3.5 % of the worker's time, so the batch job, free to start `t` after
+        // the estimates were made, waits t × ρ / (1 − ρ) more for the work expected meanwhile.
+        let rho = 2.0 / (600.0 * (1.0 - (-0.1f64).exp()));
+        let free = (int_e.finish_at - batch_e.made_at)
+            .num_microseconds()
+            .unwrap() as f64
+            / 1e6;
+        let gap = (batch_e.start_at - int_e.finish_at)
+            .num_microseconds()
+            .unwrap() as f64
+            / 1e6;
+        assert!(
+            (gap - free * rho / (1.0 - rho)).abs() < 0.005,
+            "{gap} s after {free} s"
+        );
         assert!(
             batch_e.basis.contains("interactive work expected"),
             "{}",

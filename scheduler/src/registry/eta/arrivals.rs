@@ -149,7 +149,10 @@ mod tests {
         let at = |s: i64| t0 + chrono::Duration::seconds(s);
         let mut arrivals = Arrivals::default();
         arrivals.queued(Some(&work(20.0)), false, at(0));
-        assert!(arrivals.expected(at(10)).is_empty(), "no interactive work yet");
+        assert!(
+            arrivals.expected(at(10)).is_empty(),
+            "no interactive work yet"
+        );
         for n in 0..60 {
             let units = 10.0 + f64::from(n % 2) * 20.0;
             arrivals.queued(Some(&work(units)), true, at(1 + 2 * i64::from(n)));
