@@ -17,7 +17,8 @@
 //!   cancellation.
 //! - `plan.rs`: the dispatch policy, with its tests. `workers.rs`: the worker records.
 //! - `eta.rs`: estimates of when waiting and running jobs start and finish: the rates learned
-//!   from the stream, the queue simulation, and the order dispatch takes waiting jobs in.
+//!   from the stream, the queue simulation, and the order dispatch takes waiting jobs in;
+//!   `eta/arrivals.rs`: how fast interactive work arrives, learned from the same stream.
 //! - `names.rs`: the model names workers advertise; jobs whose named checkpoint left the farm.
 //! - `people.rs`: people and their tokens' digests, from their own events in the same stream.
 //! - `shares.rs`: fair share: the queue's controls (pauses) and each person's GPU time today.

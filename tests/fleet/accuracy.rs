@@ -7,7 +7,10 @@
 //!
 //! The farm first runs a generate, an edit and a pipeline of each size (a warm-up), as a farm that
 //! has run before has measured its rates; without any measured run a job has no estimate, and says
-//! so.
+//! so. With a history, it then runs the workload itself that many times, unmeasured, as a farm
+//! whose users worked the same way before has seen how fast their interactive work arrives (the
+//! measured run's batch jobs are all submitted in its first seconds, before any of its own
+//! interactive work arrives, so nothing else can tell their first estimates about it).
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write;
@@ -96,19 +99,29 @@ pub struct AccuracyReport {
     pub by_priority: BTreeMap<(&'static str, &'static str), Errors>,
     /// Jobs never estimated while they waited, with the first reason they gave.
     pub unestimated: Vec<(JobId, String)>,
+    /// Of the batch jobs' first estimates while waiting, the seconds each counted on for
+    /// interactive work expected to arrive just before it (the estimate's basis says so; what
+    /// delayed the batch jobs before it on its worker is not included), sorted: 0 for none.
+    pub arrivals_waited: Vec<f64>,
     /// Predicted over actual run time (from its start, or its worker's previous job's end when
     /// later, to its end) of the jobs estimated while running, sorted: the rates' own error.
     pub run_ratio: Vec<f64>,
 }
 
-/// Runs the workload (made with `mixed`) on the default dispatch and measures the estimates.
+/// Runs the workload (made with `mixed`) on the default dispatch, after `history` unmeasured runs
+/// of it, and measures the estimates of the last run. The report is of the whole stream, history
+/// included.
 pub async fn run_estimates(
     config: &RunConfig,
     workload: &Workload,
+    history: usize,
 ) -> anyhow::Result<(PolicyReport, AccuracyReport)> {
     let variant = VARIANTS[0];
     let mut farm = start_farm(variant, config).await?;
     warm_up(&farm).await?;
+    for _ in 0..history {
+        run_workload(variant, config, workload, &mut farm).await?;
+    }
     let before: Vec<JobId> = farm
         .jobs("all=true&limit=1000")
         .await?
@@ -190,6 +203,9 @@ pub async fn run_estimates(
         };
         match &seen.waiting {
             Some(e) => {
+                if priority == "batch" {
+                    acc.arrivals_waited.push(waited_for_arrivals(&e.basis));
+                }
                 acc.at_submission.add(e, ended);
                 acc.by_priority
                     .entry((priority, "submission"))
@@ -215,12 +231,22 @@ pub async fn run_estimates(
         }
     }
     acc.run_ratio.sort_by(f64::total_cmp);
+    acc.arrivals_waited.sort_by(f64::total_cmp);
     acc.at_submission.sort();
     acc.at_start.sort();
     for errors in acc.by_priority.values_mut() {
         errors.sort();
     }
     Ok((report, acc))
+}
+
+/// The seconds an estimate's basis says it waits for interactive work expected to arrive ("…,
+/// after 1.5 s of interactive work expected to arrive"), 0 when it says nothing of it.
+fn waited_for_arrivals(basis: &str) -> f64 {
+    basis
+        .split_once(" s of interactive work expected")
+        .and_then(|(before, _)| before.rsplit(' ').next()?.parse().ok())
+        .unwrap_or(0.0)
 }
 
 /// Notes a job's estimate (or why it had none) the first time each is seen.
@@ -308,6 +334,15 @@ pub fn render_accuracy(config: &RunConfig, acc: &AccuracyReport) -> String {
         super::report::percentile(&acc.run_ratio, 0.1),
         super::report::percentile(&acc.run_ratio, 0.5),
         super::report::percentile(&acc.run_ratio, 0.9)
+    );
+    let waited = &acc.arrivals_waited;
+    let _ = writeln!(
+        out,
+        "\nbatch jobs' first estimates while waiting that count on interactive work expected to arrive: {} of {}; seconds of it just before the job (the waits before earlier batch jobs on its worker not included), median {:.1}, p90 {:.1}",
+        waited.iter().filter(|s| **s > 0.0).count(),
+        waited.len(),
+        super::report::percentile(waited, 0.5),
+        super::report::percentile(waited, 0.9)
     );
     let _ = writeln!(
         out,

@@ -73,6 +73,7 @@ impl Registry {
         record.children = children.clone();
         record.owner = owner.clone();
         record.files = files.clone();
+        self.rates.queued(&record, at);
         self.insert(record);
         let Some(jobs) = derived else {
             tracing::error!(job_id = %id, children = children.len(), "a pipeline event that does not match its spec; the pipeline fails");
@@ -88,6 +89,7 @@ impl Registry {
             record.submission = Some(child);
             record.parent = Some(id);
             record.owner = owner.clone();
+            self.rates.queued(&record, at);
             self.insert(record);
         }
         true

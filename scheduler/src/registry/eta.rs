@@ -8,11 +8,14 @@
 //!   is its denoising steps times its images, and a run's time is fitted as a fixed part plus a
 //!   part per unit of work (exponentially weighted least squares, so the rate follows a worker
 //!   whose speed changes).
+//! - [`Arrivals`] (`eta/arrivals.rs`): how fast interactive work arrives, by class, learned from
+//!   the stream's `queued` events; part of the rates.
 //! - [`simulate`]: the queue simulation, a pure function of its input: each worker's engine runs
 //!   the jobs on it one after another (a worker's slots are prefetch; its engine is one thread),
 //!   busy until the predicted finish of the last; then the waiting jobs, in dispatch order, each
 //!   to the worker serving its route that frees first, no earlier than its inputs' predicted
-//!   finish.
+//!   finish; a batch job after the interactive work expected to arrive before it starts
+//!   ([`Stretch`]).
 //! - The registry's side: [`Registry::dispatch_order`] (the one place the waiting order is read
 //!   from), the simulation's input copied from the records under the registry's lock, the
 //!   simulation run without it, and the estimates kept until [`REFRESH`] has passed, so a request
@@ -28,7 +31,12 @@ use vnfarm_proto::http::{Estimate, JobState};
 use vnfarm_proto::{JobId, JobSpec, ModelFamily, WorkerId, WorkerState, resolution_class};
 
 use super::record::JobRecord;
-use super::{Registry, Route};
+use super::{INTERACTIVE_BURST, Registry, Route};
+
+mod arrivals;
+
+pub use arrivals::Arrivals;
+use arrivals::Expected;
 
 /// Estimates are made again at most this often (and only when asked for).
 pub const REFRESH: Duration = Duration::from_millis(500);
@@ -151,6 +159,8 @@ pub struct Rates {
     message_ends: HashMap<JobId, DateTime<Utc>>,
     /// `message_ends`' keys, oldest first (it keeps the newest [`MESSAGE_ENDS`]).
     message_order: VecDeque<JobId>,
+    /// How fast interactive work arrives.
+    arrivals: Arrivals,
 }
 
 /// [`Rates`] as JSON holds it (a map's keys must be strings there).
@@ -158,12 +168,16 @@ pub struct Rates {
 struct RatesWire {
     fits: Vec<(Class, WorkerId, Fit)>,
     message_ends: Vec<(JobId, DateTime<Utc>)>,
+    /// Absent from the snapshots of schedulers built before arrivals were learned.
+    #[serde(default)]
+    arrivals: Arrivals,
 }
 
 impl From<RatesWire> for Rates {
     fn from(wire: RatesWire) -> Self {
         let mut rates = Rates {
             fits: wire.fits.into_iter().map(|(c, w, f)| ((c, w), f)).collect(),
+            arrivals: wire.arrivals,
             ..Rates::default()
         };
         for (lead, at) in wire.message_ends {
@@ -186,11 +200,20 @@ impl From<Rates> for RatesWire {
                 .iter()
                 .filter_map(|lead| Some((*lead, *rates.message_ends.get(lead)?)))
                 .collect(),
+            arrivals: rates.arrivals,
         }
     }
 }
 
 impl Rates {
+    /// Learns from a job just queued at `at` (a pipeline's jobs one by one): an interactive job
+    /// is an arrival of its class's work.
+    pub(super) fn queued(&mut self, job: &JobRecord, at: DateTime<Utc>) {
+        let work = job.submission().and_then(|s| Work::of(&s.job));
+        let interactive = job.priority() == vnfarm_proto::Priority::Interactive;
+        self.arrivals.queued(work.as_ref(), interactive, at);
+    }
+
     /// Learns from a job that has just completed at `at` (its record already says so): its run
     /// took from its `started` (or the end of the job before it in its message) to `at`. A job
     /// completed without a run of its own here (answered from an earlier run's manifest) teaches
@@ -349,6 +372,70 @@ pub(super) struct SimInput {
     pub(super) workers: Vec<SimWorker>,
     /// In dispatch order: the first is dispatched first when a worker serving it frees.
     pub(super) waiting: Vec<Waiting>,
+    /// The interactive work expected to arrive from `now`, by class.
+    pub(super) arrivals: Vec<Expected>,
+}
+
+/// What the interactive work expected to arrive does to one worker's batch jobs: it overtakes
+/// them (§5), taking `load` of the worker's time (its share of the arrivals of the models it
+/// serves, split evenly among the workers that serve them, priced by the rates), but no more
+/// than `INTERACTIVE_BURST` of its mean interactive job before each batch job, as dispatch lets
+/// at most that many interactive jobs go in a row while batch work waits. A fluid model: the
+/// arrivals are spread evenly in time, not drawn.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct Stretch {
+    load: f64,
+    most: Micros,
+}
+
+impl Stretch {
+    /// The worker's stretch from the expected arrivals of the classes it serves.
+    fn of(worker: &SimWorker, input: &SimInput, rates: &Rates) -> Stretch {
+        if !(worker.heard && worker.takes_work) {
+            return Stretch::default();
+        }
+        let (mut load, mut jobs) = (0.0, 0.0);
+        for expected in &input.arrivals {
+            let model = &expected.work.class.model;
+            if !worker.models.contains(model) {
+                continue;
+            }
+            let serving = input
+                .workers
+                .iter()
+                .filter(|w| w.heard && w.takes_work && w.models.contains(model))
+                .count();
+            // A class without a basis yet is left out: its jobs say so when they come.
+            let Ok((seconds, _)) = rates.seconds(&expected.work, &worker.id) else {
+                continue;
+            };
+            let per_second = expected.per_second / serving as f64;
+            load += per_second * seconds;
+            jobs += per_second;
+        }
+        if jobs <= 0.0 {
+            return Stretch::default();
+        }
+        Stretch {
+            load,
+            most: micros(f64::from(INTERACTIVE_BURST) * load / jobs),
+        }
+    }
+
+    /// When a batch job that the worker could start at `t` starts: after the work that arrived
+    /// since `cleared` (when it last had none owed) and what arrives while that is served,
+    /// `t′ − t = load × (t′ − cleared)`, at most `most` after `t`.
+    fn batch_start(self, t: Micros, cleared: Micros) -> Micros {
+        if self.load <= 0.0 {
+            return t;
+        }
+        let fluid = if self.load < 1.0 {
+            (t as f64 - self.load * cleared as f64) / (1.0 - self.load)
+        } else {
+            f64::INFINITY
+        };
+        t + micros((fluid - t as f64).min(self.most as f64) / 1e6)
+    }
 }
 
 /// A job's estimate, or why it has none.
@@ -442,7 +529,14 @@ pub(super) fn simulate(input: &SimInput, rates: &Rates) -> HashMap<JobId, Outcom
         }
     }
 
-    // 2. The waiting jobs, in dispatch order, as workers free up.
+    // 2. The waiting jobs, in dispatch order, as workers free up; each worker's batch jobs after
+    // the interactive work expected to arrive first (owed since `cleared`).
+    let stretch: Vec<Stretch> = input
+        .workers
+        .iter()
+        .map(|worker| Stretch::of(worker, input, rates))
+        .collect();
+    let mut cleared: Vec<Micros> = vec![0; input.workers.len()];
     let n = input.waiting.len();
     let index: HashMap<JobId, usize> = input
         .waiting
@@ -534,9 +628,18 @@ pub(super) fn simulate(input: &SimInput, rates: &Rates) -> HashMap<JobId, Outcom
             }
         }
         let worker = &input.workers[w];
-        // Its next job: the first released job of a route it serves, passing over batch edits
-        // whose inputs another worker holds (they wait for it, §5), unless it has nothing else
-        // to do (dispatch is work-conserving).
+        // Its next job, as `affinity` picks it (§5): first the released edits of inputs it holds,
+        // unless they are batch work and interactive work it could run waits; then the first
+        // released job of a route it serves, passing over batch edits whose inputs another worker
+        // holds (they wait for it), unless it has nothing else to do (dispatch is
+        // work-conserving).
+        let held = |i: &usize| {
+            let job = &input.waiting[*i];
+            job.affinity
+                .as_ref()
+                .and_then(|k| holders.get(k.as_str()))
+                .is_some_and(|h| *h == w)
+        };
         let mine = |i: &usize| {
             let job = &input.waiting[*i];
             job.interactive
@@ -552,14 +655,31 @@ pub(super) fn simulate(input: &SimInput, rates: &Rates) -> HashMap<JobId, Outcom
                 .filter(|(route, _)| worker.serves(route))
                 .map(|(_, set)| set)
         };
+        let first = serving().filter_map(|set| set.first().copied()).min();
+        let urgent = first.is_some_and(|i| input.waiting[i].interactive);
         let next = serving()
-            .filter_map(|set| set.iter().take(HOLD_SCAN).copied().find(mine))
+            .filter_map(|set| {
+                set.iter()
+                    .take(HOLD_SCAN)
+                    .copied()
+                    .find(|i| held(i) && (input.waiting[*i].interactive || !urgent))
+            })
             .min()
-            .or_else(|| serving().filter_map(|set| set.first().copied()).min());
+            .or_else(|| {
+                serving()
+                    .filter_map(|set| set.iter().take(HOLD_SCAN).copied().find(mine))
+                    .min()
+            })
+            .or(first);
         let Some(i) = next else {
-            // Nothing it serves is ready yet: it is free again when the next job is.
+            // Nothing it serves is ready yet: it is free again when the next job is, having
+            // served what arrived meanwhile if there was time.
             if let Some(&Reverse((r, _))) = releases.peek() {
-                free.push(Reverse((r.max(t), w)));
+                let r = r.max(t);
+                if r >= stretch[w].batch_start(t, cleared[w]) {
+                    cleared[w] = r;
+                }
+                free.push(Reverse((r, w)));
             }
             continue;
         };
@@ -576,15 +696,29 @@ pub(super) fn simulate(input: &SimInput, rates: &Rates) -> HashMap<JobId, Outcom
         };
         match cost {
             Ok((seconds, basis)) => {
-                let finish = t + micros(seconds);
+                let start = if job.interactive {
+                    t
+                } else {
+                    cleared[w] = stretch[w].batch_start(t, cleared[w]);
+                    cleared[w]
+                };
+                let overtaken = if start > t {
+                    format!(
+                        ", after {:.1} s of interactive work expected to arrive",
+                        (start - t) as f64 / 1e6
+                    )
+                } else {
+                    String::new()
+                };
+                let finish = start + micros(seconds);
                 finishes.insert(job.id, finish);
                 out.insert(
                     job.id,
                     Ok(estimate(
-                        t,
+                        start,
                         finish,
                         format!(
-                            "{basis}; {placed} job(s) ahead of it, then worker {}",
+                            "{basis}; {placed} job(s) ahead of it, then worker {}{overtaken}",
                             worker.id
                         ),
                     )),
@@ -887,6 +1021,7 @@ impl Registry {
             now,
             workers,
             waiting,
+            arrivals: self.rates.arrivals.expected(now),
         }
     }
 
@@ -1041,6 +1176,7 @@ mod tests {
                 sim_worker("b", vec![on(b, None)]),
             ],
             waiting: queue.clone(),
+            arrivals: vec![],
         };
         let out = simulate(&input, &rates(&["a", "b"], 1.0));
         assert_eq!(offsets(&out, a, now), (-0.5, 0.5));
@@ -1063,6 +1199,7 @@ mod tests {
             now,
             workers: vec![sim_worker("a", vec![]), sim_worker("b", vec![])],
             waiting: vec![base.clone(), edit.clone(), other.clone()],
+            arrivals: vec![],
         };
         let out = simulate(&input, &rates(&["a", "b"], 2.0));
         assert_eq!(offsets(&out, base.id, now), (0.0, 2.0));
@@ -1097,6 +1234,7 @@ mod tests {
                 sim_worker("b", vec![]),
             ],
             waiting: vec![of_x.clone(), fine.clone()],
+            arrivals: vec![],
         };
         let out = simulate(&input, &rates(&["a", "b"], 1.0));
         assert!(
@@ -1134,6 +1272,7 @@ mod tests {
             now,
             workers: vec![sim_worker("a", vec![on]), sim_worker("b", vec![])],
             waiting: vec![held.clone(), other.clone()],
+            arrivals: vec![],
         };
         let out = simulate(&input, &rates(&["a", "b"], 1.0));
         assert_eq!(
@@ -1158,6 +1297,153 @@ mod tests {
         );
     }
 
+    /// Interactive work expected at half a job per second (1 s each, so half the one worker's
+    /// time) overtakes the waiting batch jobs, not the interactive one. By hand: the running job
+    /// ends at 1 s and the interactive job runs until 2 s; by then 1 s of new interactive work
+    /// has arrived, and 1 s more while that is served, so the first batch job starts at 4 s
+    /// (`t′ = 2 + 0.5 × t′`); the 0.5 s that arrives while it runs and what arrives while that is
+    /// served put the second at 6 s. Without the arrivals they run back to back from 2 s.
+    #[test]
+    fn expected_interactive_arrivals_put_batch_jobs_later() {
+        let now = Utc::now();
+        let running = OnWorker {
+            id: JobId::new(),
+            work: Some(sdxl(1.0)),
+            started_at: Some(now),
+        };
+        let urgent = Waiting {
+            interactive: true,
+            ..waiting(vec![])
+        };
+        let (first, second) = (waiting(vec![]), waiting(vec![]));
+        let without = SimInput {
+            now,
+            workers: vec![sim_worker("a", vec![running])],
+            waiting: vec![urgent.clone(), first.clone(), second.clone()],
+            arrivals: vec![],
+        };
+        let expecting = |per_second| SimInput {
+            arrivals: vec![Expected {
+                per_second,
+                work: sdxl(1.0),
+            }],
+            ..without.clone()
+        };
+        let rates = rates(&["a"], 1.0);
+        let plain = simulate(&without, &rates);
+        let stretched = simulate(&expecting(0.5), &rates);
+        let at = |out: &HashMap<JobId, Outcome>, id| offsets(out, id, now);
+        assert_eq!(at(&plain, urgent.id), (1.0, 2.0));
+        assert_eq!(at(&plain, first.id), (2.0, 3.0));
+        assert_eq!(at(&plain, second.id), (3.0, 4.0));
+        assert_eq!(at(&stretched, urgent.id), (1.0, 2.0), "not overtaken");
+        assert_eq!(at(&stretched, first.id), (4.0, 5.0));
+        assert_eq!(at(&stretched, second.id), (6.0, 7.0));
+        let basis = &stretched[&second.id].as_ref().unwrap().basis;
+        assert!(
+            basis.contains("after 1.0 s of interactive work expected to arrive"),
+            "{basis}"
+        );
+        // At 0.9 of the worker's time, dispatch's burst limit bounds the wait: at most
+        // `INTERACTIVE_BURST` interactive jobs of 1 s go before each batch job.
+        let burst = simulate(&expecting(0.9), &rates);
+        assert_eq!(at(&burst, first.id), (6.0, 7.0));
+        assert_eq!(at(&burst, second.id), (11.0, 12.0));
+    }
+
+    /// Through the registry: interactive jobs queued every 2 s over the last minute (each 1 s of
+    /// work, as the farm measured) make the rate half a job per second, so the batch job waiting
+    /// behind a running one starts about twice as late from now as without them.
+    #[test]
+    fn the_arrival_rate_is_learned_from_the_queued_events() {
+        let mut r = Registry::default();
+        let mut s = Stream::new();
+        r.heartbeat(worker("a", 1));
+        let learn = s.queue(&mut r, generate());
+        run(&mut s, &mut r, learn, "a", None);
+        s.at += chrono::Duration::seconds(1);
+        s.completed_on(&mut r, learn, "a");
+        for _ in 0..30 {
+            s.at += chrono::Duration::seconds(2);
+            let id = s.queue(
+                &mut r,
+                Submission {
+                    priority: Priority::Interactive,
+                    ..generate()
+                },
+            );
+            s.complete(&mut r, id);
+        }
+        let running = s.queue(&mut r, generate());
+        run(&mut s, &mut r, running, "a", None);
+        let batch = s.queue(&mut r, generate());
+        let now = s.at;
+        let input = r.sim_input(now, T);
+        assert_eq!(input.arrivals.len(), 1);
+        let rate = input.arrivals[0].per_second;
+        assert!((rate - 0.5).abs() < 0.02, "{rate}");
+        let learned = simulate(&input, &r.rates);
+        let without = simulate(
+            &SimInput {
+                arrivals: vec![],
+                ..input
+            },
+            &r.rates,
+        );
+        let (plain, stretched) = (offsets(&without, batch, now), offsets(&learned, batch, now));
+        assert!((plain.0 - 1.0).abs() < 0.01, "{plain:?}");
+        assert!((stretched.0 - 2.0).abs() < 0.1, "{stretched:?}");
+    }
+
+    /// As `affinity` does, a worker that frees takes the batch edits of inputs it holds before
+    /// the jobs ahead of them in the order, unless interactive work waits.
+    #[test]
+    fn a_worker_takes_the_edits_of_inputs_it_holds_first() {
+        let now = Utc::now();
+        let on = |seconds: f64| OnWorker {
+            id: JobId::new(),
+            work: Some(sdxl(seconds)),
+            started_at: Some(now),
+        };
+        let edit = Waiting {
+            affinity: Some("qwen-edit:stored:x".into()),
+            holder: Some(wid("a")),
+            ..waiting(vec![])
+        };
+        let (ahead, urgent) = (
+            waiting(vec![]),
+            Waiting {
+                interactive: true,
+                ..waiting(vec![])
+            },
+        );
+        let input = SimInput {
+            now,
+            // a frees at 1 s, b at 2 s.
+            workers: vec![
+                sim_worker("a", vec![on(1.0)]),
+                sim_worker("b", vec![on(2.0)]),
+            ],
+            waiting: vec![ahead.clone(), edit.clone()],
+            arrivals: vec![],
+        };
+        let out = simulate(&input, &rates(&["a", "b"], 1.0));
+        assert_eq!(offsets(&out, edit.id, now), (1.0, 2.0), "a takes its edit");
+        assert_eq!(offsets(&out, ahead.id, now), (2.0, 3.0), "b the job ahead");
+        let input = SimInput {
+            waiting: vec![urgent.clone(), ahead.clone(), edit.clone()],
+            ..input
+        };
+        let out = simulate(&input, &rates(&["a", "b"], 1.0));
+        assert_eq!(
+            offsets(&out, urgent.id, now),
+            (1.0, 2.0),
+            "interactive first"
+        );
+        assert_eq!(offsets(&out, edit.id, now), (2.0, 3.0), "then a's edit");
+        assert_eq!(offsets(&out, ahead.id, now), (2.0, 3.0), "b the job ahead");
+    }
+
     #[test]
     fn a_job_no_live_worker_serves_has_no_estimate() {
         let now = Utc::now();
@@ -1167,6 +1453,7 @@ mod tests {
             now,
             workers: vec![sim_worker("a", vec![])],
             waiting: vec![job.clone()],
+            arrivals: vec![],
         };
         let out = simulate(&input, &rates(&["a"], 1.0));
         assert_eq!(
@@ -1283,7 +1570,27 @@ mod tests {
         };
         let (run_e, int_e, batch_e) = (est(running), est(interactive), est(batch));
         assert_eq!(int_e.start_at, run_e.finish_at);
-        assert_eq!(batch_e.start_at, int_e.finish_at);
+        // The interactive job is an arrival too: one 2 s job in the minute a young farm counts
+        // at least is ρ ≈ 3.5 % of the worker's time, so the batch job, free to start `t` after
+        // the estimates were made, waits t × ρ / (1 − ρ) more for the work expected meanwhile.
+        let rho = 2.0 / (600.0 * (1.0 - (-0.1f64).exp()));
+        let free = (int_e.finish_at - batch_e.made_at)
+            .num_microseconds()
+            .unwrap() as f64
+            / 1e6;
+        let gap = (batch_e.start_at - int_e.finish_at)
+            .num_microseconds()
+            .unwrap() as f64
+            / 1e6;
+        assert!(
+            (gap - free * rho / (1.0 - rho)).abs() < 0.005,
+            "{gap} s after {free} s"
+        );
+        assert!(
+            batch_e.basis.contains("interactive work expected"),
+            "{}",
+            batch_e.basis
+        );
         let took = (batch_e.finish_at - batch_e.start_at).num_milliseconds();
         assert!((1990..=2010).contains(&took), "{took} ms");
         s.complete(&mut r, batch);

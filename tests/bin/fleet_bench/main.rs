@@ -42,6 +42,10 @@ struct Cli {
     /// Strix Halo): a smaller scale makes jobs longer and the machine's own noise smaller.
     #[arg(long)]
     scale: Option<f64>,
+    /// With `--estimates`: run the workload this many times, unmeasured, before the measured run
+    /// (a farm that has seen its users' interactive work arrive before).
+    #[arg(long, default_value_t = 0)]
+    history: usize,
 }
 
 #[tokio::main]
@@ -94,7 +98,7 @@ async fn main() -> anyhow::Result<()> {
         );
         if cli.estimates {
             let started = std::time::Instant::now();
-            let (report, accuracy) = fleet::run_estimates(&config, &workload).await?;
+            let (report, accuracy) = fleet::run_estimates(&config, &workload, cli.history).await?;
             eprintln!(
                 "  estimates: {} jobs in {:.1} s (wall {:.1} s)",
                 report.jobs,
