@@ -374,19 +374,8 @@ fn mn_case(
     write(dir, "x.bin", &x);
     write(dir, "h.bin", &h);
     write(dir, "mod.bin", &m);
-    let grid = AddLayerNormGrid::new(b * s, warp);
     let flags = i64::from(with_res) | (i64::from(with_norm) << 1);
-    let args: Vec<String> = ["mn".to_string(), dir.display().to_string()]
-        .into_iter()
-        .chain(
-            [b, s, c, 6 * c, 5 * c, 3 * c, 4 * c, flags]
-                .iter()
-                .map(i64::to_string),
-        )
-        .chain([format!("{eps:e}")])
-        .chain([grid.blocks, grid.threads].iter().map(i64::to_string))
-        .collect();
-    run(emu, &args, &case);
+    run(emu, &mn_args(dir, warp, (b, s, c), flags, eps), &case);
 
     let fused = BlockKernels {
         ada_norm: NormKernels::Fused,
@@ -471,6 +460,28 @@ fn assert_quantised(q8: &Tensor, qs: &Tensor, want: &Tensor, case: &str) {
     assert!(rel < 0.04, "{case}: mean relative error {rel:.2e}");
 }
 
+/// The emulator's `mn` arguments for the layout `mn_case` writes: a modulation `[B, 6C]` whose
+/// gate, shift and scale are its second half's thirds.
+fn mn_args(
+    dir: &Path,
+    warp: WarpWidth,
+    (b, s, c): (i64, i64, i64),
+    flags: i64,
+    eps: f64,
+) -> Vec<String> {
+    let grid = AddLayerNormGrid::new(b * s, warp);
+    ["mn".to_string(), dir.display().to_string()]
+        .into_iter()
+        .chain(
+            [b, s, c, 6 * c, 5 * c, 3 * c, 4 * c, flags]
+                .iter()
+                .map(i64::to_string),
+        )
+        .chain([format!("{eps:e}")])
+        .chain([grid.blocks, grid.threads].iter().map(i64::to_string))
+        .collect()
+}
+
 fn mn_fp8_case(
     emu: &Path,
     dir: &Path,
@@ -486,23 +497,14 @@ fn mn_fp8_case(
     write(dir, "x.bin", &x);
     write(dir, "h.bin", &h);
     write(dir, "mod.bin", &m);
-    let grid = AddLayerNormGrid::new(b * s, warp);
-    let args = |flags: i64| -> Vec<String> {
-        ["mn".to_string(), dir.display().to_string()]
-            .into_iter()
-            .chain(
-                [b, s, c, 6 * c, 5 * c, 3 * c, 4 * c, flags]
-                    .iter()
-                    .map(i64::to_string),
-            )
-            .chain([format!("{:e}", 1e-6)])
-            .chain([grid.blocks, grid.threads].iter().map(i64::to_string))
-            .collect()
-    };
     let res = i64::from(with_res);
-    run(emu, &args(res | 2), &case);
+    run(emu, &mn_args(dir, warp, (b, s, c), res | 2, 1e-6), &case);
     let bf16 = read(dir, "norm.bin", &[b, s, c], Kind::BFloat16);
-    run(emu, &args(res | 2 | 4), &case);
+    run(
+        emu,
+        &mn_args(dir, warp, (b, s, c), res | 2 | 4, 1e-6),
+        &case,
+    );
     let q8 = read(dir, "q8.bin", &[b, s, c], Kind::Uint8);
     let qs = read(dir, "qs.bin", &[b * s], Kind::Float);
     // Byte for byte: the kernel quantises its own bf16 row at its scale as libtorch's cast does
