@@ -556,7 +556,10 @@ impl Farm {
     pub fn launch_worker(&mut self, id: &str, options: WorkerOptions) -> anyhow::Result<()> {
         let mut env = self.common_env();
         env.push(("VNFARM_WORKER_ID".into(), id.into()));
-        env.push(("VNFARM_LISTEN".into(), format!("127.0.0.1:{}", free_port())));
+        // Port 0: the worker binds whatever port the kernel gives it (no test reads a worker's
+        // port unless it sets VNFARM_LISTEN itself in `extra_env`). A port picked here and handed
+        // over could be taken by a parallel test's process in between ("Address already in use").
+        env.push(("VNFARM_LISTEN".into(), "127.0.0.1:0".into()));
         env.push(("VNFARM_HEARTBEAT_INTERVAL_MS".into(), "300".into()));
         // The farm's own, not the default beside the test's working directory.
         env.push((

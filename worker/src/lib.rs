@@ -72,6 +72,10 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<
     let listener = TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("binding {}", config.listen))?;
+    // The bound address, not the configured one: port 0 asks the kernel for a free port.
+    if let Ok(addr) = listener.local_addr() {
+        tracing::info!(%addr, "serving health and metrics");
+    }
     serve(config, listener, shutdown).await
 }
 

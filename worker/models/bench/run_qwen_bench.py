@@ -792,12 +792,14 @@ def sweep_table(res, modes):
             continue
         lines += ["", f"Kernel sweep, `{m}` components process (transformer step, median of 5 after 2; "
                       f"diffusers' step {d if d is None else round(d, 1)} ms):", "",
-                  "| kernels | round | step (ms) | ÷ diffusers | output vs first spec, max / mean (rel. to mean abs) |",
-                  "| --- | ---: | ---: | ---: | --- |"]
+                  "| kernels | modulations | round | step (ms) | ÷ diffusers | output vs first spec, max / mean (rel. to mean abs) |",
+                  "| --- | --- | ---: | ---: | ---: | --- |"]
         for r in sw:
-            vs = (f"{r['vs_first_max']:.2e} / {r['vs_first_mean']:.2e}" if "vs_first_max" in r else "reference")
+            vs = (f"{r['vs_first_max']:.2e} / {r['vs_first_mean']:.2e}" if "vs_first_max" in r
+                  else "" if "modulations" in r else "reference")
             ratio = f"{r['ms_median'] / d:.3f}" if d else "n/a"
-            lines.append(f"| `{r['kernels']}` | {r['round']} | {r['ms_median']:.1f} | {ratio} | {vs} |")
+            mods = r.get("modulations", "in the step")
+            lines.append(f"| `{r['kernels']}` | {mods} | {r['round']} | {r['ms_median']:.1f} | {ratio} | {vs} |")
     return "\n".join(lines)
 
 
@@ -840,6 +842,8 @@ def make_table(res, modes):
         f"{ratio(num(op[m], 'pipeline_load', 's'), read_rust)} | " for m in modes) + " |")
     row("transformer step (ms)", num(d, "transformer_step", "ms_median"),
         lambda m: num(oc[m], "transformer_step", "ms_median"), 1)
+    row("transformer step, modulations precomputed as the pipeline does (ms)", num(d, "transformer_step", "ms_median"),
+        lambda m: num(oc[m], "transformer_step_precomputed", "ms_median"), 1)
     row("transformer step inside the edit, steady (ms)", None, lambda m: num(op[m], "edit", "denoise_step_ms"), 1)
     row("VAE encode (ms)", num(d, "vae_encode", "ms_median"), lambda m: num(oc[m], "vae_encode", "ms_median"), 1)
     row("VAE decode (ms)", num(d, "vae_decode", "ms_median"), lambda m: num(oc[m], "vae_decode", "ms_median"), 1)

@@ -65,6 +65,8 @@ use vnfarm_models::schedulers::FlowMatchConfig;
 
 const STEPS: usize = 4;
 const CFG: f64 = 1.0;
+/// The components' timestep, as the scheduler gives it (σ · 1000).
+const STEP_T: f64 = 900.0;
 
 /// `--cpu` (local smoke tests on tiny models): no CUDA, fp32.
 static CPU: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -508,6 +510,17 @@ fn kernel_sweep(
                 &format!(", \"round\": {round}, \"kernels\": \"{name}\"{agreement}"),
                 || Ok(transformer.forward(hs, txt, None, timestep, shapes)?),
             )?;
+            // The pipeline's step: the schedule's modulations made once (`forward_step`).
+            let modulations = transformer.step_modulations(&[STEP_T], hs.kind());
+            bench(
+                &format!("transformer_step_sweep.r{round}.{name}.precomputed"),
+                2,
+                5,
+                &format!(
+                    ", \"round\": {round}, \"kernels\": \"{name}\", \"modulations\": \"precomputed\""
+                ),
+                || Ok(transformer.forward_step(hs, txt, None, &modulations, 0, shapes)?),
+            )?;
         }
     }
     Ok(())
@@ -576,7 +589,7 @@ fn components(opts: &Opts) -> anyhow::Result<()> {
     tch::manual_seed(0);
     let hs = Tensor::randn([1, tokens, tcfg.in_channels], (dt, dev));
     let txt = Tensor::randn([1, opts.txt_len, tcfg.joint_attention_dim], (dt, dev));
-    let timestep = Tensor::full([1], 0.9, (dt, dev));
+    let timestep = Tensor::full([1], STEP_T, (dt, dev)) / 1000.0;
     let shapes = [target, reference];
     bench(
         "transformer_step",
@@ -590,6 +603,15 @@ fn components(opts: &Opts) -> anyhow::Result<()> {
         ),
         || Ok(transformer.forward(&hs, &txt, None, &timestep, &shapes)?),
     )?;
+    let modulations = transformer.step_modulations(&[STEP_T], dt);
+    bench(
+        "transformer_step_precomputed",
+        2,
+        5,
+        ", \"modulations\": \"precomputed\"",
+        || Ok(transformer.forward_step(&hs, &txt, None, &modulations, 0, &shapes)?),
+    )?;
+    drop(modulations);
     if !opts.sweep.is_empty() {
         kernel_sweep(&mut transformer, opts, (&hs, &txt, &timestep), &shapes)?;
         transformer

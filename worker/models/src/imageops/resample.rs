@@ -17,6 +17,10 @@
 //!   shrinks, then vertical first), each pass rounding to 8 bits, and a pass skipped when its side
 //!   keeps its size (same size: a plain copy).
 //!
+//! Each pass computes its output rows on rayon's pool (every output sample depends on the input
+//! alone, so the bytes do not depend on the split): a 1024² → 384² Lanczos is one of an edit's
+//! host steps before its first GPU work.
+//!
 //! The accumulator is `i64` where Pillow uses `int`: for normalised weights the C sum never leaves
 //! the `int` range, so the results agree, and nothing here can overflow on any input.
 //!
@@ -24,6 +28,7 @@
 //! `fixtures/resample/make_resample_fixtures.py`.
 
 use image::RgbImage;
+use rayon::prelude::*;
 
 /// Resampling filter, named as in `PIL.Image.Resampling`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -296,38 +301,42 @@ fn convolve(src: Plane, width: usize, height: usize, filter: Filter) -> Plane {
 fn horizontal_pass(src: &Plane, rows: std::ops::Range<usize>, windows: &[Window]) -> Plane {
     let mut out = Plane::zeroed(windows.len(), rows.len());
     let out_stride = windows.len() * 3;
-    for (y_out, y_in) in rows.enumerate() {
-        let row_in = src.row(y_in);
-        let row_out = &mut out.data[y_out * out_stride..(y_out + 1) * out_stride];
-        for (px, win) in row_out.chunks_exact_mut(3).zip(windows) {
-            let mut acc = [HALF; 3];
-            let taps = &row_in[win.start * 3..(win.start + win.weights.len()) * 3];
-            for (sample, &k) in taps.chunks_exact(3).zip(&win.weights) {
+    out.data
+        .par_chunks_exact_mut(out_stride)
+        .zip(rows.into_par_iter())
+        .for_each(|(row_out, y_in)| {
+            let row_in = src.row(y_in);
+            for (px, win) in row_out.chunks_exact_mut(3).zip(windows) {
+                let mut acc = [HALF; 3];
+                let taps = &row_in[win.start * 3..(win.start + win.weights.len()) * 3];
+                for (sample, &k) in taps.chunks_exact(3).zip(&win.weights) {
+                    for c in 0..3 {
+                        acc[c] += i64::from(sample[c]) * i64::from(k);
+                    }
+                }
                 for c in 0..3 {
-                    acc[c] += i64::from(sample[c]) * i64::from(k);
+                    px[c] = clip8(acc[c]);
                 }
             }
-            for c in 0..3 {
-                px[c] = clip8(acc[c]);
-            }
-        }
-    }
+        });
     out
 }
 
 fn vertical_pass(src: &Plane, windows: &[Window]) -> Plane {
     let mut out = Plane::zeroed(src.width, windows.len());
     let stride = src.width * 3;
-    for (y_out, win) in windows.iter().enumerate() {
-        let row_out = &mut out.data[y_out * stride..(y_out + 1) * stride];
-        for (i, value) in row_out.iter_mut().enumerate() {
-            let mut acc = HALF;
-            for (dy, &k) in win.weights.iter().enumerate() {
-                acc += i64::from(src.data[(win.start + dy) * stride + i]) * i64::from(k);
+    out.data
+        .par_chunks_exact_mut(stride)
+        .zip(windows.par_iter())
+        .for_each(|(row_out, win)| {
+            for (i, value) in row_out.iter_mut().enumerate() {
+                let mut acc = HALF;
+                for (dy, &k) in win.weights.iter().enumerate() {
+                    acc += i64::from(src.data[(win.start + dy) * stride + i]) * i64::from(k);
+                }
+                *value = clip8(acc);
             }
-            *value = clip8(acc);
-        }
-    }
+        });
     out
 }
 

@@ -488,7 +488,8 @@ impl QwenEditPipeline {
         }
         contain_backend_panics(std::panic::AssertUnwindSafe(|| {
             let _guard = tch::no_grad_guard();
-            let features = self.text_encoder.encode_images(images)?;
+            // The VAE encodes first: its kernels run while the host resizes the condition images
+            // for the vision tower (the next upload to the device waits for them).
             let mut latents = Vec::with_capacity(images.len());
             let mut latent_shapes = Vec::with_capacity(images.len());
             for img in images {
@@ -502,6 +503,7 @@ impl QwenEditPipeline {
                 latent_shapes.push((1, z.size()[2] / 2, z.size()[3] / 2));
                 latents.push(pack_latents(&z));
             }
+            let features = self.text_encoder.encode_images(images)?;
             let last = images.last().expect("checked non-empty");
             Ok(EncodedInputs {
                 image_latents: Tensor::cat(&latents, 1),
@@ -661,21 +663,24 @@ impl QwenEditPipeline {
         let mu = self.scheduler.calculate_shift(target_tokens);
         let scheduler = FlowMatchEulerDiscrete::new(&self.scheduler, first.steps, Some(mu))
             .map_err(GenerateError::InvalidRequest)?;
+        // diffusers: `t.expand(B).to(latents.dtype)`, then `timestep / 1000` in that dtype; the
+        // adaLN modulations of every step at once, or the last edit's where the schedule is the same.
+        let modulations = self
+            .transformer
+            .step_modulations(&scheduler.timesteps[..first.steps], self.dtype);
         for i in 0..first.steps {
             if cancel() {
                 return Err(GenerateError::Cancelled);
             }
-            // diffusers: `t.expand(B).to(latents.dtype)`, then `timestep / 1000` in that dtype.
-            let timestep =
-                Tensor::full([n], scheduler.timesteps[i], (self.dtype, self.device)) / 1000.0;
             let model_in = Tensor::cat(&[&latents, &image_latents], 1);
             let pred = self
                 .transformer
-                .forward(
+                .forward_step(
                     &model_in,
                     &prompt_embeds,
                     prompt_mask.as_ref(),
-                    &timestep,
+                    &modulations,
+                    i,
                     &img_shapes,
                 )?
                 .narrow(1, 0, target_tokens);
@@ -684,11 +689,12 @@ impl QwenEditPipeline {
                 Some((neg_embeds, neg_mask)) => {
                     let neg = self
                         .transformer
-                        .forward(
+                        .forward_step(
                             &model_in,
                             neg_embeds,
                             neg_mask.as_ref(),
-                            &timestep,
+                            &modulations,
+                            i,
                             &img_shapes,
                         )?
                         .narrow(1, 0, target_tokens);

@@ -22,9 +22,16 @@
 //!   masked out for every query (image keys never are), and the text RoPE positions are those of
 //!   the padded length regardless of the mask; without a mask no mask tensor is built;
 //! - RoPE and the RMSNorm statistics are computed in fp32 and cast back.
+//!
+//! The adaLN modulations (`img_mod`, `txt_mod`, `norm_out.linear` of SiLU(temb)) depend on the
+//! timestep alone. [`QwenImageTransformer2DModel::step_modulations`] computes them for a whole
+//! schedule with one GEMM per layer (M = steps: the 113 MB of modulation weights per block are
+//! read once, not once per step) and keeps the last schedule's, so that every edit with the same
+//! schedule reuses them; [`QwenImageTransformer2DModel::forward_step`] takes them in place of the
+//! timestep. Any change of the weights (`linears_mut`, the only way to them) drops the cache.
 
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use tch::{Kind, Tensor};
 
@@ -605,14 +612,14 @@ impl QwenImageTransformerBlock {
         &self,
         img: &Tensor,
         txt: &Tensor,
-        temb_silu: &Tensor,
+        (img_mod, txt_mod): (&Tensor, &Tensor),
         rope: &RopeTables,
         mask: Option<&Tensor>,
         imp: AttentionImpl,
         kernels: BlockKernels,
     ) -> (Tensor, Tensor) {
-        let img_mod = self.img_mod.forward(temb_silu).chunk(2, -1);
-        let txt_mod = self.txt_mod.forward(temb_silu).chunk(2, -1);
+        let img_mod = img_mod.chunk(2, -1);
+        let txt_mod = txt_mod.chunk(2, -1);
         let [img_shift1, img_scale1, img_gate1] = mod_terms(&img_mod[0]);
         let [img_shift2, img_scale2, img_gate2] = mod_terms(&img_mod[1]);
         let [txt_shift1, txt_scale1, txt_gate1] = mod_terms(&txt_mod[0]);
@@ -698,8 +705,9 @@ struct AdaLayerNormContinuous {
 }
 
 impl AdaLayerNormContinuous {
-    fn forward(&self, x: &Tensor, temb_silu: &Tensor) -> Tensor {
-        let emb = self.linear.forward(temb_silu).chunk(2, 1);
+    /// `emb` = `linear(silu(temb))` `[B, 2·dim]`.
+    fn forward(&self, x: &Tensor, emb: &Tensor) -> Tensor {
+        let emb = emb.chunk(2, 1);
         let (scale, shift) = (emb[0].unsqueeze(1), emb[1].unsqueeze(1));
         layer_norm_without_affine(x, self.dim, self.eps) * (scale + 1.0) + shift
     }
@@ -719,6 +727,50 @@ pub struct QwenImageTransformer2DModel {
     config: QwenImageTransformerConfig,
     imp: AttentionImpl,
     kernels: BlockKernels,
+    /// The last schedule's modulations ([`Self::step_modulations`]); dropped by `linears_mut`.
+    modulations: Mutex<Option<StepModulations>>,
+}
+
+/// The adaLN modulations of every timestep of a schedule: per block `img_mod` and `txt_mod`
+/// outputs `[S, 6·dim]`, and `norm_out.linear`'s `[S, 2·dim]`, row `i` for timestep `i`.
+#[derive(Debug)]
+pub struct StepModulations {
+    /// The timesteps' bits (as the scheduler gives them, in [0, 1000]) and the activations' dtype.
+    key: (Vec<u64>, Kind),
+    blocks: Vec<(Tensor, Tensor)>,
+    norm_out: Tensor,
+}
+
+impl StepModulations {
+    /// How many timesteps it holds.
+    pub fn steps(&self) -> usize {
+        self.key.0.len()
+    }
+
+    /// `norm_out.linear`'s rows, `[S, 2·dim]`.
+    pub fn norm_out(&self) -> &Tensor {
+        &self.norm_out
+    }
+
+    /// The same tensors (new handles: a tensor is not `Sync`, so the cache hands out these).
+    fn shallow_clone(&self) -> Self {
+        Self {
+            key: self.key.clone(),
+            blocks: self
+                .blocks
+                .iter()
+                .map(|(i, t)| (i.shallow_clone(), t.shallow_clone()))
+                .collect(),
+            norm_out: self.norm_out.shallow_clone(),
+        }
+    }
+}
+
+/// Where a forward pass takes its modulations from: the timestep tensor (`[B]`, computed here) or
+/// a schedule's precomputed rows.
+enum Modulation<'a> {
+    Timestep(&'a Tensor),
+    Step(&'a StepModulations, usize),
 }
 
 impl QwenImageTransformer2DModel {
@@ -753,6 +805,7 @@ impl QwenImageTransformer2DModel {
             config: c.clone(),
             imp,
             kernels: BlockKernels::default(),
+            modulations: Mutex::new(None),
         })
     }
 
@@ -800,6 +853,11 @@ impl QwenImageTransformer2DModel {
     /// Every Linear under its diffusers module name (`img_in`,
     /// `transformer_blocks.0.attn.to_q`, `transformer_blocks.0.img_mod.1`, …), for LoRA fusing.
     pub fn linears_mut(&mut self) -> Vec<(String, &mut Linear)> {
+        // The weights may change through what this hands out: cached modulations would be stale.
+        *self
+            .modulations
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner()) = None;
         let mut out: Vec<(String, &mut Linear)> = vec![
             ("img_in".into(), &mut self.img_in),
             ("txt_in".into(), &mut self.txt_in),
@@ -862,23 +920,129 @@ impl QwenImageTransformer2DModel {
         timestep: &Tensor,
         img_shapes: &[ImageShape],
     ) -> Result<Tensor, GenerateError> {
+        self.forward_modulated(
+            hidden_states,
+            encoder_hidden_states,
+            encoder_mask,
+            Modulation::Timestep(timestep),
+            img_shapes,
+        )
+    }
+
+    /// [`Self::forward`] at timestep `step` of a schedule whose modulations are `modulations`
+    /// ([`Self::step_modulations`]), for every sample of the batch.
+    pub fn forward_step(
+        &self,
+        hidden_states: &Tensor,
+        encoder_hidden_states: &Tensor,
+        encoder_mask: Option<&Tensor>,
+        modulations: &StepModulations,
+        step: usize,
+        img_shapes: &[ImageShape],
+    ) -> Result<Tensor, GenerateError> {
+        if step >= modulations.steps() {
+            return Err(GenerateError::InvalidRequest(format!(
+                "step {step} of a schedule of {} steps",
+                modulations.steps()
+            )));
+        }
+        if modulations.key.1 != hidden_states.kind() {
+            return Err(GenerateError::InvalidRequest(format!(
+                "modulations made for {:?}, activations are {:?}",
+                modulations.key.1,
+                hidden_states.kind()
+            )));
+        }
+        self.forward_modulated(
+            hidden_states,
+            encoder_hidden_states,
+            encoder_mask,
+            Modulation::Step(modulations, step),
+            img_shapes,
+        )
+    }
+
+    /// The modulations of every timestep of `timesteps` (the scheduler's, in [0, 1000]: each is
+    /// fed as the pipeline feeds it, `full(t, kind) / 1000`) for activations of `kind`: the last
+    /// schedule's when it is the same (no device work), else computed now (one GEMM per modulation
+    /// layer with a row per timestep) and kept in its place.
+    pub fn step_modulations(&self, timesteps: &[f64], kind: Kind) -> StepModulations {
+        let key = (
+            timesteps.iter().map(|t| t.to_bits()).collect::<Vec<_>>(),
+            kind,
+        );
+        let mut cached = self.modulations.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(m) = cached.as_ref().filter(|m| m.key == key) {
+            return m.shallow_clone();
+        }
+        let _guard = tch::no_grad_guard();
+        let device = self.pos_embed.device();
+        let steps: Vec<Tensor> = timesteps
+            .iter()
+            .map(|&t| Tensor::full([1], t, (kind, device)))
+            .collect();
+        let timestep = Tensor::cat(&steps, 0) / 1000.0;
+        let temb_silu = self.time_text_embed.forward(&timestep, kind).silu();
+        let made = StepModulations {
+            key,
+            blocks: self
+                .transformer_blocks
+                .iter()
+                .map(|b| (b.img_mod.forward(&temb_silu), b.txt_mod.forward(&temb_silu)))
+                .collect(),
+            norm_out: self.norm_out.linear.forward(&temb_silu),
+        };
+        *cached = Some(made.shallow_clone());
+        made
+    }
+
+    fn forward_modulated(
+        &self,
+        hidden_states: &Tensor,
+        encoder_hidden_states: &Tensor,
+        encoder_mask: Option<&Tensor>,
+        modulation: Modulation<'_>,
+        img_shapes: &[ImageShape],
+    ) -> Result<Tensor, GenerateError> {
         let c = &self.config;
         let (b, n, l) = self.check_inputs(
             hidden_states,
             encoder_hidden_states,
             encoder_mask,
-            timestep,
+            match modulation {
+                Modulation::Timestep(t) => Some(t),
+                Modulation::Step(..) => None,
+            },
             img_shapes,
         )?;
         let kind = hidden_states.kind();
         let img = self.img_in.forward(hidden_states);
-        let timestep = timestep.to_kind(kind);
         let txt = self
             .txt_in
             .forward(&self.txt_norm.forward(encoder_hidden_states));
-        let temb = self.time_text_embed.forward(&timestep, kind);
         // Every consumer of temb (img_mod, txt_mod, norm_out) applies SiLU first.
-        let temb_silu = temb.silu();
+        let temb_silu = match modulation {
+            Modulation::Timestep(t) => {
+                Some(self.time_text_embed.forward(&t.to_kind(kind), kind).silu())
+            }
+            Modulation::Step(..) => None,
+        };
+        // A schedule's row `step`, the same for every sample (a view for one sample, a copy per
+        // sample for more: `[B, ·]` with dense rows, what the kernels take).
+        let row = |m: &Tensor, step: usize| {
+            let r = m.narrow(0, step as i64, 1);
+            if b == 1 { r } else { r.repeat([b, 1]) }
+        };
+        let block_mods =
+            |i: usize, block: &QwenImageTransformerBlock| match (&modulation, &temb_silu) {
+                (Modulation::Step(m, step), _) => {
+                    (row(&m.blocks[i].0, *step), row(&m.blocks[i].1, *step))
+                }
+                (Modulation::Timestep(_), Some(t)) => {
+                    (block.img_mod.forward(t), block.txt_mod.forward(t))
+                }
+                (Modulation::Timestep(_), None) => unreachable!("temb is computed for a timestep"),
+            };
         let rope = self.pos_embed.tables(img_shapes, l);
 
         // Joint mask over keys `[text, image]`: padded text keys get -inf (what SDPA makes of the
@@ -894,18 +1058,24 @@ impl QwenImageTransformer2DModel {
         });
 
         let (mut txt, mut img) = (txt, img);
-        for block in &self.transformer_blocks {
+        for (i, block) in self.transformer_blocks.iter().enumerate() {
+            let (img_mod, txt_mod) = block_mods(i, block);
             (txt, img) = block.forward(
                 &img,
                 &txt,
-                &temb_silu,
+                (&img_mod, &txt_mod),
                 &rope,
                 mask.as_ref(),
                 self.imp,
                 self.kernels,
             );
         }
-        let img = self.norm_out.forward(&img, &temb_silu);
+        let out_mod = match (&modulation, &temb_silu) {
+            (Modulation::Step(m, step), _) => row(&m.norm_out, *step),
+            (_, Some(t)) => self.norm_out.linear.forward(t),
+            (Modulation::Timestep(_), None) => unreachable!("temb is computed for a timestep"),
+        };
+        let img = self.norm_out.forward(&img, &out_mod);
         let out = self.proj_out.forward(&img);
         debug_assert_eq!(out.size(), [b, n, c.out_token_dim()]);
         Ok(out)
@@ -917,7 +1087,7 @@ impl QwenImageTransformer2DModel {
         hidden_states: &Tensor,
         encoder_hidden_states: &Tensor,
         encoder_mask: Option<&Tensor>,
-        timestep: &Tensor,
+        timestep: Option<&Tensor>,
         img_shapes: &[ImageShape],
     ) -> Result<(i64, i64, i64), GenerateError> {
         let c = &self.config;
@@ -946,7 +1116,9 @@ impl QwenImageTransformer2DModel {
                 c.joint_attention_dim
             ));
         }
-        if timestep.size() != [b] {
+        if let Some(timestep) = timestep
+            && timestep.size() != [b]
+        {
             return bad(format!(
                 "transformer timestep must be [{b}], is {:?}",
                 timestep.size()

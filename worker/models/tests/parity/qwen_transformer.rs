@@ -217,6 +217,83 @@ fn rope_tables_match_diffusers() {
     );
 }
 
+/// A schedule's modulations made once (`step_modulations`, one GEMM per layer for every step)
+/// give each step what the timestep tensor gives, for one sample and for two; the schedule's are
+/// kept while the weights stay, and made again after `linears_mut` (a LoRA's way in).
+#[test]
+fn a_schedules_precomputed_modulations_give_each_steps_result() {
+    let r = reference();
+    let (mut model, _) = load(Source::Folder, Fp8Mode::Upcast, AttentionImpl::Sdpa);
+    let sigma = r["a_timestep"].double_value(&[0]);
+    // The pipeline's timesteps are σ · 1000; the reference's σ sits in the middle of a schedule.
+    let schedule = [1000.0, sigma * 1000.0, 250.0];
+    let mods = model.step_modulations(&schedule, Kind::Float);
+    assert_eq!(mods.steps(), 3);
+    let stepped = model
+        .forward_step(&r["a_hidden"], &r["a_encoder"], None, &mods, 1, &SHAPES_A)
+        .expect("step 1");
+    check(
+        "precomputed modulations, case a",
+        &stepped,
+        &r["a_out"],
+        TOL,
+    );
+    // Two samples at one timestep: the rows are given to each.
+    let two = |t: &Tensor| Tensor::cat(&[t, t], 0);
+    let hidden = two(&r["a_hidden"]);
+    let encoder = two(&r["a_encoder"]);
+    for (step, &t) in schedule.iter().enumerate() {
+        let timestep = Tensor::full([2], t, (Kind::Float, Device::Cpu)) / 1000.0;
+        let want = model
+            .forward(&hidden, &encoder, None, &timestep, &SHAPES_A)
+            .expect("forward");
+        let got = model
+            .forward_step(&hidden, &encoder, None, &mods, step, &SHAPES_A)
+            .expect("forward_step");
+        check(&format!("batch of two, step {step}"), &got, &want, 1e-6);
+    }
+    assert!(
+        model
+            .forward_step(&hidden, &encoder, None, &mods, 3, &SHAPES_A)
+            .is_err(),
+        "a step past the schedule is refused"
+    );
+    // Kept: the same storage comes back for the same schedule and dtype.
+    let again = model.step_modulations(&schedule, Kind::Float);
+    let first_row = |m: &vnfarm_models::qwen_image::transformer::StepModulations| {
+        m.norm_out().data_ptr() as usize
+    };
+    assert_eq!(first_row(&mods), first_row(&again));
+    // A weight change through linears_mut drops them: the next call computes with the new weights.
+    for (name, linear) in model.linears_mut() {
+        if name == "transformer_blocks.0.img_mod.1" {
+            let _guard = tch::no_grad_guard();
+            let _ = linear.weight.g_add_scalar_(0.05);
+        }
+    }
+    let changed = model.step_modulations(&schedule, Kind::Float);
+    assert_ne!(first_row(&mods), first_row(&changed));
+    let timestep = Tensor::full([1], schedule[1], (Kind::Float, Device::Cpu)) / 1000.0;
+    let want = model
+        .forward(&r["a_hidden"], &r["a_encoder"], None, &timestep, &SHAPES_A)
+        .expect("forward with the changed weight");
+    let got = model
+        .forward_step(
+            &r["a_hidden"],
+            &r["a_encoder"],
+            None,
+            &changed,
+            1,
+            &SHAPES_A,
+        )
+        .expect("forward_step with the changed weight");
+    check("after a weight change", &got, &want, 1e-6);
+    assert!(
+        rel_err(&got, &r["a_out"]) > 1e-4,
+        "the changed weight must change the output"
+    );
+}
+
 #[test]
 fn an_all_ones_mask_gives_the_unmasked_result() {
     let r = reference();
