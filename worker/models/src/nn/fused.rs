@@ -22,9 +22,7 @@
 //! [`AddLayerNormGrid`] lays rows out by. The ROCm path is build-ready and checked in emulation
 //! and by a device-code compile (`tests/fused_kernels_*.rs`), not yet on an AMD GPU.
 
-use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::Mutex;
 
 use tch::{Device, Kind, Tensor};
 
@@ -71,41 +69,29 @@ struct Kernels {
 }
 
 /// Kernels compiled per CUDA device, once per process.
-static COMPILED: Mutex<Option<HashMap<usize, Kernels>>> = Mutex::new(None);
-
-fn kernels(device: usize) -> Result<Kernels, String> {
-    let mut guard = COMPILED.lock().unwrap_or_else(|e| e.into_inner());
-    let map = guard.get_or_insert_with(HashMap::new);
-    if let Some(k) = map.get(&device) {
-        return Ok(*k);
-    }
-    let module = ops::rtc_build(SOURCE, "vnfarm_norms.cu", device, &NAMES)?;
-    let f = &module.functions;
-    let k = Kernels {
-        gn_partial: f[0],
-        gn_finalize: f[1],
-        gn_apply: f[2],
-        add_layer_norm: f[3],
-        bias_residual: f[4],
-        warp: module.warp,
-    };
-    map.insert(device, k);
-    Ok(k)
-}
+static KERNELS: ops::DeviceKernels<Kernels> =
+    ops::DeviceKernels::new(SOURCE, "vnfarm_norms.cu", &NAMES, |module| {
+        let f = &module.functions;
+        Kernels {
+            gn_partial: f[0],
+            gn_finalize: f[1],
+            gn_apply: f[2],
+            add_layer_norm: f[3],
+            bias_residual: f[4],
+            warp: module.warp,
+        }
+    });
 
 /// The kernels of `device`, compiled by [`prepare`] at load (a failure this late is a bug).
 fn compiled(device: usize) -> Kernels {
-    kernels(device).unwrap_or_else(|e| panic!("fused norm kernels: {e}"))
+    KERNELS.compiled(device)
 }
 
 /// Compiles the kernels for `device` now (a model load calls this, so that a GPU or driver NVRTC
 /// cannot serve is a load error with the compiler's log, not a failed job). Nothing to do on the
 /// CPU.
 pub fn prepare(device: Device) -> Result<(), String> {
-    match device {
-        Device::Cuda(i) => kernels(i).map(|_| ()),
-        _ => Ok(()),
-    }
+    KERNELS.prepare(device)
 }
 
 pub(crate) fn cuda_index(x: &Tensor) -> Option<usize> {

@@ -73,6 +73,64 @@ impl WarpWidth {
     }
 }
 
+/// A run-time compiled source's kernels per CUDA device, compiled once per process: `pick` turns the
+/// module into the caller's table of kernels. The fused-kernel families each keep one in a static.
+#[derive(Debug)]
+pub(crate) struct DeviceKernels<K: Copy> {
+    source: &'static str,
+    program: &'static str,
+    names: &'static [&'static str],
+    pick: fn(&RtcModule) -> K,
+    compiled: std::sync::Mutex<Option<std::collections::HashMap<usize, K>>>,
+}
+
+impl<K: Copy> DeviceKernels<K> {
+    pub(crate) const fn new(
+        source: &'static str,
+        program: &'static str,
+        names: &'static [&'static str],
+        pick: fn(&RtcModule) -> K,
+    ) -> Self {
+        Self {
+            source,
+            program,
+            names,
+            pick,
+            compiled: std::sync::Mutex::new(None),
+        }
+    }
+
+    /// The kernels of CUDA device `device`, compiled now if they were not yet.
+    pub(crate) fn get(&self, device: usize) -> Result<K, String> {
+        let mut guard = self.compiled.lock().unwrap_or_else(|e| e.into_inner());
+        let map = guard.get_or_insert_with(std::collections::HashMap::new);
+        if let Some(k) = map.get(&device) {
+            return Ok(*k);
+        }
+        let module = rtc_build(self.source, self.program, device, self.names)?;
+        let k = (self.pick)(&module);
+        map.insert(device, k);
+        Ok(k)
+    }
+
+    /// The kernels of `device`, compiled by [`Self::prepare`] at load (a failure this late is a
+    /// bug).
+    pub(crate) fn compiled(&self, device: usize) -> K {
+        self.get(device)
+            .unwrap_or_else(|e| panic!("{}: {e}", self.program))
+    }
+
+    /// Compiles the kernels for `device` now (a model load calls this, so that a GPU or driver the
+    /// run-time compiler cannot serve is a load error with the compiler's log, not a failed job).
+    /// Nothing to do on the CPU.
+    pub(crate) fn prepare(&self, device: tch::Device) -> Result<(), String> {
+        match device {
+            tch::Device::Cuda(i) => self.get(i).map(|_| ()),
+            _ => Ok(()),
+        }
+    }
+}
+
 /// Compiles the CUDA C `source` for device `device` with NVRTC (CUDA) or hiprtc (ROCm), through
 /// libtorch's NVRTC stub as its jiterator does (`csrc/rtc.cpp`), loads it, and returns the
 /// `extern "C"` kernels named in `names`, in order. On ROCm the source is compiled for the device's

@@ -18,9 +18,6 @@
 //! emulation at both widths against libtorch (`tests/parity/qwen_kernels_emulated.rs`) and by a
 //! device-code compile for AMD.
 
-use std::collections::HashMap;
-use std::sync::Mutex;
-
 use tch::{Device, Kind, Tensor};
 
 use crate::nn::fp8::RowQuantized;
@@ -86,38 +83,24 @@ struct Kernels {
 }
 
 /// Kernels compiled per CUDA device, once per process.
-static COMPILED: Mutex<Option<HashMap<usize, Kernels>>> = Mutex::new(None);
-
-fn kernels(device: usize) -> Result<Kernels, String> {
-    let mut guard = COMPILED.lock().unwrap_or_else(|e| e.into_inner());
-    let map = guard.get_or_insert_with(HashMap::new);
-    if let Some(k) = map.get(&device) {
-        return Ok(*k);
-    }
-    let module = ops::rtc_build(SOURCE, "vnfarm_qwen_block.cu", device, &NAMES)?;
-    let k = Kernels {
+static KERNELS: ops::DeviceKernels<Kernels> =
+    ops::DeviceKernels::new(SOURCE, "vnfarm_qwen_block.cu", &NAMES, |module| Kernels {
         qk_norm_rope: module.functions[0],
         modulated_norm: module.functions[1],
         gelu_quant: module.functions[2],
         warp: module.warp,
-    };
-    map.insert(device, k);
-    Ok(k)
-}
+    });
 
 /// The kernels of `device`, compiled by [`prepare`] at load (a failure this late is a bug).
 fn compiled(device: usize) -> Kernels {
-    kernels(device).unwrap_or_else(|e| panic!("fused Qwen block kernels: {e}"))
+    KERNELS.compiled(device)
 }
 
 /// Compiles the kernels for `device` now (a model load calls this, so that a GPU or driver NVRTC
 /// cannot serve is a load error with the compiler's log, not a failed job). Nothing to do on the
 /// CPU.
 pub fn prepare(device: Device) -> Result<(), String> {
-    match device {
-        Device::Cuda(i) => kernels(i).map(|_| ()),
-        _ => Ok(()),
-    }
+    KERNELS.prepare(device)
 }
 
 fn aligned(t: &Tensor, bytes: usize) -> bool {
