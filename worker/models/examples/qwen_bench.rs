@@ -30,7 +30,7 @@
 //!   (`bench/trace_breakdown.py` sorts it into kernel classes, as `bench/profile_qwen.py` does
 //!   for diffusers' forward).
 //! - `--kernels SPEC` (both modes): the transformer blocks' kernels ([`parse_kernels`]: `aten`,
-//!   `all`, or `qk+norm+res+gelu+qkv+fp8` pieces); `--sweep SPECS` (`components`): the step timed under
+//!   `all`, or `qk+norm+res+gelu+qkv+fp8` pieces; `nhwc`: the VAE channels-last); `--sweep SPECS` (`components`): the step timed under
 //!   each spec in one process, twice round, each output compared with the first spec's.
 //! - `--config-dir D`: a diffusers-layout folder with the components' `config.json` (the tiny smoke
 //!   test's sizes); without it the real model's presets, as the studio's files are loaded.
@@ -51,7 +51,7 @@ use vnfarm_models::loading::safetensors::SafetensorsFile;
 use vnfarm_models::loading::weights::{Fp8Mode, Weights};
 use vnfarm_models::nn::fused::NormKernels;
 use vnfarm_models::nn::tiling::Tiling;
-use vnfarm_models::nn::{AttentionImpl, FfGelu, ops};
+use vnfarm_models::nn::{AttentionImpl, FfGelu, MemoryFormat, ops};
 use vnfarm_models::qwen_image::kernels::BlockKernels;
 use vnfarm_models::qwen_image::keys::vae_weight_store;
 use vnfarm_models::qwen_image::pipeline::{
@@ -149,6 +149,8 @@ struct Opts {
     txt_len: i64,
     profile_trace: Option<PathBuf>,
     kernels: BlockKernels,
+    /// The VAE's memory order (`nhwc` in `--kernels`).
+    vae_format: MemoryFormat,
     sweep: Vec<(String, BlockKernels)>,
 }
 
@@ -157,10 +159,18 @@ struct Opts {
 /// `gelu` (GELU in the FF-up epilogue), `qkv` (fused q/k/v projections), `fp8` (the image
 /// stream's fp8 GEMMs; not part of `all`).
 fn parse_kernels(spec: &str) -> anyhow::Result<BlockKernels> {
+    Ok(parse_spec(spec)?.0)
+}
+
+/// The blocks' kernels and the VAE's memory order of a `--kernels` spec (`nhwc`: channels-last
+/// VAE, not a block kernel; the sweep's specs ignore it).
+fn parse_spec(spec: &str) -> anyhow::Result<(BlockKernels, MemoryFormat)> {
     let mut k = BlockKernels::default();
+    let mut vae = MemoryFormat::Contiguous;
     for piece in spec.split('+') {
         match piece {
             "aten" => {}
+            "nhwc" => vae = MemoryFormat::ChannelsLast,
             "qk" => k.qk_norm_rope = NormKernels::Fused,
             "norm" => k.ada_norm = NormKernels::Fused,
             "res" => k.gated_residual = NormKernels::Fused,
@@ -180,7 +190,7 @@ fn parse_kernels(spec: &str) -> anyhow::Result<BlockKernels> {
             other => anyhow::bail!("unknown kernel piece {other:?} in {spec:?}"),
         }
     }
-    Ok(k)
+    Ok((k, vae))
 }
 
 fn parse_opts(args: &[String]) -> anyhow::Result<Opts> {
@@ -202,6 +212,7 @@ fn parse_opts(args: &[String]) -> anyhow::Result<Opts> {
         txt_len: 216,
         profile_trace: None,
         kernels: BlockKernels::default(),
+        vae_format: MemoryFormat::Contiguous,
         sweep: Vec::new(),
     };
     let mut it = args.iter();
@@ -239,7 +250,7 @@ fn parse_opts(args: &[String]) -> anyhow::Result<Opts> {
             "--vae-area" => o.vae_area = val()?.parse()?,
             "--txt-len" => o.txt_len = val()?.parse()?,
             "--profile-trace" => o.profile_trace = Some(val()?.into()),
-            "--kernels" => o.kernels = parse_kernels(&val()?)?,
+            "--kernels" => (o.kernels, o.vae_format) = parse_spec(&val()?)?,
             "--sweep" => {
                 o.sweep = val()?
                     .split(',')
@@ -346,6 +357,7 @@ fn pipeline(opts: &Opts) -> anyhow::Result<()> {
     cfg.settings.ff_gelu = k.ff_gelu;
     cfg.settings.fused_qkv = k.fused_qkv;
     cfg.settings.fp8_gemm = k.fp8_gemm;
+    cfg.settings.vae_memory_format = opts.vae_format;
     println!(
         "{{\"name\": \"settings\", \"settings\": {}}}",
         serde_json::to_string(&cfg.settings)?
@@ -569,7 +581,7 @@ fn components(opts: &Opts) -> anyhow::Result<()> {
         None => QwenVaeConfig::qwen_image(),
     };
     let vae_store = vae_weight_store(required(&opts.vae, "--vae")?, vcfg.num_res_blocks)?;
-    let vae = QwenVae::new(&Weights::new(Arc::new(vae_store), dev, dt), &vcfg)?
+    let mut vae = QwenVae::new(&Weights::new(Arc::new(vae_store), dev, dt), &vcfg)?
         .with_tiling(Tiling::Never);
     sync();
     println!(
@@ -636,20 +648,48 @@ fn components(opts: &Opts) -> anyhow::Result<()> {
     sync();
 
     let x = Tensor::rand([1, 3, vh, vw], (dt, dev)) * 2.0 - 1.0;
-    bench(
-        "vae_encode",
-        2,
-        5,
-        &format!(", \"size\": [{vw}, {vh}]"),
-        || Ok(vae.encode_mean(&x)?),
-    )?;
     let z = Tensor::randn([1, vcfg.z_dim, size / f, size / f], (dt, dev));
-    bench(
-        "vae_decode",
-        2,
-        5,
-        &format!(", \"size\": [{size}, {size}]"),
-        || Ok(vae.decode(&z)?),
-    )?;
+    // The mode's memory order first (the rows the table reads), then the other one, its output
+    // compared with the first's.
+    let other = match opts.vae_format {
+        MemoryFormat::Contiguous => MemoryFormat::ChannelsLast,
+        MemoryFormat::ChannelsLast => MemoryFormat::Contiguous,
+    };
+    let mut first: Option<(Tensor, Tensor)> = None;
+    for (i, format) in [opts.vae_format, other].into_iter().enumerate() {
+        vae.set_memory_format(format);
+        let suffix = if i == 0 {
+            String::new()
+        } else {
+            format!(".{format:?}")
+        };
+        let encoded = vae.encode_mean(&x)?.to_kind(Kind::Float);
+        let decoded = vae.decode(&z)?.to_kind(Kind::Float);
+        let agreement = match &first {
+            None => String::new(),
+            Some((e, d)) => format!(
+                ", \"encode_vs_first_max\": {:.4e}, \"decode_vs_first_max\": {:.4e}",
+                (&encoded - e).abs().max().double_value(&[]),
+                (&decoded - d).abs().max().double_value(&[])
+            ),
+        };
+        if first.is_none() {
+            first = Some((encoded, decoded));
+        }
+        bench(
+            &format!("vae_encode{suffix}"),
+            2,
+            5,
+            &format!(", \"size\": [{vw}, {vh}], \"format\": \"{format:?}\"{agreement}"),
+            || Ok(vae.encode_mean(&x)?),
+        )?;
+        bench(
+            &format!("vae_decode{suffix}"),
+            2,
+            5,
+            &format!(", \"size\": [{size}, {size}], \"format\": \"{format:?}\"{agreement}"),
+            || Ok(vae.decode(&z)?),
+        )?;
+    }
     Ok(())
 }

@@ -145,6 +145,10 @@ pub struct QwenSettings {
     /// to pay. Holds the fp8 weights beside the bf16 ones (about 6.8 GB for the real model). Not
     /// in any preset: the box check keeps it where its images agree and it is faster.
     pub fp8_gemm: bool,
+    /// The VAE's convolutions NCHW (`contiguous`, as diffusers) or NHWC (`channels_last`:
+    /// weights stored NHWC, encode and decode inputs made NHWC). MIOpen's NHWC convolutions can
+    /// be slower than its NCHW ones, so the box check measures it.
+    pub vae_memory_format: MemoryFormat,
 }
 
 impl QwenSettings {
@@ -160,6 +164,7 @@ impl QwenSettings {
             ff_gelu: FfGelu::Separate,
             fused_qkv: false,
             fp8_gemm: false,
+            vae_memory_format: MemoryFormat::Contiguous,
         };
         match preset {
             Preset::Portable => portable,

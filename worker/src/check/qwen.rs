@@ -7,13 +7,14 @@
 //! transformer's block kernels ([`CANDIDATES`]: the fused kernels of `qwen_image::kernels`, the
 //! GELU epilogue, fused q/k/v projections, the image stream's fp8 GEMMs where the device has
 //! them), each on top of the best so far, checked against the portable path's output and kept
-//! where the transformer step at the edit's shapes is faster.
+//! where the transformer step at the edit's shapes is faster. Last the VAE's memory order: NHWC
+//! kept where its decode agrees with the NCHW one and the edit's encode plus decode is faster.
 
 use image::RgbImage;
 use tch::{Device, Kind, Tensor};
 use vnfarm_models::nn::fp8::Fp8Linear;
 use vnfarm_models::nn::fused::NormKernels;
-use vnfarm_models::nn::{AttentionImpl, FfGelu, ops};
+use vnfarm_models::nn::{AttentionImpl, FfGelu, MemoryFormat, ops};
 use vnfarm_models::qwen_image::pipeline::{EditRequest, EncodedInputs, QwenEditPipeline};
 use vnfarm_models::settings::{Preset, QwenSettings};
 
@@ -158,6 +159,7 @@ pub fn run(config: &QwenEditEngineConfig, plan: &Plan, step: &mut Step) {
         step.timing(t);
     }
     let (best, speedup) = block_kernels(&mut pipeline, settings, side, plan, device, step);
+    let best = vae_memory_format(&mut pipeline, best, side, plan, device, step);
     step.chosen(
         serde_json::to_value(best).expect("settings serialize"),
         speedup,
@@ -317,6 +319,71 @@ fn block_kernels(
         }
     }
     (best, portable_t.median_s / best_t)
+}
+
+/// The VAE's convolutions NHWC (`vae_memory_format = channels_last`) against NCHW: the decode of a
+/// `side`² image's latents must agree with the NCHW one within the device's tolerance, then the
+/// input encode plus the decode must be faster beyond the noise. Returns `best` with the order kept.
+fn vae_memory_format(
+    pipeline: &mut QwenEditPipeline,
+    best: QwenSettings,
+    side: u32,
+    plan: &Plan,
+    device: Device,
+    step: &mut Step,
+) -> QwenSettings {
+    let cid = "qwen_edit.candidate.vae_channels_last";
+    if step.skipped(cid) {
+        return best;
+    }
+    let kind = pipeline.config().vae_dtype;
+    let z_dim = pipeline.vae().config().z_dim;
+    let f = pipeline.vae().config().spatial_compression_ratio();
+    let s = i64::from(side);
+    let image = randn(&[1, 3, s, s], 33, kind, device).clamp(-1.0, 1.0);
+    let latents = randn(&[1, z_dim, s / f, s / f], 34, kind, device);
+    let run = |p: &QwenEditPipeline| -> anyhow::Result<Tensor> {
+        let _guard = tch::no_grad_guard();
+        drop(p.vae().encode_mean(&image)?);
+        Ok(p.vae().decode(&latents)?)
+    };
+    let id = format!("qwen_edit.vae.{side}x{side}");
+    let Some(reference) = step.run(&format!("{cid}.reference"), || {
+        Ok((
+            run(pipeline)?,
+            format!("the NCHW VAE's {side}² encode and decode run"),
+        ))
+    }) else {
+        return best;
+    };
+    let Some(nchw) = step.time(&id, "nchw", device, plan.repeats, || run(pipeline)) else {
+        return best;
+    };
+    let agreed = step.run(cid, || {
+        pipeline.set_vae_memory_format(MemoryFormat::ChannelsLast);
+        let error = relative_error(&run(pipeline)?, &reference);
+        let tol = tolerance(kind);
+        anyhow::ensure!(
+            error < tol,
+            "disagrees with the NCHW VAE: relative error {error:.2e} (tolerance {tol:.0e})"
+        );
+        Ok((
+            (),
+            format!("agrees with the NCHW VAE: relative error {error:.2e}"),
+        ))
+    });
+    let timed = agreed
+        .and_then(|()| step.time(&id, "channels_last", device, plan.repeats, || run(pipeline)));
+    match timed {
+        Some(t) if step.speed(cid, t.median_s, nchw.median_s) => QwenSettings {
+            vae_memory_format: MemoryFormat::ChannelsLast,
+            ..best
+        },
+        _ => {
+            pipeline.set_vae_memory_format(best.vae_memory_format);
+            best
+        }
+    }
 }
 
 /// A short edit on a CPU copy in fp32 against the device's, where the copy fits: a copy takes

@@ -33,6 +33,7 @@ use crate::loading::lora::{
     self, Component, JobLoras, LoraError, LoraModule, LoraReport, LoraSpec, LoraTarget, TargetRef,
 };
 use crate::loading::weights::{WeightStore, Weights};
+use crate::nn::MemoryFormat;
 use crate::nn::tiling::Tiling;
 use crate::noise;
 use crate::qwen_image::encodings::{self, EncodingsError};
@@ -289,7 +290,9 @@ fn load_vae(config: &QwenEditConfig, c: &QwenVaeConfig) -> Result<QwenVae, LoadE
     };
     let store = vae_weight_store(&path, c.num_res_blocks)?;
     let w = Weights::new(std::sync::Arc::new(store), config.device, config.vae_dtype);
-    Ok(QwenVae::new(&w, c)?.with_tiling(config.vae_tiling))
+    let mut vae = QwenVae::new(&w, c)?.with_tiling(config.vae_tiling);
+    vae.set_memory_format(config.settings.vae_memory_format);
+    Ok(vae)
 }
 
 impl QwenEditPipeline {
@@ -466,9 +469,21 @@ impl QwenEditPipeline {
         Ok(())
     }
 
+    /// The VAE's memory order from now on ([`QwenSettings`]'s `vae_memory_format`; the box
+    /// check tries both).
+    pub fn set_vae_memory_format(&mut self, format: MemoryFormat) {
+        self.vae.set_memory_format(format);
+        self.config.settings.vae_memory_format = format;
+    }
+
     /// The diffusion transformer (for component timings).
     pub fn transformer(&self) -> &QwenImageTransformer2DModel {
         &self.transformer
+    }
+
+    /// The VAE (for component timings).
+    pub fn vae(&self) -> &QwenVae {
+        &self.vae
     }
 
     /// Encodes an input set once: the vision tower's features and the VAE latents of each input.

@@ -32,7 +32,7 @@ use tch::{Kind, Tensor};
 use crate::error::{GenerateError, LoadError};
 use crate::loading::weights::Weights;
 use crate::nn::tiling::{TileGrid, Tiling, tiled};
-use crate::nn::{AttentionImpl, Conv2d, attention};
+use crate::nn::{AttentionImpl, Conv2d, MemoryFormat, attention, channels_last};
 
 /// `AutoencoderKLQwenImage` config fields, plus tiling settings (diffusers keeps those on the
 /// model instance, not in the config).
@@ -228,6 +228,10 @@ impl FrameConv {
         })
     }
 
+    fn weights_mut(&mut self) -> Vec<&mut Tensor> {
+        vec![&mut self.weight]
+    }
+
     fn forward(&self, x: &Tensor) -> Tensor {
         x.conv2d(
             &self.weight,
@@ -301,6 +305,15 @@ impl ResidualBlock {
         })
     }
 
+    fn weights_mut(&mut self) -> Vec<&mut Tensor> {
+        let mut out = self.conv1.weights_mut();
+        out.extend(self.conv2.weights_mut());
+        if let Some(c) = &mut self.conv_shortcut {
+            out.extend(c.weights_mut());
+        }
+        out
+    }
+
     fn forward(&self, x: &Tensor) -> Tensor {
         let h = match &self.conv_shortcut {
             Some(c) => c.forward(x),
@@ -330,6 +343,10 @@ impl AttentionBlock {
             proj: Conv2d::new(&w.pp("proj"), dim, dim, 1, 1, 0)?,
             imp,
         })
+    }
+
+    fn weights_mut(&mut self) -> Vec<&mut Tensor> {
+        vec![&mut self.to_qkv.weight, &mut self.proj.weight]
     }
 
     fn forward(&self, x: &Tensor) -> Tensor {
@@ -369,6 +386,14 @@ impl MidBlock {
             resnets: [r(0)?, r(1)?],
             attention: AttentionBlock::new(&w.pp("attentions.0"), dim, eps, imp)?,
         })
+    }
+
+    fn weights_mut(&mut self) -> Vec<&mut Tensor> {
+        let [r0, r1] = &mut self.resnets;
+        let mut out = r0.weights_mut();
+        out.extend(r1.weights_mut());
+        out.extend(self.attention.weights_mut());
+        out
     }
 
     fn forward(&self, x: &Tensor) -> Tensor {
@@ -416,6 +441,12 @@ impl Resample {
             1,
             1,
         )?))
+    }
+
+    fn weights_mut(&mut self) -> Vec<&mut Tensor> {
+        match self {
+            Self::Down(conv) | Self::Up(conv) => vec![&mut conv.weight],
+        }
     }
 
     fn forward(&self, x: &Tensor) -> Tensor {
@@ -487,6 +518,19 @@ impl Encoder {
             norm_out: RmsNorm::new(&w.pp("norm_out"), top, false, eps)?,
             conv_out: FrameConv::new(&w.pp("conv_out"), top, 2 * c.z_dim, 3)?,
         })
+    }
+
+    fn weights_mut(&mut self) -> Vec<&mut Tensor> {
+        let mut out = self.conv_in.weights_mut();
+        for layer in &mut self.down_blocks {
+            out.extend(match layer {
+                DownLayer::Residual(r) => r.weights_mut(),
+                DownLayer::Resample(r) => r.weights_mut(),
+            });
+        }
+        out.extend(self.mid_block.weights_mut());
+        out.extend(self.conv_out.weights_mut());
+        out
     }
 
     fn forward(&self, x: &Tensor) -> Tensor {
@@ -561,6 +605,21 @@ impl Decoder {
         })
     }
 
+    fn weights_mut(&mut self) -> Vec<&mut Tensor> {
+        let mut out = self.conv_in.weights_mut();
+        out.extend(self.mid_block.weights_mut());
+        for block in &mut self.up_blocks {
+            for r in &mut block.resnets {
+                out.extend(r.weights_mut());
+            }
+            if let Some(u) = &mut block.upsampler {
+                out.extend(u.weights_mut());
+            }
+        }
+        out.extend(self.conv_out.weights_mut());
+        out
+    }
+
     fn forward(&self, z: &Tensor) -> Tensor {
         let mut h = self.conv_in.forward(z);
         h = self.mid_block.forward(&h);
@@ -585,6 +644,7 @@ pub struct QwenVae {
     decoder: Decoder,
     config: QwenVaeConfig,
     tiling: Tiling,
+    memory_format: MemoryFormat,
 }
 
 impl QwenVae {
@@ -613,7 +673,42 @@ impl QwenVae {
             decoder: Decoder::new(&w.pp("decoder"), config, imp)?,
             config: config.clone(),
             tiling: Tiling::Auto,
+            memory_format: MemoryFormat::Contiguous,
         })
+    }
+
+    /// The memory order the convolutions run in: `Contiguous` (NCHW, as diffusers; the default)
+    /// or `ChannelsLast`, where every convolution weight is stored NHWC and encode and decode
+    /// make their input NHWC, so that cuDNN runs its NHWC kernels without converting around each
+    /// convolution and the RMS norms reduce over contiguous channels. Outputs are the same
+    /// values, in the layout they come out in (NHWC strides with `ChannelsLast`).
+    pub fn set_memory_format(&mut self, format: MemoryFormat) {
+        self.memory_format = format;
+        let _guard = tch::no_grad_guard();
+        let convs = [
+            self.encoder.weights_mut(),
+            self.quant_conv.weights_mut(),
+            self.post_quant_conv.weights_mut(),
+            self.decoder.weights_mut(),
+        ];
+        for weight in convs.into_iter().flatten() {
+            *weight = match format {
+                MemoryFormat::ChannelsLast => channels_last(weight),
+                MemoryFormat::Contiguous => weight.contiguous(),
+            };
+        }
+    }
+
+    pub fn memory_format(&self) -> MemoryFormat {
+        self.memory_format
+    }
+
+    /// `x` in the memory order the convolutions run in.
+    fn laid_out(&self, x: &Tensor) -> Tensor {
+        match self.memory_format {
+            MemoryFormat::ChannelsLast => channels_last(x),
+            MemoryFormat::Contiguous => x.shallow_clone(),
+        }
     }
 
     /// Chooses when encode/decode tile: [`Tiling::Never`]; [`Tiling::Always`] is diffusers'
@@ -665,6 +760,7 @@ impl QwenVae {
         let c = &self.config;
         let f = c.spatial_compression_ratio();
         let (h, w) = Self::check_input(x, "input", c.input_channels, f)?;
+        let x = &self.laid_out(x);
         let run = |t: &Tensor| self.quant_conv.forward(&self.encoder.forward(t));
         if !self.tiles(h, w) {
             return Ok(run(x));
@@ -696,6 +792,7 @@ impl QwenVae {
         let c = &self.config;
         let f = c.spatial_compression_ratio();
         let (h, w) = Self::check_input(z, "latents", c.z_dim, 1)?;
+        let z = &self.laid_out(z);
         let run = |t: &Tensor| self.decoder.forward(&self.post_quant_conv.forward(t));
         if !self.tiles(h * f, w * f) {
             return Ok(run(z).clamp(-1.0, 1.0));

@@ -19,6 +19,7 @@ use vnfarm_models::loading::diffusers::{component_store, read_config};
 use vnfarm_models::loading::safetensors::SafetensorsFile;
 use vnfarm_models::loading::weights::{Transform, WeightStore, Weights};
 use vnfarm_models::nn::tiling::Tiling;
+use vnfarm_models::nn::{MemoryFormat, is_channels_last};
 use vnfarm_models::qwen_image::keys::{VaeNaming, vae_weight_store, wan_vae_key};
 use vnfarm_models::qwen_image::vae::{QwenVae, QwenVaeConfig};
 
@@ -179,6 +180,25 @@ fn wan_single_file_matches_diffusers_in_fp32() {
     let store = wan_store();
     let worst = run_all("wan", load(store, Kind::Float), Kind::Float, TOL_FP32);
     println!("wan fp32 worst relative error {worst:.3e}");
+}
+
+/// NHWC convolutions (`MemoryFormat::ChannelsLast`, the box check's VAE candidate) compute the
+/// same network: the reference cases within the same tolerance, and the weights and outputs in
+/// NHWC order where they are 4-D.
+#[test]
+fn channels_last_matches_diffusers_in_fp32() {
+    let mut vae = load(folder_store(), Kind::Float);
+    vae.set_memory_format(MemoryFormat::ChannelsLast);
+    assert_eq!(vae.memory_format(), MemoryFormat::ChannelsLast);
+    let r = reference();
+    let out = vae.decode(&r["latents_10x12"]).expect("decode");
+    assert!(
+        is_channels_last(&out),
+        "the decode ran NHWC: {:?}",
+        out.stride()
+    );
+    let worst = run_all("folder channels-last", vae, Kind::Float, TOL_FP32);
+    println!("channels-last fp32 worst relative error {worst:.3e}");
 }
 
 #[test]
