@@ -12,6 +12,7 @@
 //! qwen_bench components --transformer F --vae F [--config-dir D] --fp8 M [--txt-len L]
 //!                      [--size S] [--vae-area A] [--profile-trace PATH] [--cpu]
 //!                      [--kernels SPEC] [--sweep SPEC,SPEC,...]
+//! qwen_bench host [--size S] [--condition-area A]
 //! ```
 //!
 //! - `read`: the files read start to end into one 64 MiB buffer, twice (the page-cache baseline of
@@ -22,6 +23,10 @@
 //!   then for each N of `--variants`: `encode_inputs` once + one `edit` per variant (instruction i,
 //!   seed i). `--save DIR` writes the seed-0 image of the first call as raw RGB8 (`edit.rgb`), and
 //!   each variant of the largest N as `variant_{i}.rgb` (the per-image comparison of two settings).
+//! - `host`: the host's image steps on one thread and on rayon's pool (every core): the edit's
+//!   condition-image resize of a `--size`² input (Pillow's Lanczos to `--condition-area`, then the
+//!   vision processor's bicubic to a multiple of 28) and an upscale's resample of a ×4 network's
+//!   output to ×2 (OpenCV's Lanczos-4, `4·size`² → `2·size`²); median of 5 after 1.
 //! - `components`: the transformer alone (one forward at the edit's shapes: the target's and the
 //!   reference's tokens of a `--size`² edit and `--txt-len` prompt tokens, sigma 0.9) and the VAE
 //!   alone (encode of a `--vae-area` image, decode of a `--size`² latent), untiled.
@@ -283,6 +288,7 @@ fn main() -> anyhow::Result<()> {
         "read" => read_files(&opts.files),
         "pipeline" => pipeline(&opts),
         "components" => components(&opts),
+        "host" => host_steps(&opts),
         _ => anyhow::bail!(usage),
     }
 }
@@ -534,6 +540,73 @@ fn kernel_sweep(
                 || Ok(transformer.forward_step(hs, txt, None, &modulations, 0, shapes)?),
             )?;
         }
+    }
+    Ok(())
+}
+
+/// See `host` in the file header.
+fn host_steps(opts: &Opts) -> anyhow::Result<()> {
+    use vnfarm_models::imageops::lanczos4::{Layout, resize_u8};
+    use vnfarm_models::imageops::{Filter, resize};
+    // Host work only: no device to synchronise.
+    CPU.store(true, std::sync::atomic::Ordering::Relaxed);
+    let side = opts.size;
+    let pattern = |s: u32| {
+        image::RgbImage::from_fn(s, s, |x, y| {
+            image::Rgb([
+                (x * 7 % 256) as u8,
+                (y * 5 % 256) as u8,
+                ((x ^ y) % 256) as u8,
+            ])
+        })
+    };
+    let input = pattern(side);
+    let network_out = pattern(4 * side).into_raw();
+    let (cw, ch) = calculate_dimensions(opts.condition_area, 1.0);
+    // The processor's `smart_resize` of the condition image: each side to a multiple of 28.
+    let round28 = |v: u32| (((f64::from(v) / 28.0).round() as u32) * 28).max(28);
+    let one = rayon::ThreadPoolBuilder::new().num_threads(1).build()?;
+    let threads = rayon::current_num_threads();
+    for (label, pool) in [("one_thread", Some(&one)), ("pool", None)] {
+        let run = |f: &mut (dyn FnMut() -> anyhow::Result<()> + Send)| match pool {
+            Some(p) => p.install(f),
+            None => f(),
+        };
+        let extra = format!(
+            ", \"threads\": {}",
+            if pool.is_some() { 1 } else { threads }
+        );
+        bench(
+            &format!("host_condition_resize.{label}"),
+            1,
+            5,
+            &format!("{extra}, \"from\": {side}, \"to\": [{cw}, {ch}]"),
+            || {
+                run(&mut || {
+                    let c = resize(&input, cw, ch, Filter::Lanczos)?;
+                    drop(resize(&c, round28(cw), round28(ch), Filter::Bicubic)?);
+                    Ok(())
+                })
+            },
+        )?;
+        let layout = Layout {
+            width: 4 * side as usize,
+            height: 4 * side as usize,
+            channels: 3,
+        };
+        bench(
+            &format!("host_upscale_resample.{label}"),
+            1,
+            5,
+            &format!("{extra}, \"from\": {}, \"to\": {}", 4 * side, 2 * side),
+            || {
+                run(&mut || {
+                    let to = 2 * side as usize;
+                    drop(resize_u8(&network_out, layout, to, to));
+                    Ok(())
+                })
+            },
+        )?;
     }
     Ok(())
 }

@@ -8,6 +8,16 @@
 //! images are filtered in fixed point (coefficients × 2048 rounded to `short`, horizontal sums in
 //! `int`, vertical sums rounded off by 22 bits and saturated); 16-bit images in `float`, rounded to
 //! nearest (ties to even) and saturated. No antialiasing when shrinking, as in OpenCV.
+//!
+//! Output rows are computed in bands of [`BAND`] rows on rayon's pool, each band with its own cache
+//! of horizontally filtered source rows (a band recomputes the few rows it shares with the one
+//! above): the bytes do not depend on the split, and memory stays at a few rows per thread. A
+//! ×4 network's 4096² output resampled to 2048² is one of an upscale's host steps.
+
+use rayon::prelude::*;
+
+/// Output rows per parallel band.
+const BAND: usize = 32;
 
 /// `interpolateLanczos4`: the 8 tap weights for fractional position `x` in [0, 1).
 fn lanczos4_coeffs(x: f32) -> [f32; 8] {
@@ -123,36 +133,44 @@ pub fn resize_u8(src: &[u8], from: Layout, width: usize, height: usize) -> Vec<u
         .into_iter()
         .map(|(s, c)| (s, c.map(fixed)))
         .collect();
-    let mut cache = RowCache {
-        rows: Default::default(),
-        make: |y: usize| {
-            let row = &src[y * from.width * cn..(y + 1) * from.width * cn];
-            let mut out = vec![0i32; width * cn];
-            for (dx, (s0, a)) in xt.iter().enumerate() {
-                for c in 0..cn {
-                    let mut v = 0i32;
-                    for (j, w) in a.iter().enumerate() {
-                        v += i32::from(row[clamp_index(s0 + j as i64, from.width) * cn + c]) * w;
-                    }
-                    out[dx * cn + c] = v;
+    let horizontal = |y: usize| {
+        let row = &src[y * from.width * cn..(y + 1) * from.width * cn];
+        let mut out = vec![0i32; width * cn];
+        for (dx, (s0, a)) in xt.iter().enumerate() {
+            for c in 0..cn {
+                let mut v = 0i32;
+                for (j, w) in a.iter().enumerate() {
+                    v += i32::from(row[clamp_index(s0 + j as i64, from.width) * cn + c]) * w;
                 }
+                out[dx * cn + c] = v;
             }
-            out
-        },
+        }
+        out
     };
     let mut dst = vec![0u8; width * height * cn];
-    for (dy, (s0, b)) in yt.iter().enumerate() {
-        let srcs = cache.window(*s0, from.height);
-        let out = &mut dst[dy * width * cn..(dy + 1) * width * cn];
-        for (x, o) in out.iter_mut().enumerate() {
-            let mut s = 0i32;
-            for k in 0..8 {
-                s = s.wrapping_add(srcs[k][x].wrapping_mul(b[k]));
-            }
-            // FixedPtCast<int, uchar, 22>: (s + 2^21) >> 22, saturated.
-            *o = (s.wrapping_add(1 << 21) >> 22).clamp(0, 255) as u8;
-        }
+    let stride = width * cn;
+    if stride == 0 {
+        return dst;
     }
+    dst.par_chunks_mut(BAND * stride)
+        .zip(yt.par_chunks(BAND))
+        .for_each(|(band, taps)| {
+            let mut cache = RowCache {
+                rows: Default::default(),
+                make: horizontal,
+            };
+            for (out, (s0, b)) in band.chunks_mut(stride).zip(taps) {
+                let srcs = cache.window(*s0, from.height);
+                for (x, o) in out.iter_mut().enumerate() {
+                    let mut s = 0i32;
+                    for k in 0..8 {
+                        s = s.wrapping_add(srcs[k][x].wrapping_mul(b[k]));
+                    }
+                    // FixedPtCast<int, uchar, 22>: (s + 2^21) >> 22, saturated.
+                    *o = (s.wrapping_add(1 << 21) >> 22).clamp(0, 255) as u8;
+                }
+            }
+        });
     dst
 }
 
@@ -166,34 +184,42 @@ pub fn resize_u16(src: &[u16], from: Layout, width: usize, height: usize) -> Vec
     let cn = from.channels;
     let xt = taps(from.width, width);
     let yt = taps(from.height, height);
-    let mut cache = RowCache {
-        rows: Default::default(),
-        make: |y: usize| {
-            let row = &src[y * from.width * cn..(y + 1) * from.width * cn];
-            let mut out = vec![0f32; width * cn];
-            for (dx, (s0, a)) in xt.iter().enumerate() {
-                for c in 0..cn {
-                    let mut v = 0f32;
-                    for (j, w) in a.iter().enumerate() {
-                        v += f32::from(row[clamp_index(s0 + j as i64, from.width) * cn + c]) * w;
-                    }
-                    out[dx * cn + c] = v;
+    let horizontal = |y: usize| {
+        let row = &src[y * from.width * cn..(y + 1) * from.width * cn];
+        let mut out = vec![0f32; width * cn];
+        for (dx, (s0, a)) in xt.iter().enumerate() {
+            for c in 0..cn {
+                let mut v = 0f32;
+                for (j, w) in a.iter().enumerate() {
+                    v += f32::from(row[clamp_index(s0 + j as i64, from.width) * cn + c]) * w;
                 }
+                out[dx * cn + c] = v;
             }
-            out
-        },
+        }
+        out
     };
     let mut dst = vec![0u16; width * height * cn];
-    for (dy, (s0, b)) in yt.iter().enumerate() {
-        let srcs = cache.window(*s0, from.height);
-        let out = &mut dst[dy * width * cn..(dy + 1) * width * cn];
-        for (x, o) in out.iter_mut().enumerate() {
-            let mut s = 0f32;
-            for k in 0..8 {
-                s += srcs[k][x] * b[k];
-            }
-            *o = s.round_ties_even().clamp(0.0, 65535.0) as u16;
-        }
+    let stride = width * cn;
+    if stride == 0 {
+        return dst;
     }
+    dst.par_chunks_mut(BAND * stride)
+        .zip(yt.par_chunks(BAND))
+        .for_each(|(band, taps)| {
+            let mut cache = RowCache {
+                rows: Default::default(),
+                make: horizontal,
+            };
+            for (out, (s0, b)) in band.chunks_mut(stride).zip(taps) {
+                let srcs = cache.window(*s0, from.height);
+                for (x, o) in out.iter_mut().enumerate() {
+                    let mut s = 0f32;
+                    for k in 0..8 {
+                        s += srcs[k][x] * b[k];
+                    }
+                    *o = s.round_ties_even().clamp(0.0, 65535.0) as u16;
+                }
+            }
+        });
     dst
 }

@@ -21,14 +21,7 @@ use std::process::Command;
 use vnfarm_models::nn::fused::{AddLayerNormGrid, GroupNormGrid, SOURCE};
 use vnfarm_models::nn::ops::WarpWidth;
 
-/// Which spelling of the warp shuffle the kernels' source is compiled with.
-#[derive(Debug, Clone, Copy)]
-enum Shuffle {
-    /// `__shfl_xor_sync`, as NVRTC compiles it.
-    Cuda,
-    /// `__shfl_xor(v, mask, VN_WARP)`, as hiprtc compiles it (the source sees `__HIP__`).
-    Hip,
-}
+use crate::support::emulation::{self, Shuffle};
 
 #[test]
 fn fused_norm_kernels_match_double_precision_references_in_emulation_with_32_lane_warps() {
@@ -76,30 +69,7 @@ fn build_emulator(dir: &Path, warp: WarpWidth, shuffle: Shuffle) -> PathBuf {
     let source = SOURCE
         .replace("extern __shared__ float sh[];", "float* sh = g_dyn_shared;")
         .replace("extern \"C\" ", "");
-    let cu = dir.join("norms.cu");
-    std::fs::write(&cu, source).expect("write source");
-    let emu_src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/support/norms_emu.cpp");
-    let exe = dir.join("norms_emu");
-    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-    let mut cmd = Command::new(&cxx);
-    cmd.args(["-std=c++20", "-O1", "-pthread"])
-        .arg(format!("-DNORMS_SOURCE=\"{}\"", cu.display()))
-        .arg(format!("-DVN_WARP={}", warp.lanes()));
-    if let Shuffle::Hip = shuffle {
-        cmd.arg("-DVN_EMULATE_HIP");
-    }
-    let built = cmd
-        .arg(&emu_src)
-        .arg("-o")
-        .arg(&exe)
-        .output()
-        .unwrap_or_else(|e| panic!("running {cxx}: {e}"));
-    assert!(
-        built.status.success(),
-        "compiling the emulation failed:\n{}",
-        String::from_utf8_lossy(&built.stderr)
-    );
-    exe
+    emulation::build(dir, &source, "NORMS_SOURCE", "norms_emu", warp, shuffle)
 }
 
 /// The emulator's command line: every case, with the launch geometry fused.rs computes at `warp`.

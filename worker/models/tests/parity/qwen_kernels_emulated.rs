@@ -33,11 +33,7 @@ use vnfarm_models::qwen_image::kernels::{
     BlockKernels, SOURCE, StreamQkv, joint_qkv, residual_norm,
 };
 
-#[derive(Debug, Clone, Copy)]
-enum Shuffle {
-    Cuda,
-    Hip,
-}
+use crate::support::emulation::{self, Shuffle};
 
 #[test]
 fn qwen_block_kernels_match_libtorch_in_emulation_with_32_lane_warps() {
@@ -139,30 +135,8 @@ fn check(warp: WarpWidth, shuffle: Shuffle) {
 }
 
 fn build(dir: &Path, warp: WarpWidth, shuffle: Shuffle) -> PathBuf {
-    let cu = dir.join("qwen_block.cu");
-    std::fs::write(&cu, SOURCE.replace("extern \"C\" ", "")).expect("write source");
-    let support = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/support");
-    let exe = dir.join("qwen_emu");
-    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-    let mut cmd = Command::new(&cxx);
-    cmd.args(["-std=c++20", "-O1", "-pthread"])
-        .arg(format!("-DQWEN_SOURCE=\"{}\"", cu.display()))
-        .arg(format!("-DVN_WARP={}", warp.lanes()));
-    if let Shuffle::Hip = shuffle {
-        cmd.arg("-DVN_EMULATE_HIP");
-    }
-    let built = cmd
-        .arg(support.join("qwen_emu.cpp"))
-        .arg("-o")
-        .arg(&exe)
-        .output()
-        .unwrap_or_else(|e| panic!("running {cxx}: {e}"));
-    assert!(
-        built.status.success(),
-        "compiling the emulation failed:\n{}",
-        String::from_utf8_lossy(&built.stderr)
-    );
-    exe
+    let source = SOURCE.replace("extern \"C\" ", "");
+    emulation::build(dir, &source, "QWEN_SOURCE", "qwen_emu", warp, shuffle)
 }
 
 /// Deterministic values in about [-scale, scale] + offset, rounded to bf16 (no libtorch

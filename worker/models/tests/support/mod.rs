@@ -3,6 +3,7 @@
 //! at test time from other fixtures ([`derived`], which the end-to-end tests include too).
 
 pub mod derived;
+pub mod emulation;
 
 use tch::{Kind, Tensor};
 
