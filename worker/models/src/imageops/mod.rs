@@ -15,15 +15,18 @@ use tch::{Device, Kind, Tensor};
 use crate::error::GenerateError;
 
 /// RGB8 → `[1, 3, H, W]` in [-1, 1] on `device` in `kind`: diffusers' `VaeImageProcessor.preprocess`
-/// (`x / 255` in fp32, then `2x − 1`), cast last.
+/// (`x / 255` in fp32, then `2x − 1`), cast last. The bytes go to the device as they are (a quarter
+/// of the fp32 upload) and are converted there: IEEE fp32 division and products round alike on
+/// every device, so the values are the host's.
 pub fn rgb8_to_tensor(image: &RgbImage, device: Device, kind: Kind) -> Tensor {
     let (w, h) = image.dimensions();
     let x = Tensor::from_slice(image.as_raw())
+        .to_device(device)
         .view([1, i64::from(h), i64::from(w), 3])
         .permute([0, 3, 1, 2])
         .to_kind(Kind::Float)
         / 255.0;
-    (x * 2.0 - 1.0).to_device(device).to_kind(kind)
+    (x * 2.0 - 1.0).to_kind(kind)
 }
 
 /// `[1, 3, H, W]` in [-1, 1] → RGB8: diffusers' `postprocess` (`(x / 2 + 0.5).clamp(0, 1)`, then

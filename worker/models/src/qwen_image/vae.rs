@@ -677,11 +677,13 @@ impl QwenVae {
         })
     }
 
-    /// The memory order the convolutions run in: `Contiguous` (NCHW, as diffusers; the default)
-    /// or `ChannelsLast`, where every convolution weight is stored NHWC and encode and decode
-    /// make their input NHWC, so that cuDNN runs its NHWC kernels without converting around each
-    /// convolution and the RMS norms reduce over contiguous channels. Outputs are the same
-    /// values, in the layout they come out in (NHWC strides with `ChannelsLast`).
+    /// The memory order the convolutions run in: `Contiguous` (NCHW weights, inputs taken in
+    /// the layout given, as diffusers: an image converted from RGB8 arrives with NHWC strides
+    /// there and here, and libtorch then runs the encoder NHWC; the default) or `ChannelsLast`,
+    /// where every convolution weight is stored NHWC and encode and decode make their input NHWC,
+    /// so that cuDNN runs its NHWC kernels without converting the weights or the activations
+    /// around each convolution and the RMS norms reduce over contiguous channels. Outputs are the
+    /// same values, in the layout they come out in (NHWC strides with `ChannelsLast`).
     pub fn set_memory_format(&mut self, format: MemoryFormat) {
         self.memory_format = format;
         let _guard = tch::no_grad_guard();
