@@ -345,7 +345,9 @@ impl QwenTextEncoder {
 
     /// Prompt embeddings of several instructions with the same images: `[B, L_max, hidden]`,
     /// each right-padded with zeros, and the mask `[B, L_max]` (int64, 1 = token), as the
-    /// pipeline's `_get_qwen_prompt_embeds` (one batched forward, right padding).
+    /// pipeline's `_get_qwen_prompt_embeds` (one batched forward, right padding). The mask is on
+    /// the host, for the caller to move where it is needed: uploading it here would wait for the
+    /// forward the embeddings are still being computed by.
     pub fn encode_prompts(
         &self,
         instructions: &[&str],
@@ -425,9 +427,7 @@ impl QwenTextEncoder {
         }
         Ok((
             Tensor::stack(&rows, 0),
-            Tensor::from_slice(&out_mask)
-                .reshape([b, keep as i64])
-                .to_device(device),
+            Tensor::from_slice(&out_mask).reshape([b, keep as i64]),
         ))
     }
 }

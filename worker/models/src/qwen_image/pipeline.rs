@@ -621,8 +621,10 @@ impl QwenEditPipeline {
     ) -> Result<(Tensor, Option<Tensor>), GenerateError> {
         let (embeds, mask) = self.text_encoder.encode_prompts(instructions, features)?;
         let embeds = embeds.to_kind(self.dtype);
+        // The mask is on the host: read there, moved only where a prompt is padded, so nothing
+        // here waits for the text encoder's forward (the noise is drawn on the host meanwhile).
         let all_valid = mask.min().int64_value(&[]) == 1;
-        Ok((embeds, (!all_valid).then_some(mask.to_device(self.device))))
+        Ok((embeds, (!all_valid).then(|| mask.to_device(self.device))))
     }
 
     fn edit_batch(
