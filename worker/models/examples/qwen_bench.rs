@@ -35,7 +35,8 @@
 //!   (`bench/trace_breakdown.py` sorts it into kernel classes, as `bench/profile_qwen.py` does
 //!   for diffusers' forward).
 //! - `--kernels SPEC` (both modes): the transformer blocks' kernels ([`parse_kernels`]: `aten`,
-//!   `all`, or `qk+norm+res+gelu+qkv+fp8` pieces; `nhwc`: the VAE channels-last); `--sweep SPECS` (`components`): the step timed under
+//!   `all`, or `qk+norm+res+gelu+qkv+fp8` pieces; `nhwc`: the VAE channels-last, `vnorm`: its fused
+//!   RMS norm); `--sweep SPECS` (`components`): the step timed under
 //!   each spec in one process, twice round, each output compared with the first spec's.
 //! - `--config-dir D`: a diffusers-layout folder with the components' `config.json` (the tiny smoke
 //!   test's sizes); without it the real model's presets, as the studio's files are loaded.
@@ -156,6 +157,8 @@ struct Opts {
     kernels: BlockKernels,
     /// The VAE's memory order (`nhwc` in `--kernels`).
     vae_format: MemoryFormat,
+    /// The VAE's RMS norm kernels (`vnorm` in `--kernels`).
+    vae_norm: NormKernels,
     sweep: Vec<(String, BlockKernels)>,
 }
 
@@ -167,15 +170,18 @@ fn parse_kernels(spec: &str) -> anyhow::Result<BlockKernels> {
     Ok(parse_spec(spec)?.0)
 }
 
-/// The blocks' kernels and the VAE's memory order of a `--kernels` spec (`nhwc`: channels-last
-/// VAE, not a block kernel; the sweep's specs ignore it).
-fn parse_spec(spec: &str) -> anyhow::Result<(BlockKernels, MemoryFormat)> {
+/// The blocks' kernels and the VAE's memory order and norm kernels of a `--kernels` spec (`nhwc`:
+/// channels-last VAE, `vnorm`: the VAE's fused RMS norm; not block kernels, the sweep's specs
+/// ignore them).
+fn parse_spec(spec: &str) -> anyhow::Result<(BlockKernels, MemoryFormat, NormKernels)> {
     let mut k = BlockKernels::default();
     let mut vae = MemoryFormat::Contiguous;
+    let mut vae_norm = NormKernels::Aten;
     for piece in spec.split('+') {
         match piece {
             "aten" => {}
             "nhwc" => vae = MemoryFormat::ChannelsLast,
+            "vnorm" => vae_norm = NormKernels::Fused,
             "qk" => k.qk_norm_rope = NormKernels::Fused,
             "norm" => k.ada_norm = NormKernels::Fused,
             "res" => k.gated_residual = NormKernels::Fused,
@@ -195,7 +201,7 @@ fn parse_spec(spec: &str) -> anyhow::Result<(BlockKernels, MemoryFormat)> {
             other => anyhow::bail!("unknown kernel piece {other:?} in {spec:?}"),
         }
     }
-    Ok((k, vae))
+    Ok((k, vae, vae_norm))
 }
 
 fn parse_opts(args: &[String]) -> anyhow::Result<Opts> {
@@ -218,6 +224,7 @@ fn parse_opts(args: &[String]) -> anyhow::Result<Opts> {
         profile_trace: None,
         kernels: BlockKernels::default(),
         vae_format: MemoryFormat::Contiguous,
+        vae_norm: NormKernels::Aten,
         sweep: Vec::new(),
     };
     let mut it = args.iter();
@@ -255,7 +262,7 @@ fn parse_opts(args: &[String]) -> anyhow::Result<Opts> {
             "--vae-area" => o.vae_area = val()?.parse()?,
             "--txt-len" => o.txt_len = val()?.parse()?,
             "--profile-trace" => o.profile_trace = Some(val()?.into()),
-            "--kernels" => (o.kernels, o.vae_format) = parse_spec(&val()?)?,
+            "--kernels" => (o.kernels, o.vae_format, o.vae_norm) = parse_spec(&val()?)?,
             "--sweep" => {
                 o.sweep = val()?
                     .split(',')
@@ -364,6 +371,7 @@ fn pipeline(opts: &Opts) -> anyhow::Result<()> {
     cfg.settings.fused_qkv = k.fused_qkv;
     cfg.settings.fp8_gemm = k.fp8_gemm;
     cfg.settings.vae_memory_format = opts.vae_format;
+    cfg.settings.vae_norm = opts.vae_norm;
     println!(
         "{{\"name\": \"settings\", \"settings\": {}}}",
         serde_json::to_string(&cfg.settings)?
@@ -722,19 +730,25 @@ fn components(opts: &Opts) -> anyhow::Result<()> {
 
     let x = Tensor::rand([1, 3, vh, vw], (dt, dev)) * 2.0 - 1.0;
     let z = Tensor::randn([1, vcfg.z_dim, size / f, size / f], (dt, dev));
-    // The mode's memory order first (the rows the table reads), then the other one, its output
-    // compared with the first's.
-    let other = match opts.vae_format {
-        MemoryFormat::Contiguous => MemoryFormat::ChannelsLast,
-        MemoryFormat::ChannelsLast => MemoryFormat::Contiguous,
-    };
+    // The mode's VAE settings first (the rows the table reads), then every other memory order and
+    // norm kernel (the fused norm on the GPU only), each output compared with the first's.
+    let mine = (opts.vae_format, opts.vae_norm);
+    let mut variants = vec![mine];
+    for format in [MemoryFormat::Contiguous, MemoryFormat::ChannelsLast] {
+        for norm in [NormKernels::Aten, NormKernels::Fused] {
+            if (format, norm) != mine && (norm == NormKernels::Aten || dev.is_cuda()) {
+                variants.push((format, norm));
+            }
+        }
+    }
     let mut first: Option<(Tensor, Tensor)> = None;
-    for (i, format) in [opts.vae_format, other].into_iter().enumerate() {
+    for (i, &(format, norm)) in variants.iter().enumerate() {
         vae.set_memory_format(format);
+        vae.set_norm_kernels(norm).map_err(anyhow::Error::msg)?;
         let suffix = if i == 0 {
             String::new()
         } else {
-            format!(".{format:?}")
+            format!(".{format:?}.{norm:?}")
         };
         let encoded = vae.encode_mean(&x)?.to_kind(Kind::Float);
         let decoded = vae.decode(&z)?.to_kind(Kind::Float);
@@ -749,18 +763,19 @@ fn components(opts: &Opts) -> anyhow::Result<()> {
         if first.is_none() {
             first = Some((encoded, decoded));
         }
+        let what = format!("\"format\": \"{format:?}\", \"norm\": \"{norm:?}\"{agreement}");
         bench(
             &format!("vae_encode{suffix}"),
             2,
             5,
-            &format!(", \"size\": [{vw}, {vh}], \"format\": \"{format:?}\"{agreement}"),
+            &format!(", \"size\": [{vw}, {vh}], {what}"),
             || Ok(vae.encode_mean(&x)?),
         )?;
         bench(
             &format!("vae_decode{suffix}"),
             2,
             5,
-            &format!(", \"size\": [{size}, {size}], \"format\": \"{format:?}\"{agreement}"),
+            &format!(", \"size\": [{size}, {size}], {what}"),
             || Ok(vae.decode(&z)?),
         )?;
     }

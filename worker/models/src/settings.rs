@@ -149,6 +149,9 @@ pub struct QwenSettings {
     /// weights stored NHWC, encode and decode inputs made NHWC). MIOpen's NHWC convolutions can
     /// be slower than its NCHW ones, so the box check measures it.
     pub vae_memory_format: MemoryFormat,
+    /// The VAE's RMS norms and the SiLU after them: libtorch's operators, or one kernel per norm
+    /// (compiled at load; bf16 on CUDA or HIP).
+    pub vae_norm: NormKernels,
 }
 
 impl QwenSettings {
@@ -165,6 +168,7 @@ impl QwenSettings {
             fused_qkv: false,
             fp8_gemm: false,
             vae_memory_format: MemoryFormat::Contiguous,
+            vae_norm: NormKernels::Aten,
         };
         match preset {
             Preset::Portable => portable,
@@ -196,7 +200,9 @@ impl QwenSettings {
 
     /// Whether these settings need the C++ shims of a CUDA (or HIP) build.
     pub fn needs_shims(&self) -> bool {
-        self.block_kernels().any_fused() || self.ff_gelu == FfGelu::Epilogue
+        self.block_kernels().any_fused()
+            || self.ff_gelu == FfGelu::Epilogue
+            || self.vae_norm == NormKernels::Fused
     }
 }
 

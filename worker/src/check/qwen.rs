@@ -7,8 +7,9 @@
 //! transformer's block kernels ([`CANDIDATES`]: the fused kernels of `qwen_image::kernels`, the
 //! GELU epilogue, fused q/k/v projections, the image stream's fp8 GEMMs where the device has
 //! them), each on top of the best so far, checked against the portable path's output and kept
-//! where the transformer step at the edit's shapes is faster. Last the VAE's memory order: NHWC
-//! kept where its decode agrees with the NCHW one and the edit's encode plus decode is faster.
+//! where the transformer step at the edit's shapes is faster. Last the VAE's ([`VAE_CANDIDATES`]:
+//! its RMS norms fused, its convolutions NHWC), each kept where its decode agrees with the portable
+//! one and the edit's encode plus decode is faster.
 
 use image::RgbImage;
 use tch::{Device, Kind, Tensor};
@@ -159,7 +160,7 @@ pub fn run(config: &QwenEditEngineConfig, plan: &Plan, step: &mut Step) {
         step.timing(t);
     }
     let (best, speedup) = block_kernels(&mut pipeline, settings, side, plan, device, step);
-    let best = vae_memory_format(&mut pipeline, best, side, plan, device, step);
+    let best = vae_settings(&mut pipeline, best, side, plan, device, step);
     step.chosen(
         serde_json::to_value(best).expect("settings serialize"),
         speedup,
@@ -321,21 +322,36 @@ fn block_kernels(
     (best, portable_t.median_s / best_t)
 }
 
-/// The VAE's convolutions NHWC (`vae_memory_format = channels_last`) against NCHW: the decode of a
-/// `side`² image's latents must agree with the NCHW one within the device's tolerance, then the
-/// input encode plus the decode must be faster beyond the noise. Returns `best` with the order kept.
-fn vae_memory_format(
+/// A named change of the VAE's settings.
+struct VaeCandidate {
+    name: &'static str,
+    apply: fn(&mut QwenSettings),
+}
+
+/// In the order they are tried, each on top of the best so far.
+const VAE_CANDIDATES: [VaeCandidate; 2] = [
+    VaeCandidate {
+        name: "vae_norm_fused",
+        apply: |s| s.vae_norm = NormKernels::Fused,
+    },
+    VaeCandidate {
+        name: "vae_channels_last",
+        apply: |s| s.vae_memory_format = MemoryFormat::ChannelsLast,
+    },
+];
+
+/// The VAE's candidates ([`VAE_CANDIDATES`]: its RMS norms fused, its convolutions NHWC): a `side`²
+/// image's encode and decode under the portable settings first; each candidate's decode must agree
+/// with that within the device's tolerance, then the encode plus the decode must be faster
+/// beyond the noise. Returns `best` with what was kept.
+fn vae_settings(
     pipeline: &mut QwenEditPipeline,
-    best: QwenSettings,
+    mut best: QwenSettings,
     side: u32,
     plan: &Plan,
     device: Device,
     step: &mut Step,
 ) -> QwenSettings {
-    let cid = "qwen_edit.candidate.vae_channels_last";
-    if step.skipped(cid) {
-        return best;
-    }
     let kind = pipeline.config().vae_dtype;
     let z_dim = pipeline.vae().config().z_dim;
     let f = pipeline.vae().config().spatial_compression_ratio();
@@ -347,43 +363,71 @@ fn vae_memory_format(
         drop(p.vae().encode_mean(&image)?);
         Ok(p.vae().decode(&latents)?)
     };
+    let apply = |p: &mut QwenEditPipeline, s: &QwenSettings| -> anyhow::Result<()> {
+        p.set_vae_norm_kernels(s.vae_norm)
+            .map_err(anyhow::Error::msg)?;
+        p.set_vae_memory_format(s.vae_memory_format);
+        Ok(())
+    };
     let id = format!("qwen_edit.vae.{side}x{side}");
-    let Some(reference) = step.run(&format!("{cid}.reference"), || {
+    let Some(reference) = step.run("qwen_edit.vae.reference", || {
         Ok((
             run(pipeline)?,
-            format!("the NCHW VAE's {side}² encode and decode run"),
+            format!("the portable VAE's {side}² encode and decode run"),
         ))
     }) else {
         return best;
     };
-    let Some(nchw) = step.time(&id, "nchw", device, plan.repeats, || run(pipeline)) else {
+    let Some(portable) = step.time(&id, "portable", device, plan.repeats, || run(pipeline)) else {
         return best;
     };
-    let agreed = step.run(cid, || {
-        pipeline.set_vae_memory_format(MemoryFormat::ChannelsLast);
-        let error = relative_error(&run(pipeline)?, &reference);
-        let tol = tolerance(kind);
-        anyhow::ensure!(
-            error < tol,
-            "disagrees with the NCHW VAE: relative error {error:.2e} (tolerance {tol:.0e})"
-        );
-        Ok((
-            (),
-            format!("agrees with the NCHW VAE: relative error {error:.2e}"),
-        ))
-    });
-    let timed = agreed
-        .and_then(|()| step.time(&id, "channels_last", device, plan.repeats, || run(pipeline)));
-    match timed {
-        Some(t) if step.speed(cid, t.median_s, nchw.median_s) => QwenSettings {
-            vae_memory_format: MemoryFormat::ChannelsLast,
-            ..best
-        },
-        _ => {
-            pipeline.set_vae_memory_format(best.vae_memory_format);
-            best
+    let mut best_t = portable.median_s;
+    for candidate in &VAE_CANDIDATES {
+        let cid = format!("qwen_edit.candidate.{}", candidate.name);
+        let mut settings = best;
+        (candidate.apply)(&mut settings);
+        if settings.needs_shims() && !ops::BUILT_IN {
+            step.record(CheckResult::skip(
+                &cid,
+                "needs the C++ shims, which this binary was built without",
+            ));
+            continue;
+        }
+        if step.skipped(&cid) {
+            continue;
+        }
+        let agreed = step.run(&cid, || {
+            apply(pipeline, &settings)?;
+            let error = relative_error(&run(pipeline)?, &reference);
+            let tol = tolerance(kind);
+            anyhow::ensure!(
+                error < tol,
+                "disagrees with the portable VAE: relative error {error:.2e} (tolerance {tol:.0e})"
+            );
+            Ok((
+                (),
+                format!("agrees with the portable VAE: relative error {error:.2e}"),
+            ))
+        });
+        let timed = agreed
+            .and_then(|()| step.time(&id, candidate.name, device, plan.repeats, || run(pipeline)));
+        match timed {
+            Some(t) if step.speed(&cid, t.median_s, best_t) => {
+                best = settings;
+                best_t = t.median_s;
+            }
+            _ => {
+                // Back to the best so far, which ran before.
+                if let Err(e) = apply(pipeline, &best) {
+                    step.record(CheckResult::fail(
+                        &format!("{cid}.restore"),
+                        format!("{e:#}"),
+                    ));
+                }
+            }
         }
     }
+    best
 }
 
 /// A short edit on a CPU copy in fp32 against the device's, where the copy fits: a copy takes

@@ -33,7 +33,12 @@ pub const SOURCE: &str = concat!(
     include_str!("../nn/kernels/qwen_block.cu")
 );
 /// The kernels of [`SOURCE`], in the order [`rtc_build`](ops::rtc_build) returns them.
-pub const NAMES: [&str; 3] = ["qk_norm_rope", "modulated_norm", "gelu_quant"];
+pub const NAMES: [&str; 4] = [
+    "qk_norm_rope",
+    "modulated_norm",
+    "gelu_quant",
+    "vae_rms_norm",
+];
 /// Widest head `qk_norm_rope` takes (`QK_MAX_PAIRS` pairs in the source).
 pub const MAX_HEAD_DIM: i64 = 256;
 /// Widest row `modulated_norm` takes (`MN_MAX_C8` vectors of 8 in the source).
@@ -42,6 +47,8 @@ pub const MAX_CHANNELS: i64 = 4096;
 /// block size.
 pub const GELU_MAX_CHANNELS: i64 = 16384;
 pub const GELU_THREADS: i64 = 256;
+/// Threads per block of `vae_rms_norm` (a thread per pixel, grid-stride).
+pub const VAE_NORM_THREADS: i64 = 256;
 
 /// Which implementation each piece of the block's elementwise work takes. The portable default
 /// is libtorch's operators throughout.
@@ -79,6 +86,7 @@ struct Kernels {
     qk_norm_rope: RtcFunction,
     modulated_norm: RtcFunction,
     gelu_quant: RtcFunction,
+    vae_rms_norm: RtcFunction,
     warp: WarpWidth,
 }
 
@@ -88,6 +96,7 @@ static KERNELS: ops::DeviceKernels<Kernels> =
         qk_norm_rope: module.functions[0],
         modulated_norm: module.functions[1],
         gelu_quant: module.functions[2],
+        vae_rms_norm: module.functions[3],
         warp: module.warp,
     });
 
@@ -516,4 +525,83 @@ pub fn gelu_fp8(h: &Tensor) -> RowQuantized {
         )
     }
     q
+}
+
+/// The launch geometry of `vae_rms_norm` over `pixels` pixels: blocks of [`VAE_NORM_THREADS`], at
+/// most enough to cover them once and at most 65535 (the kernel strides over the rest).
+pub fn vae_norm_blocks(pixels: i64) -> i64 {
+    ((pixels + VAE_NORM_THREADS - 1) / VAE_NORM_THREADS).clamp(1, 65535)
+}
+
+/// The Qwen VAE's RMS norm over the channels of each pixel (`F.normalize(x, dim=1) · scale · γ`,
+/// then SiLU with `silu`) of a bf16 `[N, C, H, W]` tensor on a CUDA (or HIP) device, in one kernel
+/// (`vae_rms_norm`); `None` where it does not apply (another device or dtype, a layout whose
+/// pixels are not evenly strided), for the caller's libtorch path. The output has `x`'s layout.
+/// The kernels must have been compiled for the device ([`prepare`]).
+pub fn vae_rms_norm(
+    x: &Tensor,
+    gamma: &Tensor,
+    scale: f64,
+    eps: f64,
+    silu: bool,
+) -> Option<Tensor> {
+    let index = cuda_index(x)?;
+    let (n, c, h, w) = x.size4().ok()?;
+    let st = x.stride();
+    // Dense NCHW or NHWC: pixel p = y·W + x at one stride, 1 or C.
+    let nchw = st == [c * h * w, h * w, w, 1];
+    let nhwc = st == [h * w * c, 1, w * c, c];
+    let dense_gamma = gamma.numel() as i64 == c && gamma.is_contiguous();
+    if x.kind() != Kind::BFloat16
+        || gamma.kind() != Kind::BFloat16
+        || gamma.device() != x.device()
+        || !(nchw || nhwc)
+        || !dense_gamma
+        || c > i64::from(i32::MAX)
+    {
+        return None;
+    }
+    let out = x.empty_like();
+    if out.stride() != st {
+        return None;
+    }
+    let kern = compiled(index);
+    let pixels = n * h * w;
+    if pixels == 0 {
+        return Some(out);
+    }
+    let (mut px, mut pg, mut po) = (x.data_ptr(), gamma.data_ptr(), out.data_ptr());
+    let (mut pixels64, mut p64, mut c32) = (pixels, h * w, c as i32);
+    let (mut ns, mut cs, mut ps) = (st[0], st[1], st[3]);
+    let (mut scale32, mut eps32, mut silu32) = (scale as f32, eps as f32, i32::from(silu));
+    // SAFETY: `vae_rms_norm(x, gamma, out, pixels, P, C, ns, cs, ps, scale, eps, silu)`: x is a
+    // dense NCHW or NHWC bf16 [N, C, H, W] tensor on the device, whose element (n, c, p) for
+    // p = y·W + x lies at n·ns + c·cs + p·ps (checked above); out a fresh tensor of the same
+    // shape and strides; gamma a contiguous bf16 [C] tensor on the same device. The grid-stride
+    // loop covers pixels = N·H·W threads' work. All live past the launch.
+    #[allow(unsafe_code)]
+    unsafe {
+        fused::launch(
+            kern.vae_rms_norm,
+            index,
+            (u32_of(vae_norm_blocks(pixels)), 1),
+            (u32_of(VAE_NORM_THREADS), 1),
+            0,
+            &mut [
+                arg(&mut px),
+                arg(&mut pg),
+                arg(&mut po),
+                arg(&mut pixels64),
+                arg(&mut p64),
+                arg(&mut c32),
+                arg(&mut ns),
+                arg(&mut cs),
+                arg(&mut ps),
+                arg(&mut scale32),
+                arg(&mut eps32),
+                arg(&mut silu32),
+            ],
+        )
+    }
+    Some(out)
 }

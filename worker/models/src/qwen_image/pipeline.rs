@@ -34,6 +34,7 @@ use crate::loading::lora::{
 };
 use crate::loading::weights::{WeightStore, Weights};
 use crate::nn::MemoryFormat;
+use crate::nn::fused::NormKernels;
 use crate::nn::tiling::Tiling;
 use crate::noise;
 use crate::qwen_image::encodings::{self, EncodingsError};
@@ -292,6 +293,17 @@ fn load_vae(config: &QwenEditConfig, c: &QwenVaeConfig) -> Result<QwenVae, LoadE
     let w = Weights::new(std::sync::Arc::new(store), config.device, config.vae_dtype);
     let mut vae = QwenVae::new(&w, c)?.with_tiling(config.vae_tiling);
     vae.set_memory_format(config.settings.vae_memory_format);
+    if config.settings.vae_norm == NormKernels::Fused && !crate::nn::ops::BUILT_IN {
+        return Err(LoadError::Setting {
+            setting: "vae_norm = fused",
+            reason: "the operator shim (csrc/rtc.cpp) is not built into this binary".into(),
+        });
+    }
+    vae.set_norm_kernels(config.settings.vae_norm)
+        .map_err(|reason| LoadError::Setting {
+            setting: "vae_norm = fused",
+            reason,
+        })?;
     Ok(vae)
 }
 
@@ -474,6 +486,17 @@ impl QwenEditPipeline {
     pub fn set_vae_memory_format(&mut self, format: MemoryFormat) {
         self.vae.set_memory_format(format);
         self.config.settings.vae_memory_format = format;
+    }
+
+    /// The VAE's RMS norm kernels from now on ([`QwenSettings`]'s `vae_norm`; the box check
+    /// tries both).
+    pub fn set_vae_norm_kernels(&mut self, kernels: NormKernels) -> Result<(), String> {
+        if kernels == NormKernels::Fused && !crate::nn::ops::BUILT_IN {
+            return Err("the operator shim is not built into this binary".into());
+        }
+        self.vae.set_norm_kernels(kernels)?;
+        self.config.settings.vae_norm = kernels;
+        Ok(())
     }
 
     /// The diffusion transformer (for component timings).

@@ -31,8 +31,10 @@ use tch::{Kind, Tensor};
 
 use crate::error::{GenerateError, LoadError};
 use crate::loading::weights::Weights;
+use crate::nn::fused::NormKernels;
 use crate::nn::tiling::{TileGrid, Tiling, tiled};
 use crate::nn::{AttentionImpl, Conv2d, MemoryFormat, attention, channels_last};
+use crate::qwen_image::kernels::vae_rms_norm;
 
 /// `AutoencoderKLQwenImage` config fields, plus tiling settings (diffusers keeps those on the
 /// model instance, not in the config).
@@ -251,6 +253,8 @@ struct RmsNorm {
     gamma: Tensor,
     scale: f64,
     eps: f64,
+    /// One kernel (`qwen_image::kernels::vae_rms_norm`) where it applies.
+    fused: bool,
 }
 
 impl RmsNorm {
@@ -264,10 +268,30 @@ impl RmsNorm {
             gamma,
             scale: (dim as f64).sqrt(),
             eps,
+            fused: false,
         })
     }
 
     fn forward(&self, x: &Tensor) -> Tensor {
+        self.apply(x, false)
+    }
+
+    /// The norm, then SiLU (what every residual block and `norm_out` apply).
+    fn forward_silu(&self, x: &Tensor) -> Tensor {
+        self.apply(x, true)
+    }
+
+    fn apply(&self, x: &Tensor, silu: bool) -> Tensor {
+        if self.fused
+            && let Some(y) = vae_rms_norm(x, &self.gamma, self.scale, self.eps, silu)
+        {
+            return y;
+        }
+        let y = self.libtorch(x);
+        if silu { y.silu() } else { y }
+    }
+
+    fn libtorch(&self, x: &Tensor) -> Tensor {
         let kind = x.kind();
         let xf = match kind {
             Kind::Half | Kind::BFloat16 => x.to_kind(Kind::Float),
@@ -305,6 +329,10 @@ impl ResidualBlock {
         })
     }
 
+    fn norms_mut(&mut self) -> [&mut RmsNorm; 2] {
+        [&mut self.norm1, &mut self.norm2]
+    }
+
     fn weights_mut(&mut self) -> Vec<&mut Tensor> {
         let mut out = self.conv1.weights_mut();
         out.extend(self.conv2.weights_mut());
@@ -319,9 +347,9 @@ impl ResidualBlock {
             Some(c) => c.forward(x),
             None => x.shallow_clone(),
         };
-        let y = self.norm1.forward(x).silu();
+        let y = self.norm1.forward_silu(x);
         let y = self.conv1.forward(&y);
-        let y = self.norm2.forward(&y).silu();
+        let y = self.norm2.forward_silu(&y);
         self.conv2.forward(&y) + h
     }
 }
@@ -386,6 +414,14 @@ impl MidBlock {
             resnets: [r(0)?, r(1)?],
             attention: AttentionBlock::new(&w.pp("attentions.0"), dim, eps, imp)?,
         })
+    }
+
+    fn norms_mut(&mut self) -> Vec<&mut RmsNorm> {
+        let [r0, r1] = &mut self.resnets;
+        let mut out: Vec<&mut RmsNorm> = r0.norms_mut().into();
+        out.extend(r1.norms_mut());
+        out.push(&mut self.attention.norm);
+        out
     }
 
     fn weights_mut(&mut self) -> Vec<&mut Tensor> {
@@ -520,6 +556,18 @@ impl Encoder {
         })
     }
 
+    fn norms_mut(&mut self) -> Vec<&mut RmsNorm> {
+        let mut out = Vec::new();
+        for layer in &mut self.down_blocks {
+            if let DownLayer::Residual(r) = layer {
+                out.extend(r.norms_mut());
+            }
+        }
+        out.extend(self.mid_block.norms_mut());
+        out.push(&mut self.norm_out);
+        out
+    }
+
     fn weights_mut(&mut self) -> Vec<&mut Tensor> {
         let mut out = self.conv_in.weights_mut();
         for layer in &mut self.down_blocks {
@@ -542,7 +590,7 @@ impl Encoder {
             };
         }
         let h = self.mid_block.forward(&h);
-        self.conv_out.forward(&self.norm_out.forward(&h).silu())
+        self.conv_out.forward(&self.norm_out.forward_silu(&h))
     }
 }
 
@@ -605,6 +653,17 @@ impl Decoder {
         })
     }
 
+    fn norms_mut(&mut self) -> Vec<&mut RmsNorm> {
+        let mut out = self.mid_block.norms_mut();
+        for block in &mut self.up_blocks {
+            for r in &mut block.resnets {
+                out.extend(r.norms_mut());
+            }
+        }
+        out.push(&mut self.norm_out);
+        out
+    }
+
     fn weights_mut(&mut self) -> Vec<&mut Tensor> {
         let mut out = self.conv_in.weights_mut();
         out.extend(self.mid_block.weights_mut());
@@ -631,7 +690,7 @@ impl Decoder {
                 h = u.forward(&h);
             }
         }
-        self.conv_out.forward(&self.norm_out.forward(&h).silu())
+        self.conv_out.forward(&self.norm_out.forward_silu(&h))
     }
 }
 
@@ -645,6 +704,7 @@ pub struct QwenVae {
     config: QwenVaeConfig,
     tiling: Tiling,
     memory_format: MemoryFormat,
+    norm_kernels: NormKernels,
 }
 
 impl QwenVae {
@@ -674,6 +734,7 @@ impl QwenVae {
             config: config.clone(),
             tiling: Tiling::Auto,
             memory_format: MemoryFormat::Contiguous,
+            norm_kernels: NormKernels::Aten,
         })
     }
 
@@ -703,6 +764,31 @@ impl QwenVae {
 
     pub fn memory_format(&self) -> MemoryFormat {
         self.memory_format
+    }
+
+    /// The RMS norms (and the SiLU after them) from now on: libtorch's operators (`Aten`, the
+    /// default, as diffusers) or one kernel per norm (`Fused`, CUDA or HIP, bf16 only: other
+    /// devices and dtypes keep libtorch's). Fused kernels are compiled for the device here, so
+    /// that a device the run-time compiler cannot serve is an error now.
+    pub fn set_norm_kernels(&mut self, kernels: NormKernels) -> Result<(), String> {
+        let fused = kernels == NormKernels::Fused;
+        if fused {
+            crate::qwen_image::kernels::prepare(self.post_quant_conv.weight.device())?;
+        }
+        for norm in self
+            .encoder
+            .norms_mut()
+            .into_iter()
+            .chain(self.decoder.norms_mut())
+        {
+            norm.fused = fused;
+        }
+        self.norm_kernels = kernels;
+        Ok(())
+    }
+
+    pub fn norm_kernels(&self) -> NormKernels {
+        self.norm_kernels
     }
 
     /// `x` in the memory order the convolutions run in.

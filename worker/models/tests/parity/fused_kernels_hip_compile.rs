@@ -71,10 +71,11 @@ fn fused_norm_kernels_compile_for_rdna_at_32_lanes_and_cdna_at_64() {
     }
 }
 
-/// The Qwen block's kernels (`src/nn/kernels/qwen_block.cu`), the same way: both kernels there,
+/// The Qwen block's kernels (`src/nn/kernels/qwen_block.cu`), the same way: every kernel there,
 /// the intended width, and five warp-wide reductions (one in `qk_norm_rope`; in `modulated_norm`
-/// two sums and the fp8 output's largest magnitude; in `gelu_quant` the largest magnitude) of
-/// log2(width) shuffles each, none spilling to scratch memory.
+/// two sums and the fp8 output's largest magnitude; in `gelu_quant` the largest magnitude; none in
+/// `vae_rms_norm`, a thread per pixel) of log2(width) shuffles each, none spilling to scratch
+/// memory.
 #[test]
 fn qwen_block_kernels_compile_for_rdna_at_32_lanes_and_cdna_at_64() {
     let Some(clang) = hip_clang() else {

@@ -132,6 +132,16 @@ fn check(warp: WarpWidth, shuffle: Shuffle) {
     for (rows, c, zero_row) in [(3, 12288, false), (5, 200, true), (1, 16384, false)] {
         gq_case(&emu, dir.path(), (rows, c), zero_row, &what);
     }
+    // (N, C, H, W, NHWC, SiLU): the VAE's widths (96, 384), a narrow one with a zero pixel (the
+    // norm's eps), and more pixels than the launch has threads (the grid-stride loop).
+    for (n, c, h, w, nhwc, silu) in [
+        (1, 96, 5, 7, false, true),
+        (2, 384, 3, 4, true, false),
+        (1, 16, 9, 20, false, false),
+        (2, 12, 9, 11, true, true),
+    ] {
+        vr_case(&emu, dir.path(), (n, c, h, w), nhwc, silu, &what);
+    }
 }
 
 fn build(dir: &Path, warp: WarpWidth, shuffle: Shuffle) -> PathBuf {
@@ -521,4 +531,79 @@ fn gq_case(emu: &Path, dir: &Path, (rows, c): (i64, i64), zero_row: bool, what: 
         let zeros = fp8_values(&q8.get(1)).abs().max().double_value(&[]);
         assert_eq!(zeros, 0.0, "{case}: a row of zeros quantises to zeros");
     }
+}
+
+/// `vae_rms_norm` against the VAE's libtorch chain in bf16 (`qwen_image::vae`'s RMS norm: an fp32
+/// copy, `x / max(‖x‖, eps)`, cast to bf16, `· √C`, `· γ`, then SiLU): the same roundings in the
+/// same order, so only the norm's summation order differs; at most one bf16 step anywhere, and
+/// on a few elements only.
+fn vr_case(
+    emu: &Path,
+    dir: &Path,
+    (n, c, h, w): (i64, i64, i64, i64),
+    nhwc: bool,
+    silu: bool,
+    what: &str,
+) {
+    let case = format!("vae_rms_norm N={n} C={c} {h}x{w} nhwc={nhwc} silu={silu} at {what}");
+    let x = values(&[n, c, h, w], 91 + c as u64, 3.0, 0.2);
+    // One pixel of zeros: the norm is eps there and the output zero (then SiLU(0) = 0).
+    let _ = x.narrow(2, 0, 1).narrow(3, 0, 1).fill_(0.0);
+    let gamma = values(&[c], 92, 1.0, 1.0);
+    let eps = 1e-12;
+    let scale = (c as f64).sqrt();
+    // The storage as the device would hold it: NCHW, or NHWC (x permuted, made dense).
+    let stored = if nhwc {
+        x.permute([0, 2, 3, 1]).contiguous()
+    } else {
+        x.contiguous()
+    };
+    let (ns, cs, ps) = if nhwc {
+        (h * w * c, 1, c)
+    } else {
+        (c * h * w, h * w, 1)
+    };
+    write(dir, "x.bin", &stored);
+    write(dir, "g.bin", &gamma);
+    let args: Vec<String> = ["vr".to_string(), dir.display().to_string()]
+        .into_iter()
+        .chain([n, c, h * w, ns, cs, ps].iter().map(i64::to_string))
+        .chain([
+            format!("{scale}"),
+            format!("{eps:e}"),
+            i64::from(silu).to_string(),
+        ])
+        .chain(["2".to_string(), "64".to_string()])
+        .collect();
+    run(emu, &args, &case);
+    let got = read(dir, "y.bin", &stored.size(), Kind::BFloat16);
+    let got = if nhwc { got.permute([0, 3, 1, 2]) } else { got };
+    let xf = x.to_kind(Kind::Float);
+    let denom = xf
+        .norm_scalaropt_dim(2, [1].as_slice(), true)
+        .clamp_min(eps);
+    let normed = (xf / denom).to_kind(Kind::BFloat16) * scale * gamma.view([c, 1, 1]);
+    let want = if silu { normed.silu() } else { normed };
+    let (got, want) = (got.to_kind(Kind::Float), want.to_kind(Kind::Float));
+    let d = (&got - &want).abs();
+    // One bf16 step of the larger magnitude (8 bits of mantissa).
+    let step = got.abs().maximum(&want.abs()) * 2f64.powi(-7) + 1e-30;
+    let beyond = d.gt_tensor(&step).sum(Kind::Int64).int64_value(&[]);
+    assert_eq!(
+        beyond, 0,
+        "{case}: {beyond} elements differ by more than one bf16 step"
+    );
+    let differ = d.gt(0.0).sum(Kind::Int64).int64_value(&[]);
+    let total = got.numel() as i64;
+    assert!(
+        differ * 100 <= total,
+        "{case}: {differ} of {total} elements differ (the summation order alone flips few)"
+    );
+    let zero = got
+        .narrow(2, 0, 1)
+        .narrow(3, 0, 1)
+        .abs()
+        .max()
+        .double_value(&[]);
+    assert_eq!(zero, 0.0, "{case}: the zero pixel stays zero");
 }

@@ -18,6 +18,7 @@ use vnfarm_models::error::LoadError;
 use vnfarm_models::loading::diffusers::{component_store, read_config};
 use vnfarm_models::loading::safetensors::SafetensorsFile;
 use vnfarm_models::loading::weights::{Transform, WeightStore, Weights};
+use vnfarm_models::nn::fused::NormKernels;
 use vnfarm_models::nn::tiling::Tiling;
 use vnfarm_models::nn::{MemoryFormat, is_channels_last};
 use vnfarm_models::qwen_image::keys::{VaeNaming, vae_weight_store, wan_vae_key};
@@ -199,6 +200,19 @@ fn channels_last_matches_diffusers_in_fp32() {
     );
     let worst = run_all("folder channels-last", vae, Kind::Float, TOL_FP32);
     println!("channels-last fp32 worst relative error {worst:.3e}");
+}
+
+/// The fused RMS norm is a CUDA/HIP kernel for bf16: elsewhere (here: the CPU, fp32) the setting
+/// takes libtorch's path, so the reference cases hold unchanged. The kernel itself is checked in
+/// emulation (`qwen_kernels_emulated`).
+#[test]
+fn the_fused_norm_setting_falls_back_where_the_kernel_does_not_apply() {
+    let mut vae = load(folder_store(), Kind::Float);
+    vae.set_norm_kernels(NormKernels::Fused)
+        .expect("nothing to compile on the CPU");
+    assert_eq!(vae.norm_kernels(), NormKernels::Fused);
+    let worst = run_all("folder fused-norm setting", vae, Kind::Float, TOL_FP32);
+    println!("fused-norm setting on the CPU, worst relative error {worst:.3e}");
 }
 
 #[test]

@@ -1,4 +1,4 @@
-// What norms.cu takes from hiprtc's built-in header, written on clang's AMDGPU builtins, so that
+// What norms.cu and qwen_block.cu take from hiprtc's built-in header, written on clang's AMDGPU builtins, so that
 // tests/parity/fused_kernels_hip_compile.rs can compile the kernels as HIP device code with a plain clang
 // (`-x hip --cuda-device-only -nogpuinc -nogpulib`, no ROCm install). Each definition does what
 // HIP's own (hip/amd_detail/*.h) does: the same barrier and fences, and __shfl_xor's source lane
@@ -55,6 +55,9 @@ __device__ __forceinline__ unsigned int __float_as_uint(float f) {
   return __builtin_bit_cast(unsigned int, f);
 }
 __device__ __forceinline__ float __expf(float x) { return __builtin_expf(x); }
+// HIP's (amd_detail/amd_math_functions.h) are OCML's correctly rounded square root and exp.
+__device__ __forceinline__ float sqrtf(float x) { return __builtin_sqrtf(x); }
+__device__ __forceinline__ float expf(float x) { return __builtin_expf(x); }
 __device__ __forceinline__ float rsqrtf(float x) { return __builtin_amdgcn_rsqf(x); }
 __device__ __forceinline__ double sqrt(double x) { return __builtin_sqrt(x); }
 __device__ __forceinline__ int min(int a, int b) { return a < b ? a : b; }

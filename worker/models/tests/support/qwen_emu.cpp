@@ -17,7 +17,10 @@
 //     reads f.bin (fp32 [N]), writes q8.bin: the prelude's f2e4m3 of each value;
 //   qwen_emu gq DIR ROWS C THREADS
 //     reads h.bin (bf16 [ROWS, C]), runs gelu_quant on ROWS blocks of THREADS, writes q8.bin
-//     (e4m3fn [ROWS, C]) and qs.bin (fp32 [ROWS]).
+//     (e4m3fn [ROWS, C]) and qs.bin (fp32 [ROWS]);
+//   qwen_emu vr DIR N C P NS CS PS SCALE EPS SILU BLOCKS THREADS
+//     reads x.bin (bf16, N·C·P values laid out by the strides NS, CS, PS) and g.bin (bf16 [C]),
+//     runs vae_rms_norm on BLOCKS × THREADS, writes y.bin (laid out as x).
 #include <barrier>
 #include <cmath>
 #include <cstdio>
@@ -154,6 +157,21 @@ int main(int argc, char** argv) {
     std::memcpy(bytes.data(), pq8, total);
     store(dir, "q8.bin", bytes, total);
     store(dir, "qs.bin", qs, (size_t)rows);
+    return 0;
+  }
+  if (kind == "vr" && argc == 14) {
+    const long N = n(1), C = n(2), P = n(3), ns = n(4), cs = n(5), ps = n(6);
+    const float scale = std::strtof(argv[9], nullptr), eps = std::strtof(argv[10], nullptr);
+    const int silu = (int)n(9);
+    const unsigned blocks = (unsigned)n(10), threads = (unsigned)n(11);
+    auto x = load<bf16>(dir, "x.bin");
+    auto g = load<bf16>(dir, "g.bin");
+    const size_t total = (size_t)(N * C * P);
+    std::vector<bf16> y(total + 8);
+    launch({blocks, 1}, {threads, 1}, [&] {
+      vae_rms_norm(x.data(), g.data(), y.data(), N * P, P, (int)C, ns, cs, ps, scale, eps, silu);
+    });
+    store(dir, "y.bin", y, total);
     return 0;
   }
   std::fprintf(stderr, "bad arguments\n");

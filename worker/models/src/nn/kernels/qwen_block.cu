@@ -21,6 +21,14 @@
 //   per row as above for the FF-down GEMM: one pass where the bf16 path reads and writes the
 //   hidden state and the quantisation would read it again. One block per row.
 //
+// - vae_rms_norm: the Qwen VAE's RMS norm over the channels of each pixel,
+//   F.normalize(x, dim=1) · √C · γ, with the SiLU that follows it in the residual blocks, in one
+//   pass of reads per channel and one of writes (libtorch's chain: an fp32 copy, the norm, the
+//   division, the cast back, two products and the SiLU, each a pass of its own). One thread per
+//   pixel; x is read through strides, so NCHW and NHWC tensors take the same kernel. Unlike the
+//   others it rounds as libtorch's chain does, after the division, each product and the SiLU,
+//   so that it differs from the portable path only by the order of the norm's sum.
+//
 // Both reductions are warp-wide over VN_WARP lanes (32 on CUDA and RDNA, 64 on CDNA) and written
 // for either width: a lane handles the elements at lane, lane + VN_WARP, … of its row.
 //
@@ -288,5 +296,34 @@ extern "C" __global__ void gelu_quant(const uint4* __restrict__ x, unsigned int*
   }
   if (threadIdx.x == 0) {
     qscale[row] = qs;
+  }
+}
+
+// See the file header. x and out: bf16 [N, C, P] with strides (ns, cs, ps) in elements (out laid
+// out as x), P the pixels of a sample; gamma bf16 [C]; scale = √C; silu: 0 or 1. Grid-stride over
+// the N · P pixels.
+extern "C" __global__ void vae_rms_norm(const bf16* __restrict__ x, const bf16* __restrict__ gamma,
+                                        bf16* __restrict__ out, long long pixels, long long P,
+                                        int C, long long ns, long long cs, long long ps,
+                                        float scale, float eps, int silu) {
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < pixels;
+       i += (long long)gridDim.x * blockDim.x) {
+    const long long base = (i / P) * ns + (i % P) * ps;
+    float ss = 0.f;
+    for (int c = 0; c < C; ++c) {
+      const float v = bf2f(x[base + c * cs]);
+      ss += v * v;
+    }
+    // F.normalize: x / max(‖x‖₂, eps).
+    const float d = fmaxf(sqrtf(ss), eps);
+    for (int c = 0; c < C; ++c) {
+      float v = bf2f(f2bf(bf2f(x[base + c * cs]) / d));
+      v = bf2f(f2bf(v * scale));
+      v = bf2f(f2bf(v * bf2f(gamma[c])));
+      if (silu) {
+        v = v / (1.f + expf(-v));
+      }
+      out[base + c * cs] = f2bf(v);
+    }
   }
 }
