@@ -28,7 +28,7 @@
 // LayerNorm kernels; the code is ours.
 
 // (The prelude, src/nn/kernels/prelude.cuh, comes first: VN_WARP, bf16, bf2f / f2bf, unpack8 /
-// pack8, warp_xor.)
+// pack8, warp_xor, warp_sum.)
 
 // Grid (NB, N), block (C/8, Y). Block (b, n) sums rows [b·rows, min((b+1)·rows, HW)) of sample n
 // and writes, per channel, the sum and the sum of squares: part[((n·NB + b)·2 + {0, 1})·C + c].
@@ -236,10 +236,7 @@ extern "C" __global__ void add_layer_norm(const uint4* __restrict__ a, const uin
       s_out[off + k] = pack8(v[j]);
     }
   }
-#pragma unroll
-  for (int o = VN_WARP / 2; o > 0; o >>= 1) {
-    sum += warp_xor(sum, o);
-  }
+  sum = warp_sum(sum);
   const float mean = sum / C;
   float sq = 0.f;
 #pragma unroll
@@ -252,10 +249,7 @@ extern "C" __global__ void add_layer_norm(const uint4* __restrict__ a, const uin
       }
     }
   }
-#pragma unroll
-  for (int o = VN_WARP / 2; o > 0; o >>= 1) {
-    sq += warp_xor(sq, o);
-  }
+  sq = warp_sum(sq);
   const float rstd = rsqrtf(sq / C + eps);
 #pragma unroll
   for (int j = 0; j < ADD_LN_MAXV; ++j) {
