@@ -849,6 +849,10 @@ def make_table(res, modes):
     row("VAE decode (ms)", num(d, "vae_decode", "ms_median"), lambda m: num(oc[m], "vae_decode", "ms_median"), 1)
     row("text+vision encode, diffusers `encode_prompt` (ms)", num(d, "encode_prompt", "ms_median"), lambda m: None, 1)
     row("ours `encode_inputs` (vision + VAE encode, ms)", None, lambda m: num(op[m], "encode_inputs", "ms_median"), 1)
+    for part, what in [("condition_host", "condition image's host work (resizes, patches)"),
+                       ("vision_tower", "vision tower"), ("vae", "RGB8 upload + VAE encode")]:
+        row(f"ours `encode_inputs` part, {what} (ms)", None,
+            lambda m, part=part: num(op[m], f"encode_part.{part}", "ms_median"), 1)
     row("ours per-edit prompt encode (ms)", None, lambda m: num(op[m], "edit", "encode_prompt_ms"), 1)
     de = (num(d, "encode_prompt", "ms_median") or 0) + (num(d, "vae_encode", "ms_median") or 0) or None
     row("encode of one input + prompt (diffusers encode_prompt + VAE encode; ours encode_inputs + prompt) (ms)", de,

@@ -52,6 +52,7 @@ use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use tch::{Cuda, Device, Kind, Tensor};
+use vnfarm_models::imageops::rgb8_to_tensor;
 use vnfarm_models::loading::diffusers::read_config;
 use vnfarm_models::loading::safetensors::SafetensorsFile;
 use vnfarm_models::loading::weights::{Fp8Mode, Weights};
@@ -67,6 +68,7 @@ use vnfarm_models::qwen_image::transformer::{
     QwenImageTransformer2DModel, QwenImageTransformerConfig, transformer_store,
 };
 use vnfarm_models::qwen_image::vae::{QwenVae, QwenVaeConfig};
+use vnfarm_models::qwen2_5_vl::processor::{condition_resize, preprocess};
 use vnfarm_models::schedulers::FlowMatchConfig;
 
 const STEPS: usize = 4;
@@ -464,6 +466,25 @@ fn pipeline(opts: &Opts) -> anyhow::Result<()> {
     // The input set's encode alone (vision tower + VAE encode), after the first edit.
     bench("encode_inputs", 1, 5, "", || {
         Ok(pipe.encode_inputs(&inputs)?)
+    })?;
+    // Its parts, one after another: the condition image's host work (the Lanczos resize, then the
+    // processor's bicubic resize, rescale and patches), the vision tower on those patches, and the
+    // VAE's part (the RGB8 upload and conversion, the encode).
+    let te = pipe.text_encoder();
+    bench("encode_part.condition_host", 1, 5, "", || {
+        let resized = condition_resize(&inputs[0], &te.processor)?;
+        Ok(preprocess(std::slice::from_ref(&resized), &te.processor)?)
+    })?;
+    let processed = preprocess(
+        &[condition_resize(&inputs[0], &te.processor)?],
+        &te.processor,
+    )?;
+    bench("encode_part.vision_tower", 1, 5, "", || {
+        Ok(te.encode_pixel_values(&processed.pixel_values, &processed.grid_thw)?)
+    })?;
+    bench("encode_part.vae", 1, 5, "", || {
+        let x = rgb8_to_tensor(&inputs[0], pipe.config().device, pipe.config().vae_dtype);
+        Ok(pipe.vae().encode_mean(&x)?)
     })?;
 
     // N variants of one input: the input set encoded once, then one edit per variant.

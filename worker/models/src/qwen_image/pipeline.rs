@@ -509,6 +509,11 @@ impl QwenEditPipeline {
         &self.vae
     }
 
+    /// The text encoder and its vision tower (for component timings).
+    pub fn text_encoder(&self) -> &QwenTextEncoder {
+        &self.text_encoder
+    }
+
     /// Encodes an input set once: the vision tower's features and the VAE latents of each input.
     pub fn encode_inputs(&self, images: &[RgbImage]) -> Result<EncodedInputs, GenerateError> {
         if images.is_empty() || images.len() > 3 {
