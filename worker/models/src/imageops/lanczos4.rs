@@ -113,6 +113,38 @@ impl<T, F: FnMut(usize) -> Vec<T>> RowCache<T, F> {
     }
 }
 
+/// The vertical pass: output row `dy` of `stride` samples filled by `fill(rows, weights, row)` from
+/// the 8 horizontally filtered source rows (`horizontal`) of its tap window `yt[dy]`; computed in
+/// bands of [`BAND`] rows on rayon's pool, each band with its own row cache.
+fn vertical_bands<T, W, O>(
+    yt: &[(i64, [W; 8])],
+    from_height: usize,
+    stride: usize,
+    horizontal: impl Fn(usize) -> Vec<T> + Copy + Sync,
+    fill: impl Fn([&Vec<T>; 8], &[W; 8], &mut [O]) + Sync,
+) -> Vec<O>
+where
+    W: Sync,
+    O: Copy + Default + Send,
+{
+    let mut dst = vec![O::default(); stride * yt.len()];
+    if stride == 0 {
+        return dst;
+    }
+    dst.par_chunks_mut(BAND * stride)
+        .zip(yt.par_chunks(BAND))
+        .for_each(|(band, taps)| {
+            let mut cache = RowCache {
+                rows: Default::default(),
+                make: horizontal,
+            };
+            for (out, (s0, b)) in band.chunks_mut(stride).zip(taps) {
+                fill(cache.window(*s0, from_height), b, out);
+            }
+        });
+    dst
+}
+
 /// `cv2.resize(..., INTER_LANCZOS4)` of 8-bit samples (OpenCV's fixed-point path).
 pub fn resize_u8(src: &[u8], from: Layout, width: usize, height: usize) -> Vec<u8> {
     assert_eq!(
@@ -147,31 +179,16 @@ pub fn resize_u8(src: &[u8], from: Layout, width: usize, height: usize) -> Vec<u
         }
         out
     };
-    let mut dst = vec![0u8; width * height * cn];
-    let stride = width * cn;
-    if stride == 0 {
-        return dst;
-    }
-    dst.par_chunks_mut(BAND * stride)
-        .zip(yt.par_chunks(BAND))
-        .for_each(|(band, taps)| {
-            let mut cache = RowCache {
-                rows: Default::default(),
-                make: horizontal,
-            };
-            for (out, (s0, b)) in band.chunks_mut(stride).zip(taps) {
-                let srcs = cache.window(*s0, from.height);
-                for (x, o) in out.iter_mut().enumerate() {
-                    let mut s = 0i32;
-                    for k in 0..8 {
-                        s = s.wrapping_add(srcs[k][x].wrapping_mul(b[k]));
-                    }
-                    // FixedPtCast<int, uchar, 22>: (s + 2^21) >> 22, saturated.
-                    *o = (s.wrapping_add(1 << 21) >> 22).clamp(0, 255) as u8;
-                }
+    vertical_bands(&yt, from.height, width * cn, horizontal, |srcs, b, out| {
+        for (x, o) in out.iter_mut().enumerate() {
+            let mut s = 0i32;
+            for k in 0..8 {
+                s = s.wrapping_add(srcs[k][x].wrapping_mul(b[k]));
             }
-        });
-    dst
+            // FixedPtCast<int, uchar, 22>: (s + 2^21) >> 22, saturated.
+            *o = (s.wrapping_add(1 << 21) >> 22).clamp(0, 255) as u8;
+        }
+    })
 }
 
 /// `cv2.resize(..., INTER_LANCZOS4)` of 16-bit samples (OpenCV's float path).
@@ -198,28 +215,13 @@ pub fn resize_u16(src: &[u16], from: Layout, width: usize, height: usize) -> Vec
         }
         out
     };
-    let mut dst = vec![0u16; width * height * cn];
-    let stride = width * cn;
-    if stride == 0 {
-        return dst;
-    }
-    dst.par_chunks_mut(BAND * stride)
-        .zip(yt.par_chunks(BAND))
-        .for_each(|(band, taps)| {
-            let mut cache = RowCache {
-                rows: Default::default(),
-                make: horizontal,
-            };
-            for (out, (s0, b)) in band.chunks_mut(stride).zip(taps) {
-                let srcs = cache.window(*s0, from.height);
-                for (x, o) in out.iter_mut().enumerate() {
-                    let mut s = 0f32;
-                    for k in 0..8 {
-                        s += srcs[k][x] * b[k];
-                    }
-                    *o = s.round_ties_even().clamp(0.0, 65535.0) as u16;
-                }
+    vertical_bands(&yt, from.height, width * cn, horizontal, |srcs, b, out| {
+        for (x, o) in out.iter_mut().enumerate() {
+            let mut s = 0f32;
+            for k in 0..8 {
+                s += srcs[k][x] * b[k];
             }
-        });
-    dst
+            *o = s.round_ties_even().clamp(0.0, 65535.0) as u16;
+        }
+    })
 }
