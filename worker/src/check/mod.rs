@@ -185,6 +185,19 @@ impl Step {
         self.skip.contains(id)
     }
 
+    /// Whether candidate `id` is to be tried: not where its settings need the C++ shims and this
+    /// binary was built without them (recorded as a skip), nor where the parent asked to skip it.
+    pub fn can_try(&mut self, id: &str, needs_shims: bool) -> bool {
+        if needs_shims && !vnfarm_models::nn::ops::BUILT_IN {
+            self.record(CheckResult::skip(
+                id,
+                "needs the C++ shims, which this binary was built without",
+            ));
+            return false;
+        }
+        !self.skipped(id)
+    }
+
     pub fn start(&mut self, id: &str) {
         self.journal.write(&Record::Start { id: id.to_owned() });
         // Fault injection for tests: the process dies here as a crashing kernel compiler or solver

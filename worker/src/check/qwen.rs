@@ -15,7 +15,7 @@ use image::RgbImage;
 use tch::{Device, Kind, Tensor};
 use vnfarm_models::nn::fp8::Fp8Linear;
 use vnfarm_models::nn::fused::NormKernels;
-use vnfarm_models::nn::{AttentionImpl, FfGelu, MemoryFormat, ops};
+use vnfarm_models::nn::{AttentionImpl, FfGelu, MemoryFormat};
 use vnfarm_models::qwen_image::pipeline::{EditRequest, EncodedInputs, QwenEditPipeline};
 use vnfarm_models::settings::{Preset, QwenSettings};
 
@@ -272,14 +272,7 @@ fn block_kernels(
         let mut settings = best;
         (candidate.apply)(&mut settings);
         let cid = format!("qwen_edit.candidate.{}", candidate.name);
-        if settings.needs_shims() && !ops::BUILT_IN {
-            step.record(CheckResult::skip(
-                &cid,
-                "needs the C++ shims, which this binary was built without",
-            ));
-            continue;
-        }
-        if step.skipped(&cid) {
+        if !step.can_try(&cid, settings.needs_shims()) {
             continue;
         }
         if let Some(Err(why)) = candidate.requires.map(|r| r(device)) {
@@ -386,14 +379,7 @@ fn vae_settings(
         let cid = format!("qwen_edit.candidate.{}", candidate.name);
         let mut settings = best;
         (candidate.apply)(&mut settings);
-        if settings.needs_shims() && !ops::BUILT_IN {
-            step.record(CheckResult::skip(
-                &cid,
-                "needs the C++ shims, which this binary was built without",
-            ));
-            continue;
-        }
-        if step.skipped(&cid) {
+        if !step.can_try(&cid, settings.needs_shims()) {
             continue;
         }
         let agreed = step.run(&cid, || {

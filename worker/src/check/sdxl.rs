@@ -333,14 +333,7 @@ fn try_candidate(
     probe_latent: &Tensor,
     vae_reference: &Tensor,
 ) -> bool {
-    if settings.needs_shims() && !ops::BUILT_IN {
-        step.record(CheckResult::skip(
-            id,
-            "needs the C++ shims, which this binary was built without",
-        ));
-        return false;
-    }
-    if step.skipped(id) {
+    if !step.can_try(id, settings.needs_shims()) {
         return false;
     }
     let agreed = step.run(id, || {
