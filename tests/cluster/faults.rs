@@ -19,6 +19,11 @@ use crate::workload::{self, Client, Kind};
 /// How long a link stays cut (the issue's 30 s: past `net_ticktime`, so the cluster partitions).
 const LINK_CUT: Duration = Duration::from_secs(30);
 const ACTIVE_CUT: Duration = Duration::from_secs(30);
+/// The active scheduler's cut lasts past [`ACTIVE_CUT`] until the standby leads, at most this
+/// long: when the event stream's leader is on the cut box, RabbitMQ 3.10's stream coordinator
+/// elects a new writer 20–31 s after the cut and no term can begin before (docs/performance.md),
+/// so a takeover past 30 s is a missed target to report, not a broken promise.
+const ACTIVE_CUT_MAX: Duration = Duration::from_secs(90);
 const STORAGE_CUT: Duration = Duration::from_secs(20);
 /// A SIGKILLed node stays down this long before it is restarted.
 const NODE_DOWN: Duration = Duration::from_secs(5);
@@ -35,8 +40,8 @@ pub enum Fault {
     BrokerNodeKill,
     /// Box 3 (a worker and a node) off the bridge for [`LINK_CUT`].
     LinkCut,
-    /// The active scheduler's box off the bridge for [`ACTIVE_CUT`]: the standby, on the
-    /// majority, takes over.
+    /// The active scheduler's box off the bridge for [`ACTIVE_CUT`] (longer if the standby, on
+    /// the majority, has not taken over by then; at most [`ACTIVE_CUT_MAX`]).
     ActivePartition,
     /// Every process of the standby scheduler's box SIGKILLed (scheduler, worker, node), then
     /// started again.
@@ -156,7 +161,7 @@ async fn active_partition(
     let mut took_over = None;
     let mut both = Duration::ZERO;
     let mut old_active_until = Duration::ZERO;
-    while cut.elapsed() < ACTIVE_CUT {
+    while cut.elapsed() < ACTIVE_CUT || (took_over.is_none() && cut.elapsed() < ACTIVE_CUT_MAX) {
         let polled = Instant::now();
         let (old_role, new_role) = tokio::join!(farm.role(old), farm.role(new));
         if new_role == Some(Role::Active) {
@@ -170,18 +175,20 @@ async fn active_partition(
         }
         tokio::time::sleep(ROLE_EVERY).await;
     }
+    let lasted = cut.elapsed();
     farm.net.restore(&host)?;
     farm.cluster.wait_whole(HEAL).await?;
     let Some(took_over) = took_over else {
-        anyhow::bail!("the standby did not take over within the {ACTIVE_CUT:?} cut");
+        anyhow::bail!("the standby did not take over within {ACTIVE_CUT_MAX:?} of the cut");
     };
     measured.takeovers.push(took_over);
     measured.both_active.push(both);
     farm.wait_ready(old).await?;
     Ok(format!(
-        "{} (active scheduler {old}) cut for {ACTIVE_CUT:?}: scheduler {new} active after {:.2} s; \
+        "{} (active scheduler {old}) cut for {:.1} s: scheduler {new} active after {:.2} s; \
          the cut one said active until {:.2} s; both said active for {:.2} s",
         host.ns,
+        lasted.as_secs_f64(),
         took_over.as_secs_f64(),
         old_active_until.as_secs_f64(),
         both.as_secs_f64()
