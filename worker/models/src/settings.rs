@@ -200,9 +200,7 @@ impl QwenSettings {
 
     /// Whether these settings need the C++ shims of a CUDA (or HIP) build.
     pub fn needs_shims(&self) -> bool {
-        self.block_kernels().any_fused()
-            || self.ff_gelu == FfGelu::Epilogue
-            || self.vae_norm == NormKernels::Fused
+        self.block_kernels().needs_shims() || self.vae_norm == NormKernels::Fused
     }
 }
 

@@ -11,6 +11,11 @@ use tch::Tensor;
 /// Whether the shim is compiled into this binary.
 pub const BUILT_IN: bool = cfg!(vnfarm_ops_shim);
 
+/// Why a setting that needs the shim is refused where it is not [`BUILT_IN`].
+pub const NOT_BUILT_IN: &str = "the operator shim (csrc/ops.cpp, csrc/rtc.cpp) is not built into \
+                                this binary (built against a CUDA or ROCm libtorch with its GPU \
+                                headers only)";
+
 /// `gelu(mat1 @ mat2 + bias)` for 2-D `mat1`, `mat2` and 1-D `bias`, the GELU in the matmul's
 /// epilogue: `at::_addmm_activation(bias, mat1, mat2, 1, 1, use_gelu=true)`. On CUDA libtorch runs
 /// it as one cuBLASLt matmul whose epilogue adds the bias and applies the tanh approximation of
@@ -174,7 +179,7 @@ mod imp {
 
     use tch::Tensor;
 
-    const NOT_BUILT: &str = "the operator shim (csrc/ops.cpp) is not built into this binary";
+    use super::NOT_BUILT_IN as NOT_BUILT;
 
     pub fn addmm_gelu(_: &Tensor, _: &Tensor, _: &Tensor) -> Option<Tensor> {
         None

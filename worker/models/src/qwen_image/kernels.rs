@@ -79,6 +79,11 @@ impl BlockKernels {
         self.fp8_gemm
             || [self.qk_norm_rope, self.ada_norm, self.gated_residual].contains(&NormKernels::Fused)
     }
+
+    /// Whether these kernels need the C++ shims of a CUDA (or HIP) build.
+    pub fn needs_shims(&self) -> bool {
+        self.any_fused() || self.ff_gelu == crate::nn::FfGelu::Epilogue
+    }
 }
 
 #[derive(Debug, Clone, Copy)]

@@ -267,18 +267,11 @@ fn set_block_kernels(
     transformer: &mut QwenImageTransformer2DModel,
     config: &QwenEditConfig,
 ) -> Result<(), LoadError> {
-    if config.settings.needs_shims() && !crate::nn::ops::BUILT_IN {
-        return Err(LoadError::Setting {
-            setting: "qk_norm_rope, ada_norm, gated_residual = fused or ff_gelu = epilogue",
-            reason: "the operator shim (csrc/ops.cpp, csrc/rtc.cpp) is not built into this \
-                     binary (built against a CUDA or ROCm libtorch with its GPU headers only)"
-                .into(),
-        });
-    }
     transformer
         .set_block_kernels(config.settings.block_kernels())
         .map_err(|reason| LoadError::Setting {
-            setting: "qk_norm_rope, ada_norm, gated_residual = fused",
+            setting: "qk_norm_rope, ada_norm, gated_residual = fused, ff_gelu = epilogue, \
+                      fused_qkv or fp8_gemm",
             reason,
         })
 }
@@ -293,12 +286,6 @@ fn load_vae(config: &QwenEditConfig, c: &QwenVaeConfig) -> Result<QwenVae, LoadE
     let w = Weights::new(std::sync::Arc::new(store), config.device, config.vae_dtype);
     let mut vae = QwenVae::new(&w, c)?.with_tiling(config.vae_tiling);
     vae.set_memory_format(config.settings.vae_memory_format);
-    if config.settings.vae_norm == NormKernels::Fused && !crate::nn::ops::BUILT_IN {
-        return Err(LoadError::Setting {
-            setting: "vae_norm = fused",
-            reason: "the operator shim (csrc/rtc.cpp) is not built into this binary".into(),
-        });
-    }
     vae.set_norm_kernels(config.settings.vae_norm)
         .map_err(|reason| LoadError::Setting {
             setting: "vae_norm = fused",
@@ -466,11 +453,6 @@ impl QwenEditPipeline {
     /// The transformer's block kernels from now on ([`QwenSettings`]'s `qk_norm_rope`,
     /// `ada_norm`, `gated_residual`, `ff_gelu`, `fused_qkv`; the box check tries each).
     pub fn set_block_kernels(&mut self, kernels: BlockKernels) -> Result<(), String> {
-        if (kernels.any_fused() || kernels.ff_gelu == crate::nn::FfGelu::Epilogue)
-            && !crate::nn::ops::BUILT_IN
-        {
-            return Err("the operator shim is not built into this binary".into());
-        }
         self.transformer.set_block_kernels(kernels)?;
         self.config.settings.qk_norm_rope = kernels.qk_norm_rope;
         self.config.settings.ada_norm = kernels.ada_norm;
@@ -491,9 +473,6 @@ impl QwenEditPipeline {
     /// The VAE's RMS norm kernels from now on ([`QwenSettings`]'s `vae_norm`; the box check
     /// tries both).
     pub fn set_vae_norm_kernels(&mut self, kernels: NormKernels) -> Result<(), String> {
-        if kernels == NormKernels::Fused && !crate::nn::ops::BUILT_IN {
-            return Err("the operator shim is not built into this binary".into());
-        }
         self.vae.set_norm_kernels(kernels)?;
         self.config.settings.vae_norm = kernels;
         Ok(())

@@ -823,6 +823,9 @@ impl QwenImageTransformer2DModel {
     /// cannot serve is an error now, not a failed job; on the CPU the fused pieces fall back to
     /// libtorch's operators.
     pub fn set_block_kernels(&mut self, kernels: BlockKernels) -> Result<(), String> {
+        if kernels.needs_shims() && !crate::nn::ops::BUILT_IN {
+            return Err(crate::nn::ops::NOT_BUILT_IN.into());
+        }
         if kernels.any_fused() {
             crate::qwen_image::kernels::prepare(self.pos_embed.device())?;
         }

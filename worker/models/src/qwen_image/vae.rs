@@ -772,6 +772,9 @@ impl QwenVae {
     /// that a device the run-time compiler cannot serve is an error now.
     pub fn set_norm_kernels(&mut self, kernels: NormKernels) -> Result<(), String> {
         let fused = kernels == NormKernels::Fused;
+        if fused && !crate::nn::ops::BUILT_IN {
+            return Err(crate::nn::ops::NOT_BUILT_IN.into());
+        }
         if fused {
             crate::qwen_image::kernels::prepare(self.post_quant_conv.weight.device())?;
         }

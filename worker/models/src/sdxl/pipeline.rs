@@ -264,10 +264,7 @@ fn check_settings(settings: &SdxlSettings, device: Device) -> Result<(), LoadErr
         if asked && !ops::BUILT_IN {
             return Err(LoadError::Setting {
                 setting,
-                reason: "the operator shim (csrc/ops.cpp, csrc/rtc.cpp) is not built into \
-                             this binary (built against a CUDA or ROCm libtorch with its GPU \
-                             headers only)"
-                    .into(),
+                reason: ops::NOT_BUILT_IN.into(),
             });
         }
     }

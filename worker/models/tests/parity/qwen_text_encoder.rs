@@ -48,6 +48,16 @@ impl Reference {
         v.chunks(3).map(|g| (g[0], g[1], g[2])).collect()
     }
 
+    /// The padded batch's prompts.
+    fn batch_prompts(&self) -> Vec<String> {
+        self.meta["prompts"]["batch"]
+            .as_array()
+            .expect("batch")
+            .iter()
+            .map(|p| p.as_str().expect("prompt").to_string())
+            .collect()
+    }
+
     fn prompt(&self, key: &str) -> String {
         self.meta["prompts"][key]
             .as_str()
@@ -434,12 +444,7 @@ fn encode_prompt_matches_the_pipeline() {
                         TOL,
                     );
                     if positions == PositionMode::Mrope {
-                        let batch: Vec<String> = r.meta["prompts"]["batch"]
-                            .as_array()
-                            .expect("batch")
-                            .iter()
-                            .map(|p| p.as_str().expect("prompt").to_string())
-                            .collect();
+                        let batch = r.batch_prompts();
                         let refs: Vec<&str> = batch.iter().map(String::as_str).collect();
                         let (e, mask) = enc.encode_prompts(&refs, &two).expect("batch");
                         check(
@@ -471,12 +476,7 @@ fn a_prompt_prefix_is_made_once_per_image_set_and_kept() {
     let pv = r.get("proc.pixel_values");
     let grids = r.grid("proc.grid_thw");
     let two = enc.encode_pixel_values(pv, &grids).expect("vision");
-    let batch: Vec<String> = r.meta["prompts"]["batch"]
-        .as_array()
-        .expect("batch")
-        .iter()
-        .map(|p| p.as_str().expect("prompt").to_string())
-        .collect();
+    let batch = r.batch_prompts();
     let refs: Vec<&str> = batch.iter().map(String::as_str).collect();
     assert_eq!(enc.cached_prefixes(), 0);
     let (first, mask) = enc.encode_prompts(&refs, &two).expect("batch");
@@ -707,12 +707,7 @@ fn bf16_is_close_to_the_fp32_reference() {
         &r.get("prompt.two.mrope").select(0, 0),
         5e-2,
     );
-    let batch: Vec<String> = r.meta["prompts"]["batch"]
-        .as_array()
-        .expect("batch")
-        .iter()
-        .map(|p| p.as_str().expect("prompt").to_string())
-        .collect();
+    let batch = r.batch_prompts();
     let refs: Vec<&str> = batch.iter().map(String::as_str).collect();
     let (e, _) = enc.encode_prompts(&refs, &two).expect("batch");
     check(
