@@ -512,7 +512,7 @@ impl QwenTextEncoder {
         positions: &Tensor,
     ) -> Result<Tensor, GenerateError> {
         let len = seqs.iter().map(Vec::len).max().unwrap_or(0);
-        let (embeds, mask) = self.embed_padded(seqs, len, 0, images)?;
+        let (embeds, mask) = self.embed_padded(seqs, len, 0, Some(images))?;
         let mask = mask.map(|m| m.to_device(self.language_model.device()));
         self.language_model
             .forward(&embeds, positions, mask.as_ref())
@@ -528,8 +528,7 @@ impl QwenTextEncoder {
         let p = prefix.ids.len();
         let len = seqs.iter().map(Vec::len).max().unwrap_or(0);
         let lm = &self.language_model;
-        let none = ImageFeatures::none(self.config.text.hidden_size, lm.kind(), lm.device());
-        let (embeds, mask) = self.embed_padded(seqs, len - p, p, &none)?;
+        let (embeds, mask) = self.embed_padded(seqs, len - p, p, None)?;
         let mask = mask.map(|m| m.to_device(lm.device()));
         let positions = positions.narrow(2, p as i64, (len - p) as i64);
         lm.forward_after(&prefix.kv, &embeds, &positions, mask.as_ref())
@@ -572,7 +571,7 @@ impl QwenTextEncoder {
                 return Ok(Some(shared));
             }
         }
-        let (embeds, _) = self.embed_padded(std::slice::from_ref(&ids), p, 0, images)?;
+        let (embeds, _) = self.embed_padded(std::slice::from_ref(&ids), p, 0, Some(images))?;
         let positions = positions.narrow(1, 0, 1).narrow(2, 0, p as i64);
         let (hidden, kv) = self.language_model.prefill(&embeds, &positions)?;
         let drop = self.template.drop_idx as i64;
@@ -590,14 +589,15 @@ impl QwenTextEncoder {
     }
 
     /// The embeddings `[B, len, hidden]` of tokens `skip..` of each sequence, right-padded to
-    /// `len`, every `<|image_pad|>` row replaced by `images`' features in order, and the key
-    /// mask `[B, len]` on the host when a sequence is padded.
+    /// `len`, every `<|image_pad|>` row replaced by `images`' features in order (`None`: the
+    /// tokens hold no placeholder), and the key mask `[B, len]` on the host when a sequence is
+    /// padded.
     fn embed_padded(
         &self,
         seqs: &[Vec<i64>],
         len: usize,
         skip: usize,
-        images: &ImageFeatures,
+        images: Option<&ImageFeatures>,
     ) -> Result<(Tensor, Option<Tensor>), GenerateError> {
         let lm = &self.language_model;
         let device = lm.device();
@@ -618,12 +618,19 @@ impl QwenTextEncoder {
             .filter(|&(_, &t)| t == self.config.image_token_id)
             .map(|(i, _)| i as i64)
             .collect();
-        let embeds = if rows.is_empty() {
-            embeds
-        } else {
-            let feats = images.features.to_device(device).to_kind(lm.kind());
-            let all = feats.repeat([b, 1]);
-            embeds.index_copy(0, &Tensor::from_slice(&rows).to_device(device), &all)
+        let embeds = match images {
+            Some(images) if !rows.is_empty() => {
+                let feats = images.features.to_device(device).to_kind(lm.kind());
+                let all = feats.repeat([b, 1]);
+                embeds.index_copy(0, &Tensor::from_slice(&rows).to_device(device), &all)
+            }
+            Some(_) => embeds,
+            None if rows.is_empty() => embeds,
+            None => {
+                return Err(GenerateError::InvalidRequest(
+                    "image placeholders after the prompt's shared prefix".into(),
+                ));
+            }
         };
         let padded = seqs.iter().any(|s| s.len() - skip != len);
         Ok((
