@@ -16,6 +16,10 @@
 //! Numerics as the reference: the rotary angles are computed in fp32 and cast to the activations'
 //! dtype before rotating; RMSNorm statistics are fp32; attention is causal plus a key-padding mask
 //! (an additive mask through [`crate::nn::attention`]).
+//!
+//! A prompt's first tokens can run once ([`LanguageModel::prefill`], which keeps every layer's keys
+//! and values) and each continuation after them alone ([`LanguageModel::forward_after`]): the text
+//! encoder keeps the part every instruction of an input shares.
 
 use tch::{Device, Kind, Tensor};
 
