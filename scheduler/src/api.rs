@@ -29,6 +29,7 @@
 //! `upload_max_bytes`, a LoRA `lora_upload_max_bytes`, anything else 64 KiB). CORS answers the origins in `cors_origins`.
 
 pub mod auth;
+pub mod drain;
 pub mod error;
 pub mod events;
 pub mod extract;
@@ -456,7 +457,8 @@ pub fn router(scheduler: Scheduler) -> Router {
         .fallback(error::no_route)
         .method_not_allowed_fallback(error::wrong_method)
         .layer(DefaultBodyLimit::max(SMALL_BODY))
-        .with_state(api);
+        .with_state(api)
+        .layer(middleware::from_fn(drain::drain_unread));
     match cors(&config) {
         Some(cors) => app.layer(cors),
         None => app,
