@@ -17,6 +17,7 @@ use std::time::Duration;
 
 use axum::body::{Body, BodyDataStream};
 use axum::extract::Request;
+use axum::http::header;
 use axum::middleware::Next;
 use axum::response::Response;
 use futures::StreamExt;
@@ -30,6 +31,15 @@ pub const DRAIN_TIME: Duration = Duration::from_secs(2);
 /// Middleware: the route gets the body through a handle; once it answered, what it left unread is
 /// read and dropped (bounded) before the answer is sent.
 pub async fn drain_unread(request: Request, next: Next) -> Response {
+    // A client that asked to be told before it sends (`Expect: 100-continue`, curl's way with
+    // large files) sent nothing the route did not ask for: reading would only ask it to send.
+    let waits_to_send = request
+        .headers()
+        .get(header::EXPECT)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+    if waits_to_send {
+        return next.run(request).await;
+    }
     let (parts, body) = request.into_parts();
     let shared = Arc::new(Mutex::new(body.into_data_stream()));
     let handed = Body::from_stream(futures::stream::unfold(
@@ -139,5 +149,24 @@ mod tests {
                 "client {i}: {status:?}"
             );
         }
+    }
+
+    /// A client that waits for `100 Continue` before it sends is answered at once, without being
+    /// asked to send a body the route refused.
+    #[tokio::test]
+    async fn a_client_that_waits_to_send_is_refused_without_being_asked_to_send() {
+        let app = Router::new()
+            .route("/refuse", post(refuse))
+            .layer(axum::middleware::from_fn(drain_unread));
+        let addr = serve(app).await;
+        let mut socket = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let head = "POST /refuse HTTP/1.1\r\nhost: test\r\nexpect: 100-continue\r\n\
+                    content-type: application/octet-stream\r\ncontent-length: 1048576\r\n\r\n";
+        socket.write_all(head.as_bytes()).await.expect("head");
+        let status = tokio::time::timeout(Duration::from_secs(1), read_answer(&mut socket))
+            .await
+            .expect("an answer within a second")
+            .expect("an answer");
+        assert!(status.starts_with("HTTP/1.1 422"), "{status}");
     }
 }
