@@ -122,7 +122,11 @@ mod tests {
         Ok(head.lines().next().unwrap_or_default().to_owned())
     }
 
-    async fn serve(app: Router) -> std::net::SocketAddr {
+    /// A server of the refusing route behind the middleware, on a free port.
+    async fn refusing_server() -> std::net::SocketAddr {
+        let app = Router::new()
+            .route("/refuse", post(refuse))
+            .layer(axum::middleware::from_fn(drain_unread));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
@@ -136,10 +140,7 @@ mod tests {
     /// first refusal and every second send failed (measured: 20 of 20, broken pipe).
     #[tokio::test]
     async fn a_refusal_before_the_body_reaches_the_client_sending_it() {
-        let app = Router::new()
-            .route("/refuse", post(refuse))
-            .layer(axum::middleware::from_fn(drain_unread));
-        let addr = serve(app).await;
+        let addr = refusing_server().await;
         for i in 0..20 {
             let status = send(addr, 1 << 20).await;
             assert!(
@@ -155,10 +156,7 @@ mod tests {
     /// asked to send a body the route refused.
     #[tokio::test]
     async fn a_client_that_waits_to_send_is_refused_without_being_asked_to_send() {
-        let app = Router::new()
-            .route("/refuse", post(refuse))
-            .layer(axum::middleware::from_fn(drain_unread));
-        let addr = serve(app).await;
+        let addr = refusing_server().await;
         let mut socket = tokio::net::TcpStream::connect(addr).await.expect("connect");
         let head = "POST /refuse HTTP/1.1\r\nhost: test\r\nexpect: 100-continue\r\n\
                     content-type: application/octet-stream\r\ncontent-length: 1048576\r\n\r\n";

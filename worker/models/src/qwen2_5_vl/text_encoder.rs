@@ -165,6 +165,14 @@ struct PrefixCache {
     entries: Vec<Prefix>,
 }
 
+impl PrefixCache {
+    /// The oldest entries beyond the capacity dropped.
+    fn trim(&mut self) {
+        let excess = self.entries.len().saturating_sub(self.capacity);
+        self.entries.drain(..excess);
+    }
+}
+
 /// One image set's prefix.
 #[derive(Debug)]
 struct Prefix {
@@ -188,11 +196,11 @@ impl Prefix {
         }
     }
 
-    fn is_for(&self, images: &ImageFeatures, ids: &[i64]) -> bool {
+    /// Made from these very features (the same storage, which the entry holds).
+    fn is_for(&self, images: &ImageFeatures) -> bool {
         self.features.data_ptr() == images.features.data_ptr()
             && self.features.size() == images.features.size()
             && self.features.device() == images.features.device()
-            && self.ids == ids
     }
 }
 
@@ -301,8 +309,7 @@ impl QwenTextEncoder {
     pub fn set_prefix_cache(&self, capacity: usize) {
         let mut cache = self.prefix_cache();
         cache.capacity = capacity;
-        let excess = cache.entries.len().saturating_sub(capacity);
-        cache.entries.drain(..excess);
+        cache.trim();
     }
 
     /// How many image sets' prompt prefixes are kept now.
@@ -546,6 +553,28 @@ impl QwenTextEncoder {
         if self.prefix_cache().capacity == 0 {
             return Ok(None);
         }
+        let image = self.config.image_token_id;
+        let begins_every_prompt = |ids: &[i64]| {
+            let p = ids.len();
+            p >= self.template.drop_idx
+                && seqs
+                    .iter()
+                    .all(|s| s.len() > p && s[..p] == ids[..] && !s[p..].contains(&image))
+        };
+        // A kept prefix is found by its features (their tokens follow from them), so that a hit
+        // tokenizes nothing.
+        {
+            let entries = &mut self.prefix_cache().entries;
+            if let Some(i) = entries.iter().position(|e| e.is_for(images)) {
+                if !begins_every_prompt(&entries[i].ids) {
+                    return Ok(None);
+                }
+                let hit = entries.remove(i);
+                let shared = hit.share();
+                entries.push(hit);
+                return Ok(Some(shared));
+            }
+        }
         let text = self
             .template
             .render_before_instruction(&images.tokens_per_image);
@@ -553,24 +582,10 @@ impl QwenTextEncoder {
             .tokenizer
             .encode(&text)
             .map_err(GenerateError::Tokenizer)?;
-        let p = ids.len();
-        let image = self.config.image_token_id;
-        if p < self.template.drop_idx
-            || seqs
-                .iter()
-                .any(|s| s.len() <= p || s[..p] != ids[..] || s[p..].contains(&image))
-        {
+        if !begins_every_prompt(&ids) {
             return Ok(None);
         }
-        {
-            let entries = &mut self.prefix_cache().entries;
-            if let Some(i) = entries.iter().position(|e| e.is_for(images, &ids)) {
-                let hit = entries.remove(i);
-                let shared = hit.share();
-                entries.push(hit);
-                return Ok(Some(shared));
-            }
-        }
+        let p = ids.len();
         let (embeds, _) = self.embed_padded(std::slice::from_ref(&ids), p, 0, Some(images))?;
         let positions = positions.narrow(1, 0, 1).narrow(2, 0, p as i64);
         let (hidden, kv) = self.language_model.prefill(&embeds, &positions)?;
@@ -583,8 +598,7 @@ impl QwenTextEncoder {
         };
         let mut cache = self.prefix_cache();
         cache.entries.push(made.share());
-        let excess = cache.entries.len().saturating_sub(cache.capacity);
-        cache.entries.drain(..excess);
+        cache.trim();
         Ok(Some(made))
     }
 
