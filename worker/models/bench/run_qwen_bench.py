@@ -854,10 +854,6 @@ def make_table(res, modes):
         row(f"ours `encode_inputs` part, {what} (ms)", None,
             lambda m, part=part: num(op[m], f"encode_part.{part}", "ms_median"), 1)
     row("ours per-edit prompt encode (ms)", None, lambda m: num(op[m], "edit", "encode_prompt_ms"), 1)
-    for part, what in [("whole", "whole prompt (prefix cache off)"), ("prefix_made", "prefix made, then the rest"),
-                       ("prefix_kept", "on the kept prefix (later edits of the input)")]:
-        row(f"ours prompt encode alone, {what} (ms)", None,
-            lambda m, part=part: num(op[m], f"encode_prompt.{part}", "ms_median"), 1)
     de = (num(d, "encode_prompt", "ms_median") or 0) + (num(d, "vae_encode", "ms_median") or 0) or None
     row("encode of one input + prompt (diffusers encode_prompt + VAE encode; ours encode_inputs + prompt) (ms)", de,
         lambda m: (num(op[m], "encode_inputs", "ms_median") + num(op[m], "edit", "encode_prompt_ms"))

@@ -21,8 +21,7 @@
 //!   instruction 0, seed 0, cfg 1, output `--size`²): first call and median of `--iters`, with the
 //!   pipeline's stage times; `encode_inputs` of the input alone (median of 5 after one warm-up);
 //!   then for each N of `--variants`: `encode_inputs` once + one `edit` per variant (instruction i,
-//!   seed i); between them the prompt of instruction 0 alone, whole (the text encoder's prefix
-//!   cache off), with its prefix made, and on the kept prefix. `--save DIR` writes the seed-0 image of the first call as raw RGB8 (`edit.rgb`), and
+//!   seed i). `--save DIR` writes the seed-0 image of the first call as raw RGB8 (`edit.rgb`), and
 //!   each variant of the largest N as `variant_{i}.rgb` (the per-image comparison of two settings).
 //! - `host`: the host's image steps on one thread and on rayon's pool (every core): the edit's
 //!   condition-image resize of a `--size`² input (Pillow's Lanczos to `--condition-area`, then the
@@ -70,7 +69,6 @@ use vnfarm_models::qwen_image::transformer::{
 };
 use vnfarm_models::qwen_image::vae::{QwenVae, QwenVaeConfig};
 use vnfarm_models::qwen2_5_vl::processor::{condition_resize, preprocess};
-use vnfarm_models::qwen2_5_vl::text_encoder::PREFIX_CACHE;
 use vnfarm_models::schedulers::FlowMatchConfig;
 
 const STEPS: usize = 4;
@@ -487,24 +485,6 @@ fn pipeline(opts: &Opts) -> anyhow::Result<()> {
     bench("encode_part.vae", 1, 5, "", || {
         let x = rgb8_to_tensor(&inputs[0], pipe.config().device, pipe.config().vae_dtype);
         Ok(pipe.vae().encode_mean(&x)?)
-    })?;
-
-    // The prompt of instruction 0 alone: through the language model whole (the prefix cache
-    // off), with its input set's prefix made anew (the first edit of an input), and on the kept
-    // prefix (every later edit of it).
-    let encoded = pipe.encode_inputs(&inputs)?;
-    let first = [instructions[0].as_str()];
-    te.set_prefix_cache(0);
-    bench("encode_prompt.whole", 1, 5, "", || {
-        Ok(te.encode_prompts(&first, &encoded.features)?)
-    })?;
-    bench("encode_prompt.prefix_made", 1, 5, "", || {
-        te.set_prefix_cache(0);
-        te.set_prefix_cache(PREFIX_CACHE);
-        Ok(te.encode_prompts(&first, &encoded.features)?)
-    })?;
-    bench("encode_prompt.prefix_kept", 1, 5, "", || {
-        Ok(te.encode_prompts(&first, &encoded.features)?)
     })?;
 
     // N variants of one input: the input set encoded once, then one edit per variant.

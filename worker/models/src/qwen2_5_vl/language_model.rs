@@ -16,10 +16,6 @@
 //! Numerics as the reference: the rotary angles are computed in fp32 and cast to the activations'
 //! dtype before rotating; RMSNorm statistics are fp32; attention is causal plus a key-padding mask
 //! (an additive mask through [`crate::nn::attention`]).
-//!
-//! A prompt's first tokens can run once ([`LanguageModel::prefill`], which keeps every layer's keys
-//! and values) and each continuation after them alone ([`LanguageModel::forward_after`]): the text
-//! encoder keeps the part every instruction of an input shares.
 
 use tch::{Device, Kind, Tensor};
 
@@ -119,19 +115,15 @@ impl Attention {
         })
     }
 
-    /// `x` `[B, L, D]`; `cos`/`sin` `[B, 1, L, head_dim]`; `mask` additive `[B, 1, L, P + L]`,
-    /// where `past` holds the keys and values `[1, kv_heads, P, head_dim]` of `P` earlier tokens
-    /// (shared by every row of the batch; `P` = 0 without). Returns the output and this call's
-    /// own keys and values (rotated, before `repeat_kv`).
+    /// `x` `[B, L, D]`; `cos`/`sin` `[B, 1, L, head_dim]`; `mask` additive `[B, 1, L, L]`.
     fn forward(
         &self,
         x: &Tensor,
         cos: &Tensor,
         sin: &Tensor,
         mask: &Tensor,
-        past: Option<&LayerKv>,
         imp: AttentionImpl,
-    ) -> (Tensor, LayerKv) {
+    ) -> Tensor {
         let (b, l, _) = x.size3().expect("language model activations are [B, L, D]");
         let heads = |t: Tensor, n: i64| t.view([b, l, n, self.head_dim]).transpose(1, 2);
         let q = heads(self.q_proj.forward(x), self.heads);
@@ -139,18 +131,6 @@ impl Attention {
         let v = heads(self.v_proj.forward(x), self.kv_heads);
         let q = apply_rotate_half(&q, cos, sin);
         let k = apply_rotate_half(&k, cos, sin);
-        let own = LayerKv { k, v };
-        let (k, v) = match past {
-            None => (own.k.shallow_clone(), own.v.shallow_clone()),
-            Some(p) => {
-                let before = |t: &Tensor| t.expand([b, -1, -1, -1], false);
-                (
-                    Tensor::cat(&[before(&p.k), own.k.shallow_clone()], 2),
-                    Tensor::cat(&[before(&p.v), own.v.shallow_clone()], 2),
-                )
-            }
-        };
-        let keys = k.size()[2];
         // `repeat_kv`: query head i uses key/value head i / (heads / kv_heads).
         let rep = self.heads / self.kv_heads;
         let repeat = |t: Tensor| {
@@ -158,51 +138,17 @@ impl Attention {
                 t
             } else {
                 t.unsqueeze(2)
-                    .expand([b, self.kv_heads, rep, keys, self.head_dim], false)
-                    .reshape([b, self.heads, keys, self.head_dim])
+                    .expand([b, self.kv_heads, rep, l, self.head_dim], false)
+                    .reshape([b, self.heads, l, self.head_dim])
             }
         };
         let (k, v) = (repeat(k), repeat(v));
         let scale = (self.head_dim as f64).powf(-0.5);
         let o = attention(&q, &k, &v, Some(mask), scale, imp);
-        let out =
-            self.o_proj.forward(
-                &o.transpose(1, 2)
-                    .reshape([b, l, self.heads * self.head_dim]),
-            );
-        (out, own)
-    }
-}
-
-/// One decoder layer's keys and values `[B, kv_heads, L, head_dim]` (rotated).
-#[derive(Debug)]
-struct LayerKv {
-    k: Tensor,
-    v: Tensor,
-}
-
-/// The keys and values every layer made for a prompt's first tokens, for later tokens to attend
-/// to without computing them again ([`LanguageModel::prefill`], [`LanguageModel::forward_after`]).
-#[derive(Debug)]
-pub struct PrefixKv {
-    layers: Vec<LayerKv>,
-    len: i64,
-}
-
-impl PrefixKv {
-    /// Another handle on the same tensors.
-    pub fn share(&self) -> Self {
-        Self {
-            layers: self
-                .layers
-                .iter()
-                .map(|l| LayerKv {
-                    k: l.k.shallow_clone(),
-                    v: l.v.shallow_clone(),
-                })
-                .collect(),
-            len: self.len,
-        }
+        self.o_proj.forward(
+            &o.transpose(1, 2)
+                .reshape([b, l, self.heads * self.head_dim]),
+        )
     }
 }
 
@@ -258,17 +204,12 @@ impl DecoderLayer {
         cos: &Tensor,
         sin: &Tensor,
         mask: &Tensor,
-        past: Option<&LayerKv>,
         imp: AttentionImpl,
-    ) -> (Tensor, LayerKv) {
-        let (attn, kv) =
-            self.self_attn
-                .forward(&self.input_layernorm.forward(x), cos, sin, mask, past, imp);
-        let h = x + attn;
-        (
-            &h + self.mlp.forward(&self.post_attention_layernorm.forward(&h)),
-            kv,
-        )
+    ) -> Tensor {
+        let h = x + self
+            .self_attn
+            .forward(&self.input_layernorm.forward(x), cos, sin, mask, imp);
+        &h + self.mlp.forward(&self.post_attention_layernorm.forward(&h))
     }
 }
 
@@ -354,61 +295,6 @@ impl LanguageModel {
         position_ids: &Tensor,
         attention_mask: Option<&Tensor>,
     ) -> Result<Tensor, GenerateError> {
-        let (b, l) = self.check_inputs(inputs_embeds, position_ids, attention_mask)?;
-        let mask = self.additive_mask(b, l, 0, attention_mask);
-        Ok(self.run(inputs_embeds, position_ids, &mask, None, false).0)
-    }
-
-    /// [`LanguageModel::forward`] of one unpadded sequence (`[1, P, hidden]`), keeping every
-    /// layer's keys and values: the prefix that [`LanguageModel::forward_after`] continues.
-    pub fn prefill(
-        &self,
-        inputs_embeds: &Tensor,
-        position_ids: &Tensor,
-    ) -> Result<(Tensor, PrefixKv), GenerateError> {
-        let (b, l) = self.check_inputs(inputs_embeds, position_ids, None)?;
-        if b != 1 {
-            return Err(GenerateError::InvalidRequest(format!(
-                "a language model prefix is one sequence, got a batch of {b}"
-            )));
-        }
-        let mask = self.additive_mask(1, l, 0, None);
-        let (hidden, layers) = self.run(inputs_embeds, position_ids, &mask, None, true);
-        Ok((hidden, PrefixKv { layers, len: l }))
-    }
-
-    /// The last hidden state `[B, L, hidden]` of tokens that follow `prefix` in every row of the
-    /// batch: row `b` is rows `P..` of [`LanguageModel::forward`] on the prefix's tokens followed
-    /// by row `b`'s (the same arithmetic, without the prefix's). `position_ids` continue the
-    /// prefix's; `attention_mask` covers these tokens only (every prefix token is a token).
-    pub fn forward_after(
-        &self,
-        prefix: &PrefixKv,
-        inputs_embeds: &Tensor,
-        position_ids: &Tensor,
-        attention_mask: Option<&Tensor>,
-    ) -> Result<Tensor, GenerateError> {
-        let (b, l) = self.check_inputs(inputs_embeds, position_ids, attention_mask)?;
-        if prefix.layers.len() != self.layers.len() {
-            return Err(GenerateError::InvalidRequest(format!(
-                "a prefix of {} layers for a language model of {}",
-                prefix.layers.len(),
-                self.layers.len()
-            )));
-        }
-        let mask = self.additive_mask(b, l, prefix.len, attention_mask);
-        Ok(self
-            .run(inputs_embeds, position_ids, &mask, Some(prefix), false)
-            .0)
-    }
-
-    /// `(B, L)` of inputs whose shapes agree with each other and the model.
-    fn check_inputs(
-        &self,
-        inputs_embeds: &Tensor,
-        position_ids: &Tensor,
-        attention_mask: Option<&Tensor>,
-    ) -> Result<(i64, i64), GenerateError> {
         let size = inputs_embeds.size();
         let (b, l) = match size.as_slice() {
             &[b, l, d] if d == self.config.hidden_size => (b, l),
@@ -433,40 +319,22 @@ impl LanguageModel {
                 m.size()
             )));
         }
-        Ok((b, l))
-    }
-
-    /// The decoder layers and the final norm; every layer's own keys and values when `keep`.
-    fn run(
-        &self,
-        inputs_embeds: &Tensor,
-        position_ids: &Tensor,
-        mask: &Tensor,
-        past: Option<&PrefixKv>,
-        keep: bool,
-    ) -> (Tensor, Vec<LayerKv>) {
-        let x = inputs_embeds.to_device(self.device()).to_kind(self.kind);
+        let device = self.device();
+        let x = inputs_embeds.to_device(device).to_kind(self.kind);
         let (cos, sin) = self.rotary.forward(position_ids, self.kind);
         let (cos, sin) = (cos.unsqueeze(1), sin.unsqueeze(1));
-        let mut kept = Vec::with_capacity(if keep { self.layers.len() } else { 0 });
+        let mask = self.additive_mask(b, l, attention_mask);
         let mut h = x;
-        for (i, layer) in self.layers.iter().enumerate() {
-            let before = past.map(|p| &p.layers[i]);
-            let (next, kv) = layer.forward(&h, &cos, &sin, mask, before, self.attention);
-            if keep {
-                kept.push(kv);
-            }
-            h = next;
+        for layer in &self.layers {
+            h = layer.forward(&h, &cos, &sin, &mask, self.attention);
         }
-        (self.norm.forward(&h), kept)
+        Ok(self.norm.forward(&h))
     }
 
-    /// The additive mask `[B, 1, L, past + L]`: each of the `past` keys before these tokens is
-    /// visible to every query; key `past + j` is visible to query `i` when `j ≤ i` and key `j` is
-    /// a token. A query that sees no key (a padding row under left padding, with no `past`) sees
-    /// all its causal keys instead, so that its output stays finite; such rows are padding and
-    /// dropped.
-    fn additive_mask(&self, b: i64, l: i64, past: i64, attention_mask: Option<&Tensor>) -> Tensor {
+    /// The additive mask `[B, 1, L, L]`: key `j` is visible to query `i` when `j ≤ i` and key `j`
+    /// is a token. A query that sees no key (a padding row under left padding) sees all its
+    /// causal keys instead, so that its output stays finite; such rows are padding and dropped.
+    fn additive_mask(&self, b: i64, l: i64, attention_mask: Option<&Tensor>) -> Tensor {
         let device = self.device();
         let causal = Tensor::ones([l, l], (Kind::Bool, device)).tril(0);
         let allowed = match attention_mask {
@@ -478,15 +346,7 @@ impl LanguageModel {
                 both.logical_or(&empty.logical_and(&causal.unsqueeze(0)))
             }
         };
-        let allowed = if past > 0 {
-            Tensor::cat(
-                &[Tensor::ones([b, l, past], (Kind::Bool, device)), allowed],
-                2,
-            )
-        } else {
-            allowed
-        };
-        Tensor::zeros([b, 1, l, past + l], (self.kind, device))
+        Tensor::zeros([b, 1, l, l], (self.kind, device))
             .masked_fill(&allowed.logical_not().unsqueeze(1), mask_min(self.kind))
     }
 }

@@ -22,7 +22,7 @@
 //! diffusers issue #14194), available for parity with that reference.
 
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use image::RgbImage;
 use tch::{Device, Kind, Tensor};
@@ -32,7 +32,7 @@ use crate::loading::diffusers::{component_store, open, read_config};
 use crate::loading::weights::{Fp8Mode, WeightStore, Weights};
 use crate::nn::AttentionImpl;
 use crate::qwen2_5_vl::config::QwenVlConfig;
-use crate::qwen2_5_vl::language_model::{LanguageModel, PrefixKv, language_model_prefix};
+use crate::qwen2_5_vl::language_model::{LanguageModel, language_model_prefix};
 use crate::qwen2_5_vl::processor::{ImageProcessorConfig, condition_resize, preprocess};
 use crate::qwen2_5_vl::rope::{PositionMode, batch_position_ids};
 use crate::qwen2_5_vl::tokenizer::QwenTokenizer;
@@ -64,26 +64,14 @@ impl PromptTemplate {
     /// The full text for `instruction` with `image_tokens[i]` `<|image_pad|>` tokens for image `i`
     /// (the processor's expansion done in place).
     pub fn render(&self, instruction: &str, image_tokens: &[i64]) -> String {
-        let images = self.images(image_tokens);
-        self.template
-            .replacen("{}", &format!("{images}{instruction}"), 1)
-    }
-
-    /// The text every instruction's [`PromptTemplate::render`] begins with: the template up to
-    /// the instruction, the images' placeholders included.
-    pub fn render_before_instruction(&self, image_tokens: &[i64]) -> String {
-        let head = self.template.split("{}").next().unwrap_or_default();
-        format!("{head}{}", self.images(image_tokens))
-    }
-
-    fn images(&self, image_tokens: &[i64]) -> String {
         let mut images = String::new();
         for (i, &n) in image_tokens.iter().enumerate() {
             let one = self.image_template.replacen("{}", &(i + 1).to_string(), 1);
             let pads = IMAGE_PAD.repeat(usize::try_from(n).unwrap_or(0));
             images.push_str(&one.replacen(IMAGE_PAD, &pads, 1));
         }
-        images
+        self.template
+            .replacen("{}", &format!("{images}{instruction}"), 1)
     }
 }
 
@@ -146,62 +134,6 @@ pub struct QwenTextEncoder {
     tokenizer: QwenTokenizer,
     vision: VisionTransformer,
     language_model: LanguageModel,
-    prefixes: Mutex<PrefixCache>,
-}
-
-/// How many image sets' prompt prefixes [`QwenTextEncoder::encode_prompts`] keeps by default: the
-/// inputs a worker edits in turn (its encode cache holds more; a prefix is ~16 MB at the real
-/// size, 28 layers × 270 tokens of keys and values).
-pub const PREFIX_CACHE: usize = 4;
-
-/// The language model's work on the part of the prompt every instruction of one image set shares
-/// (the system prompt and the images' placeholders with their features), most recent last. The
-/// variants of an input ("make her smile", "make her angry") differ only in the few tokens after
-/// it, so each later prompt runs the language model over those alone (prefix caching, as vLLM's
-/// automatic prefix caching and SGLang's RadixAttention do for chat prompts).
-#[derive(Debug)]
-struct PrefixCache {
-    capacity: usize,
-    entries: Vec<Prefix>,
-}
-
-impl PrefixCache {
-    /// The oldest entries beyond the capacity dropped.
-    fn trim(&mut self) {
-        let excess = self.entries.len().saturating_sub(self.capacity);
-        self.entries.drain(..excess);
-    }
-}
-
-/// One image set's prefix.
-#[derive(Debug)]
-struct Prefix {
-    /// The image features it was made from, held so that their storage (the key) stays theirs.
-    features: Tensor,
-    /// Its tokens.
-    ids: Vec<i64>,
-    kv: PrefixKv,
-    /// Its last hidden state past the template's dropped tokens: `[P − drop_idx, hidden]`.
-    kept: Tensor,
-}
-
-impl Prefix {
-    /// Another handle on the same tensors.
-    fn share(&self) -> Self {
-        Self {
-            features: self.features.shallow_clone(),
-            ids: self.ids.clone(),
-            kv: self.kv.share(),
-            kept: self.kept.shallow_clone(),
-        }
-    }
-
-    /// Made from these very features (the same storage, which the entry holds).
-    fn is_for(&self, images: &ImageFeatures) -> bool {
-        self.features.data_ptr() == images.features.data_ptr()
-            && self.features.size() == images.features.size()
-            && self.features.device() == images.features.device()
-    }
 }
 
 impl QwenTextEncoder {
@@ -297,28 +229,7 @@ impl QwenTextEncoder {
             tokenizer,
             vision,
             language_model,
-            prefixes: Mutex::new(PrefixCache {
-                capacity: PREFIX_CACHE,
-                entries: Vec::new(),
-            }),
         })
-    }
-
-    /// Keeps the prompt prefixes of at most `capacity` image sets (0: none; every prompt then
-    /// runs whole through the language model).
-    pub fn set_prefix_cache(&self, capacity: usize) {
-        let mut cache = self.prefix_cache();
-        cache.capacity = capacity;
-        cache.trim();
-    }
-
-    /// How many image sets' prompt prefixes are kept now.
-    pub fn cached_prefixes(&self) -> usize {
-        self.prefix_cache().entries.len()
-    }
-
-    fn prefix_cache(&self) -> std::sync::MutexGuard<'_, PrefixCache> {
-        self.prefixes.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     pub fn tokenizer(&self) -> &QwenTokenizer {
@@ -437,12 +348,6 @@ impl QwenTextEncoder {
     /// pipeline's `_get_qwen_prompt_embeds` (one batched forward, right padding). The mask is on
     /// the host, for the caller to move where it is needed: uploading it here would wait for the
     /// forward the embeddings are still being computed by.
-    ///
-    /// The language model runs over the part every instruction shares (the template up to the
-    /// instruction, the images included) once per image set, kept for the next prompts of the
-    /// same `images` ([`PREFIX_CACHE`]), and over each instruction's own tokens after it: the
-    /// same arithmetic as one forward over each whole prompt, whose keys after the shared part
-    /// never reach back into another prompt's (causal attention).
     pub fn encode_prompts(
         &self,
         instructions: &[&str],
@@ -455,7 +360,37 @@ impl QwenTextEncoder {
             .iter()
             .map(|i| self.prompt_ids(i, images))
             .collect::<Result<Vec<_>, _>>()?;
+        let lm = &self.language_model;
+        let device = lm.device();
+        let b = seqs.len() as i64;
         let len = seqs.iter().map(Vec::len).max().unwrap_or(0);
+        let mut ids = vec![self.tokenizer.pad; seqs.len() * len];
+        let mut mask = vec![0i64; seqs.len() * len];
+        for (bi, s) in seqs.iter().enumerate() {
+            ids[bi * len..bi * len + s.len()].copy_from_slice(s);
+            mask[bi * len..bi * len + s.len()].fill(1);
+        }
+        let ids_t = Tensor::from_slice(&ids).reshape([b, len as i64]);
+        let mask_t = Tensor::from_slice(&mask).reshape([b, len as i64]);
+        let hidden = self.config.text.hidden_size;
+
+        // Embeddings with every sequence's `<|image_pad|>` rows replaced by the features.
+        let embeds = lm.embed(&ids_t)?.reshape([b * len as i64, hidden]);
+        let embeds = if images.features.size()[0] > 0 {
+            let rows: Vec<i64> = ids
+                .iter()
+                .enumerate()
+                .filter(|&(_, &t)| t == self.config.image_token_id)
+                .map(|(i, _)| i as i64)
+                .collect();
+            let feats = images.features.to_device(device).to_kind(lm.kind());
+            let all = feats.repeat([b, 1]);
+            embeds.index_copy(0, &Tensor::from_slice(&rows).to_device(device), &all)
+        } else {
+            embeds
+        };
+        let embeds = embeds.reshape([b, len as i64, hidden]);
+
         let grids = vec![images.grid_thw.clone(); seqs.len()];
         let positions = batch_position_ids(
             &seqs,
@@ -464,33 +399,18 @@ impl QwenTextEncoder {
             self.config.image_token_id,
             self.config.vision.spatial_merge_size,
             self.positions,
-        )?
-        .to_device(self.language_model.device());
-        let (out, shared) = match self.prefix(images, &seqs, &positions)? {
-            Some(prefix) => (self.encode_after(&prefix, &seqs, &positions)?, Some(prefix)),
-            None => (self.encode_whole(&seqs, images, &positions)?, None),
-        };
+        )?;
+        let mask_opt = (seqs.iter().any(|s| s.len() != len)).then(|| mask_t.to_device(device));
+        let out = lm.forward(&embeds, &positions.to_device(device), mask_opt.as_ref())?;
 
         // Drop the template prefix, then right-pad with zeros to the longest.
-        let lm = &self.language_model;
-        let (device, hidden) = (lm.device(), self.config.text.hidden_size);
         let drop = self.template.drop_idx;
         let keep = len - drop;
         let mut rows = Vec::with_capacity(seqs.len());
         let mut out_mask = vec![0i64; seqs.len() * keep];
         for (bi, s) in seqs.iter().enumerate() {
             let n = s.len() - drop;
-            let valid = match &shared {
-                // `out` holds the tokens after the prefix alone.
-                Some(prefix) => {
-                    let own = s.len() - prefix.ids.len();
-                    Tensor::cat(
-                        &[&prefix.kept, &out.get(bi as i64).narrow(0, 0, own as i64)],
-                        0,
-                    )
-                }
-                None => out.get(bi as i64).narrow(0, drop as i64, n as i64),
-            };
+            let valid = out.get(bi as i64).narrow(0, drop as i64, n as i64);
             let padded = if n < keep {
                 Tensor::cat(
                     &[
@@ -507,149 +427,7 @@ impl QwenTextEncoder {
         }
         Ok((
             Tensor::stack(&rows, 0),
-            Tensor::from_slice(&out_mask).reshape([seqs.len() as i64, keep as i64]),
-        ))
-    }
-
-    /// The language model over whole prompts: `[B, L_max, hidden]`.
-    fn encode_whole(
-        &self,
-        seqs: &[Vec<i64>],
-        images: &ImageFeatures,
-        positions: &Tensor,
-    ) -> Result<Tensor, GenerateError> {
-        let len = seqs.iter().map(Vec::len).max().unwrap_or(0);
-        let (embeds, mask) = self.embed_padded(seqs, len, 0, Some(images))?;
-        let mask = mask.map(|m| m.to_device(self.language_model.device()));
-        self.language_model
-            .forward(&embeds, positions, mask.as_ref())
-    }
-
-    /// The language model over each prompt's tokens after `prefix`: `[B, L_max − P, hidden]`.
-    fn encode_after(
-        &self,
-        prefix: &Prefix,
-        seqs: &[Vec<i64>],
-        positions: &Tensor,
-    ) -> Result<Tensor, GenerateError> {
-        let p = prefix.ids.len();
-        let len = seqs.iter().map(Vec::len).max().unwrap_or(0);
-        let lm = &self.language_model;
-        let (embeds, mask) = self.embed_padded(seqs, len - p, p, None)?;
-        let mask = mask.map(|m| m.to_device(lm.device()));
-        let positions = positions.narrow(2, p as i64, (len - p) as i64);
-        lm.forward_after(&prefix.kv, &embeds, &positions, mask.as_ref())
-    }
-
-    /// The shared prefix of `seqs` made by `images`' template, from the cache or made now; `None`
-    /// where the cache is off or a prompt does not begin with it as tokens (a tokenizer that
-    /// merges across the instruction's start).
-    fn prefix(
-        &self,
-        images: &ImageFeatures,
-        seqs: &[Vec<i64>],
-        positions: &Tensor,
-    ) -> Result<Option<Prefix>, GenerateError> {
-        if self.prefix_cache().capacity == 0 {
-            return Ok(None);
-        }
-        let image = self.config.image_token_id;
-        let begins_every_prompt = |ids: &[i64]| {
-            let p = ids.len();
-            p >= self.template.drop_idx
-                && seqs
-                    .iter()
-                    .all(|s| s.len() > p && s[..p] == ids[..] && !s[p..].contains(&image))
-        };
-        // A kept prefix is found by its features (their tokens follow from them), so that a hit
-        // tokenizes nothing.
-        {
-            let entries = &mut self.prefix_cache().entries;
-            if let Some(i) = entries.iter().position(|e| e.is_for(images)) {
-                if !begins_every_prompt(&entries[i].ids) {
-                    return Ok(None);
-                }
-                let hit = entries.remove(i);
-                let shared = hit.share();
-                entries.push(hit);
-                return Ok(Some(shared));
-            }
-        }
-        let text = self
-            .template
-            .render_before_instruction(&images.tokens_per_image);
-        let ids = self
-            .tokenizer
-            .encode(&text)
-            .map_err(GenerateError::Tokenizer)?;
-        if !begins_every_prompt(&ids) {
-            return Ok(None);
-        }
-        let p = ids.len();
-        let (embeds, _) = self.embed_padded(std::slice::from_ref(&ids), p, 0, Some(images))?;
-        let positions = positions.narrow(1, 0, 1).narrow(2, 0, p as i64);
-        let (hidden, kv) = self.language_model.prefill(&embeds, &positions)?;
-        let drop = self.template.drop_idx as i64;
-        let made = Prefix {
-            features: images.features.shallow_clone(),
-            kept: hidden.get(0).narrow(0, drop, p as i64 - drop),
-            ids,
-            kv,
-        };
-        let mut cache = self.prefix_cache();
-        cache.entries.push(made.share());
-        cache.trim();
-        Ok(Some(made))
-    }
-
-    /// The embeddings `[B, len, hidden]` of tokens `skip..` of each sequence, right-padded to
-    /// `len`, every `<|image_pad|>` row replaced by `images`' features in order (`None`: the
-    /// tokens hold no placeholder), and the key mask `[B, len]` on the host when a sequence is
-    /// padded.
-    fn embed_padded(
-        &self,
-        seqs: &[Vec<i64>],
-        len: usize,
-        skip: usize,
-        images: Option<&ImageFeatures>,
-    ) -> Result<(Tensor, Option<Tensor>), GenerateError> {
-        let lm = &self.language_model;
-        let device = lm.device();
-        let b = seqs.len() as i64;
-        let mut ids = vec![self.tokenizer.pad; seqs.len() * len];
-        let mut mask = vec![0i64; seqs.len() * len];
-        for (bi, s) in seqs.iter().enumerate() {
-            let s = &s[skip..];
-            ids[bi * len..bi * len + s.len()].copy_from_slice(s);
-            mask[bi * len..bi * len + s.len()].fill(1);
-        }
-        let ids_t = Tensor::from_slice(&ids).reshape([b, len as i64]);
-        let hidden = self.config.text.hidden_size;
-        let embeds = lm.embed(&ids_t)?.reshape([b * len as i64, hidden]);
-        let rows: Vec<i64> = ids
-            .iter()
-            .enumerate()
-            .filter(|&(_, &t)| t == self.config.image_token_id)
-            .map(|(i, _)| i as i64)
-            .collect();
-        let embeds = match images {
-            Some(images) if !rows.is_empty() => {
-                let feats = images.features.to_device(device).to_kind(lm.kind());
-                let all = feats.repeat([b, 1]);
-                embeds.index_copy(0, &Tensor::from_slice(&rows).to_device(device), &all)
-            }
-            Some(_) => embeds,
-            None if rows.is_empty() => embeds,
-            None => {
-                return Err(GenerateError::InvalidRequest(
-                    "image placeholders after the prompt's shared prefix".into(),
-                ));
-            }
-        };
-        let padded = seqs.iter().any(|s| s.len() - skip != len);
-        Ok((
-            embeds.reshape([b, len as i64, hidden]),
-            padded.then(|| Tensor::from_slice(&mask).reshape([b, len as i64])),
+            Tensor::from_slice(&out_mask).reshape([b, keep as i64]),
         ))
     }
 }

@@ -540,8 +540,10 @@ pub fn vae_norm_blocks(pixels: i64) -> i64 {
 
 /// The Qwen VAE's RMS norm over the channels of each pixel (`F.normalize(x, dim=1) · scale · γ`,
 /// then SiLU with `silu`) of a bf16 `[N, C, H, W]` tensor on a CUDA (or HIP) device, in one kernel
-/// (`vae_rms_norm`); `None` where it does not apply (another device or dtype, a layout whose
-/// pixels are not evenly strided), for the caller's libtorch path. The output has `x`'s layout.
+/// (`vae_rms_norm`); `None` where it does not apply (another device or dtype, a layout other than
+/// dense NCHW), for the caller's libtorch path. The kernel takes NHWC strides too, but a thread
+/// per pixel then reads its channels C elements apart from its neighbours': on the H100 it took
+/// 2.3× libtorch's chain there (docs/performance.md, attempt 10), so NHWC is left to libtorch.
 /// The kernels must have been compiled for the device ([`prepare`]).
 pub fn vae_rms_norm(
     x: &Tensor,
@@ -553,14 +555,13 @@ pub fn vae_rms_norm(
     let index = cuda_index(x)?;
     let (n, c, h, w) = x.size4().ok()?;
     let st = x.stride();
-    // Dense NCHW or NHWC: pixel p = y·W + x at one stride, 1 or C.
+    // Dense NCHW: pixel p = y·W + x at stride 1, neighbouring threads' reads side by side.
     let nchw = st == [c * h * w, h * w, w, 1];
-    let nhwc = st == [h * w * c, 1, w * c, c];
     let dense_gamma = gamma.numel() as i64 == c && gamma.is_contiguous();
     if x.kind() != Kind::BFloat16
         || gamma.kind() != Kind::BFloat16
         || gamma.device() != x.device()
-        || !(nchw || nhwc)
+        || !nchw
         || !dense_gamma
         || c > i64::from(i32::MAX)
     {
@@ -580,7 +581,7 @@ pub fn vae_rms_norm(
     let (mut ns, mut cs, mut ps) = (st[0], st[1], st[3]);
     let (mut scale32, mut eps32, mut silu32) = (scale as f32, eps as f32, i32::from(silu));
     // SAFETY: `vae_rms_norm(x, gamma, out, pixels, P, C, ns, cs, ps, scale, eps, silu)`: x is a
-    // dense NCHW or NHWC bf16 [N, C, H, W] tensor on the device, whose element (n, c, p) for
+    // dense NCHW bf16 [N, C, H, W] tensor on the device, whose element (n, c, p) for
     // p = y·W + x lies at n·ns + c·cs + p·ps (checked above); out a fresh tensor of the same
     // shape and strides; gamma a contiguous bf16 [C] tensor on the same device. The grid-stride
     // loop covers pixels = N·H·W threads' work. All live past the launch.

@@ -795,9 +795,13 @@ impl QwenVae {
     }
 
     /// `x` in the memory order the convolutions run in.
+    /// With the fused norms and NCHW weights, an input with NHWC strides (an image converted from
+    /// RGB8) is made NCHW: the norm kernel runs on NCHW activations only (`vae_rms_norm`), and
+    /// an NHWC input would keep the whole encoder NHWC on libtorch's norms.
     fn laid_out(&self, x: &Tensor) -> Tensor {
         match self.memory_format {
             MemoryFormat::ChannelsLast => channels_last(x),
+            MemoryFormat::Contiguous if self.norm_kernels == NormKernels::Fused => x.contiguous(),
             MemoryFormat::Contiguous => x.shallow_clone(),
         }
     }

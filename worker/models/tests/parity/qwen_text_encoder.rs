@@ -33,7 +33,7 @@ use vnfarm_models::qwen2_5_vl::processor::{
 use vnfarm_models::qwen2_5_vl::rope::{
     PositionMode, batch_position_ids, get_rope_index, masked_position_ids,
 };
-use vnfarm_models::qwen2_5_vl::text_encoder::{PREFIX_CACHE, QwenTextEncoder, TextEncoderOptions};
+use vnfarm_models::qwen2_5_vl::text_encoder::{QwenTextEncoder, TextEncoderOptions};
 use vnfarm_models::qwen2_5_vl::tokenizer::QwenTokenizer;
 
 use crate::qwen_fixtures::{Reference, fixtures, ints, reroot, tiny_dir};
@@ -414,17 +414,8 @@ fn encode_prompt_matches_the_pipeline() {
     ] {
         for imp in [AttentionImpl::Sdpa, AttentionImpl::Matmul] {
             for fp8 in [Fp8Mode::Upcast, Fp8Mode::Resident] {
-                for ((what, enc), prefixes) in encoders(opts(positions, imp, fp8))
-                    .into_iter()
-                    .map(|e| (e, PREFIX_CACHE))
-                    .chain(
-                        encoders(opts(positions, imp, fp8))
-                            .into_iter()
-                            .map(|e| (e, 0)),
-                    )
-                {
-                    enc.set_prefix_cache(prefixes);
-                    let what = format!("{what} {imp:?} {fp8:?} {suffix}, prefix cache {prefixes}");
+                for (what, enc) in encoders(opts(positions, imp, fp8)) {
+                    let what = format!("{what} {imp:?} {fp8:?} {suffix}");
                     let one = enc
                         .encode_pixel_values(&pv_one, &grids[..1])
                         .expect("vision");
@@ -462,71 +453,6 @@ fn encode_prompt_matches_the_pipeline() {
     // The two position modes really differ on this prompt.
     // (tiny random model: 3.1e-4 for two images, 4.9e-4 for one; far above TOL)
     assert!(rel_err(r.get("prompt.two.mrope"), r.get("prompt.two.sequential")) > 1e-4);
-}
-
-/// The prompt prefix (the template up to the instruction, the images included) runs through the
-/// language model once per image set and is kept: every later prompt of the same features runs
-/// only its own tokens, with the same result as the whole prompt's forward (the cache off).
-/// measured: 0 for the same call again and for one prompt alone; 1.2e-7 against the whole prompts.
-#[test]
-fn a_prompt_prefix_is_made_once_per_image_set_and_kept() {
-    let r = Reference::load("text_encoder.safetensors");
-    let enc = QwenTextEncoder::load_diffusers(&tiny_dir(), TextEncoderOptions::default())
-        .expect("tiny folder");
-    let pv = r.get("proc.pixel_values");
-    let grids = r.grid("proc.grid_thw");
-    let two = enc.encode_pixel_values(pv, &grids).expect("vision");
-    let batch = r.batch_prompts();
-    let refs: Vec<&str> = batch.iter().map(String::as_str).collect();
-    assert_eq!(enc.cached_prefixes(), 0);
-    let (first, mask) = enc.encode_prompts(&refs, &two).expect("batch");
-    assert_eq!(enc.cached_prefixes(), 1);
-    let (again, mask_again) = enc.encode_prompts(&refs, &two).expect("batch again");
-    assert_eq!(
-        enc.cached_prefixes(),
-        1,
-        "the same features made a second prefix"
-    );
-    assert!(again.equal(&first), "the kept prefix gave another result");
-    assert_eq!(ints(&mask_again), ints(&mask));
-    // One prompt alone, after the batch: its row of the batch, unpadded.
-    let n = mask.get(1).sum(Kind::Int64).int64_value(&[]);
-    let alone = enc.encode_prompt(refs[1], &two).expect("alone");
-    check(
-        "one prompt on a kept prefix",
-        &alone,
-        &first.get(1).narrow(0, 0, n),
-        1e-6,
-    );
-    // The same values in another tensor are another image set: a second entry.
-    let two_again = enc.encode_pixel_values(pv, &grids).expect("vision again");
-    let (other, _) = enc
-        .encode_prompts(&refs, &two_again)
-        .expect("other features");
-    assert_eq!(enc.cached_prefixes(), 2);
-    assert!(other.equal(&first), "the same values made another prefix");
-    // Against the whole prompts' forward.
-    enc.set_prefix_cache(0);
-    assert_eq!(enc.cached_prefixes(), 0);
-    let (whole, whole_mask) = enc.encode_prompts(&refs, &two).expect("whole");
-    assert_eq!(enc.cached_prefixes(), 0);
-    check(
-        "prefix and the rest against whole prompts",
-        &first,
-        &whole,
-        1e-6,
-    );
-    assert_eq!(ints(&whole_mask), ints(&mask));
-    // The capacity bounds the entries, most recent kept.
-    enc.set_prefix_cache(1);
-    for features in [&two, &two_again, &two] {
-        let (e, _) = enc.encode_prompts(&refs, features).expect("one kept");
-        assert_eq!(enc.cached_prefixes(), 1);
-        assert!(
-            e.equal(&first),
-            "an evicted prefix made again gave another result"
-        );
-    }
 }
 
 /// End to end from the PNG inputs (condition resize, processor, vision, LM), on the folder.
