@@ -605,7 +605,7 @@ impl Worker {
     }
 
     /// The manifest's record of the files the images were made from: each with its sha256 and
-    /// size as the file is now, awaited from the hashing thread (at once when it was hashed
+    /// size as the file is now, awaited from the hashing threads (at once when it was hashed
     /// before). A file that cannot be read any more cannot be vouched for: the job fails and is
     /// tried again, here or elsewhere.
     async fn model_files(

@@ -1,18 +1,21 @@
 //! The sha256 of the model files a worker reads, for its manifests. Hashing a 20 GB checkpoint takes
-//! a minute, so it never stands between a worker and its first heartbeat: one background thread
-//! hashes each file once, in the order asked, and the results are kept in memory and in
+//! a minute, so it never stands between a worker and its first heartbeat: background threads (a few,
+//! [`hash_threads`]) hash each file once, and the results are kept in memory and in
 //! `<cache_dir>/model-hashes.json`, so a restarted worker does not hash again.
 //!
 //! A result is keyed by the file's canonical path, size and modification time: a file replaced or
-//! rewritten since (another size or mtime) is hashed anew. Callers that need a hash await it
-//! ([`FileHashes::hash`]); the worker asks for its configured files at start ([`FileHashes::prefetch`])
-//! so that usually the first job finds them done.
+//! rewritten since (another size or mtime) is hashed anew. The worker asks for its configured files
+//! at start ([`FileHashes::prefetch`], in the order given); a caller that needs a hash awaits it
+//! ([`FileHashes::hash`]): a file being hashed is awaited, not hashed again, and a file not started
+//! yet goes before every prefetched one. So a fresh box's first generate waits for its own files,
+//! not behind a 20 GB transformer it does not use (it waited 51 s for that on the H200, when one
+//! thread took the files in order: docs/performance.md, "Runs 3 and 4").
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::UNIX_EPOCH;
 
 use serde::{Deserialize, Serialize};
@@ -33,11 +36,17 @@ pub struct Hashed {
     pub data_sha256: Option<String>,
 }
 
-/// The hashing service: cheap to clone; the thread ends when the last clone is dropped.
+/// Threads that hash at once: up to 4, half the cores (a fresh box also loads its models then).
+pub fn hash_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).clamp(1, 4))
+}
+
+/// The hashing service: cheap to clone; the threads end when the last clone is dropped.
 #[derive(Clone)]
 pub struct FileHashes {
     shared: Arc<Shared>,
-    tx: std::sync::mpsc::Sender<Request>,
+    /// Closes the queue when the last clone goes.
+    _owner: Arc<Owner>,
 }
 
 struct Shared {
@@ -46,12 +55,75 @@ struct Shared {
     file: Option<PathBuf>,
     /// Files hashed (not answered from the cache) since start.
     computed: AtomicU64,
+    queue: Mutex<Queue>,
+    ready: Condvar,
 }
 
-struct Request {
-    path: PathBuf,
-    /// `None` for a prefetch.
-    reply: Option<tokio::sync::oneshot::Sender<Result<Hashed, String>>>,
+type Reply = tokio::sync::oneshot::Sender<Result<Hashed, String>>;
+
+/// The files to hash, by canonical path.
+#[derive(Default)]
+struct Queue {
+    /// Not started, asked for by callers, in the order asked: hashed before `prefetched`.
+    asked: VecDeque<PathBuf>,
+    /// Not started, prefetched, in the order given.
+    prefetched: VecDeque<PathBuf>,
+    /// Being hashed.
+    running: HashSet<PathBuf>,
+    /// Who awaits each file asked for.
+    waiting: HashMap<PathBuf, Vec<Reply>>,
+    closed: bool,
+}
+
+impl Queue {
+    /// A caller awaits `path`: it joins the hashing under way, or a place among the files asked
+    /// for (leaving the prefetched ones, where it was one). True when a thread has work to take.
+    fn ask(&mut self, path: PathBuf, reply: Reply) -> bool {
+        self.waiting.entry(path.clone()).or_default().push(reply);
+        if self.running.contains(&path) || self.asked.contains(&path) {
+            return false;
+        }
+        self.prefetched.retain(|p| *p != path);
+        self.asked.push_back(path);
+        true
+    }
+
+    /// `path` is hashed when nothing asked for waits, unless it is queued or under way already.
+    fn prefetch(&mut self, path: PathBuf) -> bool {
+        if self.running.contains(&path)
+            || self.asked.contains(&path)
+            || self.prefetched.contains(&path)
+        {
+            return false;
+        }
+        self.prefetched.push_back(path);
+        true
+    }
+
+    /// The next file to hash, marked as under way.
+    fn next(&mut self) -> Option<PathBuf> {
+        let path = self
+            .asked
+            .pop_front()
+            .or_else(|| self.prefetched.pop_front())?;
+        self.running.insert(path.clone());
+        Some(path)
+    }
+
+    /// `path` is hashed: who awaited it.
+    fn done(&mut self, path: &Path) -> Vec<Reply> {
+        self.running.remove(path);
+        self.waiting.remove(path).unwrap_or_default()
+    }
+}
+
+struct Owner(Arc<Shared>);
+
+impl Drop for Owner {
+    fn drop(&mut self) {
+        self.0.queue().closed = true;
+        self.0.ready.notify_all();
+    }
 }
 
 /// The persisted form: canonical path → what was hashed.
@@ -88,9 +160,14 @@ fn stamp(path: &Path) -> Result<(PathBuf, u64, u64), String> {
 }
 
 impl FileHashes {
-    /// Starts the hashing thread; `cache_dir` (created if missing) holds the persisted cache. An
-    /// unreadable cache is logged and started afresh: it only saves time.
+    /// Starts [`hash_threads`] hashing threads; `cache_dir` (created if missing) holds the
+    /// persisted cache. An unreadable cache is logged and started afresh: it only saves time.
     pub fn start(cache_dir: Option<&Path>) -> anyhow::Result<Self> {
+        Self::start_with(cache_dir, hash_threads())
+    }
+
+    /// [`FileHashes::start`] with `threads` hashing threads (at least one).
+    pub fn start_with(cache_dir: Option<&Path>, threads: usize) -> anyhow::Result<Self> {
         let file = cache_dir.map(|dir| dir.join(CACHE_FILE));
         let known = match &file {
             Some(path) => match std::fs::read(path) {
@@ -110,56 +187,49 @@ impl FileHashes {
             known: Mutex::new(known),
             file,
             computed: AtomicU64::new(0),
+            queue: Mutex::new(Queue::default()),
+            ready: Condvar::new(),
         });
-        let (tx, rx) = std::sync::mpsc::channel::<Request>();
-        let thread = shared.clone();
-        std::thread::Builder::new()
-            .name("model-hashes".into())
-            .spawn(move || {
-                // Ends when every sender (every clone of the service) is gone.
-                while let Ok(Request { path, reply }) = rx.recv() {
-                    let result = thread.hash_now(&path);
-                    match reply {
-                        // Nobody waits any more (the job's future was dropped): nothing to do.
-                        Some(reply) => drop(reply.send(result)),
-                        None => {
-                            if let Err(e) = result {
-                                tracing::warn!(error = %e, "cannot hash a configured model file");
-                            }
-                        }
-                    }
-                }
-            })?;
-        Ok(Self { shared, tx })
+        for n in 0..threads.max(1) {
+            let thread = shared.clone();
+            std::thread::Builder::new()
+                .name(format!("model-hashes-{n}"))
+                .spawn(move || thread.work())?;
+        }
+        Ok(Self {
+            _owner: Arc::new(Owner(shared.clone())),
+            shared,
+        })
     }
 
-    /// Starts hashing `paths` in the background (those not hashed already).
+    /// Starts hashing `paths` in the background, in this order after what is queued (those not
+    /// hashed, queued or being hashed already). A file that cannot be read is logged.
     pub fn prefetch(&self, paths: impl IntoIterator<Item = PathBuf>) {
         for path in paths {
-            // The thread outlives every sender; a failed send means it panicked, and then every
-            // `hash` reports it.
-            let _ = self.tx.send(Request { path, reply: None });
+            match stamp(&path) {
+                Ok((canonical, size, mtime_ns)) => {
+                    if self.shared.cached(&canonical, size, mtime_ns).is_none() {
+                        self.shared.enqueue(canonical, None);
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "cannot hash a configured model file"),
+            }
         }
     }
 
-    /// The file's hash as it is now: from the cache when its size and mtime are unchanged, else
-    /// once the thread has hashed it (after the files asked for before it).
+    /// The file's hash as it is now: from the cache when its size and mtime are unchanged; else
+    /// once it is hashed: by the hashing of it under way, or after the files other callers asked
+    /// for before it, before every prefetched one.
     pub async fn hash(&self, path: &Path) -> Result<Hashed, String> {
-        if let Ok((canonical, size, mtime_ns)) = stamp(path)
-            && let Some(hit) = self.shared.cached(&canonical, size, mtime_ns)
-        {
+        let (canonical, size, mtime_ns) = stamp(path)?;
+        if let Some(hit) = self.shared.cached(&canonical, size, mtime_ns) {
             return Ok(hit);
         }
         let (reply, answer) = tokio::sync::oneshot::channel();
-        self.tx
-            .send(Request {
-                path: path.to_owned(),
-                reply: Some(reply),
-            })
-            .map_err(|_| "the model hashing thread is gone".to_string())?;
+        self.shared.enqueue(canonical, Some(reply));
         answer
             .await
-            .map_err(|_| "the model hashing thread is gone".to_string())?
+            .map_err(|_| "the model hashing threads are gone".to_string())?
     }
 
     /// Files hashed since start (not answered from the cache).
@@ -174,6 +244,52 @@ impl Shared {
         self.known.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    fn queue(&self) -> std::sync::MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Asks for `canonical`: for a caller (`reply`) or as a prefetch ([`Queue`]).
+    fn enqueue(&self, canonical: PathBuf, reply: Option<Reply>) {
+        let mut queue = self.queue();
+        let work = match reply {
+            Some(reply) => queue.ask(canonical, reply),
+            None => queue.prefetch(canonical),
+        };
+        drop(queue);
+        if work {
+            self.ready.notify_one();
+        }
+    }
+
+    /// A hashing thread: the next file, until the queue closes.
+    fn work(&self) {
+        loop {
+            let path = {
+                let mut queue = self.queue();
+                loop {
+                    if queue.closed {
+                        return;
+                    }
+                    if let Some(path) = queue.next() {
+                        break path;
+                    }
+                    queue = self.ready.wait(queue).unwrap_or_else(|p| p.into_inner());
+                }
+            };
+            let result = self.hash_now(&path);
+            let waiting = self.queue().done(&path);
+            if waiting.is_empty()
+                && let Err(e) = &result
+            {
+                tracing::warn!(error = %e, "cannot hash a configured model file");
+            }
+            for reply in waiting {
+                // Nobody waits any more (the job's future was dropped): nothing to do.
+                drop(reply.send(result.clone()));
+            }
+        }
+    }
+
     fn cached(&self, canonical: &Path, size: u64, mtime_ns: u64) -> Option<Hashed> {
         let known = self.known();
         let entry = known.files.get(&*canonical.to_string_lossy())?;
@@ -185,8 +301,8 @@ impl Shared {
         })
     }
 
-    /// On the hashing thread: from the cache (a request queued behind one for the same file), else
-    /// read through, remembered and persisted.
+    /// On a hashing thread: from the cache (the file was hashed since it was asked for), else read
+    /// through, remembered and persisted.
     fn hash_now(&self, path: &Path) -> Result<Hashed, String> {
         let (canonical, size, mtime_ns) = stamp(path)?;
         if let Some(hit) = self.cached(&canonical, size, mtime_ns) {
@@ -249,17 +365,19 @@ impl Shared {
             sha256: sha256.clone(),
             data_sha256: data_sha256.clone(),
         };
-        let persisted = {
+        {
+            // Persisted under the lock: two threads never write the file at once.
             let mut known = self.known();
             known
                 .files
                 .insert(canonical.to_string_lossy().into_owned(), entry);
-            serde_json::to_vec_pretty(&*known).expect("the hash cache serializes to JSON")
-        };
-        if let Some(file) = &self.file
-            && let Err(e) = persist(file, &persisted)
-        {
-            tracing::warn!(path = %file.display(), error = %e, "cannot save the model hash cache");
+            let persisted =
+                serde_json::to_vec_pretty(&*known).expect("the hash cache serializes to JSON");
+            if let Some(file) = &self.file
+                && let Err(e) = persist(file, &persisted)
+            {
+                tracing::warn!(path = %file.display(), error = %e, "cannot save the model hash cache");
+            }
         }
         Ok(Hashed {
             path: canonical,
@@ -364,11 +482,72 @@ mod tests {
         std::fs::write(&lora, b"lora").unwrap();
         let hashes = FileHashes::start(None).unwrap();
         hashes.prefetch([lora.clone(), lora.clone()]);
-        // Queued behind the prefetches: answered once they are done.
+        // Asked for while prefetched (or being hashed): hashed once all the same.
         assert_eq!(hashes.hash(&lora).await.unwrap().sha256, sha(b"lora"));
         assert_eq!(hashes.computed(), 1);
         let missing = hashes.hash(&root.join("gone.safetensors")).await;
         assert!(missing.unwrap_err().contains("gone.safetensors"));
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    /// A caller's file goes before the prefetched ones (a fresh box's first generate waits for
+    /// its UNet, not behind the edit model's 20 GB transformer), and a file asked for while it is
+    /// queued or hashed is not queued again.
+    #[test]
+    fn files_asked_for_go_before_prefetched_ones_and_each_is_hashed_once() {
+        let p = |name: &str| PathBuf::from(format!("/models/{name}"));
+        let reply = || tokio::sync::oneshot::channel().0;
+        let mut queue = Queue::default();
+        for name in ["transformer", "text_encoder", "unet"] {
+            assert!(queue.prefetch(p(name)));
+        }
+        assert!(!queue.prefetch(p("unet")), "prefetched twice");
+        assert_eq!(queue.next(), Some(p("transformer")));
+        // A generate asks for the UNet (prefetched, last) and an edit for the transformer
+        // (being hashed): the UNet comes next, the edit joins the hashing under way.
+        assert!(queue.ask(p("unet"), reply()));
+        assert!(!queue.ask(p("transformer"), reply()));
+        assert!(!queue.ask(p("unet"), reply()), "asked for twice");
+        assert!(!queue.prefetch(p("unet")));
+        assert!(queue.ask(p("vae"), reply()));
+        assert_eq!(queue.next(), Some(p("unet")));
+        assert_eq!(queue.next(), Some(p("vae")), "asked for after the UNet");
+        assert_eq!(queue.next(), Some(p("text_encoder")));
+        assert_eq!(queue.next(), None);
+        assert_eq!(queue.done(&p("transformer")).len(), 1);
+        assert_eq!(queue.done(&p("unet")).len(), 2);
+        assert!(queue.done(&p("text_encoder")).is_empty());
+        assert!(queue.running.contains(&p("vae")));
+    }
+
+    #[tokio::test]
+    async fn threads_hash_files_at_once_each_once_and_persist_every_one() {
+        let root = dir("threads");
+        let cache = root.join("cache");
+        let files: Vec<PathBuf> = (0..6u8)
+            .map(|n| {
+                let path = root.join(format!("part{n}.safetensors"));
+                std::fs::write(&path, vec![n; 1 << 20]).unwrap();
+                path
+            })
+            .collect();
+        let hashes = FileHashes::start_with(Some(&cache), 3).unwrap();
+        hashes.prefetch(files.clone());
+        let asked = files.iter().chain(files.iter().rev());
+        let answers = futures::future::join_all(asked.clone().map(|f| hashes.hash(f))).await;
+        for (file, answer) in asked.zip(answers) {
+            let n = files.iter().position(|f| f == file).unwrap() as u8;
+            assert_eq!(answer.unwrap().sha256, sha(&vec![n; 1 << 20]));
+        }
+        assert_eq!(hashes.computed(), 6, "a file was hashed twice");
+        drop(hashes);
+        // Written by three threads, the persisted cache holds all six.
+        let restarted = FileHashes::start_with(Some(&cache), 1).unwrap();
+        for (n, file) in files.iter().enumerate() {
+            let hashed = restarted.hash(file).await.unwrap();
+            assert_eq!(hashed.sha256, sha(&vec![n as u8; 1 << 20]));
+        }
+        assert_eq!(restarted.computed(), 0);
         std::fs::remove_dir_all(&root).unwrap();
     }
 }

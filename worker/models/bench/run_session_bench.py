@@ -267,12 +267,13 @@ def run(a):
     torch.backends.cuda.matmul.allow_tf32 = True
     t0 = time.time()
     sdxl, qwen, esrgan, load_times, lora_how = load_all(a, torch, dev, dt)
-    emit({"name": "load", "s": time.time() - t0, "parts_s": load_times, "lora": lora_how})
+    load_s = time.time() - t0
+    emit({"name": "load", "s": load_s, "parts_s": load_times, "lora": lora_how})
     timer = Timer(torch, dev)
     results = {}
     for work in a.work:
         results[os.path.basename(work)] = run_workload(a, torch, np, Image, dev, sdxl, qwen, esrgan, timer, work)
-    out = {"load_s": time.time() - t0, "load_parts_s": load_times, "lora": lora_how, "workloads": results,
+    out = {"load_s": load_s, "total_s": time.time() - t0, "load_parts_s": load_times, "lora": lora_how, "workloads": results,
            "max_memory_allocated_mib": torch.cuda.max_memory_allocated() / 2**20 if dev.type == "cuda" else None,
            "max_memory_reserved_mib": torch.cuda.max_memory_reserved() / 2**20 if dev.type == "cuda" else None}
     os.makedirs(a.out, exist_ok=True)
