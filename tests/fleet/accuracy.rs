@@ -106,6 +106,20 @@ pub struct AccuracyReport {
     /// Predicted over actual run time (from its start, or its worker's previous job's end when
     /// later, to its end) of the jobs estimated while running, sorted: the rates' own error.
     pub run_ratio: Vec<f64>,
+    /// The same by kind and what the job paid for its input (an edit that encoded it, fetched
+    /// its encodings or found them held), sorted.
+    pub run_ratio_by: BTreeMap<&'static str, Vec<f64>>,
+}
+
+/// What a job paid for its input, as its events tell: the group of [`AccuracyReport::run_ratio_by`].
+fn input_group(job: &super::JobTimes) -> &'static str {
+    match (job.kind, job.encoded, job.fetched.is_some()) {
+        ("edit", true, _) => "edit that encoded its input",
+        ("edit", false, true) => "edit that fetched its input's encodings",
+        ("edit", false, false) => "edit whose input's encodings were held",
+        ("generate", ..) => "generate",
+        _ => "upscale",
+    }
 }
 
 /// Runs the workload (made with `mixed`) on the default dispatch, after `history` unmeasured runs
@@ -222,6 +236,10 @@ pub async fn run_estimates(
             if let Some(actual) = own_run.get(id).filter(|a| **a > 0.0) {
                 let predicted = (e.finish_at - e.start_at).num_milliseconds() as f64 / 1e3;
                 acc.run_ratio.push(predicted / actual);
+                acc.run_ratio_by
+                    .entry(input_group(job))
+                    .or_default()
+                    .push(predicted / actual);
             }
             acc.at_start.add(e, ended);
             acc.by_priority
@@ -231,6 +249,9 @@ pub async fn run_estimates(
         }
     }
     acc.run_ratio.sort_by(f64::total_cmp);
+    for ratios in acc.run_ratio_by.values_mut() {
+        ratios.sort_by(f64::total_cmp);
+    }
     acc.arrivals_waited.sort_by(f64::total_cmp);
     acc.at_submission.sort();
     acc.at_start.sort();
@@ -335,6 +356,16 @@ pub fn render_accuracy(config: &RunConfig, acc: &AccuracyReport) -> String {
         super::report::percentile(&acc.run_ratio, 0.5),
         super::report::percentile(&acc.run_ratio, 0.9)
     );
+    for (group, ratios) in &acc.run_ratio_by {
+        let _ = writeln!(
+            out,
+            "- {group} ({}): p10 {:.2}, median {:.2}, p90 {:.2}",
+            ratios.len(),
+            super::report::percentile(ratios, 0.1),
+            super::report::percentile(ratios, 0.5),
+            super::report::percentile(ratios, 0.9)
+        );
+    }
     let waited = &acc.arrivals_waited;
     let _ = writeln!(
         out,

@@ -130,13 +130,16 @@ impl Registry {
             return false; // the first terminal event won
         }
         let seq = ev.seq;
-        let completes = matches!(ev.event.kind, EventKind::Completed { .. });
+        let completed = match &ev.event.kind {
+            EventKind::Completed { timings, .. } => Some(timings.clone()),
+            _ => None,
+        };
         let change = entry.update(|job| job.apply(ev));
-        if completes
+        if let Some(timings) = completed
             && change.terminal
             && let Some(job) = self.jobs.get(&id)
         {
-            self.rates.learn(job, at);
+            self.rates.learn(job, at, &timings);
         }
         if change.gpu_seconds.is_some() || change.dispatched {
             let owner = self.jobs[&id].owner().to_owned();

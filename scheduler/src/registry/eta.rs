@@ -7,7 +7,11 @@
 //!   output's resolution class (the classes of `vnfarm_worker_denoise_step_seconds`); a job's work
 //!   is its denoising steps times its images, and a run's time is fitted as a fixed part plus a
 //!   part per unit of work (exponentially weighted least squares, so the rate follows a worker
-//!   whose speed changes).
+//!   whose speed changes). What a run spent on its input (the stages `download`, `encode` and
+//!   `fetch_encodings` its `completed` event reports) is learned apart, by class ([`InputCost`]):
+//!   the first job of a message pays it and the later ones do not, so one fit of both was early for
+//!   the first (an interactive edit: predicted ÷ actual run 0.86 for edits that encoded their input)
+//!   and late for the rest (1.10).
 //! - [`Arrivals`] (`eta/arrivals.rs`): how fast interactive work arrives, by class, learned from
 //!   the stream's `queued` events; part of the rates.
 //! - [`simulate`]: the queue simulation, a pure function of its input: each worker's engine runs
@@ -22,13 +26,15 @@
 //!   costs a lookup whatever the backlog.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use vnfarm_proto::http::{Estimate, JobState};
-use vnfarm_proto::{JobId, JobSpec, ModelFamily, WorkerId, WorkerState, resolution_class};
+use vnfarm_proto::{
+    JobId, JobSpec, ModelFamily, StageTimings, WorkerId, WorkerState, resolution_class,
+};
 
 use super::record::JobRecord;
 use super::{INTERACTIVE_BURST, Registry, Route};
@@ -148,6 +154,49 @@ impl Fit {
     }
 }
 
+/// An exponentially weighted mean (weights [`DECAY`]).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+struct Ewma {
+    w: f64,
+    sum: f64,
+}
+
+impl Ewma {
+    fn add(&mut self, x: f64) {
+        self.w = self.w * DECAY + 1.0;
+        self.sum = self.sum * DECAY + x;
+    }
+
+    fn mean(&self) -> Option<f64> {
+        (self.w > 0.0).then(|| self.sum / self.w)
+    }
+}
+
+/// The stages of a run spent on its input, not on the model's own work.
+const INPUT_STAGES: [&str; 3] = ["download", "encode", "fetch_encodings"];
+
+/// What a class's runs spent on their input, learned apart from their own work.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub(super) struct InputCost {
+    /// By the first run of each message (the one that fetches the input, and encodes it unless
+    /// its encodings are held): what a running job that starts a message is expected to pay.
+    first: Ewma,
+    /// By runs that encoded their input or fetched its encodings: what a job pays on a worker
+    /// that does not hold them.
+    paid: Ewma,
+}
+
+/// What a job pays for its input, as the estimate counts it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Input {
+    /// A later job of a message, or an edit whose input's encodings its worker holds.
+    Held,
+    /// The first job of a message, its encodings held or not (on average).
+    First,
+    /// An edit on a worker without its input's encodings.
+    Paid,
+}
+
 /// The run times the farm measured, by class and worker (durable: part of a snapshot).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(from = "RatesWire", into = "RatesWire")]
@@ -161,6 +210,8 @@ pub struct Rates {
     message_order: VecDeque<JobId>,
     /// How fast interactive work arrives.
     arrivals: Arrivals,
+    /// What runs spent on their inputs, by class (`fits` hold the rest of each run).
+    inputs: BTreeMap<Class, InputCost>,
 }
 
 /// [`Rates`] as JSON holds it (a map's keys must be strings there).
@@ -171,6 +222,9 @@ struct RatesWire {
     /// Absent from the snapshots of schedulers built before arrivals were learned.
     #[serde(default)]
     arrivals: Arrivals,
+    /// Absent from the snapshots of schedulers built before inputs were learned apart.
+    #[serde(default)]
+    inputs: Vec<(Class, InputCost)>,
 }
 
 impl From<RatesWire> for Rates {
@@ -178,6 +232,7 @@ impl From<RatesWire> for Rates {
         let mut rates = Rates {
             fits: wire.fits.into_iter().map(|(c, w, f)| ((c, w), f)).collect(),
             arrivals: wire.arrivals,
+            inputs: wire.inputs.into_iter().collect(),
             ..Rates::default()
         };
         for (lead, at) in wire.message_ends {
@@ -201,6 +256,7 @@ impl From<Rates> for RatesWire {
                 .filter_map(|lead| Some((*lead, *rates.message_ends.get(lead)?)))
                 .collect(),
             arrivals: rates.arrivals,
+            inputs: rates.inputs.into_iter().collect(),
         }
     }
 }
@@ -215,10 +271,10 @@ impl Rates {
     }
 
     /// Learns from a job that has just completed at `at` (its record already says so): its run
-    /// took from its `started` (or the end of the job before it in its message) to `at`. A job
-    /// completed without a run of its own here (answered from an earlier run's manifest) teaches
-    /// nothing.
-    pub(super) fn learn(&mut self, job: &JobRecord, at: DateTime<Utc>) {
+    /// took from its `started` (or the end of the job before it in its message) to `at`, of which
+    /// its input took what `timings` report for [`INPUT_STAGES`]. A job completed without a run of
+    /// its own here (answered from an earlier run's manifest) teaches nothing.
+    pub(super) fn learn(&mut self, job: &JobRecord, at: DateTime<Utc>, timings: &StageTimings) {
         let (Some(work), Some(worker), Some(started)) = (
             job.submission().and_then(|s| Work::of(&s.job)),
             job.worker(),
@@ -227,9 +283,8 @@ impl Rates {
             return;
         };
         let lead = job.batch;
-        let began = lead
-            .and_then(|l| self.message_ends.get(&l))
-            .map_or(started, |ended| started.max(*ended));
+        let before = lead.and_then(|l| self.message_ends.get(&l).copied());
+        let began = before.map_or(started, |ended| started.max(ended));
         if let Some(l) = lead {
             self.message_ended(l, at);
         }
@@ -237,10 +292,60 @@ impl Rates {
         if seconds < 0.0 {
             return;
         }
+        let stage = |name: &str| timings.0.get(name).copied().unwrap_or(0.0).max(0.0);
+        let input = INPUT_STAGES
+            .iter()
+            .map(|s| stage(s))
+            .sum::<f64>()
+            .min(seconds);
+        let cost = self.inputs.entry(work.class.clone()).or_default();
+        // The first run of its message: no job of it ended before.
+        if before.is_none() {
+            cost.first.add(input);
+        }
+        if stage("encode") > 0.0 || stage("fetch_encodings") > 0.0 {
+            cost.paid.add(input);
+        }
         self.fits
             .entry((work.class, worker.clone()))
             .or_default()
-            .add(work.units, seconds);
+            .add(work.units, seconds - input);
+    }
+
+    /// Seconds a job of `class` is expected to spend on its input (none where nothing was
+    /// learned yet: its runs' fits then hold it).
+    pub(super) fn input_seconds(&self, class: &Class, input: Input) -> f64 {
+        let Some(cost) = self.inputs.get(class) else {
+            return 0.0;
+        };
+        match input {
+            Input::Held => 0.0,
+            Input::First => cost.first.mean().unwrap_or(0.0),
+            Input::Paid => cost
+                .paid
+                .mean()
+                .or_else(|| cost.first.mean())
+                .unwrap_or(0.0),
+        }
+    }
+
+    /// [`Rates::seconds`] with what the job pays for its input.
+    pub(super) fn run_seconds(
+        &self,
+        work: &Work,
+        worker: &WorkerId,
+        input: Input,
+    ) -> Result<(f64, String), String> {
+        let (seconds, basis) = self.seconds(work, worker)?;
+        let extra = self.input_seconds(&work.class, input);
+        if extra > 0.0 {
+            Ok((
+                seconds + extra,
+                format!("{basis}, + {extra:.2} s for its input"),
+            ))
+        } else {
+            Ok((seconds, basis))
+        }
     }
 
     fn message_ended(&mut self, lead: JobId, at: DateTime<Utc>) {
@@ -324,6 +429,8 @@ pub(super) struct OnWorker {
     /// When its run began, for a running job: its `started`, or the end of the job before it in
     /// its message when later.
     pub(super) started_at: Option<DateTime<Utc>>,
+    /// What it pays for its input: the first job of its message to run pays it.
+    pub(super) input: Input,
 }
 
 /// A worker as the simulation sees it.
@@ -406,7 +513,8 @@ impl Stretch {
                 .filter(|w| w.heard && w.takes_work && w.models.contains(model))
                 .count();
             // A class without a basis yet is left out: its jobs say so when they come.
-            let Ok((seconds, _)) = rates.seconds(&expected.work, &worker.id) else {
+            let Ok((seconds, _)) = rates.run_seconds(&expected.work, &worker.id, Input::First)
+            else {
                 continue;
             };
             let per_second = expected.per_second / serving as f64;
@@ -491,7 +599,7 @@ pub(super) fn simulate(input: &SimInput, rates: &Rates) -> HashMap<JobId, Outcom
                 continue;
             }
             let cost = match &job.work {
-                Some(work) => rates.seconds(work, &worker.id),
+                Some(work) => rates.run_seconds(work, &worker.id, job.input),
                 None => Err("a job of unknown kind".into()),
             };
             let (seconds, basis) = match cost {
@@ -690,8 +798,15 @@ pub(super) fn simulate(input: &SimInput, rates: &Rates) -> HashMap<JobId, Outcom
                 released.remove(&job.route);
             }
         }
+        // An edit pays for its input where the worker does not hold its encodings (it holds
+        // them from then on); another job as the first of a message.
+        let pays = match &job.affinity {
+            Some(_) if held(&i) => Input::Held,
+            Some(_) => Input::Paid,
+            None => Input::First,
+        };
         let cost = match &job.work {
-            Some(work) => rates.seconds(work, &worker.id),
+            Some(work) => rates.run_seconds(work, &worker.id, pays),
             None => Err("a job of unknown kind".into()),
         };
         match cost {
@@ -904,6 +1019,8 @@ impl Registry {
                 .filter(|j| matches!(j.state, JobState::Running | JobState::Dispatched))
                 .collect();
             on.sort_by_key(|j| (j.state != JobState::Running, j.started_at(), j.id));
+            // The messages whose first job to run is before, in this order.
+            let mut begun: HashSet<JobId> = HashSet::new();
             let jobs = on
                 .into_iter()
                 .map(|j| OnWorker {
@@ -915,6 +1032,14 @@ impl Registry {
                             .and_then(|lead| self.rates.message_end(lead))
                             .map_or(started, |ended| started.max(ended))
                     }),
+                    input: match j.batch {
+                        Some(lead)
+                            if self.rates.message_end(lead).is_some() || !begun.insert(lead) =>
+                        {
+                            Input::Held
+                        }
+                        _ => Input::First,
+                    },
                 })
                 .collect();
             workers.push(SimWorker {
@@ -1166,6 +1291,7 @@ mod tests {
             id,
             work: Some(sdxl(1.0)),
             started_at,
+            input: Input::First,
         };
         let queue: Vec<Waiting> = (0..4).map(|_| waiting(vec![])).collect();
         let input = SimInput {
@@ -1224,6 +1350,7 @@ mod tests {
             id,
             work: Some(work),
             started_at: None,
+            input: Input::First,
         };
         let of_x = waiting(vec![x]);
         let fine = waiting(vec![]);
@@ -1260,6 +1387,7 @@ mod tests {
             id: busy,
             work: Some(sdxl(1.0)),
             started_at: None,
+            input: Input::First,
         };
         let edit = |interactive| Waiting {
             affinity: Some("qwen-edit:stored:x".into()),
@@ -1310,6 +1438,7 @@ mod tests {
             id: JobId::new(),
             work: Some(sdxl(1.0)),
             started_at: Some(now),
+            input: Input::First,
         };
         let urgent = Waiting {
             interactive: true,
@@ -1404,6 +1533,7 @@ mod tests {
             id: JobId::new(),
             work: Some(sdxl(seconds)),
             started_at: Some(now),
+            input: Input::First,
         };
         let edit = Waiting {
             affinity: Some("qwen-edit:stored:x".into()),
@@ -1531,6 +1661,90 @@ mod tests {
         assert!(r.rates.seconds(&upscale, &wid("a")).is_err());
 
         // A restarted scheduler learns the same from its snapshot.
+        let mut bytes = Vec::new();
+        r.snapshot().write(&mut bytes).unwrap();
+        let restored = Registry::restore(
+            serde_json::from_slice(&bytes).unwrap(),
+            super::super::Retention::default(),
+        );
+        assert_eq!(restored.rates, r.rates);
+    }
+
+    /// What a run spent on its input (`download`, `encode`, `fetch_encodings`) is learned apart
+    /// from its own work: the first job of a message pays it, the later ones do not, and an edit
+    /// placed on a worker without its input's encodings pays what the runs that encoded paid.
+    #[test]
+    fn a_messages_first_job_pays_for_its_input_and_the_rest_do_not() {
+        let mut r = Registry::default();
+        let mut s = Stream::new();
+        let done = |s: &mut Stream, r: &mut Registry, id, stages: &[(&str, f64)]| {
+            let mut timings = StageTimings::default();
+            for (stage, seconds) in stages {
+                timings.add(stage, *seconds);
+            }
+            r.apply(s.ev(
+                id,
+                EventKind::Completed {
+                    outputs: vec![format!("results/{id}/0.png")],
+                    manifest: format!("results/{id}/manifest.json"),
+                    worker: Some(wid("a")),
+                    timings,
+                },
+            ));
+        };
+        // Three messages of three edits: the first of each runs 3 s, of which 1 s fetches and
+        // encodes its input; the others 2 s.
+        let base = JobId::new();
+        for _ in 0..3 {
+            let jobs: Vec<JobId> = (0..3).map(|_| s.queue(&mut r, edit_of(base))).collect();
+            for &j in &jobs {
+                run(&mut s, &mut r, j, "a", Some(jobs[0]));
+            }
+            let t0 = s.at;
+            s.at = t0 + chrono::Duration::seconds(3);
+            done(
+                &mut s,
+                &mut r,
+                jobs[0],
+                &[("download", 0.25), ("encode", 0.75), ("denoise", 1.9)],
+            );
+            s.at = t0 + chrono::Duration::seconds(5);
+            done(&mut s, &mut r, jobs[1], &[("denoise", 1.9)]);
+            s.at = t0 + chrono::Duration::seconds(7);
+            done(&mut s, &mut r, jobs[2], &[("denoise", 1.9)]);
+            s.at += chrono::Duration::seconds(1);
+        }
+        let work = Work::of(&edit_of(base).job).unwrap();
+        let near = |a: f64, b: f64| (a - b).abs() < 0.05;
+        let (own, _) = r.rates.seconds(&work, &wid("a")).unwrap();
+        assert!(near(own, 2.0), "the run without its input: {own}");
+        for (input, expected) in [(Input::Held, 2.0), (Input::First, 3.0), (Input::Paid, 3.0)] {
+            let (secs, basis) = r.rates.run_seconds(&work, &wid("a"), input).unwrap();
+            assert!(near(secs, expected), "{input:?}: {secs} ({basis})");
+            assert_eq!(
+                basis.contains("for its input"),
+                input != Input::Held,
+                "{basis}"
+            );
+        }
+        // Through the registry: of a new message's three running edits only the first pays.
+        let jobs: Vec<JobId> = (0..3).map(|_| s.queue(&mut r, edit_of(base))).collect();
+        r.heartbeat(worker("a", 1));
+        for &j in &jobs {
+            run(&mut s, &mut r, j, "a", Some(jobs[0]));
+        }
+        r.refresh_estimates(T);
+        let took = |id| {
+            let e = r.estimate(r.job(id).unwrap()).unwrap().unwrap();
+            (e.finish_at - e.start_at).num_milliseconds()
+        };
+        let runs: Vec<i64> = jobs.iter().map(|&j| took(j)).collect();
+        assert!((2950..=3050).contains(&runs[0]), "{runs:?}");
+        assert!(
+            runs[1..].iter().all(|t| (1950..=2050).contains(t)),
+            "{runs:?}"
+        );
+        // A restarted scheduler keeps what it learned.
         let mut bytes = Vec::new();
         r.snapshot().write(&mut bytes).unwrap();
         let restored = Registry::restore(
