@@ -1600,6 +1600,16 @@ mod tests {
         s
     }
 
+    /// The registry a restarted scheduler restores from `r`'s snapshot.
+    fn restored(r: &Registry) -> Registry {
+        let mut bytes = Vec::new();
+        r.snapshot().write(&mut bytes).unwrap();
+        Registry::restore(
+            serde_json::from_slice(&bytes).unwrap(),
+            super::super::Retention::default(),
+        )
+    }
+
     /// Dispatches the job to `worker` (in the message `batch` names) and starts it there.
     fn run(s: &mut Stream, r: &mut Registry, id: JobId, worker: &str, batch: Option<JobId>) {
         r.apply(s.ev(
@@ -1661,13 +1671,7 @@ mod tests {
         assert!(r.rates.seconds(&upscale, &wid("a")).is_err());
 
         // A restarted scheduler learns the same from its snapshot.
-        let mut bytes = Vec::new();
-        r.snapshot().write(&mut bytes).unwrap();
-        let restored = Registry::restore(
-            serde_json::from_slice(&bytes).unwrap(),
-            super::super::Retention::default(),
-        );
-        assert_eq!(restored.rates, r.rates);
+        assert_eq!(restored(&r).rates, r.rates);
     }
 
     /// What a run spent on its input (`download`, `encode`, `fetch_encodings`) is learned apart
@@ -1745,13 +1749,7 @@ mod tests {
             "{runs:?}"
         );
         // A restarted scheduler keeps what it learned.
-        let mut bytes = Vec::new();
-        r.snapshot().write(&mut bytes).unwrap();
-        let restored = Registry::restore(
-            serde_json::from_slice(&bytes).unwrap(),
-            super::super::Retention::default(),
-        );
-        assert_eq!(restored.rates, r.rates);
+        assert_eq!(restored(&r).rates, r.rates);
     }
 
     /// Through the registry: a running job and the waiting ones behind it get estimates, the
