@@ -393,9 +393,15 @@ fn pipeline(opts: &Opts) -> anyhow::Result<()> {
     let t = Instant::now();
     let pipe = QwenEditPipeline::load(&cfg)?;
     sync();
+    let parts: Vec<String> = pipe
+        .load_times()
+        .iter()
+        .map(|(part, s)| format!("\"{part}\": {s:.3}"))
+        .collect();
     println!(
-        "{{\"name\": \"pipeline_load\", \"s\": {:.3}, \"t0\": {t0:.3}, \"t1\": {:.3}}}",
+        "{{\"name\": \"pipeline_load\", \"s\": {:.3}, \"parts_s\": {{{}}}, \"t0\": {t0:.3}, \"t1\": {:.3}}}",
         t.elapsed().as_secs_f64(),
+        parts.join(", "),
         now()
     );
 

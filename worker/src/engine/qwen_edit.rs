@@ -264,6 +264,7 @@ impl QwenEditEngine {
             ?device,
             fp8 = ?settings.fp8,
             seconds = started.elapsed().as_secs_f64(),
+            parts = ?pipeline.load_times(),
             "Qwen-Image-Edit loaded"
         );
         Ok(Self {

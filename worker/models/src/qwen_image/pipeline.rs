@@ -165,6 +165,8 @@ pub struct QwenEditPipeline {
     config: QwenEditConfig,
     /// LoRAs applied for the current job on top of the load-time ones, with what restores them.
     job_loras: JobLoras,
+    /// Seconds each part of the load took ([`QwenEditPipeline::load_times`]).
+    load_times: Vec<(&'static str, f64)>,
 }
 
 /// The transformer's Linear layers by diffusers module name, for LoRA fusing.
@@ -319,14 +321,24 @@ impl QwenEditPipeline {
             fp8: config.settings.fp8,
             positions: config.positions,
         };
-        let transformer_task = || -> Result<QwenImageTransformer2DModel, LoadError> {
+        let since = |t: &mut Instant| {
+            let seconds = t.elapsed().as_secs_f64();
+            *t = Instant::now();
+            seconds
+        };
+        type Timed<T> = Result<(T, Vec<(&'static str, f64)>), LoadError>;
+        let transformer_task = || -> Timed<QwenImageTransformer2DModel> {
+            let mut t = Instant::now();
             let mut transformer = load_transformer(config, &transformer_config)?;
+            let mut times = vec![("transformer", since(&mut t))];
             if !config.loras.is_empty() {
                 let _guard = tch::no_grad_guard();
                 fuse_load_loras(&mut transformer, &config.loras).map_err(lora_load_error)?;
+                times.push(("transformer LoRAs fused", since(&mut t)));
             }
             set_block_kernels(&mut transformer, config)?;
-            Ok(transformer)
+            times.push(("transformer block kernels", since(&mut t)));
+            Ok((transformer, times))
         };
         let load_text_encoder = || -> Result<QwenTextEncoder, LoadError> {
             let _guard = tch::no_grad_guard();
@@ -379,16 +391,28 @@ impl QwenEditPipeline {
             te.processor.condition_image_size = config.condition_image_area as i64;
             Ok(te)
         };
+        let text_encoder_task = || -> Timed<QwenTextEncoder> {
+            let mut t = Instant::now();
+            let te = load_text_encoder()?;
+            Ok((te, vec![("text encoder", since(&mut t))]))
+        };
         let (transformer, text_encoder, vae) = std::thread::scope(|scope| {
             let t = scope.spawn(transformer_task);
-            let e = scope.spawn(load_text_encoder);
-            let vae = load_vae(config, &vae_config);
+            let e = scope.spawn(text_encoder_task);
+            let mut started = Instant::now();
+            let vae = load_vae(config, &vae_config).map(|vae| (vae, since(&mut started)));
             (join_loader(t), join_loader(e), vae)
         });
+        let ((transformer, mut load_times), (text_encoder, te_times)) =
+            (transformer?, text_encoder?);
+        let (vae, vae_seconds) = vae?;
+        load_times.extend(te_times);
+        load_times.push(("VAE", vae_seconds));
         Ok(Self {
-            transformer: transformer?,
-            text_encoder: text_encoder?,
-            vae: vae?,
+            load_times,
+            transformer,
+            text_encoder,
+            vae,
             scheduler,
             device,
             dtype: config.dtype,
@@ -396,6 +420,14 @@ impl QwenEditPipeline {
             config: config.clone(),
             job_loras: JobLoras::default(),
         })
+    }
+
+    /// Seconds each part of [`QwenEditPipeline::load`] took, by name: the transformer's weights
+    /// read to the device, its load-time LoRAs fused, its block kernels set (fused q/k/v and fp8
+    /// copies made), then the text encoder and the VAE, each loaded on a thread of its own (so the
+    /// parts overlap and do not add up to the load).
+    pub fn load_times(&self) -> &[(&'static str, f64)] {
+        &self.load_times
     }
 
     /// The transformer's first `blocks` blocks, with its input and output layers, from the
