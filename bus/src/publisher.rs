@@ -100,6 +100,12 @@ impl Publisher {
         self.stuck.is_cancelled()
     }
 
+    /// Whether the channel is still open: after its connection was lost it publishes nothing
+    /// more, and its session's unacknowledged deliveries come back to the broker.
+    pub fn is_open(&self) -> bool {
+        self.channel.status().connected()
+    }
+
     /// Publishes and waits for the broker's confirm; an unroutable message is an error (`mandatory`).
     pub async fn publish(
         &self,

@@ -184,22 +184,35 @@ impl Worker {
         // so they cannot land over that run's: the three-box test saw a worker whose node stalled
         // after a heal wait 10 s on a `progress`, then store a job that had meanwhile run and
         // completed on another box, over that run's manifest.
+        if let Some(end) = self.cannot_store(outbox, job.job_id).await {
+            return end;
+        }
+        self.store(outbox, job, attempt, output, timings).await
+    }
+
+    /// Why this run must not store its results, checked before its outputs and again before its
+    /// manifest (an upload retried through a storage outage can take long enough for both to
+    /// change): it can no longer report (a channel that missed a confirm or was lost: its
+    /// delivery comes back to run again), or the job finished elsewhere meanwhile (a worker cut
+    /// off from the broker runs on while the job is dispatched again, and stores once the link is
+    /// back: the first stored run stands, its manifest is not overwritten). The three-box test saw
+    /// a worker whose output upload took 30.8 s while the job expired, ran on another box and
+    /// completed there, then store its manifest over that run's.
+    async fn cannot_store(&self, outbox: &Outbox, job_id: JobId) -> Option<JobEnd> {
         if outbox.is_stuck() {
-            return Err(JobError::Broker(PublishError::Untrusted {
+            return Some(Err(JobError::Broker(PublishError::Untrusted {
                 exchange: self.topology().events_exchange(),
-                routing_key: format!("job.{}.completed", job.job_id),
-            }));
+                routing_key: format!("job.{job_id}.completed"),
+            })));
         }
-        // Finished elsewhere while it ran here (a worker cut off from the broker runs on while the
-        // job is dispatched again, and stores once the link is back): the first stored run stands,
-        // its outputs and manifest are not overwritten.
-        if let Some(manifest) = self.finished_before(job.job_id).await? {
-            tracing::info!(job_id = %job.job_id, made_by = %manifest.worker, "job finished elsewhere while it ran here; keeping that run's results");
-            return Ok(Ended::FinishedBefore(Box::new(manifest)));
+        match self.finished_before(job_id).await {
+            Ok(None) => None,
+            Ok(Some(manifest)) => {
+                tracing::info!(job_id = %job_id, made_by = %manifest.worker, "job finished elsewhere while it ran here; keeping that run's results");
+                Some(Ok(Ended::FinishedBefore(Box::new(manifest))))
+            }
+            Err(e) => Some(Err(e)),
         }
-        self.store(job, attempt, output, timings)
-            .await
-            .map(Ended::Completed)
     }
 
     /// Whether the job ends before it starts: cancelled before it came, or finished by an earlier
@@ -509,14 +522,16 @@ impl Worker {
         }
     }
 
-    /// Stores a job's outputs, then its manifest (last: see [`Worker::finished_before`]).
+    /// Stores a job's outputs, then its manifest (last: see [`Worker::finished_before`]), unless
+    /// by then this run must not ([`Worker::cannot_store`]).
     async fn store(
         &self,
+        outbox: &Outbox,
         job: &BatchedJob,
         attempt: u32,
         output: EngineOutput,
         mut timings: StageTimings,
-    ) -> Result<Done, JobError> {
+    ) -> JobEnd {
         let job_id = job.job_id;
         let kind = job.task.kind_name();
         for (stage, seconds) in &output.timings.0 {
@@ -593,15 +608,18 @@ impl Worker {
         };
         // The manifest goes last, after every output: a stored manifest is what `finished_before`
         // takes as proof that the job is done, so it must never exist before its outputs do.
+        if let Some(end) = self.cannot_store(outbox, job_id).await {
+            return end;
+        }
         let key = manifest_key(job_id);
         let body = serde_json::to_vec_pretty(&manifest).expect("manifests serialize to JSON");
         self.put(&key, Bytes::from(body), "application/json")
             .await?;
-        Ok(Done {
+        Ok(Ended::Completed(Done {
             outputs,
             manifest: key,
             timings,
-        })
+        }))
     }
 
     /// The manifest's record of the files the images were made from: each with its sha256 and

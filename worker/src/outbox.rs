@@ -34,11 +34,12 @@ impl Outbox {
         }
     }
 
-    /// Whether this run can no longer report (see [`Publisher::is_stuck`]); a local record always
-    /// can.
+    /// Whether this run can no longer report: its channel missed a confirm
+    /// ([`Publisher::is_stuck`]) or was lost with its connection ([`Publisher::is_open`]), so its
+    /// delivery comes back to run again; a local record always can.
     pub(crate) fn is_stuck(&self) -> bool {
         match self {
-            Outbox::Bus(publisher) => publisher.is_stuck(),
+            Outbox::Bus(publisher) => publisher.is_stuck() || !publisher.is_open(),
             Outbox::Local(_) => false,
         }
     }

@@ -151,7 +151,15 @@ impl Registry {
             }
         }
         if let Some((w, lead)) = change.assign {
+            let key = self.jobs[&id].submission().and_then(|s| match &s.job {
+                vnfarm_proto::JobSpec::Edit(e) => e.affinity_key(),
+                _ => None,
+            });
+            let held = key.map(|k| self.workers.get(&w).is_some_and(|wk| wk.has_encodings(&k)));
             self.worker_mut(&w).assign(id, lead);
+            if held.is_some() {
+                self.jobs.update(id, |job| job.local.encodings_held = held);
+            }
         }
         if change.unassign {
             self.unassign(id);

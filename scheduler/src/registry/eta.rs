@@ -470,6 +470,9 @@ pub(super) struct Waiting {
     pub(super) interactive: bool,
     /// The worker that holds its inputs' encodings now, if one does.
     pub(super) holder: Option<WorkerId>,
+    /// The workers whose latest beat lists its inputs' encodings (`holder` may only have made
+    /// the input): placed there it pays nothing for its input.
+    pub(super) encoded_on: Vec<WorkerId>,
 }
 
 /// What the simulation is given.
@@ -677,6 +680,16 @@ pub(super) fn simulate(input: &SimInput, rates: &Rates) -> HashMap<JobId, Outcom
             holders.entry(key.as_str()).or_insert(w);
         }
     }
+    // Which workers hold each affinity key's encodings: by their beats, then as the simulation
+    // places an edit of it.
+    let mut encoded: HashSet<(&str, usize)> = HashSet::new();
+    for job in &input.waiting {
+        if let Some(key) = &job.affinity {
+            for w in job.encoded_on.iter().filter_map(|w| by_id.get(w)) {
+                encoded.insert((key.as_str(), *w));
+            }
+        }
+    }
     let mut failed: Vec<(usize, String)> = Vec::new();
     for (i, job) in input.waiting.iter().enumerate() {
         if !input
@@ -801,7 +814,7 @@ pub(super) fn simulate(input: &SimInput, rates: &Rates) -> HashMap<JobId, Outcom
         // An edit pays for its input where the worker does not hold its encodings (it holds
         // them from then on); another job as the first of a message.
         let pays = match &job.affinity {
-            Some(_) if held(&i) => Input::Held,
+            Some(key) if !encoded.insert((key.as_str(), w)) => Input::Held,
             Some(_) => Input::Paid,
             None => Input::First,
         };
@@ -1032,13 +1045,15 @@ impl Registry {
                             .and_then(|lead| self.rates.message_end(lead))
                             .map_or(started, |ended| started.max(ended))
                     }),
-                    input: match j.batch {
-                        Some(lead)
+                    input: match (j.batch, j.local.encodings_held) {
+                        (Some(lead), _)
                             if self.rates.message_end(lead).is_some() || !begun.insert(lead) =>
                         {
                             Input::Held
                         }
-                        _ => Input::First,
+                        (_, Some(true)) => Input::Held,
+                        (_, Some(false)) => Input::Paid,
+                        (_, None) => Input::First,
                     },
                 })
                 .collect();
@@ -1127,6 +1142,13 @@ impl Registry {
                         .find(|w| w.holds(key))
                         .map(|w| w.id().clone())
                 });
+                let encoded_on = affinity.as_ref().map_or_else(Vec::new, |key| {
+                    self.workers
+                        .values()
+                        .filter(|w| w.has_encodings(key))
+                        .map(|w| w.id().clone())
+                        .collect()
+                });
                 Some(Waiting {
                     id,
                     route: job.route()?,
@@ -1139,6 +1161,7 @@ impl Registry {
                     affinity,
                     interactive: job.rank().0 == 0,
                     holder,
+                    encoded_on,
                 })
             })
             .collect();
@@ -1255,6 +1278,7 @@ mod tests {
             affinity: None,
             interactive: false,
             holder: None,
+            encoded_on: vec![],
         }
     }
 
@@ -1393,6 +1417,7 @@ mod tests {
             affinity: Some("qwen-edit:stored:x".into()),
             interactive,
             holder: Some(wid("a")),
+            encoded_on: vec![],
             ..waiting(vec![])
         };
         let (held, other, urgent) = (edit(false), waiting(vec![]), edit(true));
@@ -1538,6 +1563,7 @@ mod tests {
         let edit = Waiting {
             affinity: Some("qwen-edit:stored:x".into()),
             holder: Some(wid("a")),
+            encoded_on: vec![],
             ..waiting(vec![])
         };
         let (ahead, urgent) = (
@@ -1738,12 +1764,35 @@ mod tests {
             run(&mut s, &mut r, j, "a", Some(jobs[0]));
         }
         r.refresh_estimates(T);
-        let took = |id| {
+        let took = |r: &Registry, id| {
             let e = r.estimate(r.job(id).unwrap()).unwrap().unwrap();
             (e.finish_at - e.start_at).num_milliseconds()
         };
-        let runs: Vec<i64> = jobs.iter().map(|&j| took(j)).collect();
+        let runs: Vec<i64> = jobs.iter().map(|&j| took(&r, j)).collect();
         assert!((2950..=3050).contains(&runs[0]), "{runs:?}");
+        // On a worker whose beat lists the input's encodings, a message's first edit pays
+        // nothing, and so does a waiting edit of that input placed there; an edit of another
+        // input pays what the encoding runs paid.
+        let key = match &edit_of(base).job {
+            JobSpec::Edit(e) => e.affinity_key().unwrap(),
+            _ => unreachable!(),
+        };
+        let mut beat = worker("b", 1);
+        beat.encode_cache = vec![key];
+        r.heartbeat(beat);
+        let on_b = s.queue(&mut r, edit_of(base));
+        run(&mut s, &mut r, on_b, "b", None);
+        let (waits_held, waits_new) = (
+            s.queue(&mut r, edit_of(base)),
+            s.queue(&mut r, edit_of(JobId::new())),
+        );
+        r.estimates.made = None; // made again now, not after `REFRESH`
+        r.refresh_estimates(T);
+        let (on_b, waits_held, waits_new) =
+            (took(&r, on_b), took(&r, waits_held), took(&r, waits_new));
+        assert!((1950..=2050).contains(&on_b), "{on_b}");
+        assert!((1950..=2050).contains(&waits_held), "{waits_held}");
+        assert!((2950..=3050).contains(&waits_new), "{waits_new}");
         assert!(
             runs[1..].iter().all(|t| (1950..=2050).contains(t)),
             "{runs:?}"

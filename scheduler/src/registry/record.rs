@@ -38,6 +38,9 @@ pub(super) struct Local {
     /// Its worker's beats stopped listing it while it ran, and the event that ends the run here
     /// was handed out for publishing (see `Registry::unheld_runs`).
     pub(super) recovering: bool,
+    /// For an edit: whether the worker it was last dispatched to listed its input's encodings in
+    /// its latest beat then (what its run pays for its input; not known after a restart).
+    pub(super) encodings_held: Option<bool>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

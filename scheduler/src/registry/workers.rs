@@ -160,6 +160,13 @@ impl WorkerRecord {
         self.keys.contains_key(key)
     }
 
+    /// Its latest beat lists the input's encodings (it holds them, not only the image it made).
+    pub(super) fn has_encodings(&self, key: &str) -> bool {
+        self.last_heartbeat
+            .as_ref()
+            .is_some_and(|(_, hb)| hb.encode_cache.iter().any(|k| k == key))
+    }
+
     pub(super) fn assign(&mut self, job: JobId, message: JobId) {
         if let Some(old) = self.assigned.insert(job, message) {
             self.release(old);
