@@ -205,14 +205,11 @@ impl Worker {
                 routing_key: format!("job.{job_id}.completed"),
             })));
         }
-        match self.finished_before(job_id).await {
-            Ok(None) => None,
-            Ok(Some(manifest)) => {
-                tracing::info!(job_id = %job_id, made_by = %manifest.worker, "job finished elsewhere while it ran here; keeping that run's results");
-                Some(Ok(Ended::FinishedBefore(Box::new(manifest))))
-            }
-            Err(e) => Some(Err(e)),
+        let end = self.ended_before(job_id).await;
+        if let Some(Ok(Ended::FinishedBefore(manifest))) = &end {
+            tracing::info!(job_id = %job_id, made_by = %manifest.worker, "job finished elsewhere while it ran here; keeping that run's results");
         }
+        end
     }
 
     /// Whether the job ends before it starts: cancelled before it came, or finished by an earlier
@@ -222,11 +219,14 @@ impl Worker {
             tracing::info!(job_id = %job.job_id, "skipping a job cancelled before it started");
             return Some(Ok(Ended::CancelledBefore));
         }
-        match self.finished_before(job.job_id).await {
-            Ok(None) => None,
-            Ok(Some(manifest)) => Some(Ok(Ended::FinishedBefore(Box::new(manifest)))),
-            Err(e) => Some(Err(e)),
-        }
+        self.ended_before(job.job_id).await
+    }
+
+    /// The job's end when a run stored it before ([`Worker::finished_before`]); `None` when none
+    /// did and this run goes on.
+    async fn ended_before(&self, job_id: JobId) -> Option<JobEnd> {
+        let found = self.finished_before(job_id).await.transpose()?;
+        Some(found.map(|manifest| Ended::FinishedBefore(Box::new(manifest))))
     }
 
     /// The manifest of this job, if one is stored: then an earlier delivery ran the job to the end
