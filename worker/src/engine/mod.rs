@@ -262,6 +262,15 @@ impl Cold {
         }
     }
 
+    /// What of a graph-capturing warm-up may run while other models load (the same work with
+    /// nothing captured); nothing for the others.
+    fn warm_up_eager(&self) -> anyhow::Result<()> {
+        match self {
+            Cold::Sdxl(e) => e.warm_up_eager(),
+            Cold::QwenEdit(_) | Cold::Esrgan(_) => Ok(()),
+        }
+    }
+
     fn warm_up(&self) -> anyhow::Result<()> {
         match self {
             Cold::Sdxl(e) => e.warm_up(),
@@ -275,8 +284,9 @@ impl Cold {
 /// device on a thread of its own, all at once: that is most of a cold start, and the engines
 /// share nothing while loading (the loader's pinned staging buffers are a pool). Each warms up on
 /// this thread, where its jobs will run, as soon as it is loaded, while the others still load;
-/// except a warm-up that captures CUDA graphs ([`Cold::captures_graphs`]), which waits until every
-/// load is done. The first failure is the error, once every loader has ended.
+/// except a warm-up that captures CUDA graphs ([`Cold::captures_graphs`]): its eager part runs as
+/// soon as it is loaded, the capture waits until every load is done. The first failure is the
+/// error, once every loader has ended.
 fn load_and_warm(
     config: &EngineConfig,
     settings: &EngineSettings,
@@ -305,16 +315,18 @@ fn load_and_warm(
         // The iteration ends when every loader has sent its engine (or error) and dropped its
         // sender. Each loader logs its own load's end; the warm-ups log theirs.
         drop(tx);
-        warm_as_loaded(loaded, Cold::captures_graphs, Cold::warm_up)
+        warm_as_loaded(loaded, Cold::captures_graphs, Cold::warm_up_eager, Cold::warm_up)
     })
 }
 
 /// Warms each engine as it comes from `loaded` (in the order the loads end), except those that
-/// `captures_graphs`, which are warmed after the last load. The first load error is the error,
-/// once every load has ended; engines loaded after it are dropped unwarmed.
+/// `captures_graphs`: they get `warm_eager` as they come and `warm_up` after the last load. The
+/// first load error is the error, once every load has ended; engines loaded after it are dropped
+/// unwarmed.
 fn warm_as_loaded<T>(
     loaded: impl IntoIterator<Item = anyhow::Result<T>>,
     captures_graphs: impl Fn(&T) -> bool,
+    mut warm_eager: impl FnMut(&T) -> anyhow::Result<()>,
     mut warm_up: impl FnMut(&T) -> anyhow::Result<()>,
 ) -> anyhow::Result<Vec<T>> {
     let mut failed = None;
@@ -325,7 +337,10 @@ fn warm_as_loaded<T>(
                 failed.get_or_insert(e);
             }
             Ok(_) if failed.is_some() => {}
-            Ok(cold) if captures_graphs(&cold) => waiting.push(cold),
+            Ok(cold) if captures_graphs(&cold) => {
+                warm_eager(&cold)?;
+                waiting.push(cold);
+            }
             Ok(cold) => {
                 warm_up(&cold)?;
                 warm.push(cold);
@@ -384,7 +399,8 @@ mod tests {
     use super::*;
 
     /// Engines warm in the order their loads end, each at once, except one whose warm-up captures
-    /// CUDA graphs: it waits for the last load (events: `load k` as a load ends, `warm k`).
+    /// CUDA graphs: its eager part runs as it is loaded, its capture waits for the last load
+    /// (events: `load k` as a load ends, `eager k`, `warm k`).
     #[test]
     fn a_graph_capturing_warm_up_waits_for_every_load() {
         // (name, captures graphs), in the order the loads end.
@@ -398,6 +414,10 @@ mod tests {
             loaded,
             |&(_, graphs)| graphs,
             |&(name, _)| {
+                log.borrow_mut().push(format!("eager {name}"));
+                Ok(())
+            },
+            |&(name, _)| {
                 log.borrow_mut().push(format!("warm {name}"));
                 Ok(())
             },
@@ -407,6 +427,7 @@ mod tests {
             log.into_inner(),
             [
                 "load sdxl",
+                "eager sdxl",
                 "load esrgan",
                 "warm esrgan",
                 "load qwen",
@@ -429,6 +450,7 @@ mod tests {
         let e = warm_as_loaded(
             loaded,
             |_| false,
+            |_| unreachable!("no warm-up here captures graphs"),
             |name| {
                 warmed.push(*name);
                 Ok(())

@@ -267,6 +267,14 @@ impl SdxlEngine {
         })
     }
 
+    /// The warm-up with the UNet run eagerly (nothing captured): what may run while other models
+    /// load, before [`SdxlEngine::warm_up`] captures the graphs.
+    pub fn warm_up_eager(&self) -> anyhow::Result<()> {
+        warm_up_sizes("SDXL (eager)", &self.config.warm_up, |w, h| {
+            self.pipeline.warm_up_eager(&[(w, h)])
+        })
+    }
+
     /// The pipeline of a job's checkpoint, loading a catalogue checkpoint that is not loaded (a
     /// failure names the file, so the worker condemns it).
     fn ready(&mut self, job: &EngineJob) -> Result<Checkpoint, EngineError> {

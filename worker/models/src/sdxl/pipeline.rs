@@ -8,6 +8,7 @@
 //! [`GenerateError::Cancelled`].
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use image::RgbImage;
@@ -207,6 +208,8 @@ pub struct SdxlPipeline {
     /// The UNet forward's CUDA graph, when `PipelineConfig::cuda_graphs` is on. Behind a mutex
     /// because generation takes `&self`; one generation runs at a time on the model thread.
     unet_graph: Option<Mutex<GraphedUNet>>,
+    /// Set while [`SdxlPipeline::warm_up_eager`] runs: the UNet runs eagerly even with graphs on.
+    eager_only: AtomicBool,
     settings: SdxlSettings,
 }
 
@@ -399,6 +402,7 @@ impl SdxlPipeline {
             },
             loras: JobLoras::default(),
             unet_graph: settings.cuda_graphs.then(|| Mutex::new(GraphedUNet::new())),
+            eager_only: AtomicBool::new(false),
             settings: *settings,
         })
     }
@@ -433,6 +437,9 @@ impl SdxlPipeline {
         added: &AddedCond<'_>,
     ) -> Result<Tensor, GenerateError> {
         match &self.unet_graph {
+            Some(_) if self.eager_only.load(Ordering::Relaxed) => {
+                Ok(self.unet.forward(sample, timestep, context, added))
+            }
             None => Ok(self.unet.forward(sample, timestep, context, added)),
             Some(graph) => graph
                 .lock()
@@ -821,6 +828,18 @@ impl SdxlPipeline {
             self.generate(&req, &mut |_, _| {}, &|| false)?;
         }
         Ok(())
+    }
+
+    /// [`SdxlPipeline::warm_up`] with the UNet run eagerly, graphs or not: the text encoders,
+    /// the VAE decode and the UNet's kernels selected and loaded, nothing captured. Made while
+    /// other models still load, so that the capturing warm-up left for after them (a capture must
+    /// not overlap another thread's device work: libtorch captures in CUDA's global mode) is
+    /// short.
+    pub fn warm_up_eager(&self, resolutions: &[(u32, u32)]) -> Result<(), GenerateError> {
+        self.eager_only.store(true, Ordering::Relaxed);
+        let warmed = self.warm_up(resolutions);
+        self.eager_only.store(false, Ordering::Relaxed);
+        warmed
     }
 }
 
