@@ -452,3 +452,59 @@ impl Weights {
         self.store.contains(&self.full(name))
     }
 }
+
+/// Threads [`load_layers`] reads on: half the cores, at most four.
+pub fn loader_threads() -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, |n| n.get() / 2)
+        .clamp(1, 4)
+}
+
+/// `load(i)` for every layer `i` in `0..n`, on [`loader_threads`] threads at once, in order. A
+/// model's layers are read from disk (or the page cache) and copied to the device one tensor at a
+/// time, and one thread's reads and copies leave most of the memory system idle; layers share
+/// nothing while loading (each thread takes a staging buffer of its own from the loader's pool).
+/// The first failure, by layer, is the error, once every thread has stopped (each stops at its
+/// first failure or when another failed).
+pub fn load_layers<T: Send>(
+    n: i64,
+    load: impl Fn(i64) -> Result<T, LoadError> + Sync,
+) -> Result<Vec<T>, LoadError> {
+    let threads = loader_threads().min(n.max(1) as usize);
+    if threads <= 1 {
+        return (0..n).map(load).collect();
+    }
+    let next = std::sync::atomic::AtomicI64::new(0);
+    let failed = std::sync::atomic::AtomicBool::new(false);
+    let mut done: Vec<(i64, Result<T, LoadError>)> = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                scope.spawn(|| {
+                    let _guard = tch::no_grad_guard();
+                    let mut mine = Vec::new();
+                    while !failed.load(std::sync::atomic::Ordering::Relaxed) {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        if i >= n {
+                            break;
+                        }
+                        let layer = load(i);
+                        if layer.is_err() {
+                            failed.store(true, std::sync::atomic::Ordering::Relaxed);
+                        }
+                        mine.push((i, layer));
+                    }
+                    mine
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .flat_map(|w| match w.join() {
+                Ok(mine) => mine,
+                Err(panic) => std::panic::resume_unwind(panic),
+            })
+            .collect()
+    });
+    done.sort_by_key(|(i, _)| *i);
+    done.into_iter().map(|(_, layer)| layer).collect()
+}

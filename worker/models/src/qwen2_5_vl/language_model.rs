@@ -20,7 +20,7 @@
 use tch::{Device, Kind, Tensor};
 
 use crate::error::{GenerateError, LoadError};
-use crate::loading::weights::{WeightStore, Weights};
+use crate::loading::weights::{WeightStore, Weights, load_layers};
 use crate::nn::rope::apply_rotate_half;
 use crate::nn::{AttentionImpl, Linear, RmsNorm, attention};
 use crate::qwen2_5_vl::config::TextConfig;
@@ -235,9 +235,9 @@ impl LanguageModel {
         attention: AttentionImpl,
     ) -> Result<Self, LoadError> {
         let c = config;
-        let layers = (0..c.num_hidden_layers)
-            .map(|i| DecoderLayer::new(&w.pp("layers").pp(i), c))
-            .collect::<Result<Vec<_>, _>>()?;
+        let layers = load_layers(c.num_hidden_layers, |i| {
+            DecoderLayer::new(&w.pp("layers").pp(i), c)
+        })?;
         Ok(Self {
             embed_tokens: w.get("embed_tokens.weight", &[c.vocab_size, c.hidden_size])?,
             layers,

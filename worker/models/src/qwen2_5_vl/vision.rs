@@ -26,7 +26,7 @@ use std::collections::BTreeMap;
 use tch::{Device, Kind, Tensor};
 
 use crate::error::{GenerateError, LoadError};
-use crate::loading::weights::{WeightStore, Weights};
+use crate::loading::weights::{WeightStore, Weights, load_layers};
 use crate::nn::rope::apply_rotate_half;
 use crate::nn::{AttentionImpl, Linear, RmsNorm, attention};
 
@@ -667,9 +667,7 @@ impl VisionTransformer {
             weight_scale,
             bias: None,
         };
-        let blocks = (0..c.depth)
-            .map(|i| VisionBlock::new(&w.pp("blocks").pp(i), c))
-            .collect::<Result<Vec<_>, _>>()?;
+        let blocks = load_layers(c.depth, |i| VisionBlock::new(&w.pp("blocks").pp(i), c))?;
         Ok(Self {
             patch_embed,
             rotary: VisionRotaryEmbedding::new(c, w.device),

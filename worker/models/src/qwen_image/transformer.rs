@@ -39,7 +39,7 @@ use crate::dtype::is_fp8;
 use crate::error::{GenerateError, LoadError};
 use crate::loading::diffusers::component_store;
 use crate::loading::safetensors::SafetensorsFile;
-use crate::loading::weights::{WeightStore, Weights};
+use crate::loading::weights::{WeightStore, Weights, load_layers};
 use crate::nn::embeddings::timestep_features;
 use crate::nn::fp8::Fp8Linear;
 use crate::nn::{AttentionImpl, FfGelu, Linear, RmsNorm, attention};
@@ -786,9 +786,9 @@ impl QwenImageTransformer2DModel {
             reason,
         })?;
         let dim = c.inner_dim();
-        let transformer_blocks = (0..c.num_layers)
-            .map(|i| QwenImageTransformerBlock::new(&w.pp("transformer_blocks").pp(i), c))
-            .collect::<Result<Vec<_>, _>>()?;
+        let transformer_blocks = load_layers(c.num_layers, |i| {
+            QwenImageTransformerBlock::new(&w.pp("transformer_blocks").pp(i), c)
+        })?;
         Ok(Self {
             img_in: Linear::new(&w.pp("img_in"), c.in_channels, dim, true)?,
             txt_norm: RmsNorm::new(&w.pp("txt_norm"), c.joint_attention_dim, c.norm_eps)?,
