@@ -315,7 +315,12 @@ fn load_and_warm(
         // The iteration ends when every loader has sent its engine (or error) and dropped its
         // sender. Each loader logs its own load's end; the warm-ups log theirs.
         drop(tx);
-        warm_as_loaded(loaded, Cold::captures_graphs, Cold::warm_up_eager, Cold::warm_up)
+        warm_as_loaded(
+            loaded,
+            Cold::captures_graphs,
+            Cold::warm_up_eager,
+            Cold::warm_up,
+        )
     })
 }
 

@@ -470,7 +470,15 @@ pub fn load_layers<T: Send>(
     n: i64,
     load: impl Fn(i64) -> Result<T, LoadError> + Sync,
 ) -> Result<Vec<T>, LoadError> {
-    let threads = loader_threads().min(n.max(1) as usize);
+    load_layers_on(loader_threads(), n, load)
+}
+
+fn load_layers_on<T: Send>(
+    threads: usize,
+    n: i64,
+    load: impl Fn(i64) -> Result<T, LoadError> + Sync,
+) -> Result<Vec<T>, LoadError> {
+    let threads = threads.min(n.max(1) as usize);
     if threads <= 1 {
         return (0..n).map(load).collect();
     }
@@ -507,4 +515,54 @@ pub fn load_layers<T: Send>(
     });
     done.sort_by_key(|(i, _)| *i);
     done.into_iter().map(|(_, layer)| layer).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn missing(i: i64) -> LoadError {
+        LoadError::Missing {
+            path: "model.safetensors".into(),
+            tensor: format!("layers.{i}.weight"),
+        }
+    }
+
+    /// Layers come back in order however the threads interleave, and each is loaded once.
+    #[test]
+    fn layers_load_on_several_threads_in_order() {
+        let calls = std::sync::atomic::AtomicUsize::new(0);
+        let layers = load_layers_on(4, 23, |i| {
+            calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            std::thread::sleep(std::time::Duration::from_millis((i as u64 * 7) % 5));
+            Ok(i * 10)
+        })
+        .expect("every layer loads");
+        assert_eq!(layers, (0..23).map(|i| i * 10).collect::<Vec<_>>());
+        assert_eq!(calls.into_inner(), 23);
+    }
+
+    /// The error is the first failing layer's, even when a later one failed sooner; the threads
+    /// stop taking layers once one failed.
+    #[test]
+    fn the_first_failing_layer_is_the_error() {
+        let calls = std::sync::atomic::AtomicUsize::new(0);
+        let e = load_layers_on(4, 40, |i| {
+            calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            match i {
+                5 => {
+                    std::thread::sleep(std::time::Duration::from_millis(30));
+                    Err(missing(5))
+                }
+                6 => Err(missing(6)),
+                _ => Ok(i),
+            }
+        })
+        .expect_err("layers 5 and 6 fail");
+        assert_eq!(
+            e.to_string(),
+            "tensor `layers.5.weight` is missing from model.safetensors"
+        );
+        assert!(calls.into_inner() < 40, "loading stopped after the failure");
+    }
 }
