@@ -311,47 +311,65 @@ impl Shared {
         let started = std::time::Instant::now();
         let mut file =
             std::fs::File::open(&canonical).map_err(|e| format!("{}: {e}", path.display()))?;
-        let mut hasher = Sha256::new();
-        // One read for both hashes: the data hash starts after the 8-byte header length and the
-        // header; `None` until the length is read, and for files that are not safetensors.
-        let mut data = is_safetensors(&canonical).then(|| (Sha256::new(), None::<u64>));
-        let mut buf = vec![0u8; 8 << 20];
-        let mut read = 0u64;
-        loop {
-            let n = file
-                .read(&mut buf)
-                .map_err(|e| format!("{}: {e}", path.display()))?;
-            if n == 0 {
-                break;
-            }
-            hasher.update(&buf[..n]);
-            if let Some((data_hasher, start)) = &mut data {
-                if start.is_none() && read == 0 && n >= 8 {
+        // One read for both hashes, each on its own thread (a sha256 runs at ~1.4 GB/s a core, so
+        // one thread doing both halved a file's rate): this thread reads and hashes the file; the
+        // data hash starts after the 8-byte header length and the header, on a scoped thread fed
+        // the same chunks. `None` until the length is read, and for files that are not safetensors.
+        let (file_sha, data_sha, read) = std::thread::scope(|scope| {
+            let (to_data, chunks) = std::sync::mpsc::sync_channel::<(Arc<Vec<u8>>, usize)>(4);
+            let data = is_safetensors(&canonical).then(|| {
+                scope.spawn(move || {
+                    let mut hasher = Sha256::new();
+                    for (chunk, from) in chunks {
+                        hasher.update(&chunk[from..]);
+                    }
+                    hasher.finalize()
+                })
+            });
+            let mut hasher = Sha256::new();
+            let mut data_start = None::<u64>;
+            let mut read = 0u64;
+            let outcome = loop {
+                let mut buf = vec![0u8; 8 << 20];
+                let n = match file.read(&mut buf) {
+                    Ok(0) => break Ok(()),
+                    Ok(n) => n,
+                    Err(e) => break Err(format!("{}: {e}", path.display())),
+                };
+                buf.truncate(n);
+                if data_start.is_none() && read == 0 && n >= 8 {
                     let len = u64::from_le_bytes(buf[..8].try_into().expect("8 bytes"));
-                    *start = Some(8u64.saturating_add(len));
+                    data_start = Some(8u64.saturating_add(len));
                 }
-                if let Some(start) = *start {
+                let chunk = Arc::new(buf);
+                if let (Some(start), Some(_)) = (data_start, &data) {
                     let from = start.saturating_sub(read).min(n as u64) as usize;
-                    data_hasher.update(&buf[from..n]);
+                    // The receiver lives until this sender is dropped below.
+                    let _ = to_data.send((chunk.clone(), from));
                 }
-            }
-            read += n as u64;
-        }
+                hasher.update(&chunk[..]);
+                read += n as u64;
+            };
+            drop(to_data);
+            let data_sha = data.map(|h| h.join().expect("the data hash thread does not panic"));
+            outcome.map(|()| {
+                let data_sha = data_sha
+                    .zip(data_start)
+                    .filter(|&(_, start)| start <= read)
+                    .map(|(d, _)| d);
+                (hasher.finalize(), data_sha, read)
+            })
+        })?;
         // A file named .safetensors whose header length runs past its end has no data hash (its
         // loader refuses it; its file hash still names it).
-        let data_sha256 = match data {
-            Some((data_hasher, Some(start))) if start <= read => {
-                Some(hex::encode(data_hasher.finalize()))
-            }
-            _ => None,
-        };
+        let data_sha256 = data_sha.map(hex::encode);
         if read != size || stamp(&canonical)? != (canonical.clone(), size, mtime_ns) {
             return Err(format!(
                 "{}: the file changed while it was hashed",
                 path.display()
             ));
         }
-        let sha256 = hex::encode(hasher.finalize());
+        let sha256 = hex::encode(file_sha);
         self.computed.fetch_add(1, Ordering::Relaxed);
         tracing::info!(
             path = %canonical.display(),
