@@ -785,6 +785,18 @@ impl QwenEditPipeline {
         Ok(images)
     }
 
+    /// Steps of a warm-up edit: every step runs the same kernels, so one where the scheduler makes
+    /// a one-step schedule (the Lightning scheduler's), two where it does not (Qwen-Image's own
+    /// stretches its sigmas to a terminal value, 0/0 at one step).
+    pub fn warm_up_steps(&self) -> usize {
+        let one = FlowMatchEulerDiscrete::new(
+            &self.scheduler,
+            1,
+            Some(self.scheduler.calculate_shift(4096)),
+        );
+        if one.is_ok() { 1 } else { 2 }
+    }
+
     /// The encodings as bytes ([`encodings::to_bytes`]), to share with other workers.
     pub fn encodings_to_bytes(&self, e: &EncodedInputs) -> Result<Vec<u8>, EncodingsError> {
         encodings::to_bytes(e)
@@ -808,9 +820,8 @@ impl QwenEditPipeline {
         .unwrap_or_else(|e| Err(encodings::EncodingsError::backend(e.to_string())))
     }
 
-    /// Runs one edit of a synthetic input at each output `(width, height)` (two steps: the
-    /// smallest schedule every flow-match configuration can make; Qwen-Image's own degenerates at
-    /// one step), so kernels are compiled and memory pools sized before the first job.
+    /// Runs one edit of a synthetic input at each output `(width, height)`, so kernels are
+    /// compiled and memory pools sized before the first job; at [`Self::warm_up_steps`] steps.
     pub fn warm_up(&self, sizes: &[(u32, u32)]) -> Result<(), GenerateError> {
         for &(width, height) in sizes {
             let input = RgbImage::from_fn(width, height, |x, y| {
@@ -820,7 +831,7 @@ impl QwenEditPipeline {
             let request = EditRequest {
                 instruction: "warm up".into(),
                 seed: 0,
-                steps: 2,
+                steps: self.warm_up_steps(),
                 cfg: 1.0,
                 size: Some((width, height)),
             };

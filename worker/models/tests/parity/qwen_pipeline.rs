@@ -457,3 +457,22 @@ fn a_truncated_file_is_named() {
         "{err}"
     );
 }
+
+/// A warm-up edit runs the fewest steps its scheduler can make: one under the Lightning scheduler
+/// (the worker's default), two under Qwen-Image's own (its terminal stretch is 0/0 at one step);
+/// both warm-ups run.
+#[test]
+fn the_warm_up_runs_the_fewest_steps_its_schedule_allows() {
+    let reference = Reference::open();
+    let case = reference.case("a");
+    for (scheduler, steps) in [
+        (FlowMatchConfig::qwen_image_lightning(), 1),
+        (FlowMatchConfig::qwen_image(), 2),
+    ] {
+        let mut c = config(files_source(), case);
+        c.scheduler = Some(scheduler);
+        let pipe = QwenEditPipeline::load(&c).expect("load");
+        assert_eq!(pipe.warm_up_steps(), steps);
+        pipe.warm_up(&[(64, 64)]).expect("warm up");
+    }
+}
