@@ -285,7 +285,7 @@ impl Cold {
 /// share nothing while loading (the loader's pinned staging buffers are a pool). Each warms up on
 /// this thread, where its jobs will run, as soon as it is loaded, while the others still load;
 /// except a warm-up that captures CUDA graphs ([`Cold::captures_graphs`]): its eager part runs as
-/// soon as it is loaded, the capture waits until every load is done. The first failure is the
+/// soon as it is loaded if another load still runs, the capture waits until every load is done. The first failure is the
 /// error, once every loader has ended.
 fn load_and_warm(
     config: &EngineConfig,
@@ -294,6 +294,14 @@ fn load_and_warm(
     shared: Option<SharedEncodings>,
 ) -> anyhow::Result<Vec<Cold>> {
     let (sdxl, qwen_edit, esrgan) = (settings.sdxl, settings.qwen_edit, settings.esrgan);
+    let loaders = [
+        config.sdxl.is_some(),
+        config.qwen_edit.is_some(),
+        config.esrgan.is_some(),
+    ]
+    .into_iter()
+    .filter(|&configured| configured)
+    .count();
     std::thread::scope(|scope| {
         let (tx, loaded) = std::sync::mpsc::channel::<anyhow::Result<Cold>>();
         if let Some(c) = &config.sdxl {
@@ -317,6 +325,7 @@ fn load_and_warm(
         drop(tx);
         warm_as_loaded(
             loaded,
+            loaders,
             Cold::captures_graphs,
             Cold::warm_up_eager,
             Cold::warm_up,
@@ -324,26 +333,31 @@ fn load_and_warm(
     })
 }
 
-/// Warms each engine as it comes from `loaded` (in the order the loads end), except those that
-/// `captures_graphs`: they get `warm_eager` as they come and `warm_up` after the last load. The
-/// first load error is the error, once every load has ended; engines loaded after it are dropped
-/// unwarmed.
+/// Warms each engine as it comes from `loaded` (in the order the loads end; `loaders` of them),
+/// except those that `captures_graphs`: they get `warm_eager` as they come while another load
+/// still runs (it is what of their warm-up may overlap the loads; after the last load it would
+/// only repeat work) and `warm_up` after the last load. The first load error is the error, once
+/// every load has ended; engines loaded after it are dropped unwarmed.
 fn warm_as_loaded<T>(
     loaded: impl IntoIterator<Item = anyhow::Result<T>>,
+    loaders: usize,
     captures_graphs: impl Fn(&T) -> bool,
     mut warm_eager: impl FnMut(&T) -> anyhow::Result<()>,
     mut warm_up: impl FnMut(&T) -> anyhow::Result<()>,
 ) -> anyhow::Result<Vec<T>> {
     let mut failed = None;
     let (mut warm, mut waiting) = (Vec::new(), Vec::new());
-    for cold in loaded {
+    for (arrived, cold) in (1..).zip(loaded) {
+        let loading = arrived < loaders;
         match cold {
             Err(e) => {
                 failed.get_or_insert(e);
             }
             Ok(_) if failed.is_some() => {}
             Ok(cold) if captures_graphs(&cold) => {
-                warm_eager(&cold)?;
+                if loading {
+                    warm_eager(&cold)?;
+                }
                 waiting.push(cold);
             }
             Ok(cold) => {
@@ -417,6 +431,7 @@ mod tests {
         });
         let warm = warm_as_loaded(
             loaded,
+            ends.len(),
             |&(_, graphs)| graphs,
             |&(name, _)| {
                 log.borrow_mut().push(format!("eager {name}"));
@@ -443,6 +458,43 @@ mod tests {
         assert_eq!(warm.len(), 3);
     }
 
+    /// A capturing engine that is the last to load skips the eager part: nothing is left to
+    /// overlap, and its capturing warm-up does the same work.
+    #[test]
+    fn the_last_engine_to_load_warms_once() {
+        let ends = [("esrgan", false), ("qwen", false), ("sdxl", true)];
+        let log = std::cell::RefCell::new(Vec::new());
+        let loaded = ends.iter().map(|&(name, graphs)| {
+            log.borrow_mut().push(format!("load {name}"));
+            Ok((name, graphs))
+        });
+        warm_as_loaded(
+            loaded,
+            ends.len(),
+            |&(_, graphs)| graphs,
+            |&(name, _)| {
+                log.borrow_mut().push(format!("eager {name}"));
+                Ok(())
+            },
+            |&(name, _)| {
+                log.borrow_mut().push(format!("warm {name}"));
+                Ok(())
+            },
+        )
+        .expect("all warm");
+        assert_eq!(
+            log.into_inner(),
+            [
+                "load esrgan",
+                "warm esrgan",
+                "load qwen",
+                "warm qwen",
+                "load sdxl",
+                "warm sdxl"
+            ]
+        );
+    }
+
     /// A failed load is the error once the others have ended; nothing loaded after it warms.
     #[test]
     fn a_failed_load_is_the_error_and_later_engines_do_not_warm() {
@@ -454,6 +506,7 @@ mod tests {
         ];
         let e = warm_as_loaded(
             loaded,
+            3,
             |_| false,
             |_| unreachable!("no warm-up here captures graphs"),
             |name| {
