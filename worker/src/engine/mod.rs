@@ -417,13 +417,9 @@ fn unsupported(jobs: &[&EngineJob], model: ModelFamily) -> Vec<Result<EngineOutp
 mod tests {
     use super::*;
 
-    /// Engines warm in the order their loads end, each at once, except one whose warm-up captures
-    /// CUDA graphs: its eager part runs as it is loaded, its capture waits for the last load
-    /// (events: `load k` as a load ends, `eager k`, `warm k`).
-    #[test]
-    fn a_graph_capturing_warm_up_waits_for_every_load() {
-        // (name, captures graphs), in the order the loads end.
-        let ends = [("sdxl", true), ("esrgan", false), ("qwen", false)];
+    /// The events of [`warm_as_loaded`] over stand-in engines `(name, captures graphs)` whose loads
+    /// end in the order given: `load k` as a load ends, `eager k`, `warm k`; and how many came back warm.
+    fn warm_order(ends: &[(&'static str, bool)]) -> (Vec<String>, usize) {
         let log = std::cell::RefCell::new(Vec::new());
         let loaded = ends.iter().map(|&(name, graphs)| {
             log.borrow_mut().push(format!("load {name}"));
@@ -443,8 +439,16 @@ mod tests {
             },
         )
         .expect("all warm");
+        (log.into_inner(), warm.len())
+    }
+
+    /// Engines warm in the order their loads end, each at once, except one whose warm-up captures
+    /// CUDA graphs: its eager part runs as it is loaded, its capture waits for the last load.
+    #[test]
+    fn a_graph_capturing_warm_up_waits_for_every_load() {
+        let (log, warm) = warm_order(&[("sdxl", true), ("esrgan", false), ("qwen", false)]);
         assert_eq!(
-            log.into_inner(),
+            log,
             [
                 "load sdxl",
                 "eager sdxl",
@@ -455,35 +459,16 @@ mod tests {
                 "warm sdxl"
             ]
         );
-        assert_eq!(warm.len(), 3);
+        assert_eq!(warm, 3);
     }
 
     /// A capturing engine that is the last to load skips the eager part: nothing is left to
     /// overlap, and its capturing warm-up does the same work.
     #[test]
     fn the_last_engine_to_load_warms_once() {
-        let ends = [("esrgan", false), ("qwen", false), ("sdxl", true)];
-        let log = std::cell::RefCell::new(Vec::new());
-        let loaded = ends.iter().map(|&(name, graphs)| {
-            log.borrow_mut().push(format!("load {name}"));
-            Ok((name, graphs))
-        });
-        warm_as_loaded(
-            loaded,
-            ends.len(),
-            |&(_, graphs)| graphs,
-            |&(name, _)| {
-                log.borrow_mut().push(format!("eager {name}"));
-                Ok(())
-            },
-            |&(name, _)| {
-                log.borrow_mut().push(format!("warm {name}"));
-                Ok(())
-            },
-        )
-        .expect("all warm");
+        let (log, warm) = warm_order(&[("esrgan", false), ("qwen", false), ("sdxl", true)]);
         assert_eq!(
-            log.into_inner(),
+            log,
             [
                 "load esrgan",
                 "warm esrgan",
@@ -493,6 +478,7 @@ mod tests {
                 "warm sdxl"
             ]
         );
+        assert_eq!(warm, 3);
     }
 
     /// A failed load is the error once the others have ended; nothing loaded after it warms.

@@ -428,7 +428,7 @@ impl SdxlPipeline {
     }
 
     /// One UNet forward as the denoising loop runs it: replayed from the graph of its shape when
-    /// graphs are on, eagerly otherwise.
+    /// graphs are on (outside [`SdxlPipeline::warm_up_eager`]), eagerly otherwise.
     pub fn unet_step(
         &self,
         sample: &Tensor,
@@ -437,15 +437,12 @@ impl SdxlPipeline {
         added: &AddedCond<'_>,
     ) -> Result<Tensor, GenerateError> {
         match &self.unet_graph {
-            Some(_) if self.eager_only.load(Ordering::Relaxed) => {
-                Ok(self.unet.forward(sample, timestep, context, added))
-            }
-            None => Ok(self.unet.forward(sample, timestep, context, added)),
-            Some(graph) => graph
+            Some(graph) if !self.eager_only.load(Ordering::Relaxed) => graph
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
                 .forward(&self.unet, sample, timestep, context, added)
                 .map_err(|e| GenerateError::Backend(e.to_string())),
+            _ => Ok(self.unet.forward(sample, timestep, context, added)),
         }
     }
 
