@@ -1,8 +1,8 @@
 //! Links this crate's programs to libtorch so that they find the GPU backend and start without
 //! `LD_LIBRARY_PATH` (see `vnfarm-build-support`), and builds the C++ shims of `csrc/` when
 //! libtorch is a GPU build whose headers are at hand:
-//! - the CUDA graph shim (`csrc/graph.cpp`, behind `src/nn/cuda_graph.rs`): sets
-//!   `cfg(vnfarm_cuda_graphs)`;
+//! - the CUDA graph shim (`csrc/graph.cpp`, behind `src/nn/cuda_graph.rs`) and the streams and
+//!   events one (`csrc/stream.cpp`, behind `src/nn/stream.rs`): set `cfg(vnfarm_cuda_graphs)`;
 //! - the operator shim (`csrc/ops.cpp`, behind `src/nn/ops.rs`; plain ATen, no GPU API) and the
 //!   run-time kernel compiler (`csrc/rtc.cpp`: NVRTC or hiprtc through libtorch's stub): set
 //!   `cfg(vnfarm_ops_shim)`.
@@ -27,7 +27,14 @@ fn main() {
     vnfarm_build_support::link_libtorch();
     println!("cargo::rustc-check-cfg=cfg(vnfarm_cuda_graphs)");
     println!("cargo::rustc-check-cfg=cfg(vnfarm_ops_shim)");
-    for file in ["graph.cpp", "ops.cpp", "rtc.cpp", "guarded.h", "backend.h"] {
+    for file in [
+        "graph.cpp",
+        "ops.cpp",
+        "rtc.cpp",
+        "stream.cpp",
+        "guarded.h",
+        "backend.h",
+    ] {
         println!("cargo:rerun-if-changed=csrc/{file}");
     }
     for var in [
@@ -186,6 +193,7 @@ fn build_shim(p: &ShimPaths) {
         .file("csrc/graph.cpp")
         .file("csrc/ops.cpp")
         .file("csrc/rtc.cpp")
+        .file("csrc/stream.cpp")
         .compile("vnfarm_cuda_graph");
     // After the static library, so that `--as-needed` keeps them for its references.
     println!(

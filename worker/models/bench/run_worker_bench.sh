@@ -20,6 +20,10 @@
 #   PIPELINES=6 ROUNDS=3 bash ...             # the workload sizes (full)
 #   CHECK=1 PF1=0 bash ...                    # the box check's settings; no prefetch-1 process
 #   CHECK_ARGS="--repeats 3" ...              # more arguments of the check
+#   CHECK=reuse ...                           # the settings file an earlier call's check wrote
+#   RUNS="pf2 base pf2 base" BASE_ENV="VAR=1" # the prefetch-2 process once per word, in order (default
+#                                             # "pf2"); the other words run with BASE_ENV set
+#   PYTHON=0 ...                              # no Python session
 set -uo pipefail
 P=$1; shift
 B=worker/models/bench
@@ -122,15 +126,17 @@ if [ "${CHECK:-0}" = 1 ]; then
   rm -rf "$R/check/work"
   [ -f "$R/check/settings.json" ] && SETTINGS=$R/check/settings.json
   [ -n "$SETTINGS" ] || echo "no settings file: the bench runs the CUDA presets"
+elif [ "${CHECK:-0}" = reuse ] && [ -f "$R/check/settings.json" ]; then
+  SETTINGS=$R/check/settings.json; echo "the settings file of an earlier check: $SETTINGS"
 fi
 
-bench() {  # name prefetch work-files...
+bench() {  # name prefetch work-files... (BENCH_ENV: variables for this process)
   local name=$1 pf=$2; shift 2
   config "$pf" "$SETTINGS" > "$R/worker_$name.toml"
   local s; s=$(sample "$name")
   local start=$(date +%s.%N)
   local args=(); for w in "$@"; do args+=(--work "$w"); done
-  timeout 240 $W bench --config "$R/worker_$name.toml" "${args[@]}" --out $R/out_$name > "$R/bench_$name.txt" 2> "$R/bench_$name.log"
+  timeout 240 env ${BENCH_ENV:-} $W bench --config "$R/worker_$name.toml" "${args[@]}" --out $R/out_$name > "$R/bench_$name.txt" 2> "$R/bench_$name.log"
   local rc=$?
   echo "bench $name rc=$rc process start $start" | tee -a "$R/times.txt"
   kill $s; cat "$R/bench_$name.txt"; [ $rc = 0 ] || tail -5 "$R/bench_$name.log"
@@ -140,8 +146,17 @@ bench() {  # name prefetch work-files...
 
 local failed=0
 [ "${PF1:-1}" = 1 ] && { bench pf1 1 $R/studio.jsonl || failed=1; }
-bench pf2 2 $R/studio.jsonl $R/mix.jsonl || failed=1
+local n=0
+for run in ${RUNS:-pf2}; do
+  n=$((n + 1)); local name=$run; [ $n -gt 1 ] && name=${run}_$n
+  if [ "$run" = pf2 ]; then
+    bench "$name" 2 $R/studio.jsonl $R/mix.jsonl || failed=1
+  else
+    BENCH_ENV="${BASE_ENV:-}" bench "$name" 2 $R/studio.jsonl $R/mix.jsonl || failed=1
+  fi
+done
 
+[ "${PYTHON:-1}" = 1 ] || { echo "$MODE total $(python3 -c "import time; print(round(time.time() - $t0, 1))") s" | tee -a "$R/times.txt"; return $failed; }
 s=$(sample python)
 timeout 300 python3 $B/run_session_bench.py run --models $M $TINY --device cuda --work $R/studio.jsonl --work $R/mix.jsonl \
   --out $R/python > "$R/python.log" 2>&1

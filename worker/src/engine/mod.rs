@@ -282,11 +282,12 @@ impl Cold {
 
 /// Loads the configured engines and warms them up. Each engine's files are read and copied to the
 /// device on a thread of its own, all at once: that is most of a cold start, and the engines
-/// share nothing while loading (the loader's pinned staging buffers are a pool). Each warms up on
-/// this thread, where its jobs will run, as soon as it is loaded, while the others still load;
-/// except a warm-up that captures CUDA graphs ([`Cold::captures_graphs`]): its eager part runs as
-/// soon as it is loaded if another load still runs, the capture waits until every load is done. The first failure is the
-/// error, once every loader has ended.
+/// share nothing while loading (the loader's pinned staging buffers are a pool), each on a stream
+/// of its own ([`on_load_stream`]). Each warms up on this thread, where its jobs will run, as soon
+/// as it is loaded, while the others still load; except a warm-up that captures CUDA graphs
+/// ([`Cold::captures_graphs`]): its eager part runs as soon as it is loaded if another load still
+/// runs, the capture waits until every load is done. The first failure is the error, once every
+/// loader has ended.
 fn load_and_warm(
     config: &EngineConfig,
     settings: &EngineSettings,
@@ -306,18 +307,24 @@ fn load_and_warm(
         let (tx, loaded) = std::sync::mpsc::channel::<anyhow::Result<Cold>>();
         if let Some(c) = &config.sdxl {
             spawn_loader(scope, &tx, "SDXL", move || {
-                Ok(Cold::Sdxl(Box::new(SdxlEngine::load_cold(c, sdxl)?)))
+                on_load_stream(&c.device, || {
+                    Ok(Cold::Sdxl(Box::new(SdxlEngine::load_cold(c, sdxl)?)))
+                })
             });
         }
         if let Some(c) = &config.qwen_edit {
             spawn_loader(scope, &tx, "Qwen-Image-Edit", move || {
-                let e = QwenEditEngine::load_cold(c, qwen_edit, cache_keys, shared)?;
-                Ok(Cold::QwenEdit(Box::new(e)))
+                on_load_stream(&c.device, || {
+                    let e = QwenEditEngine::load_cold(c, qwen_edit, cache_keys, shared)?;
+                    Ok(Cold::QwenEdit(Box::new(e)))
+                })
             });
         }
         if let Some(c) = &config.esrgan {
             spawn_loader(scope, &tx, "Real-ESRGAN", move || {
-                Ok(Cold::Esrgan(Box::new(EsrganEngine::load_cold(c, esrgan)?)))
+                on_load_stream(&c.device, || {
+                    Ok(Cold::Esrgan(Box::new(EsrganEngine::load_cold(c, esrgan)?)))
+                })
             });
         }
         // The iteration ends when every loader has sent its engine (or error) and dropped its
@@ -374,6 +381,26 @@ fn warm_as_loaded<T>(
         warm.push(cold);
     }
     Ok(warm)
+}
+
+/// Set to `1`, cold loads run on the default stream ([`on_load_stream`]).
+pub const DEFAULT_STREAM_LOADS_VAR: &str = "VNFARM_TEST_DEFAULT_STREAM_LOADS";
+
+/// Runs a cold load on a side stream of its own when `device` names a GPU libtorch sees
+/// ([`vnfarm_models::loading::stream`]): its copies then overlap the warm-ups the engine thread
+/// queues meanwhile on the default stream, neither waiting for the other. Anything else loads as
+/// it is, and the load reports a device it cannot use. [`DEFAULT_STREAM_LOADS_VAR`]` = 1` loads on
+/// the default stream (the loads before, for a benchmark's comparison).
+fn on_load_stream<T>(device: &str, load: impl FnOnce() -> T) -> T {
+    if std::env::var_os(DEFAULT_STREAM_LOADS_VAR).is_some_and(|v| v == "1") {
+        return load();
+    }
+    match device::parse_device(device) {
+        Ok(d @ tch::Device::Cuda(i)) if (i as i64) < tch::Cuda::device_count() => {
+            vnfarm_models::loading::stream::on_load_stream(d, load)
+        }
+        _ => load(),
+    }
 }
 
 /// What a panic said (its `String` or `&str` payload).

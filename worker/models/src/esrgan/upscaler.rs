@@ -249,9 +249,7 @@ impl Upscaler {
                 );
                 let _ = self.net.forward(&x);
             }
-            if let Device::Cuda(i) = self.device {
-                tch::Cuda::synchronize(i as i64);
-            }
+            crate::nn::stream::synchronize_current(self.device);
             Ok(())
         }))
     }

@@ -9,10 +9,12 @@
 //! open files ([`LoadPath::Staged`]): each tensor's bytes are read with `pread` into the next free
 //! range of the buffer and an asynchronous copy to the device is queued from there, so reading the
 //! next tensor overlaps the transfer of the previous ones. When the buffer is full the loader waits
-//! for the device (`cuda synchronize`) and starts again at its beginning, so no byte still being
-//! copied is overwritten. A dtype conversion, if any, runs on the device. Copies may still be in
-//! flight when a load returns; they are ordered before any later work on the device's stream. The
-//! staging buffer is freed when the last open file is dropped. Measured in docs/performance.md.
+//! until the copies out of it are done (an event recorded after them on each stream that queued
+//! some, see [`super::stream`]; the whole device, `cuda synchronize`, where events are not built in)
+//! and starts again at its beginning, so no byte still being copied is overwritten. A dtype
+//! conversion, if any, runs on the device. Copies may still be in flight when a load returns; they
+//! are ordered before any later work on the loading thread's stream. The staging buffer is freed
+//! when the last open file is dropped. Measured in docs/performance.md.
 //!
 //! Format: 8-byte little-endian header length, a JSON header `{name: {dtype, shape, data_offsets}}`
 //! (plus an optional `__metadata__` map of strings), then the data section
@@ -29,6 +31,7 @@ use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use tch::{Cuda, Device, Kind, Tensor};
 
 use crate::error::LoadError;
+use crate::nn::stream::{Event, Stream};
 
 /// One tensor's entry in the header.
 #[derive(Debug, Clone)]
@@ -75,11 +78,54 @@ const STAGING_BYTES: usize = 128 << 20;
 /// Alignment of each tensor inside the staging buffer.
 const ALIGN: usize = 512;
 
-/// The pinned buffer and how much of it holds bytes queued for copying since the last sync.
+/// The pinned buffer and how much of it holds bytes queued for copying since the last wait.
 struct Staging {
     buf: Tensor,
     device: Device,
     used: usize,
+    /// Per stream that queued copies out of the buffer, an event recorded after the latest one.
+    copies: Vec<(Stream, Event)>,
+    /// Whether `copies` covers every copy queued since the last wait (otherwise the wait is for
+    /// the whole device).
+    tracked: bool,
+}
+
+impl Staging {
+    fn new(device: Device) -> Result<Self, tch::TchError> {
+        Ok(Staging {
+            buf: Tensor::f_empty([STAGING_BYTES as i64], (Kind::Uint8, Device::Cpu))?
+                .f_internal_pin_memory(device)?,
+            device,
+            used: 0,
+            copies: Vec::new(),
+            tracked: true,
+        })
+    }
+
+    /// Marks the copies this thread has queued out of the buffer so far.
+    fn mark_copied(&mut self) {
+        let device = self.device;
+        let marked = Stream::current(device).is_some_and(|stream| {
+            match self.copies.iter_mut().find(|(s, _)| *s == stream) {
+                Some((_, event)) => event.record(device),
+                None => Event::new().is_some_and(|mut event| {
+                    let recorded = event.record(device);
+                    self.copies.push((stream, event));
+                    recorded
+                }),
+            }
+        });
+        self.tracked &= marked;
+    }
+
+    /// Returns once no copy out of the buffer is in flight.
+    fn wait_copied(&mut self) {
+        let waited = self.tracked && self.copies.iter().all(|(_, event)| event.synchronize());
+        if !waited {
+            sync_device(self.device);
+        }
+        self.tracked = true;
+    }
 }
 
 /// Staging buffers shared by all files, and how many files are open. A loading thread takes a
@@ -329,12 +375,7 @@ impl SafetensorsFile {
         };
         let mut staging = match taken {
             Some(staging) => staging,
-            None => Staging {
-                buf: Tensor::f_empty([STAGING_BYTES as i64], (Kind::Uint8, Device::Cpu))?
-                    .f_internal_pin_memory(device)?,
-                device,
-                used: 0,
-            },
+            None => Staging::new(device)?,
         };
         let result = self.stage(&mut staging, info, src_kind, device);
         STAGING
@@ -357,7 +398,7 @@ impl SafetensorsFile {
         let mut offset = align(staging.used);
         if offset + nbytes > STAGING_BYTES {
             // Every queued copy out of the buffer must be done before it is overwritten.
-            sync_device(device);
+            staging.wait_copied();
             offset = 0;
         }
         {
@@ -365,7 +406,7 @@ impl SafetensorsFile {
             // this thread touches while it holds `staging` out of the pool; `offset + nbytes` is within it
             // (checked above, and `nbytes <= STAGING_BYTES` by the caller); no copy out of this
             // range is in flight, since every range handed to the device since the last
-            // synchronize lies below `staging.used <= offset`.
+            // wait lies below `staging.used <= offset`.
             #[allow(unsafe_code)]
             let dst = unsafe {
                 std::slice::from_raw_parts_mut(
@@ -383,7 +424,9 @@ impl SafetensorsFile {
             .f_narrow(0, offset as i64, nbytes as i64)?
             .f_view_dtype(src_kind)?
             .f_view(info.shape.as_slice())?;
-        Ok(host.f_to_device_(device, src_kind, true, false)?)
+        let copied = host.f_to_device_(device, src_kind, true, false)?;
+        staging.mark_copied();
+        Ok(copied)
     }
 }
 

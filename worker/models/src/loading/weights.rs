@@ -487,7 +487,7 @@ fn load_layers_on<T: Send>(
     let mut done: Vec<(i64, Result<T, LoadError>)> = std::thread::scope(|scope| {
         let workers: Vec<_> = (0..threads)
             .map(|_| {
-                scope.spawn(|| {
+                super::stream::spawn(scope, || {
                     let _guard = tch::no_grad_guard();
                     let mut mine = Vec::new();
                     while !failed.load(std::sync::atomic::Ordering::Relaxed) {

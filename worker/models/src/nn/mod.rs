@@ -12,6 +12,7 @@ pub mod fp8;
 pub mod fused;
 pub mod ops;
 pub mod rope;
+pub mod stream;
 pub mod tiling;
 
 use tch::{Kind, Tensor};

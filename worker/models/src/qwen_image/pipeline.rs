@@ -397,8 +397,8 @@ impl QwenEditPipeline {
             Ok((te, vec![("text encoder", since(&mut t))]))
         };
         let (transformer, text_encoder, vae) = std::thread::scope(|scope| {
-            let t = scope.spawn(transformer_task);
-            let e = scope.spawn(text_encoder_task);
+            let t = crate::loading::stream::spawn(scope, transformer_task);
+            let e = crate::loading::stream::spawn(scope, text_encoder_task);
             let mut started = Instant::now();
             let vae = load_vae(config, &vae_config).map(|vae| (vae, since(&mut started)));
             (join_loader(t), join_loader(e), vae)
@@ -768,9 +768,7 @@ impl QwenEditPipeline {
             latents = scheduler.step(&pred, i, &latents);
             progress(i + 1, first.steps);
         }
-        if let Device::Cuda(d) = self.device {
-            tch::Cuda::synchronize(d as i64);
-        }
+        crate::nn::stream::synchronize_current(self.device);
         times.denoise += started.elapsed().as_secs_f64();
 
         let started = Instant::now();

@@ -365,7 +365,7 @@ impl SdxlPipeline {
             // The UNet (three quarters of the bytes) loads on a second thread while the rest
             // loads here: two reads from the page cache at once (docs/performance.md).
             std::thread::scope(|scope| {
-                let unet = scope.spawn(unet);
+                let unet = crate::loading::stream::spawn(scope, unet);
                 let others = others();
                 let unet = unet
                     .join()
@@ -584,11 +584,10 @@ impl SdxlPipeline {
         Ok(())
     }
 
-    /// Waits for the device's queued work, so that a host clock measures it.
+    /// Waits for the work this thread queued on the device (not other threads' loads on their
+    /// own streams), so that a host clock measures it.
     fn synchronize(&self) {
-        if let Device::Cuda(i) = self.device {
-            tch::Cuda::synchronize(i as i64);
-        }
+        crate::nn::stream::synchronize_current(self.device);
     }
 
     /// Generates `request.count` images. `progress(step, total)` is called after every step;
