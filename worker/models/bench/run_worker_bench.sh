@@ -22,7 +22,8 @@
 #   CHECK_ARGS="--repeats 3" ...              # more arguments of the check
 #   CHECK=reuse ...                           # the settings file an earlier call's check wrote
 #   RUNS="pf2 base pf2 base" BASE_ENV="VAR=1" # the prefetch-2 process once per word, in order (default
-#                                             # "pf2"); the other words run with BASE_ENV set
+#                                             # "pf2"); the other words run with BASE_ENV set, and
+#                                             # PAYLOAD/vnfarm-worker-base.xz where there is one
 #   PYTHON=0 ...                              # no Python session
 set -uo pipefail
 P=$1; shift
@@ -34,9 +35,17 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 xz -dc "$P"/vnfarm-worker.xz > /tmp/vnfarm-worker && chmod +x /tmp/vnfarm-worker
 L=$(python3 -c 'import torch, os; print(os.path.dirname(torch.__file__))')/lib
 W="env LD_LIBRARY_PATH=$L /tmp/vnfarm-worker"
+WB=$W
+if [ -f "$P"/vnfarm-worker-base.xz ]; then
+  xz -dc "$P"/vnfarm-worker-base.xz > /tmp/vnfarm-worker-base && chmod +x /tmp/vnfarm-worker-base
+  WB="env LD_LIBRARY_PATH=$L /tmp/vnfarm-worker-base"
+fi
 mkdir -p $ALL
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$ALL/gpu.txt"
-finish() { tar cJf "$OUT/results.tar.xz" -C "$ALL" . ; }
+finish() {  # the reports of out_*/, not the outputs
+  for d in "$ALL"/*/out_*/; do [ -d "$d" ] && for f in "$d"bench-report-*.json; do [ -f "$f" ] && cp "$f" "${d%/}-${f##*/}"; done; done
+  tar cJf "$OUT/results.tar.xz" --exclude='./*/out_*/*' -C "$ALL" .
+}
 trap finish EXIT
 
 sample() { nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 100 > "$R/mem_$1.csv" & echo $!; }
@@ -136,7 +145,7 @@ bench() {  # name prefetch work-files... (BENCH_ENV: variables for this process)
   local s; s=$(sample "$name")
   local start=$(date +%s.%N)
   local args=(); for w in "$@"; do args+=(--work "$w"); done
-  timeout 240 env ${BENCH_ENV:-} $W bench --config "$R/worker_$name.toml" "${args[@]}" --out $R/out_$name > "$R/bench_$name.txt" 2> "$R/bench_$name.log"
+  timeout 240 env ${BENCH_ENV:-} ${BENCH_BIN:-$W} bench --config "$R/worker_$name.toml" "${args[@]}" --out $R/out_$name > "$R/bench_$name.txt" 2> "$R/bench_$name.log"
   local rc=$?
   echo "bench $name rc=$rc process start $start" | tee -a "$R/times.txt"
   kill $s; cat "$R/bench_$name.txt"; [ $rc = 0 ] || tail -5 "$R/bench_$name.log"
@@ -152,7 +161,7 @@ for run in ${RUNS:-pf2}; do
   if [ "$run" = pf2 ]; then
     bench "$name" 2 $R/studio.jsonl $R/mix.jsonl || failed=1
   else
-    BENCH_ENV="${BASE_ENV:-}" bench "$name" 2 $R/studio.jsonl $R/mix.jsonl || failed=1
+    BENCH_ENV="${BASE_ENV:-}" BENCH_BIN="$WB" bench "$name" 2 $R/studio.jsonl $R/mix.jsonl || failed=1
   fi
 done
 

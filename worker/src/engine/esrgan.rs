@@ -17,7 +17,7 @@ use serde::Deserialize;
 use vnfarm_models::esrgan::tiling::{Blend, TileSettings};
 use vnfarm_models::esrgan::upscaler::{UpscaleOptions, Upscaler};
 use vnfarm_models::settings::EsrganSettings;
-use vnfarm_proto::spec::{MAX_UPSCALE_TILE, MIN_UPSCALE_TILE};
+use vnfarm_proto::spec::{MAX_INPUT_SIDE, MAX_UPSCALE_TILE, MIN_UPSCALE_TILE};
 use vnfarm_proto::{ModelFileRole, StageTimings, Task};
 
 use crate::tuning::SettingsChoice;
@@ -55,6 +55,12 @@ pub struct EsrganConfig {
     /// at most a quarter of it). With `engine.settings_file` the file decides.
     #[serde(default)]
     pub settings: Option<SettingsChoice<EsrganSettings>>,
+    /// Input image sizes `[width, height]` whose tile shapes the warm-up runs (each tile shape is
+    /// slow once per process while its kernels are chosen). Empty: the sizes `engine.sdxl` and
+    /// `engine.qwen_edit` warm up at (the images the farm makes, which upscales enlarge) or,
+    /// without those engines, every shape of a 3 × 3 grid of tiles.
+    #[serde(default)]
+    pub warm_up: Vec<[u32; 2]>,
 }
 
 // Field defaults rather than a struct-wide `#[serde(default)]`: `model` is required, and a
@@ -89,7 +95,25 @@ impl EsrganConfig {
         if self.pre_pad > 64 {
             return Err("engine.esrgan.pre_pad: at most 64".into());
         }
+        for [w, h] in &self.warm_up {
+            if !(1..=MAX_INPUT_SIDE).contains(w) || !(1..=MAX_INPUT_SIDE).contains(h) {
+                return Err(format!(
+                    "engine.esrgan.warm_up: {w}x{h} is not an image size (1..={MAX_INPUT_SIDE} a side)"
+                ));
+            }
+        }
         Ok(())
+    }
+
+    /// This configuration warming up at `sizes` where it names no sizes of its own.
+    pub fn warming_at(&self, sizes: impl IntoIterator<Item = [u32; 2]>) -> EsrganConfig {
+        let mut c = self.clone();
+        if c.warm_up.is_empty() {
+            c.warm_up = sizes.into_iter().collect();
+            c.warm_up.sort_unstable();
+            c.warm_up.dedup();
+        }
+        c
     }
 
     fn tiles(&self, tile: u32, overlap: u32) -> TileSettings {
@@ -158,12 +182,16 @@ impl EsrganEngine {
         })
     }
 
-    /// Runs every tile shape of the configured tiling once (see [`Upscaler::warm_up`]).
+    /// Runs the tile shapes of the configured warm-up sizes once (see [`Upscaler::warm_up`]).
     pub fn warm_up(&self) -> anyhow::Result<()> {
         let started = Instant::now();
         let settings = &self.settings;
         let tiles = self.config.tiles(settings.tile, settings.tile_overlap);
-        self.upscaler.warm_up(&tiles).map_err(|e| {
+        let pad = i64::from(self.config.pre_pad);
+        let sizes: Vec<(i64, i64)> = (self.config.warm_up.iter())
+            .map(|&[w, h]| (i64::from(h) + pad, i64::from(w) + pad))
+            .collect();
+        self.upscaler.warm_up(&tiles, &sizes).map_err(|e| {
             anyhow::anyhow!(
                 "Real-ESRGAN warm-up with {}-pixel tiles: {e}",
                 settings.tile
@@ -253,6 +281,7 @@ mod tests {
             blend: Blend::Feather,
             max_batch: 1,
             pre_pad: 0,
+            warm_up: Vec::new(),
             settings: Some(SettingsChoice::Explicit(EsrganSettings {
                 memory_format: MemoryFormat::Contiguous,
                 tile,

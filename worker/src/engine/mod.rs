@@ -252,12 +252,14 @@ enum Cold {
 }
 
 impl Cold {
-    /// Whether its warm-up captures CUDA graphs: then nothing may load beside it (a capture
-    /// fails when another thread allocates device memory meanwhile: libtorch captures in CUDA's
-    /// global mode). An engine whose warm-up comes to capture graphs must say so here.
+    /// Whether its warm-up captures CUDA graphs in CUDA's global capture mode: then nothing may
+    /// load beside it (such a capture fails when another thread allocates device memory
+    /// meanwhile). In the thread-local mode, the default, a capture may overlap the loads. An
+    /// engine whose warm-up comes to capture graphs must say so here.
     fn captures_graphs(&self) -> bool {
+        let global = !vnfarm_models::nn::cuda_graph::capture_is_thread_local();
         match self {
-            Cold::Sdxl(e) => e.captures_graphs(),
+            Cold::Sdxl(e) => global && e.captures_graphs(),
             Cold::QwenEdit(_) | Cold::Esrgan(_) => false,
         }
     }
@@ -294,6 +296,9 @@ fn load_and_warm(
     cache_keys: AdvertisedKeys,
     shared: Option<SharedEncodings>,
 ) -> anyhow::Result<Vec<Cold>> {
+    if std::env::var_os(GLOBAL_CAPTURE_VAR).is_some_and(|v| v == "1") {
+        vnfarm_models::nn::cuda_graph::set_capture_thread_local(false);
+    }
     let (sdxl, qwen_edit, esrgan) = (settings.sdxl, settings.qwen_edit, settings.esrgan);
     let loaders = [
         config.sdxl.is_some(),
@@ -303,6 +308,10 @@ fn load_and_warm(
     .into_iter()
     .filter(|&configured| configured)
     .count();
+    // Upscales enlarge the images the farm makes: warmed at the sizes those engines warm at.
+    let made = (config.sdxl.iter().flat_map(|c| c.warm_up.iter()))
+        .chain(config.qwen_edit.iter().flat_map(|c| c.warm_up.iter()));
+    let esrgan_config = config.esrgan.as_ref().map(|c| c.warming_at(made.copied()));
     std::thread::scope(|scope| {
         let (tx, loaded) = std::sync::mpsc::channel::<anyhow::Result<Cold>>();
         if let Some(c) = &config.sdxl {
@@ -320,7 +329,7 @@ fn load_and_warm(
                 })
             });
         }
-        if let Some(c) = &config.esrgan {
+        if let Some(c) = &esrgan_config {
             spawn_loader(scope, &tx, "Real-ESRGAN", move || {
                 on_load_stream(&c.device, || {
                     Ok(Cold::Esrgan(Box::new(EsrganEngine::load_cold(c, esrgan)?)))
@@ -385,6 +394,9 @@ fn warm_as_loaded<T>(
 
 /// Set to `1`, cold loads run on the default stream ([`on_load_stream`]).
 pub const DEFAULT_STREAM_LOADS_VAR: &str = "VNFARM_TEST_DEFAULT_STREAM_LOADS";
+/// Set to `1`, CUDA graphs are captured in CUDA's global mode, after every load (the worker before
+/// thread-local captures, for a benchmark's comparison).
+pub const GLOBAL_CAPTURE_VAR: &str = "VNFARM_TEST_GLOBAL_CAPTURE";
 
 /// Runs a cold load on a side stream of its own when `device` names a GPU libtorch sees
 /// ([`vnfarm_models::loading::stream`]): its copies then overlap the warm-ups the engine thread

@@ -234,15 +234,31 @@ impl Upscaler {
         tiles.aligned(self.net.config.unshuffle())
     }
 
-    /// Runs one forward per distinct tile shape of `tiles` (the shapes of a 3 × 3 grid, at
-    /// `max_batch` tiles), so kernels are chosen and memory pools sized before the first job.
-    pub fn warm_up(&self, tiles: &TileSettings) -> Result<(), GenerateError> {
+    /// Runs one forward per distinct tile shape of `tiles` (at `max_batch` tiles) that inputs of
+    /// `sizes` (`(height, width)`, after `pre_pad`) are cut into, or, with no sizes, the shapes of
+    /// a 3 × 3 grid of tiles: kernels are chosen and memory pools sized before the first job. A
+    /// shape first seen by a job costs that job its kernel choice (cuDNN plans: tens of ms per
+    /// convolution shape, per thread).
+    pub fn warm_up(&self, tiles: &TileSettings, sizes: &[(i64, i64)]) -> Result<(), GenerateError> {
         let tiles = self.effective(tiles);
         tiles.validate().map_err(GenerateError::InvalidRequest)?;
-        let side = tiles.tile.map_or(256, |t| 3 * t);
+        let m = self.net.config.unshuffle();
+        let grid = tiles.tile.map_or(256, |t| 3 * t);
+        let mut shapes: Vec<[i64; 2]> = if sizes.is_empty() {
+            tiles.shapes(grid, grid)
+        } else {
+            // As `prepare` pads: to a multiple of the pixel-unshuffle.
+            let aligned = |n: i64| n + (m - n % m) % m;
+            sizes
+                .iter()
+                .flat_map(|&(h, w)| tiles.shapes(aligned(h), aligned(w)))
+                .collect()
+        };
+        shapes.sort_unstable();
+        shapes.dedup();
         contain_backend_panics(std::panic::AssertUnwindSafe(|| {
             let _guard = tch::no_grad_guard();
-            for [h, w] in tiles.shapes(side, side) {
+            for [h, w] in shapes {
                 let x = Tensor::zeros(
                     [tiles.max_batch as i64, self.net.config.num_in_ch, h, w],
                     (self.kind, self.device),

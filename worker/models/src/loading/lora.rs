@@ -43,7 +43,7 @@
 //! start on the H200 with a Lightning LoRA, `docs/performance.md`, step 14), and the replaced
 //! weights are freed as the fuse goes. [`LoraReport::kept_bytes`] says what a fuse kept.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::SystemTime;
@@ -489,7 +489,7 @@ pub fn apply(
     loras: &[(&LoraFile, f64)],
     targets: &mut [TargetRef<'_>],
 ) -> Result<AppliedLoras, LoraError> {
-    let (report, originals) = fuse(loras, targets, Originals::Kept)?;
+    let (report, originals) = fuse(loras, targets, Originals::Kept, true)?;
     Ok(AppliedLoras {
         set: loras
             .iter()
@@ -509,16 +509,106 @@ pub fn fuse_for_good(
     loras: &[(&LoraFile, f64)],
     targets: &mut [TargetRef<'_>],
 ) -> Result<LoraReport, LoraError> {
-    let (report, originals) = fuse(loras, targets, Originals::Dropped)?;
+    let (report, originals) = fuse(loras, targets, Originals::Dropped, true)?;
     debug_assert!(originals.is_empty(), "a fuse for good keeps nothing");
     Ok(report)
 }
 
+/// [`fuse_for_good`] split into parts of a model, each fused as soon as it is loaded (a block of
+/// layers), so that the fuse's device work overlaps the reading of the parts still loading. The
+/// weights are those the whole-model fuse makes, bit for bit (each module's fuse is its own). Each
+/// part is checked before it changes; a pair that matches no module of a part is left for the
+/// others, and a file is an error ([`LoraError::NoMatch`]) only when it matched no module of any
+/// part ([`PartFuser::finish`]). Parts must not share module names, flattened ones included (a
+/// kohya name matching modules of two parts is not found ambiguous, as the whole-model fuse would
+/// find it).
+pub struct PartFuser {
+    files: Vec<LoraFile>,
+    strengths: Vec<f64>,
+    reports: std::sync::Mutex<Vec<LoraReport>>,
+}
+
+impl PartFuser {
+    /// Opens the LoRA files of `specs` (a file that cannot be read or is no LoRA is the error).
+    pub fn open(specs: &[LoraSpec]) -> Result<Self, LoraError> {
+        Ok(Self {
+            files: open_specs(specs)?,
+            strengths: specs.iter().map(|s| s.strength).collect(),
+            reports: std::sync::Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Fuses for good the pairs that match a module of `targets`, one part of the model; may run
+    /// on several threads at once, for different parts.
+    pub fn part(&self, targets: &mut [TargetRef<'_>]) -> Result<(), LoraError> {
+        let loras: Vec<(&LoraFile, f64)> = self.files.iter().zip(self.strengths.clone()).collect();
+        let (report, _) = fuse(&loras, targets, Originals::Dropped, false)?;
+        self.reports
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(report);
+        Ok(())
+    }
+
+    /// The parts' reports as the whole model's, once every part is fused.
+    pub fn finish(self) -> Result<LoraReport, LoraError> {
+        let parts = self
+            .reports
+            .into_inner()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut report = LoraReport {
+            fused_modules: parts.iter().map(|p| p.fused_modules).sum(),
+            ..LoraReport::default()
+        };
+        for (fi, file) in self.files.iter().enumerate() {
+            let mut fused = Vec::new();
+            let mut untouched = 0;
+            let mut unmatched: Option<BTreeSet<String>> = None;
+            for r in parts.iter().map(|p| &p.files[fi]) {
+                fused.extend(r.fused.iter().cloned());
+                untouched += r.untouched;
+                let here: BTreeSet<String> = r.unmatched.iter().cloned().collect();
+                unmatched = Some(match unmatched {
+                    None => here,
+                    Some(before) => before.intersection(&here).cloned().collect(),
+                });
+            }
+            if fused.is_empty() {
+                return Err(no_match(file));
+            }
+            fused.sort();
+            report.files.push(FileReport {
+                path: file.path().to_path_buf(),
+                fused,
+                unmatched: unmatched.unwrap_or_default().into_iter().collect(),
+                untouched,
+            });
+        }
+        Ok(report)
+    }
+}
+
+/// A file none of whose modules matches a module of the model.
+fn no_match(file: &LoraFile) -> LoraError {
+    LoraError::NoMatch {
+        path: file.path().to_path_buf(),
+        modules: file.pairs.len(),
+        example: file
+            .pairs
+            .first()
+            .map(|p| p.name.as_str().to_string())
+            .unwrap_or_default(),
+    }
+}
+
 /// [`apply`] or [`fuse_for_good`]: checks, fuses and, where `keep` says so, keeps the originals.
+/// `whole`: `targets` are the whole model, where a file that matches nothing is an error (a
+/// [`PartFuser`] part is not).
 fn fuse(
     loras: &[(&LoraFile, f64)],
     targets: &mut [TargetRef<'_>],
     keep: Originals,
+    whole: bool,
 ) -> Result<(LoraReport, Vec<Original>), LoraError> {
     let components: Vec<Component> = targets.iter().map(|t| t.component).collect();
     let aliases: Vec<Vec<(String, String)>> = targets
@@ -617,16 +707,8 @@ fn fuse(
                 .or_default()
                 .push((fi, pair, strength * scale));
         }
-        if fused.is_empty() {
-            return Err(LoraError::NoMatch {
-                path,
-                modules: file.pairs.len(),
-                example: file
-                    .pairs
-                    .first()
-                    .map(|p| p.name.as_str().to_string())
-                    .unwrap_or_default(),
-            });
+        if fused.is_empty() && whole {
+            return Err(no_match(file));
         }
         fused.sort();
         report.files.push(FileReport {

@@ -105,6 +105,24 @@ impl CudaGraph {
     }
 }
 
+/// Whether captures use CUDA's thread-local capture mode (the default; see
+/// [`set_capture_thread_local`]).
+static CAPTURE_THREAD_LOCAL: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(true);
+
+/// Chooses the capture mode for the whole process. Thread-local (the default): only the capturing
+/// thread must not make calls that are unsafe during a capture (allocate, free, synchronise), so
+/// other threads may load models meanwhile. Global: any thread's such call invalidates the capture
+/// (`torch.cuda.graph`'s default), so nothing else may run on the device while one is captured.
+pub fn set_capture_thread_local(thread_local: bool) {
+    CAPTURE_THREAD_LOCAL.store(thread_local, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether captures use the thread-local mode (see [`set_capture_thread_local`]).
+pub fn capture_is_thread_local() -> bool {
+    CAPTURE_THREAD_LOCAL.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Whether this binary can capture CUDA graphs at all (it was built against a CUDA or ROCm
 /// libtorch).
 pub const fn built_in() -> bool {
@@ -143,7 +161,7 @@ mod imp {
         fn vn_graph_error_free(e: *mut c_char);
         fn vn_graph_enter(g: *mut c_void) -> *mut c_char;
         fn vn_graph_leave(g: *mut c_void) -> *mut c_char;
-        fn vn_graph_capture_begin(g: *mut c_void) -> *mut c_char;
+        fn vn_graph_capture_begin(g: *mut c_void, thread_local_mode: i32) -> *mut c_char;
         fn vn_graph_capture_end(g: *mut c_void) -> *mut c_char;
         fn vn_graph_replay(g: *mut c_void) -> *mut c_char;
     }
@@ -189,8 +207,9 @@ mod imp {
             check(unsafe { vn_graph_leave(self.0) })
         }
         pub fn capture_begin(&mut self) -> Result<(), GraphError> {
+            let thread_local_mode = i32::from(super::capture_is_thread_local());
             // SAFETY: as above.
-            check(unsafe { vn_graph_capture_begin(self.0) })
+            check(unsafe { vn_graph_capture_begin(self.0, thread_local_mode) })
         }
         pub fn capture_end(&mut self) -> Result<(), GraphError> {
             // SAFETY: as above.

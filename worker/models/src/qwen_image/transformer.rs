@@ -562,7 +562,7 @@ fn mod_terms(params: &Tensor) -> [Tensor; 3] {
 
 /// `QwenImageTransformerBlock`: dual-stream (image, text) block with adaLN modulation.
 #[derive(Debug)]
-struct QwenImageTransformerBlock {
+pub struct QwenImageTransformerBlock {
     img_mod: Linear,
     txt_mod: Linear,
     attn: JointAttention,
@@ -781,13 +781,26 @@ impl QwenImageTransformer2DModel {
         c: &QwenImageTransformerConfig,
         imp: AttentionImpl,
     ) -> Result<Self, LoadError> {
+        Self::new_with(w, c, imp, |_, _| Ok(()))
+    }
+
+    /// [`Self::new`], with `loaded(i, block)` run on each block as soon as it is loaded, on the
+    /// loading thread (the pipeline fuses its load-time LoRAs there, [`Self::block_linears_mut`]).
+    pub fn new_with(
+        w: &Weights,
+        c: &QwenImageTransformerConfig,
+        imp: AttentionImpl,
+        loaded: impl Fn(i64, &mut QwenImageTransformerBlock) -> Result<(), LoadError> + Sync,
+    ) -> Result<Self, LoadError> {
         c.validate().map_err(|reason| LoadError::Config {
             path: "<QwenImageTransformerConfig>".into(),
             reason,
         })?;
         let dim = c.inner_dim();
         let transformer_blocks = load_layers(c.num_layers, |i| {
-            QwenImageTransformerBlock::new(&w.pp("transformer_blocks").pp(i), c)
+            let mut block = QwenImageTransformerBlock::new(&w.pp("transformer_blocks").pp(i), c)?;
+            loaded(i, &mut block)?;
+            Ok(block)
         })?;
         Ok(Self {
             img_in: Linear::new(&w.pp("img_in"), c.in_channels, dim, true)?,
@@ -874,28 +887,44 @@ impl QwenImageTransformer2DModel {
             ),
         ];
         for (i, b) in self.transformer_blocks.iter_mut().enumerate() {
-            let p = format!("transformer_blocks.{i}");
-            let a = &mut b.attn;
-            out.extend([
-                (format!("{p}.img_mod.1"), &mut b.img_mod),
-                (format!("{p}.txt_mod.1"), &mut b.txt_mod),
-                (format!("{p}.attn.to_q"), &mut a.to_q),
-                (format!("{p}.attn.to_k"), &mut a.to_k),
-                (format!("{p}.attn.to_v"), &mut a.to_v),
-                (format!("{p}.attn.add_q_proj"), &mut a.add_q_proj),
-                (format!("{p}.attn.add_k_proj"), &mut a.add_k_proj),
-                (format!("{p}.attn.add_v_proj"), &mut a.add_v_proj),
-                (format!("{p}.attn.to_out.0"), &mut a.to_out),
-                (format!("{p}.attn.to_add_out"), &mut a.to_add_out),
-                (format!("{p}.img_mlp.net.0.proj"), &mut b.img_mlp.proj_in),
-                (format!("{p}.img_mlp.net.2"), &mut b.img_mlp.proj_out),
-                (format!("{p}.txt_mlp.net.0.proj"), &mut b.txt_mlp.proj_in),
-                (format!("{p}.txt_mlp.net.2"), &mut b.txt_mlp.proj_out),
-            ]);
+            out.extend(Self::block_linears_mut(i as i64, b));
         }
         out.push(("norm_out.linear".into(), &mut self.norm_out.linear));
         out.push(("proj_out".into(), &mut self.proj_out));
         out
+    }
+
+    /// The Linear layers outside the blocks, by diffusers module name (with
+    /// [`Self::block_linears_mut`] of every block: [`Self::linears_mut`]).
+    pub fn outer_linears_mut(&mut self) -> Vec<(String, &mut Linear)> {
+        let mut out = self.linears_mut();
+        out.retain(|(name, _)| !name.starts_with("transformer_blocks."));
+        out
+    }
+
+    /// Block `i`'s Linear layers by diffusers module name (`transformer_blocks.{i}.…`).
+    pub fn block_linears_mut(
+        i: i64,
+        b: &mut QwenImageTransformerBlock,
+    ) -> Vec<(String, &mut Linear)> {
+        let p = format!("transformer_blocks.{i}");
+        let a = &mut b.attn;
+        Vec::from([
+            (format!("{p}.img_mod.1"), &mut b.img_mod),
+            (format!("{p}.txt_mod.1"), &mut b.txt_mod),
+            (format!("{p}.attn.to_q"), &mut a.to_q),
+            (format!("{p}.attn.to_k"), &mut a.to_k),
+            (format!("{p}.attn.to_v"), &mut a.to_v),
+            (format!("{p}.attn.add_q_proj"), &mut a.add_q_proj),
+            (format!("{p}.attn.add_k_proj"), &mut a.add_k_proj),
+            (format!("{p}.attn.add_v_proj"), &mut a.add_v_proj),
+            (format!("{p}.attn.to_out.0"), &mut a.to_out),
+            (format!("{p}.attn.to_add_out"), &mut a.to_add_out),
+            (format!("{p}.img_mlp.net.0.proj"), &mut b.img_mlp.proj_in),
+            (format!("{p}.img_mlp.net.2"), &mut b.img_mlp.proj_out),
+            (format!("{p}.txt_mlp.net.0.proj"), &mut b.txt_mlp.proj_in),
+            (format!("{p}.txt_mlp.net.2"), &mut b.txt_mlp.proj_out),
+        ])
     }
 
     /// The RoPE tables (fp32 cos/sin, `[tokens, head_dim/2]`) a forward pass with these image

@@ -9,7 +9,7 @@ use tch::Tensor;
 use crate::dtype::is_fp8;
 use crate::error::LoadError;
 use crate::loading::lora::LoraModule;
-use crate::loading::weights::Weights;
+use crate::loading::weights::{Weights, load_layers};
 use crate::nn::fused::{self, NormKernels};
 use crate::nn::{
     AttentionImpl, Conv2d, FfGelu, GroupNorm, LayerNorm, Linear, attention, is_channels_last,
@@ -215,16 +215,15 @@ impl Transformer2DModel {
         Ok(Self {
             norm: GroupNorm::new(&w.pp("norm"), c.groups, ch, 1e-6)?,
             proj_in: proj("proj_in")?,
-            transformer_blocks: (0..c.layers)
-                .map(|i| {
-                    BasicTransformerBlock::new(
-                        &w.pp("transformer_blocks").pp(i),
-                        ch,
-                        c.heads,
-                        c.context_dim,
-                    )
-                })
-                .collect::<Result<_, _>>()?,
+            // Most of the UNet's bytes: its layers load on several threads.
+            transformer_blocks: load_layers(c.layers, |i| {
+                BasicTransformerBlock::new(
+                    &w.pp("transformer_blocks").pp(i),
+                    ch,
+                    c.heads,
+                    c.context_dim,
+                )
+            })?,
             proj_out: proj("proj_out")?,
             attention,
             norm_kernels: NormKernels::Aten,

@@ -10,7 +10,7 @@ use tch::{Kind, Tensor};
 
 use crate::error::LoadError;
 use crate::loading::lora::{LoraModule, LoraTarget};
-use crate::loading::weights::Weights;
+use crate::loading::weights::{Weights, load_layers};
 use crate::nn::{AttentionImpl, LayerNorm, Linear, attention};
 
 /// The canonical name of a transformers CLIP text-model key: transformers ≥ 5 saves
@@ -262,9 +262,9 @@ impl ClipTextModel {
         let tm = w.pp("text_model");
         let emb = tm.pp("embeddings");
         let d = config.hidden_size;
-        let layers = (0..config.num_hidden_layers)
-            .map(|i| ClipEncoderLayer::new(&tm.pp("encoder.layers").pp(i), config))
-            .collect::<Result<Vec<_>, _>>()?;
+        let layers = load_layers(config.num_hidden_layers, |i| {
+            ClipEncoderLayer::new(&tm.pp("encoder.layers").pp(i), config)
+        })?;
         let text_projection = match config.projection_dim {
             Some(p) => Some(Linear::new(&w.pp("text_projection"), d, p, false)?),
             None => None,

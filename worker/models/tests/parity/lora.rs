@@ -17,8 +17,8 @@ use std::sync::Arc;
 
 use tch::{Device, Kind, Tensor};
 use vnfarm_models::loading::lora::{
-    Component, JobLoras, LoraError, LoraFile, LoraModule, LoraSpec, LoraTarget, TargetRef, apply,
-    fuse_for_good,
+    Component, JobLoras, LoraError, LoraFile, LoraModule, LoraSpec, LoraTarget, PartFuser,
+    TargetRef, apply, fuse_for_good,
 };
 use vnfarm_models::loading::safetensors::SafetensorsFile;
 use vnfarm_models::loading::weights::{WeightStore, Weights};
@@ -300,6 +300,73 @@ fn a_fuse_for_good_equals_apply_and_keeps_no_copy() {
         );
         assert_bit_equal(&for_good, &snapshot(&restorable));
     }
+}
+
+/// Fused in two parts on two threads at once (a model's blocks as they load), the weights are the
+/// whole-model fuse's bit for bit, and so is the report; a file that matches no module of one part
+/// is no error there, but one that matches no module of any part is.
+#[test]
+fn a_fuse_in_parts_equals_the_whole_fuse() {
+    let specs = [("lightx2v", 0.7), ("kohya", 0.5)].map(|(style, strength)| LoraSpec {
+        path: qwen().join(format!("lora/{style}.safetensors")),
+        strength,
+    });
+    for (base, make) in [
+        ("fp32", tiny_target as fn() -> BTreeMap<String, Linear>),
+        ("fp8", tiny_fp8_target),
+    ] {
+        let files = [lora("lightx2v"), lora("kohya")];
+        let mut whole = make();
+        let report = fuse_for_good(
+            &[(&files[0], 0.7), (&files[1], 0.5)],
+            &mut denoiser(&mut whole),
+        )
+        .unwrap();
+
+        let (mut first, mut rest): (BTreeMap<_, _>, BTreeMap<_, _>) = make()
+            .into_iter()
+            .partition(|(name, _)| name.starts_with("transformer_blocks.0."));
+        assert!(!first.is_empty() && !rest.is_empty(), "{base}: two parts");
+        let fuser = PartFuser::open(&specs).unwrap();
+        std::thread::scope(|scope| {
+            let a = scope.spawn(|| fuser.part(&mut denoiser(&mut first)));
+            let b = scope.spawn(|| fuser.part(&mut denoiser(&mut rest)));
+            a.join().unwrap().unwrap();
+            b.join().unwrap().unwrap();
+        });
+        let parts_report = fuser.finish().unwrap();
+        first.extend(rest);
+        assert_bit_equal(&first, &snapshot(&whole));
+        assert_eq!(parts_report.fused_modules, report.fused_modules, "{base}");
+        for (p, w) in parts_report.files.iter().zip(&report.files) {
+            assert_eq!(
+                (&p.path, &p.fused, p.untouched),
+                (&w.path, &w.fused, w.untouched)
+            );
+            let mut unmatched = w.unmatched.clone();
+            unmatched.sort();
+            assert_eq!(p.unmatched, unmatched, "{base}");
+        }
+    }
+
+    let mut part = tiny_target();
+    let fuser = PartFuser::open(&[
+        LoraSpec {
+            path: qwen().join("lora/lightx2v.safetensors"),
+            strength: 1.0,
+        },
+        LoraSpec {
+            path: qwen().join("lora/nomatch.safetensors"),
+            strength: 1.0,
+        },
+    ])
+    .unwrap();
+    fuser
+        .part(&mut denoiser(&mut part))
+        .expect("no error for one part");
+    let err = fuser.finish().unwrap_err();
+    assert!(matches!(err, LoraError::NoMatch { .. }), "{err}");
+    assert!(err.to_string().contains("nomatch.safetensors"), "{err}");
 }
 
 /// A job's LoRA on top of a load-time LoRA fused for good (the Qwen engine's Lightning LoRA and a
