@@ -43,9 +43,7 @@ inline c10::DeviceIndex current_device() { return c10::hip::current_device(); }
 inline void set_device(c10::DeviceIndex device) { c10::hip::set_device(device); }
 inline void device_synchronize() { c10::hip::device_synchronize(); }
 inline void empty_cache() { c10::hip::HIPCachingAllocator::emptyCache(); }
-using CaptureMode = hipStreamCaptureMode;
-inline constexpr CaptureMode kCaptureGlobal = hipStreamCaptureModeGlobal;
-inline constexpr CaptureMode kCaptureThreadLocal = hipStreamCaptureModeThreadLocal;
+inline constexpr hipStreamCaptureMode kCaptureThreadLocal = hipStreamCaptureModeThreadLocal;
 
 #else
 
@@ -62,9 +60,7 @@ inline c10::DeviceIndex current_device() { return c10::cuda::current_device(); }
 inline void set_device(c10::DeviceIndex device) { c10::cuda::set_device(device); }
 inline void device_synchronize() { c10::cuda::device_synchronize(); }
 inline void empty_cache() { c10::cuda::CUDACachingAllocator::emptyCache(); }
-using CaptureMode = cudaStreamCaptureMode;
-inline constexpr CaptureMode kCaptureGlobal = cudaStreamCaptureModeGlobal;
-inline constexpr CaptureMode kCaptureThreadLocal = cudaStreamCaptureModeThreadLocal;
+inline constexpr cudaStreamCaptureMode kCaptureThreadLocal = cudaStreamCaptureModeThreadLocal;
 
 #endif
 

@@ -30,7 +30,6 @@
 #endif
 #include <c10/core/Event.h>
 
-#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -113,10 +112,10 @@ char* vn_graph_leave(void* g) {
   return guarded([&] { leave(static_cast<VnGraph*>(g)); });
 }
 
-// `thread_local_mode` != 0: CUDA's thread-local capture mode, where only this thread must not make
-// calls that are unsafe during a capture (other threads may allocate, free and synchronise meanwhile,
-// as loaders do); otherwise the global mode, where any thread's such call invalidates the capture.
-char* vn_graph_capture_begin(void* raw, int32_t thread_local_mode) {
+// Captures in CUDA's thread-local mode: only this thread must not make calls that are unsafe during
+// a capture; other threads may allocate, free and synchronise meanwhile, as loaders do (in the
+// global mode, libtorch's default, any thread's such call invalidates the capture).
+char* vn_graph_capture_begin(void* raw) {
   auto* g = static_cast<VnGraph*>(raw);
   return guarded([&] {
     if (g->graph) {
@@ -127,8 +126,7 @@ char* vn_graph_capture_begin(void* raw, int32_t thread_local_mode) {
     enter(g);
     try {
       g->graph.emplace();
-      g->graph->capture_begin({0, 0}, thread_local_mode != 0 ? gpu::kCaptureThreadLocal
-                                                              : gpu::kCaptureGlobal);
+      g->graph->capture_begin({0, 0}, gpu::kCaptureThreadLocal);
     } catch (...) {
       g->graph.reset();
       leave(g);

@@ -252,27 +252,6 @@ enum Cold {
 }
 
 impl Cold {
-    /// Whether its warm-up captures CUDA graphs in CUDA's global capture mode: then nothing may
-    /// load beside it (such a capture fails when another thread allocates device memory
-    /// meanwhile). In the thread-local mode, the default, a capture may overlap the loads. An
-    /// engine whose warm-up comes to capture graphs must say so here.
-    fn captures_graphs(&self) -> bool {
-        let global = !vnfarm_models::nn::cuda_graph::capture_is_thread_local();
-        match self {
-            Cold::Sdxl(e) => global && e.captures_graphs(),
-            Cold::QwenEdit(_) | Cold::Esrgan(_) => false,
-        }
-    }
-
-    /// What of a graph-capturing warm-up may run while other models load (the same work with
-    /// nothing captured); nothing for the others.
-    fn warm_up_eager(&self) -> anyhow::Result<()> {
-        match self {
-            Cold::Sdxl(e) => e.warm_up_eager(),
-            Cold::QwenEdit(_) | Cold::Esrgan(_) => Ok(()),
-        }
-    }
-
     fn warm_up(&self) -> anyhow::Result<()> {
         match self {
             Cold::Sdxl(e) => e.warm_up(),
@@ -286,28 +265,16 @@ impl Cold {
 /// device on a thread of its own, all at once: that is most of a cold start, and the engines
 /// share nothing while loading (the loader's pinned staging buffers are a pool), each on a stream
 /// of its own ([`on_load_stream`]). Each warms up on this thread, where its jobs will run, as soon
-/// as it is loaded, while the others still load; except a warm-up that captures CUDA graphs
-/// ([`Cold::captures_graphs`]): its eager part runs as soon as it is loaded if another load still
-/// runs, the capture waits until every load is done. The first failure is the error, once every
-/// loader has ended.
+/// as it is loaded, while the others still load; SDXL's CUDA graphs too, which libtorch captures in
+/// CUDA's thread-local mode, where other threads may allocate meanwhile
+/// ([`vnfarm_models::nn::cuda_graph`]). The first failure is the error, once every loader has ended.
 fn load_and_warm(
     config: &EngineConfig,
     settings: &EngineSettings,
     cache_keys: AdvertisedKeys,
     shared: Option<SharedEncodings>,
 ) -> anyhow::Result<Vec<Cold>> {
-    if std::env::var_os(GLOBAL_CAPTURE_VAR).is_some_and(|v| v == "1") {
-        vnfarm_models::nn::cuda_graph::set_capture_thread_local(false);
-    }
     let (sdxl, qwen_edit, esrgan) = (settings.sdxl, settings.qwen_edit, settings.esrgan);
-    let loaders = [
-        config.sdxl.is_some(),
-        config.qwen_edit.is_some(),
-        config.esrgan.is_some(),
-    ]
-    .into_iter()
-    .filter(|&configured| configured)
-    .count();
     // Upscales enlarge the images the farm makes: warmed at the sizes those engines warm at.
     let made = (config.sdxl.iter().flat_map(|c| c.warm_up.iter()))
         .chain(config.qwen_edit.iter().flat_map(|c| c.warm_up.iter()));
@@ -339,64 +306,38 @@ fn load_and_warm(
         // The iteration ends when every loader has sent its engine (or error) and dropped its
         // sender. Each loader logs its own load's end; the warm-ups log theirs.
         drop(tx);
-        warm_as_loaded(
-            loaded,
-            loaders,
-            Cold::captures_graphs,
-            Cold::warm_up_eager,
-            Cold::warm_up,
-        )
+        warm_as_loaded(loaded, Cold::warm_up)
     })
 }
 
-/// Warms each engine as it comes from `loaded` (in the order the loads end; `loaders` of them),
-/// except those that `captures_graphs`: they get `warm_eager` as they come while another load
-/// still runs (it is what of their warm-up may overlap the loads; after the last load it would
-/// only repeat work) and `warm_up` after the last load. The first load error is the error, once
-/// every load has ended; engines loaded after it are dropped unwarmed.
+/// Warms each engine as it comes from `loaded` (in the order the loads end). The first load error
+/// is the error, once every load has ended; engines loaded after it are dropped unwarmed.
 fn warm_as_loaded<T>(
     loaded: impl IntoIterator<Item = anyhow::Result<T>>,
-    loaders: usize,
-    captures_graphs: impl Fn(&T) -> bool,
-    mut warm_eager: impl FnMut(&T) -> anyhow::Result<()>,
     mut warm_up: impl FnMut(&T) -> anyhow::Result<()>,
 ) -> anyhow::Result<Vec<T>> {
     let mut failed = None;
-    let (mut warm, mut waiting) = (Vec::new(), Vec::new());
-    for (arrived, cold) in (1..).zip(loaded) {
-        let loading = arrived < loaders;
+    let mut warm = Vec::new();
+    for cold in loaded {
         match cold {
             Err(e) => {
                 failed.get_or_insert(e);
             }
             Ok(_) if failed.is_some() => {}
-            Ok(cold) if captures_graphs(&cold) => {
-                if loading {
-                    warm_eager(&cold)?;
-                }
-                waiting.push(cold);
-            }
             Ok(cold) => {
                 warm_up(&cold)?;
                 warm.push(cold);
             }
         }
     }
-    if let Some(e) = failed {
-        return Err(e);
+    match failed {
+        Some(e) => Err(e),
+        None => Ok(warm),
     }
-    for cold in waiting {
-        warm_up(&cold)?;
-        warm.push(cold);
-    }
-    Ok(warm)
 }
 
 /// Set to `1`, cold loads run on the default stream ([`on_load_stream`]).
 pub const DEFAULT_STREAM_LOADS_VAR: &str = "VNFARM_TEST_DEFAULT_STREAM_LOADS";
-/// Set to `1`, CUDA graphs are captured in CUDA's global mode, after every load (the worker before
-/// thread-local captures, for a benchmark's comparison).
-pub const GLOBAL_CAPTURE_VAR: &str = "VNFARM_TEST_GLOBAL_CAPTURE";
 
 /// Runs a cold load on a side stream of its own when `device` names a GPU libtorch sees
 /// ([`vnfarm_models::loading::stream`]): its copies then overlap the warm-ups the engine thread
@@ -456,68 +397,31 @@ fn unsupported(jobs: &[&EngineJob], model: ModelFamily) -> Vec<Result<EngineOutp
 mod tests {
     use super::*;
 
-    /// The events of [`warm_as_loaded`] over stand-in engines `(name, captures graphs)` whose loads
-    /// end in the order given: `load k` as a load ends, `eager k`, `warm k`; and how many came back warm.
-    fn warm_order(ends: &[(&'static str, bool)]) -> (Vec<String>, usize) {
+    /// Engines warm in the order their loads end, each as it comes.
+    #[test]
+    fn engines_warm_as_their_loads_end() {
         let log = std::cell::RefCell::new(Vec::new());
-        let loaded = ends.iter().map(|&(name, graphs)| {
+        let loaded = ["esrgan", "sdxl", "qwen"].map(|name| {
             log.borrow_mut().push(format!("load {name}"));
-            Ok((name, graphs))
+            Ok(name)
         });
-        let warm = warm_as_loaded(
-            loaded,
-            ends.len(),
-            |&(_, graphs)| graphs,
-            |&(name, _)| {
-                log.borrow_mut().push(format!("eager {name}"));
-                Ok(())
-            },
-            |&(name, _)| {
-                log.borrow_mut().push(format!("warm {name}"));
-                Ok(())
-            },
-        )
+        let warm = warm_as_loaded(loaded, |name| {
+            log.borrow_mut().push(format!("warm {name}"));
+            Ok(())
+        })
         .expect("all warm");
-        (log.into_inner(), warm.len())
-    }
-
-    /// Engines warm in the order their loads end, each at once, except one whose warm-up captures
-    /// CUDA graphs: its eager part runs as it is loaded, its capture waits for the last load.
-    #[test]
-    fn a_graph_capturing_warm_up_waits_for_every_load() {
-        let (log, warm) = warm_order(&[("sdxl", true), ("esrgan", false), ("qwen", false)]);
+        assert_eq!(warm, ["esrgan", "sdxl", "qwen"]);
         assert_eq!(
-            log,
-            [
-                "load sdxl",
-                "eager sdxl",
-                "load esrgan",
-                "warm esrgan",
-                "load qwen",
-                "warm qwen",
-                "warm sdxl"
-            ]
-        );
-        assert_eq!(warm, 3);
-    }
-
-    /// A capturing engine that is the last to load skips the eager part: nothing is left to
-    /// overlap, and its capturing warm-up does the same work.
-    #[test]
-    fn the_last_engine_to_load_warms_once() {
-        let (log, warm) = warm_order(&[("esrgan", false), ("qwen", false), ("sdxl", true)]);
-        assert_eq!(
-            log,
+            log.into_inner(),
             [
                 "load esrgan",
                 "warm esrgan",
-                "load qwen",
-                "warm qwen",
                 "load sdxl",
-                "warm sdxl"
+                "warm sdxl",
+                "load qwen",
+                "warm qwen"
             ]
         );
-        assert_eq!(warm, 3);
     }
 
     /// A failed load is the error once the others have ended; nothing loaded after it warms.
@@ -529,16 +433,10 @@ mod tests {
             Err(anyhow::anyhow!("loading SDXL: no such file")),
             Ok("qwen"),
         ];
-        let e = warm_as_loaded(
-            loaded,
-            3,
-            |_| false,
-            |_| unreachable!("no warm-up here captures graphs"),
-            |name| {
-                warmed.push(*name);
-                Ok(())
-            },
-        )
+        let e = warm_as_loaded(loaded, |name| {
+            warmed.push(*name);
+            Ok(())
+        })
         .expect_err("the load failed");
         assert_eq!(e.to_string(), "loading SDXL: no such file");
         assert_eq!(warmed, ["esrgan"]);

@@ -254,24 +254,11 @@ impl SdxlEngine {
         })
     }
 
-    /// Whether its warm-up (and a job at a new size) captures CUDA graphs.
-    pub fn captures_graphs(&self) -> bool {
-        self.settings.cuda_graphs
-    }
-
     /// Runs every configured warm-up size once (one step and a decode: kernel selection, memory
     /// pools, CUDA graph capture where set) before the worker takes jobs.
     pub fn warm_up(&self) -> anyhow::Result<()> {
         warm_up_sizes("SDXL", &self.config.warm_up, |w, h| {
             self.pipeline.warm_up(&[(w, h)])
-        })
-    }
-
-    /// The warm-up with the UNet run eagerly (nothing captured): what may run while other models
-    /// load, before [`SdxlEngine::warm_up`] captures the graphs.
-    pub fn warm_up_eager(&self) -> anyhow::Result<()> {
-        warm_up_sizes("SDXL (eager)", &self.config.warm_up, |w, h| {
-            self.pipeline.warm_up_eager(&[(w, h)])
         })
     }
 

@@ -9,7 +9,11 @@
 //!    (the warm-up), so that cuBLAS workspaces, cuDNN plans and the allocator's blocks for that
 //!    stream exist before the capture;
 //! 2. [`CudaGraph::capture`]: the same work recorded, not run; the tensors it returns live in the
-//!    graph's private memory pool and are the graph's outputs, rewritten by every replay;
+//!    graph's private memory pool and are the graph's outputs, rewritten by every replay. Captures
+//!    use CUDA's thread-local capture mode (`torch.cuda.graph`'s `capture_error_mode=
+//!    "thread_local"`): only the capturing thread must not allocate, free or synchronise
+//!    meanwhile, so other threads may load models while one is captured (in the global mode,
+//!    libtorch's default, any thread's such call invalidates the capture);
 //! 3. [`CudaGraph::replay`]: the recorded kernels launched again on the current stream, reading the
 //!    same input tensors (refill them with `copy_`) and writing the same outputs.
 //!
@@ -105,24 +109,6 @@ impl CudaGraph {
     }
 }
 
-/// Whether captures use CUDA's thread-local capture mode (the default; see
-/// [`set_capture_thread_local`]).
-static CAPTURE_THREAD_LOCAL: std::sync::atomic::AtomicBool =
-    std::sync::atomic::AtomicBool::new(true);
-
-/// Chooses the capture mode for the whole process. Thread-local (the default): only the capturing
-/// thread must not make calls that are unsafe during a capture (allocate, free, synchronise), so
-/// other threads may load models meanwhile. Global: any thread's such call invalidates the capture
-/// (`torch.cuda.graph`'s default), so nothing else may run on the device while one is captured.
-pub fn set_capture_thread_local(thread_local: bool) {
-    CAPTURE_THREAD_LOCAL.store(thread_local, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// Whether captures use the thread-local mode (see [`set_capture_thread_local`]).
-pub fn capture_is_thread_local() -> bool {
-    CAPTURE_THREAD_LOCAL.load(std::sync::atomic::Ordering::Relaxed)
-}
-
 /// Whether this binary can capture CUDA graphs at all (it was built against a CUDA or ROCm
 /// libtorch).
 pub const fn built_in() -> bool {
@@ -161,7 +147,7 @@ mod imp {
         fn vn_graph_error_free(e: *mut c_char);
         fn vn_graph_enter(g: *mut c_void) -> *mut c_char;
         fn vn_graph_leave(g: *mut c_void) -> *mut c_char;
-        fn vn_graph_capture_begin(g: *mut c_void, thread_local_mode: i32) -> *mut c_char;
+        fn vn_graph_capture_begin(g: *mut c_void) -> *mut c_char;
         fn vn_graph_capture_end(g: *mut c_void) -> *mut c_char;
         fn vn_graph_replay(g: *mut c_void) -> *mut c_char;
     }
@@ -207,9 +193,8 @@ mod imp {
             check(unsafe { vn_graph_leave(self.0) })
         }
         pub fn capture_begin(&mut self) -> Result<(), GraphError> {
-            let thread_local_mode = i32::from(super::capture_is_thread_local());
             // SAFETY: as above.
-            check(unsafe { vn_graph_capture_begin(self.0, thread_local_mode) })
+            check(unsafe { vn_graph_capture_begin(self.0) })
         }
         pub fn capture_end(&mut self) -> Result<(), GraphError> {
             // SAFETY: as above.

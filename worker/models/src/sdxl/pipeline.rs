@@ -8,7 +8,6 @@
 //! [`GenerateError::Cancelled`].
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use image::RgbImage;
@@ -208,8 +207,6 @@ pub struct SdxlPipeline {
     /// The UNet forward's CUDA graph, when `PipelineConfig::cuda_graphs` is on. Behind a mutex
     /// because generation takes `&self`; one generation runs at a time on the model thread.
     unet_graph: Option<Mutex<GraphedUNet>>,
-    /// Set while [`SdxlPipeline::warm_up_eager`] runs: the UNet runs eagerly even with graphs on.
-    eager_only: AtomicBool,
     settings: SdxlSettings,
 }
 
@@ -402,7 +399,6 @@ impl SdxlPipeline {
             },
             loras: JobLoras::default(),
             unet_graph: settings.cuda_graphs.then(|| Mutex::new(GraphedUNet::new())),
-            eager_only: AtomicBool::new(false),
             settings: *settings,
         })
     }
@@ -428,7 +424,7 @@ impl SdxlPipeline {
     }
 
     /// One UNet forward as the denoising loop runs it: replayed from the graph of its shape when
-    /// graphs are on (outside [`SdxlPipeline::warm_up_eager`]), eagerly otherwise.
+    /// graphs are on, eagerly otherwise.
     pub fn unet_step(
         &self,
         sample: &Tensor,
@@ -437,12 +433,12 @@ impl SdxlPipeline {
         added: &AddedCond<'_>,
     ) -> Result<Tensor, GenerateError> {
         match &self.unet_graph {
-            Some(graph) if !self.eager_only.load(Ordering::Relaxed) => graph
+            Some(graph) => graph
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
                 .forward(&self.unet, sample, timestep, context, added)
                 .map_err(|e| GenerateError::Backend(e.to_string())),
-            _ => Ok(self.unet.forward(sample, timestep, context, added)),
+            None => Ok(self.unet.forward(sample, timestep, context, added)),
         }
     }
 
@@ -824,18 +820,6 @@ impl SdxlPipeline {
             self.generate(&req, &mut |_, _| {}, &|| false)?;
         }
         Ok(())
-    }
-
-    /// [`SdxlPipeline::warm_up`] with the UNet run eagerly, graphs or not: the text encoders,
-    /// the VAE decode and the UNet's kernels selected and loaded, nothing captured. Made while
-    /// other models still load, so that the capturing warm-up left for after them (a capture must
-    /// not overlap another thread's device work: libtorch captures in CUDA's global mode) is
-    /// short.
-    pub fn warm_up_eager(&self, resolutions: &[(u32, u32)]) -> Result<(), GenerateError> {
-        self.eager_only.store(true, Ordering::Relaxed);
-        let warmed = self.warm_up(resolutions);
-        self.eager_only.store(false, Ordering::Relaxed);
-        warmed
     }
 }
 
