@@ -401,7 +401,7 @@ mod tests {
     #[test]
     fn engines_warm_as_their_loads_end() {
         let log = std::cell::RefCell::new(Vec::new());
-        let loaded = ["esrgan", "sdxl", "qwen"].map(|name| {
+        let loaded = ["esrgan", "sdxl", "qwen"].into_iter().map(|name| {
             log.borrow_mut().push(format!("load {name}"));
             Ok(name)
         });
