@@ -10,7 +10,10 @@
 //! Blocks the caching allocator hands out while a load's stream is current belong to that stream:
 //! a model's weights, which live as long as the model, and the temporaries it frees while loading,
 //! which later work on the default stream does not reuse until libtorch empties its cache (it does
-//! before giving up on an allocation).
+//! before giving up on an allocation). A freed weight's block may go to the next allocation on the
+//! same stream at once, whatever other streams still have queued: so a model's weights are to be
+//! freed only once the work that reads them is done (the worker frees weights between jobs, each of
+//! which has waited for its device work).
 
 use std::cell::Cell;
 use std::thread::{Scope, ScopedJoinHandle};
