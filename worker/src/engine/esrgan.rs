@@ -293,6 +293,49 @@ mod tests {
     /// A ×2 upscale on a ×4 network: the engine's run ends at the network's scale (the
     /// resampling is left to the host's pool, so the engine's busy span does not hold it), and the
     /// finished image is the library's whole `upscale`, byte for byte.
+    /// Warm-up sizes: the section's own, else the sizes given (the other engines'), each once;
+    /// a size no upscale takes is refused; the tiny model warms at them.
+    #[test]
+    fn the_warm_up_runs_at_the_sizes_the_farm_makes_unless_told_otherwise() {
+        let own = EsrganConfig {
+            warm_up: vec![[512, 768]],
+            ..config(64, 16)
+        };
+        assert_eq!(own.warming_at([[1024, 1024]]).warm_up, [[512, 768]]);
+        let made = [[1024, 1024], [832, 1216], [1024, 1024]];
+        assert_eq!(
+            config(64, 16).warming_at(made).warm_up,
+            [[832, 1216], [1024, 1024]]
+        );
+        assert!(config(64, 16).warming_at([]).warm_up.is_empty());
+        let huge = EsrganConfig {
+            warm_up: vec![[8192, 64]],
+            ..config(64, 16)
+        };
+        let e = huge.validate().expect_err("larger than any input");
+        assert!(e.starts_with("engine.esrgan.warm_up: 8192x64"), "{e}");
+
+        let settings = EsrganSettings {
+            memory_format: MemoryFormat::Contiguous,
+            tile: 64,
+            tile_overlap: 16,
+        };
+        let config = EsrganConfig {
+            model: std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("models/fixtures/esrgan/tiny_x4.pth"),
+            settings: Some(SettingsChoice::Explicit(settings)),
+            ..config(64, 16)
+        };
+        for sizes in [vec![], vec![[100, 70]]] {
+            let config = EsrganConfig {
+                warm_up: sizes,
+                ..config.clone()
+            };
+            let engine = EsrganEngine::load_cold(&config, settings).expect("the tiny model");
+            engine.warm_up().expect("warm");
+        }
+    }
+
     #[test]
     fn the_resampling_to_the_jobs_scale_is_left_off_the_engine() {
         let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
