@@ -187,16 +187,18 @@ impl EsrganEngine {
         let started = Instant::now();
         let settings = &self.settings;
         let tiles = self.config.tiles(settings.tile, settings.tile_overlap);
-        let pad = i64::from(self.config.pre_pad);
         let sizes: Vec<(i64, i64)> = (self.config.warm_up.iter())
-            .map(|&[w, h]| (i64::from(h) + pad, i64::from(w) + pad))
+            .map(|&[w, h]| (i64::from(h), i64::from(w)))
             .collect();
-        self.upscaler.warm_up(&tiles, &sizes).map_err(|e| {
-            anyhow::anyhow!(
-                "Real-ESRGAN warm-up with {}-pixel tiles: {e}",
-                settings.tile
-            )
-        })?;
+        let pre_pad = i64::from(self.config.pre_pad);
+        self.upscaler
+            .warm_up(&tiles, &sizes, pre_pad)
+            .map_err(|e| {
+                anyhow::anyhow!(
+                    "Real-ESRGAN warm-up with {}-pixel tiles: {e}",
+                    settings.tile
+                )
+            })?;
         tracing::info!(
             model = "esrgan",
             tile = settings.tile,

@@ -119,7 +119,7 @@ impl TileSettings {
 }
 
 /// `⌈a / b⌉` for `a ≥ 0`, `b > 0` (`i64::div_ceil` is not stable).
-fn ceil_div(a: i64, b: i64) -> i64 {
+pub(crate) fn ceil_div(a: i64, b: i64) -> i64 {
     (a + b - 1) / b
 }
 

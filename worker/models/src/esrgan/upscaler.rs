@@ -32,7 +32,7 @@ use crate::error::{GenerateError, LoadError, contain_backend_panics};
 use crate::esrgan::config::RrdbConfig;
 use crate::esrgan::keys::{self, CheckpointInfo, Naming};
 use crate::esrgan::rrdbnet::{MemoryFormat, RrdbNet};
-use crate::esrgan::tiling::{TileSettings, run_tiled};
+use crate::esrgan::tiling::{TileSettings, ceil_div, run_tiled};
 use crate::imageops::lanczos4::{self, Layout};
 use crate::loading::weights::Weights;
 
@@ -234,24 +234,27 @@ impl Upscaler {
         tiles.aligned(self.net.config.unshuffle())
     }
 
-    /// Runs one forward per distinct tile shape of `tiles` (at `max_batch` tiles) that inputs of
-    /// `sizes` (`(height, width)`, after `pre_pad`) are cut into, or, with no sizes, the shapes of
-    /// a 3 × 3 grid of tiles: kernels are chosen and memory pools sized before the first job. A
-    /// shape first seen by a job costs that job its kernel choice (cuDNN plans: tens of ms per
-    /// convolution shape, per thread).
-    pub fn warm_up(&self, tiles: &TileSettings, sizes: &[(i64, i64)]) -> Result<(), GenerateError> {
+    /// Runs one forward per distinct tile shape of `tiles` (at `max_batch` tiles) that images of
+    /// `sizes` (`(height, width)`, padded as a job's are with `pre_pad`) are cut into, or, with no
+    /// sizes, the shapes of a 3 × 3 grid of tiles: kernels are chosen and memory pools sized
+    /// before the first job. A shape first seen by a job costs that job its kernel choice (cuDNN
+    /// plans: tens of ms per convolution shape, per thread).
+    pub fn warm_up(
+        &self,
+        tiles: &TileSettings,
+        sizes: &[(i64, i64)],
+        pre_pad: i64,
+    ) -> Result<(), GenerateError> {
         let tiles = self.effective(tiles);
         tiles.validate().map_err(GenerateError::InvalidRequest)?;
-        let m = self.net.config.unshuffle();
         let grid = tiles.tile.map_or(256, |t| 3 * t);
         let mut shapes: Vec<[i64; 2]> = if sizes.is_empty() {
             tiles.shapes(grid, grid)
         } else {
-            // As `prepare` pads: to a multiple of the pixel-unshuffle.
-            let aligned = |n: i64| n + (m - n % m) % m;
+            let side = |n| self.network_side(n, pre_pad);
             sizes
                 .iter()
-                .flat_map(|&(h, w)| tiles.shapes(aligned(h), aligned(w)))
+                .flat_map(|&(h, w)| tiles.shapes(side(h), side(w)))
                 .collect()
         };
         shapes.sort_unstable();
@@ -271,13 +274,20 @@ impl Upscaler {
     }
 
     /// Pre-processing of `enhance`: to the device and compute dtype, `pre_pad`, then padding to a
-    /// multiple of the unshuffle factor (both at the bottom and right).
+    /// multiple of the unshuffle factor (both at the bottom and right): to [`Self::network_side`].
     fn prepare(&self, x: &Tensor, pre_pad: i64) -> Tensor {
         let x = x.to_device(self.device).to_kind(self.kind);
-        let x = pad_bottom_right(&x, pre_pad, pre_pad);
-        let m = self.net.config.unshuffle();
         let (_, _, h, w) = x.size4().expect("images are [B, C, H, W]");
-        pad_bottom_right(&x, (m - h % m) % m, (m - w % m) % m)
+        let x = pad_bottom_right(&x, pre_pad, pre_pad);
+        let (h2, w2) = (self.network_side(h, pre_pad), self.network_side(w, pre_pad));
+        pad_bottom_right(&x, h2 - h - pre_pad, w2 - w - pre_pad)
+    }
+
+    /// An image side of `n` pixels as the network takes it: after `pre_pad`, rounded up to a
+    /// multiple of the pixel-unshuffle.
+    fn network_side(&self, n: i64, pre_pad: i64) -> i64 {
+        let m = self.net.config.unshuffle();
+        ceil_div(n + pre_pad, m) * m
     }
 
     /// `[B, 3, H, W]` fp32 in [0, 1] → `[B, 3, H·s, W·s]` fp32 in [0, 1] on the CPU: the network's

@@ -524,7 +524,7 @@ pub fn fuse_for_good(
 /// find it).
 pub struct PartFuser {
     files: Vec<LoraFile>,
-    strengths: Vec<f64>,
+    specs: Vec<LoraSpec>,
     reports: std::sync::Mutex<Vec<LoraReport>>,
 }
 
@@ -533,7 +533,7 @@ impl PartFuser {
     pub fn open(specs: &[LoraSpec]) -> Result<Self, LoraError> {
         Ok(Self {
             files: open_specs(specs)?,
-            strengths: specs.iter().map(|s| s.strength).collect(),
+            specs: specs.to_vec(),
             reports: std::sync::Mutex::new(Vec::new()),
         })
     }
@@ -541,7 +541,7 @@ impl PartFuser {
     /// Fuses for good the pairs that match a module of `targets`, one part of the model; may run
     /// on several threads at once, for different parts.
     pub fn part(&self, targets: &mut [TargetRef<'_>]) -> Result<(), LoraError> {
-        let loras: Vec<(&LoraFile, f64)> = self.files.iter().zip(self.strengths.clone()).collect();
+        let loras = with_strengths(&self.files, &self.specs);
         let (report, _) = fuse(&loras, targets, Originals::Dropped, false)?;
         self.reports
             .lock()
